@@ -1,0 +1,41 @@
+// Backend: what a device type provides to core (memory, copies, synchronisation).
+// Kernels are registered separately, per (op, dtype), in the dispatch table
+// (mixtape/core/dispatch.h). The CPU backend is always registered; the CUDA backend is
+// registered when the library is built with it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "mixtape/core/device.h"
+
+namespace mixtape {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual DeviceType type() const = 0;
+  virtual std::string name() const = 0;
+  // Devices of this type present at run time (0 when none; the CPU has 1).
+  virtual int device_count() const = 0;
+
+  virtual void* allocate(std::size_t nbytes, int device_index) = 0;
+  virtual void deallocate(void* ptr, std::size_t nbytes, int device_index) = 0;
+  // Copies nbytes. `dst_device`/`src_device` name the two sides; one side may be the host
+  // (Device::cpu()) for a backend other than the CPU one.
+  virtual void copy(void* dst, Device dst_device, const void* src, Device src_device,
+                    std::size_t nbytes) = 0;
+  // Waits until the work queued on the device is done.
+  virtual void synchronize(int device_index) = 0;
+};
+
+// Installs a backend (replacing one of the same type).
+void register_backend(std::unique_ptr<Backend> backend);
+// The backend of a device type; throws DeviceError when it is not built in.
+Backend& backend_for(DeviceType type);
+bool has_backend(DeviceType type);
+// Throws DeviceError unless `device` exists at run time.
+void check_device(Device device);
+
+}  // namespace mixtape

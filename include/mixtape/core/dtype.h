@@ -1,0 +1,77 @@
+// DType: the element type tag every Tensor carries.
+//
+// Canonical names: float32, float16, bfloat16, float64, int32, int64, uint8, bool.
+// Accepted aliases when parsing: fp32/float, fp16/half, bf16, fp64/double, int, long,
+// byte. Names print in canonical form. An unknown name throws ValueError listing the
+// valid names.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+namespace mixtape {
+
+class DType {
+ public:
+  // Codes are stable and index the dispatch table.
+  enum Code : std::uint8_t { Float32 = 0, Float16, BFloat16, Float64, Int32, Int64, UInt8, Bool };
+  static constexpr int kCount = 8;
+
+  constexpr DType() : code_(Float32) {}
+  constexpr DType(Code code) : code_(code) {}  // NOLINT(google-explicit-constructor)
+  // Parses a name ("float16", "fp16", "half", ...); throws ValueError when unknown.
+  DType(std::string_view name);  // NOLINT(google-explicit-constructor)
+  DType(const char* name) : DType(std::string_view(name)) {}  // NOLINT
+  DType(const std::string& name) : DType(std::string_view(name)) {}  // NOLINT
+
+  constexpr Code code() const { return code_; }
+  constexpr int index() const { return static_cast<int>(code_); }
+  std::string_view name() const;
+  std::size_t itemsize() const;
+  constexpr bool is_floating() const {
+    return code_ == Float32 || code_ == Float16 || code_ == BFloat16 || code_ == Float64;
+  }
+  // float16 and bfloat16: stored in 16 bits, computed in float32 by the kernels.
+  constexpr bool is_reduced_float() const { return code_ == Float16 || code_ == BFloat16; }
+  constexpr bool is_integral() const { return !is_floating() && code_ != Bool; }
+
+  friend constexpr bool operator==(DType a, DType b) { return a.code_ == b.code_; }
+
+  // All dtypes, in code order.
+  static const DType* all();
+  // "float32, float16, ..." for error messages and docs.
+  static std::string valid_names();
+
+ private:
+  Code code_;
+};
+
+inline constexpr DType kFloat32{DType::Float32};
+inline constexpr DType kFloat16{DType::Float16};
+inline constexpr DType kBFloat16{DType::BFloat16};
+inline constexpr DType kFloat64{DType::Float64};
+inline constexpr DType kInt32{DType::Int32};
+inline constexpr DType kInt64{DType::Int64};
+inline constexpr DType kUInt8{DType::UInt8};
+inline constexpr DType kBool{DType::Bool};
+
+// Promotion for binary ops. Equal dtypes stay; two floating dtypes promote to the
+// wider one, and float16 with bfloat16 (neither holds the other) gives float32; an
+// integer or bool with a floating dtype gives the floating dtype; two integer dtypes
+// give the wider one. Anything else (bool with bool stays bool) is as listed in
+// docs/dtypes.md.
+DType promote_types(DType a, DType b);
+
+}  // namespace mixtape
+
+template <>
+struct fmt::formatter<mixtape::DType> : fmt::formatter<std::string_view> {
+  template <typename Ctx>
+  auto format(mixtape::DType d, Ctx& ctx) const {
+    return fmt::formatter<std::string_view>::format(d.name(), ctx);
+  }
+};

@@ -1,0 +1,58 @@
+// Exceptions thrown by mixtape. Every error derives from mixtape::Error, and the
+// message names the op, the shapes and the dtypes involved.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace mixtape {
+
+// Base of every exception mixtape throws.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Shapes that do not fit the op (mismatch, bad reshape, bad broadcast).
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A dtype the op cannot take, or a mix of dtypes with no promotion rule.
+class DTypeError : public Error {
+ public:
+  using Error::Error;
+};
+
+// An index or axis out of range.
+class IndexError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A bad argument value (unknown name, negative size, ...).
+class ValueError : public Error {
+ public:
+  using Error::Error;
+};
+
+// No kernel is registered for (op, device, dtype).
+class KernelNotFoundError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Misuse of a GradientTape (consumed tape, non-scalar target without a seed, ...).
+class AutogradError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A device that is not available, or tensors on different devices.
+class DeviceError : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace mixtape

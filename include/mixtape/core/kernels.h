@@ -1,0 +1,103 @@
+// The kernel ABI: the signature of each op's kernel in the dispatch table, and the
+// contract a backend kernel must meet. Ops (mixtape/autograd/ops.h) validate shapes
+// and dtypes, allocate outputs and prepare inputs before calling a kernel, so kernels
+// check nothing. A kernel is registered per dtype (the dtype named below as "keyed on");
+// reduced-precision kernels (float16, bfloat16) load 16-bit values, compute and
+// accumulate in float32 and store 16-bit results.
+#pragma once
+
+#include <cstdint>
+
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/tensor.h"
+
+namespace mixtape::kernels {
+
+// copy: src (any strides) -> dst (contiguous), same shape and dtype. Keyed on the dtype.
+using CopyFn = void(const Tensor& src, const Tensor& dst);
+// fill: every element of out (contiguous) = value. Keyed on out's dtype.
+using FillFn = void(const Tensor& out, double value);
+// cast: x (contiguous) -> out (contiguous, same shape, any dtype). Keyed on x's dtype.
+// Floating -> integer truncates toward zero; anything -> bool is (x != 0).
+using CastFn = void(const Tensor& x, const Tensor& out);
+
+// Unary elementwise (neg ... erf): x and out contiguous, same shape and dtype.
+// gelu is the exact form x * Phi(x) (Keras' default, approximate=False).
+using UnaryFn = void(const Tensor& x, const Tensor& out);
+
+// Binary elementwise (add ... pow, eq ... ge): a and b have the dtype the kernel is keyed
+// on and out's shape, possibly through broadcast views (stride 0 on broadcast axes);
+// out is contiguous. Arithmetic outputs have the inputs' dtype, comparisons bool.
+using BinaryFn = void(const Tensor& a, const Tensor& b, const Tensor& out);
+
+// where: out = cond ? a : b. cond is bool; cond, a, b are views of out's shape (strides
+// may be 0); out contiguous. Keyed on a's dtype.
+using WhereFn = void(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);
+
+// Reductions (sum, mean, max, min, argmax) over the middle extent of x viewed as
+// [outer, n, inner] (x contiguous); out is contiguous with outer*inner elements, in x's
+// dtype (argmax: int64, the first index of the maximum). Accumulation is float32 for
+// reduced floats (float64 for float64). Keyed on x's dtype. n >= 1.
+using ReduceFn = void(const Tensor& x, std::int64_t outer, std::int64_t n, std::int64_t inner,
+                      const Tensor& out);
+
+// softmax / log_softmax over the last axis; x and out contiguous, same shape and dtype;
+// numerically stable (the row maximum is subtracted first).
+using RowFn = void(const Tensor& x, const Tensor& out);
+
+// gather: x viewed as [outer, n, inner] (contiguous); index (int64, contiguous) and out
+// (contiguous, x's dtype) viewed as [outer, k, inner]:
+//   out[o, j, i] = x[o, index[o, j, i], i].
+// scatter_add: the adjoint; out viewed as [outer, n, inner] (contiguous, accumulated
+// into, not cleared) and src as [outer, k, inner]:
+//   out[o, index[o, j, i], i] += src[o, j, i].
+// Indices are in range (the op checks). Keyed on x's / src's dtype.
+using GatherFn = void(const Tensor& x, const Tensor& index, std::int64_t outer, std::int64_t n,
+                      std::int64_t k, std::int64_t inner, const Tensor& out);
+using ScatterAddFn = void(const Tensor& src, const Tensor& index, std::int64_t outer,
+                          std::int64_t n, std::int64_t k, std::int64_t inner, const Tensor& out);
+
+// matmul: for each batch index b, out[b] = op(a[b]) x op(b[b]) where op transposes when
+// the flag says so. Matrices are row-major with leading dimensions lda/ldb/ldc; a batch
+// stride of 0 reuses the same matrix. out is written (beta = 0). Keyed on the dtype of
+// a, b and out (all equal).
+struct GemmArgs {
+  Tensor a, b, out;  // data_ptr() is the first matrix
+  std::int64_t batch = 1, m = 0, n = 0, k = 0;
+  bool trans_a = false, trans_b = false;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements between batch items
+};
+using GemmFn = void(const GemmArgs& args);
+
+// 2-D convolution, NHWC input [n, h, w, c], HWIO filter [kh, kw, c, cout], output
+// [n, oh, ow, cout], all contiguous. Padding is pad_top/pad_left zeros (the bottom/right
+// padding is implied by the output size). Backward kernels overwrite their output.
+struct Conv2dGeometry {
+  std::int64_t n = 0, h = 0, w = 0, c = 0;
+  std::int64_t kh = 0, kw = 0, cout = 0;
+  std::int64_t oh = 0, ow = 0;
+  std::int64_t stride_h = 1, stride_w = 1;
+  std::int64_t pad_top = 0, pad_left = 0;
+};
+using Conv2dFn = void(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g);
+using Conv2dBackwardInputFn = void(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
+                                   const Conv2dGeometry& g);
+using Conv2dBackwardWeightFn = void(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
+                                    const Conv2dGeometry& g);
+
+// Pooling over NHWC windows; out [n, oh, ow, c]. Padded positions are ignored: they never
+// win a max and are not counted in an average. Backward kernels overwrite grad_x.
+struct Pool2dGeometry {
+  std::int64_t n = 0, h = 0, w = 0, c = 0;
+  std::int64_t kh = 0, kw = 0;
+  std::int64_t oh = 0, ow = 0;
+  std::int64_t stride_h = 1, stride_w = 1;
+  std::int64_t pad_top = 0, pad_left = 0;
+};
+using Pool2dFn = void(const Tensor& x, const Tensor& out, const Pool2dGeometry& g);
+// max: the gradient goes to the first maximum of each window; avg ignores x's values.
+using Pool2dBackwardFn = void(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
+                              const Pool2dGeometry& g);
+
+}  // namespace mixtape::kernels

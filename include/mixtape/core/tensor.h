@@ -1,0 +1,211 @@
+// Tensor: an n-dimensional view (shape, strides, offset) of a Storage, tagged with a
+// DType and living on a Device.
+//
+// Tensors have value semantics with shared data: copying a Tensor is cheap and the copy
+// refers to the same tensor (same storage, same identity for GradientTape). View ops
+// (reshape, permute, slice, expand) make new tensors that share the storage.
+// The differentiable methods (to, reshape, permute, ...) are thin sugar over the ops in
+// mixtape/autograd/ops.h and are recorded on active GradientTapes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "mixtape/core/device.h"
+#include "mixtape/core/dtype.h"
+#include "mixtape/core/error.h"
+#include "mixtape/core/half.h"
+#include "mixtape/core/shape.h"
+#include "mixtape/core/storage.h"
+
+namespace mixtape {
+
+// The C++ type that holds one element of a dtype, and back.
+template <typename T>
+struct dtype_of;
+template <> struct dtype_of<float> { static constexpr DType value = kFloat32; };
+template <> struct dtype_of<half> { static constexpr DType value = kFloat16; };
+template <> struct dtype_of<bfloat16> { static constexpr DType value = kBFloat16; };
+template <> struct dtype_of<double> { static constexpr DType value = kFloat64; };
+template <> struct dtype_of<std::int32_t> { static constexpr DType value = kInt32; };
+template <> struct dtype_of<std::int64_t> { static constexpr DType value = kInt64; };
+template <> struct dtype_of<std::uint8_t> { static constexpr DType value = kUInt8; };
+template <> struct dtype_of<bool> { static constexpr DType value = kBool; };
+
+// Named, trainable state attached to a tensor that is a Variable.
+struct VariableInfo {
+  std::string name;
+  bool trainable = true;
+};
+
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  std::int64_t offset = 0;  // in elements
+  Shape shape;
+  Strides strides;  // in elements
+  DType dtype;
+  std::uint64_t id = 0;  // unique per TensorImpl, for tapes
+  std::shared_ptr<VariableInfo> variable;  // set for Variables only
+};
+
+class Tensor {
+ public:
+  Tensor() = default;  // an undefined tensor (e.g. the gradient of an unconnected source)
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  // A new, uninitialised contiguous tensor.
+  static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
+  // A view of `base`'s storage with the given geometry (no copy, no checks of bounds
+  // beyond the storage size).
+  static Tensor view_of(const Tensor& base, Shape shape, Strides strides, std::int64_t offset);
+
+  bool defined() const { return impl_ != nullptr; }
+  const Shape& shape() const { return impl().shape; }
+  const Strides& strides() const { return impl().strides; }
+  std::int64_t offset() const { return impl().offset; }
+  DType dtype() const { return impl().dtype; }
+  Device device() const { return impl().storage->device(); }
+  std::size_t rank() const { return impl().shape.rank(); }
+  std::int64_t numel() const { return impl().shape.numel(); }
+  std::int64_t dim(int axis) const { return impl().shape.dim(axis); }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype().itemsize(); }
+  bool is_contiguous() const;
+  std::uint64_t id() const { return impl().id; }
+  const std::shared_ptr<Storage>& storage() const { return impl().storage; }
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+
+  // Address of the first element (storage base + offset).
+  void* data_ptr() const;
+  // Typed address of the first element; throws DTypeError when T does not match.
+  template <typename T>
+  T* data() const {
+    if (dtype_of<std::remove_const_t<T>>::value != dtype())
+      throw DTypeError(fmt::format("Tensor::data: requested {} but the tensor is {}",
+                                   dtype_of<std::remove_const_t<T>>::value.name(), dtype().name()));
+    return static_cast<T*>(data_ptr());
+  }
+
+  // The single element of a one-element tensor, converted to T (copied to the host).
+  template <typename T>
+  T item() const;
+  // All elements in row-major order, converted to T (copied to the host).
+  template <typename T>
+  std::vector<T> to_vector() const;
+
+  // --- Differentiable sugar (see mixtape/autograd/ops.h) ---------------------------
+  Tensor to(DType dtype) const;     // cast; a no-op returning *this when equal
+  Tensor to(Device device) const;   // copy to another device; *this when equal
+  Tensor contiguous() const;        // *this when already contiguous
+  Tensor reshape(const Shape& shape) const;  // one extent may be -1
+  Tensor permute(const std::vector<int>& axes) const;
+  Tensor transpose(int axis0 = -2, int axis1 = -1) const;
+  Tensor slice(int axis, std::int64_t start, std::int64_t stop, std::int64_t step = 1) const;
+  Tensor expand(const Shape& shape) const;  // broadcast view
+  Tensor detach() const;  // same data, never recorded
+
+  // Variables: named trainable tensors (see mixtape/autograd/variable.h).
+  bool is_variable() const { return defined() && impl().variable != nullptr; }
+
+ protected:
+  TensorImpl& impl() const;
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+// Element conversion helper used by item/to_vector and factories.
+namespace detail {
+double read_as_double(const void* p, DType dtype);
+void write_from_double(void* p, DType dtype, double v);
+// Copies a tensor to a contiguous host buffer of the same dtype.
+std::vector<std::uint8_t> host_bytes(const Tensor& t);
+}  // namespace detail
+
+template <typename T>
+T Tensor::item() const {
+  if (numel() != 1)
+    throw ShapeError(fmt::format("Tensor::item: tensor of shape {} has {} elements, expected 1",
+                                 shape().str(), numel()));
+  auto bytes = detail::host_bytes(*this);
+  return static_cast<T>(detail::read_as_double(bytes.data(), dtype()));
+}
+
+template <typename T>
+std::vector<T> Tensor::to_vector() const {
+  auto bytes = detail::host_bytes(*this);
+  std::vector<T> out(static_cast<std::size_t>(numel()));
+  const std::size_t item = dtype().itemsize();
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<T>(detail::read_as_double(bytes.data() + i * item, dtype()));
+  return out;
+}
+
+// --- Factories --------------------------------------------------------------------
+
+// Seeded random number generator (64-bit Mersenne Twister); the same seed gives the
+// same numbers on every platform.
+class Generator {
+ public:
+  explicit Generator(std::uint64_t seed = 0x6d697874617065ULL);
+  void seed(std::uint64_t seed);
+  std::uint64_t next_u64();
+  double next_uniform();  // [0, 1)
+  double next_normal();   // standard normal
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+// The generator factories use when none is passed.
+Generator& default_generator();
+void manual_seed(std::uint64_t seed);
+
+Tensor zeros(const Shape& shape, DType dtype = kFloat32, Device device = Device::cpu());
+Tensor ones(const Shape& shape, DType dtype = kFloat32, Device device = Device::cpu());
+Tensor full(const Shape& shape, double value, DType dtype = kFloat32, Device device = Device::cpu());
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor full_like(const Tensor& t, double value);
+// [start, stop) by step, as a 1-D tensor.
+Tensor arange(double start, double stop, double step = 1.0, DType dtype = kFloat32,
+              Device device = Device::cpu());
+Tensor arange(std::int64_t stop, DType dtype = kInt64, Device device = Device::cpu());
+// Copies host values into a new tensor of the given shape (numel must match).
+template <typename T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, DType dtype = dtype_of<T>::value,
+                   Device device = Device::cpu());
+Tensor uniform(const Shape& shape, double low = 0.0, double high = 1.0, DType dtype = kFloat32,
+               Device device = Device::cpu(), Generator* gen = nullptr);
+Tensor normal(const Shape& shape, double mean = 0.0, double stddev = 1.0, DType dtype = kFloat32,
+              Device device = Device::cpu(), Generator* gen = nullptr);
+
+namespace detail {
+// Copies `count` host elements of `src_dtype` into a new tensor, cast to `dtype`.
+Tensor from_host(const void* data, std::size_t count, DType src_dtype, const Shape& shape,
+                 DType dtype, Device device);
+}
+template <typename T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, DType dtype, Device device) {
+  if constexpr (std::is_same_v<T, bool>) {
+    std::vector<std::uint8_t> bytes(values.begin(), values.end());
+    return detail::from_host(bytes.data(), bytes.size(), kBool, shape, dtype, device);
+  } else {
+    return detail::from_host(values.data(), values.size(), dtype_of<T>::value, shape, dtype, device);
+  }
+}
+
+// Multi-line, numpy-like text of a tensor (large tensors are summarised with "...").
+std::string to_string(const Tensor& t);
+
+}  // namespace mixtape
+
+template <>
+struct fmt::formatter<mixtape::Tensor> : fmt::formatter<std::string_view> {
+  template <typename Ctx>
+  auto format(const mixtape::Tensor& t, Ctx& ctx) const {
+    return fmt::formatter<std::string_view>::format(mixtape::to_string(t), ctx);
+  }
+};
