@@ -1,0 +1,122 @@
+// The differentiable ops. Each op validates its inputs (errors name the op, the shapes
+// and the dtypes), dispatches to the kernel registered for (device, dtype), and records
+// its backward rule on active GradientTapes; forward and backward live side by side in
+// autograd/ops_*.cpp.
+//
+// Binary ops broadcast (numpy rules) and promote dtypes with promote_types(); a double
+// scalar operand takes the tensor's dtype (it does not widen float16 to float32).
+// Non-differentiable ops (comparisons, argmax, one_hot) are never recorded.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mixtape/core/tensor.h"
+
+namespace mixtape {
+
+// --- Elementwise arithmetic ----------------------------------------------------------
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);  // gradient to a where a >= b
+Tensor minimum(const Tensor& a, const Tensor& b);  // gradient to a where a <= b
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, double exponent);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator+(const Tensor& a, double b);
+Tensor operator-(const Tensor& a, double b);
+Tensor operator*(const Tensor& a, double b);
+Tensor operator/(const Tensor& a, double b);
+Tensor operator+(double a, const Tensor& b);
+Tensor operator-(double a, const Tensor& b);
+Tensor operator*(double a, const Tensor& b);
+Tensor operator/(double a, const Tensor& b);
+Tensor operator-(const Tensor& a);
+
+// --- Unary math ------------------------------------------------------------------------
+Tensor neg(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor square(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+Tensor gelu(const Tensor& x);  // exact: x * Phi(x)
+Tensor erf(const Tensor& x);
+
+// --- Comparisons and selection (bool results; not differentiable) ---------------------
+Tensor equal(const Tensor& a, const Tensor& b);
+Tensor not_equal(const Tensor& a, const Tensor& b);
+Tensor less(const Tensor& a, const Tensor& b);
+Tensor less_equal(const Tensor& a, const Tensor& b);
+Tensor greater(const Tensor& a, const Tensor& b);
+Tensor greater_equal(const Tensor& a, const Tensor& b);
+// cond ? a : b, broadcasting all three; differentiable in a and b.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+
+// --- Reductions (float32 accumulation for float16/bfloat16) ---------------------------
+// `axes` empty means all axes. Negative axes count from the end.
+Tensor sum(const Tensor& x, const std::vector<int>& axes = {}, bool keepdims = false);
+Tensor mean(const Tensor& x, const std::vector<int>& axes = {}, bool keepdims = false);
+Tensor max(const Tensor& x, const std::vector<int>& axes = {}, bool keepdims = false);
+Tensor min(const Tensor& x, const std::vector<int>& axes = {}, bool keepdims = false);
+Tensor argmax(const Tensor& x, int axis = -1, bool keepdims = false);  // int64
+// Sums `x` down to `shape` (the adjoint of broadcasting `shape` to x's shape).
+Tensor sum_to(const Tensor& x, const Shape& shape);
+
+// --- Rows -------------------------------------------------------------------------------
+Tensor softmax(const Tensor& x, int axis = -1);
+Tensor log_softmax(const Tensor& x, int axis = -1);
+
+// --- Dtype, device, shape ----------------------------------------------------------------
+// The gradient of a cast is cast back to the source dtype.
+Tensor cast(const Tensor& x, DType dtype);
+Tensor to_device(const Tensor& x, Device device);
+Tensor contiguous(const Tensor& x);
+Tensor detach(const Tensor& x);
+Tensor reshape(const Tensor& x, const Shape& shape);  // one extent may be -1
+Tensor permute(const Tensor& x, const std::vector<int>& axes);
+Tensor transpose(const Tensor& x, int axis0 = -2, int axis1 = -1);
+Tensor slice(const Tensor& x, int axis, std::int64_t start, std::int64_t stop,
+             std::int64_t step = 1);
+Tensor expand(const Tensor& x, const Shape& shape);  // broadcast_to
+Tensor squeeze(const Tensor& x, int axis);
+Tensor unsqueeze(const Tensor& x, int axis);
+Tensor flatten(const Tensor& x, int start_axis = 1);  // [n, a, b] -> [n, a*b]
+Tensor concat(const std::vector<Tensor>& xs, int axis);
+
+// --- Linear algebra ------------------------------------------------------------------------
+// [..., m, k] x [..., k, n] -> [..., m, n], batch dimensions broadcast. Transposed views
+// are passed to the GEMM as transpose flags (no copy).
+Tensor matmul(const Tensor& a, const Tensor& b);
+
+// --- Indexing ------------------------------------------------------------------------------
+// Along `axis`: out[..., j, ...] = x[..., index[..., j, ...], ...] (take_along_axis);
+// index is int32/int64 with x's rank; differentiable in x. Out-of-range indices throw.
+Tensor gather(const Tensor& x, const Tensor& index, int axis);
+// Labels (integer tensor) -> one-hot vectors in a new last axis of size depth.
+Tensor one_hot(const Tensor& labels, std::int64_t depth, DType dtype = kFloat32);
+
+// --- Convolution and pooling (NHWC like Keras; filters HWIO [kh, kw, cin, cout]) -----------
+enum class Padding { Valid, Same };
+Padding parse_padding(const std::string& name);  // "valid" / "same"
+
+Tensor conv2d(const Tensor& x, const Tensor& filters, std::array<std::int64_t, 2> strides = {1, 1},
+              Padding padding = Padding::Valid);
+Tensor max_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
+                  std::array<std::int64_t, 2> strides, Padding padding = Padding::Valid);
+Tensor avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
+                  std::array<std::int64_t, 2> strides, Padding padding = Padding::Valid);
+
+}  // namespace mixtape

@@ -1,0 +1,33 @@
+// Variable: a named tensor that holds state (weights, optimizer slots). Trainable
+// Variables are watched by every GradientTape automatically. Copies of a Variable refer
+// to the same variable; assign() and friends update it in place and are never recorded.
+#pragma once
+
+#include <string>
+
+#include "mixtape/core/tensor.h"
+
+namespace mixtape {
+
+class Variable : public Tensor {
+ public:
+  Variable() = default;
+  // Copies `initial_value` into new storage owned by the variable.
+  explicit Variable(const Tensor& initial_value, std::string name = "variable",
+                    bool trainable = true);
+
+  const std::string& name() const;
+  bool trainable() const;
+  void set_trainable(bool trainable);
+
+  // The variable as a plain tensor (same data, same identity).
+  const Tensor& value() const { return *this; }
+
+  // In-place updates; `value` must have the variable's shape (or broadcast to it) and is
+  // cast to the variable's dtype. Not recorded on tapes.
+  void assign(const Tensor& value);
+  void assign_add(const Tensor& delta);
+  void assign_sub(const Tensor& delta);
+};
+
+}  // namespace mixtape
