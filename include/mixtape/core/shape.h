@@ -13,6 +13,7 @@ namespace mixtape {
 class Shape {
  public:
   Shape() = default;
+  // Extents must be >= 0; -1 is accepted as reshape's "infer this extent".
   Shape(std::initializer_list<std::int64_t> dims);
   explicit Shape(std::vector<std::int64_t> dims);
 

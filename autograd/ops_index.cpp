@@ -1,0 +1,85 @@
+// Indexing: gather along an axis (take_along_axis) and one_hot.
+#include "autograd/op_util.h"
+
+namespace mixtape {
+
+using detail::Grads;
+
+namespace {
+
+// Checks that every index lies in [0, n); returns the indices as contiguous int64.
+Tensor checked_indices(const char* op, const Tensor& index, std::int64_t n, const Tensor& x) {
+  if (!index.dtype().is_integral())
+    throw DTypeError(fmt::format("{}: indices must be int32 or int64; got {}", op,
+                                 detail::describe({x, index})));
+  Tensor idx = detail::cast_raw(index, kInt64);
+  Tensor host = detail::to_device_raw(idx, Device::cpu());
+  const auto* p = host.data<std::int64_t>();
+  for (std::int64_t i = 0; i < host.numel(); ++i)
+    if (p[i] < 0 || p[i] >= n)
+      throw IndexError(fmt::format("{}: index {} is out of range [0, {}) (at flat position {}; {})",
+                                   op, p[i], n, i, detail::describe({x, index})));
+  return idx;
+}
+
+struct AxisSplit {
+  std::int64_t outer = 1, n = 1, k = 1, inner = 1;
+};
+
+AxisSplit split(const Shape& x, const Shape& index, std::size_t axis) {
+  AxisSplit s;
+  for (std::size_t i = 0; i < axis; ++i) s.outer *= x[i];
+  for (std::size_t i = axis + 1; i < x.rank(); ++i) s.inner *= x[i];
+  s.n = x[axis];
+  s.k = index[axis];
+  return s;
+}
+
+// The adjoint of gather: zeros of `shape` with g added at the gathered positions.
+Tensor gather_backward(const Tensor& g, const Tensor& idx, const Shape& shape, int axis) {
+  const AxisSplit s = split(shape, idx.shape(), static_cast<std::size_t>(axis));
+  Tensor out = zeros(shape, g.dtype(), g.device());
+  if (g.numel() > 0)
+    detail::kernel_for<kernels::ScatterAddFn>(OpId::scatter_add, g.dtype(), {g, idx})(
+        detail::contiguous_raw(g), idx, s.outer, s.n, s.k, s.inner, out);
+  if (should_record({g}))
+    record_op("gather_backward", {g}, out, [idx, axis](const Tensor& gg, const std::vector<bool>&) {
+      return Grads{gather(gg, idx, axis)};
+    });
+  return out;
+}
+
+}  // namespace
+
+Tensor gather(const Tensor& x, const Tensor& index, int axis) {
+  detail::check_inputs("gather", {x, index});
+  if (x.rank() == 0 || index.rank() != x.rank())
+    throw ShapeError(fmt::format("gather: indices need the rank of x (>= 1); got {}",
+                                 detail::describe({x, index})));
+  const int a = normalize_axis(axis, x.rank(), "gather");
+  for (std::size_t i = 0; i < x.rank(); ++i)
+    if (static_cast<int>(i) != a && index.shape()[i] != x.shape()[i])
+      throw ShapeError(fmt::format("gather: index shape {} must match x shape {} except on axis {}",
+                                   index.shape().str(), x.shape().str(), axis));
+  auto* kernel = detail::kernel_for<kernels::GatherFn>(OpId::gather, x.dtype(), {x, index});
+  Tensor idx = checked_indices("gather", index, x.shape()[static_cast<std::size_t>(a)], x);
+  const AxisSplit s = split(x.shape(), index.shape(), static_cast<std::size_t>(a));
+  Tensor out = Tensor::empty(index.shape(), x.dtype(), x.device());
+  if (out.numel() > 0) kernel(detail::contiguous_raw(x), idx, s.outer, s.n, s.k, s.inner, out);
+  if (should_record({x}))
+    record_op("gather", {x}, out, [idx, shape = x.shape(), a](const Tensor& g, const std::vector<bool>&) {
+      return Grads{gather_backward(g, idx, shape, a)};
+    });
+  return out;
+}
+
+Tensor one_hot(const Tensor& labels, std::int64_t depth, DType dtype) {
+  detail::check_inputs("one_hot", {labels});
+  if (depth <= 0) throw ValueError(fmt::format("one_hot: depth must be positive, got {}", depth));
+  Tensor idx = checked_indices("one_hot", labels, depth, labels);
+  NoGradGuard no_grad;
+  Tensor hot = equal(unsqueeze(idx, -1), arange(depth, kInt64, labels.device()));
+  return cast(hot, dtype);
+}
+
+}  // namespace mixtape

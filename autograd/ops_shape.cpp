@@ -1,0 +1,285 @@
+// Dtype, device and shape ops (views where possible), and the Tensor method sugar.
+#include <algorithm>
+#include <numeric>
+
+#include "autograd/op_util.h"
+#include "mixtape/core/backend.h"
+
+namespace mixtape {
+
+using detail::Grads;
+
+Tensor cast(const Tensor& x, DType dtype) {
+  detail::check_inputs("cast", {x});
+  if (x.dtype() == dtype) return x;
+  Tensor y = detail::cast_raw(x, dtype);
+  if (x.dtype().is_floating() && dtype.is_floating() && should_record({x}))
+    record_op("cast", {x}, y, [from = x.dtype()](const Tensor& g, const std::vector<bool>&) {
+      return Grads{cast(g, from)};  // the gradient goes back in the source dtype
+    });
+  return y;
+}
+
+Tensor to_device(const Tensor& x, Device device) {
+  detail::check_inputs("to_device", {x});
+  if (x.device() == device) return x;
+  check_device(device);
+  Tensor y = detail::to_device_raw(x, device);
+  if (should_record({x}))
+    record_op("to_device", {x}, y, [from = x.device()](const Tensor& g, const std::vector<bool>&) {
+      return Grads{to_device(g, from)};
+    });
+  return y;
+}
+
+Tensor contiguous(const Tensor& x) {
+  detail::check_inputs("contiguous", {x});
+  if (x.is_contiguous()) return x;
+  Tensor y = detail::contiguous_raw(x);
+  if (should_record({x}))
+    record_op("contiguous", {x}, y, [](const Tensor& g, const std::vector<bool>&) { return Grads{g}; });
+  return y;
+}
+
+Tensor detach(const Tensor& x) {
+  detail::check_inputs("detach", {x});
+  return Tensor::view_of(x, x.shape(), x.strides(), x.offset());
+}
+
+Tensor reshape(const Tensor& x, const Shape& shape_in) {
+  detail::check_inputs("reshape", {x});
+  std::vector<std::int64_t> dims;
+  int infer = -1;
+  std::int64_t known = 1;
+  for (std::size_t i = 0; i < shape_in.rank(); ++i) {
+    dims.push_back(shape_in[i]);
+  }
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    if (dims[i] == -1) {
+      if (infer >= 0) throw ShapeError(fmt::format("reshape: more than one -1 in {}", shape_in.str()));
+      infer = static_cast<int>(i);
+    } else {
+      known *= dims[i];
+    }
+  }
+  if (infer >= 0) {
+    if (known == 0 || x.numel() % known != 0)
+      throw ShapeError(fmt::format("reshape: cannot reshape a tensor of shape {} ({} elements) to {}",
+                                   x.shape().str(), x.numel(), shape_in.str()));
+    dims[static_cast<std::size_t>(infer)] = x.numel() / known;
+  }
+  Shape shape(dims);
+  if (shape.numel() != x.numel())
+    throw ShapeError(fmt::format(
+        "reshape: cannot reshape a tensor of shape {} ({} elements) to {} ({} elements)",
+        x.shape().str(), x.numel(), shape.str(), shape.numel()));
+  if (shape == x.shape()) return x;
+  Tensor base = detail::contiguous_raw(x);
+  Tensor y = Tensor::view_of(base, shape, contiguous_strides(shape), base.offset());
+  if (should_record({x}))
+    record_op("reshape", {x}, y, [from = x.shape()](const Tensor& g, const std::vector<bool>&) {
+      return Grads{reshape(g, from)};
+    });
+  return y;
+}
+
+Tensor permute(const Tensor& x, const std::vector<int>& axes) {
+  detail::check_inputs("permute", {x});
+  if (axes.size() != x.rank())
+    throw ShapeError(fmt::format("permute: {} axes given for a tensor of shape {}", axes.size(),
+                                 x.shape().str()));
+  std::vector<int> perm;
+  for (int a : axes) perm.push_back(normalize_axis(a, x.rank(), "permute"));
+  std::vector<int> sorted = perm;
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t i = 0; i < sorted.size(); ++i)
+    if (sorted[i] != static_cast<int>(i))
+      throw ValueError(fmt::format("permute: [{}] is not a permutation of the axes of a tensor of shape {}",
+                                   fmt::join(axes, ", "), x.shape().str()));
+  std::vector<std::int64_t> dims(perm.size());
+  Strides strides(perm.size());
+  std::vector<int> inverse(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) {
+    const auto p = static_cast<std::size_t>(perm[i]);
+    dims[i] = x.shape()[p];
+    strides[i] = x.strides()[p];
+    inverse[p] = static_cast<int>(i);
+  }
+  Tensor y = Tensor::view_of(x, Shape(dims), strides, x.offset());
+  if (should_record({x}))
+    record_op("permute", {x}, y, [inverse](const Tensor& g, const std::vector<bool>&) {
+      return Grads{permute(g, inverse)};
+    });
+  return y;
+}
+
+Tensor transpose(const Tensor& x, int axis0, int axis1) {
+  detail::check_inputs("transpose", {x});
+  const int a = normalize_axis(axis0, x.rank(), "transpose");
+  const int b = normalize_axis(axis1, x.rank(), "transpose");
+  std::vector<int> perm(x.rank());
+  std::iota(perm.begin(), perm.end(), 0);
+  std::swap(perm[static_cast<std::size_t>(a)], perm[static_cast<std::size_t>(b)]);
+  return permute(x, perm);
+}
+
+namespace {
+// The adjoint of slice: a zero tensor of `shape` with `g` added at the sliced positions
+// (through scatter_add along the axis, so it works for every backend with the kernel).
+Tensor slice_backward(const Tensor& g, const Shape& shape, int axis, std::int64_t start,
+                      std::int64_t step) {
+  const auto a = static_cast<std::size_t>(axis);
+  std::int64_t outer = 1, inner = 1;
+  for (std::size_t i = 0; i < a; ++i) outer *= shape[i];
+  for (std::size_t i = a + 1; i < shape.rank(); ++i) inner *= shape[i];
+  const std::int64_t n = shape[a], k = g.shape()[a];
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(outer * k * inner));
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::int64_t j = 0; j < k; ++j)
+      for (std::int64_t i = 0; i < inner; ++i)
+        idx[static_cast<std::size_t>((o * k + j) * inner + i)] = start + j * step;
+  Tensor index = from_vector(idx, g.shape(), kInt64, g.device());
+  Tensor out = zeros(shape, g.dtype(), g.device());
+  Tensor src = detail::contiguous_raw(g);
+  if (src.numel() > 0)
+    detail::kernel_for<kernels::ScatterAddFn>(OpId::scatter_add, g.dtype(), {g})(
+        src, index, outer, n, k, inner, out);
+  if (should_record({g}))
+    record_op("slice_backward", {g}, out, [axis, start, step, k](const Tensor& gg, const std::vector<bool>&) {
+      return Grads{slice(gg, axis, start, start + k * step, step)};
+    });
+  return out;
+}
+}  // namespace
+
+Tensor slice(const Tensor& x, int axis, std::int64_t start, std::int64_t stop, std::int64_t step) {
+  detail::check_inputs("slice", {x});
+  if (x.rank() == 0) throw ShapeError("slice: cannot slice a 0-d tensor");
+  const int a = normalize_axis(axis, x.rank(), "slice");
+  if (step <= 0) throw ValueError(fmt::format("slice: step must be positive, got {}", step));
+  const std::int64_t n = x.shape()[static_cast<std::size_t>(a)];
+  auto clamp = [n](std::int64_t v) {
+    if (v < 0) v += n;
+    return std::clamp<std::int64_t>(v, 0, n);
+  };
+  const std::int64_t b = clamp(start), e = std::max(clamp(stop), clamp(start));
+  const std::int64_t len = (e - b + step - 1) / step;
+  std::vector<std::int64_t> dims = x.shape().dims();
+  Strides strides = x.strides();
+  dims[static_cast<std::size_t>(a)] = len;
+  const std::int64_t offset = x.offset() + (len > 0 ? b * strides[static_cast<std::size_t>(a)] : 0);
+  strides[static_cast<std::size_t>(a)] *= step;
+  Tensor y = Tensor::view_of(x, Shape(dims), strides, offset);
+  if (should_record({x}))
+    record_op("slice", {x}, y, [shape = x.shape(), a, b, step](const Tensor& g, const std::vector<bool>&) {
+      return Grads{slice_backward(g, shape, a, b, step)};
+    });
+  return y;
+}
+
+Tensor expand(const Tensor& x, const Shape& shape) {
+  detail::check_inputs("expand", {x});
+  if (x.shape() == shape) return x;
+  if (shape.rank() < x.rank() || broadcast_shapes(x.shape(), shape, "expand") != shape)
+    throw ShapeError(fmt::format("expand: a tensor of shape {} cannot be broadcast to {}",
+                                 x.shape().str(), shape.str()));
+  Tensor y = detail::broadcast_view(x, shape);
+  if (should_record({x}))
+    record_op("expand", {x}, y, [from = x.shape()](const Tensor& g, const std::vector<bool>&) {
+      return Grads{sum_to(g, from)};
+    });
+  return y;
+}
+
+Tensor squeeze(const Tensor& x, int axis) {
+  detail::check_inputs("squeeze", {x});
+  const int a = normalize_axis(axis, x.rank(), "squeeze");
+  if (x.shape()[static_cast<std::size_t>(a)] != 1)
+    throw ShapeError(fmt::format("squeeze: axis {} of shape {} has extent {}, not 1", axis,
+                                 x.shape().str(), x.shape()[static_cast<std::size_t>(a)]));
+  std::vector<std::int64_t> dims = x.shape().dims();
+  dims.erase(dims.begin() + a);
+  return reshape(x, Shape(dims));
+}
+
+Tensor unsqueeze(const Tensor& x, int axis) {
+  detail::check_inputs("unsqueeze", {x});
+  const int a = normalize_axis(axis, x.rank() + 1, "unsqueeze");
+  std::vector<std::int64_t> dims = x.shape().dims();
+  dims.insert(dims.begin() + a, 1);
+  return reshape(x, Shape(dims));
+}
+
+Tensor flatten(const Tensor& x, int start_axis) {
+  detail::check_inputs("flatten", {x});
+  if (x.rank() == 0) return reshape(x, Shape{1});
+  const int a = normalize_axis(start_axis, x.rank(), "flatten");
+  std::vector<std::int64_t> dims(x.shape().begin(), x.shape().begin() + a);
+  std::int64_t rest = 1;
+  for (std::size_t i = static_cast<std::size_t>(a); i < x.rank(); ++i) rest *= x.shape()[i];
+  dims.push_back(rest);
+  return reshape(x, Shape(dims));
+}
+
+Tensor concat(const std::vector<Tensor>& xs, int axis) {
+  if (xs.empty()) throw ValueError("concat: no tensors given");
+  detail::check_inputs("concat", xs);
+  const Tensor& first = xs.front();
+  if (first.rank() == 0) throw ShapeError("concat: cannot concatenate 0-d tensors");
+  const int a = normalize_axis(axis, first.rank(), "concat");
+  DType dt = first.dtype();
+  for (const auto& t : xs) dt = promote_types(dt, t.dtype());
+  std::int64_t total = 0;
+  for (const auto& t : xs) {
+    bool ok = t.rank() == first.rank();
+    for (std::size_t i = 0; ok && i < t.rank(); ++i)
+      ok = static_cast<int>(i) == a || t.shape()[i] == first.shape()[i];
+    if (!ok)
+      throw ShapeError(fmt::format("concat: shapes do not match except on axis {}: {}", axis,
+                                   detail::describe(xs)));
+    total += t.shape()[static_cast<std::size_t>(a)];
+  }
+  std::vector<std::int64_t> dims = first.shape().dims();
+  dims[static_cast<std::size_t>(a)] = total;
+  Tensor out = zeros(Shape(dims), dt, first.device());
+  std::vector<Tensor> parts;
+  for (const auto& t : xs) parts.push_back(cast(t, dt));  // recorded when promoting
+  std::vector<std::int64_t> starts;
+  std::int64_t at = 0;
+  {
+    NoGradGuard no_grad;
+    for (const auto& t : parts) {
+      starts.push_back(at);
+      Tensor placed = slice_backward(t, out.shape(), a, at, 1);
+      out = add(out, placed);
+      at += t.shape()[static_cast<std::size_t>(a)];
+    }
+  }
+  if (should_record(parts))
+    record_op("concat", parts, out, [parts, starts, a](const Tensor& g, const std::vector<bool>& needs) {
+      Grads grads(parts.size());
+      for (std::size_t i = 0; i < parts.size(); ++i)
+        if (needs[i])
+          grads[i] = slice(g, a, starts[i], starts[i] + parts[i].shape()[static_cast<std::size_t>(a)]);
+      return grads;
+    });
+  return out;
+}
+
+// --- Tensor method sugar -------------------------------------------------------------
+
+Tensor Tensor::to(DType dtype) const { return cast(*this, dtype); }
+Tensor Tensor::to(Device device) const { return to_device(*this, device); }
+Tensor Tensor::contiguous() const { return mixtape::contiguous(*this); }
+Tensor Tensor::reshape(const Shape& shape) const { return mixtape::reshape(*this, shape); }
+Tensor Tensor::permute(const std::vector<int>& axes) const { return mixtape::permute(*this, axes); }
+Tensor Tensor::transpose(int axis0, int axis1) const {
+  return mixtape::transpose(*this, axis0, axis1);
+}
+Tensor Tensor::slice(int axis, std::int64_t start, std::int64_t stop, std::int64_t step) const {
+  return mixtape::slice(*this, axis, start, stop, step);
+}
+Tensor Tensor::expand(const Shape& shape) const { return mixtape::expand(*this, shape); }
+Tensor Tensor::detach() const { return mixtape::detach(*this); }
+
+}  // namespace mixtape

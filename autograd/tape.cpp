@@ -1,0 +1,228 @@
+// GradientTape: recording and the reverse walk.
+#include "mixtape/autograd/tape.h"
+
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/raw.h"
+#include "mixtape/autograd/ops.h"
+
+namespace mixtape {
+
+namespace {
+
+// One recorded op: its inputs' identities and metadata, its output, its backward rule.
+struct Node {
+  const char* name;
+  std::vector<std::uint64_t> input_ids;
+  std::vector<Shape> input_shapes;
+  std::vector<DType> input_dtypes;
+  std::uint64_t output_id;
+  BackwardFn backward;
+};
+
+}  // namespace
+
+struct GradientTape::Impl {
+  GradientTapeOptions options;
+  std::vector<Node> nodes;
+  std::unordered_set<std::uint64_t> watched;
+  bool consumed = false;
+  bool paused = false;  // while its own gradient() runs
+
+  bool active() const { return !consumed && !paused; }
+  bool watches(const Tensor& t) const {
+    if (!t.defined()) return false;
+    if (watched.count(t.id())) return true;
+    if (options.watch_accessed_variables && t.is_variable())
+      return t.impl_ptr()->variable->trainable;
+    return false;
+  }
+};
+
+namespace {
+
+thread_local std::vector<GradientTape::Impl*> t_tapes;  // innermost last
+thread_local bool t_no_grad = false;
+
+// Pauses a tape for the duration of a scope.
+class PauseTape {
+ public:
+  explicit PauseTape(GradientTape::Impl& t) : t_(t), previous_(t.paused) { t_.paused = true; }
+  ~PauseTape() { t_.paused = previous_; }
+  PauseTape(const PauseTape&) = delete;
+  PauseTape& operator=(const PauseTape&) = delete;
+
+ private:
+  GradientTape::Impl& t_;
+  bool previous_;
+};
+
+}  // namespace
+
+GradientTape::GradientTape() : GradientTape(GradientTapeOptions{}) {}
+
+GradientTape::GradientTape(GradientTapeOptions options) : impl_(std::make_shared<Impl>()) {
+  impl_->options = options;
+  t_tapes.push_back(impl_.get());
+}
+
+GradientTape::~GradientTape() {
+  auto it = std::find(t_tapes.begin(), t_tapes.end(), impl_.get());
+  if (it != t_tapes.end()) t_tapes.erase(it);
+}
+
+void GradientTape::watch(const Tensor& t) {
+  if (!t.defined()) throw AutogradError("GradientTape::watch: the tensor is undefined");
+  impl_->watched.insert(t.id());
+}
+
+void GradientTape::watch(const std::vector<Tensor>& ts) {
+  for (const auto& t : ts) watch(t);
+}
+
+bool GradientTape::persistent() const { return impl_->options.persistent; }
+std::size_t GradientTape::size() const { return impl_->nodes.size(); }
+
+void GradientTape::reset() {
+  impl_->nodes.clear();
+  impl_->watched.clear();
+  impl_->consumed = false;
+}
+
+std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vector<Variable>& sources,
+                                           const Tensor& output_gradient) {
+  return gradient(target, std::vector<Tensor>(sources.begin(), sources.end()), output_gradient);
+}
+
+Tensor GradientTape::gradient(const Tensor& target, const Tensor& source,
+                              const Tensor& output_gradient) {
+  return gradient(target, std::vector<Tensor>{source}, output_gradient).front();
+}
+
+std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vector<Tensor>& sources,
+                                           const Tensor& output_gradient) {
+  Impl& tape = *impl_;
+  if (tape.consumed)
+    throw AutogradError(
+        "GradientTape::gradient: this non-persistent tape was already used by a gradient() call; "
+        "make it with GradientTapeOptions{.persistent = true} to call gradient() more than once");
+  if (!target.defined()) throw AutogradError("GradientTape::gradient: the target is undefined");
+  for (std::size_t i = 0; i < sources.size(); ++i)
+    if (!sources[i].defined())
+      throw AutogradError(fmt::format("GradientTape::gradient: source {} is undefined", i));
+
+  Tensor seed;
+  if (output_gradient.defined()) {
+    if (output_gradient.shape() != target.shape())
+      throw ShapeError(fmt::format(
+          "GradientTape::gradient: output_gradient has shape {} but the target has shape {}",
+          output_gradient.shape().str(), target.shape().str()));
+    seed = cast(output_gradient, target.dtype());
+  } else {
+    if (target.numel() != 1)
+      throw AutogradError(fmt::format(
+          "GradientTape::gradient: the target has shape {} ({} elements, dtype {}); the gradient "
+          "of a non-scalar target needs an output_gradient (seed) of that shape",
+          target.shape().str(), target.numel(), target.dtype().name()));
+    seed = ones_like(target);
+  }
+
+  // Which tensors depend on a source: only those nodes need their backward rule run.
+  std::unordered_set<std::uint64_t> reachable;
+  for (const auto& s : sources) reachable.insert(s.id());
+  std::vector<bool> relevant(tape.nodes.size(), false);
+  for (std::size_t n = 0; n < tape.nodes.size(); ++n) {
+    const Node& node = tape.nodes[n];
+    for (auto id : node.input_ids)
+      if (reachable.count(id)) {
+        relevant[n] = true;
+        reachable.insert(node.output_id);
+        break;
+      }
+  }
+  std::unordered_set<std::uint64_t> source_ids;
+  for (const auto& s : sources) source_ids.insert(s.id());
+
+  std::unordered_map<std::uint64_t, Tensor> grads;
+  grads.emplace(target.id(), seed);
+  {
+    PauseTape pause(tape);
+    for (std::size_t n = tape.nodes.size(); n-- > 0;) {
+      if (!relevant[n]) continue;
+      Node& node = tape.nodes[n];
+      auto it = grads.find(node.output_id);
+      if (it == grads.end()) continue;
+      const Tensor grad_out = it->second;
+      if (!source_ids.count(node.output_id)) grads.erase(it);  // no later use
+
+      std::vector<bool> needs(node.input_ids.size());
+      for (std::size_t i = 0; i < needs.size(); ++i)
+        needs[i] = reachable.count(node.input_ids[i]) > 0 && node.input_dtypes[i].is_floating();
+      std::vector<Tensor> in_grads = node.backward(grad_out, needs);
+      if (in_grads.size() != node.input_ids.size())
+        throw AutogradError(fmt::format("{}: the backward rule returned {} gradients for {} inputs",
+                                        node.name, in_grads.size(), node.input_ids.size()));
+      for (std::size_t i = 0; i < in_grads.size(); ++i) {
+        Tensor g = in_grads[i];
+        if (!needs[i] || !g.defined()) continue;
+        if (g.shape() != node.input_shapes[i])
+          throw AutogradError(fmt::format(
+              "{}: the backward rule gave input {} a gradient of shape {}, expected {}", node.name,
+              i, g.shape().str(), node.input_shapes[i].str()));
+        if (g.dtype() != node.input_dtypes[i]) g = cast(g, node.input_dtypes[i]);
+        auto [slot, inserted] = grads.try_emplace(node.input_ids[i], g);
+        if (!inserted) slot->second = add(slot->second, g);
+      }
+    }
+  }
+
+  std::vector<Tensor> result;
+  result.reserve(sources.size());
+  for (const auto& s : sources) {
+    auto it = grads.find(s.id());
+    result.push_back(it == grads.end() ? Tensor() : it->second);
+  }
+  if (!tape.options.persistent) {
+    tape.consumed = true;
+    tape.nodes.clear();
+    tape.watched.clear();
+  }
+  return result;
+}
+
+NoGradGuard::NoGradGuard() : previous_(t_no_grad) { t_no_grad = true; }
+NoGradGuard::~NoGradGuard() { t_no_grad = previous_; }
+
+bool should_record(const std::vector<Tensor>& inputs) {
+  if (t_no_grad) return false;
+  for (auto* tape : t_tapes) {
+    if (!tape->active()) continue;
+    for (const auto& in : inputs)
+      if (tape->watches(in)) return true;
+  }
+  return false;
+}
+
+void record_op(const char* name, const std::vector<Tensor>& inputs, const Tensor& output,
+               BackwardFn backward) {
+  if (t_no_grad) return;
+  for (auto* tape : t_tapes) {
+    if (!tape->active()) continue;
+    bool watched = false;
+    for (const auto& in : inputs) watched = watched || tape->watches(in);
+    if (!watched) continue;
+    Node node{name, {}, {}, {}, output.id(), backward};
+    node.input_ids.reserve(inputs.size());
+    for (const auto& in : inputs) {
+      node.input_ids.push_back(in.defined() ? in.id() : 0);
+      node.input_shapes.push_back(in.defined() ? in.shape() : Shape{});
+      node.input_dtypes.push_back(in.defined() ? in.dtype() : kBool);
+    }
+    tape->nodes.push_back(std::move(node));
+    tape->watched.insert(output.id());
+  }
+}
+
+}  // namespace mixtape

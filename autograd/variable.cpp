@@ -1,0 +1,51 @@
+// Variable: named state updated in place.
+#include "mixtape/autograd/variable.h"
+
+#include "core/raw.h"
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+
+namespace mixtape {
+
+Variable::Variable(const Tensor& initial_value, std::string name, bool trainable) {
+  if (!initial_value.defined()) throw ValueError(fmt::format("Variable '{}': undefined initial value", name));
+  Tensor copy = Tensor::empty(initial_value.shape(), initial_value.dtype(), initial_value.device());
+  if (copy.numel() > 0)
+    find_kernel<kernels::CopyFn>(OpId::copy, copy.device().type(), copy.dtype())(initial_value, copy);
+  impl_ = copy.impl_ptr();
+  impl_->variable = std::make_shared<VariableInfo>(VariableInfo{std::move(name), trainable});
+}
+
+const std::string& Variable::name() const { return impl().variable->name; }
+bool Variable::trainable() const { return impl().variable->trainable; }
+void Variable::set_trainable(bool trainable) { impl().variable->trainable = trainable; }
+
+void Variable::assign(const Tensor& value) {
+  if (!value.defined()) throw ValueError(fmt::format("Variable '{}': assign of an undefined tensor", name()));
+  if (value.device() != device())
+    throw DeviceError(fmt::format("Variable '{}' on {}: assign from a tensor on {}", name(),
+                                  device().str(), value.device().str()));
+  Tensor v = detail::cast_raw(value, dtype());
+  if (v.shape() != shape()) {
+    broadcast_shapes(v.shape(), shape(), "Variable::assign");  // throws when incompatible
+    if (broadcast_shapes(v.shape(), shape(), "Variable::assign") != shape())
+      throw ShapeError(fmt::format("Variable::assign: value of shape {} does not fit variable '{}' "
+                                   "of shape {}", value.shape().str(), name(), shape().str()));
+    NoGradGuard no_grad;
+    v = detail::contiguous_raw(mixtape::expand(v, shape()));
+  }
+  if (v.impl_ptr() == impl_) return;
+  if (numel() > 0) find_kernel<kernels::CopyFn>(OpId::copy, device().type(), dtype())(v, *this);
+}
+
+void Variable::assign_add(const Tensor& delta) {
+  NoGradGuard no_grad;
+  assign(add(value(), cast(delta, dtype())));
+}
+
+void Variable::assign_sub(const Tensor& delta) {
+  NoGradGuard no_grad;
+  assign(sub(value(), cast(delta, dtype())));
+}
+
+}  // namespace mixtape

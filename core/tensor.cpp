@@ -1,0 +1,143 @@
+// Tensor storage and geometry, host access, and the non-differentiable helpers that
+// core needs (contiguous copies, casts, device copies, fills).
+#include "mixtape/core/tensor.h"
+
+#include <atomic>
+#include <cstring>
+
+#include "core/raw.h"
+#include "mixtape/core/backend.h"
+
+namespace mixtape {
+namespace {
+std::atomic<std::uint64_t> g_next_id{1};
+
+std::shared_ptr<TensorImpl> new_impl(std::shared_ptr<Storage> storage, std::int64_t offset,
+                                     Shape shape, Strides strides, DType dtype) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->offset = offset;
+  impl->shape = std::move(shape);
+  impl->strides = std::move(strides);
+  impl->dtype = dtype;
+  impl->id = g_next_id.fetch_add(1, std::memory_order_relaxed);
+  return impl;
+}
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  for (auto d : shape)
+    if (d < 0) throw ShapeError(fmt::format("Tensor: negative extent in shape {}", shape.str()));
+  const std::size_t nbytes = static_cast<std::size_t>(shape.numel()) * dtype.itemsize();
+  auto storage = std::make_shared<Storage>(nbytes, device);
+  return Tensor(new_impl(std::move(storage), 0, shape, contiguous_strides(shape), dtype));
+}
+
+Tensor Tensor::view_of(const Tensor& base, Shape shape, Strides strides, std::int64_t offset) {
+  return Tensor(new_impl(base.storage(), offset, std::move(shape), std::move(strides), base.dtype()));
+}
+
+TensorImpl& Tensor::impl() const {
+  if (!impl_) throw Error("use of an undefined Tensor (for example the gradient of a source "
+                          "that is not connected to the target)");
+  return *impl_;
+}
+
+bool Tensor::is_contiguous() const {
+  const auto& s = shape();
+  const auto& st = strides();
+  std::int64_t expected = 1;
+  for (std::size_t i = s.rank(); i-- > 0;) {
+    if (s[i] == 1) continue;
+    if (st[i] != expected) return false;
+    expected *= s[i];
+  }
+  return true;
+}
+
+void* Tensor::data_ptr() const {
+  return static_cast<char*>(storage()->data()) +
+         offset() * static_cast<std::int64_t>(dtype().itemsize());
+}
+
+namespace detail {
+
+Tensor contiguous_raw(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
+  if (t.numel() > 0)
+    find_kernel<kernels::CopyFn>(OpId::copy, t.device().type(), t.dtype())(t, out);
+  return out;
+}
+
+Tensor cast_raw(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return contiguous_raw(t);
+  Tensor src = contiguous_raw(t);
+  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
+  if (t.numel() > 0)
+    find_kernel<kernels::CastFn>(OpId::cast, t.device().type(), t.dtype())(src, out);
+  return out;
+}
+
+Tensor to_device_raw(const Tensor& t, Device device) {
+  if (t.device() == device) return contiguous_raw(t);
+  Tensor src = contiguous_raw(t);
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), device);
+  // The non-CPU side's backend knows how to copy to and from the host.
+  const Device other = device.is_cpu() ? t.device() : device;
+  if (!t.device().is_cpu() && !device.is_cpu() && t.device().type() != device.type())
+    throw DeviceError(fmt::format("to({}): no direct copy from {}", device.str(), t.device().str()));
+  backend_for(other.type()).copy(out.data_ptr(), device, src.data_ptr(), t.device(), t.nbytes());
+  return out;
+}
+
+void fill_raw(const Tensor& t, double value) {
+  if (t.numel() > 0) find_kernel<kernels::FillFn>(OpId::fill, t.device().type(), t.dtype())(t, value);
+}
+
+double read_as_double(const void* p, DType dtype) {
+  switch (dtype.code()) {
+    case DType::Float32: return *static_cast<const float*>(p);
+    case DType::Float16: return static_cast<float>(*static_cast<const half*>(p));
+    case DType::BFloat16: return static_cast<float>(*static_cast<const bfloat16*>(p));
+    case DType::Float64: return *static_cast<const double*>(p);
+    case DType::Int32: return *static_cast<const std::int32_t*>(p);
+    case DType::Int64: return static_cast<double>(*static_cast<const std::int64_t*>(p));
+    case DType::UInt8: return *static_cast<const std::uint8_t*>(p);
+    case DType::Bool: return *static_cast<const std::uint8_t*>(p) != 0 ? 1.0 : 0.0;
+  }
+  return 0.0;
+}
+
+void write_from_double(void* p, DType dtype, double v) {
+  switch (dtype.code()) {
+    case DType::Float32: *static_cast<float*>(p) = static_cast<float>(v); break;
+    case DType::Float16: *static_cast<half*>(p) = half(static_cast<float>(v)); break;
+    case DType::BFloat16: *static_cast<bfloat16*>(p) = bfloat16(static_cast<float>(v)); break;
+    case DType::Float64: *static_cast<double*>(p) = v; break;
+    case DType::Int32: *static_cast<std::int32_t*>(p) = static_cast<std::int32_t>(v); break;
+    case DType::Int64: *static_cast<std::int64_t*>(p) = static_cast<std::int64_t>(v); break;
+    case DType::UInt8: *static_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(v); break;
+    case DType::Bool: *static_cast<std::uint8_t*>(p) = v != 0.0 ? 1 : 0; break;
+  }
+}
+
+std::vector<std::uint8_t> host_bytes(const Tensor& t) {
+  Tensor c = to_device_raw(t, Device::cpu());
+  std::vector<std::uint8_t> out(c.nbytes());
+  if (!out.empty()) std::memcpy(out.data(), c.data_ptr(), out.size());
+  return out;
+}
+
+Tensor from_host(const void* data, std::size_t count, DType src_dtype, const Shape& shape,
+                 DType dtype, Device device) {
+  if (static_cast<std::int64_t>(count) != shape.numel())
+    throw ShapeError(fmt::format("from_vector: {} values cannot fill a tensor of shape {} ({} elements)",
+                                 count, shape.str(), shape.numel()));
+  Tensor host = Tensor::empty(shape, src_dtype, Device::cpu());
+  if (count) std::memcpy(host.data_ptr(), data, count * src_dtype.itemsize());
+  return to_device_raw(cast_raw(host, dtype), device);
+}
+
+}  // namespace detail
+}  // namespace mixtape
