@@ -10,7 +10,7 @@ std::string describe(const std::vector<Tensor>& ts) {
   for (const auto& t : ts) {
     if (!out.empty()) out += ", ";
     out += t.defined() ? fmt::format("{}{}", t.dtype().name(), t.shape().str()) : "undefined";
-    if (t.defined() && !t.device().is_cpu()) out += "@" + t.device().str();
+    if (t.defined() && !t.device().is_cpu()) out += fmt::format("@{}", t.device().str());
   }
   return out;
 }

@@ -1,0 +1,563 @@
+// CPU convolution and pooling kernels (NHWC input, HWIO filter), for float32, float64,
+// float16 and bfloat16.
+//
+// conv2d lowers to GEMM through im2col: the column matrix has one row per output pixel,
+// [n*oh*ow, kh*kw*c] (zeros where the window hangs over the padding), and the filter is
+// viewed as [kh*kw*c, cout]. Then
+//   forward          out   = col x W
+//   backward weight  dW    = col^T x dOut
+//   backward input   dCol  = dOut x W^T, folded back onto the image (col2im)
+// The batch is processed in chunks so the column buffer stays bounded. float16 and
+// bfloat16 tensors are converted to float32 in bulk, computed in float32 and rounded
+// back; float64 computes in float64 (dgemm).
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <type_traits>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "backends/cpu/cpu_backend.h"
+#include "mixtape/core/half.h"
+
+namespace mixtape::cpu {
+namespace {
+
+using kernels::Conv2dGeometry;
+using kernels::Pool2dGeometry;
+
+// A grow-only, 64-byte aligned scratch buffer (one per thread and use), so steady-state
+// calls allocate nothing.
+template <typename C>
+struct Scratch {
+  C* ptr = nullptr;
+  std::size_t cap = 0;
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { release(); }
+  void release() {
+    if (ptr) ::operator delete(ptr, std::align_val_t(64));
+    ptr = nullptr;
+    cap = 0;
+  }
+  C* get(std::int64_t n) {
+    const auto want = static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
+    if (want > cap) {
+      release();
+      ptr = static_cast<C*>(::operator new(want * sizeof(C), std::align_val_t(64)));
+      cap = want;
+    }
+    return ptr;
+  }
+};
+
+// Scratch slots of the calling thread: the column matrix and up to three converted
+// tensors of the reduced-precision wrappers.
+template <typename C>
+Scratch<C>& scratch(int slot) {
+  thread_local Scratch<C> slots[4];
+  return slots[slot];
+}
+constexpr int kColSlot = 0;
+
+// The column buffer holds at most this many bytes (but at least one output row): small
+// enough to stay in cache between im2col and the GEMM that reads it.
+constexpr std::int64_t kColBytes = std::int64_t{4} << 20;
+
+inline int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// --- BLAS ----------------------------------------------------------------------------
+
+// Row-major C = alpha op(A) op(B) + beta C.
+inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                      const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
+                      float beta, float* c, std::int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f,
+              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+              static_cast<blasint>(ldc));
+}
+inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                      const double* a, std::int64_t lda, const double* b, std::int64_t ldb,
+                      double beta, double* c, std::int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0,
+              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+              static_cast<blasint>(ldc));
+}
+
+// --- Bulk conversion for float16 / bfloat16 ------------------------------------------
+
+// The library's bulk converters go parallel (OpenMP) on long spans; OpenMP workers spin
+// after a region and then compete with OpenBLAS's threads for the cores, so spans are fed
+// to them in short pieces, on the calling thread.
+constexpr std::size_t kConvertPiece = std::size_t{1} << 13;
+
+inline void convert_piece(const half* s, float* d, std::size_t n) {
+  convert_half_to_float(s, d, n);
+}
+inline void convert_piece(const bfloat16* s, float* d, std::size_t n) {
+  convert_bfloat16_to_float(s, d, n);
+}
+inline void convert_piece(const float* s, half* d, std::size_t n) {
+  convert_float_to_half(s, d, n);
+}
+inline void convert_piece(const float* s, bfloat16* d, std::size_t n) {
+  convert_float_to_bfloat16(s, d, n);
+}
+
+template <typename S, typename D>
+void convert(const S* s, D* d, std::int64_t count) {
+  const auto n = static_cast<std::size_t>(count);
+  for (std::size_t i = 0; i < n; i += kConvertPiece)
+    convert_piece(s + i, d + i, std::min(kConvertPiece, n - i));
+}
+
+// --- im2col / col2im -----------------------------------------------------------------
+//
+// Work is split into chunks of output rows: row r = i * oh + oy is output row oy of image
+// i, holding ow output pixels. im2col / col2im run on the calling thread: an OpenMP region
+// right before or after an OpenBLAS call leaves OpenMP workers spinning on the cores
+// OpenBLAS's threads need, which costs more than the copy itself.
+
+// The valid window taps [lo, hi) along one axis for output position o: taps t with
+// 0 <= o*stride - pad + t < size.
+struct TapRange {
+  std::int64_t lo, hi;
+};
+inline TapRange tap_range(std::int64_t o, std::int64_t stride, std::int64_t pad,
+                          std::int64_t taps, std::int64_t size) {
+  const std::int64_t start = o * stride - pad;
+  const std::int64_t lo = std::clamp<std::int64_t>(-start, 0, taps);
+  const std::int64_t hi = std::clamp<std::int64_t>(size - start, lo, taps);
+  return {lo, hi};
+}
+
+// col rows for output rows [r0, r1): the row of pixel (i, oy, ox) holds the window
+// x[i, oy*sh - pt + ky, ox*sw - pl + kx, :] for all (ky, kx), zero off-image.
+template <typename C>
+void im2col(const C* x, std::int64_t r0, std::int64_t r1, const Conv2dGeometry& g, C* col) {
+  const std::int64_t c = g.c, kw = g.kw, row_len = g.kh * g.kw * c;
+  for (std::int64_t r = r0; r < r1; ++r) {
+    const std::int64_t i = r / g.oh, oy = r % g.oh;
+    const C* img = x + i * g.h * g.w * c;
+    const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+    C* dst_row = col + (r - r0) * g.ow * row_len;
+    for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+      C* dst = dst_row + ox * row_len;
+      const TapRange tx = tap_range(ox, g.stride_w, g.pad_left, kw, g.w);
+      const std::int64_t ix0 = ox * g.stride_w - g.pad_left + tx.lo;
+      const std::int64_t len = (tx.hi - tx.lo) * c;
+      for (std::int64_t ky = 0; ky < g.kh; ++ky) {
+        C* d = dst + ky * kw * c;
+        if (ky < ty.lo || ky >= ty.hi) {
+          std::fill(d, d + kw * c, C(0));
+          continue;
+        }
+        const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+        const C* src = img + (iy * g.w + ix0) * c;
+        std::fill(d, d + tx.lo * c, C(0));
+        for (std::int64_t j = 0; j < len; ++j) d[tx.lo * c + j] = src[j];
+        std::fill(d + tx.hi * c, d + kw * c, C(0));
+      }
+    }
+  }
+}
+
+// The adjoint of im2col for output rows [r0, r1): adds each col entry onto the input
+// pixel im2col copied it from (grad_x accumulates; padding taps are dropped).
+template <typename C>
+void col2im_add(const C* col, std::int64_t r0, std::int64_t r1, const Conv2dGeometry& g,
+                C* grad_x) {
+  const std::int64_t c = g.c, row_len = g.kh * g.kw * c;
+  for (std::int64_t r = r0; r < r1; ++r) {
+    const std::int64_t i = r / g.oh, oy = r % g.oh;
+    C* img = grad_x + i * g.h * g.w * c;
+    const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+    const C* src_row = col + (r - r0) * g.ow * row_len;
+    for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+      const C* src = src_row + ox * row_len;
+      const TapRange tx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+      const std::int64_t ix0 = ox * g.stride_w - g.pad_left + tx.lo;
+      const std::int64_t len = (tx.hi - tx.lo) * c;
+      for (std::int64_t ky = ty.lo; ky < ty.hi; ++ky) {
+        const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+        C* d = img + (iy * g.w + ix0) * c;
+        const C* s = src + (ky * g.kw + tx.lo) * c;
+        for (std::int64_t j = 0; j < len; ++j) d[j] += s[j];
+      }
+    }
+  }
+}
+
+// A 1x1, stride-1, unpadded conv whose output covers the input: x is its own col matrix.
+inline bool is_pointwise(const Conv2dGeometry& g) {
+  return g.kh == 1 && g.kw == 1 && g.stride_h == 1 && g.stride_w == 1 && g.pad_top == 0 &&
+         g.pad_left == 0 && g.oh == g.h && g.ow == g.w;
+}
+
+// Output rows per chunk so the column buffer stays under kColBytes.
+template <typename C>
+std::int64_t chunk_rows(const Conv2dGeometry& g) {
+  const std::int64_t row_elems = std::max<std::int64_t>(g.ow * g.kh * g.kw * g.c, 1);
+  const std::int64_t fit = kColBytes / static_cast<std::int64_t>(sizeof(C)) / row_elems;
+  return std::clamp<std::int64_t>(fit, 1, std::max<std::int64_t>(g.n * g.oh, 1));
+}
+
+// --- Convolution on compute-type buffers (float or double) ---------------------------
+
+template <typename C>
+void conv_forward(const C* x, const C* w, C* out, const Conv2dGeometry& g) {
+  const std::int64_t pixels = g.oh * g.ow, kdim = g.kh * g.kw * g.c;
+  const std::int64_t out_n = g.n * pixels * g.cout;
+  if (out_n == 0) return;
+  if (kdim == 0) return std::fill(out, out + out_n, C(0));
+  if (is_pointwise(g))
+    return blas_gemm(false, false, g.n * pixels, g.cout, kdim, x, kdim, w, g.cout, C(0), out,
+                     g.cout);
+  const std::int64_t rows = g.n * g.oh, chunk = chunk_rows<C>(g);
+  C* col = scratch<C>(kColSlot).get(chunk * g.ow * kdim);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const std::int64_t r1 = std::min(rows, r0 + chunk);
+    im2col(x, r0, r1, g, col);
+    blas_gemm(false, false, (r1 - r0) * g.ow, g.cout, kdim, col, kdim, w, g.cout, C(0),
+              out + r0 * g.ow * g.cout, g.cout);
+  }
+}
+
+template <typename C>
+void conv_backward_input(const C* grad_out, const C* w, C* grad_x, const Conv2dGeometry& g) {
+  const std::int64_t pixels = g.oh * g.ow, kdim = g.kh * g.kw * g.c;
+  const std::int64_t x_n = g.n * g.h * g.w * g.c;
+  if (x_n == 0) return;
+  if (is_pointwise(g) && g.cout > 0)
+    return blas_gemm(false, true, g.n * pixels, kdim, g.cout, grad_out, g.cout, w, g.cout, C(0),
+                     grad_x, kdim);
+  std::fill(grad_x, grad_x + x_n, C(0));
+  if (pixels == 0 || g.cout == 0) return;
+  const std::int64_t rows = g.n * g.oh, chunk = chunk_rows<C>(g);
+  C* col = scratch<C>(kColSlot).get(chunk * g.ow * kdim);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const std::int64_t r1 = std::min(rows, r0 + chunk);
+    blas_gemm(false, true, (r1 - r0) * g.ow, kdim, g.cout, grad_out + r0 * g.ow * g.cout,
+              g.cout, w, g.cout, C(0), col, kdim);
+    col2im_add(col, r0, r1, g, grad_x);
+  }
+}
+
+template <typename C>
+void conv_backward_weight(const C* x, const C* grad_out, C* grad_w, const Conv2dGeometry& g) {
+  const std::int64_t pixels = g.oh * g.ow, kdim = g.kh * g.kw * g.c;
+  const std::int64_t w_n = kdim * g.cout;
+  if (w_n == 0) return;
+  if (g.n == 0 || pixels == 0) return std::fill(grad_w, grad_w + w_n, C(0));
+  if (is_pointwise(g))
+    return blas_gemm(true, false, kdim, g.cout, g.n * pixels, x, kdim, grad_out, g.cout, C(0),
+                     grad_w, g.cout);
+  const std::int64_t rows = g.n * g.oh, chunk = chunk_rows<C>(g);
+  C* col = scratch<C>(kColSlot).get(chunk * g.ow * kdim);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const std::int64_t r1 = std::min(rows, r0 + chunk);
+    im2col(x, r0, r1, g, col);
+    blas_gemm(true, false, kdim, g.cout, (r1 - r0) * g.ow, col, kdim,
+              grad_out + r0 * g.ow * g.cout, g.cout, r0 == 0 ? C(0) : C(1), grad_w, g.cout);
+  }
+}
+
+// --- Pooling on compute-type buffers --------------------------------------------------
+
+// The max-pool order: v beats best when larger, and a NaN beats any number (so NaN
+// propagates); ties keep the earlier element.
+template <typename C>
+inline bool beats(C v, C best) {
+  return v > best || (std::isnan(v) && !std::isnan(best));
+}
+
+template <typename C>
+void max_pool_forward(const C* x, C* out, const Pool2dGeometry& g) {
+  const std::int64_t c = g.c, rows = g.n * g.oh;
+  const bool par = rows * g.ow * c * g.kh * g.kw > kParallelGrain && rows > 1;
+#pragma omp parallel for schedule(static) if (par)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = r / g.oh, oy = r % g.oh;
+    const C* img = x + i * g.h * g.w * c;
+    const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+    for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+      C* d = out + (r * g.ow + ox) * c;
+      const TapRange tx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+      if (ty.lo >= ty.hi || tx.lo >= tx.hi) {  // the window is all padding
+        std::fill(d, d + c, C(0));
+        continue;
+      }
+      bool first = true;
+      for (std::int64_t ky = ty.lo; ky < ty.hi; ++ky) {
+        const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+        for (std::int64_t kx = tx.lo; kx < tx.hi; ++kx) {
+          const std::int64_t ix = ox * g.stride_w - g.pad_left + kx;
+          const C* s = img + (iy * g.w + ix) * c;
+          if (first) {
+            std::copy(s, s + c, d);
+            first = false;
+            continue;
+          }
+          for (std::int64_t ch = 0; ch < c; ++ch)
+            if (beats(s[ch], d[ch])) d[ch] = s[ch];
+        }
+      }
+    }
+  }
+}
+
+// Recomputes each window's argmax (first maximum, row-major over ky, kx) and adds the
+// output gradient there. Windows may overlap, so threads split images and channel
+// blocks, never output rows of one image.
+template <typename C>
+void max_pool_backward(const C* x, const C* grad_out, C* grad_x, const Pool2dGeometry& g) {
+  const std::int64_t c = g.c;
+  std::fill(grad_x, grad_x + g.n * g.h * g.w * c, C(0));
+  if (c == 0) return;
+  const int threads = max_threads();
+  std::int64_t cblock = c;
+  if (g.n < 2 * threads) cblock = std::max<std::int64_t>(16, (c + 2 * threads - 1) / (2 * threads));
+  const std::int64_t blocks = (c + cblock - 1) / cblock, tasks = g.n * blocks;
+  const bool par = g.n * g.oh * g.ow * c * g.kh * g.kw > kParallelGrain && tasks > 1;
+#pragma omp parallel if (par)
+  {
+    thread_local Scratch<C> best_val;
+    thread_local Scratch<std::int64_t> best_pos;
+    C* bv = best_val.get(cblock);
+    std::int64_t* bp = best_pos.get(cblock);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tasks; ++t) {
+      const std::int64_t i = t / blocks, c0 = (t % blocks) * cblock;
+      const std::int64_t cn = std::min(cblock, c - c0);
+      const C* img = x + i * g.h * g.w * c + c0;
+      C* gimg = grad_x + i * g.h * g.w * c + c0;
+      for (std::int64_t oy = 0; oy < g.oh; ++oy) {
+        const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+        for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+          const TapRange tx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+          if (ty.lo >= ty.hi || tx.lo >= tx.hi) continue;
+          bool first = true;
+          for (std::int64_t ky = ty.lo; ky < ty.hi; ++ky) {
+            const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+            for (std::int64_t kx = tx.lo; kx < tx.hi; ++kx) {
+              const std::int64_t pos = (iy * g.w + ox * g.stride_w - g.pad_left + kx) * c;
+              const C* s = img + pos;
+              if (first) {
+                for (std::int64_t ch = 0; ch < cn; ++ch) {
+                  bv[ch] = s[ch];
+                  bp[ch] = pos;
+                }
+                first = false;
+                continue;
+              }
+              for (std::int64_t ch = 0; ch < cn; ++ch) {
+                if (beats(s[ch], bv[ch])) {
+                  bv[ch] = s[ch];
+                  bp[ch] = pos;
+                }
+              }
+            }
+          }
+          const C* go = grad_out + ((i * g.oh + oy) * g.ow + ox) * c + c0;
+          for (std::int64_t ch = 0; ch < cn; ++ch) gimg[bp[ch] + ch] += go[ch];
+        }
+      }
+    }
+  }
+}
+
+// Average pooling divides by the number of in-image taps of each window.
+template <typename C>
+void avg_pool_forward(const C* x, C* out, const Pool2dGeometry& g) {
+  const std::int64_t c = g.c, rows = g.n * g.oh;
+  const bool par = rows * g.ow * c * g.kh * g.kw > kParallelGrain && rows > 1;
+#pragma omp parallel for schedule(static) if (par)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = r / g.oh, oy = r % g.oh;
+    const C* img = x + i * g.h * g.w * c;
+    const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+    for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+      C* d = out + (r * g.ow + ox) * c;
+      const TapRange tx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+      std::fill(d, d + c, C(0));
+      const std::int64_t count = (ty.hi - ty.lo) * (tx.hi - tx.lo);
+      if (count == 0) continue;
+      for (std::int64_t ky = ty.lo; ky < ty.hi; ++ky) {
+        const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+        const C* s = img + (iy * g.w + ox * g.stride_w - g.pad_left) * c;
+        for (std::int64_t kx = tx.lo; kx < tx.hi; ++kx)
+          for (std::int64_t ch = 0; ch < c; ++ch) d[ch] += s[kx * c + ch];
+      }
+      const C inv = C(1) / static_cast<C>(count);
+      for (std::int64_t ch = 0; ch < c; ++ch) d[ch] *= inv;
+    }
+  }
+}
+
+// Each input pixel gathers grad_out / count from the windows that cover it.
+template <typename C>
+void avg_pool_backward(const C* grad_out, C* grad_x, const Pool2dGeometry& g) {
+  const std::int64_t c = g.c, rows = g.n * g.h;
+  const bool par = rows * g.w * c * g.kh * g.kw > kParallelGrain && rows > 1;
+#pragma omp parallel for schedule(static) if (par)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = r / g.h, iy = r % g.h;
+    C* dst_row = grad_x + r * g.w * c;
+    std::fill(dst_row, dst_row + g.w * c, C(0));
+    for (std::int64_t ky = 0; ky < g.kh; ++ky) {
+      const std::int64_t ty = iy + g.pad_top - ky;
+      if (ty < 0 || ty % g.stride_h != 0) continue;
+      const std::int64_t oy = ty / g.stride_h;
+      if (oy >= g.oh) continue;
+      const TapRange wy = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+      const C* src_row = grad_out + (i * g.oh + oy) * g.ow * c;
+      for (std::int64_t ix = 0; ix < g.w; ++ix) {
+        C* d = dst_row + ix * c;
+        for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+          const std::int64_t tx = ix + g.pad_left - kx;
+          if (tx < 0 || tx % g.stride_w != 0) continue;
+          const std::int64_t ox = tx / g.stride_w;
+          if (ox >= g.ow) continue;
+          const TapRange wx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+          const C inv = C(1) / static_cast<C>((wy.hi - wy.lo) * (wx.hi - wx.lo));
+          const C* s = src_row + ox * c;
+          for (std::int64_t ch = 0; ch < c; ++ch) d[ch] += s[ch] * inv;
+        }
+      }
+    }
+  }
+}
+
+// --- Kernels keyed on the storage dtype -------------------------------------------------
+
+// The compute type of a storage type: float64 stays, everything else computes in float32.
+template <typename T>
+using compute_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+template <typename T>
+constexpr bool kNative = std::is_same_v<T, compute_t<T>>;
+
+// Input `slot` of the calling thread as a compute-type buffer: the tensor itself for
+// float32 / float64, a bulk-converted float32 copy for float16 / bfloat16.
+template <typename T>
+const compute_t<T>* input(const Tensor& t, int slot) {
+  const T* p = static_cast<const T*>(t.data_ptr());
+  if constexpr (kNative<T>) {
+    return p;
+  } else {
+    float* f = scratch<float>(slot).get(t.numel());
+    convert(p, f, t.numel());
+    return f;
+  }
+}
+// The output buffer to compute into (the tensor itself, or a float32 scratch), and the
+// step that stores it back.
+template <typename T>
+compute_t<T>* output(const Tensor& t, int slot) {
+  if constexpr (kNative<T>) {
+    return static_cast<T*>(t.data_ptr());
+  } else {
+    return scratch<float>(slot).get(t.numel());
+  }
+}
+template <typename T>
+void store(const compute_t<T>* buf, const Tensor& t) {
+  if constexpr (!kNative<T>) convert(buf, static_cast<T*>(t.data_ptr()), t.numel());
+}
+
+template <typename T>
+void conv2d(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
+  auto* o = output<T>(out, 3);
+  conv_forward(input<T>(x, 1), input<T>(w, 2), o, g);
+  store<T>(o, out);
+}
+
+template <typename T>
+void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
+                           const Conv2dGeometry& g) {
+  auto* o = output<T>(grad_x, 3);
+  conv_backward_input(input<T>(grad_out, 1), input<T>(w, 2), o, g);
+  store<T>(o, grad_x);
+}
+
+template <typename T>
+void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
+                            const Conv2dGeometry& g) {
+  auto* o = output<T>(grad_w, 3);
+  conv_backward_weight(input<T>(x, 1), input<T>(grad_out, 2), o, g);
+  store<T>(o, grad_w);
+}
+
+template <typename T>
+void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  auto* o = output<T>(out, 3);
+  max_pool_forward(input<T>(x, 1), o, g);
+  store<T>(o, out);
+}
+
+template <typename T>
+void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
+                         const Pool2dGeometry& g) {
+  auto* o = output<T>(grad_x, 3);
+  max_pool_backward(input<T>(x, 1), input<T>(grad_out, 2), o, g);
+  store<T>(o, grad_x);
+}
+
+template <typename T>
+void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  auto* o = output<T>(out, 3);
+  avg_pool_forward(input<T>(x, 1), o, g);
+  store<T>(o, out);
+}
+
+template <typename T>
+void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tensor& grad_x,
+                         const Pool2dGeometry& g) {
+  auto* o = output<T>(grad_x, 3);
+  avg_pool_backward(input<T>(grad_out, 2), o, g);
+  store<T>(o, grad_x);
+}
+
+template <typename T>
+void register_for() {
+  constexpr DType dt = dtype_of<T>::value;
+  constexpr auto cpu = DeviceType::CPU;
+  register_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt, &conv2d<T>);
+  register_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt,
+                                                  &conv2d_backward_input<T>);
+  register_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt,
+                                                   &conv2d_backward_weight<T>);
+  register_kernel<kernels::Pool2dFn>(OpId::max_pool2d, cpu, dt, &max_pool2d<T>);
+  register_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cpu, dt,
+                                             &max_pool2d_backward<T>);
+  register_kernel<kernels::Pool2dFn>(OpId::avg_pool2d, cpu, dt, &avg_pool2d<T>);
+  register_kernel<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, cpu, dt,
+                                             &avg_pool2d_backward<T>);
+}
+
+}  // namespace
+
+void register_conv_kernels() {
+  register_for<float>();
+  register_for<half>();
+  register_for<bfloat16>();
+  register_for<double>();
+}
+
+}  // namespace mixtape::cpu

@@ -1,0 +1,371 @@
+// CPU reduction kernels (sum, mean, max, min, argmax over the middle extent of
+// [outer, n, inner]) and row kernels (softmax, log_softmax over the last axis).
+//
+// Accumulation: sums of float32, float16 and bfloat16 accumulate in float64 (16-bit
+// inputs are bulk-converted to float32 first), which is at least as accurate as the
+// float32 the kernel contract asks for and keeps a 1e7-element float32 sum exact to
+// float32 rounding; float64 sums accumulate in float64 and integer sums in 64 bits
+// (wrapping). The result is rounded to the dtype once, at the end.
+//
+// NaN: max and min propagate NaN (any NaN in the reduced extent gives NaN), and argmax
+// returns the index of the first NaN when there is one; otherwise argmax returns the
+// first index of the maximum.
+//
+// Work split: with inner == 1 each output reduces a contiguous row, in chunks of kChunk
+// (partials combined in order); with inner > 1 the rows x[o, j, :] are accumulated into
+// a per-column buffer of kCols columns (vectorised across columns), and when that gives
+// too few tasks for the threads the n extent is split into blocks as well.
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "backends/cpu/cpu_backend.h"
+#include "mixtape/core/half.h"
+
+namespace mixtape::cpu {
+namespace {
+
+using std::int64_t;
+
+constexpr int64_t kBlock = 1024;   // conversion buffer size (elements)
+constexpr int64_t kChunk = 16384;  // row elements per task when inner == 1
+constexpr int64_t kCols = 1024;    // columns per task when inner > 1
+
+template <typename T>
+constexpr bool kReduced = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+template <typename T>
+using compute_t = std::conditional_t<kReduced<T>, float, T>;
+
+void to_float(const half* s, float* d, int64_t n) {
+  convert_half_to_float(s, d, static_cast<std::size_t>(n));
+}
+void to_float(const bfloat16* s, float* d, int64_t n) {
+  convert_bfloat16_to_float(s, d, static_cast<std::size_t>(n));
+}
+void from_float(const float* s, half* d, int64_t n) {
+  convert_float_to_half(s, d, static_cast<std::size_t>(n));
+}
+void from_float(const float* s, bfloat16* d, int64_t n) {
+  convert_float_to_bfloat16(s, d, static_cast<std::size_t>(n));
+}
+
+template <typename C>
+bool is_nan(C v) {
+  if constexpr (std::is_floating_point_v<C>)
+    return std::isnan(v);  // vectorises, v != v not
+  else
+    return false;
+}
+
+// --- Reducers: Acc (the accumulator), init, add (one element at index j), merge (a
+// later partial into an earlier one), result. kLanes independent accumulators are used
+// along contiguous rows so that the loop vectorises.
+
+template <typename C>
+struct SumR {
+  using Acc = std::conditional_t<std::is_integral_v<C>, std::uint64_t, double>;
+  static constexpr int kLanes = 8;
+  static Acc init() { return Acc(0); }
+  static void add(Acc& a, C v, int64_t) { a += static_cast<Acc>(v); }
+  static void merge(Acc& a, const Acc& b) { a += b; }
+  static Acc result(const Acc& a, int64_t) { return a; }
+};
+
+template <typename C>
+struct MeanR : SumR<C> {
+  static double result(double a, int64_t n) { return a / static_cast<double>(n); }
+};
+
+template <typename C>
+struct MaxR {
+  using Acc = C;
+  static constexpr int kLanes = 8;
+  static Acc init() {
+    if constexpr (std::is_floating_point_v<C>)
+      return -std::numeric_limits<C>::infinity();
+    else
+      return std::numeric_limits<C>::lowest();
+  }
+  static void add(Acc& a, C v, int64_t) { a = ((v > a) | is_nan(v)) ? v : a; }
+  static void merge(Acc& a, const Acc& b) { add(a, b, 0); }
+  static Acc result(const Acc& a, int64_t) { return a; }
+};
+
+template <typename C>
+struct MinR {
+  using Acc = C;
+  static constexpr int kLanes = 8;
+  static Acc init() {
+    if constexpr (std::is_floating_point_v<C>)
+      return std::numeric_limits<C>::infinity();
+    else
+      return std::numeric_limits<C>::max();
+  }
+  static void add(Acc& a, C v, int64_t) { a = ((v < a) | is_nan(v)) ? v : a; }
+  static void merge(Acc& a, const Acc& b) { add(a, b, 0); }
+  static Acc result(const Acc& a, int64_t) { return a; }
+};
+
+// (value, index) of the first maximum (or first NaN); index -1 while empty.
+template <typename C>
+struct ArgmaxR {
+  struct Acc {
+    C v;
+    int64_t i;
+  };
+  static constexpr int kLanes = 1;  // sequential: keeps "first" simple
+  static Acc init() { return {C(0), -1}; }
+  static bool better(C v, const Acc& a) {
+    return a.i < 0 || v > a.v || (is_nan(v) && !is_nan(a.v));
+  }
+  static void add(Acc& a, C v, int64_t j) {
+    if (better(v, a)) a = {v, j};
+  }
+  static void merge(Acc& a, const Acc& b) {
+    if (b.i >= 0 && better(b.v, a)) a = b;
+  }
+  static int64_t result(const Acc& a, int64_t) { return a.i; }
+};
+
+// Reduces x[0, len) (compute type) whose first element has index j0.
+template <typename R, typename C>
+typename R::Acc span(const C* x, int64_t len, int64_t j0) {
+  constexpr int L = R::kLanes;
+  typename R::Acc lane[L];
+  for (int k = 0; k < L; ++k) lane[k] = R::init();
+  int64_t i = 0;
+  for (; i + L <= len; i += L)
+    for (int k = 0; k < L; ++k) R::add(lane[k], x[i + k], j0 + i + k);
+  typename R::Acc a = lane[0];
+  for (int k = 1; k < L; ++k) R::merge(a, lane[k]);
+  for (; i < len; ++i) R::add(a, x[i], j0 + i);
+  return a;
+}
+
+// As span, for storage type T (16-bit floats are converted a block at a time).
+template <typename R, typename T>
+typename R::Acc row_span(const T* x, int64_t len, int64_t j0) {
+  if constexpr (kReduced<T>) {
+    typename R::Acc a = R::init();
+    float buf[kBlock];
+    for (int64_t b = 0; b < len; b += kBlock) {
+      const int64_t m = std::min(kBlock, len - b);
+      to_float(x + b, buf, m);
+      R::merge(a, span<R>(buf, m, j0 + b));
+    }
+    return a;
+  } else {
+    return span<R>(x, len, j0);
+  }
+}
+
+// T: x's storage type; R: the reducer (on the compute type); O: out's storage type.
+template <typename T, template <typename> class RT, typename O = T>
+void reduce_kernel(const Tensor& x, int64_t outer, int64_t n, int64_t inner, const Tensor& out) {
+  using C = compute_t<T>;
+  using R = RT<C>;
+  using Acc = typename R::Acc;
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  O* yp = static_cast<O*>(out.data_ptr());
+  const int64_t total = outer * n * inner;
+  if (outer * inner == 0) return;
+  const int nt = total > kParallelGrain ? omp_get_max_threads() : 1;
+
+  // Tasks: (o, column block, row block).
+  int64_t col_blocks = 1, cols = 1, row_blocks = 1;
+  if (inner == 1) {
+    row_blocks = (n + kChunk - 1) / kChunk;
+  } else {
+    cols = std::min(kCols, inner);
+    col_blocks = (inner + cols - 1) / cols;
+    const int64_t tiles = outer * col_blocks;
+    if (nt > 1 && tiles < 2 * nt) row_blocks = std::min(n, (2 * nt + tiles - 1) / tiles);
+  }
+  const int64_t rows_per = (n + row_blocks - 1) / row_blocks;
+  row_blocks = (n + rows_per - 1) / rows_per;
+
+  // Partials, [outer, row_blocks, inner].
+  std::vector<Acc> part(static_cast<std::size_t>(outer * row_blocks * inner));
+  const int64_t tasks = outer * col_blocks * row_blocks;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t rb = t % row_blocks, cb = t / row_blocks % col_blocks;
+    const int64_t o = t / row_blocks / col_blocks;
+    const int64_t j0 = rb * rows_per, j1 = std::min(n, j0 + rows_per);
+    Acc* dst = part.data() + (o * row_blocks + rb) * inner;
+    if (inner == 1) {
+      dst[0] = row_span<R>(xp + o * n + j0, j1 - j0, j0);
+      continue;
+    }
+    const int64_t c0 = cb * cols, nc = std::min(cols, inner - c0);
+    Acc acc[kCols];
+    for (int64_t c = 0; c < nc; ++c) acc[c] = R::init();
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* row = xp + (o * n + j) * inner + c0;
+      if constexpr (kReduced<T>) {
+        float buf[kCols];
+        to_float(row, buf, nc);
+        for (int64_t c = 0; c < nc; ++c) R::add(acc[c], buf[c], j);
+      } else {
+        for (int64_t c = 0; c < nc; ++c) R::add(acc[c], row[c], j);
+      }
+    }
+    std::copy(acc, acc + nc, dst + c0);
+  }
+
+  // Combine the row blocks in order and store, a block of outputs at a time.
+  const int64_t m = outer * inner;
+  const int64_t blocks = (m + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (nt > 1 && m * row_blocks > kParallelGrain)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t q0 = blk * kBlock, q1 = std::min(m, q0 + kBlock);
+    float fbuf[kBlock];
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t o = q / inner, i = q % inner;
+      const Acc* p = part.data() + o * row_blocks * inner + i;
+      Acc a = p[0];
+      for (int64_t rb = 1; rb < row_blocks; ++rb) R::merge(a, p[rb * inner]);
+      if constexpr (kReduced<O>)
+        fbuf[q - q0] = static_cast<float>(R::result(a, n));
+      else
+        yp[q] = static_cast<O>(R::result(a, n));
+    }
+    if constexpr (kReduced<O>) from_float(fbuf, yp + q0, q1 - q0);
+  }
+}
+
+// --- softmax / log_softmax ------------------------------------------------------------
+
+// float32 exp that vectorises: the same routine as exp_f32 in elementwise.cpp (see there:
+// <= 1.22 ulp, bit blends instead of ?: so that GCC if-converts the loop).
+template <typename T>
+T blend(bool c, T a, T b) {
+  using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  const U m = U(0) - static_cast<U>(c);
+  return std::bit_cast<T>((std::bit_cast<U>(a) & m) | (std::bit_cast<U>(b) & ~m));
+}
+
+inline float exp_f32(float x) {
+  const float t = x * 1.44269504088896341f;
+  const std::int32_t k =
+      static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(t + 12582912.0f)) - 0x4B400000;
+  const float kf = static_cast<float>(k);
+  const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const std::int32_t k1 = k >> 1, k2 = k - k1;
+  const float s1 = std::bit_cast<float>(static_cast<std::uint32_t>(k1 + 127) << 23);
+  const float s2 = std::bit_cast<float>(static_cast<std::uint32_t>(k2 + 127) << 23);
+  const float y = p * s1 * s2;
+  const float inf = std::numeric_limits<float>::infinity();
+  return blend(std::isnan(x), x, blend(x > 89.0f, inf, blend(x < -104.0f, 0.0f, y)));
+}
+
+template <typename C>
+C exp_any(C x) {
+  if constexpr (std::is_same_v<C, float>)
+    return exp_f32(x);
+  else
+    return std::exp(x);
+}
+
+// One row in compute type C (y may alias x): m = max, e = exp(x - m) a block at a time
+// into a stack buffer, summed in float64 lanes; then y = e / sum, or (x - m) - log(sum)
+// (x - m first: exact near the maximum, where the result is smallest). A row holding NaN,
+// or only -inf, gives NaN.
+template <typename C, bool kLog>
+void softmax_row(const C* x, C* y, int64_t n) {
+  const C m = span<MaxR<C>>(x, n, 0);
+  double sum = 0;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    C e[kBlock];
+    for (int64_t j = 0; j < len; ++j) e[j] = exp_any(x[b + j] - m);
+    sum += span<SumR<C>>(e, len, 0);
+    if constexpr (!kLog) std::copy(e, e + len, y + b);
+  }
+  if constexpr (kLog) {
+    const C ls = static_cast<C>(std::log(sum));
+    for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - m) - ls;
+  } else {
+    const C inv = static_cast<C>(1.0 / sum);
+    for (int64_t i = 0; i < n; ++i) y[i] *= inv;
+  }
+}
+
+template <typename T, bool kLog>
+void softmax_kernel(const Tensor& x, const Tensor& out) {
+  const int64_t numel = x.numel();
+  if (numel == 0) return;
+  const int64_t cols = x.rank() == 0 ? 1 : x.shape().back();
+  const int64_t rows = numel / cols;
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  T* yp = static_cast<T*>(out.data_ptr());
+#pragma omp parallel if (numel > kParallelGrain)
+  {
+    std::vector<float> buf(kReduced<T> ? static_cast<std::size_t>(cols) : 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      if constexpr (kReduced<T>) {
+        to_float(xp + r * cols, buf.data(), cols);
+        softmax_row<float, kLog>(buf.data(), buf.data(), cols);
+        from_float(buf.data(), yp + r * cols, cols);
+      } else {
+        softmax_row<T, kLog>(xp + r * cols, yp + r * cols, cols);
+      }
+    }
+  }
+}
+
+// --- Registration --------------------------------------------------------------------
+
+template <template <typename> class RT, typename... Ts>
+void reg_reduce(OpId id) {
+  (register_kernel<kernels::ReduceFn>(id, DeviceType::CPU, dtype_of<Ts>::value,
+                                      &reduce_kernel<Ts, RT>),
+   ...);
+}
+
+template <typename... Ts>
+void reg_argmax() {
+  (register_kernel<kernels::ReduceFn>(OpId::argmax, DeviceType::CPU, dtype_of<Ts>::value,
+                                      &reduce_kernel<Ts, ArgmaxR, std::int64_t>),
+   ...);
+}
+
+template <typename... Ts>
+void reg_softmax() {
+  (register_kernel<kernels::RowFn>(OpId::softmax, DeviceType::CPU, dtype_of<Ts>::value,
+                                   &softmax_kernel<Ts, false>),
+   ...);
+  (register_kernel<kernels::RowFn>(OpId::log_softmax, DeviceType::CPU, dtype_of<Ts>::value,
+                                   &softmax_kernel<Ts, true>),
+   ...);
+}
+
+}  // namespace
+
+void register_reduction_kernels() {
+  using std::int32_t;
+  using std::int64_t;
+  reg_reduce<SumR, float, half, bfloat16, double, int32_t, int64_t>(OpId::sum);
+  reg_reduce<MeanR, float, half, bfloat16, double>(OpId::mean);
+  reg_reduce<MaxR, float, half, bfloat16, double, int32_t, int64_t>(OpId::max);
+  reg_reduce<MinR, float, half, bfloat16, double, int32_t, int64_t>(OpId::min);
+  reg_argmax<float, half, bfloat16, double, int32_t, int64_t>();
+  reg_softmax<float, half, bfloat16, double>();
+}
+
+}  // namespace mixtape::cpu

@@ -1,0 +1,429 @@
+// CPU matmul, conv2d and pooling kernels, called straight through the dispatch table and
+// checked against naive double-precision loops.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/kernels.h"
+#include "mixtape/core/tensor.h"
+
+using namespace mixtape;
+using kernels::Conv2dGeometry;
+using kernels::GemmArgs;
+using kernels::Pool2dGeometry;
+
+namespace {
+
+const std::vector<DType> kFloatTypes = {kFloat32, kFloat16, kBFloat16, kFloat64};
+
+// Error allowed relative to the largest magnitude of the reference.
+double tolerance(DType dt) {
+  if (dt == kFloat64) return 1e-12;
+  if (dt == kFloat32) return 1e-5;
+  if (dt == kFloat16) return 2e-3;
+  return 1e-2;  // bfloat16
+}
+
+Tensor random(const Shape& shape, DType dt, double lo = -1.0, double hi = 1.0) {
+  return uniform(shape, lo, hi, dt);
+}
+
+// Fills a tensor with NaN, so elements a kernel fails to write show up.
+void poison(const Tensor& t) {
+  const auto n = static_cast<std::size_t>(t.numel());
+  if (t.dtype() == kFloat32) {
+    std::fill_n(t.data<float>(), n, std::numeric_limits<float>::quiet_NaN());
+  } else if (t.dtype() == kFloat64) {
+    std::fill_n(t.data<double>(), n, std::numeric_limits<double>::quiet_NaN());
+  } else if (t.dtype() == kFloat16) {
+    std::fill_n(t.data<half>(), n, half::from_bits(0x7e00));
+  } else {
+    std::fill_n(t.data<bfloat16>(), n, bfloat16::from_bits(0x7fc0));
+  }
+}
+
+Tensor empty_poisoned(const Shape& shape, DType dt) {
+  Tensor t = Tensor::empty(shape, dt);
+  poison(t);
+  return t;
+}
+
+std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }
+
+// Checks |actual - expected| <= tol * max|expected| everywhere (NaN fails).
+void check_close(const std::vector<double>& actual, const std::vector<double>& expected,
+                 DType dt, const std::string& what) {
+  REQUIRE(actual.size() == expected.size());
+  double scale = 0.0;
+  for (double e : expected) scale = std::max(scale, std::abs(e));
+  scale = std::max(scale, 1e-30);
+  double worst = 0.0;
+  std::size_t worst_at = 0, nans = 0;
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    if (std::isnan(actual[i])) {
+      ++nans;
+      continue;
+    }
+    const double err = std::abs(actual[i] - expected[i]);
+    if (err > worst) {
+      worst = err;
+      worst_at = i;
+    }
+  }
+  INFO(what << " dtype " << std::string(dt.name()) << ": max error " << worst << " at "
+            << worst_at << " (scale " << scale << "), NaNs " << nans);
+  CHECK(nans == 0);
+  CHECK(worst <= tolerance(dt) * scale);
+}
+
+// --- matmul ----------------------------------------------------------------------------
+
+struct GemmCase {
+  std::int64_t batch, m, n, k;
+  bool ta, tb;
+  std::int64_t pad_a, pad_b, pad_c;  // extra leading-dimension elements
+  bool share_a, share_b;             // batch stride 0
+};
+
+void run_gemm_case(const GemmCase& cs, DType dt) {
+  const std::int64_t rows_a = cs.ta ? cs.k : cs.m, cols_a = cs.ta ? cs.m : cs.k;
+  const std::int64_t rows_b = cs.tb ? cs.n : cs.k, cols_b = cs.tb ? cs.k : cs.n;
+  GemmArgs g;
+  g.batch = cs.batch;
+  g.m = cs.m;
+  g.n = cs.n;
+  g.k = cs.k;
+  g.trans_a = cs.ta;
+  g.trans_b = cs.tb;
+  g.lda = cols_a + cs.pad_a;
+  g.ldb = cols_b + cs.pad_b;
+  g.ldc = cs.n + cs.pad_c;
+  g.stride_a = cs.share_a ? 0 : rows_a * g.lda + 2;  // a gap between batch items
+  g.stride_b = cs.share_b ? 0 : rows_b * g.ldb;
+  g.stride_c = cs.m * g.ldc;
+  const std::int64_t count_a = cs.share_a ? 1 : cs.batch, count_b = cs.share_b ? 1 : cs.batch;
+  g.a = random({std::max<std::int64_t>(count_a * (rows_a * g.lda + 2), 1)}, dt);
+  g.b = random({std::max<std::int64_t>(count_b * rows_b * g.ldb, 1)}, dt);
+  g.out = empty_poisoned({std::max<std::int64_t>(cs.batch * g.stride_c, 1)}, dt);
+
+  find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt)(g);
+
+  const auto a = values(g.a), b = values(g.b), c = values(g.out);
+  std::vector<double> got, want;
+  std::size_t pad_written = 0;
+  for (std::int64_t bi = 0; bi < cs.batch; ++bi) {
+    for (std::int64_t i = 0; i < cs.m; ++i) {
+      for (std::int64_t j = 0; j < g.ldc; ++j) {
+        const double cv = c[static_cast<std::size_t>(bi * g.stride_c + i * g.ldc + j)];
+        if (j >= cs.n) {  // the leading-dimension gap must stay untouched
+          if (!std::isnan(cv)) ++pad_written;
+          continue;
+        }
+        double acc = 0.0;
+        for (std::int64_t p = 0; p < cs.k; ++p) {
+          const std::int64_t ia = bi * g.stride_a + (cs.ta ? p * g.lda + i : i * g.lda + p);
+          const std::int64_t ib = bi * g.stride_b + (cs.tb ? j * g.ldb + p : p * g.ldb + j);
+          acc += a[static_cast<std::size_t>(ia)] * b[static_cast<std::size_t>(ib)];
+        }
+        got.push_back(cv);
+        want.push_back(acc);
+      }
+    }
+  }
+  INFO("batch " << cs.batch << " m " << cs.m << " n " << cs.n << " k " << cs.k << " ta "
+                << cs.ta << " tb " << cs.tb << " share_a " << cs.share_a << " share_b "
+                << cs.share_b);
+  CHECK(pad_written == 0);
+  check_close(got, want, dt, "matmul");
+}
+
+// --- conv2d ----------------------------------------------------------------------------
+
+// Geometry with TF-style "same" (ceil(in / stride), padding split top/left-first) or
+// "valid" padding.
+Conv2dGeometry conv_geometry(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c,
+                             std::int64_t kh, std::int64_t kw, std::int64_t cout,
+                             std::int64_t sh, std::int64_t sw, bool same) {
+  Conv2dGeometry g;
+  g.n = n, g.h = h, g.w = w, g.c = c, g.kh = kh, g.kw = kw, g.cout = cout;
+  g.stride_h = sh, g.stride_w = sw;
+  if (same) {
+    g.oh = (h + sh - 1) / sh;
+    g.ow = (w + sw - 1) / sw;
+    g.pad_top = std::max<std::int64_t>((g.oh - 1) * sh + kh - h, 0) / 2;
+    g.pad_left = std::max<std::int64_t>((g.ow - 1) * sw + kw - w, 0) / 2;
+  } else {
+    g.oh = (h - kh) / sh + 1;
+    g.ow = (w - kw) / sw + 1;
+  }
+  return g;
+}
+
+// Calls f(i, oy, ox, ky, kx, iy, ix) for every in-image tap of every output pixel.
+template <typename F>
+void for_each_tap(const Conv2dGeometry& g, F f) {
+  for (std::int64_t i = 0; i < g.n; ++i)
+    for (std::int64_t oy = 0; oy < g.oh; ++oy)
+      for (std::int64_t ox = 0; ox < g.ow; ++ox)
+        for (std::int64_t ky = 0; ky < g.kh; ++ky)
+          for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+            const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+            const std::int64_t ix = ox * g.stride_w - g.pad_left + kx;
+            if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+            f(i, oy, ox, ky, kx, iy, ix);
+          }
+}
+
+struct ConvRefs {
+  std::vector<double> out, grad_x, grad_w;
+};
+
+ConvRefs conv_reference(const std::vector<double>& x, const std::vector<double>& w,
+                        const std::vector<double>& gout, const Conv2dGeometry& g) {
+  ConvRefs r;
+  r.out.assign(static_cast<std::size_t>(g.n * g.oh * g.ow * g.cout), 0.0);
+  r.grad_x.assign(x.size(), 0.0);
+  r.grad_w.assign(w.size(), 0.0);
+  for_each_tap(g, [&](auto i, auto oy, auto ox, auto ky, auto kx, auto iy, auto ix) {
+    for (std::int64_t ci = 0; ci < g.c; ++ci) {
+      const auto xi = static_cast<std::size_t>(((i * g.h + iy) * g.w + ix) * g.c + ci);
+      for (std::int64_t co = 0; co < g.cout; ++co) {
+        const auto wi = static_cast<std::size_t>(((ky * g.kw + kx) * g.c + ci) * g.cout + co);
+        const auto oi = static_cast<std::size_t>(((i * g.oh + oy) * g.ow + ox) * g.cout + co);
+        r.out[oi] += x[xi] * w[wi];
+        r.grad_x[xi] += gout[oi] * w[wi];
+        r.grad_w[wi] += x[xi] * gout[oi];
+      }
+    }
+  });
+  return r;
+}
+
+double dot(const std::vector<double>& a, const std::vector<double>& b, double* abs_sum) {
+  double s = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    s += a[i] * b[i];
+    *abs_sum += std::abs(a[i] * b[i]);
+  }
+  return s;
+}
+
+void run_conv_case(const Conv2dGeometry& g, DType dt, bool check_naive = true) {
+  INFO("conv n " << g.n << " h " << g.h << " w " << g.w << " c " << g.c << " k " << g.kh << "x"
+                 << g.kw << " cout " << g.cout << " stride " << g.stride_h << "x" << g.stride_w
+                 << " pad " << g.pad_top << "," << g.pad_left << " out " << g.oh << "x" << g.ow);
+  const Tensor x = random({g.n, g.h, g.w, g.c}, dt);
+  const Tensor w = random({g.kh, g.kw, g.c, g.cout}, dt);
+  const Tensor gout = random({g.n, g.oh, g.ow, g.cout}, dt);
+  const Tensor out = empty_poisoned({g.n, g.oh, g.ow, g.cout}, dt);
+  const Tensor gx = empty_poisoned({g.n, g.h, g.w, g.c}, dt);
+  const Tensor gw = empty_poisoned({g.kh, g.kw, g.c, g.cout}, dt);
+  const auto cpu = DeviceType::CPU;
+  find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, out, g);
+  find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(gout, w, gx,
+                                                                                   g);
+  find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt)(x, gout,
+                                                                                     gw, g);
+  const auto xv = values(x), wv = values(w), gv = values(gout);
+  const auto ov = values(out), gxv = values(gx), gwv = values(gw);
+
+  // Adjoint identity: <conv(x, w), g> == <x, dx(g, w)> == <w, dw(x, g)>.
+  double scale = 0.0;
+  const double lhs = dot(ov, gv, &scale);
+  const double via_x = dot(xv, gxv, &scale);
+  const double via_w = dot(wv, gwv, &scale);
+  const double tol = tolerance(dt) * std::max(scale, 1e-30);
+  CHECK(std::abs(lhs - via_x) <= tol);
+  CHECK(std::abs(lhs - via_w) <= tol);
+
+  if (!check_naive) return;
+  const ConvRefs ref = conv_reference(xv, wv, gv, g);
+  check_close(ov, ref.out, dt, "conv2d");
+  check_close(gxv, ref.grad_x, dt, "conv2d_backward_input");
+  check_close(gwv, ref.grad_w, dt, "conv2d_backward_weight");
+}
+
+// --- pooling ---------------------------------------------------------------------------
+
+Pool2dGeometry pool_geometry(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c,
+                             std::int64_t kh, std::int64_t kw, std::int64_t sh, std::int64_t sw,
+                             bool same) {
+  const Conv2dGeometry cg = conv_geometry(n, h, w, c, kh, kw, 1, sh, sw, same);
+  Pool2dGeometry g;
+  g.n = n, g.h = h, g.w = w, g.c = c, g.kh = kh, g.kw = kw, g.oh = cg.oh, g.ow = cg.ow;
+  g.stride_h = sh, g.stride_w = sw, g.pad_top = cg.pad_top, g.pad_left = cg.pad_left;
+  return g;
+}
+
+struct PoolRefs {
+  std::vector<double> max_out, max_grad, avg_out, avg_grad;
+};
+
+PoolRefs pool_reference(const std::vector<double>& x, const std::vector<double>& gout,
+                        const Pool2dGeometry& g) {
+  PoolRefs r;
+  r.max_out.assign(gout.size(), 0.0);
+  r.avg_out.assign(gout.size(), 0.0);
+  r.max_grad.assign(x.size(), 0.0);
+  r.avg_grad.assign(x.size(), 0.0);
+  auto xi = [&](std::int64_t i, std::int64_t iy, std::int64_t ix, std::int64_t ch) {
+    return static_cast<std::size_t>(((i * g.h + iy) * g.w + ix) * g.c + ch);
+  };
+  for (std::int64_t i = 0; i < g.n; ++i)
+    for (std::int64_t oy = 0; oy < g.oh; ++oy)
+      for (std::int64_t ox = 0; ox < g.ow; ++ox)
+        for (std::int64_t ch = 0; ch < g.c; ++ch) {
+          const auto oi = static_cast<std::size_t>(((i * g.oh + oy) * g.ow + ox) * g.c + ch);
+          double best = 0.0, sum = 0.0;
+          std::size_t best_at = 0;
+          std::int64_t count = 0;
+          for (std::int64_t ky = 0; ky < g.kh; ++ky)
+            for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+              const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+              const std::int64_t ix = ox * g.stride_w - g.pad_left + kx;
+              if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+              const double v = x[xi(i, iy, ix, ch)];
+              if (count == 0 || v > best) {
+                best = v;
+                best_at = xi(i, iy, ix, ch);
+              }
+              sum += v;
+              ++count;
+            }
+          if (count == 0) continue;  // all padding: not produced by these geometries
+          r.max_out[oi] = best;
+          r.max_grad[best_at] += gout[oi];
+          r.avg_out[oi] = sum / static_cast<double>(count);
+          for (std::int64_t ky = 0; ky < g.kh; ++ky)
+            for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+              const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+              const std::int64_t ix = ox * g.stride_w - g.pad_left + kx;
+              if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+              r.avg_grad[xi(i, iy, ix, ch)] += gout[oi] / static_cast<double>(count);
+            }
+        }
+  return r;
+}
+
+void run_pool_case(const Pool2dGeometry& g, DType dt, const Tensor& x) {
+  INFO("pool n " << g.n << " h " << g.h << " w " << g.w << " c " << g.c << " k " << g.kh << "x"
+                 << g.kw << " stride " << g.stride_h << "x" << g.stride_w << " pad "
+                 << g.pad_top << "," << g.pad_left << " out " << g.oh << "x" << g.ow);
+  const Tensor gout = random({g.n, g.oh, g.ow, g.c}, dt);
+  const Tensor max_out = empty_poisoned({g.n, g.oh, g.ow, g.c}, dt);
+  const Tensor avg_out = empty_poisoned({g.n, g.oh, g.ow, g.c}, dt);
+  const Tensor max_grad = empty_poisoned({g.n, g.h, g.w, g.c}, dt);
+  const Tensor avg_grad = empty_poisoned({g.n, g.h, g.w, g.c}, dt);
+  const auto cpu = DeviceType::CPU;
+  find_kernel<kernels::Pool2dFn>(OpId::max_pool2d, cpu, dt)(x, max_out, g);
+  find_kernel<kernels::Pool2dFn>(OpId::avg_pool2d, cpu, dt)(x, avg_out, g);
+  find_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cpu, dt)(x, gout, max_grad,
+                                                                             g);
+  find_kernel<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, cpu, dt)(x, gout, avg_grad,
+                                                                             g);
+  const PoolRefs ref = pool_reference(values(x), values(gout), g);
+  const auto mo = values(max_out);
+  CHECK(mo == ref.max_out);  // a max is one of the inputs: exact
+  check_close(mo, ref.max_out, dt, "max_pool2d");
+  check_close(values(max_grad), ref.max_grad, dt, "max_pool2d_backward");
+  check_close(values(avg_out), ref.avg_out, dt, "avg_pool2d");
+  check_close(values(avg_grad), ref.avg_grad, dt, "avg_pool2d_backward");
+}
+
+}  // namespace
+
+TEST_CASE("cpu matmul matches a naive loop for every transpose and dtype", "[gemm]") {
+  const std::vector<std::vector<std::int64_t>> sizes = {
+      {1, 1, 1}, {3, 17, 5}, {17, 3, 65}, {65, 17, 3}, {1, 65, 17}, {17, 1, 3}, {64, 65, 33}};
+  for (DType dt : kFloatTypes)
+    for (const auto& s : sizes)
+      for (int t = 0; t < 4; ++t)
+        run_gemm_case({1, s[0], s[1], s[2], (t & 1) != 0, (t & 2) != 0, 0, 0, 0, false, false},
+                      dt);
+}
+
+TEST_CASE("cpu matmul honours leading dimensions and batch strides", "[gemm]") {
+  for (DType dt : kFloatTypes)
+    for (int t = 0; t < 4; ++t) {
+      const bool ta = (t & 1) != 0, tb = (t & 2) != 0;
+      run_gemm_case({3, 17, 5, 65, ta, tb, 3, 1, 2, false, false}, dt);  // padded ld
+      run_gemm_case({4, 5, 17, 3, ta, tb, 0, 0, 0, true, false}, dt);   // shared A
+      run_gemm_case({4, 17, 3, 5, ta, tb, 0, 0, 0, false, true}, dt);   // shared B
+      run_gemm_case({3, 17, 3, 5, ta, tb, 2, 0, 1, false, true}, dt);   // shared B, padded
+      run_gemm_case({2, 3, 5, 17, ta, tb, 0, 0, 0, true, true}, dt);    // both shared
+      run_gemm_case({5, 1, 1, 17, ta, tb, 0, 0, 0, false, false}, dt);  // batched dots
+    }
+}
+
+TEST_CASE("cpu matmul with k == 0 writes zeros", "[gemm]") {
+  for (DType dt : kFloatTypes) {
+    GemmArgs g;
+    g.batch = 2, g.m = 3, g.n = 4, g.k = 0;
+    g.lda = 1, g.ldb = 4, g.ldc = 4, g.stride_a = 0, g.stride_b = 0, g.stride_c = 12;
+    g.a = random({1}, dt);
+    g.b = random({1}, dt);
+    g.out = empty_poisoned({24}, dt);
+    find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt)(g);
+    CHECK(values(g.out) == std::vector<double>(24, 0.0));
+  }
+}
+
+TEST_CASE("cpu matmul of a larger float32 product (threaded BLAS)", "[gemm]") {
+  for (DType dt : {kFloat32, kFloat16})
+    run_gemm_case({1, 130, 257, 200, false, true, 0, 0, 0, false, false}, dt);
+}
+
+TEST_CASE("cpu conv2d forward and backward match naive loops", "[conv]") {
+  const std::vector<Conv2dGeometry> geoms = {
+      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, true),    // same, stride 1
+      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, false),   // valid
+      conv_geometry(1, 9, 8, 1, 3, 2, 3, 2, 2, true),    // c = 1, kh != kw, stride 2, same
+      conv_geometry(2, 9, 10, 2, 2, 3, 3, 2, 1, false),  // mixed strides, valid
+      conv_geometry(3, 5, 5, 4, 1, 1, 3, 1, 1, false),   // pointwise (no im2col)
+      conv_geometry(2, 6, 7, 3, 1, 1, 2, 2, 2, false),   // 1x1 stride 2
+      conv_geometry(1, 4, 4, 2, 5, 5, 3, 1, 1, true),    // kernel larger than the image
+      conv_geometry(4, 16, 16, 8, 3, 3, 5, 1, 1, true),  // large enough to run threaded
+  };
+  for (DType dt : kFloatTypes)
+    for (const auto& g : geoms) run_conv_case(g, dt);
+}
+
+TEST_CASE("cpu conv2d processes large inputs in chunks of output rows", "[conv]") {
+  // An output row's column entries are ~58 KB (float32), so the 4 MB column buffer takes
+  // ~70 rows at a time: chunks end mid-image and the weight gradient accumulates.
+  run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kFloat32);
+  run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kBFloat16);
+  run_conv_case(conv_geometry(2, 150, 150, 16, 3, 3, 2, 2, 2, true), kFloat64);
+}
+
+TEST_CASE("cpu pooling forward and backward match naive loops", "[pool]") {
+  const std::vector<Pool2dGeometry> geoms = {
+      pool_geometry(2, 6, 6, 3, 2, 2, 2, 2, false),    // 2x2 / 2, valid
+      pool_geometry(2, 7, 7, 3, 2, 2, 2, 2, true),     // odd size, same (pads bottom/right)
+      pool_geometry(2, 7, 8, 5, 3, 3, 2, 2, true),     // 3x3 / 2, same
+      pool_geometry(1, 6, 5, 1, 3, 3, 1, 1, true),     // 3x3 / 1, same (overlapping)
+      pool_geometry(2, 8, 9, 2, 2, 3, 1, 2, false),    // kh != kw, mixed strides
+      pool_geometry(4, 16, 16, 40, 3, 3, 1, 1, true),  // threaded
+  };
+  for (DType dt : kFloatTypes)
+    for (const auto& g : geoms) run_pool_case(g, dt, random({g.n, g.h, g.w, g.c}, dt));
+}
+
+TEST_CASE("cpu max pool routes ties to the first maximum of the window", "[pool]") {
+  for (DType dt : kFloatTypes) {
+    const Pool2dGeometry g = pool_geometry(2, 5, 5, 3, 3, 3, 1, 1, true);
+    run_pool_case(g, dt, full({g.n, g.h, g.w, g.c}, 0.5, dt));
+    // Few distinct values: many ties between windows' candidates.
+    Tensor coarse = random({g.n, g.h, g.w, g.c}, kFloat64, 0.0, 3.0);
+    for (std::int64_t i = 0; i < coarse.numel(); ++i)
+      coarse.data<double>()[i] = std::floor(coarse.data<double>()[i]);
+    const auto cv = values(coarse);
+    run_pool_case(g, dt, from_vector(cv, coarse.shape(), dt));
+  }
+}
