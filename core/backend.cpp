@@ -4,6 +4,8 @@
 #include <array>
 #include <mutex>
 
+#include <spdlog/spdlog.h>
+
 #include "core/registry_init.h"
 #include "mixtape/core/error.h"
 
@@ -22,6 +24,8 @@ void ensure_backends() { std::call_once(g_init, register_builtin_backends); }
 
 void register_backend(std::unique_ptr<Backend> backend) {
   const auto t = static_cast<std::size_t>(backend->type());
+  spdlog::debug("mixtape: {} backend registered ({} device(s))", backend->name(),
+                backend->device_count());
   backends()[t] = std::move(backend);
 }
 

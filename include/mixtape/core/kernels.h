@@ -36,8 +36,9 @@ using WhereFn = void(const Tensor& cond, const Tensor& a, const Tensor& b, const
 
 // Reductions (sum, mean, max, min, argmax) over the middle extent of x viewed as
 // [outer, n, inner] (x contiguous); out is contiguous with outer*inner elements, in x's
-// dtype (argmax: int64, the first index of the maximum). Accumulation is float32 for
-// reduced floats (float64 for float64). Keyed on x's dtype. n >= 1.
+// dtype (argmax: int64, the first index of the maximum). Accumulation is at least float32
+// for float32 and the reduced floats (the CPU backend uses float64), float64 for
+// float64. Keyed on x's dtype. n >= 1.
 using ReduceFn = void(const Tensor& x, std::int64_t outer, std::int64_t n, std::int64_t inner,
                       const Tensor& out);
 
