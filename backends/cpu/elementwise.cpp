@@ -7,54 +7,28 @@
 // row in chunks of at most kBlock; inner strides of 0 or 1 get dedicated (vectorisable)
 // loops, other strides are gathered into a buffer first.
 //
-// float32 exp, tanh and sigmoid use the branch-free exp_f32 / tanh_f32 below (<= 1.6 ulp)
-// so that their loops vectorise; log, erf, gelu (erfc), pow and all float64 math call the
-// C library per element, and sqrt / rsqrt do not vectorise while math-errno is on.
+// float32 exp, tanh and sigmoid use the branch-free exp_f32 (cpu_util.h) / tanh_f32 below
+// (<= 1.6 ulp) so that their loops vectorise; log, erf, gelu (erfc), pow and all float64
+// math call the C library per element; sqrt / rsqrt vectorise as the library is built with
+// -fno-math-errno.
 //
 // Integer semantics: add/sub/mul/neg/abs wrap modulo 2^bits (no UB on overflow); div
 // truncates toward zero, and x / 0 is defined as 0 (no trap); INT_MIN / -1 wraps to
 // INT_MIN. Float maximum/minimum propagate NaN (as numpy does).
-#include <omp.h>
-
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
-#include "backends/cpu/cpu_backend.h"
-#include "mixtape/core/half.h"
+#include "backends/cpu/cpu_util.h"
 
 namespace mixtape::cpu {
 namespace {
 
 using std::int64_t;
-
-// Elements per chunk; also the size of the float32 stack buffers.
-constexpr int64_t kBlock = 1024;
-
-template <typename T>
-constexpr bool kReduced = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
-// The type the math runs in.
-template <typename T>
-using compute_t = std::conditional_t<kReduced<T>, float, T>;
-
-void to_float(const half* s, float* d, int64_t n) {
-  convert_half_to_float(s, d, static_cast<std::size_t>(n));
-}
-void to_float(const bfloat16* s, float* d, int64_t n) {
-  convert_bfloat16_to_float(s, d, static_cast<std::size_t>(n));
-}
-void from_float(const float* s, half* d, int64_t n) {
-  convert_float_to_half(s, d, static_cast<std::size_t>(n));
-}
-void from_float(const float* s, bfloat16* d, int64_t n) {
-  convert_float_to_bfloat16(s, d, static_cast<std::size_t>(n));
-}
 
 // --- Strided iteration -----------------------------------------------------------------
 
@@ -103,91 +77,34 @@ void for_each_chunk(const Layout<K>& l, Body&& body) {
   const int64_t per_row = (inner + kBlock - 1) / kBlock;
   const int64_t units = n / inner * per_row;
   const std::array<int64_t, K>& is = l.strides[r - 1];
-  const int nt = n > kParallelGrain ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    const int64_t t = omp_get_thread_num(), tn = omp_get_num_threads();
-    const int64_t u0 = units * t / tn, u1 = units * (t + 1) / tn;
-    if (u0 < u1) {
-      std::vector<int64_t> idx(static_cast<std::size_t>(r - 1));
-      std::array<int64_t, K> base{};
-      int64_t rem = u0 / per_row, chunk = u0 % per_row;
-      for (int d = r - 2; d >= 0; --d) {
-        idx[d] = rem % l.shape[d];
-        rem /= l.shape[d];
-        for (int k = 0; k < K; ++k) base[k] += idx[d] * l.strides[d][k];
-      }
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t start = chunk * kBlock;
-        std::array<int64_t, K> offs;
-        for (int k = 0; k < K; ++k) offs[k] = base[k] + start * is[k];
-        body(offs, is, std::min(kBlock, inner - start));
-        if (++chunk == per_row) {  // next row: advance the outer counter
-          chunk = 0;
-          for (int d = r - 2; d >= 0; --d) {
-            for (int k = 0; k < K; ++k) base[k] += l.strides[d][k];
-            if (++idx[d] < l.shape[d]) break;
-            for (int k = 0; k < K; ++k) base[k] -= l.shape[d] * l.strides[d][k];
-            idx[d] = 0;
-          }
+  parallel_ranges(n, units, [&](int64_t u0, int64_t u1) {
+    std::vector<int64_t> idx(static_cast<std::size_t>(r - 1));
+    std::array<int64_t, K> base{};
+    int64_t rem = u0 / per_row, chunk = u0 % per_row;
+    for (int d = r - 2; d >= 0; --d) {
+      idx[d] = rem % l.shape[d];
+      rem /= l.shape[d];
+      for (int k = 0; k < K; ++k) base[k] += idx[d] * l.strides[d][k];
+    }
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t start = chunk * kBlock;
+      std::array<int64_t, K> offs;
+      for (int k = 0; k < K; ++k) offs[k] = base[k] + start * is[k];
+      body(offs, is, std::min(kBlock, inner - start));
+      if (++chunk == per_row) {  // next row: advance the outer counter
+        chunk = 0;
+        for (int d = r - 2; d >= 0; --d) {
+          for (int k = 0; k < K; ++k) base[k] += l.strides[d][k];
+          if (++idx[d] < l.shape[d]) break;
+          for (int k = 0; k < K; ++k) base[k] -= l.shape[d] * l.strides[d][k];
+          idx[d] = 0;
         }
       }
     }
-  }
+  });
 }
 
-// Runs body(begin, end) over [0, n) in blocks of kBlock, in parallel for large n.
-template <typename Body>
-void parallel_blocks(int64_t n, Body&& body) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (n > kParallelGrain)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t begin = blk * kBlock;
-    body(begin, std::min(n, begin + kBlock));
-  }
-}
-
-// --- float32 math that vectorises -------------------------------------------------------
-// Written so that GCC vectorises loops over it without -ffast-math: no calls, no branches,
-// and no float operation whose result feeds only one arm of a ?: (GCC sinks it into a
-// branch, which blocks if-conversion); such selects are bit blends instead. float64 uses
-// the C library.
-
-// c ? a : b through bit masks (both a and b are computed).
-template <typename T>
-T blend(bool c, T a, T b) {
-  using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-  const U m = U(0) - static_cast<U>(c);
-  return std::bit_cast<T>((std::bit_cast<U>(a) & m) | (std::bit_cast<U>(b) & ~m));
-}
-
-// exp(x) = 2^k exp(r): k = round(x / ln2), read from the bits of x / ln2 + 1.5 * 2^23 (no
-// float -> int conversion, so no undefined behaviour for any x); r = x - k ln2 with ln2
-// split in two so that k * hi is exact; exp(r) by its degree-7 Taylor polynomial (|r| <=
-// ln2 / 2: truncation < 1e-8 relative); 2^k applied in two halves so that subnormal
-// results round once. Measured over a sweep of all floats: <= 1.22 ulp. Overflows to inf
-// above ~88.72, underflows to 0 below ~-103.97; NaN stays NaN.
-inline float exp_f32(float x) {
-  const float t = x * 1.44269504088896341f;
-  const std::int32_t k =
-      static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(t + 12582912.0f)) - 0x4B400000;
-  const float kf = static_cast<float>(k);
-  const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const std::int32_t k1 = k >> 1, k2 = k - k1;  // each in [-75, 75] where it matters
-  const float s1 = std::bit_cast<float>(static_cast<std::uint32_t>(k1 + 127) << 23);
-  const float s2 = std::bit_cast<float>(static_cast<std::uint32_t>(k2 + 127) << 23);
-  const float y = p * s1 * s2;  // garbage beyond the range, replaced below
-  const float inf = std::numeric_limits<float>::infinity();
-  return blend(std::isnan(x), x, blend(x > 89.0f, inf, blend(x < -104.0f, 0.0f, y)));
-}
+// --- float32 math that vectorises (see cpu_util.h) ---------------------------------
 
 // tanh: |x| < 0.625: x + x^3 Q(x^2), Q a degree-5 Chebyshev interpolant of
 // (tanh(x) - x) / x^3 (error < 1e-8 relative); otherwise (1 - e) / (1 + e) with
@@ -205,14 +122,6 @@ inline float tanh_f32(float x) {
   const float e = exp_f32(-2.0f * a);
   const float big = std::copysign((1.0f - e) / (1.0f + e), x);
   return blend(a < 0.625f, small, big);  // NaN takes the big path
-}
-
-template <typename T>
-T exp_any(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return exp_f32(x);
-  else
-    return std::exp(x);
 }
 
 // --- Op functors -------------------------------------------------------------------------
@@ -309,12 +218,7 @@ struct Erf {
 struct Add {
   template <typename T>
   T operator()(T a, T b) const {
-    if constexpr (std::is_integral_v<T>) {
-      using U = std::make_unsigned_t<T>;
-      return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-    } else {
-      return a + b;
-    }
+    return wrap_add(a, b);
   }
 };
 struct Sub {

@@ -9,8 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "backends/cpu/cpu_backend.h"
-#include "mixtape/core/half.h"
+#include "backends/cpu/cpu_util.h"
 
 namespace mixtape::cpu {
 namespace {
@@ -18,9 +17,6 @@ namespace {
 using std::int64_t;
 
 constexpr int64_t kCols = 64;  // columns of inner per scatter_add task
-
-template <typename T>
-constexpr bool kReduced = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
 
 // T: an unsigned integer of the item size (gather only moves elements).
 template <typename T>
@@ -42,14 +38,10 @@ void gather_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t 
 // a + b in the dtype (wrapping for integers, through float32 for 16-bit floats).
 template <typename T>
 T add(T a, T b) {
-  if constexpr (kReduced<T>) {
+  if constexpr (kReduced<T>)
     return T(static_cast<float>(a) + static_cast<float>(b));
-  } else if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
-    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-  } else {
-    return a + b;
-  }
+  else
+    return wrap_add(a, b);
 }
 
 template <typename T>
@@ -78,8 +70,7 @@ void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, i
 
 template <typename T>
 void reg(DType dtype) {
-  using Bits = std::conditional_t<sizeof(T) == 2, std::uint16_t,
-                                  std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>>;
+  using Bits = bits_t<sizeof(T)>;
   static_assert(sizeof(Bits) == sizeof(T));
   register_kernel<kernels::GatherFn>(OpId::gather, DeviceType::CPU, dtype, &gather_kernel<Bits>);
   register_kernel<kernels::ScatterAddFn>(OpId::scatter_add, DeviceType::CPU, dtype,

@@ -9,8 +9,6 @@
 //    NaN becomes 0 (C++ leaves both undefined).
 //  - integer -> narrower integer wraps modulo 2^bits (C++20 conversion rules).
 //  - anything -> bool is (x != 0) (NaN is true); bool is stored as one byte, 0 or 1.
-#include <omp.h>
-
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -20,16 +18,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "backends/cpu/cpu_backend.h"
-#include "mixtape/core/half.h"
+#include "backends/cpu/cpu_util.h"
 
 namespace mixtape::cpu {
 namespace {
 
 using std::int64_t;
-
-// Elements per block: cast converts through a float32 stack buffer of this size.
-constexpr int64_t kBlock = 1024;
 
 // The storage type of each dtype; bool is handled as its byte.
 template <DType::Code C>
@@ -72,17 +66,6 @@ using elem_t = typename Elem<C>::type;
 constexpr bool is_reduced(DType::Code c) { return c == DType::Float16 || c == DType::BFloat16; }
 constexpr bool is_float(DType::Code c) {
   return c == DType::Float32 || c == DType::Float64 || is_reduced(c);
-}
-
-// Runs body(begin, end) over [0, n) in blocks of kBlock, in parallel for large n.
-template <typename Body>
-void parallel_blocks(int64_t n, Body&& body) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (n > kParallelGrain)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t begin = blk * kBlock;
-    body(begin, std::min(n, begin + kBlock));
-  }
 }
 
 // --- Scalar conversions ------------------------------------------------------------
@@ -253,38 +236,32 @@ void copy_kernel(const Tensor& src, const Tensor& dst) {
   // General: rows of the innermost dim; each thread walks its rows with a counter.
   const int64_t inner = l.shape[r - 1], is = l.strides[r - 1];
   const int64_t rows = n / inner;
-  const int nt = n > kParallelGrain ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    const int64_t t = omp_get_thread_num(), tn = omp_get_num_threads();
-    const int64_t row0 = rows * t / tn, row1 = rows * (t + 1) / tn;
-    if (row0 < row1) {
-      std::vector<int64_t> idx(static_cast<std::size_t>(r - 1));
-      int64_t rem = row0;
-      for (int k = r - 2; k >= 0; --k) {
-        idx[k] = rem % l.shape[k];
-        rem /= l.shape[k];
+  parallel_ranges(n, rows, [&](int64_t row0, int64_t row1) {
+    std::vector<int64_t> idx(static_cast<std::size_t>(r - 1));
+    int64_t rem = row0;
+    for (int k = r - 2; k >= 0; --k) {
+      idx[k] = rem % l.shape[k];
+      rem /= l.shape[k];
+    }
+    int64_t off = outer_offset(row0, r - 1);
+    for (int64_t row = row0; row < row1; ++row) {
+      T* out = d + row * inner;
+      const T* in = s + off;
+      if (is == 1) {
+        std::memcpy(out, in, static_cast<std::size_t>(inner) * sizeof(T));
+      } else if (is == 0) {
+        std::fill_n(out, inner, *in);
+      } else {
+        for (int64_t i = 0; i < inner; ++i) out[i] = in[i * is];
       }
-      int64_t off = outer_offset(row0, r - 1);
-      for (int64_t row = row0; row < row1; ++row) {
-        T* out = d + row * inner;
-        const T* in = s + off;
-        if (is == 1) {
-          std::memcpy(out, in, static_cast<std::size_t>(inner) * sizeof(T));
-        } else if (is == 0) {
-          std::fill_n(out, inner, *in);
-        } else {
-          for (int64_t i = 0; i < inner; ++i) out[i] = in[i * is];
-        }
-        for (int k = r - 2; k >= 0; --k) {  // advance the outer counter
-          off += l.strides[k];
-          if (++idx[k] < l.shape[k]) break;
-          off -= l.shape[k] * l.strides[k];
-          idx[k] = 0;
-        }
+      for (int k = r - 2; k >= 0; --k) {  // advance the outer counter
+        off += l.strides[k];
+        if (++idx[k] < l.shape[k]) break;
+        off -= l.shape[k] * l.strides[k];
+        idx[k] = 0;
       }
     }
-  }
+  });
 }
 
 // --- fill ------------------------------------------------------------------------------
@@ -306,19 +283,6 @@ void fill_kernel(const Tensor& out, double value) {
 }
 
 // --- cast ------------------------------------------------------------------------------
-
-void to_float(const half* s, float* d, int64_t n) {
-  convert_half_to_float(s, d, static_cast<std::size_t>(n));
-}
-void to_float(const bfloat16* s, float* d, int64_t n) {
-  convert_bfloat16_to_float(s, d, static_cast<std::size_t>(n));
-}
-void from_float(const float* s, half* d, int64_t n) {
-  convert_float_to_half(s, d, static_cast<std::size_t>(n));
-}
-void from_float(const float* s, bfloat16* d, int64_t n) {
-  convert_float_to_bfloat16(s, d, static_cast<std::size_t>(n));
-}
 
 // One block [0, n) of x (dtype S) -> y (dtype D), n <= kBlock.
 template <DType::Code S, DType::Code D>
@@ -383,10 +347,7 @@ void cast_kernel(const Tensor& x, const Tensor& out) {
 // Registers copy, fill and cast for dtype C.
 template <DType::Code C>
 void register_dtype() {
-  using Bits = std::conditional_t<
-      sizeof(elem_t<C>) == 1, std::uint8_t,
-      std::conditional_t<sizeof(elem_t<C>) == 2, std::uint16_t,
-                         std::conditional_t<sizeof(elem_t<C>) == 4, std::uint32_t, std::uint64_t>>>;
+  using Bits = bits_t<sizeof(elem_t<C>)>;
   static_assert(sizeof(Bits) == sizeof(elem_t<C>));
   register_kernel<kernels::CopyFn>(OpId::copy, DeviceType::CPU, DType(C), &copy_kernel<Bits>);
   register_kernel<kernels::FillFn>(OpId::fill, DeviceType::CPU, DType(C), &fill_kernel<C>);

@@ -18,42 +18,22 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
-#include "backends/cpu/cpu_backend.h"
-#include "mixtape/core/half.h"
+#include "backends/cpu/cpu_util.h"
 
 namespace mixtape::cpu {
 namespace {
 
 using std::int64_t;
 
-constexpr int64_t kBlock = 1024;   // conversion buffer size (elements)
+// kBlock (cpu_util.h): conversion buffer size (elements).
 constexpr int64_t kChunk = 16384;  // row elements per task when inner == 1
 constexpr int64_t kCols = 1024;    // columns per task when inner > 1
-
-template <typename T>
-constexpr bool kReduced = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
-template <typename T>
-using compute_t = std::conditional_t<kReduced<T>, float, T>;
-
-void to_float(const half* s, float* d, int64_t n) {
-  convert_half_to_float(s, d, static_cast<std::size_t>(n));
-}
-void to_float(const bfloat16* s, float* d, int64_t n) {
-  convert_bfloat16_to_float(s, d, static_cast<std::size_t>(n));
-}
-void from_float(const float* s, half* d, int64_t n) {
-  convert_float_to_half(s, d, static_cast<std::size_t>(n));
-}
-void from_float(const float* s, bfloat16* d, int64_t n) {
-  convert_float_to_bfloat16(s, d, static_cast<std::size_t>(n));
-}
 
 template <typename C>
 bool is_nan(C v) {
@@ -242,44 +222,7 @@ void reduce_kernel(const Tensor& x, int64_t outer, int64_t n, int64_t inner, con
 
 // --- softmax / log_softmax ------------------------------------------------------------
 
-// float32 exp that vectorises: the same routine as exp_f32 in elementwise.cpp (see there:
-// <= 1.22 ulp, bit blends instead of ?: so that GCC if-converts the loop).
-template <typename T>
-T blend(bool c, T a, T b) {
-  using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
-  const U m = U(0) - static_cast<U>(c);
-  return std::bit_cast<T>((std::bit_cast<U>(a) & m) | (std::bit_cast<U>(b) & ~m));
-}
-
-inline float exp_f32(float x) {
-  const float t = x * 1.44269504088896341f;
-  const std::int32_t k =
-      static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(t + 12582912.0f)) - 0x4B400000;
-  const float kf = static_cast<float>(k);
-  const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const std::int32_t k1 = k >> 1, k2 = k - k1;
-  const float s1 = std::bit_cast<float>(static_cast<std::uint32_t>(k1 + 127) << 23);
-  const float s2 = std::bit_cast<float>(static_cast<std::uint32_t>(k2 + 127) << 23);
-  const float y = p * s1 * s2;
-  const float inf = std::numeric_limits<float>::infinity();
-  return blend(std::isnan(x), x, blend(x > 89.0f, inf, blend(x < -104.0f, 0.0f, y)));
-}
-
-template <typename C>
-C exp_any(C x) {
-  if constexpr (std::is_same_v<C, float>)
-    return exp_f32(x);
-  else
-    return std::exp(x);
-}
+// exp_any (cpu_util.h): float32 through the vectorising exp_f32.
 
 // One row in compute type C (y may alias x): m = max, e = exp(x - m) a block at a time
 // into a stack buffer, summed in float64 lanes; then y = e / sum, or (x - m) - log(sum)
