@@ -15,10 +15,14 @@ using namespace mixtape;
 
 DType dtype_from_index(std::int64_t i) {
   switch (i) {
-    case 1: return kFloat16;
-    case 2: return kBFloat16;
-    case 3: return kFloat64;
-    default: return kFloat32;
+    case 1:
+      return kFloat16;
+    case 2:
+      return kBFloat16;
+    case 3:
+      return kFloat64;
+    default:
+      return kFloat32;
   }
 }
 
@@ -45,11 +49,11 @@ void BM_CpuMatmul(benchmark::State& state) {
       benchmark::Counter::kIsRate);
 }
 
+// The dtypes of one size run back to back, so their ratio sees the same machine state.
 void MatmulArgs(benchmark::internal::Benchmark* b) {
-  for (std::int64_t dt = 0; dt < 3; ++dt) {
-    b->Args({128, 784, 512, dt});
-    b->Args({128, 512, 512, dt});
-    b->Args({2048, 2048, 2048, dt});
+  for (std::int64_t size : {0, 1, 2}) {
+    const std::int64_t mkn[3][3] = {{128, 784, 512}, {128, 512, 512}, {2048, 2048, 2048}};
+    for (std::int64_t dt = 0; dt < 3; ++dt) b->Args({mkn[size][0], mkn[size][1], mkn[size][2], dt});
   }
 }
 BENCHMARK(BM_CpuMatmul)
@@ -109,8 +113,8 @@ void BM_CpuConv2dBackward(benchmark::State& state) {
   const Tensor gout = uniform({g.n, g.oh, g.ow, g.cout}, -1.0, 1.0, dt);
   const Tensor gx = Tensor::empty({g.n, g.h, g.w, g.c}, dt);
   const Tensor gw = Tensor::empty({g.kh, g.kw, g.c, g.cout}, dt);
-  auto* bwd_x = find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input,
-                                                            DeviceType::CPU, dt);
+  auto* bwd_x =
+      find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, DeviceType::CPU, dt);
   auto* bwd_w = find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight,
                                                              DeviceType::CPU, dt);
   bwd_x(gout, w, gx, g);  // warm-up
@@ -125,10 +129,8 @@ void BM_CpuConv2dBackward(benchmark::State& state) {
 }
 
 void ConvArgs(benchmark::internal::Benchmark* b) {
-  for (std::int64_t dt = 0; dt < 2; ++dt) {
-    b->Args({28, 1, 32, dt});
-    b->Args({14, 32, 64, dt});
-  }
+  for (std::int64_t dt = 0; dt < 2; ++dt) b->Args({28, 1, 32, dt});
+  for (std::int64_t dt = 0; dt < 2; ++dt) b->Args({14, 32, 64, dt});
 }
 BENCHMARK(BM_CpuConv2dForward)
     ->Apply(ConvArgs)

@@ -1,8 +1,7 @@
 // CPU matmul, conv2d and pooling kernels, called straight through the dispatch table and
 // checked against naive double-precision loops.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -57,8 +56,8 @@ Tensor empty_poisoned(const Shape& shape, DType dt) {
 std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }
 
 // Checks |actual - expected| <= tol * max|expected| everywhere (NaN fails).
-void check_close(const std::vector<double>& actual, const std::vector<double>& expected,
-                 DType dt, const std::string& what) {
+void check_close(const std::vector<double>& actual, const std::vector<double>& expected, DType dt,
+                 const std::string& what) {
   REQUIRE(actual.size() == expected.size());
   double scale = 0.0;
   for (double e : expected) scale = std::max(scale, std::abs(e));
@@ -76,8 +75,8 @@ void check_close(const std::vector<double>& actual, const std::vector<double>& e
       worst_at = i;
     }
   }
-  INFO(what << " dtype " << std::string(dt.name()) << ": max error " << worst << " at "
-            << worst_at << " (scale " << scale << "), NaNs " << nans);
+  INFO(what << " dtype " << std::string(dt.name()) << ": max error " << worst << " at " << worst_at
+            << " (scale " << scale << "), NaNs " << nans);
   CHECK(nans == 0);
   CHECK(worst <= tolerance(dt) * scale);
 }
@@ -136,9 +135,8 @@ void run_gemm_case(const GemmCase& cs, DType dt) {
       }
     }
   }
-  INFO("batch " << cs.batch << " m " << cs.m << " n " << cs.n << " k " << cs.k << " ta "
-                << cs.ta << " tb " << cs.tb << " share_a " << cs.share_a << " share_b "
-                << cs.share_b);
+  INFO("batch " << cs.batch << " m " << cs.m << " n " << cs.n << " k " << cs.k << " ta " << cs.ta
+                << " tb " << cs.tb << " share_a " << cs.share_a << " share_b " << cs.share_b);
   CHECK(pad_written == 0);
   check_close(got, want, dt, "matmul");
 }
@@ -148,8 +146,8 @@ void run_gemm_case(const GemmCase& cs, DType dt) {
 // Geometry with TF-style "same" (ceil(in / stride), padding split top/left-first) or
 // "valid" padding.
 Conv2dGeometry conv_geometry(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c,
-                             std::int64_t kh, std::int64_t kw, std::int64_t cout,
-                             std::int64_t sh, std::int64_t sw, bool same) {
+                             std::int64_t kh, std::int64_t kw, std::int64_t cout, std::int64_t sh,
+                             std::int64_t sw, bool same) {
   Conv2dGeometry g;
   g.n = n, g.h = h, g.w = w, g.c = c, g.kh = kh, g.kw = kw, g.cout = cout;
   g.stride_h = sh, g.stride_w = sw;
@@ -226,10 +224,9 @@ void run_conv_case(const Conv2dGeometry& g, DType dt, bool check_naive = true) {
   const Tensor gw = empty_poisoned({g.kh, g.kw, g.c, g.cout}, dt);
   const auto cpu = DeviceType::CPU;
   find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, out, g);
-  find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(gout, w, gx,
-                                                                                   g);
-  find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt)(x, gout,
-                                                                                     gw, g);
+  find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(gout, w, gx, g);
+  find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt)(x, gout, gw,
+                                                                                      g);
   const auto xv = values(x), wv = values(w), gv = values(gout);
   const auto ov = values(out), gxv = values(gx), gwv = values(gw);
 
@@ -313,8 +310,8 @@ PoolRefs pool_reference(const std::vector<double>& x, const std::vector<double>&
 
 void run_pool_case(const Pool2dGeometry& g, DType dt, const Tensor& x) {
   INFO("pool n " << g.n << " h " << g.h << " w " << g.w << " c " << g.c << " k " << g.kh << "x"
-                 << g.kw << " stride " << g.stride_h << "x" << g.stride_w << " pad "
-                 << g.pad_top << "," << g.pad_left << " out " << g.oh << "x" << g.ow);
+                 << g.kw << " stride " << g.stride_h << "x" << g.stride_w << " pad " << g.pad_top
+                 << "," << g.pad_left << " out " << g.oh << "x" << g.ow);
   const Tensor gout = random({g.n, g.oh, g.ow, g.c}, dt);
   const Tensor max_out = empty_poisoned({g.n, g.oh, g.ow, g.c}, dt);
   const Tensor avg_out = empty_poisoned({g.n, g.oh, g.ow, g.c}, dt);
@@ -323,10 +320,8 @@ void run_pool_case(const Pool2dGeometry& g, DType dt, const Tensor& x) {
   const auto cpu = DeviceType::CPU;
   find_kernel<kernels::Pool2dFn>(OpId::max_pool2d, cpu, dt)(x, max_out, g);
   find_kernel<kernels::Pool2dFn>(OpId::avg_pool2d, cpu, dt)(x, avg_out, g);
-  find_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cpu, dt)(x, gout, max_grad,
-                                                                             g);
-  find_kernel<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, cpu, dt)(x, gout, avg_grad,
-                                                                             g);
+  find_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cpu, dt)(x, gout, max_grad, g);
+  find_kernel<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, cpu, dt)(x, gout, avg_grad, g);
   const PoolRefs ref = pool_reference(values(x), values(gout), g);
   const auto mo = values(max_out);
   CHECK(mo == ref.max_out);  // a max is one of the inputs: exact
@@ -344,8 +339,7 @@ TEST_CASE("cpu matmul matches a naive loop for every transpose and dtype", "[gem
   for (DType dt : kFloatTypes)
     for (const auto& s : sizes)
       for (int t = 0; t < 4; ++t)
-        run_gemm_case({1, s[0], s[1], s[2], (t & 1) != 0, (t & 2) != 0, 0, 0, 0, false, false},
-                      dt);
+        run_gemm_case({1, s[0], s[1], s[2], (t & 1) != 0, (t & 2) != 0, 0, 0, 0, false, false}, dt);
 }
 
 TEST_CASE("cpu matmul honours leading dimensions and batch strides", "[gemm]") {
@@ -353,11 +347,11 @@ TEST_CASE("cpu matmul honours leading dimensions and batch strides", "[gemm]") {
     for (int t = 0; t < 4; ++t) {
       const bool ta = (t & 1) != 0, tb = (t & 2) != 0;
       run_gemm_case({3, 17, 5, 65, ta, tb, 3, 1, 2, false, false}, dt);  // padded ld
-      run_gemm_case({4, 5, 17, 3, ta, tb, 0, 0, 0, true, false}, dt);   // shared A
-      run_gemm_case({4, 17, 3, 5, ta, tb, 0, 0, 0, false, true}, dt);   // shared B
-      run_gemm_case({3, 17, 3, 5, ta, tb, 2, 0, 1, false, true}, dt);   // shared B, padded
-      run_gemm_case({2, 3, 5, 17, ta, tb, 0, 0, 0, true, true}, dt);    // both shared
-      run_gemm_case({5, 1, 1, 17, ta, tb, 0, 0, 0, false, false}, dt);  // batched dots
+      run_gemm_case({4, 5, 17, 3, ta, tb, 0, 0, 0, true, false}, dt);    // shared A
+      run_gemm_case({4, 17, 3, 5, ta, tb, 0, 0, 0, false, true}, dt);    // shared B
+      run_gemm_case({3, 17, 3, 5, ta, tb, 2, 0, 1, false, true}, dt);    // shared B, padded
+      run_gemm_case({2, 3, 5, 17, ta, tb, 0, 0, 0, true, true}, dt);     // both shared
+      run_gemm_case({5, 1, 1, 17, ta, tb, 0, 0, 0, false, false}, dt);   // batched dots
     }
 }
 
@@ -374,21 +368,30 @@ TEST_CASE("cpu matmul with k == 0 writes zeros", "[gemm]") {
   }
 }
 
-TEST_CASE("cpu matmul of a larger float32 product (threaded BLAS)", "[gemm]") {
+TEST_CASE("cpu matmul of a larger product (threaded BLAS)", "[gemm]") {
   for (DType dt : {kFloat32, kFloat16})
     run_gemm_case({1, 130, 257, 200, false, true, 0, 0, 0, false, false}, dt);
 }
 
 TEST_CASE("cpu conv2d forward and backward match naive loops", "[conv]") {
+  // Windows of up to 48 taps (kh*kw*c) take the direct path, larger ones im2col + GEMM.
   const std::vector<Conv2dGeometry> geoms = {
-      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, true),    // same, stride 1
-      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, false),   // valid
-      conv_geometry(1, 9, 8, 1, 3, 2, 3, 2, 2, true),    // c = 1, kh != kw, stride 2, same
-      conv_geometry(2, 9, 10, 2, 2, 3, 3, 2, 1, false),  // mixed strides, valid
-      conv_geometry(3, 5, 5, 4, 1, 1, 3, 1, 1, false),   // pointwise (no im2col)
-      conv_geometry(2, 6, 7, 3, 1, 1, 2, 2, 2, false),   // 1x1 stride 2
-      conv_geometry(1, 4, 4, 2, 5, 5, 3, 1, 1, true),    // kernel larger than the image
-      conv_geometry(4, 16, 16, 8, 3, 3, 5, 1, 1, true),  // large enough to run threaded
+      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, true),     // same, stride 1 (direct)
+      conv_geometry(2, 7, 6, 6, 3, 3, 4, 1, 1, true),     // same, stride 1 (GEMM)
+      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, false),    // valid (direct)
+      conv_geometry(2, 7, 6, 7, 3, 3, 3, 1, 1, false),    // valid (GEMM)
+      conv_geometry(1, 9, 8, 1, 3, 2, 3, 2, 2, true),     // c = 1, kh != kw, stride 2, same
+      conv_geometry(2, 13, 11, 1, 8, 7, 3, 2, 2, true),   // c = 1, kh != kw, stride 2 (GEMM)
+      conv_geometry(2, 9, 10, 2, 2, 3, 3, 2, 1, false),   // mixed strides, valid (direct)
+      conv_geometry(2, 9, 10, 9, 2, 3, 3, 2, 1, false),   // mixed strides, valid (GEMM)
+      conv_geometry(3, 5, 5, 4, 1, 1, 3, 1, 1, false),    // pointwise (direct)
+      conv_geometry(3, 5, 5, 50, 1, 1, 3, 1, 1, false),   // pointwise (GEMM, no im2col)
+      conv_geometry(2, 6, 7, 3, 1, 1, 2, 2, 2, false),    // 1x1 stride 2 (direct)
+      conv_geometry(2, 6, 7, 49, 1, 1, 2, 2, 2, false),   // 1x1 stride 2 (GEMM)
+      conv_geometry(1, 4, 4, 1, 5, 5, 3, 1, 1, true),     // kernel larger than the image
+      conv_geometry(1, 4, 4, 2, 5, 5, 3, 1, 1, true),     // the same through GEMM
+      conv_geometry(4, 16, 16, 8, 3, 3, 5, 1, 1, true),   // threaded / large (GEMM)
+      conv_geometry(4, 16, 16, 3, 3, 3, 40, 1, 1, true),  // threaded, cout > 32 (direct)
   };
   for (DType dt : kFloatTypes)
     for (const auto& g : geoms) run_conv_case(g, dt);

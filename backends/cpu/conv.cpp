@@ -7,17 +7,17 @@
 //   forward          out   = col x W
 //   backward weight  dW    = col^T x dOut
 //   backward input   dCol  = dOut x W^T, folded back onto the image (col2im)
-// The batch is processed in chunks so the column buffer stays bounded. float16 and
-// bfloat16 tensors are converted to float32 in bulk, computed in float32 and rounded
-// back; float64 computes in float64 (dgemm).
+// The output rows are processed in chunks so the column buffer stays small (and in
+// cache). Windows with few taps (kh*kw*c <= kDirectMaxTaps, e.g. a first layer on 1-3
+// channels) skip the GEMM: forward and backward weight are direct loops there.
+// float16 and bfloat16 tensors are converted to float32 in bulk, computed in float32 and
+// rounded back; float64 computes in float64 (dgemm).
 #include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <new>
 #include <type_traits>
 
@@ -60,14 +60,16 @@ struct Scratch {
   }
 };
 
-// Scratch slots of the calling thread: the column matrix and up to three converted
-// tensors of the reduced-precision wrappers.
+// Scratch slots of the calling thread: the column matrix (or the direct path's partial
+// sums), up to three converted tensors of the reduced-precision wrappers (slots 1-3), and
+// a float32 output chunk awaiting conversion.
 template <typename C>
 Scratch<C>& scratch(int slot) {
-  thread_local Scratch<C> slots[4];
+  thread_local Scratch<C> slots[5];
   return slots[slot];
 }
 constexpr int kColSlot = 0;
+constexpr int kOutChunkSlot = 4;
 
 // The column buffer holds at most this many bytes (but at least one output row): small
 // enough to stay in cache between im2col and the GEMM that reads it.
@@ -88,16 +90,16 @@ inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int
                       const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
                       float beta, float* c, std::int64_t ldc) {
   cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f,
-              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
               static_cast<blasint>(ldc));
 }
 inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
                       const double* a, std::int64_t lda, const double* b, std::int64_t ldb,
                       double beta, double* c, std::int64_t ldc) {
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0,
-              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
               static_cast<blasint>(ldc));
 }
 
@@ -140,8 +142,8 @@ void convert(const S* s, D* d, std::int64_t count) {
 struct TapRange {
   std::int64_t lo, hi;
 };
-inline TapRange tap_range(std::int64_t o, std::int64_t stride, std::int64_t pad,
-                          std::int64_t taps, std::int64_t size) {
+inline TapRange tap_range(std::int64_t o, std::int64_t stride, std::int64_t pad, std::int64_t taps,
+                          std::int64_t size) {
   const std::int64_t start = o * stride - pad;
   const std::int64_t lo = std::clamp<std::int64_t>(-start, 0, taps);
   const std::int64_t hi = std::clamp<std::int64_t>(size - start, lo, taps);
@@ -219,24 +221,324 @@ std::int64_t chunk_rows(const Conv2dGeometry& g) {
   return std::clamp<std::int64_t>(fit, 1, std::max<std::int64_t>(g.n * g.oh, 1));
 }
 
-// --- Convolution on compute-type buffers (float or double) ---------------------------
+// --- Direct convolution for small windows --------------------------------------------
+//
+// With few taps per output (kh*kw*c small, e.g. a first layer on 1-3 channels) a GEMM
+// spends its time packing, so these loops go straight from x to the output instead,
+// vectorised over cout. They run on OpenMP threads (no BLAS call is involved) and come
+// in an AVX2 build picked at run time.
+
+constexpr std::int64_t kDirectMaxTaps = 48;  // kh*kw*c at or below which conv is direct
+constexpr std::int64_t kOutBlock = 32;       // output channels kept in registers
+
+#define MIXTAPE_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// 32-byte vectors (one AVX register; two SSE registers in the baseline build): V for
+// values, U for unaligned, aliasing views of memory (loads and stores).
+template <typename C>
+struct VecTypes;
+template <>
+struct VecTypes<float> {
+  typedef float V __attribute__((vector_size(32)));
+  typedef float U __attribute__((vector_size(32), aligned(4), may_alias));
+};
+template <>
+struct VecTypes<double> {
+  typedef double V __attribute__((vector_size(32)));
+  typedef double U __attribute__((vector_size(32), aligned(8), may_alias));
+};
+template <typename C>
+using Vec = typename VecTypes<C>::V;
+template <typename C>
+using VecU = typename VecTypes<C>::U;
+template <typename C>
+constexpr std::int64_t kLanes = 32 / static_cast<std::int64_t>(sizeof(C));
 
 template <typename C>
-void conv_forward(const C* x, const C* w, C* out, const Conv2dGeometry& g) {
+MIXTAPE_ALWAYS_INLINE const VecU<C>* vec_at(const C* p) {
+  return reinterpret_cast<const VecU<C>*>(p);
+}
+template <typename C>
+MIXTAPE_ALWAYS_INLINE VecU<C>* vec_at(C* p) {
+  return reinterpret_cast<VecU<C>*>(p);
+}
+
+// Calls f(xs, tap) for each in-image tap (ky, kx) of output pixel (oy, ox): xs points at
+// the c input channels, tap = ky * kw + kx.
+template <typename C, typename F>
+MIXTAPE_ALWAYS_INLINE void for_each_tap(const C* img, std::int64_t oy, std::int64_t ox,
+                                        const Conv2dGeometry& g, F&& f) {
+  const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+  const TapRange tx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+  for (std::int64_t ky = ty.lo; ky < ty.hi; ++ky) {
+    const std::int64_t iy = oy * g.stride_h - g.pad_top + ky;
+    const C* xrow = img + (iy * g.w + ox * g.stride_w - g.pad_left) * g.c;
+    for (std::int64_t kx = tx.lo; kx < tx.hi; ++kx) f(xrow + kx * g.c, ky * g.kw + kx);
+  }
+}
+
+// o[0:kOutBlock] = the output channels [co0, co0 + kOutBlock) of pixel (oy, ox), with the
+// accumulators in registers.
+template <typename C>
+MIXTAPE_ALWAYS_INLINE void direct_pixel_block(const C* img, const C* w, C* o, std::int64_t co0,
+                                              std::int64_t oy, std::int64_t ox,
+                                              const Conv2dGeometry& g) {
+  using V = Vec<C>;
+  constexpr std::int64_t kVecs = kOutBlock / kLanes<C>;
+  V acc[kVecs];
+  for (auto& a : acc) a = V{};
+  for_each_tap(img, oy, ox, g, [&](const C* xs, std::int64_t tap) {
+    const C* wk = w + tap * g.c * g.cout + co0;
+    for (std::int64_t ci = 0; ci < g.c; ++ci) {
+      const V xv = V{} + xs[ci];
+      const C* wr = wk + ci * g.cout;
+      for (std::int64_t j = 0; j < kVecs; ++j) acc[j] += xv * vec_at(wr)[j];
+    }
+  });
+  for (std::int64_t j = 0; j < kVecs; ++j) vec_at(o)[j] = acc[j];
+}
+
+// The last, narrower block of output channels [co0, cout).
+template <typename C>
+MIXTAPE_ALWAYS_INLINE void direct_pixel_tail(const C* img, const C* w, C* o, std::int64_t co0,
+                                             std::int64_t oy, std::int64_t ox,
+                                             const Conv2dGeometry& g) {
+  const std::int64_t width = g.cout - co0;
+  std::fill(o, o + width, C(0));
+  for_each_tap(img, oy, ox, g, [&](const C* xs, std::int64_t tap) {
+    const C* wk = w + tap * g.c * g.cout + co0;
+    for (std::int64_t ci = 0; ci < g.c; ++ci) {
+      const C xv = xs[ci];
+      const C* wr = wk + ci * g.cout;
+      for (std::int64_t j = 0; j < width; ++j) o[j] += xv * wr[j];
+    }
+  });
+}
+
+// Output rows [r0, r1); out points at row r0's output.
+template <typename C>
+MIXTAPE_ALWAYS_INLINE void direct_forward_rows_impl(const C* x, const C* w, C* out,
+                                                    const Conv2dGeometry& g, std::int64_t r0,
+                                                    std::int64_t r1) {
+  for (std::int64_t r = r0; r < r1; ++r) {
+    const std::int64_t i = r / g.oh, oy = r % g.oh;
+    const C* img = x + i * g.h * g.w * g.c;
+    for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+      C* o = out + ((r - r0) * g.ow + ox) * g.cout;
+      std::int64_t co0 = 0;
+      for (; co0 + kOutBlock <= g.cout; co0 += kOutBlock)
+        direct_pixel_block(img, w, o + co0, co0, oy, ox, g);
+      if (co0 < g.cout) direct_pixel_tail(img, w, o + co0, co0, oy, ox, g);
+    }
+  }
+}
+
+// acc[tap, co] += x * grad_out over output rows [r0, r1) (acc is kdim x cout); the output
+// gradient of each pixel is held in registers a block of kOutBlock channels at a time.
+template <typename C>
+MIXTAPE_ALWAYS_INLINE void direct_weight_rows_impl(const C* x, const C* grad_out, C* acc,
+                                                   const Conv2dGeometry& g, std::int64_t r0,
+                                                   std::int64_t r1) {
+  using V = Vec<C>;
+  constexpr std::int64_t kVecs = kOutBlock / kLanes<C>;
+  for (std::int64_t r = r0; r < r1; ++r) {
+    const std::int64_t i = r / g.oh, oy = r % g.oh;
+    const C* img = x + i * g.h * g.w * g.c;
+    for (std::int64_t ox = 0; ox < g.ow; ++ox) {
+      const C* go = grad_out + (r * g.ow + ox) * g.cout;
+      std::int64_t co0 = 0;
+      for (; co0 + kOutBlock <= g.cout; co0 += kOutBlock) {
+        V gv[kVecs];
+        for (std::int64_t j = 0; j < kVecs; ++j) gv[j] = vec_at(go + co0)[j];
+        for_each_tap(img, oy, ox, g, [&](const C* xs, std::int64_t tap) {
+          C* ak = acc + tap * g.c * g.cout + co0;
+          for (std::int64_t ci = 0; ci < g.c; ++ci) {
+            const V xv = V{} + xs[ci];
+            VecU<C>* ar = vec_at(ak + ci * g.cout);
+            for (std::int64_t j = 0; j < kVecs; ++j) ar[j] += xv * gv[j];
+          }
+        });
+      }
+      if (co0 == g.cout) continue;
+      const std::int64_t width = g.cout - co0;
+      for_each_tap(img, oy, ox, g, [&](const C* xs, std::int64_t tap) {
+        C* ak = acc + tap * g.c * g.cout + co0;
+        for (std::int64_t ci = 0; ci < g.c; ++ci) {
+          const C xv = xs[ci];
+          C* ar = ak + ci * g.cout;
+          for (std::int64_t j = 0; j < width; ++j) ar[j] += xv * go[co0 + j];
+        }
+      });
+    }
+  }
+}
+
+template <typename C>
+void direct_forward_rows(const C* x, const C* w, C* out, const Conv2dGeometry& g, std::int64_t r0,
+                         std::int64_t r1) {
+  direct_forward_rows_impl(x, w, out, g, r0, r1);
+}
+template <typename C>
+void direct_weight_rows(const C* x, const C* grad_out, C* acc, const Conv2dGeometry& g,
+                        std::int64_t r0, std::int64_t r1) {
+  direct_weight_rows_impl(x, grad_out, acc, g, r0, r1);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename C>
+__attribute__((target("avx2,fma"))) void direct_forward_rows_avx2(const C* x, const C* w, C* out,
+                                                                  const Conv2dGeometry& g,
+                                                                  std::int64_t r0,
+                                                                  std::int64_t r1) {
+  direct_forward_rows_impl(x, w, out, g, r0, r1);
+}
+template <typename C>
+__attribute__((target("avx2,fma"))) void direct_weight_rows_avx2(const C* x, const C* grad_out,
+                                                                 C* acc, const Conv2dGeometry& g,
+                                                                 std::int64_t r0, std::int64_t r1) {
+  direct_weight_rows_impl(x, grad_out, acc, g, r0, r1);
+}
+inline bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+template <typename C>
+using ForwardRowsFn = void (*)(const C*, const C*, C*, const Conv2dGeometry&, std::int64_t,
+                               std::int64_t);
+template <typename C>
+using WeightRowsFn = void (*)(const C*, const C*, C*, const Conv2dGeometry&, std::int64_t,
+                              std::int64_t);
+
+template <typename C>
+ForwardRowsFn<C> forward_rows_fn() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_avx2()) return &direct_forward_rows_avx2<C>;
+#endif
+  return &direct_forward_rows<C>;
+}
+template <typename C>
+WeightRowsFn<C> weight_rows_fn() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_avx2()) return &direct_weight_rows_avx2<C>;
+#endif
+  return &direct_weight_rows<C>;
+}
+
+inline bool use_direct(const Conv2dGeometry& g) { return g.kh * g.kw * g.c <= kDirectMaxTaps; }
+
+// Thread t of nt takes output rows [lo, hi).
+inline void split_rows(std::int64_t rows, int t, int nt, std::int64_t& lo, std::int64_t& hi) {
+  lo = rows * t / nt;
+  hi = rows * (t + 1) / nt;
+}
+
+inline int threads_for(std::int64_t work) { return work > kParallelGrain ? max_threads() : 1; }
+inline int thread_num() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+// O is the output's storage type: C, or float16 / bfloat16 for a float32 computation, in
+// which case each thread converts its rows a few at a time while they are in cache.
+template <typename C, typename O>
+void direct_forward(const C* x, const C* w, O* out, const Conv2dGeometry& g) {
+  const ForwardRowsFn<C> fn = forward_rows_fn<C>();
+  const std::int64_t rows = g.n * g.oh, row_len = g.ow * g.cout;
+  const int nt = threads_for(rows * g.ow * g.cout * g.kh * g.kw * g.c);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    std::int64_t lo, hi;
+    split_rows(rows, thread_num(), team_size(), lo, hi);
+    if constexpr (std::is_same_v<O, C>) {
+      fn(x, w, out + lo * row_len, g, lo, hi);
+    } else {
+      thread_local Scratch<C> buf;
+      // Rows per conversion: about 8192 elements, within L1/L2.
+      const std::int64_t block =
+          std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(row_len, 1));
+      C* b = buf.get(block * row_len);
+      for (std::int64_t r = lo; r < hi; r += block) {
+        const std::int64_t re = std::min(hi, r + block);
+        fn(x, w, b, g, r, re);
+        convert(b, out + r * row_len, (re - r) * row_len);
+      }
+    }
+  }
+}
+
+template <typename C>
+void direct_backward_weight(const C* x, const C* grad_out, C* grad_w, const Conv2dGeometry& g) {
+  const WeightRowsFn<C> fn = weight_rows_fn<C>();
+  const std::int64_t rows = g.n * g.oh, w_n = g.kh * g.kw * g.c * g.cout;
+  const int nt = threads_for(rows * g.ow * g.cout * g.kh * g.kw * g.c);
+  // One partial sum per thread (the first is grad_w itself), added up at the end.
+  C* partials = scratch<C>(kColSlot).get(std::max(nt - 1, 1) * w_n);
+  int used = 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int t = thread_num(), tn = team_size();
+#pragma omp single
+    used = tn;
+    C* acc = t == 0 ? grad_w : partials + (t - 1) * w_n;
+    std::fill(acc, acc + w_n, C(0));
+    std::int64_t lo, hi;
+    split_rows(rows, t, tn, lo, hi);
+    fn(x, grad_out, acc, g, lo, hi);
+  }
+  for (int t = 1; t < used; ++t) {
+    const C* p = partials + (t - 1) * w_n;
+    for (std::int64_t j = 0; j < w_n; ++j) grad_w[j] += p[j];
+  }
+}
+
+// --- Convolution on compute-type buffers (float or double) ---------------------------
+
+// O is the output's storage type (C, or a 16-bit type converted to chunk by chunk).
+template <typename C, typename O>
+void conv_forward(const C* x, const C* w, O* out, const Conv2dGeometry& g) {
+  constexpr bool kSame = std::is_same_v<O, C>;
   const std::int64_t pixels = g.oh * g.ow, kdim = g.kh * g.kw * g.c;
   const std::int64_t out_n = g.n * pixels * g.cout;
   if (out_n == 0) return;
-  if (kdim == 0) return std::fill(out, out + out_n, C(0));
-  if (is_pointwise(g))
-    return blas_gemm(false, false, g.n * pixels, g.cout, kdim, x, kdim, w, g.cout, C(0), out,
-                     g.cout);
+  if (kdim == 0) return std::fill(out, out + out_n, O(0.0f));
+  if (use_direct(g)) return direct_forward(x, w, out, g);
+  const bool pointwise = is_pointwise(g);
+  if constexpr (kSame) {
+    if (pointwise)
+      return blas_gemm(false, false, g.n * pixels, g.cout, kdim, x, kdim, w, g.cout, C(0), out,
+                       g.cout);
+  }
   const std::int64_t rows = g.n * g.oh, chunk = chunk_rows<C>(g);
-  C* col = scratch<C>(kColSlot).get(chunk * g.ow * kdim);
+  C* col = pointwise ? nullptr : scratch<C>(kColSlot).get(chunk * g.ow * kdim);
+  C* tmp = kSame ? nullptr : scratch<C>(kOutChunkSlot).get(chunk * g.ow * g.cout);
   for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const std::int64_t r1 = std::min(rows, r0 + chunk);
-    im2col(x, r0, r1, g, col);
-    blas_gemm(false, false, (r1 - r0) * g.ow, g.cout, kdim, col, kdim, w, g.cout, C(0),
-              out + r0 * g.ow * g.cout, g.cout);
+    const C* a = x + r0 * g.ow * kdim;  // pointwise: x is the col matrix
+    if (!pointwise) {
+      im2col(x, r0, r1, g, col);
+      a = col;
+    }
+    O* dst = out + r0 * g.ow * g.cout;
+    if constexpr (kSame) {
+      blas_gemm(false, false, (r1 - r0) * g.ow, g.cout, kdim, a, kdim, w, g.cout, C(0), dst,
+                g.cout);
+    } else {
+      blas_gemm(false, false, (r1 - r0) * g.ow, g.cout, kdim, a, kdim, w, g.cout, C(0), tmp,
+                g.cout);
+      convert(tmp, dst, (r1 - r0) * g.ow * g.cout);
+    }
   }
 }
 
@@ -254,8 +556,8 @@ void conv_backward_input(const C* grad_out, const C* w, C* grad_x, const Conv2dG
   C* col = scratch<C>(kColSlot).get(chunk * g.ow * kdim);
   for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const std::int64_t r1 = std::min(rows, r0 + chunk);
-    blas_gemm(false, true, (r1 - r0) * g.ow, kdim, g.cout, grad_out + r0 * g.ow * g.cout,
-              g.cout, w, g.cout, C(0), col, kdim);
+    blas_gemm(false, true, (r1 - r0) * g.ow, kdim, g.cout, grad_out + r0 * g.ow * g.cout, g.cout, w,
+              g.cout, C(0), col, kdim);
     col2im_add(col, r0, r1, g, grad_x);
   }
 }
@@ -266,6 +568,7 @@ void conv_backward_weight(const C* x, const C* grad_out, C* grad_w, const Conv2d
   const std::int64_t w_n = kdim * g.cout;
   if (w_n == 0) return;
   if (g.n == 0 || pixels == 0) return std::fill(grad_w, grad_w + w_n, C(0));
+  if (use_direct(g)) return direct_backward_weight(x, grad_out, grad_w, g);
   if (is_pointwise(g))
     return blas_gemm(true, false, kdim, g.cout, g.n * pixels, x, kdim, grad_out, g.cout, C(0),
                      grad_w, g.cout);
@@ -274,8 +577,8 @@ void conv_backward_weight(const C* x, const C* grad_out, C* grad_w, const Conv2d
   for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const std::int64_t r1 = std::min(rows, r0 + chunk);
     im2col(x, r0, r1, g, col);
-    blas_gemm(true, false, kdim, g.cout, (r1 - r0) * g.ow, col, kdim,
-              grad_out + r0 * g.ow * g.cout, g.cout, r0 == 0 ? C(0) : C(1), grad_w, g.cout);
+    blas_gemm(true, false, kdim, g.cout, (r1 - r0) * g.ow, col, kdim, grad_out + r0 * g.ow * g.cout,
+              g.cout, r0 == 0 ? C(0) : C(1), grad_w, g.cout);
   }
 }
 
@@ -483,9 +786,7 @@ void store(const compute_t<T>* buf, const Tensor& t) {
 
 template <typename T>
 void conv2d(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
-  auto* o = output<T>(out, 3);
-  conv_forward(input<T>(x, 1), input<T>(w, 2), o, g);
-  store<T>(o, out);
+  conv_forward(input<T>(x, 1), input<T>(w, 2), static_cast<T*>(out.data_ptr()), g);
 }
 
 template <typename T>

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
-#include <type_traits>
 
 #include "backends/cpu/cpu_backend.h"
 #include "mixtape/core/half.h"
@@ -70,19 +69,19 @@ void convert(const S* s, D* d, std::int64_t count) {
 
 // One row-major BLAS gemm call: C = op(A) x op(B) (beta = 0).
 inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
-                      const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
-                      float* c, std::int64_t ldc) {
+                      const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                      std::int64_t ldc) {
   cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f,
-              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0f, c,
               static_cast<blasint>(ldc));
 }
 inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
                       const double* a, std::int64_t lda, const double* b, std::int64_t ldb,
                       double* c, std::int64_t ldc) {
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0,
-              a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0, c,
+              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0, a,
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), 0.0, c,
               static_cast<blasint>(ldc));
 }
 
@@ -102,8 +101,8 @@ struct Plan {
 // Makes leading dimensions acceptable to BLAS (a one-row matrix may carry any ld) and
 // folds a batch that shares B into one taller GEMM when A and C are evenly strided.
 Plan normalize(const GemmArgs& g) {
-  Plan p{g.batch, g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldc,
-         g.stride_a, g.stride_b, g.stride_c};
+  Plan p{g.batch, g.m,   g.n,   g.k,        g.trans_a,  g.trans_b,
+         g.lda,   g.ldb, g.ldc, g.stride_a, g.stride_b, g.stride_c};
   if (p.rows_a() <= 1) p.lda = std::max(p.lda, p.cols_a());
   if (p.rows_b() <= 1) p.ldb = std::max(p.ldb, p.cols_b());
   if (p.m <= 1) p.ldc = std::max(p.ldc, p.n);
@@ -138,8 +137,8 @@ void gemm_native(const GemmArgs& g) {
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
   for (std::int64_t bi = 0; bi < p.batch; ++bi)
-    blas_gemm(p.ta, p.tb, p.m, p.n, p.k, a + bi * p.sa, p.lda, b + bi * p.sb, p.ldb,
-              c + bi * p.sc, p.ldc);
+    blas_gemm(p.ta, p.tb, p.m, p.n, p.k, a + bi * p.sa, p.lda, b + bi * p.sb, p.ldb, c + bi * p.sc,
+              p.ldc);
 }
 
 // Converts `count` matrices of rows x cols (leading dimension ld, batch stride stride) to
