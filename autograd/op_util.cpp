@@ -17,7 +17,8 @@ std::string describe(const std::vector<Tensor>& ts) {
 
 void check_inputs(const char* op, const std::vector<Tensor>& ts) {
   for (std::size_t i = 0; i < ts.size(); ++i)
-    if (!ts[i].defined()) throw ValueError(fmt::format("{}: input {} is an undefined tensor", op, i));
+    if (!ts[i].defined())
+      throw ValueError(fmt::format("{}: input {} is an undefined tensor", op, i));
   for (const auto& t : ts)
     if (t.device() != ts.front().device())
       throw DeviceError(fmt::format("{}: inputs are on different devices: {}", op, describe(ts)));
@@ -55,8 +56,10 @@ Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keepdims)
   std::vector<std::int64_t> dims;
   for (std::size_t i = 0; i < s.rank(); ++i) {
     const bool reduced = std::find(axes.begin(), axes.end(), static_cast<int>(i)) != axes.end();
-    if (!reduced) dims.push_back(s[i]);
-    else if (keepdims) dims.push_back(1);
+    if (!reduced)
+      dims.push_back(s[i]);
+    else if (keepdims)
+      dims.push_back(1);
   }
   return Shape(std::move(dims));
 }

@@ -59,9 +59,11 @@ Tensor add(const Tensor& a, const Tensor& b) {
   Tensor ac, bc;
   Tensor y = binary_forward(OpId::add, a, b, ac, bc);
   if (should_record({ac, bc}))
-    record_op("add", {ac, bc}, y, [sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
-      return Grads{needs[0] ? sum_to(g, sa) : Tensor(), needs[1] ? sum_to(g, sb) : Tensor()};
-    });
+    record_op(
+        "add", {ac, bc}, y,
+        [sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
+          return Grads{needs[0] ? sum_to(g, sa) : Tensor(), needs[1] ? sum_to(g, sb) : Tensor()};
+        });
   return y;
 }
 
@@ -69,9 +71,11 @@ Tensor sub(const Tensor& a, const Tensor& b) {
   Tensor ac, bc;
   Tensor y = binary_forward(OpId::sub, a, b, ac, bc);
   if (should_record({ac, bc}))
-    record_op("sub", {ac, bc}, y, [sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
-      return Grads{needs[0] ? sum_to(g, sa) : Tensor(), needs[1] ? sum_to(neg(g), sb) : Tensor()};
-    });
+    record_op("sub", {ac, bc}, y,
+              [sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
+                return Grads{needs[0] ? sum_to(g, sa) : Tensor(),
+                             needs[1] ? sum_to(neg(g), sb) : Tensor()};
+              });
   return y;
 }
 
@@ -104,12 +108,13 @@ Tensor extremum(OpId op, const Tensor& a, const Tensor& b) {
   Tensor ac, bc;
   Tensor y = binary_forward(op, a, b, ac, bc);
   if (should_record({ac, bc}))
-    record_op(op_name(op), {ac, bc}, y, [op, ac, bc](const Tensor& g, const std::vector<bool>& needs) {
-      Tensor a_wins = op == OpId::maximum ? greater_equal(ac, bc) : less_equal(ac, bc);
-      Tensor zero = detail::scalar_like(0.0, g);
-      return Grads{needs[0] ? sum_to(where(a_wins, g, zero), ac.shape()) : Tensor(),
-                   needs[1] ? sum_to(where(a_wins, zero, g), bc.shape()) : Tensor()};
-    });
+    record_op(op_name(op), {ac, bc}, y,
+              [op, ac, bc](const Tensor& g, const std::vector<bool>& needs) {
+                Tensor a_wins = op == OpId::maximum ? greater_equal(ac, bc) : less_equal(ac, bc);
+                Tensor zero = detail::scalar_like(0.0, g);
+                return Grads{needs[0] ? sum_to(where(a_wins, g, zero), ac.shape()) : Tensor(),
+                             needs[1] ? sum_to(where(a_wins, zero, g), bc.shape()) : Tensor()};
+              });
   return y;
 }
 }  // namespace
@@ -234,8 +239,8 @@ Tensor greater_equal(const Tensor& a, const Tensor& b) { return compare(OpId::ge
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::check_inputs("where", {cond, a, b});
   if (cond.dtype() != kBool)
-    throw DTypeError(fmt::format("where: the condition must be bool; got {}",
-                                 detail::describe({cond, a, b})));
+    throw DTypeError(
+        fmt::format("where: the condition must be bool; got {}", detail::describe({cond, a, b})));
   const DType dt = promote_types(a.dtype(), b.dtype());
   const Shape shape =
       broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
@@ -246,11 +251,13 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
     kernel(detail::broadcast_view(cond, shape), detail::broadcast_view(ac, shape),
            detail::broadcast_view(bc, shape), out);
   if (should_record({ac, bc}))
-    record_op("where", {ac, bc}, out, [cond, sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
-      Tensor zero = detail::scalar_like(0.0, g);
-      return Grads{needs[0] ? sum_to(where(cond, g, zero), sa) : Tensor(),
-                   needs[1] ? sum_to(where(cond, zero, g), sb) : Tensor()};
-    });
+    record_op(
+        "where", {ac, bc}, out,
+        [cond, sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
+          Tensor zero = detail::scalar_like(0.0, g);
+          return Grads{needs[0] ? sum_to(where(cond, g, zero), sa) : Tensor(),
+                       needs[1] ? sum_to(where(cond, zero, g), sb) : Tensor()};
+        });
   return out;
 }
 

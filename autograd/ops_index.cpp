@@ -67,9 +67,10 @@ Tensor gather(const Tensor& x, const Tensor& index, int axis) {
   Tensor out = Tensor::empty(index.shape(), x.dtype(), x.device());
   if (out.numel() > 0) kernel(detail::contiguous_raw(x), idx, s.outer, s.n, s.k, s.inner, out);
   if (should_record({x}))
-    record_op("gather", {x}, out, [idx, shape = x.shape(), a](const Tensor& g, const std::vector<bool>&) {
-      return Grads{gather_backward(g, idx, shape, a)};
-    });
+    record_op("gather", {x}, out,
+              [idx, shape = x.shape(), a](const Tensor& g, const std::vector<bool>&) {
+                return Grads{gather_backward(g, idx, shape, a)};
+              });
   return out;
 }
 

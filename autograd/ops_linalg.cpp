@@ -74,7 +74,8 @@ GemmOperand prepare(const Tensor& t, const std::vector<std::int64_t>& batch, std
 Tensor matmul(const Tensor& a, const Tensor& b) {
   detail::check_inputs("matmul", {a, b});
   if (a.rank() < 2 || b.rank() < 2)
-    throw ShapeError(fmt::format("matmul: operands need rank >= 2; got {}", detail::describe({a, b})));
+    throw ShapeError(
+        fmt::format("matmul: operands need rank >= 2; got {}", detail::describe({a, b})));
   const std::int64_t m = a.dim(-2), k = a.dim(-1), n = b.dim(-1);
   if (b.dim(-2) != k)
     throw ShapeError(fmt::format("matmul: inner dimensions do not match: {} x {} ({} != {})",

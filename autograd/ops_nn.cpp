@@ -28,8 +28,10 @@ Window window(const char* op, std::int64_t in, std::int64_t k, std::int64_t stri
   Window w;
   if (p == Padding::Valid) {
     if (in < k)
-      throw ShapeError(fmt::format("{}: window {} is larger than the input extent {} with 'valid' "
-                                   "padding; inputs: {}", op, k, in, detail::describe(inputs)));
+      throw ShapeError(
+          fmt::format("{}: window {} is larger than the input extent {} with 'valid' "
+                      "padding; inputs: {}",
+                      op, k, in, detail::describe(inputs)));
     w.out = (in - k) / stride + 1;
   } else {
     w.out = (in + stride - 1) / stride;
@@ -41,9 +43,11 @@ Window window(const char* op, std::int64_t in, std::int64_t k, std::int64_t stri
 
 void check_nhwc(const char* op, const Tensor& x, const std::vector<Tensor>& inputs) {
   if (x.rank() != 4)
-    throw ShapeError(fmt::format("{}: input must be NHWC (rank 4); got {}", op, detail::describe(inputs)));
+    throw ShapeError(
+        fmt::format("{}: input must be NHWC (rank 4); got {}", op, detail::describe(inputs)));
   if (!x.dtype().is_floating())
-    throw DTypeError(fmt::format("{}: needs a floating dtype; got {}", op, detail::describe(inputs)));
+    throw DTypeError(
+        fmt::format("{}: needs a floating dtype; got {}", op, detail::describe(inputs)));
 }
 
 }  // namespace
@@ -63,10 +67,11 @@ Tensor conv_forward(const Tensor& x, const Tensor& w, const kernels::Conv2dGeome
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.cout}, xc.dtype(), xc.device());
   if (out.numel() > 0) kernel(xc, wc, out, g);
   if (should_record({xc, wc}))
-    record_op("conv2d", {xc, wc}, out, [xc, wc, g](const Tensor& dy, const std::vector<bool>& needs) {
-      return Grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
-                   needs[1] ? conv_weight_grad(xc, dy, g) : Tensor()};
-    });
+    record_op("conv2d", {xc, wc}, out,
+              [xc, wc, g](const Tensor& dy, const std::vector<bool>& needs) {
+                return Grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
+                             needs[1] ? conv_weight_grad(xc, dy, g) : Tensor()};
+              });
   return out;
 }
 
@@ -107,8 +112,10 @@ Tensor conv2d(const Tensor& x, const Tensor& filters, std::array<std::int64_t, 2
   detail::check_inputs("conv2d", {x, filters});
   check_nhwc("conv2d", x, {x, filters});
   if (filters.rank() != 4 || filters.dim(2) != x.dim(3))
-    throw ShapeError(fmt::format("conv2d: filters must be [kh, kw, {}, cout] for input channels {}; "
-                                 "got {}", x.dim(3), x.dim(3), detail::describe({x, filters})));
+    throw ShapeError(
+        fmt::format("conv2d: filters must be [kh, kw, {}, cout] for input channels {}; "
+                    "got {}",
+                    x.dim(3), x.dim(3), detail::describe({x, filters})));
   const DType dt = promote_types(x.dtype(), filters.dtype());
   detail::kernel_for<kernels::Conv2dFn>(OpId::conv2d, dt, {x, filters});  // fail early
   kernels::Conv2dGeometry g;
@@ -140,8 +147,8 @@ Tensor avg_pool_forward(const Tensor& x, const kernels::Pool2dGeometry& g);
 // The adjoint of average pooling (linear in dy); its own adjoint is average pooling.
 Tensor avg_pool_backward(const Tensor& dy, const kernels::Pool2dGeometry& g) {
   Tensor dyc = contiguous(dy);
-  auto* kernel = detail::kernel_for<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward,
-                                                               dyc.dtype(), {dyc});
+  auto* kernel =
+      detail::kernel_for<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, dyc.dtype(), {dyc});
   Tensor dx = Tensor::empty(Shape{g.n, g.h, g.w, g.c}, dyc.dtype(), dyc.device());
   if (dx.numel() > 0) kernel(dx, dyc, dx, g);  // x's values are not read
   if (should_record({dyc}))
@@ -183,8 +190,8 @@ Tensor gather_window_max(const Tensor& x, const Tensor& v, const kernels::Pool2d
               idx[at++] = inside ? ((b * g.h + y) * g.w + xx) * g.c + ch : n_x;  // n_x: padding
             }
   Tensor index = from_vector(idx, Shape{windows, k}, kInt64, x.device());
-  Tensor x_ext = concat({reshape(detach(x), Shape{n_x}),
-                         full(Shape{1}, -HUGE_VAL, x.dtype(), x.device())}, 0);
+  Tensor x_ext =
+      concat({reshape(detach(x), Shape{n_x}), full(Shape{1}, -HUGE_VAL, x.dtype(), x.device())}, 0);
   Tensor patches = reshape(gather(x_ext, reshape(index, Shape{windows * k}), 0), Shape{windows, k});
   Tensor winner = gather(index, unsqueeze(argmax(patches, 1), 1), 1);  // flat positions
   Tensor picked = gather(reshape(v, Shape{n_x}), reshape(winner, Shape{windows}), 0);
@@ -194,8 +201,8 @@ Tensor gather_window_max(const Tensor& x, const Tensor& v, const kernels::Pool2d
 // Routes dy to each window's first maximum of x. Linear in dy; piecewise constant in x.
 Tensor max_pool_backward(const Tensor& x, const Tensor& dy, const kernels::Pool2dGeometry& g) {
   Tensor dyc = contiguous(dy);
-  auto* kernel = detail::kernel_for<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward,
-                                                               x.dtype(), {x, dyc});
+  auto* kernel =
+      detail::kernel_for<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, x.dtype(), {x, dyc});
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (dx.numel() > 0) kernel(x, dyc, dx, g);
   if (should_record({dyc}))

@@ -61,13 +61,14 @@ Tensor extremum(OpId op, const Tensor& x, const std::vector<int>& axes_in, bool 
   std::vector<int> axes;
   Tensor y = reduce(op, x, axes_in, keepdims, &axes);
   if (should_record({x}))
-    record_op(op_name(op), {x}, y, [x, y, axes, keepdims](const Tensor& g, const std::vector<bool>&) {
-      const Shape kept = detail::reduced_shape(x.shape(), axes, true);
-      Tensor yk = reshape(y, kept);
-      Tensor mask = cast(equal(x, yk), x.dtype());
-      Tensor count = sum(mask, axes, true);
-      return Grads{mask * (reshape(g, kept) / count)};
-    });
+    record_op(op_name(op), {x}, y,
+              [x, y, axes, keepdims](const Tensor& g, const std::vector<bool>&) {
+                const Shape kept = detail::reduced_shape(x.shape(), axes, true);
+                Tensor yk = reshape(y, kept);
+                Tensor mask = cast(equal(x, yk), x.dtype());
+                Tensor count = sum(mask, axes, true);
+                return Grads{mask * (reshape(g, kept) / count)};
+              });
   return y;
 }
 
@@ -119,8 +120,9 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
   if (x.shape() == shape) return x;
   const std::size_t r = x.rank(), tr = shape.rank();
   if (tr > r)
-    throw ShapeError(fmt::format("sum_to: cannot sum a tensor of shape {} to the larger rank shape {}",
-                                 x.shape().str(), shape.str()));
+    throw ShapeError(
+        fmt::format("sum_to: cannot sum a tensor of shape {} to the larger rank shape {}",
+                    x.shape().str(), shape.str()));
   std::vector<int> axes;
   for (std::size_t i = 0; i < r; ++i) {
     if (i < r - tr) {
@@ -130,8 +132,8 @@ Tensor sum_to(const Tensor& x, const Shape& shape) {
     const std::int64_t want = shape[i - (r - tr)];
     if (want == x.shape()[i]) continue;
     if (want != 1)
-      throw ShapeError(fmt::format("sum_to: shape {} does not broadcast to {}", shape.str(),
-                                   x.shape().str()));
+      throw ShapeError(
+          fmt::format("sum_to: shape {} does not broadcast to {}", shape.str(), x.shape().str()));
     axes.push_back(static_cast<int>(i));
   }
   if (axes.empty()) return reshape(x, shape);
@@ -145,8 +147,8 @@ namespace {
 Tensor rows_forward(OpId op, const Tensor& x, int axis) {
   detail::check_inputs(op_name(op), {x});
   if (x.rank() == 0)
-    throw ShapeError(fmt::format("{}: needs a tensor of rank >= 1; got {}", op_name(op),
-                                 detail::describe({x})));
+    throw ShapeError(
+        fmt::format("{}: needs a tensor of rank >= 1; got {}", op_name(op), detail::describe({x})));
   const int a = normalize_axis(axis, x.rank(), op_name(op));
   auto* kernel = detail::kernel_for<kernels::RowFn>(op, x.dtype(), {x});
   const int last = static_cast<int>(x.rank()) - 1;

@@ -37,7 +37,8 @@ Tensor contiguous(const Tensor& x) {
   if (x.is_contiguous()) return x;
   Tensor y = detail::contiguous_raw(x);
   if (should_record({x}))
-    record_op("contiguous", {x}, y, [](const Tensor& g, const std::vector<bool>&) { return Grads{g}; });
+    record_op("contiguous", {x}, y,
+              [](const Tensor& g, const std::vector<bool>&) { return Grads{g}; });
   return y;
 }
 
@@ -56,7 +57,8 @@ Tensor reshape(const Tensor& x, const Shape& shape_in) {
   }
   for (std::size_t i = 0; i < dims.size(); ++i) {
     if (dims[i] == -1) {
-      if (infer >= 0) throw ShapeError(fmt::format("reshape: more than one -1 in {}", shape_in.str()));
+      if (infer >= 0)
+        throw ShapeError(fmt::format("reshape: more than one -1 in {}", shape_in.str()));
       infer = static_cast<int>(i);
     } else {
       known *= dims[i];
@@ -64,8 +66,9 @@ Tensor reshape(const Tensor& x, const Shape& shape_in) {
   }
   if (infer >= 0) {
     if (known == 0 || x.numel() % known != 0)
-      throw ShapeError(fmt::format("reshape: cannot reshape a tensor of shape {} ({} elements) to {}",
-                                   x.shape().str(), x.numel(), shape_in.str()));
+      throw ShapeError(
+          fmt::format("reshape: cannot reshape a tensor of shape {} ({} elements) to {}",
+                      x.shape().str(), x.numel(), shape_in.str()));
     dims[static_cast<std::size_t>(infer)] = x.numel() / known;
   }
   Shape shape(dims);
@@ -94,8 +97,9 @@ Tensor permute(const Tensor& x, const std::vector<int>& axes) {
   std::sort(sorted.begin(), sorted.end());
   for (std::size_t i = 0; i < sorted.size(); ++i)
     if (sorted[i] != static_cast<int>(i))
-      throw ValueError(fmt::format("permute: [{}] is not a permutation of the axes of a tensor of shape {}",
-                                   fmt::join(axes, ", "), x.shape().str()));
+      throw ValueError(
+          fmt::format("permute: [{}] is not a permutation of the axes of a tensor of shape {}",
+                      fmt::join(axes, ", "), x.shape().str()));
   std::vector<std::int64_t> dims(perm.size());
   Strides strides(perm.size());
   std::vector<int> inverse(perm.size());
@@ -142,12 +146,13 @@ Tensor slice_backward(const Tensor& g, const Shape& shape, int axis, std::int64_
   Tensor out = zeros(shape, g.dtype(), g.device());
   Tensor src = detail::contiguous_raw(g);
   if (src.numel() > 0)
-    detail::kernel_for<kernels::ScatterAddFn>(OpId::scatter_add, g.dtype(), {g})(
-        src, index, outer, n, k, inner, out);
+    detail::kernel_for<kernels::ScatterAddFn>(OpId::scatter_add, g.dtype(), {g})(src, index, outer,
+                                                                                 n, k, inner, out);
   if (should_record({g}))
-    record_op("slice_backward", {g}, out, [axis, start, step, k](const Tensor& gg, const std::vector<bool>&) {
-      return Grads{slice(gg, axis, start, start + k * step, step)};
-    });
+    record_op("slice_backward", {g}, out,
+              [axis, start, step, k](const Tensor& gg, const std::vector<bool>&) {
+                return Grads{slice(gg, axis, start, start + k * step, step)};
+              });
   return out;
 }
 }  // namespace
@@ -171,9 +176,10 @@ Tensor slice(const Tensor& x, int axis, std::int64_t start, std::int64_t stop, s
   strides[static_cast<std::size_t>(a)] *= step;
   Tensor y = Tensor::view_of(x, Shape(dims), strides, offset);
   if (should_record({x}))
-    record_op("slice", {x}, y, [shape = x.shape(), a, b, step](const Tensor& g, const std::vector<bool>&) {
-      return Grads{slice_backward(g, shape, a, b, step)};
-    });
+    record_op("slice", {x}, y,
+              [shape = x.shape(), a, b, step](const Tensor& g, const std::vector<bool>&) {
+                return Grads{slice_backward(g, shape, a, b, step)};
+              });
   return y;
 }
 
@@ -256,13 +262,15 @@ Tensor concat(const std::vector<Tensor>& xs, int axis) {
     }
   }
   if (should_record(parts))
-    record_op("concat", parts, out, [parts, starts, a](const Tensor& g, const std::vector<bool>& needs) {
-      Grads grads(parts.size());
-      for (std::size_t i = 0; i < parts.size(); ++i)
-        if (needs[i])
-          grads[i] = slice(g, a, starts[i], starts[i] + parts[i].shape()[static_cast<std::size_t>(a)]);
-      return grads;
-    });
+    record_op(
+        "concat", parts, out, [parts, starts, a](const Tensor& g, const std::vector<bool>& needs) {
+          Grads grads(parts.size());
+          for (std::size_t i = 0; i < parts.size(); ++i)
+            if (needs[i])
+              grads[i] =
+                  slice(g, a, starts[i], starts[i] + parts[i].shape()[static_cast<std::size_t>(a)]);
+          return grads;
+        });
   return out;
 }
 

@@ -91,7 +91,8 @@ void GradientTape::reset() {
   impl_->consumed = false;
 }
 
-std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vector<Variable>& sources,
+std::vector<Tensor> GradientTape::gradient(const Tensor& target,
+                                           const std::vector<Variable>& sources,
                                            const Tensor& output_gradient) {
   return gradient(target, std::vector<Tensor>(sources.begin(), sources.end()), output_gradient);
 }
@@ -168,9 +169,9 @@ std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vect
         Tensor g = in_grads[i];
         if (!needs[i] || !g.defined()) continue;
         if (g.shape() != node.input_shapes[i])
-          throw AutogradError(fmt::format(
-              "{}: the backward rule gave input {} a gradient of shape {}, expected {}", node.name,
-              i, g.shape().str(), node.input_shapes[i].str()));
+          throw AutogradError(
+              fmt::format("{}: the backward rule gave input {} a gradient of shape {}, expected {}",
+                          node.name, i, g.shape().str(), node.input_shapes[i].str()));
         if (g.dtype() != node.input_dtypes[i]) g = cast(g, node.input_dtypes[i]);
         auto [slot, inserted] = grads.try_emplace(node.input_ids[i], g);
         if (!inserted) slot->second = add(slot->second, g);

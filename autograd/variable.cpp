@@ -8,10 +8,12 @@
 namespace mixtape {
 
 Variable::Variable(const Tensor& initial_value, std::string name, bool trainable) {
-  if (!initial_value.defined()) throw ValueError(fmt::format("Variable '{}': undefined initial value", name));
+  if (!initial_value.defined())
+    throw ValueError(fmt::format("Variable '{}': undefined initial value", name));
   Tensor copy = Tensor::empty(initial_value.shape(), initial_value.dtype(), initial_value.device());
   if (copy.numel() > 0)
-    find_kernel<kernels::CopyFn>(OpId::copy, copy.device().type(), copy.dtype())(initial_value, copy);
+    find_kernel<kernels::CopyFn>(OpId::copy, copy.device().type(), copy.dtype())(initial_value,
+                                                                                 copy);
   impl_ = copy.impl_ptr();
   impl_->variable = std::make_shared<VariableInfo>(VariableInfo{std::move(name), trainable});
 }
@@ -21,7 +23,8 @@ bool Variable::trainable() const { return impl().variable->trainable; }
 void Variable::set_trainable(bool trainable) { impl().variable->trainable = trainable; }
 
 void Variable::assign(const Tensor& value) {
-  if (!value.defined()) throw ValueError(fmt::format("Variable '{}': assign of an undefined tensor", name()));
+  if (!value.defined())
+    throw ValueError(fmt::format("Variable '{}': assign of an undefined tensor", name()));
   if (value.device() != device())
     throw DeviceError(fmt::format("Variable '{}' on {}: assign from a tensor on {}", name(),
                                   device().str(), value.device().str()));
@@ -29,8 +32,10 @@ void Variable::assign(const Tensor& value) {
   if (v.shape() != shape()) {
     broadcast_shapes(v.shape(), shape(), "Variable::assign");  // throws when incompatible
     if (broadcast_shapes(v.shape(), shape(), "Variable::assign") != shape())
-      throw ShapeError(fmt::format("Variable::assign: value of shape {} does not fit variable '{}' "
-                                   "of shape {}", value.shape().str(), name(), shape().str()));
+      throw ShapeError(
+          fmt::format("Variable::assign: value of shape {} does not fit variable '{}' "
+                      "of shape {}",
+                      value.shape().str(), name(), shape().str()));
     NoGradGuard no_grad;
     v = detail::contiguous_raw(mixtape::expand(v, shape()));
   }

@@ -26,9 +26,8 @@ std::vector<float> random_floats(std::size_t n) {
 void set_counters(benchmark::State& state, std::size_t n) {
   const double bytes = static_cast<double>(n) * (sizeof(float) + sizeof(std::uint16_t));
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
-  state.counters["GB/s"] =
-      benchmark::Counter(bytes * static_cast<double>(state.iterations()) / 1e9,
-                         benchmark::Counter::kIsRate);
+  state.counters["GB/s"] = benchmark::Counter(bytes * static_cast<double>(state.iterations()) / 1e9,
+                                              benchmark::Counter::kIsRate);
   state.counters["has_f16c"] = mixtape::has_f16c() ? 1.0 : 0.0;
 }
 
@@ -85,16 +84,8 @@ void BM_BFloat16ToFloat(benchmark::State& state) {
 }
 
 // 1M elements (~6 MB touched, around last-level cache size) and 16M (~96 MB, memory bound).
-BENCHMARK(BM_FloatToHalf)
-    ->Arg(1 << 20)
-    ->Arg(1 << 24)
-    ->UseRealTime()
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_HalfToFloat)
-    ->Arg(1 << 20)
-    ->Arg(1 << 24)
-    ->UseRealTime()
-    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_FloatToHalf)->Arg(1 << 20)->Arg(1 << 24)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_HalfToFloat)->Arg(1 << 20)->Arg(1 << 24)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_FloatToBFloat16)
     ->Arg(1 << 20)
     ->Arg(1 << 24)

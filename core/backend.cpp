@@ -1,10 +1,10 @@
 // The registry of device backends.
 #include "mixtape/core/backend.h"
 
+#include <spdlog/spdlog.h>
+
 #include <array>
 #include <mutex>
-
-#include <spdlog/spdlog.h>
 
 #include "core/registry_init.h"
 #include "mixtape/core/error.h"

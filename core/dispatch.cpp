@@ -85,7 +85,8 @@ std::string kernel_table() {
     const auto dev = static_cast<DeviceType>(d);
     out += fmt::format("{}:\n", device_type_name(dev));
     for (std::size_t op = 0; op < kOps; ++op)
-      out += fmt::format("  {:<24} {}\n", kOpNames[op], registered_dtypes(static_cast<OpId>(op), dev));
+      out +=
+          fmt::format("  {:<24} {}\n", kOpNames[op], registered_dtypes(static_cast<OpId>(op), dev));
   }
   return out;
 }

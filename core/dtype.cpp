@@ -46,20 +46,29 @@ constexpr std::array<DType, DType::kCount> kAll{kFloat32, kFloat16, kBFloat16, k
 int float_rank(DType d) {
   switch (d.code()) {
     case DType::Float16:
-    case DType::BFloat16: return 1;
-    case DType::Float32: return 2;
-    case DType::Float64: return 3;
-    default: return 0;
+    case DType::BFloat16:
+      return 1;
+    case DType::Float32:
+      return 2;
+    case DType::Float64:
+      return 3;
+    default:
+      return 0;
   }
 }
 
 int int_rank(DType d) {
   switch (d.code()) {
-    case DType::Bool: return 0;
-    case DType::UInt8: return 1;
-    case DType::Int32: return 2;
-    case DType::Int64: return 3;
-    default: return -1;
+    case DType::Bool:
+      return 0;
+    case DType::UInt8:
+      return 1;
+    case DType::Int32:
+      return 2;
+    case DType::Int64:
+      return 3;
+    default:
+      return -1;
   }
 }
 
@@ -78,9 +87,10 @@ DType::DType(std::string_view name) {
       return;
     }
   }
-  throw ValueError(fmt::format("unknown dtype '{}'; valid names are: {} (aliases: fp32, float, "
-                               "fp16, half, bf16, fp64, double, int, long, byte)",
-                               name, valid_names()));
+  throw ValueError(
+      fmt::format("unknown dtype '{}'; valid names are: {} (aliases: fp32, float, "
+                  "fp16, half, bf16, fp64, double, int, long, byte)",
+                  name, valid_names()));
 }
 
 std::string_view DType::name() const { return kInfo[index()].name; }

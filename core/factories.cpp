@@ -54,11 +54,17 @@ Tensor full(const Shape& shape, double value, DType dtype, Device device) {
   detail::fill_raw(t, value);
   return t;
 }
-Tensor zeros(const Shape& shape, DType dtype, Device device) { return full(shape, 0.0, dtype, device); }
-Tensor ones(const Shape& shape, DType dtype, Device device) { return full(shape, 1.0, dtype, device); }
+Tensor zeros(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 0.0, dtype, device);
+}
+Tensor ones(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 1.0, dtype, device);
+}
 Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device()); }
 Tensor ones_like(const Tensor& t) { return ones(t.shape(), t.dtype(), t.device()); }
-Tensor full_like(const Tensor& t, double value) { return full(t.shape(), value, t.dtype(), t.device()); }
+Tensor full_like(const Tensor& t, double value) {
+  return full(t.shape(), value, t.dtype(), t.device());
+}
 
 Tensor arange(double start, double stop, double step, DType dtype, Device device) {
   if (step == 0.0 || !std::isfinite(start) || !std::isfinite(stop) || !std::isfinite(step))
@@ -66,7 +72,8 @@ Tensor arange(double start, double stop, double step, DType dtype, Device device
   const double span = std::ceil((stop - start) / step);
   const auto n = static_cast<std::int64_t>(span > 0 ? span : 0);
   std::vector<double> v(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = start + static_cast<double>(i) * step;
+  for (std::int64_t i = 0; i < n; ++i)
+    v[static_cast<std::size_t>(i)] = start + static_cast<double>(i) * step;
   return detail::from_host(v.data(), v.size(), kFloat64, Shape{n}, dtype, device);
 }
 

@@ -31,7 +31,8 @@ void format_rec(std::string& out, const std::vector<std::uint8_t>& bytes, const 
                 const Strides& strides, std::size_t axis, std::int64_t offset, DType dtype,
                 bool summarise, std::size_t indent) {
   if (axis == shape.rank()) {
-    out += format_element(bytes.data() + offset * static_cast<std::int64_t>(dtype.itemsize()), dtype);
+    out +=
+        format_element(bytes.data() + offset * static_cast<std::int64_t>(dtype.itemsize()), dtype);
     return;
   }
   out += '[';

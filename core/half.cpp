@@ -64,9 +64,9 @@ std::uint16_t float_to_half_bits(float f) {
   // Subnormal half or zero. At or below 2^-25 (half the smallest subnormal) rounds to 0.
   if (a <= 0x33000000u) return sign;
   // Here a is a normal float in (2^-25, 2^-14); result = round(m * 2^(e - 150) / 2^-24).
-  const std::uint32_t e = a >> 23;                     // 102 .. 112
+  const std::uint32_t e = a >> 23;                      // 102 .. 112
   const std::uint32_t m = (a & 0x7FFFFFu) | 0x800000u;  // implicit leading one
-  const std::uint32_t shift = 126u - e;                // 14 .. 24
+  const std::uint32_t shift = 126u - e;                 // 14 .. 24
   std::uint32_t q = m >> shift;
   const std::uint32_t rem = m & ((1u << shift) - 1u);
   const std::uint32_t halfway = 1u << (shift - 1u);
@@ -141,7 +141,7 @@ bool use_vector() {
 }
 
 __attribute__((target("avx2,f16c,fma"))) void half_to_float_avx2(const half* src, float* dst,
-                                                                  std::size_t n) {
+                                                                 std::size_t n) {
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -157,7 +157,7 @@ __attribute__((target("avx2,f16c,fma"))) void half_to_float_avx2(const half* src
 }
 
 __attribute__((target("avx2,f16c,fma"))) void float_to_half_avx2(const float* src, half* dst,
-                                                                  std::size_t n) {
+                                                                 std::size_t n) {
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m128i a = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
@@ -173,7 +173,7 @@ __attribute__((target("avx2,f16c,fma"))) void float_to_half_avx2(const float* sr
 }
 
 __attribute__((target("avx2,f16c,fma"))) void bf16_to_float_avx2(const bfloat16* src, float* dst,
-                                                                  std::size_t n) {
+                                                                 std::size_t n) {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -200,7 +200,7 @@ __attribute__((target("avx2,f16c,fma"))) inline __m256i bf16_round8(__m256i u) {
 }
 
 __attribute__((target("avx2,f16c,fma"))) void float_to_bf16_avx2(const float* src, bfloat16* dst,
-                                                                  std::size_t n) {
+                                                                 std::size_t n) {
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m256i a = bf16_round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));

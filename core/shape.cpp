@@ -49,7 +49,8 @@ Strides contiguous_strides(const Shape& shape) {
 int normalize_axis(int axis, std::size_t rank, const char* op) {
   const int r = static_cast<int>(rank);
   if (axis < -r || axis >= r)
-    throw IndexError(fmt::format("{}: axis {} is out of range for a tensor of rank {}", op, axis, r));
+    throw IndexError(
+        fmt::format("{}: axis {} is out of range for a tensor of rank {}", op, axis, r));
   return axis < 0 ? axis + r : axis;
 }
 
@@ -60,8 +61,8 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
     const std::int64_t da = i < r - a.rank() ? 1 : a[i - (r - a.rank())];
     const std::int64_t db = i < r - b.rank() ? 1 : b[i - (r - b.rank())];
     if (da != db && da != 1 && db != 1)
-      throw ShapeError(fmt::format("{}: shapes {} and {} cannot be broadcast together", op,
-                                   a.str(), b.str()));
+      throw ShapeError(
+          fmt::format("{}: shapes {} and {} cannot be broadcast together", op, a.str(), b.str()));
     out[i] = da == 1 ? db : da;
   }
   return Shape(std::move(out));

@@ -34,12 +34,15 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
 }
 
 Tensor Tensor::view_of(const Tensor& base, Shape shape, Strides strides, std::int64_t offset) {
-  return Tensor(new_impl(base.storage(), offset, std::move(shape), std::move(strides), base.dtype()));
+  return Tensor(
+      new_impl(base.storage(), offset, std::move(shape), std::move(strides), base.dtype()));
 }
 
 TensorImpl& Tensor::impl() const {
-  if (!impl_) throw Error("use of an undefined Tensor (for example the gradient of a source "
-                          "that is not connected to the target)");
+  if (!impl_)
+    throw Error(
+        "use of an undefined Tensor (for example the gradient of a source "
+        "that is not connected to the target)");
   return *impl_;
 }
 
@@ -65,8 +68,7 @@ namespace detail {
 Tensor contiguous_raw(const Tensor& t) {
   if (t.is_contiguous()) return t;
   Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
-  if (t.numel() > 0)
-    find_kernel<kernels::CopyFn>(OpId::copy, t.device().type(), t.dtype())(t, out);
+  if (t.numel() > 0) find_kernel<kernels::CopyFn>(OpId::copy, t.device().type(), t.dtype())(t, out);
   return out;
 }
 
@@ -86,39 +88,65 @@ Tensor to_device_raw(const Tensor& t, Device device) {
   // The non-CPU side's backend knows how to copy to and from the host.
   const Device other = device.is_cpu() ? t.device() : device;
   if (!t.device().is_cpu() && !device.is_cpu() && t.device().type() != device.type())
-    throw DeviceError(fmt::format("to({}): no direct copy from {}", device.str(), t.device().str()));
+    throw DeviceError(
+        fmt::format("to({}): no direct copy from {}", device.str(), t.device().str()));
   backend_for(other.type()).copy(out.data_ptr(), device, src.data_ptr(), t.device(), t.nbytes());
   return out;
 }
 
 void fill_raw(const Tensor& t, double value) {
-  if (t.numel() > 0) find_kernel<kernels::FillFn>(OpId::fill, t.device().type(), t.dtype())(t, value);
+  if (t.numel() > 0)
+    find_kernel<kernels::FillFn>(OpId::fill, t.device().type(), t.dtype())(t, value);
 }
 
 double read_as_double(const void* p, DType dtype) {
   switch (dtype.code()) {
-    case DType::Float32: return *static_cast<const float*>(p);
-    case DType::Float16: return static_cast<float>(*static_cast<const half*>(p));
-    case DType::BFloat16: return static_cast<float>(*static_cast<const bfloat16*>(p));
-    case DType::Float64: return *static_cast<const double*>(p);
-    case DType::Int32: return *static_cast<const std::int32_t*>(p);
-    case DType::Int64: return static_cast<double>(*static_cast<const std::int64_t*>(p));
-    case DType::UInt8: return *static_cast<const std::uint8_t*>(p);
-    case DType::Bool: return *static_cast<const std::uint8_t*>(p) != 0 ? 1.0 : 0.0;
+    case DType::Float32:
+      return *static_cast<const float*>(p);
+    case DType::Float16:
+      return static_cast<float>(*static_cast<const half*>(p));
+    case DType::BFloat16:
+      return static_cast<float>(*static_cast<const bfloat16*>(p));
+    case DType::Float64:
+      return *static_cast<const double*>(p);
+    case DType::Int32:
+      return *static_cast<const std::int32_t*>(p);
+    case DType::Int64:
+      return static_cast<double>(*static_cast<const std::int64_t*>(p));
+    case DType::UInt8:
+      return *static_cast<const std::uint8_t*>(p);
+    case DType::Bool:
+      return *static_cast<const std::uint8_t*>(p) != 0 ? 1.0 : 0.0;
   }
   return 0.0;
 }
 
 void write_from_double(void* p, DType dtype, double v) {
   switch (dtype.code()) {
-    case DType::Float32: *static_cast<float*>(p) = static_cast<float>(v); break;
-    case DType::Float16: *static_cast<half*>(p) = half(static_cast<float>(v)); break;
-    case DType::BFloat16: *static_cast<bfloat16*>(p) = bfloat16(static_cast<float>(v)); break;
-    case DType::Float64: *static_cast<double*>(p) = v; break;
-    case DType::Int32: *static_cast<std::int32_t*>(p) = static_cast<std::int32_t>(v); break;
-    case DType::Int64: *static_cast<std::int64_t*>(p) = static_cast<std::int64_t>(v); break;
-    case DType::UInt8: *static_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(v); break;
-    case DType::Bool: *static_cast<std::uint8_t*>(p) = v != 0.0 ? 1 : 0; break;
+    case DType::Float32:
+      *static_cast<float*>(p) = static_cast<float>(v);
+      break;
+    case DType::Float16:
+      *static_cast<half*>(p) = half(static_cast<float>(v));
+      break;
+    case DType::BFloat16:
+      *static_cast<bfloat16*>(p) = bfloat16(static_cast<float>(v));
+      break;
+    case DType::Float64:
+      *static_cast<double*>(p) = v;
+      break;
+    case DType::Int32:
+      *static_cast<std::int32_t*>(p) = static_cast<std::int32_t>(v);
+      break;
+    case DType::Int64:
+      *static_cast<std::int64_t*>(p) = static_cast<std::int64_t>(v);
+      break;
+    case DType::UInt8:
+      *static_cast<std::uint8_t*>(p) = static_cast<std::uint8_t>(v);
+      break;
+    case DType::Bool:
+      *static_cast<std::uint8_t*>(p) = v != 0.0 ? 1 : 0;
+      break;
   }
 }
 
@@ -132,8 +160,9 @@ std::vector<std::uint8_t> host_bytes(const Tensor& t) {
 Tensor from_host(const void* data, std::size_t count, DType src_dtype, const Shape& shape,
                  DType dtype, Device device) {
   if (static_cast<std::int64_t>(count) != shape.numel())
-    throw ShapeError(fmt::format("from_vector: {} values cannot fill a tensor of shape {} ({} elements)",
-                                 count, shape.str(), shape.numel()));
+    throw ShapeError(
+        fmt::format("from_vector: {} values cannot fill a tensor of shape {} ({} elements)", count,
+                    shape.str(), shape.numel()));
   Tensor host = Tensor::empty(shape, src_dtype, Device::cpu());
   if (count) std::memcpy(host.data_ptr(), data, count * src_dtype.itemsize());
   return to_device_raw(cast_raw(host, dtype), device);

@@ -16,7 +16,10 @@
 // nested tape), checking that backward rules are themselves differentiable.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -24,9 +27,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <catch2/catch.hpp>
-#include <fmt/format.h>
 
 #include "mixtape/mixtape.h"
 
@@ -112,8 +112,8 @@ inline GradCheckResult gradcheck(const std::string& name, const GradFn& f, const
     auto loss = [&]() {
       const std::vector<double> out = f(xs).to_vector<double>();
       if (out.size() != r.size())
-        throw mt::ShapeError(fmt::format("gradcheck: output size changed from {} to {}", r.size(),
-                                         out.size()));
+        throw mt::ShapeError(
+            fmt::format("gradcheck: output size changed from {} to {}", r.size(), out.size()));
       double acc = 0.0;
       for (std::size_t k = 0; k < out.size(); ++k) acc += out[k] * r[k];
       return acc;
@@ -127,8 +127,10 @@ inline GradCheckResult gradcheck(const std::string& name, const GradFn& f, const
       rep.shape_ok = !g.defined() || g.shape() == xs[i].shape();
       rep.dtype_ok = !g.defined() || g.dtype() == mt::kFloat64;
       std::vector<double> analytic;
-      if (g.defined() && rep.shape_ok) analytic = g.to_vector<double>();
-      else analytic.assign(static_cast<std::size_t>(xs[i].numel()), 0.0);
+      if (g.defined() && rep.shape_ok)
+        analytic = g.to_vector<double>();
+      else
+        analytic.assign(static_cast<std::size_t>(xs[i].numel()), 0.0);
 
       double* p = xs[i].data<double>();
       double worst_ratio = -1.0;
@@ -181,16 +183,18 @@ inline GradCheckResult gradcheck(const std::string& name, const GradFn& f, const
     res.exception = e.what();
     res.report += fmt::format("  {}: threw: {}\n", name, e.what());
   }
-  if (res.ok) res.report = fmt::format("  {}: ok\n", name) + res.report;
-  else res.report = fmt::format("gradcheck failed for {}\n", name) + res.report;
+  if (res.ok)
+    res.report = fmt::format("  {}: ok\n", name) + res.report;
+  else
+    res.report = fmt::format("gradcheck failed for {}\n", name) + res.report;
   return res;
 }
 
 // Second order: checks the gradient of  x -> d/dx sum(f(x) * R2)  (all inputs' gradients,
 // flattened and concatenated), computed with an inner GradientTape while gradcheck's
 // tape records it. This checks that the backward rules are themselves differentiable.
-inline GradCheckResult gradgradcheck(const std::string& name, const GradFn& f,
-                                     const Inputs& inputs, const GradCheckOptions& opt = {}) {
+inline GradCheckResult gradgradcheck(const std::string& name, const GradFn& f, const Inputs& inputs,
+                                     const GradCheckOptions& opt = {}) {
   const std::uint64_t seed2 = opt.seed ^ 0x9e3779b97f4a7c15ULL;
   GradFn first_derivative = [f, seed2](const Inputs& xs) {
     std::vector<mt::Tensor> grads;
@@ -242,7 +246,8 @@ inline mt::Tensor distinct64(const mt::Shape& shape, std::uint64_t seed) {
   const auto n = static_cast<std::size_t>(shape.numel());
   std::vector<double> v(n);
   for (std::size_t i = 0; i < n; ++i)
-    v[i] = (static_cast<double>(i) - static_cast<double>(n) / 2.0) * 0.1 + 0.03 * gen.next_uniform();
+    v[i] =
+        (static_cast<double>(i) - static_cast<double>(n) / 2.0) * 0.1 + 0.03 * gen.next_uniform();
   for (std::size_t i = n; i > 1; --i) std::swap(v[i - 1], v[gen.next_u64() % i]);
   return mt::from_vector(v, shape, mt::kFloat64);
 }
@@ -263,15 +268,15 @@ inline mt::Tensor grid64(const mt::Shape& shape, double offset, std::uint64_t se
 
 // Run gradcheck / gradgradcheck and record one Catch check; on failure the message names
 // the op, the input, the worst element and both gradients.
-#define CHECK_GRADGRADCHECK(name, ...)                                       \
-  do {                                                                       \
+#define CHECK_GRADGRADCHECK(name, ...)                                                           \
+  do {                                                                                           \
     const ::mtest::GradCheckResult mtest_gc_result_ = ::mtest::gradgradcheck(name, __VA_ARGS__); \
-    INFO(mtest_gc_result_.report);                                           \
-    CHECK(mtest_gc_result_.ok);                                              \
+    INFO(mtest_gc_result_.report);                                                               \
+    CHECK(mtest_gc_result_.ok);                                                                  \
   } while (0)
-#define CHECK_GRADCHECK(name, ...)                                           \
-  do {                                                                       \
+#define CHECK_GRADCHECK(name, ...)                                                           \
+  do {                                                                                       \
     const ::mtest::GradCheckResult mtest_gc_result_ = ::mtest::gradcheck(name, __VA_ARGS__); \
-    INFO(mtest_gc_result_.report);                                           \
-    CHECK(mtest_gc_result_.ok);                                              \
+    INFO(mtest_gc_result_.report);                                                           \
+    CHECK(mtest_gc_result_.ok);                                                              \
   } while (0)

@@ -1,9 +1,8 @@
 // GradientTape / Variable semantics.
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <vector>
-
-#include <catch2/catch.hpp>
 
 #include "mixtape/mixtape.h"
 
@@ -223,7 +222,8 @@ TEST_CASE("autograd: nested tapes give second derivatives", "[autograd]") {
   }
   const auto d2t = outer2.gradient(mt::sum(dt), z.value());  // -2 tanh (1 - tanh^2)
   std::vector<double> expect;
-  for (double v : {0.3, -0.7}) expect.push_back(-2.0 * std::tanh(v) * (1.0 - std::tanh(v) * std::tanh(v)));
+  for (double v : {0.3, -0.7})
+    expect.push_back(-2.0 * std::tanh(v) * (1.0 - std::tanh(v) * std::tanh(v)));
   check_values(d2t, expect, 1e-10);
 }
 

@@ -2,9 +2,8 @@
 // dispatch table and checked against double-precision references computed here.
 // Outputs are poisoned with 0xFF bytes (NaN for floats, -1 / 255 for integers, an invalid
 // byte for bool) before every call, so unwritten elements show up.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

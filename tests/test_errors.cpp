@@ -1,10 +1,10 @@
 // Error reporting (exception types and messages) and the dtype tables.
+#include <fmt/format.h>
+
+#include <catch2/catch.hpp>
 #include <string>
 #include <typeinfo>
 #include <vector>
-
-#include <catch2/catch.hpp>
-#include <fmt/format.h>
 
 #include "mixtape/core/kernels.h"
 #include "mixtape/mixtape.h"
@@ -58,8 +58,9 @@ TEST_CASE("errors: add with mismatched shapes", "[errors]") {
   CHECK_THROWS_AS(mt::mul(f32({3, 2}), f32({2, 3})), mt::ShapeError);
   CHECK_THROWS_WITH(mt::mul(f32({3, 2}), f32({2, 3})),
                     Contains("mul") && Contains("[3, 2]") && Contains("[2, 3]"));
-  CHECK_THROWS_AS(mt::where(mt::from_vector(std::vector<bool>{true, false}, {2}), f32({3}), f32({3})),
-                  mt::ShapeError);
+  CHECK_THROWS_AS(
+      mt::where(mt::from_vector(std::vector<bool>{true, false}, {2}), f32({3}), f32({3})),
+      mt::ShapeError);
   CHECK_THROWS_AS(mt::broadcast_shapes({2, 3}, {4}, "myop"), mt::ShapeError);
   CHECK_THROWS_WITH(mt::broadcast_shapes({2, 3}, {4}, "myop"), Contains("myop"));
   CHECK(mt::broadcast_shapes({2, 1, 4}, {3, 1}, "ok") == mt::Shape{2, 3, 4});
@@ -69,7 +70,8 @@ TEST_CASE("errors: matmul inner-dimension mismatch", "[errors]") {
   const auto a = f32({2, 3});
   const auto b = f32({4, 5});
   CHECK_THROWS_AS(mt::matmul(a, b), mt::ShapeError);
-  CHECK_THROWS_WITH(mt::matmul(a, b), Contains("matmul") && Contains("[2, 3]") && Contains("[4, 5]"));
+  CHECK_THROWS_WITH(mt::matmul(a, b),
+                    Contains("matmul") && Contains("[2, 3]") && Contains("[4, 5]"));
   // Batch dimensions that do not broadcast.
   CHECK_THROWS_AS(mt::matmul(f32({2, 3, 4}), f32({3, 4, 5})), mt::ShapeError);
   CHECK_THROWS_WITH(mt::matmul(f32({2, 3, 4}), f32({3, 4, 5})), Contains("matmul"));
@@ -88,26 +90,27 @@ TEST_CASE("errors: ops without a kernel for the dtype", "[errors]") {
   CHECK_THAT(msg, Contains("log_softmax") && Contains("int32"));
 
   // A missing kernel names the device too.
-  CHECK_THROWS_AS(mt::find_kernel<mt::kernels::GemmFn>(mt::OpId::matmul, mt::DeviceType::CPU, mt::kBool),
-                  mt::KernelNotFoundError);
-  CHECK_THROWS_WITH(mt::find_kernel<mt::kernels::RowFn>(mt::OpId::softmax, mt::DeviceType::CPU,
-                                                        mt::kInt32),
-                    Contains("softmax") && Contains("cpu") && Contains("int32"));
+  CHECK_THROWS_AS(
+      mt::find_kernel<mt::kernels::GemmFn>(mt::OpId::matmul, mt::DeviceType::CPU, mt::kBool),
+      mt::KernelNotFoundError);
+  CHECK_THROWS_WITH(
+      mt::find_kernel<mt::kernels::RowFn>(mt::OpId::softmax, mt::DeviceType::CPU, mt::kInt32),
+      Contains("softmax") && Contains("cpu") && Contains("int32"));
   CHECK_FALSE(mt::supports(mt::OpId::softmax, mt::DeviceType::CPU, mt::kInt32));
   CHECK(mt::supports(mt::OpId::softmax, mt::DeviceType::CPU, mt::kFloat32));
 }
 
 TEST_CASE("errors: unknown dtype name lists the valid names", "[errors]") {
   CHECK_THROWS_AS(mt::DType("float17"), mt::ValueError);
-  CHECK_THROWS_WITH(mt::DType("float17"), Contains("float17") && Contains("float32") &&
-                                              Contains("float16") && Contains("bfloat16") &&
-                                              Contains("float64") && Contains("int32") &&
-                                              Contains("int64") && Contains("uint8") &&
-                                              Contains("bool"));
+  CHECK_THROWS_WITH(mt::DType("float17"),
+                    Contains("float17") && Contains("float32") && Contains("float16") &&
+                        Contains("bfloat16") && Contains("float64") && Contains("int32") &&
+                        Contains("int64") && Contains("uint8") && Contains("bool"));
   CHECK_THROWS_AS(mt::DType(std::string("")), mt::ValueError);
   CHECK_THROWS_AS(mt::DType(std::string_view("FP99")), mt::ValueError);
   const std::string names = mt::DType::valid_names();
-  for (const char* n : {"float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool"})
+  for (const char* n :
+       {"float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool"})
     CHECK_THAT(names, Contains(n));
 }
 
@@ -148,7 +151,8 @@ TEST_CASE("errors: gather index out of range", "[errors]") {
 TEST_CASE("errors: reshape to an incompatible size", "[errors]") {
   const auto x = f32({2, 3});
   CHECK_THROWS_AS(mt::reshape(x, {4}), mt::ShapeError);
-  CHECK_THROWS_WITH(mt::reshape(x, {4}), Contains("reshape") && Contains("[2, 3]") && Contains("[4]"));
+  CHECK_THROWS_WITH(mt::reshape(x, {4}),
+                    Contains("reshape") && Contains("[2, 3]") && Contains("[4]"));
   CHECK_THROWS_AS(x.reshape({5, -1}), mt::ShapeError);
   CHECK_THROWS_AS(mt::expand(f32({2, 3}), {4, 3}), mt::ShapeError);
   CHECK_THROWS_AS(mt::squeeze(x, 0), mt::Error);  // extent 2, not 1
@@ -201,8 +205,8 @@ TEST_CASE("errors: devices", "[errors]") {
   CHECK(fmt::format("{}", mt::Device::cuda(0)) == "cuda:0");
 
   const auto t = f32({2});
-  const bool has_cuda =
-      mt::has_backend(mt::DeviceType::CUDA) && mt::backend_for(mt::DeviceType::CUDA).device_count() > 0;
+  const bool has_cuda = mt::has_backend(mt::DeviceType::CUDA) &&
+                        mt::backend_for(mt::DeviceType::CUDA).device_count() > 0;
   if (!has_cuda) {
     CHECK_THROWS_AS(t.to(mt::Device::cuda(0)), mt::DeviceError);
     CHECK_THROWS_AS(mt::zeros({2}, mt::kFloat32, mt::Device::cuda(0)), mt::DeviceError);

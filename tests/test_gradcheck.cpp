@@ -1,11 +1,10 @@
 // Numeric gradient checks (float64) for every differentiable op in mixtape/autograd/ops.h.
-#include <array>
-#include <cstdint>
-#include <vector>
-
 #include <fmt/ranges.h>
 
+#include <array>
 #include <catch2/catch.hpp>
+#include <cstdint>
+#include <vector>
 
 #include "gradcheck.h"
 #include "mixtape/mixtape.h"
@@ -24,7 +23,7 @@ struct ShapePair {
   mt::Shape a, b;
 };
 const std::vector<ShapePair> kBroadcastPairs = {
-    {{3, 4}, {3, 4}}, {{3, 4}, {4}},    {{4}, {3, 4}},       {{3, 1}, {1, 4}},
+    {{3, 4}, {3, 4}},    {{3, 4}, {4}},       {{4}, {3, 4}},     {{3, 1}, {1, 4}},
     {{2, 3, 4}, {3, 1}}, {{1, 4}, {2, 3, 1}}, {kScalar, {3, 4}}, {{3, 4}, kScalar},
 };
 
@@ -128,21 +127,19 @@ TEST_CASE("gradcheck: unary math", "[grad]") {
   CHECK_GRADCHECK("tanh(slice step 2)",
                   [](const Inputs& v) { return mt::tanh(mt::slice(v[0], 0, 0, 4, 2)); }, {y});
   // A composition (chain rule through several unary ops).
-  CHECK_GRADCHECK("log(1 + exp(sigmoid(x) * tanh(x)))",
-                  [](const Inputs& v) {
-                    return mt::log(1.0 + mt::exp(mt::sigmoid(v[0]) * mt::tanh(v[0])));
-                  },
-                  {small});
+  CHECK_GRADCHECK(
+      "log(1 + exp(sigmoid(x) * tanh(x)))",
+      [](const Inputs& v) { return mt::log(1.0 + mt::exp(mt::sigmoid(v[0]) * mt::tanh(v[0]))); },
+      {small});
 }
 
 TEST_CASE("gradcheck: where", "[grad]") {
-  const std::vector<bool> c = {true, false, true, true, false, false,
-                               false, true, true, false, true, false};
+  const std::vector<bool> c = {true,  false, true, true,  false, false,
+                               false, true,  true, false, true,  false};
   const auto cond = mt::from_vector(c, {3, 4});
   const auto a = randn64({3, 4}, 600);
   const auto b = randn64({3, 4}, 601);
-  CHECK_GRADCHECK("where", [cond](const Inputs& v) { return mt::where(cond, v[0], v[1]); },
-                  {a, b});
+  CHECK_GRADCHECK("where", [cond](const Inputs& v) { return mt::where(cond, v[0], v[1]); }, {a, b});
   // Broadcasting: cond [3, 1], a [3, 4], b [4]; and b a scalar.
   const auto cond31 = mt::from_vector(std::vector<bool>{true, false, true}, {3, 1});
   CHECK_GRADCHECK("where broadcast cond[3,1] a[3,4] b[4]",
@@ -167,8 +164,8 @@ TEST_CASE("gradcheck: sum / mean", "[grad]") {
   for (const auto& axes : axes_list) {
     for (bool keep : {false, true}) {
       const std::string tag = fmt::format("axes {{{}}} keepdims {}", fmt::join(axes, ","), keep);
-      CHECK_GRADCHECK("sum " + tag, [axes, keep](const Inputs& v) { return mt::sum(v[0], axes, keep); },
-                      {x});
+      CHECK_GRADCHECK("sum " + tag,
+                      [axes, keep](const Inputs& v) { return mt::sum(v[0], axes, keep); }, {x});
       CHECK_GRADCHECK("mean " + tag,
                       [axes, keep](const Inputs& v) { return mt::mean(v[0], axes, keep); }, {x});
     }
@@ -183,18 +180,18 @@ TEST_CASE("gradcheck: max / min reductions (distinct values)", "[grad]") {
   for (const auto& axes : axes_list) {
     for (bool keep : {false, true}) {
       const std::string tag = fmt::format("axes {{{}}} keepdims {}", fmt::join(axes, ","), keep);
-      CHECK_GRADCHECK("max " + tag, [axes, keep](const Inputs& v) { return mt::max(v[0], axes, keep); },
-                      {x});
-      CHECK_GRADCHECK("min " + tag, [axes, keep](const Inputs& v) { return mt::min(v[0], axes, keep); },
-                      {x});
+      CHECK_GRADCHECK("max " + tag,
+                      [axes, keep](const Inputs& v) { return mt::max(v[0], axes, keep); }, {x});
+      CHECK_GRADCHECK("min " + tag,
+                      [axes, keep](const Inputs& v) { return mt::min(v[0], axes, keep); }, {x});
     }
   }
 }
 
 TEST_CASE("gradcheck: sum_to", "[grad]") {
   const auto x = randn64({2, 3, 4}, 900);
-  const std::vector<mt::Shape> targets = {{3, 4}, {3, 1}, {4}, {1, 3, 4}, {2, 1, 4}, {1}, kScalar,
-                                          {2, 3, 4}};
+  const std::vector<mt::Shape> targets = {{3, 4},    {3, 1}, {4},     {1, 3, 4},
+                                          {2, 1, 4}, {1},    kScalar, {2, 3, 4}};
   for (const auto& t : targets) {
     CHECK_GRADCHECK("sum_to " + t.str(), [t](const Inputs& v) { return mt::sum_to(v[0], t); }, {x});
   }
@@ -245,11 +242,10 @@ TEST_CASE("gradcheck: cast float64 -> float32 -> float64", "[grad]") {
   coarse.eps = 1e-2;
   coarse.atol = 1e-4;
   coarse.rtol = 1e-3;
-  CHECK_GRADCHECK("cast f64->f32->f64 (coarse)",
-                  [](const Inputs& v) {
-                    return mt::cast(mt::cast(v[0], mt::kFloat32) * 2.0, mt::kFloat64);
-                  },
-                  {x}, coarse);
+  CHECK_GRADCHECK(
+      "cast f64->f32->f64 (coarse)",
+      [](const Inputs& v) { return mt::cast(mt::cast(v[0], mt::kFloat32) * 2.0, mt::kFloat64); },
+      {x}, coarse);
   // A float64 -> float64 cast is the identity.
   CHECK_GRADCHECK("cast f64->f64", [](const Inputs& v) { return mt::cast(v[0], mt::kFloat64); },
                   {x});
@@ -260,34 +256,55 @@ TEST_CASE("gradcheck: cast float64 -> float32 -> float64", "[grad]") {
 TEST_CASE("gradcheck: shape ops", "[grad]") {
   const auto x = randn64({2, 3, 4}, 1200);
   CHECK_GRADCHECK("reshape [6,4]", [](const Inputs& v) { return mt::reshape(v[0], {6, 4}); }, {x});
-  CHECK_GRADCHECK("reshape [-1,2]", [](const Inputs& v) { return mt::reshape(v[0], {-1, 2}); },
+  CHECK_GRADCHECK("reshape [-1,2]",
+                  [](const Inputs& v) {
+                    return mt::reshape(v[0], {-1, 2});
+                  },
                   {x});
   CHECK_GRADCHECK("reshape [24]", [](const Inputs& v) { return v[0].reshape({24}); }, {x});
   CHECK_GRADCHECK("reshape of a transposed view",
-                  [](const Inputs& v) { return mt::reshape(mt::transpose(v[0]), {2, 12}); }, {x});
-  CHECK_GRADCHECK("permute {2,0,1}", [](const Inputs& v) { return mt::permute(v[0], {2, 0, 1}); },
+                  [](const Inputs& v) {
+                    return mt::reshape(mt::transpose(v[0]), {2, 12});
+                  },
                   {x});
-  CHECK_GRADCHECK("permute {1,2,0} method", [](const Inputs& v) { return v[0].permute({1, 2, 0}); },
+  CHECK_GRADCHECK("permute {2,0,1}",
+                  [](const Inputs& v) {
+                    return mt::permute(v[0], {2, 0, 1});
+                  },
+                  {x});
+  CHECK_GRADCHECK("permute {1,2,0} method",
+                  [](const Inputs& v) {
+                    return v[0].permute({1, 2, 0});
+                  },
                   {x});
   CHECK_GRADCHECK("transpose default", [](const Inputs& v) { return mt::transpose(v[0]); }, {x});
   CHECK_GRADCHECK("transpose (0, 2)", [](const Inputs& v) { return mt::transpose(v[0], 0, 2); },
                   {x});
   const auto y = randn64({5, 6}, 1201);
-  CHECK_GRADCHECK("slice axis 1 [0:6:2]", [](const Inputs& v) { return mt::slice(v[0], 1, 0, 6, 2); },
-                  {y});
-  CHECK_GRADCHECK("slice axis 0 [1:5:2]", [](const Inputs& v) { return mt::slice(v[0], 0, 1, 5, 2); },
-                  {y});
+  CHECK_GRADCHECK("slice axis 1 [0:6:2]",
+                  [](const Inputs& v) { return mt::slice(v[0], 1, 0, 6, 2); }, {y});
+  CHECK_GRADCHECK("slice axis 0 [1:5:2]",
+                  [](const Inputs& v) { return mt::slice(v[0], 0, 1, 5, 2); }, {y});
   CHECK_GRADCHECK("slice axis -1 [2:5]", [](const Inputs& v) { return mt::slice(v[0], -1, 2, 5); },
                   {y});
   CHECK_GRADCHECK("slice of slice",
                   [](const Inputs& v) { return mt::slice(mt::slice(v[0], 0, 1, 5), 1, 1, 6, 2); },
                   {y});
   const auto c = randn64({3, 1}, 1202);
-  CHECK_GRADCHECK("expand [3,1]->[2,3,4]", [](const Inputs& v) { return mt::expand(v[0], {2, 3, 4}); },
+  CHECK_GRADCHECK("expand [3,1]->[2,3,4]",
+                  [](const Inputs& v) {
+                    return mt::expand(v[0], {2, 3, 4});
+                  },
                   {c});
-  CHECK_GRADCHECK("expand [4]->[3,4]", [](const Inputs& v) { return mt::expand(v[0], {3, 4}); },
+  CHECK_GRADCHECK("expand [4]->[3,4]",
+                  [](const Inputs& v) {
+                    return mt::expand(v[0], {3, 4});
+                  },
                   {randn64({4}, 1203)});
-  CHECK_GRADCHECK("expand []->[2,2]", [](const Inputs& v) { return v[0].expand({2, 2}); },
+  CHECK_GRADCHECK("expand []->[2,2]",
+                  [](const Inputs& v) {
+                    return v[0].expand({2, 2});
+                  },
                   {randn64(kScalar, 1204)});
   const auto s = randn64({3, 1, 4}, 1205);
   CHECK_GRADCHECK("squeeze axis 1", [](const Inputs& v) { return mt::squeeze(v[0], 1); }, {s});
@@ -295,11 +312,15 @@ TEST_CASE("gradcheck: shape ops", "[grad]") {
   const auto u = randn64({3, 4}, 1206);
   CHECK_GRADCHECK("unsqueeze axis 0", [](const Inputs& v) { return mt::unsqueeze(v[0], 0); }, {u});
   CHECK_GRADCHECK("unsqueeze axis 1", [](const Inputs& v) { return mt::unsqueeze(v[0], 1); }, {u});
-  CHECK_GRADCHECK("unsqueeze axis -1", [](const Inputs& v) { return mt::unsqueeze(v[0], -1); }, {u});
+  CHECK_GRADCHECK("unsqueeze axis -1", [](const Inputs& v) { return mt::unsqueeze(v[0], -1); },
+                  {u});
   CHECK_GRADCHECK("flatten default", [](const Inputs& v) { return mt::flatten(v[0]); }, {x});
   CHECK_GRADCHECK("flatten start 0", [](const Inputs& v) { return mt::flatten(v[0], 0); }, {x});
   CHECK_GRADCHECK("flatten of a permuted view",
-                  [](const Inputs& v) { return mt::flatten(mt::permute(v[0], {0, 2, 1})); }, {x});
+                  [](const Inputs& v) {
+                    return mt::flatten(mt::permute(v[0], {0, 2, 1}));
+                  },
+                  {x});
   CHECK_GRADCHECK("contiguous of a transposed view",
                   [](const Inputs& v) { return mt::contiguous(mt::transpose(v[0], 0, 1)); }, {x});
   CHECK_GRADCHECK("contiguous of a contiguous tensor",
@@ -311,18 +332,31 @@ TEST_CASE("gradcheck: concat", "[grad]") {
   const auto b = randn64({1, 3}, 1301);
   const auto c = randn64({3, 3}, 1302);
   CHECK_GRADCHECK("concat axis 0",
-                  [](const Inputs& v) { return mt::concat({v[0], v[1], v[2]}, 0); }, {a, b, c});
+                  [](const Inputs& v) {
+                    return mt::concat({v[0], v[1], v[2]}, 0);
+                  },
+                  {a, b, c});
   const auto d = randn64({2, 1}, 1303);
   const auto e = randn64({2, 4}, 1304);
-  CHECK_GRADCHECK("concat axis 1", [](const Inputs& v) { return mt::concat({v[0], v[1], v[2]}, 1); },
+  CHECK_GRADCHECK("concat axis 1",
+                  [](const Inputs& v) {
+                    return mt::concat({v[0], v[1], v[2]}, 1);
+                  },
                   {a, d, e});
   CHECK_GRADCHECK("concat axis -1 with a transposed view",
-                  [](const Inputs& v) { return mt::concat({v[0], mt::transpose(v[1])}, -1); },
+                  [](const Inputs& v) {
+                    return mt::concat({v[0], mt::transpose(v[1])}, -1);
+                  },
                   {a, randn64({3, 2}, 1305)});
   CHECK_GRADCHECK("concat the same tensor twice",
-                  [](const Inputs& v) { return mt::concat({v[0], v[0]}, 0); }, {a});
+                  [](const Inputs& v) {
+                    return mt::concat({v[0], v[0]}, 0);
+                  },
+                  {a});
   CHECK_GRADCHECK("concat rank 3 axis 1",
-                  [](const Inputs& v) { return mt::concat({v[0], v[1]}, 1); },
+                  [](const Inputs& v) {
+                    return mt::concat({v[0], v[1]}, 1);
+                  },
                   {randn64({2, 2, 3}, 1306), randn64({2, 1, 3}, 1307)});
 }
 
@@ -344,9 +378,10 @@ TEST_CASE("gradcheck: matmul", "[grad]") {
   CHECK_GRADCHECK("matmul a x transpose(b) [3,4] x [5,4]^T",
                   [](const Inputs& v) { return mt::matmul(v[0], mt::transpose(v[1])); },
                   {randn64({3, 4}, 1414), randn64({5, 4}, 1415)});
-  CHECK_GRADCHECK("matmul both transposed",
-                  [](const Inputs& v) { return mt::matmul(mt::transpose(v[0]), mt::transpose(v[1])); },
-                  {randn64({4, 3}, 1416), randn64({5, 4}, 1417)});
+  CHECK_GRADCHECK(
+      "matmul both transposed",
+      [](const Inputs& v) { return mt::matmul(mt::transpose(v[0]), mt::transpose(v[1])); },
+      {randn64({4, 3}, 1416), randn64({5, 4}, 1417)});
   CHECK_GRADCHECK("matmul batched transposed [2,4,3]^T x [2,5,4]^T",
                   [](const Inputs& v) { return mt::matmul(v[0].transpose(), v[1].transpose()); },
                   {randn64({2, 4, 3}, 1418), randn64({2, 5, 4}, 1419)});
@@ -373,8 +408,8 @@ TEST_CASE("gradcheck: gather", "[grad]") {
   CHECK_GRADCHECK("gather axis 1 int32 index",
                   [idx32](const Inputs& v) { return mt::gather(v[0], idx32, 1); }, {x});
   const auto x3 = randn64({2, 4, 3}, 1501);
-  const auto idx3 = mt::from_vector(std::vector<std::int64_t>{3, 0, 1, 1, 1, 2, 0, 3, 3, 2, 0, 0},
-                                    {2, 2, 3});
+  const auto idx3 =
+      mt::from_vector(std::vector<std::int64_t>{3, 0, 1, 1, 1, 2, 0, 3, 3, 2, 0, 0}, {2, 2, 3});
   CHECK_GRADCHECK("gather rank 3 axis 1",
                   [idx3](const Inputs& v) { return mt::gather(v[0], idx3, 1); }, {x3});
 }
@@ -400,9 +435,9 @@ TEST_CASE("gradcheck: conv2d", "[grad]") {
   for (const auto& c : cases) {
     const auto x = randn64(c.x, ++seed);
     const auto w = randn64(c.w, ++seed);
-    const std::string name = fmt::format(
-        "conv2d x{} w{} strides {}x{} {}", c.x.str(), c.w.str(), c.strides[0], c.strides[1],
-        c.padding == mt::Padding::Same ? "same" : "valid");
+    const std::string name =
+        fmt::format("conv2d x{} w{} strides {}x{} {}", c.x.str(), c.w.str(), c.strides[0],
+                    c.strides[1], c.padding == mt::Padding::Same ? "same" : "valid");
     CHECK_GRADCHECK(name,
                     [c](const Inputs& v) { return mt::conv2d(v[0], v[1], c.strides, c.padding); },
                     {x, w});
@@ -426,23 +461,23 @@ TEST_CASE("gradcheck: max_pool2d / avg_pool2d", "[grad]") {
   std::uint64_t seed = 1700;
   for (const auto& c : cases) {
     const auto x = mtest::distinct64(c.x, ++seed);
-    const std::string tag = fmt::format("x{} pool {}x{} strides {}x{} {}", c.x.str(), c.pool[0],
-                                        c.pool[1], c.strides[0], c.strides[1],
-                                        c.padding == mt::Padding::Same ? "same" : "valid");
-    CHECK_GRADCHECK("max_pool2d " + tag,
-                    [c](const Inputs& v) { return mt::max_pool2d(v[0], c.pool, c.strides, c.padding); },
-                    {x});
-    CHECK_GRADCHECK("avg_pool2d " + tag,
-                    [c](const Inputs& v) { return mt::avg_pool2d(v[0], c.pool, c.strides, c.padding); },
-                    {x});
+    const std::string tag =
+        fmt::format("x{} pool {}x{} strides {}x{} {}", c.x.str(), c.pool[0], c.pool[1],
+                    c.strides[0], c.strides[1], c.padding == mt::Padding::Same ? "same" : "valid");
+    CHECK_GRADCHECK(
+        "max_pool2d " + tag,
+        [c](const Inputs& v) { return mt::max_pool2d(v[0], c.pool, c.strides, c.padding); }, {x});
+    CHECK_GRADCHECK(
+        "avg_pool2d " + tag,
+        [c](const Inputs& v) { return mt::avg_pool2d(v[0], c.pool, c.strides, c.padding); }, {x});
   }
   // Pooling after a convolution (chained NHWC ops).
-  CHECK_GRADCHECK("max_pool2d(conv2d)",
-                  [](const Inputs& v) {
-                    return mt::max_pool2d(mt::conv2d(v[0], v[1], {1, 1}, mt::Padding::Same), {2, 2},
-                                          {2, 2});
-                  },
-                  {mtest::distinct64({1, 4, 4, 1}, 1750), randn64({1, 1, 1, 2}, 1751)});
+  CHECK_GRADCHECK(
+      "max_pool2d(conv2d)",
+      [](const Inputs& v) {
+        return mt::max_pool2d(mt::conv2d(v[0], v[1], {1, 1}, mt::Padding::Same), {2, 2}, {2, 2});
+      },
+      {mtest::distinct64({1, 4, 4, 1}, 1750), randn64({1, 1, 1, 2}, 1751)});
 }
 
 TEST_CASE("gradcheck: a small network (matmul, bias, gelu, log_softmax, gather)", "[grad]") {
@@ -485,9 +520,8 @@ mt::Tensor cube_with_backward(const mt::Tensor& x, int variant) {
 TEST_CASE("gradcheck: the checker reports wrong gradients", "[grad]") {
   const auto x = randn64({2, 3}, 1900);
   auto run = [&](int variant) {
-    return mtest::gradcheck("test_cube",
-                            [variant](const Inputs& v) { return cube_with_backward(v[0], variant); },
-                            {x});
+    return mtest::gradcheck(
+        "test_cube", [variant](const Inputs& v) { return cube_with_backward(v[0], variant); }, {x});
   };
   const auto good = run(0);
   INFO(good.report);
@@ -500,8 +534,8 @@ TEST_CASE("gradcheck: the checker reports wrong gradients", "[grad]") {
   const auto missing = run(2);
   CHECK_FALSE(missing.ok);
   CHECK_THAT(missing.report, Catch::Matchers::Contains("undefined"));
-  const auto throws = mtest::gradcheck(
-      "thrower", [](const Inputs& v) { return mt::matmul(v[0], v[0]); }, {x});
+  const auto throws =
+      mtest::gradcheck("thrower", [](const Inputs& v) { return mt::matmul(v[0], v[0]); }, {x});
   CHECK_FALSE(throws.ok);
   CHECK_THAT(throws.report, Catch::Matchers::Contains("threw"));
 }
@@ -537,43 +571,57 @@ TEST_CASE("gradcheck: second order (backward rules are differentiable)", "[grad]
                       [](const Inputs& v) { return mt::max(v[0], {0}, true) * v[0]; },
                       {mtest::distinct64({3, 4}, 2007)});
   CHECK_GRADGRADCHECK("softmax", [](const Inputs& v) { return mt::softmax(v[0], -1); }, {a});
-  CHECK_GRADGRADCHECK("log_softmax axis 0", [](const Inputs& v) { return mt::log_softmax(v[0], 0); },
-                      {a});
+  CHECK_GRADGRADCHECK("log_softmax axis 0",
+                      [](const Inputs& v) { return mt::log_softmax(v[0], 0); }, {a});
   CHECK_GRADGRADCHECK("matmul", [](const Inputs& v) { return mt::matmul(v[0], v[1]); },
                       {randn64({2, 3, 4}, 2008), randn64({4, 2}, 2009)});
-  CHECK_GRADGRADCHECK("where", [](const Inputs& v) {
-    return mt::square(mt::where(mt::greater(v[0], v[1]), v[0] * v[1], v[1]));
-  }, {mtest::grid64({3, 4}, 0.0, 2010), mtest::grid64({3, 4}, 0.1, 2011)});
-  CHECK_GRADGRADCHECK("shape ops", [](const Inputs& v) {
-    const auto t = mt::transpose(mt::reshape(v[0], {4, 3}));
-    return mt::square(mt::concat(
-        {mt::slice(t, 1, 0, 4, 2), mt::expand(mt::unsqueeze(mt::sum(t, {1}), 1), {3, 2}),
-         mt::flatten(mt::permute(mt::unsqueeze(mt::mean(t, {1}), 0), {1, 0}), 0).reshape({3, 1})},
-        1));
-  }, {a});
+  CHECK_GRADGRADCHECK("where",
+                      [](const Inputs& v) {
+                        return mt::square(mt::where(mt::greater(v[0], v[1]), v[0] * v[1], v[1]));
+                      },
+                      {mtest::grid64({3, 4}, 0.0, 2010), mtest::grid64({3, 4}, 0.1, 2011)});
+  CHECK_GRADGRADCHECK(
+      "shape ops",
+      [](const Inputs& v) {
+        const auto t = mt::transpose(mt::reshape(v[0], {4, 3}));
+        return mt::square(mt::concat(
+            {mt::slice(t, 1, 0, 4, 2), mt::expand(mt::unsqueeze(mt::sum(t, {1}), 1), {3, 2}),
+             mt::flatten(mt::permute(mt::unsqueeze(mt::mean(t, {1}), 0), {1, 0}), 0)
+                 .reshape({3, 1})},
+            1));
+      },
+      {a});
   const auto idx = mt::from_vector(std::vector<std::int64_t>{0, 3, 3, 1, 2, 2}, {3, 2});
-  CHECK_GRADGRADCHECK("gather", [idx](const Inputs& v) { return mt::square(mt::gather(v[0], idx, 1)); },
+  CHECK_GRADGRADCHECK("gather",
+                      [idx](const Inputs& v) { return mt::square(mt::gather(v[0], idx, 1)); }, {a});
+  CHECK_GRADGRADCHECK("cast f64 -> f64",
+                      [](const Inputs& v) { return mt::square(mt::cast(v[0], mt::kFloat64)); },
                       {a});
-  CHECK_GRADGRADCHECK("cast f64 -> f64", [](const Inputs& v) { return mt::square(mt::cast(v[0], mt::kFloat64)); },
+  CHECK_GRADGRADCHECK("square(sum_to)",
+                      [](const Inputs& v) {
+                        return mt::square(mt::sum_to(v[0], {3, 1}));
+                      },
                       {a});
-  CHECK_GRADGRADCHECK("square(sum_to)", [](const Inputs& v) {
-    return mt::square(mt::sum_to(v[0], {3, 1}));
-  }, {a});
-  CHECK_GRADGRADCHECK("square(broadcast add)", [](const Inputs& v) {
-    return mt::square(v[0] + v[1]);
-  }, {a, b});
+  CHECK_GRADGRADCHECK("square(broadcast add)",
+                      [](const Inputs& v) { return mt::square(v[0] + v[1]); }, {a, b});
 }
 
 // tape.h: a backward rule "composes differentiable ops, so it can itself be recorded by an
 // outer tape" - this holds for convolution and pooling too.
 TEST_CASE("gradcheck: second order through conv2d and pooling", "[grad]") {
-  CHECK_GRADGRADCHECK("conv2d", [](const Inputs& v) {
-    return mt::conv2d(v[0], v[1], {2, 2}, mt::Padding::Same);
-  }, {randn64({1, 5, 5, 2}, 2012), randn64({3, 3, 2, 2}, 2013)});
-  CHECK_GRADGRADCHECK("square(max_pool2d)", [](const Inputs& v) {
-    return mt::square(mt::max_pool2d(v[0], {2, 2}, {2, 2}, mt::Padding::Same));
-  }, {mtest::distinct64({1, 5, 5, 1}, 2014)});
-  CHECK_GRADGRADCHECK("square(avg_pool2d)", [](const Inputs& v) {
-    return mt::square(mt::avg_pool2d(v[0], {3, 3}, {2, 2}, mt::Padding::Same));
-  }, {randn64({1, 5, 5, 2}, 2015)});
+  CHECK_GRADGRADCHECK("conv2d",
+                      [](const Inputs& v) {
+                        return mt::conv2d(v[0], v[1], {2, 2}, mt::Padding::Same);
+                      },
+                      {randn64({1, 5, 5, 2}, 2012), randn64({3, 3, 2, 2}, 2013)});
+  CHECK_GRADGRADCHECK("square(max_pool2d)",
+                      [](const Inputs& v) {
+                        return mt::square(mt::max_pool2d(v[0], {2, 2}, {2, 2}, mt::Padding::Same));
+                      },
+                      {mtest::distinct64({1, 5, 5, 1}, 2014)});
+  CHECK_GRADGRADCHECK("square(avg_pool2d)",
+                      [](const Inputs& v) {
+                        return mt::square(mt::avg_pool2d(v[0], {3, 3}, {2, 2}, mt::Padding::Same));
+                      },
+                      {randn64({1, 5, 5, 2}, 2015)});
 }

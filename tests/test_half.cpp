@@ -1,7 +1,6 @@
 // Tests for the half / bfloat16 conversions: exhaustive 16-bit decoding and round trips,
 // float -> 16-bit rounding against independent references, and bulk == scalar.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -177,21 +176,21 @@ TEST_CASE("half/bfloat16: edge cases round to nearest even", "[half]") {
   CHECK(detail::float_to_half_bits(-inf) == 0xFC00);
   CHECK(detail::float_to_half_bits(0.0f) == 0x0000);
   CHECK(detail::float_to_half_bits(-0.0f) == 0x8000);
-  CHECK(detail::float_to_half_bits(std::ldexp(1.0f, -14)) == 0x0400);  // min normal
+  CHECK(detail::float_to_half_bits(std::ldexp(1.0f, -14)) == 0x0400);       // min normal
   CHECK(detail::float_to_half_bits(bits_to_float(0x387FFFFFu)) == 0x0400);  // up into normal
-  CHECK(detail::float_to_half_bits(std::ldexp(1023.0f, -24)) == 0x03FF);  // max subnormal
-  CHECK(detail::float_to_half_bits(std::ldexp(1023.5f, -24)) == 0x0400);  // tie -> even
-  CHECK(detail::float_to_half_bits(std::ldexp(1022.5f, -24)) == 0x03FE);  // tie -> even
-  CHECK(detail::float_to_half_bits(std::ldexp(1.0f, -24)) == 0x0001);  // min subnormal
-  CHECK(detail::float_to_half_bits(std::ldexp(1.0f, -25)) == 0x0000);  // tie -> 0
+  CHECK(detail::float_to_half_bits(std::ldexp(1023.0f, -24)) == 0x03FF);    // max subnormal
+  CHECK(detail::float_to_half_bits(std::ldexp(1023.5f, -24)) == 0x0400);    // tie -> even
+  CHECK(detail::float_to_half_bits(std::ldexp(1022.5f, -24)) == 0x03FE);    // tie -> even
+  CHECK(detail::float_to_half_bits(std::ldexp(1.0f, -24)) == 0x0001);       // min subnormal
+  CHECK(detail::float_to_half_bits(std::ldexp(1.0f, -25)) == 0x0000);       // tie -> 0
   CHECK(detail::float_to_half_bits(std::nextafter(std::ldexp(1.0f, -25), 1.0f)) == 0x0001);
   CHECK(detail::float_to_half_bits(-std::ldexp(1.5f, -24)) == 0x8002);  // tie -> even
   CHECK(detail::float_to_half_bits(std::ldexp(1.0f, -30)) == 0x0000);
   CHECK(detail::float_to_half_bits(-std::numeric_limits<float>::denorm_min()) == 0x8000);
-  CHECK(detail::float_to_half_bits(1.0f + std::ldexp(1.0f, -11)) == 0x3C00);  // tie -> even
+  CHECK(detail::float_to_half_bits(1.0f + std::ldexp(1.0f, -11)) == 0x3C00);      // tie -> even
   CHECK(detail::float_to_half_bits(1.0f + 3 * std::ldexp(1.0f, -11)) == 0x3C02);  // tie -> even
-  CHECK(detail::float_to_half_bits(1023.75f) == 0x6400);  // tie -> 1024
-  CHECK(detail::float_to_half_bits(1023.25f) == 0x63FE);  // tie -> 1023
+  CHECK(detail::float_to_half_bits(1023.75f) == 0x6400);                          // tie -> 1024
+  CHECK(detail::float_to_half_bits(1023.25f) == 0x63FE);                          // tie -> 1023
 
   CHECK(detail::float_to_bfloat16_bits(bits_to_float(0x3F808000u)) == 0x3F80);  // tie -> even
   CHECK(detail::float_to_bfloat16_bits(bits_to_float(0x3F818000u)) == 0x3F82);  // tie -> even

@@ -1,14 +1,14 @@
 // Tensor basics: shapes and strides, views, value semantics, casts, factories, formatting,
 // reduced-precision arithmetic through ops.
+#include <fmt/format.h>
+
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
-
-#include <catch2/catch.hpp>
-#include <fmt/format.h>
 
 #include "mixtape/mixtape.h"
 
@@ -126,8 +126,7 @@ TEST_CASE("tensor: views share storage", "[tensor]") {
     CHECK(s.shape() == mt::Shape{4, 3});
     CHECK(s.strides() == mt::Strides{6, 2});
     CHECK(s.offset() == 1);
-    CHECK(s.to_vector<float>() ==
-          std::vector<float>{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23});
+    CHECK(s.to_vector<float>() == std::vector<float>{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23});
     const auto rows = mt::slice(m, 0, 2, 4);
     CHECK(rows.offset() == 12);
     CHECK(rows.shape() == mt::Shape{2, 6});
@@ -149,9 +148,9 @@ TEST_CASE("tensor: views share storage", "[tensor]") {
   SECTION("writes through the base are visible in views") {
     const auto t = mt::transpose(base, 0, 2);
     const auto s = base.slice(2, 1, 3);
-    base.data<float>()[1] = 100.0f;  // base[0, 0, 1]
+    base.data<float>()[1] = 100.0f;                // base[0, 0, 1]
     CHECK(t.to_vector<float>()[3 * 2] == 100.0f);  // t[1, 0, 0]
-    CHECK(s.to_vector<float>()[0] == 100.0f);       // s[0, 0, 0]
+    CHECK(s.to_vector<float>()[0] == 100.0f);      // s[0, 0, 0]
   }
   SECTION("squeeze / unsqueeze / flatten") {
     const auto u = mt::unsqueeze(base, 1);
@@ -228,7 +227,8 @@ TEST_CASE("tensor: to(dtype) for every float dtype", "[tensor]") {
   CHECK(third.to(mt::kBFloat16).item<double>() == Approx(0.333984375));
   CHECK(third.to(mt::kFloat32).item<double>() == static_cast<double>(1.0f / 3.0f));
   CHECK(std::isinf(mt::full({}, 70000.0, mt::kFloat32).to(mt::kFloat16).item<float>()));
-  CHECK(mt::full({}, 70000.0, mt::kFloat32).to(mt::kBFloat16).item<float>() == Approx(70000.0).epsilon(0.01));
+  CHECK(mt::full({}, 70000.0, mt::kFloat32).to(mt::kBFloat16).item<float>() ==
+        Approx(70000.0).epsilon(0.01));
   // Floating -> integer truncates toward zero; anything -> bool is (x != 0).
   const auto f = mt::from_vector(std::vector<float>{2.7f, -2.7f, 0.0f, 5.0f}, {4});
   CHECK(f.to(mt::kInt32).to_vector<std::int32_t>() == std::vector<std::int32_t>{2, -2, 0, 5});
@@ -301,7 +301,8 @@ TEST_CASE("tensor: constant factories", "[tensor]") {
   CHECK(mt::ones({3}, mt::kFloat64).to_vector<double>() == std::vector<double>(3, 1.0));
   CHECK(mt::ones({3}, mt::kFloat64).dtype() == mt::kFloat64);
   CHECK(mt::full({2, 3}, 2.5, mt::kBFloat16).to_vector<float>() == std::vector<float>(6, 2.5f));
-  CHECK(mt::full({2}, 7.0, mt::kInt32).to_vector<std::int32_t>() == std::vector<std::int32_t>{7, 7});
+  CHECK(mt::full({2}, 7.0, mt::kInt32).to_vector<std::int32_t>() ==
+        std::vector<std::int32_t>{7, 7});
   CHECK(mt::full({2}, 1.0, mt::kBool).to_vector<bool>() == std::vector<bool>{true, true});
   CHECK(mt::full({}, 3.0).shape() == mt::Shape{});
   const auto t = mt::full({2, 3}, 4.0, mt::kFloat16);
@@ -318,7 +319,8 @@ TEST_CASE("tensor: arange", "[tensor]") {
   CHECK(a.dtype() == mt::kFloat32);
   CHECK(a.shape() == mt::Shape{5});
   CHECK(a.to_vector<float>() == std::vector<float>{0, 1, 2, 3, 4});
-  CHECK(mt::arange(1.0, 2.0, 0.25).to_vector<double>() == std::vector<double>{1.0, 1.25, 1.5, 1.75});
+  CHECK(mt::arange(1.0, 2.0, 0.25).to_vector<double>() ==
+        std::vector<double>{1.0, 1.25, 1.5, 1.75});
   CHECK(mt::arange(3.0, 0.0, -1.0).to_vector<double>() == std::vector<double>{3.0, 2.0, 1.0});
   const auto i = mt::arange(std::int64_t{4});
   CHECK(i.dtype() == mt::kInt64);
@@ -431,10 +433,12 @@ TEST_CASE("tensor: reduced-precision arithmetic through ops", "[tensor]") {
   // A double scalar takes the tensor's dtype (no widening).
   CHECK((mt::full({2}, 1.0, "float16") * 2.0).dtype() == mt::kFloat16);
   CHECK((3.0 + mt::full({2}, 1.0, "bfloat16")).dtype() == mt::kBFloat16);
-  CHECK((mt::full({}, 300.0, "float16") * 300.0).item<float>() == std::numeric_limits<float>::infinity());
+  CHECK((mt::full({}, 300.0, "float16") * 300.0).item<float>() ==
+        std::numeric_limits<float>::infinity());
   // float16 rounding: 1 + 2^-11 rounds to 1 (ties to even), 1 + 2^-10 is representable.
   CHECK((mt::full({}, 1.0, "float16") + std::ldexp(1.0, -11)).item<double>() == 1.0);
-  CHECK((mt::full({}, 1.0, "float16") + std::ldexp(1.0, -10)).item<double>() == 1.0 + std::ldexp(1.0, -10));
+  CHECK((mt::full({}, 1.0, "float16") + std::ldexp(1.0, -10)).item<double>() ==
+        1.0 + std::ldexp(1.0, -10));
   // The scalar types agree.
   CHECK(std::isinf(static_cast<float>(mt::half(256.0f) * mt::half(256.0f))));
   CHECK(static_cast<float>(mt::half(1e-5f) * mt::half(1e-5f)) == 0.0f);

@@ -1,11 +1,12 @@
 // The CPU backend: 64-byte aligned host memory, memcpy copies, and kernel registration.
+#include "mixtape/core/backend.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 
 #include "backends/cpu/cpu_backend.h"
-#include "mixtape/core/backend.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::cpu {
@@ -30,8 +31,8 @@ class CpuBackend final : public Backend {
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
             std::size_t nbytes) override {
     if (!dst_device.is_cpu() || !src_device.is_cpu())
-      throw DeviceError(fmt::format("CPU backend cannot copy from {} to {}", src_device.str(),
-                                    dst_device.str()));
+      throw DeviceError(
+          fmt::format("CPU backend cannot copy from {} to {}", src_device.str(), dst_device.str()));
     if (nbytes) std::memmove(dst, src, nbytes);
   }
   void synchronize(int /*device_index*/) override {}

@@ -1,6 +1,9 @@
 // The one header a mixtape user includes.
 #pragma once
 
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+#include "mixtape/autograd/variable.h"
 #include "mixtape/core/backend.h"
 #include "mixtape/core/device.h"
 #include "mixtape/core/dispatch.h"
@@ -10,6 +13,3 @@
 #include "mixtape/core/shape.h"
 #include "mixtape/core/storage.h"
 #include "mixtape/core/tensor.h"
-#include "mixtape/autograd/ops.h"
-#include "mixtape/autograd/tape.h"
-#include "mixtape/autograd/variable.h"

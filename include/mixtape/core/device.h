@@ -1,10 +1,10 @@
 // Device: where a tensor's storage lives (the CPU, or CUDA GPU n).
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace mixtape {
 

@@ -15,6 +15,7 @@
 
 namespace mixtape {
 
+// clang-format off
 #define MIXTAPE_FOR_EACH_OP(X)                                                        \
   /* memory */ X(copy) X(fill) X(cast)                                                \
   /* unary */ X(neg) X(abs) X(exp) X(log) X(sqrt) X(rsqrt) X(tanh) X(sigmoid) X(relu)  \
@@ -28,6 +29,7 @@ namespace mixtape {
   /* convolution and pooling (NHWC) */ X(conv2d) X(conv2d_backward_input)             \
   X(conv2d_backward_weight) X(max_pool2d) X(max_pool2d_backward) X(avg_pool2d)        \
   X(avg_pool2d_backward)
+// clang-format on
 
 enum class OpId : std::uint16_t {
 #define MIXTAPE_OP_ENUM(name) name,

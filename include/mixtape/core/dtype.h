@@ -6,12 +6,12 @@
 // valid names.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
-
-#include <fmt/format.h>
 
 namespace mixtape {
 
@@ -24,7 +24,7 @@ class DType {
   constexpr DType() : code_(Float32) {}
   constexpr DType(Code code) : code_(code) {}  // NOLINT(google-explicit-constructor)
   // Parses a name ("float16", "fp16", "half", ...); throws ValueError when unknown.
-  DType(std::string_view name);  // NOLINT(google-explicit-constructor)
+  DType(std::string_view name);                               // NOLINT(google-explicit-constructor)
   DType(const char* name) : DType(std::string_view(name)) {}  // NOLINT
   DType(const std::string& name) : DType(std::string_view(name)) {}  // NOLINT
 

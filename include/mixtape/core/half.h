@@ -54,11 +54,11 @@ struct bfloat16 {
   operator float() const { return detail::bfloat16_bits_to_float(bits); }  // NOLINT
 };
 
-#define MIXTAPE_REDUCED_FLOAT_OPS(T)                                                    \
-  inline T operator+(T a, T b) { return T(float(a) + float(b)); }                       \
-  inline T operator-(T a, T b) { return T(float(a) - float(b)); }                       \
-  inline T operator*(T a, T b) { return T(float(a) * float(b)); }                       \
-  inline T operator/(T a, T b) { return T(float(a) / float(b)); }                       \
+#define MIXTAPE_REDUCED_FLOAT_OPS(T)                              \
+  inline T operator+(T a, T b) { return T(float(a) + float(b)); } \
+  inline T operator-(T a, T b) { return T(float(a) - float(b)); } \
+  inline T operator*(T a, T b) { return T(float(a) * float(b)); } \
+  inline T operator/(T a, T b) { return T(float(a) / float(b)); } \
   inline T operator-(T a) { return T::from_bits(static_cast<std::uint16_t>(a.bits ^ 0x8000u)); }
 MIXTAPE_REDUCED_FLOAT_OPS(half)
 MIXTAPE_REDUCED_FLOAT_OPS(bfloat16)

@@ -1,12 +1,12 @@
 // Shape: the extents of a tensor, plus helpers for strides and broadcasting.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 namespace mixtape {
 

@@ -8,13 +8,13 @@
 // mixtape/autograd/ops.h and are recorded on active GradientTapes.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "mixtape/core/device.h"
 #include "mixtape/core/dtype.h"
@@ -28,14 +28,38 @@ namespace mixtape {
 // The C++ type that holds one element of a dtype, and back.
 template <typename T>
 struct dtype_of;
-template <> struct dtype_of<float> { static constexpr DType value = kFloat32; };
-template <> struct dtype_of<half> { static constexpr DType value = kFloat16; };
-template <> struct dtype_of<bfloat16> { static constexpr DType value = kBFloat16; };
-template <> struct dtype_of<double> { static constexpr DType value = kFloat64; };
-template <> struct dtype_of<std::int32_t> { static constexpr DType value = kInt32; };
-template <> struct dtype_of<std::int64_t> { static constexpr DType value = kInt64; };
-template <> struct dtype_of<std::uint8_t> { static constexpr DType value = kUInt8; };
-template <> struct dtype_of<bool> { static constexpr DType value = kBool; };
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = kFloat32;
+};
+template <>
+struct dtype_of<half> {
+  static constexpr DType value = kFloat16;
+};
+template <>
+struct dtype_of<bfloat16> {
+  static constexpr DType value = kBFloat16;
+};
+template <>
+struct dtype_of<double> {
+  static constexpr DType value = kFloat64;
+};
+template <>
+struct dtype_of<std::int32_t> {
+  static constexpr DType value = kInt32;
+};
+template <>
+struct dtype_of<std::int64_t> {
+  static constexpr DType value = kInt64;
+};
+template <>
+struct dtype_of<std::uint8_t> {
+  static constexpr DType value = kUInt8;
+};
+template <>
+struct dtype_of<bool> {
+  static constexpr DType value = kBool;
+};
 
 // Named, trainable state attached to a tensor that is a Variable.
 struct VariableInfo {
@@ -49,7 +73,7 @@ struct TensorImpl {
   Shape shape;
   Strides strides;  // in elements
   DType dtype;
-  std::uint64_t id = 0;  // unique per TensorImpl, for tapes
+  std::uint64_t id = 0;                    // unique per TensorImpl, for tapes
   std::shared_ptr<VariableInfo> variable;  // set for Variables only
 };
 
@@ -98,15 +122,15 @@ class Tensor {
   std::vector<T> to_vector() const;
 
   // --- Differentiable sugar (see mixtape/autograd/ops.h) ---------------------------
-  Tensor to(DType dtype) const;     // cast; a no-op returning *this when equal
-  Tensor to(Device device) const;   // copy to another device; *this when equal
-  Tensor contiguous() const;        // *this when already contiguous
+  Tensor to(DType dtype) const;              // cast; a no-op returning *this when equal
+  Tensor to(Device device) const;            // copy to another device; *this when equal
+  Tensor contiguous() const;                 // *this when already contiguous
   Tensor reshape(const Shape& shape) const;  // one extent may be -1
   Tensor permute(const std::vector<int>& axes) const;
   Tensor transpose(int axis0 = -2, int axis1 = -1) const;
   Tensor slice(int axis, std::int64_t start, std::int64_t stop, std::int64_t step = 1) const;
   Tensor expand(const Shape& shape) const;  // broadcast view
-  Tensor detach() const;  // same data, never recorded
+  Tensor detach() const;                    // same data, never recorded
 
   // Variables: named trainable tensors (see mixtape/autograd/variable.h).
   bool is_variable() const { return defined() && impl().variable != nullptr; }
@@ -165,7 +189,8 @@ void manual_seed(std::uint64_t seed);
 
 Tensor zeros(const Shape& shape, DType dtype = kFloat32, Device device = Device::cpu());
 Tensor ones(const Shape& shape, DType dtype = kFloat32, Device device = Device::cpu());
-Tensor full(const Shape& shape, double value, DType dtype = kFloat32, Device device = Device::cpu());
+Tensor full(const Shape& shape, double value, DType dtype = kFloat32,
+            Device device = Device::cpu());
 Tensor zeros_like(const Tensor& t);
 Tensor ones_like(const Tensor& t);
 Tensor full_like(const Tensor& t, double value);
@@ -175,8 +200,8 @@ Tensor arange(double start, double stop, double step = 1.0, DType dtype = kFloat
 Tensor arange(std::int64_t stop, DType dtype = kInt64, Device device = Device::cpu());
 // Copies host values into a new tensor of the given shape (numel must match).
 template <typename T>
-Tensor from_vector(const std::vector<T>& values, const Shape& shape, DType dtype = dtype_of<T>::value,
-                   Device device = Device::cpu());
+Tensor from_vector(const std::vector<T>& values, const Shape& shape,
+                   DType dtype = dtype_of<T>::value, Device device = Device::cpu());
 Tensor uniform(const Shape& shape, double low = 0.0, double high = 1.0, DType dtype = kFloat32,
                Device device = Device::cpu(), Generator* gen = nullptr);
 Tensor normal(const Shape& shape, double mean = 0.0, double stddev = 1.0, DType dtype = kFloat32,
@@ -186,14 +211,15 @@ namespace detail {
 // Copies `count` host elements of `src_dtype` into a new tensor, cast to `dtype`.
 Tensor from_host(const void* data, std::size_t count, DType src_dtype, const Shape& shape,
                  DType dtype, Device device);
-}
+}  // namespace detail
 template <typename T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape, DType dtype, Device device) {
   if constexpr (std::is_same_v<T, bool>) {
     std::vector<std::uint8_t> bytes(values.begin(), values.end());
     return detail::from_host(bytes.data(), bytes.size(), kBool, shape, dtype, device);
   } else {
-    return detail::from_host(values.data(), values.size(), dtype_of<T>::value, shape, dtype, device);
+    return detail::from_host(values.data(), values.size(), dtype_of<T>::value, shape, dtype,
+                             device);
   }
 }
 
