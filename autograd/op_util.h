@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/raw.h"
+#include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/kernels.h"

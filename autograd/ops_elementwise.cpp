@@ -11,10 +11,11 @@ namespace {
 
 // Broadcasts, promotes (through the recorded cast) and runs a binary kernel.
 // Returns the output; `ac`/`bc` receive the promoted operands.
-Tensor binary_forward(OpId op, const Tensor& a, const Tensor& b, Tensor& ac, Tensor& bc,
+Tensor binary_forward(OpId op, const Tensor& a_in, const Tensor& b_in, Tensor& ac, Tensor& bc,
                       bool comparison = false) {
   const char* name = op_name(op);
-  detail::check_inputs(name, {a, b});
+  detail::check_inputs(name, {a_in, b_in});
+  const Tensor a = autocast(a_in), b = autocast(b_in);
   const DType dt = promote_types(a.dtype(), b.dtype());
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), name);
   auto* kernel = detail::kernel_for<kernels::BinaryFn>(op, dt, {a, b});
@@ -42,7 +43,8 @@ Tensor unary_forward(OpId op, const Tensor& x) {
 
 // Records a unary op whose input gradient is grad * factor(x, y).
 template <typename Factor>
-Tensor unary(OpId op, const Tensor& x, Factor factor) {
+Tensor unary(OpId op, const Tensor& x_in, Factor factor) {
+  const Tensor x = autocast(x_in);
   Tensor y = unary_forward(op, x);
   if (should_record({x}))
     record_op(op_name(op), {x}, y, [x, y, factor](const Tensor& g, const std::vector<bool>&) {
@@ -236,8 +238,9 @@ Tensor less_equal(const Tensor& a, const Tensor& b) { return compare(OpId::le, a
 Tensor greater(const Tensor& a, const Tensor& b) { return compare(OpId::gt, a, b); }
 Tensor greater_equal(const Tensor& a, const Tensor& b) { return compare(OpId::ge, a, b); }
 
-Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
-  detail::check_inputs("where", {cond, a, b});
+Tensor where(const Tensor& cond, const Tensor& a_in, const Tensor& b_in) {
+  detail::check_inputs("where", {cond, a_in, b_in});
+  const Tensor a = autocast(a_in), b = autocast(b_in);
   if (cond.dtype() != kBool)
     throw DTypeError(
         fmt::format("where: the condition must be bool; got {}", detail::describe({cond, a, b})));

@@ -51,8 +51,9 @@ Tensor gather_backward(const Tensor& g, const Tensor& idx, const Shape& shape, i
 
 }  // namespace
 
-Tensor gather(const Tensor& x, const Tensor& index, int axis) {
-  detail::check_inputs("gather", {x, index});
+Tensor gather(const Tensor& x_in, const Tensor& index, int axis) {
+  detail::check_inputs("gather", {x_in, index});
+  const Tensor x = autocast(x_in);
   if (x.rank() == 0 || index.rank() != x.rank())
     throw ShapeError(fmt::format("gather: indices need the rank of x (>= 1); got {}",
                                  detail::describe({x, index})));

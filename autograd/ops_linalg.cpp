@@ -1,6 +1,9 @@
 // matmul: batched GEMM with broadcast batch dimensions; transposed views become GEMM
 // transpose flags instead of copies.
+#include <optional>
+
 #include "autograd/op_util.h"
+#include "mixtape/core/compute_mode.h"
 
 namespace mixtape {
 
@@ -69,10 +72,12 @@ GemmOperand prepare(const Tensor& t, const std::vector<std::int64_t>& batch, std
   return op;
 }
 
-}  // namespace
-
-Tensor matmul(const Tensor& a, const Tensor& b) {
-  detail::check_inputs("matmul", {a, b});
+// matmul, accumulating in 16 bits when `low_precision` says so (unset: as the
+// MIXTAPE_FP16_USE_FP32_COMPUTE switch says now). The backward products reuse the
+// forward's decision, like conv2d's.
+Tensor matmul_with(const Tensor& a_in, const Tensor& b_in, std::optional<bool> low_precision) {
+  detail::check_inputs("matmul", {a_in, b_in});
+  const Tensor a = autocast(a_in), b = autocast(b_in);
   if (a.rank() < 2 || b.rank() < 2)
     throw ShapeError(
         fmt::format("matmul: operands need rank >= 2; got {}", detail::describe({a, b})));
@@ -83,6 +88,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   const DType dt = promote_types(a.dtype(), b.dtype());
   auto* kernel = detail::kernel_for<kernels::GemmFn>(OpId::matmul, dt, {a, b});
   Tensor ac = cast(a, dt), bc = cast(b, dt);
+  const bool low =
+      low_precision.value_or(gemm_accumulation_dtype(dt) == dt) && dt.is_reduced_float();
 
   const Shape a_batch(std::vector<std::int64_t>(a.shape().begin(), a.shape().end() - 2));
   const Shape b_batch(std::vector<std::int64_t>(b.shape().begin(), b.shape().end() - 2));
@@ -114,15 +121,22 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
       args.stride_a = pa.batch_stride;
       args.stride_b = pb.batch_stride;
       args.stride_c = m * n;
+      args.low_precision_accumulation = low;
       kernel(args);
     }
   }
   if (should_record({ac, bc}))
-    record_op("matmul", {ac, bc}, out, [ac, bc](const Tensor& g, const std::vector<bool>& needs) {
-      return Grads{needs[0] ? sum_to(matmul(g, transpose(bc)), ac.shape()) : Tensor(),
-                   needs[1] ? sum_to(matmul(transpose(ac), g), bc.shape()) : Tensor()};
-    });
+    record_op("matmul", {ac, bc}, out,
+              [ac, bc, low](const Tensor& g, const std::vector<bool>& needs) {
+                return Grads{
+                    needs[0] ? sum_to(matmul_with(g, transpose(bc), low), ac.shape()) : Tensor(),
+                    needs[1] ? sum_to(matmul_with(transpose(ac), g, low), bc.shape()) : Tensor()};
+              });
   return out;
 }
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) { return matmul_with(a, b, std::nullopt); }
 
 }  // namespace mixtape

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "autograd/op_util.h"
+#include "mixtape/core/compute_mode.h"
 
 namespace mixtape {
 
@@ -107,9 +108,10 @@ Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2d
 
 }  // namespace
 
-Tensor conv2d(const Tensor& x, const Tensor& filters, std::array<std::int64_t, 2> strides,
+Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, std::array<std::int64_t, 2> strides,
               Padding padding) {
-  detail::check_inputs("conv2d", {x, filters});
+  detail::check_inputs("conv2d", {x_in, filters_in});
+  const Tensor x = autocast(x_in), filters = autocast(filters_in);
   check_nhwc("conv2d", x, {x, filters});
   if (filters.rank() != 4 || filters.dim(2) != x.dim(3))
     throw ShapeError(
@@ -125,6 +127,8 @@ Tensor conv2d(const Tensor& x, const Tensor& filters, std::array<std::int64_t, 2
   const Window wh = window("conv2d", g.h, g.kh, g.stride_h, padding, {x, filters});
   const Window ww = window("conv2d", g.w, g.kw, g.stride_w, padding, {x, filters});
   g.oh = wh.out, g.ow = ww.out, g.pad_top = wh.pad_before, g.pad_left = ww.pad_before;
+  // Decided once here: the backward products reuse g, so they accumulate alike.
+  g.low_precision_accumulation = gemm_accumulation_dtype(dt) == dt && dt.is_reduced_float();
   return conv_forward(cast(x, dt), cast(filters, dt), g);
 }
 
@@ -214,9 +218,10 @@ Tensor max_pool_backward(const Tensor& x, const Tensor& dy, const kernels::Pool2
 
 }  // namespace
 
-Tensor max_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
+Tensor max_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding) {
-  detail::check_inputs("max_pool2d", {x});
+  detail::check_inputs("max_pool2d", {x_in});
+  const Tensor x = autocast(x_in);
   check_nhwc("max_pool2d", x, {x});
   auto* kernel = detail::kernel_for<kernels::Pool2dFn>(OpId::max_pool2d, x.dtype(), {x});
   const auto g = pool_geometry("max_pool2d", x, pool_size, strides, padding);
@@ -230,9 +235,10 @@ Tensor max_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
   return out;
 }
 
-Tensor avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
+Tensor avg_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding) {
-  detail::check_inputs("avg_pool2d", {x});
+  detail::check_inputs("avg_pool2d", {x_in});
+  const Tensor x = autocast(x_in);
   check_nhwc("avg_pool2d", x, {x});
   detail::kernel_for<kernels::Pool2dFn>(OpId::avg_pool2d, x.dtype(), {x});  // fail early
   return avg_pool_forward(x, pool_geometry("avg_pool2d", x, pool_size, strides, padding));

@@ -57,7 +57,8 @@ Tensor reduce(OpId op, const Tensor& x, const std::vector<int>& axes_in, bool ke
 }
 
 // max/min: the gradient is shared equally among the elements equal to the extremum.
-Tensor extremum(OpId op, const Tensor& x, const std::vector<int>& axes_in, bool keepdims) {
+Tensor extremum(OpId op, const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
+  const Tensor x = autocast(x_in);
   std::vector<int> axes;
   Tensor y = reduce(op, x, axes_in, keepdims, &axes);
   if (should_record({x}))
@@ -74,7 +75,8 @@ Tensor extremum(OpId op, const Tensor& x, const std::vector<int>& axes_in, bool 
 
 }  // namespace
 
-Tensor sum(const Tensor& x, const std::vector<int>& axes_in, bool keepdims) {
+Tensor sum(const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
+  const Tensor x = autocast(x_in);
   std::vector<int> axes;
   Tensor y = reduce(OpId::sum, x, axes_in, keepdims, &axes);
   if (should_record({x}))
@@ -84,7 +86,8 @@ Tensor sum(const Tensor& x, const std::vector<int>& axes_in, bool keepdims) {
   return y;
 }
 
-Tensor mean(const Tensor& x, const std::vector<int>& axes_in, bool keepdims) {
+Tensor mean(const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
+  const Tensor x = autocast(x_in);
   std::vector<int> axes;
   Tensor y = reduce(OpId::mean, x, axes_in, keepdims, &axes);
   if (should_record({x}))
@@ -168,7 +171,8 @@ Tensor rows_forward(OpId op, const Tensor& x, int axis) {
 }
 }  // namespace
 
-Tensor softmax(const Tensor& x, int axis) {
+Tensor softmax(const Tensor& x_in, int axis) {
+  const Tensor x = autocast(x_in);
   Tensor y = rows_forward(OpId::softmax, x, axis);
   if (should_record({x}))
     record_op("softmax", {x}, y, [y, axis](const Tensor& g, const std::vector<bool>&) {
@@ -177,7 +181,8 @@ Tensor softmax(const Tensor& x, int axis) {
   return y;
 }
 
-Tensor log_softmax(const Tensor& x, int axis) {
+Tensor log_softmax(const Tensor& x_in, int axis) {
+  const Tensor x = autocast(x_in);
   Tensor y = rows_forward(OpId::log_softmax, x, axis);
   if (should_record({x}))
     record_op("log_softmax", {x}, y, [y, axis](const Tensor& g, const std::vector<bool>&) {

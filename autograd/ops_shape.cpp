@@ -32,8 +32,9 @@ Tensor to_device(const Tensor& x, Device device) {
   return y;
 }
 
-Tensor contiguous(const Tensor& x) {
-  detail::check_inputs("contiguous", {x});
+Tensor contiguous(const Tensor& x_in) {
+  detail::check_inputs("contiguous", {x_in});
+  const Tensor x = autocast(x_in);
   if (x.is_contiguous()) return x;
   Tensor y = detail::contiguous_raw(x);
   if (should_record({x}))
@@ -47,8 +48,9 @@ Tensor detach(const Tensor& x) {
   return Tensor::view_of(x, x.shape(), x.strides(), x.offset());
 }
 
-Tensor reshape(const Tensor& x, const Shape& shape_in) {
-  detail::check_inputs("reshape", {x});
+Tensor reshape(const Tensor& x_in, const Shape& shape_in) {
+  detail::check_inputs("reshape", {x_in});
+  const Tensor x = autocast(x_in);
   std::vector<std::int64_t> dims;
   int infer = -1;
   std::int64_t known = 1;
@@ -86,8 +88,9 @@ Tensor reshape(const Tensor& x, const Shape& shape_in) {
   return y;
 }
 
-Tensor permute(const Tensor& x, const std::vector<int>& axes) {
-  detail::check_inputs("permute", {x});
+Tensor permute(const Tensor& x_in, const std::vector<int>& axes) {
+  detail::check_inputs("permute", {x_in});
+  const Tensor x = autocast(x_in);
   if (axes.size() != x.rank())
     throw ShapeError(fmt::format("permute: {} axes given for a tensor of shape {}", axes.size(),
                                  x.shape().str()));
@@ -157,8 +160,10 @@ Tensor slice_backward(const Tensor& g, const Shape& shape, int axis, std::int64_
 }
 }  // namespace
 
-Tensor slice(const Tensor& x, int axis, std::int64_t start, std::int64_t stop, std::int64_t step) {
-  detail::check_inputs("slice", {x});
+Tensor slice(const Tensor& x_in, int axis, std::int64_t start, std::int64_t stop,
+             std::int64_t step) {
+  detail::check_inputs("slice", {x_in});
+  const Tensor x = autocast(x_in);
   if (x.rank() == 0) throw ShapeError("slice: cannot slice a 0-d tensor");
   const int a = normalize_axis(axis, x.rank(), "slice");
   if (step <= 0) throw ValueError(fmt::format("slice: step must be positive, got {}", step));
@@ -183,8 +188,9 @@ Tensor slice(const Tensor& x, int axis, std::int64_t start, std::int64_t stop, s
   return y;
 }
 
-Tensor expand(const Tensor& x, const Shape& shape) {
-  detail::check_inputs("expand", {x});
+Tensor expand(const Tensor& x_in, const Shape& shape) {
+  detail::check_inputs("expand", {x_in});
+  const Tensor x = autocast(x_in);
   if (x.shape() == shape) return x;
   if (shape.rank() < x.rank() || broadcast_shapes(x.shape(), shape, "expand") != shape)
     throw ShapeError(fmt::format("expand: a tensor of shape {} cannot be broadcast to {}",
@@ -227,9 +233,11 @@ Tensor flatten(const Tensor& x, int start_axis) {
   return reshape(x, Shape(dims));
 }
 
-Tensor concat(const std::vector<Tensor>& xs, int axis) {
-  if (xs.empty()) throw ValueError("concat: no tensors given");
-  detail::check_inputs("concat", xs);
+Tensor concat(const std::vector<Tensor>& xs_in, int axis) {
+  if (xs_in.empty()) throw ValueError("concat: no tensors given");
+  detail::check_inputs("concat", xs_in);
+  std::vector<Tensor> xs;
+  for (const auto& t : xs_in) xs.push_back(autocast(t));
   const Tensor& first = xs.front();
   if (first.rank() == 0) throw ShapeError("concat: cannot concatenate 0-d tensors");
   const int a = normalize_axis(axis, first.rank(), "concat");

@@ -4,6 +4,7 @@
 #include "core/raw.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
+#include "mixtape/core/backend.h"
 
 namespace mixtape {
 
@@ -21,6 +22,8 @@ Variable::Variable(const Tensor& initial_value, std::string name, bool trainable
 const std::string& Variable::name() const { return impl().variable->name; }
 bool Variable::trainable() const { return impl().variable->trainable; }
 void Variable::set_trainable(bool trainable) { impl().variable->trainable = trainable; }
+bool Variable::autocast() const { return impl().variable->autocast; }
+void Variable::set_autocast(bool autocast) { impl().variable->autocast = autocast; }
 
 void Variable::assign(const Tensor& value) {
   if (!value.defined())
@@ -51,6 +54,15 @@ void Variable::assign_add(const Tensor& delta) {
 void Variable::assign_sub(const Tensor& delta) {
   NoGradGuard no_grad;
   assign(sub(value(), cast(delta, dtype())));
+}
+
+void Variable::move_to(Device device) {
+  if (device == this->device()) return;
+  check_device(device);
+  Tensor moved = detail::to_device_raw(detail::contiguous_raw(*this), device);
+  impl_->storage = moved.storage();
+  impl_->offset = moved.offset();
+  impl_->strides = moved.strides();
 }
 
 }  // namespace mixtape

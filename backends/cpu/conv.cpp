@@ -11,7 +11,10 @@
 // cache). Windows with few taps (kh*kw*c <= kDirectMaxTaps, e.g. a first layer on 1-3
 // channels) skip the GEMM: forward and backward weight are direct loops there.
 // float16 and bfloat16 tensors are converted to float32 in bulk, computed in float32 and
-// rounded back; float64 computes in float64 (dgemm).
+// rounded back; float64 computes in float64 (dgemm). With
+// Conv2dGeometry::low_precision_accumulation (MIXTAPE_FP16_USE_FP32_COMPUTE=0) the
+// float16 / bfloat16 kernels instead emulate accumulation in the 16-bit type (the "acc16"
+// section below).
 #include <cblas.h>
 
 #include <algorithm>
@@ -582,6 +585,162 @@ void conv_backward_weight(const C* x, const C* grad_out, C* grad_w, const Conv2d
   }
 }
 
+// --- 16-bit accumulation (Conv2dGeometry::low_precision_accumulation) ----------------
+//
+// Emulates convolution kernels whose accumulators are T (float16 or bfloat16): each
+// output element starts at 0 and takes its terms one at a time,
+//   acc = round_T(acc + a * b)
+// with the product and the sum in float32 (the product of two float16 values is exact in
+// float32, and so is that of two bfloat16 values within float32's range) and round_T
+// rounding to nearest even like mixtape::half / mixtape::bfloat16. Taps over the
+// padding are skipped (with finite operands their zero products would leave acc as is).
+// Inputs arrive as float32 (bulk-converted); accumulators are float32 buffers holding
+// T-representable values, rounded after each step through the bulk converters
+// (float32 -> T -> float32, using the output as the T buffer). A step updates a set of
+// accumulators that each get one term, then rounds a span covering them (rounding a
+// value that is already a T changes nothing). The order of the terms of each element:
+//   forward          out[i, oy, ox, co]:   taps (ky, kx, ci) in row-major order
+//                                          (the im2col / GEMM reduction order)
+//   backward weight  dw[ky, kx, ci, co]:   output pixels (i, oy, ox) in row-major order
+//   backward input   dx[i, iy, ix, ci]:    output rows oy ascending, then kx ascending,
+//                                          then co ascending (ky and ox follow from
+//                                          oy and kx)
+// Each runs on OpenMP threads over rows whose accumulators no other thread touches:
+// output rows (forward), input rows (backward input), and (tap, input-channel block)
+// rows of dw (backward weight).
+
+// acc[0:len] += a * b[0:len].
+inline void axpy(float* __restrict acc, float a, const float* __restrict b, std::int64_t len) {
+  for (std::int64_t j = 0; j < len; ++j) acc[j] += a * b[j];
+}
+
+// acc[0:len] = float(T(acc[0:len])), with tmp (len T's) as the T copy.
+template <typename T>
+inline void round_span(float* acc, T* tmp, std::int64_t len) {
+  convert(acc, tmp, len);
+  convert(tmp, acc, len);
+}
+
+// The output positions o in [lo, hi) at which tap t of the window lands inside the input:
+// 0 <= o * stride - pad + t < size, with 0 <= o < outs. Empty when lo >= hi.
+inline TapRange out_range(std::int64_t t, std::int64_t stride, std::int64_t pad, std::int64_t size,
+                          std::int64_t outs) {
+  const std::int64_t first = pad - t, last = size - 1 + pad - t;  // bounds of o * stride
+  const std::int64_t lo = first <= 0 ? 0 : (first + stride - 1) / stride;
+  const std::int64_t hi = last < 0 ? 0 : std::min(outs, last / stride + 1);
+  return {lo, hi};
+}
+
+template <typename T>
+void conv_forward_acc16(const float* x, const float* w, T* out, const Conv2dGeometry& g) {
+  const std::int64_t c = g.c, cout = g.cout, rows = g.n * g.oh, row_len = g.ow * cout;
+  if (rows * row_len == 0) return;
+  const bool par = rows * row_len * g.kh * g.kw * c > kParallelGrain && rows > 1;
+#pragma omp parallel for schedule(static) if (par)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    thread_local Scratch<float> acc_buf;
+    float* acc = acc_buf.get(row_len);
+    std::fill(acc, acc + row_len, 0.0f);
+    T* o = out + r * row_len;
+    const std::int64_t i = r / g.oh, oy = r % g.oh;
+    const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+    for (std::int64_t ky = ty.lo; ky < ty.hi; ++ky) {
+      const float* xrow = x + ((i * g.h) + oy * g.stride_h - g.pad_top + ky) * g.w * c;
+      for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+        const TapRange ox = out_range(kx, g.stride_w, g.pad_left, g.w, g.ow);
+        if (ox.lo >= ox.hi) continue;
+        for (std::int64_t ci = 0; ci < c; ++ci) {
+          const float* wr = w + ((ky * g.kw + kx) * c + ci) * cout;
+          for (std::int64_t q = ox.lo; q < ox.hi; ++q)
+            axpy(acc + q * cout, xrow[(q * g.stride_w - g.pad_left + kx) * c + ci], wr, cout);
+          round_span(acc + ox.lo * cout, o + ox.lo * cout, (ox.hi - ox.lo) * cout);
+        }
+      }
+    }
+    convert(acc, o, row_len);
+  }
+}
+
+template <typename T>
+void conv_backward_input_acc16(const float* grad_out, const float* w, T* grad_x,
+                               const Conv2dGeometry& g) {
+  const std::int64_t c = g.c, cout = g.cout, taps = g.kh * g.kw;
+  const std::int64_t rows = g.n * g.h, row_len = g.w * c;
+  if (rows * row_len == 0) return;
+  // w as [kh, kw, cout, c]: one output channel's weights over the input channels in a row.
+  float* wt = scratch<float>(kColSlot).get(taps * cout * c);
+  for (std::int64_t tap = 0; tap < taps; ++tap)
+    for (std::int64_t ci = 0; ci < c; ++ci)
+      for (std::int64_t co = 0; co < cout; ++co)
+        wt[(tap * cout + co) * c + ci] = w[(tap * c + ci) * cout + co];
+  const bool par = g.n * g.oh * g.ow * taps * c * cout > kParallelGrain && rows > 1;
+#pragma omp parallel for schedule(static) if (par)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    thread_local Scratch<float> acc_buf;
+    float* acc = acc_buf.get(row_len);
+    std::fill(acc, acc + row_len, 0.0f);
+    T* o = grad_x + r * row_len;
+    const std::int64_t i = r / g.h, iy = r % g.h;
+    // Output rows whose window covers input row iy: ky = iy + pad_top - oy * stride_h is
+    // in [0, kh).
+    const std::int64_t first = iy + g.pad_top - g.kh + 1;
+    const std::int64_t oy_lo = first <= 0 ? 0 : (first + g.stride_h - 1) / g.stride_h;
+    const std::int64_t oy_hi = std::min(g.oh, (iy + g.pad_top) / g.stride_h + 1);
+    for (std::int64_t oy = oy_lo; oy < oy_hi; ++oy) {
+      const std::int64_t ky = iy + g.pad_top - oy * g.stride_h;
+      const float* gorow = grad_out + (i * g.oh + oy) * g.ow * cout;
+      for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+        const TapRange ox = out_range(kx, g.stride_w, g.pad_left, g.w, g.ow);
+        if (ox.lo >= ox.hi) continue;
+        const std::int64_t ix_lo = ox.lo * g.stride_w - g.pad_left + kx;
+        const std::int64_t ix_end = (ox.hi - 1) * g.stride_w - g.pad_left + kx + 1;
+        for (std::int64_t co = 0; co < cout; ++co) {
+          const float* wr = wt + ((ky * g.kw + kx) * cout + co) * c;
+          for (std::int64_t q = ox.lo; q < ox.hi; ++q)
+            axpy(acc + (q * g.stride_w - g.pad_left + kx) * c, gorow[q * cout + co], wr, c);
+          round_span(acc + ix_lo * c, o + ix_lo * c, (ix_end - ix_lo) * c);
+        }
+      }
+    }
+    convert(acc, o, row_len);
+  }
+}
+
+template <typename T>
+void conv_backward_weight_acc16(const float* x, const float* grad_out, T* grad_w,
+                                const Conv2dGeometry& g) {
+  const std::int64_t c = g.c, cout = g.cout, taps = g.kh * g.kw;
+  if (taps * c * cout == 0) return;
+  const int nt = threads_for(g.n * g.oh * g.ow * taps * c * cout);
+  // Tasks: (tap, block of cb input channels), about four per thread.
+  const std::int64_t splits = std::clamp<std::int64_t>((4 * nt + taps - 1) / taps, 1, c);
+  const std::int64_t cb = (c + splits - 1) / splits, blocks = (c + cb - 1) / cb;
+  const std::int64_t tasks = taps * blocks;
+#pragma omp parallel for schedule(dynamic) num_threads(nt) if (nt > 1 && tasks > 1)
+  for (std::int64_t t = 0; t < tasks; ++t) {
+    const std::int64_t tap = t / blocks, ci0 = (t % blocks) * cb, cn = std::min(cb, c - ci0);
+    const std::int64_t ky = tap / g.kw, kx = tap % g.kw, len = cn * cout;
+    thread_local Scratch<float> acc_buf;
+    float* acc = acc_buf.get(len);
+    std::fill(acc, acc + len, 0.0f);
+    T* o = grad_w + (tap * c + ci0) * cout;
+    const TapRange oy = out_range(ky, g.stride_h, g.pad_top, g.h, g.oh);
+    const TapRange ox = out_range(kx, g.stride_w, g.pad_left, g.w, g.ow);
+    for (std::int64_t i = 0; i < g.n; ++i)
+      for (std::int64_t py = oy.lo; py < oy.hi; ++py) {
+        const std::int64_t iy = py * g.stride_h - g.pad_top + ky;
+        for (std::int64_t px = ox.lo; px < ox.hi; ++px) {
+          const std::int64_t ix = px * g.stride_w - g.pad_left + kx;
+          const float* xs = x + ((i * g.h + iy) * g.w + ix) * c + ci0;
+          const float* go = grad_out + ((i * g.oh + py) * g.ow + px) * cout;
+          for (std::int64_t cj = 0; cj < cn; ++cj) axpy(acc + cj * cout, xs[cj], go, cout);
+          round_span(acc, o, len);
+        }
+      }
+    convert(acc, o, len);
+  }
+}
+
 // --- Pooling on compute-type buffers --------------------------------------------------
 
 // The max-pool order: v beats best when larger, and a NaN beats any number (so NaN
@@ -786,12 +945,21 @@ void store(const compute_t<T>* buf, const Tensor& t) {
 
 template <typename T>
 void conv2d(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
+  if constexpr (!kNative<T>) {
+    if (g.low_precision_accumulation)
+      return conv_forward_acc16(input<T>(x, 1), input<T>(w, 2), static_cast<T*>(out.data_ptr()), g);
+  }
   conv_forward(input<T>(x, 1), input<T>(w, 2), static_cast<T*>(out.data_ptr()), g);
 }
 
 template <typename T>
 void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                            const Conv2dGeometry& g) {
+  if constexpr (!kNative<T>) {
+    if (g.low_precision_accumulation)
+      return conv_backward_input_acc16(input<T>(grad_out, 1), input<T>(w, 2),
+                                       static_cast<T*>(grad_x.data_ptr()), g);
+  }
   auto* o = output<T>(grad_x, 3);
   conv_backward_input(input<T>(grad_out, 1), input<T>(w, 2), o, g);
   store<T>(o, grad_x);
@@ -800,6 +968,11 @@ void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor
 template <typename T>
 void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
                             const Conv2dGeometry& g) {
+  if constexpr (!kNative<T>) {
+    if (g.low_precision_accumulation)
+      return conv_backward_weight_acc16(input<T>(x, 1), input<T>(grad_out, 2),
+                                        static_cast<T*>(grad_w.data_ptr()), g);
+  }
   auto* o = output<T>(grad_w, 3);
   conv_backward_weight(input<T>(x, 1), input<T>(grad_out, 2), o, g);
   store<T>(o, grad_w);

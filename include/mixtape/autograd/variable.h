@@ -19,6 +19,11 @@ class Variable : public Tensor {
   const std::string& name() const;
   bool trainable() const;
   void set_trainable(bool trainable);
+  // Whether ops read the variable in the autocast dtype inside an AutocastScope
+  // (mixtape/autograd/autocast.h). Off for new variables; layers turn it on for their
+  // floating weights.
+  bool autocast() const;
+  void set_autocast(bool autocast);
 
   // The variable as a plain tensor (same data, same identity).
   const Tensor& value() const { return *this; }
@@ -28,6 +33,10 @@ class Variable : public Tensor {
   void assign(const Tensor& value);
   void assign_add(const Tensor& delta);
   void assign_sub(const Tensor& delta);
+
+  // Moves the variable's data to `device` in place: every copy of the variable (and every
+  // tensor that is this variable) then lives there. Not recorded.
+  void move_to(Device device);
 };
 
 }  // namespace mixtape

@@ -3,7 +3,9 @@
 // and dtypes, allocate outputs and prepare inputs before calling a kernel, so kernels
 // check nothing. A kernel is registered per dtype (the dtype named below as "keyed on");
 // reduced-precision kernels (float16, bfloat16) load 16-bit values, compute and
-// accumulate in float32 and store 16-bit results.
+// accumulate in float32 and store 16-bit results, except where a matmul / conv2d call
+// sets low_precision_accumulation (the MIXTAPE_FP16_USE_FP32_COMPUTE switch,
+// mixtape/core/compute_mode.h).
 #pragma once
 
 #include <cstdint>
@@ -68,6 +70,10 @@ struct GemmArgs {
   bool trans_a = false, trans_b = false;
   std::int64_t lda = 0, ldb = 0, ldc = 0;
   std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements between batch items
+  // For float16 / bfloat16 kernels: accumulate in the operands' 16-bit type (the
+  // accumulator is rounded to that type after every multiply-add) instead of float32.
+  // Ignored for float32 / float64.
+  bool low_precision_accumulation = false;
 };
 using GemmFn = void(const GemmArgs& args);
 
@@ -80,6 +86,10 @@ struct Conv2dGeometry {
   std::int64_t oh = 0, ow = 0;
   std::int64_t stride_h = 1, stride_w = 1;
   std::int64_t pad_top = 0, pad_left = 0;
+  // For float16 / bfloat16 kernels (forward and both backward): accumulate in the
+  // operands' 16-bit type (the accumulator is rounded to that type after every
+  // multiply-add) instead of float32. Ignored for float32 / float64.
+  bool low_precision_accumulation = false;
 };
 using Conv2dFn = void(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g);
 using Conv2dBackwardInputFn = void(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,

@@ -65,6 +65,7 @@ struct dtype_of<bool> {
 struct VariableInfo {
   std::string name;
   bool trainable = true;
+  bool autocast = false;  // read in the autocast dtype inside an AutocastScope (autocast.h)
 };
 
 struct TensorImpl {

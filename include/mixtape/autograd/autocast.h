@@ -1,0 +1,40 @@
+// Autocast: reading a layer's float32 weights in the layer's compute dtype.
+//
+// Under a mixed policy a layer stores its weights in float32 but computes in float16 or
+// bfloat16 (Keras' AutoCastVariable). While an AutocastScope is alive, every op of the
+// thread that reads an *autocast* Variable (Variable::set_autocast(true); layers'
+// add_weight marks their floating weights so) reads it cast to the scope's dtype. The
+// cast is an ordinary recorded op, so the gradient goes back to the variable in its own
+// dtype (float32). Plain tensors and Variables without the flag are never touched, and an
+// explicit cast() of a variable is left alone. Layers open the scope around call().
+#pragma once
+
+#include <optional>
+
+#include "mixtape/core/dtype.h"
+
+namespace mixtape {
+
+class Tensor;
+
+// Sets the autocast dtype of this thread while alive (std::nullopt: no autocast), and
+// restores the previous one. Scopes nest; the innermost wins.
+class AutocastScope {
+ public:
+  explicit AutocastScope(std::optional<DType> dtype);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  std::optional<DType> previous_;
+};
+
+// The autocast dtype of this thread (std::nullopt outside any scope).
+std::optional<DType> autocast_dtype();
+
+// What an op reads for `t`: `t` cast to the autocast dtype when `t` is a floating autocast
+// Variable of another dtype inside a scope, `t` itself otherwise.
+Tensor autocast(const Tensor& t);
+
+}  // namespace mixtape
