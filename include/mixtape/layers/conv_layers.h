@@ -1,0 +1,90 @@
+// Convolution and pooling layers, NHWC like Keras: Conv2D, MaxPooling2D,
+// AveragePooling2D, GlobalAveragePooling2D.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/layers/activations.h"
+#include "mixtape/layers/initializers.h"
+#include "mixtape/layers/layer.h"
+
+namespace mixtape::layers {
+
+// A pair of extents (height, width); one number means both: {3, 3}, {2, 1} or 3.
+struct Size2 {
+  std::int64_t h = 1, w = 1;
+  Size2() = default;
+  Size2(std::int64_t s) : h(s), w(s) {}  // NOLINT(google-explicit-constructor)
+  Size2(std::int64_t height, std::int64_t width) : h(height), w(width) {}
+  std::array<std::int64_t, 2> array() const { return {h, w}; }
+};
+
+struct Conv2DOptions {
+  Size2 strides = 1;
+  std::string padding = "valid";  // or "same" (TensorFlow's rule: ceil(in / stride))
+  std::string activation = "linear";
+  bool use_bias = true;
+  init::Initializer kernel_initializer = init::glorot_uniform();
+  init::Initializer bias_initializer = init::zeros();
+  std::optional<Policy> dtype = {};
+  std::string name = {};
+  bool trainable = true;
+};
+
+// [n, h, w, c] -> [n, oh, ow, filters] with a [kh, kw, c, filters] kernel.
+class Conv2DLayer : public Layer {
+ public:
+  Conv2DLayer(std::int64_t filters, Size2 kernel_size, Conv2DOptions options = {});
+  void build(const Shape& input_shape) override;
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+  DType computation_dtype() const override;
+  const Variable& kernel() const;
+  const Variable& bias() const;
+
+ private:
+  std::int64_t filters_;
+  Size2 kernel_size_;
+  Conv2DOptions options_;
+  Padding padding_;
+  activations::ActivationFn activation_;
+  Variable kernel_, bias_;
+};
+LayerPtr<Conv2DLayer> Conv2D(std::int64_t filters, Size2 kernel_size, Conv2DOptions options = {});
+
+struct PoolingOptions {
+  Size2 pool_size = 2;
+  std::optional<Size2> strides = {};  // empty: pool_size
+  std::string padding = "valid";      // or "same"
+  std::optional<Policy> dtype = {};
+  std::string name = {};
+  bool trainable = true;
+};
+
+// Max or average over windows of [n, h, w, c] (padded positions are ignored).
+class Pooling2DLayer : public Layer {
+ public:
+  enum class Kind { Max, Average };
+  Pooling2DLayer(Kind kind, PoolingOptions options = {});
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+
+ private:
+  Kind kind_;
+  PoolingOptions options_;
+  Padding padding_;
+};
+LayerPtr<Pooling2DLayer> MaxPooling2D(PoolingOptions options = {});
+LayerPtr<Pooling2DLayer> AveragePooling2D(PoolingOptions options = {});
+
+// [n, h, w, c] -> [n, c], the mean over h and w (accumulated in float32).
+class GlobalAveragePooling2DLayer : public Layer {
+ public:
+  explicit GlobalAveragePooling2DLayer(LayerOptions options = {});
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+};
+LayerPtr<GlobalAveragePooling2DLayer> GlobalAveragePooling2D(LayerOptions options = {});
+
+}  // namespace mixtape::layers

@@ -1,0 +1,168 @@
+// The core layers: Input, Dense, Activation, Flatten, Reshape, Dropout, Embedding.
+//
+// Each layer is a class (DenseLayer, ...) and a function of the Keras name that makes one
+// and returns a LayerPtr (Dense(64, {.activation = "relu"})). Options structs end with the
+// common fields dtype, name, trainable, in that order.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "mixtape/layers/activations.h"
+#include "mixtape/layers/initializers.h"
+#include "mixtape/layers/layer.h"
+
+namespace mixtape::layers {
+
+// --- Input ------------------------------------------------------------------------------
+
+struct InputOptions {
+  DType dtype = kFloat32;  // the dtype the model is fed
+  std::string name = {};   // empty: "input", "input_1", ...
+};
+
+// The layer behind Input(): passes its input through, after checking it has the declared
+// shape (any batch size).
+class InputLayer : public Layer {
+ public:
+  InputLayer(const Shape& shape, InputOptions options = {});
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::string class_name() const override { return "InputLayer"; }
+  const Shape& input_shape() const { return shape_; }  // without the batch axis
+  DType input_dtype() const { return dtype_; }
+
+ protected:
+  bool autocast_inputs() const override { return false; }
+
+ private:
+  Shape shape_;
+  DType dtype_;
+};
+
+// A symbolic input of shape [batch, shape...] for a functional model.
+SymbolicTensor Input(const Shape& shape, InputOptions options = {});
+
+// --- Dense ------------------------------------------------------------------------------
+
+struct DenseOptions {
+  std::string activation = "linear";
+  bool use_bias = true;
+  init::Initializer kernel_initializer = init::glorot_uniform();
+  init::Initializer bias_initializer = init::zeros();
+  std::optional<Policy> dtype = {};
+  std::string name = {};
+  bool trainable = true;
+};
+
+// y = activation(x @ kernel + bias) over the last axis: [..., in] -> [..., units].
+class DenseLayer : public Layer {
+ public:
+  explicit DenseLayer(std::int64_t units, DenseOptions options = {});
+  void build(const Shape& input_shape) override;
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+  DType computation_dtype() const override;
+
+  std::int64_t units() const { return units_; }
+  // The weights (stored in the variable dtype); throw ValueError before the layer is built.
+  const Variable& kernel() const;
+  const Variable& bias() const;  // also when use_bias is false
+
+ private:
+  std::int64_t units_;
+  DenseOptions options_;
+  activations::ActivationFn activation_;
+  Variable kernel_, bias_;
+};
+LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options = {});
+
+// --- Activation -------------------------------------------------------------------------
+
+// An activation by name: linear, relu, sigmoid, tanh, softmax, log_softmax, gelu. With
+// {.dtype = "float32"} it is how a mixed model ends in float32, as the guide advises.
+class ActivationLayer : public Layer {
+ public:
+  explicit ActivationLayer(const std::string& activation, LayerOptions options = {});
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+  const std::string& activation() const { return activation_name_; }
+
+ private:
+  std::string activation_name_;
+  activations::ActivationFn activation_;
+};
+LayerPtr<ActivationLayer> Activation(const std::string& activation, LayerOptions options = {});
+
+// --- Flatten, Reshape ---------------------------------------------------------------------
+
+// [batch, a, b, ...] -> [batch, a * b * ...].
+class FlattenLayer : public Layer {
+ public:
+  explicit FlattenLayer(LayerOptions options = {});
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+};
+LayerPtr<FlattenLayer> Flatten(LayerOptions options = {});
+
+// [batch, ...] -> [batch, target...]; one extent of the target may be -1.
+class ReshapeLayer : public Layer {
+ public:
+  explicit ReshapeLayer(const Shape& target_shape, LayerOptions options = {});
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+
+ private:
+  Shape target_;
+};
+LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options = {});
+
+// --- Dropout ------------------------------------------------------------------------------
+
+struct DropoutOptions {
+  std::optional<std::uint64_t> seed = {};  // empty: drawn from the default generator
+  std::optional<Policy> dtype = {};
+  std::string name = {};
+  bool trainable = true;
+};
+
+// While training, zeroes each element with probability `rate` and scales the rest by
+// 1 / (1 - rate); the identity otherwise.
+class DropoutLayer : public Layer {
+ public:
+  explicit DropoutLayer(double rate, DropoutOptions options = {});
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+  double rate() const { return rate_; }
+
+ private:
+  double rate_;
+  Generator generator_;
+};
+LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options = {});
+
+// --- Embedding ------------------------------------------------------------------------------
+
+struct EmbeddingOptions {
+  init::Initializer embeddings_initializer = init::random_uniform(-0.05, 0.05);
+  std::optional<Policy> dtype = {};
+  std::string name = {};
+  bool trainable = true;
+};
+
+// Integer ids [...] -> rows of a [input_dim, output_dim] table: [..., output_dim]. Floating
+// ids are truncated to integers; ids outside [0, input_dim) throw IndexError.
+class EmbeddingLayer : public Layer {
+ public:
+  EmbeddingLayer(std::int64_t input_dim, std::int64_t output_dim, EmbeddingOptions options = {});
+  void build(const Shape& input_shape) override;
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+  const Variable& embeddings() const;
+
+ protected:
+  bool autocast_inputs() const override { return false; }
+
+ private:
+  std::int64_t input_dim_, output_dim_;
+  EmbeddingOptions options_;
+  Variable embeddings_;
+};
+LayerPtr<EmbeddingLayer> Embedding(std::int64_t input_dim, std::int64_t output_dim,
+                                   EmbeddingOptions options = {});
+
+}  // namespace mixtape::layers

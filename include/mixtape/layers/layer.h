@@ -1,0 +1,235 @@
+// Layer: the base of every layer and model, Keras style.
+//
+// A layer has a name (unique defaults: dense, dense_1, ...), a dtype policy (the global
+// policy when it is made, or its `dtype` option), a trainable flag and weights. It is
+// built lazily on its first call, from the input's shape. Calling it:
+//   1. casts a floating input to the compute dtype (integer inputs are never cast);
+//   2. builds it on the first call (build() creates the weights with add_weight(), stored
+//      in the variable dtype) and checks the input against what it was built for;
+//   3. runs call() inside an AutocastScope, so the weights are read in the compute dtype
+//      (float32 variables are read as float16 under mixed_float16);
+// and the output has the compute dtype. Errors from inside a layer are re-thrown with the
+// layer's name in front.
+//
+// Layers live behind shared pointers (LayerPtr) so that models can hold them:
+//   auto dense = mt::layers::Dense(64, {.activation = "relu"});   // LayerPtr<DenseLayer>
+//   mt::Tensor y = dense(x);                                       // called like a function
+//   dense->kernel();                                               // members through ->
+// A user's own layer derives from Layer and is made with make_layer<MyLayer>(...).
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mixtape/autograd/variable.h"
+#include "mixtape/core/tensor.h"
+#include "mixtape/layers/initializers.h"
+#include "mixtape/precision/policy.h"
+
+namespace mixtape {
+
+// What a call knows besides its input.
+struct CallContext {
+  bool training = false;  // Dropout drops and BatchNormalization uses batch statistics
+};
+
+}  // namespace mixtape
+
+namespace mixtape::layers {
+
+class Layer;
+
+// The options every layer takes. (Each layer's own options struct ends with these three
+// fields, in this order, so designated initializers read {.units.., .dtype, .name}.)
+struct LayerOptions {
+  std::optional<Policy> dtype = {};  // empty: the global policy at construction
+  std::string name = {};             // empty: a unique default from the class name
+  bool trainable = true;
+};
+
+// What a built layer accepts; checked before every call.
+struct InputSpec {
+  int rank = -1;      // exact rank, or -1
+  int min_rank = -1;  // minimum rank, or -1
+  // Required extents: (axis, extent), negative axes counting from the end.
+  std::vector<std::pair<int, std::int64_t>> axes = {};
+};
+
+// Options of add_weight().
+struct WeightOptions {
+  bool trainable = true;
+  std::optional<DType> dtype = {};  // empty: the layer's variable dtype
+  bool autocast = true;             // read in the compute dtype inside call()
+};
+
+// --- Symbolic tensors: the functional API ----------------------------------------------
+
+namespace detail {
+struct SymbolicNode;
+}
+
+// A placeholder for the tensors of a functional model: the output of Input() or of a layer
+// called on another SymbolicTensor. Its shape has -1 on the batch axis.
+class SymbolicTensor {
+ public:
+  SymbolicTensor() = default;
+  explicit SymbolicTensor(std::shared_ptr<detail::SymbolicNode> node) : node_(std::move(node)) {}
+
+  bool defined() const { return node_ != nullptr; }
+  const Shape& shape() const;
+  DType dtype() const;
+  // The layer that produced it (an InputLayer for Input()).
+  const std::shared_ptr<Layer>& layer() const;
+  const std::shared_ptr<detail::SymbolicNode>& node() const { return node_; }
+
+ private:
+  std::shared_ptr<detail::SymbolicNode> node_;
+};
+
+namespace detail {
+struct SymbolicNode {
+  std::shared_ptr<Layer> layer;
+  std::shared_ptr<SymbolicNode> input;  // null for an Input()
+  Shape shape;
+  DType dtype;
+};
+// Calls `layer` on a symbolic tensor: the layer is built and run once on a batch of one
+// (no tape, inference mode) to learn the output's shape and dtype.
+SymbolicTensor call_symbolic(const std::shared_ptr<Layer>& layer, const SymbolicTensor& x);
+}  // namespace detail
+
+// --- Layer ------------------------------------------------------------------------------
+
+class Layer {
+ public:
+  explicit Layer(LayerOptions options = {});
+  virtual ~Layer();
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  // Casts, builds, checks and calls (see the top of this file).
+  Tensor operator()(const Tensor& x, const CallContext& ctx = {});
+
+  // Creates the weights for inputs of `input_shape` (batch axis included). Called once,
+  // before the first call().
+  virtual void build(const Shape& input_shape);
+  // The computation, on an input already cast to the compute dtype.
+  virtual Tensor call(const Tensor& x, const CallContext& ctx) = 0;
+
+  const std::string& name() const;
+  // "Dense", "Conv2D", ...; by default the C++ class name.
+  virtual std::string class_name() const;
+
+  const Policy& dtype_policy() const { return policy_; }
+  DType compute_dtype() const { return policy_.compute_dtype(); }
+  DType variable_dtype() const { return policy_.variable_dtype(); }
+  // The dtype the layer's arithmetic runs in (the cheat sheet's "computation" column):
+  // float32 for float16/bfloat16 elementwise math; layers built on matmul/conv2d report
+  // the GEMM accumulation dtype (the MIXTAPE_FP16_USE_FP32_COMPUTE switch).
+  virtual DType computation_dtype() const;
+
+  bool trainable() const { return trainable_; }
+  // Freezes or unfreezes every weight of the layer and its sublayers.
+  void set_trainable(bool trainable);
+  bool built() const { return built_; }
+  Device device() const { return device_; }
+  // Moves every weight (and those of the sublayers) to `device`.
+  virtual void to(Device device);
+
+  // Weights in creation order, this layer's first, then each sublayer's.
+  std::vector<Variable> weights() const;
+  std::vector<Variable> trainable_variables() const;
+  std::vector<Variable> non_trainable_variables() const;
+  std::int64_t count_params() const;
+  // Copies of the weights, and setting them back (count, shapes and dtypes must match).
+  std::vector<Tensor> get_weights() const;
+  void set_weights(const std::vector<Tensor>& values);
+
+  // The sublayers (a model's layers), in order.
+  const std::vector<std::shared_ptr<Layer>>& sublayers() const { return sublayers_; }
+  // The output shape of the latest call, with -1 on the batch axis (empty before).
+  const std::optional<Shape>& output_shape() const { return output_shape_; }
+
+ protected:
+  // Creates a weight named "<layer>/<name>" in the variable dtype (or options.dtype),
+  // initialised by `init`, on the layer's device.
+  Variable add_weight(const std::string& name, const Shape& shape, const init::Initializer& init,
+                      WeightOptions options = {});
+  void set_input_spec(InputSpec spec) { input_spec_ = std::move(spec); }
+  // Adds a sublayer whose weights become part of this layer's.
+  void track(std::shared_ptr<Layer> layer);
+  // Whether floating inputs are cast to the compute dtype before call() (models: no).
+  virtual bool autocast_inputs() const { return true; }
+  // Only the layers of mixtape set these.
+  Layer(LayerOptions options, std::string class_name);
+
+ private:
+  struct Weight {
+    Variable variable;
+    bool declared_trainable;
+  };
+  void check_input(const Tensor& x) const;
+  void apply_trainable();
+
+  mutable std::string name_;
+  std::string given_class_name_;
+  Policy policy_;
+  bool trainable_ = true;
+  bool built_ = false;
+  Device device_;
+  bool device_set_ = false;
+  std::vector<Weight> weights_;
+  std::vector<std::shared_ptr<Layer>> sublayers_;
+  std::optional<InputSpec> input_spec_;
+  std::optional<Shape> built_shape_;
+  std::optional<Shape> output_shape_;
+};
+
+// A shared pointer to a layer that can be called like the layer itself, on tensors and on
+// symbolic tensors. Converts to LayerPtr<Base> for any base class.
+template <typename T>
+class LayerPtr : public std::shared_ptr<T> {
+ public:
+  LayerPtr() = default;
+  LayerPtr(std::shared_ptr<T> p) : std::shared_ptr<T>(std::move(p)) {}  // NOLINT
+  template <typename U>
+  requires std::derived_from<U, T> LayerPtr(LayerPtr<U> other)
+      : std::shared_ptr<T>(std::move(other)) {}  // NOLINT
+
+  Tensor operator()(const Tensor& x, const CallContext& ctx = {}) const {
+    return (*checked())(x, ctx);
+  }
+  SymbolicTensor operator()(const SymbolicTensor& x) const {
+    return detail::call_symbolic(checked(), x);
+  }
+
+ private:
+  std::shared_ptr<Layer> checked() const;
+};
+
+// Makes a layer of a user's class: make_layer<Scale>(mt::layers::LayerOptions{.name = "s"}).
+template <typename T, typename... Args>
+LayerPtr<T> make_layer(Args&&... args) {
+  return LayerPtr<T>(std::make_shared<T>(std::forward<Args>(args)...));
+}
+
+namespace detail {
+[[noreturn]] void throw_null_layer();
+// "base" the first time, then "base_1", "base_2", ... (the default layer names).
+std::string unique_layer_name(const std::string& base);
+}  // namespace detail
+template <typename T>
+std::shared_ptr<Layer> LayerPtr<T>::checked() const {
+  if (!*this) detail::throw_null_layer();
+  return *this;
+}
+
+// Resets the counters behind default layer names (the next Dense is "dense" again).
+void reset_default_names();
+
+}  // namespace mixtape::layers

@@ -1,0 +1,219 @@
+// The core layers.
+#include "mixtape/layers/core_layers.h"
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/core/compute_mode.h"
+
+namespace mixtape::layers {
+
+namespace {
+
+template <typename Options>
+LayerOptions common(const Options& o) {
+  return LayerOptions{o.dtype, o.name, o.trainable};
+}
+
+const Variable& built_weight(const Layer& layer, const Variable& v, const char* what) {
+  if (!v.defined())
+    throw ValueError(
+        fmt::format("layer '{}' ({}): {} does not exist before the layer is built "
+                    "(call the layer on an input first)",
+                    layer.name(), layer.class_name(), what));
+  return v;
+}
+
+}  // namespace
+
+// --- Input ------------------------------------------------------------------------------
+
+InputLayer::InputLayer(const Shape& shape, InputOptions options)
+    : Layer(LayerOptions{Policy(),
+                         options.name.empty() ? detail::unique_layer_name("input") : options.name,
+                         true},
+            "InputLayer"),
+      shape_(shape),
+      dtype_(options.dtype) {
+  for (auto d : shape_)
+    if (d < 0)
+      throw ValueError(
+          fmt::format("Input '{}': extents must be >= 0; got {} (the batch axis is "
+                      "implied, do not include it)",
+                      name(), shape_));
+  InputSpec spec;
+  spec.rank = static_cast<int>(shape_.rank()) + 1;
+  for (std::size_t i = 0; i < shape_.rank(); ++i)
+    spec.axes.emplace_back(static_cast<int>(i) + 1, shape_[i]);
+  set_input_spec(std::move(spec));
+}
+
+Tensor InputLayer::call(const Tensor& x, const CallContext&) { return x; }
+
+SymbolicTensor Input(const Shape& shape, InputOptions options) {
+  auto layer = std::make_shared<InputLayer>(shape, options);
+  auto node = std::make_shared<detail::SymbolicNode>();
+  std::vector<std::int64_t> dims{-1};
+  dims.insert(dims.end(), shape.begin(), shape.end());
+  node->layer = layer;
+  node->shape = Shape(dims);
+  node->dtype = options.dtype;
+  return SymbolicTensor(node);
+}
+
+// --- Dense ------------------------------------------------------------------------------
+
+DenseLayer::DenseLayer(std::int64_t units, DenseOptions options)
+    : Layer(common(options), "Dense"),
+      units_(units),
+      options_(std::move(options)),
+      activation_(activations::get(options_.activation)) {
+  if (units_ <= 0)
+    throw ValueError(
+        fmt::format("layer '{}' (Dense): units must be positive; got {}", name(), units_));
+}
+
+void DenseLayer::build(const Shape& input_shape) {
+  if (input_shape.rank() < 2)
+    throw ShapeError(fmt::format(
+        "expected an input of rank >= 2 ([batch, ..., features]); got shape {}", input_shape));
+  const std::int64_t in = input_shape.back();
+  kernel_ = add_weight("kernel", {in, units_}, options_.kernel_initializer);
+  if (options_.use_bias) bias_ = add_weight("bias", {units_}, options_.bias_initializer);
+  set_input_spec(InputSpec{.min_rank = 2, .axes = {{-1, in}}});
+}
+
+Tensor DenseLayer::call(const Tensor& x, const CallContext&) {
+  Tensor y = matmul(x, kernel_);
+  if (options_.use_bias) y = y + bias_;
+  return activation_(y);
+}
+
+DType DenseLayer::computation_dtype() const { return gemm_accumulation_dtype(compute_dtype()); }
+
+const Variable& DenseLayer::kernel() const { return built_weight(*this, kernel_, "kernel"); }
+const Variable& DenseLayer::bias() const {
+  if (!options_.use_bias)
+    throw ValueError(fmt::format("layer '{}' (Dense): has no bias (use_bias is false)", name()));
+  return built_weight(*this, bias_, "bias");
+}
+
+LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options) {
+  return make_layer<DenseLayer>(units, std::move(options));
+}
+
+// --- Activation -------------------------------------------------------------------------
+
+ActivationLayer::ActivationLayer(const std::string& activation, LayerOptions options)
+    : Layer(std::move(options), "Activation"),
+      activation_name_(activation),
+      activation_(activations::get(activation)) {}
+
+Tensor ActivationLayer::call(const Tensor& x, const CallContext&) { return activation_(x); }
+
+LayerPtr<ActivationLayer> Activation(const std::string& activation, LayerOptions options) {
+  return make_layer<ActivationLayer>(activation, std::move(options));
+}
+
+// --- Flatten, Reshape ---------------------------------------------------------------------
+
+FlattenLayer::FlattenLayer(LayerOptions options) : Layer(std::move(options), "Flatten") {
+  set_input_spec(InputSpec{.min_rank = 1});
+}
+
+Tensor FlattenLayer::call(const Tensor& x, const CallContext&) {
+  if (x.rank() == 1) return reshape(x, Shape{x.dim(0), 1});
+  return flatten(x, 1);
+}
+
+LayerPtr<FlattenLayer> Flatten(LayerOptions options) {
+  return make_layer<FlattenLayer>(std::move(options));
+}
+
+ReshapeLayer::ReshapeLayer(const Shape& target_shape, LayerOptions options)
+    : Layer(std::move(options), "Reshape"), target_(target_shape) {
+  int inferred = 0;
+  for (auto d : target_) {
+    if (d == -1) ++inferred;
+    if (d < -1 || inferred > 1)
+      throw ValueError(
+          fmt::format("layer '{}' (Reshape): bad target shape {} (extents >= 0, at "
+                      "most one -1)",
+                      name(), target_));
+  }
+  set_input_spec(InputSpec{.min_rank = 1});
+}
+
+Tensor ReshapeLayer::call(const Tensor& x, const CallContext&) {
+  std::vector<std::int64_t> dims{x.dim(0)};
+  dims.insert(dims.end(), target_.begin(), target_.end());
+  return reshape(x, Shape(dims));
+}
+
+LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options) {
+  return make_layer<ReshapeLayer>(target_shape, std::move(options));
+}
+
+// --- Dropout ------------------------------------------------------------------------------
+
+DropoutLayer::DropoutLayer(double rate, DropoutOptions options)
+    : Layer(common(options), "Dropout"),
+      rate_(rate),
+      generator_(options.seed ? *options.seed : default_generator().next_u64()) {
+  if (!(rate >= 0.0 && rate < 1.0))
+    throw ValueError(
+        fmt::format("layer '{}' (Dropout): rate must be in [0, 1); got {}", name(), rate));
+}
+
+Tensor DropoutLayer::call(const Tensor& x, const CallContext& ctx) {
+  if (!ctx.training || rate_ == 0.0 || !x.dtype().is_floating()) return x;
+  // keep = U[0, 1) >= rate, drawn in float32 so that the rate is not rounded to 16 bits.
+  Tensor u = uniform(x.shape(), 0.0, 1.0, kFloat32, x.device(), &generator_);
+  Tensor keep = cast(greater_equal(u, full({}, rate_, kFloat32, x.device())), x.dtype());
+  return x * keep * (1.0 / (1.0 - rate_));
+}
+
+LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options) {
+  return make_layer<DropoutLayer>(rate, std::move(options));
+}
+
+// --- Embedding ------------------------------------------------------------------------------
+
+EmbeddingLayer::EmbeddingLayer(std::int64_t input_dim, std::int64_t output_dim,
+                               EmbeddingOptions options)
+    : Layer(common(options), "Embedding"),
+      input_dim_(input_dim),
+      output_dim_(output_dim),
+      options_(std::move(options)) {
+  if (input_dim <= 0 || output_dim <= 0)
+    throw ValueError(
+        fmt::format("layer '{}' (Embedding): input_dim and output_dim must be "
+                    "positive; got {} and {}",
+                    name(), input_dim, output_dim));
+}
+
+void EmbeddingLayer::build(const Shape&) {
+  embeddings_ =
+      add_weight("embeddings", {input_dim_, output_dim_}, options_.embeddings_initializer);
+}
+
+Tensor EmbeddingLayer::call(const Tensor& ids_in, const CallContext&) {
+  Tensor ids = ids_in;
+  if (ids.dtype().is_floating() || ids.dtype() == kBool) ids = cast(ids, kInt64);
+  const std::int64_t n = ids.numel();
+  // gather along axis 0 takes one index per output element: each id repeated over a row.
+  Tensor index = contiguous(expand(reshape(ids, Shape{n, 1}), Shape{n, output_dim_}));
+  Tensor rows = gather(embeddings_, index, 0);
+  std::vector<std::int64_t> dims = ids.shape().dims();
+  dims.push_back(output_dim_);
+  return reshape(rows, Shape(dims));
+}
+
+const Variable& EmbeddingLayer::embeddings() const {
+  return built_weight(*this, embeddings_, "embeddings");
+}
+
+LayerPtr<EmbeddingLayer> Embedding(std::int64_t input_dim, std::int64_t output_dim,
+                                   EmbeddingOptions options) {
+  return make_layer<EmbeddingLayer>(input_dim, output_dim, std::move(options));
+}
+
+}  // namespace mixtape::layers

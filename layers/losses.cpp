@@ -1,0 +1,187 @@
+// Losses, computed in float32 (float64 for float64 predictions).
+#include "mixtape/layers/losses.h"
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/core/error.h"
+
+namespace mixtape::losses {
+
+namespace {
+
+// Keras' epsilon: probabilities are clipped to [kEpsilon, 1 - kEpsilon] before a log.
+constexpr double kEpsilon = 1e-7;
+
+DType loss_dtype(const Tensor& y_pred) { return y_pred.dtype() == kFloat64 ? kFloat64 : kFloat32; }
+
+std::string describe(const Tensor& t) { return fmt::format("{}{}", t.dtype(), t.shape()); }
+
+void check_defined(const char* loss, const Tensor& y_true, const Tensor& y_pred) {
+  if (!y_true.defined() || !y_pred.defined())
+    throw ValueError(fmt::format("{}: y_true and y_pred must be defined", loss));
+  if (!y_pred.dtype().is_floating())
+    throw DTypeError(
+        fmt::format("{}: predictions must be floating; got y_pred {}", loss, describe(y_pred)));
+}
+
+void check_same_shape(const char* loss, const Tensor& y_true, const Tensor& y_pred) {
+  if (y_true.shape() != y_pred.shape())
+    throw ShapeError(fmt::format("{}: y_true {} and y_pred {} must have the same shape", loss,
+                                 describe(y_true), describe(y_pred)));
+}
+
+Tensor clip(const Tensor& p) {
+  return minimum(maximum(p, full({}, kEpsilon, p.dtype(), p.device())),
+                 full({}, 1.0 - kEpsilon, p.dtype(), p.device()));
+}
+
+// Probabilities normalised to sum to one over the last axis, clipped, then logged.
+Tensor log_probabilities(const Tensor& p) { return log(clip(p / sum(p, {-1}, true))); }
+
+// Mean over the last axis, unless there is only the batch axis.
+Tensor per_sample_mean(const Tensor& elementwise) {
+  return elementwise.rank() <= 1 ? elementwise : mean(elementwise, {-1});
+}
+
+Tensor sparse_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from_logits) {
+  constexpr const char* kName = "sparse_categorical_crossentropy";
+  check_defined(kName, y_true, y_pred);
+  if (y_pred.rank() < 1)
+    throw ShapeError(fmt::format("{}: y_pred needs a class axis; got {}", kName, describe(y_pred)));
+  Tensor labels = y_true;
+  if (labels.rank() == y_pred.rank() && labels.rank() > 0 && labels.dim(-1) == 1)
+    labels = squeeze(labels, -1);
+  const Shape& ps = y_pred.shape();
+  const Shape expected(std::vector<std::int64_t>(ps.begin(), ps.end() - 1));
+  if (labels.shape() != expected)
+    throw ShapeError(
+        fmt::format("{}: labels {} do not match predictions {} (expected labels of "
+                    "shape {} or {} with a trailing 1)",
+                    kName, describe(y_true), describe(y_pred), expected, expected));
+  if (labels.dtype().is_floating() || labels.dtype() == kBool) labels = cast(labels, kInt64);
+  const std::int64_t classes = y_pred.dim(-1);
+  const std::int64_t n = labels.numel();
+  Tensor p = reshape(cast(y_pred, loss_dtype(y_pred)), Shape{n, classes});
+  Tensor logp = from_logits ? log_softmax(p, -1) : log_probabilities(p);
+  Tensor picked;
+  try {
+    picked = gather(logp, reshape(labels, Shape{n, 1}), 1);
+  } catch (const IndexError& e) {
+    throw IndexError(fmt::format("{}: labels must lie in [0, {}) for {} classes ({})", kName,
+                                 classes, classes, e.what()));
+  }
+  return reshape(-picked, expected);
+}
+
+Tensor categorical_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from_logits) {
+  constexpr const char* kName = "categorical_crossentropy";
+  check_defined(kName, y_true, y_pred);
+  check_same_shape(kName, y_true, y_pred);
+  if (y_pred.rank() < 1)
+    throw ShapeError(fmt::format("{}: y_pred needs a class axis; got {}", kName, describe(y_pred)));
+  const DType dt = loss_dtype(y_pred);
+  Tensor p = cast(y_pred, dt);
+  Tensor logp = from_logits ? log_softmax(p, -1) : log_probabilities(p);
+  return -sum(cast(y_true, dt) * logp, {-1});
+}
+
+Tensor binary_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from_logits) {
+  constexpr const char* kName = "binary_crossentropy";
+  check_defined(kName, y_true, y_pred);
+  check_same_shape(kName, y_true, y_pred);
+  const DType dt = loss_dtype(y_pred);
+  Tensor x = cast(y_pred, dt), y = cast(y_true, dt);
+  Tensor elementwise;
+  if (from_logits) {
+    // max(x, 0) - x y + log(1 + exp(-|x|)): never overflows.
+    elementwise = relu(x) - x * y + log(1.0 + exp(-abs(x)));
+  } else {
+    Tensor p = clip(x);
+    elementwise = -(y * log(p) + (1.0 - y) * log(1.0 - p));
+  }
+  return per_sample_mean(elementwise);
+}
+
+Tensor mean_squared_error(const Tensor& y_true, const Tensor& y_pred) {
+  constexpr const char* kName = "mean_squared_error";
+  check_defined(kName, y_true, y_pred);
+  check_same_shape(kName, y_true, y_pred);
+  const DType dt = loss_dtype(y_pred);
+  return per_sample_mean(square(cast(y_true, dt) - cast(y_pred, dt)));
+}
+
+}  // namespace
+
+Loss::Loss(std::string name, Fn per_sample, Reduction reduction)
+    : name_(std::move(name)), per_sample_(std::move(per_sample)), reduction_(reduction) {
+  if (!per_sample_) throw ValueError(fmt::format("loss '{}' has no function", name_));
+}
+
+Loss::Loss(std::string_view name) : Loss(MeanSquaredError()) {
+  if (name == "sparse_categorical_crossentropy") {
+    *this = SparseCategoricalCrossentropy();
+  } else if (name == "categorical_crossentropy") {
+    *this = CategoricalCrossentropy();
+  } else if (name == "binary_crossentropy") {
+    *this = BinaryCrossentropy();
+  } else if (name != "mean_squared_error" && name != "mse") {
+    throw ValueError(fmt::format("unknown loss '{}'; valid names: {}", name, valid_names()));
+  }
+}
+
+Tensor Loss::operator()(const Tensor& y_true, const Tensor& y_pred,
+                        const Tensor& sample_weight) const {
+  Tensor losses = per_sample_(y_true, y_pred);
+  if (sample_weight.defined()) {
+    if (sample_weight.numel() != losses.numel())
+      throw ShapeError(fmt::format("{}: sample_weight {} does not match {} per-sample losses",
+                                   name_, describe(sample_weight), losses.numel()));
+    losses = losses * reshape(cast(sample_weight, losses.dtype()), losses.shape());
+  }
+  switch (reduction_) {
+    case Reduction::None:
+      return losses;
+    case Reduction::Sum:
+      return sum(losses);
+    case Reduction::SumOverBatchSize:
+      break;
+  }
+  return mean(losses);
+}
+
+Loss SparseCategoricalCrossentropy(LossOptions o) {
+  return Loss(
+      "sparse_categorical_crossentropy",
+      [logits = o.from_logits](const Tensor& t, const Tensor& p) {
+        return sparse_crossentropy(t, p, logits);
+      },
+      o.reduction);
+}
+
+Loss CategoricalCrossentropy(LossOptions o) {
+  return Loss(
+      "categorical_crossentropy",
+      [logits = o.from_logits](const Tensor& t, const Tensor& p) {
+        return categorical_crossentropy(t, p, logits);
+      },
+      o.reduction);
+}
+
+Loss BinaryCrossentropy(LossOptions o) {
+  return Loss(
+      "binary_crossentropy",
+      [logits = o.from_logits](const Tensor& t, const Tensor& p) {
+        return binary_crossentropy(t, p, logits);
+      },
+      o.reduction);
+}
+
+Loss MeanSquaredError(LossOptions o) {
+  return Loss("mean_squared_error", &mean_squared_error, o.reduction);
+}
+
+std::string valid_names() {
+  return "sparse_categorical_crossentropy, categorical_crossentropy, binary_crossentropy, "
+         "mean_squared_error (mse)";
+}
+
+}  // namespace mixtape::losses

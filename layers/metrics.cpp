@@ -1,0 +1,118 @@
+// Metrics: device-side comparisons, host-side float64 totals.
+#include "mixtape/layers/metrics.h"
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+#include "mixtape/core/error.h"
+
+namespace mixtape::metrics {
+
+namespace {
+
+std::string describe(const Tensor& t) { return fmt::format("{}{}", t.dtype(), t.shape()); }
+
+void check_defined(const std::string& metric, const Tensor& y_true, const Tensor& y_pred) {
+  if (!y_true.defined() || !y_pred.defined())
+    throw ValueError(fmt::format("metric '{}': y_true and y_pred must be defined", metric));
+}
+
+// Integer labels of shape `shape` from [shape] or [shape..., 1].
+Tensor labels_like(const std::string& metric, const Tensor& y_true, const Shape& shape) {
+  Tensor labels = y_true;
+  if (labels.shape() != shape && labels.rank() == shape.rank() + 1 && labels.dim(-1) == 1)
+    labels = squeeze(labels, -1);
+  if (labels.shape() != shape)
+    throw ShapeError(
+        fmt::format("metric '{}': labels {} do not match predictions of batch shape {}", metric,
+                    describe(y_true), shape));
+  return cast(labels, kInt64);
+}
+
+}  // namespace
+
+void Metric::update_state(const Tensor&, const Tensor&, const Tensor&) {
+  throw ValueError(fmt::format("metric '{}' is not updated from (y_true, y_pred)", name_));
+}
+
+void Metric::accumulate(const Tensor& values, const Tensor& weights) {
+  NoGradGuard no_grad;
+  Tensor v = cast(values, kFloat64);
+  if (!weights.defined()) {
+    total_ += sum(v).item<double>();
+    count_ += static_cast<double>(v.numel());
+    return;
+  }
+  if (weights.numel() != v.numel())
+    throw ShapeError(fmt::format("metric '{}': sample_weight {} does not match values {}", name_,
+                                 describe(weights), describe(values)));
+  Tensor w = reshape(cast(weights, kFloat64), v.shape());
+  total_ += sum(v * w).item<double>();
+  count_ += sum(w).item<double>();
+}
+
+void Mean::update_state(const Tensor& values, const Tensor& sample_weight) {
+  if (!values.defined()) throw ValueError(fmt::format("metric '{}': undefined values", name()));
+  accumulate(values, sample_weight);
+}
+
+double Mean::operator()(const Tensor& values, const Tensor& sample_weight) {
+  update_state(values, sample_weight);
+  return result();
+}
+
+void Accuracy::update_state(const Tensor& y_true, const Tensor& y_pred,
+                            const Tensor& sample_weight) {
+  check_defined(name(), y_true, y_pred);
+  NoGradGuard no_grad;
+  if (y_true.shape() != y_pred.shape())
+    throw ShapeError(fmt::format("metric '{}': y_true {} and y_pred {} must have the same shape",
+                                 name(), describe(y_true), describe(y_pred)));
+  accumulate(equal(y_true, y_pred), sample_weight);
+}
+
+void SparseCategoricalAccuracy::update_state(const Tensor& y_true, const Tensor& y_pred,
+                                             const Tensor& sample_weight) {
+  check_defined(name(), y_true, y_pred);
+  if (y_pred.rank() < 1)
+    throw ShapeError(
+        fmt::format("metric '{}': y_pred needs a class axis; got {}", name(), describe(y_pred)));
+  NoGradGuard no_grad;
+  Tensor predicted = argmax(y_pred, -1);
+  accumulate(equal(predicted, labels_like(name(), y_true, predicted.shape())), sample_weight);
+}
+
+void CategoricalAccuracy::update_state(const Tensor& y_true, const Tensor& y_pred,
+                                       const Tensor& sample_weight) {
+  check_defined(name(), y_true, y_pred);
+  if (y_true.shape() != y_pred.shape() || y_pred.rank() < 1)
+    throw ShapeError(fmt::format("metric '{}': y_true {} and y_pred {} must have the same shape",
+                                 name(), describe(y_true), describe(y_pred)));
+  NoGradGuard no_grad;
+  accumulate(equal(argmax(y_pred, -1), argmax(y_true, -1)), sample_weight);
+}
+
+void BinaryAccuracy::update_state(const Tensor& y_true, const Tensor& y_pred,
+                                  const Tensor& sample_weight) {
+  check_defined(name(), y_true, y_pred);
+  if (y_true.shape() != y_pred.shape())
+    throw ShapeError(fmt::format("metric '{}': y_true {} and y_pred {} must have the same shape",
+                                 name(), describe(y_true), describe(y_pred)));
+  NoGradGuard no_grad;
+  Tensor predicted =
+      greater(cast(y_pred, kFloat32), full({}, threshold_, kFloat32, y_pred.device()));
+  Tensor truth = greater(cast(y_true, kFloat32), full({}, 0.5, kFloat32, y_true.device()));
+  accumulate(equal(predicted, truth), sample_weight);
+}
+
+std::shared_ptr<Metric> get(std::string_view name) {
+  if (name == "accuracy") return std::make_shared<Accuracy>();
+  if (name == "sparse_categorical_accuracy") return std::make_shared<SparseCategoricalAccuracy>();
+  if (name == "categorical_accuracy") return std::make_shared<CategoricalAccuracy>();
+  if (name == "binary_accuracy") return std::make_shared<BinaryAccuracy>();
+  throw ValueError(
+      fmt::format("unknown metric '{}'; valid names: accuracy, "
+                  "sparse_categorical_accuracy, categorical_accuracy, binary_accuracy",
+                  name));
+}
+
+}  // namespace mixtape::metrics

@@ -1,0 +1,125 @@
+// BatchNormalization and LayerNormalization, with float32 statistics.
+#include "mixtape/layers/normalization.h"
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+
+namespace mixtape::layers {
+
+namespace {
+
+template <typename Options>
+LayerOptions common(const Options& o) {
+  return LayerOptions{o.dtype, o.name, o.trainable};
+}
+
+// float32 for the 16-bit policies, the variable dtype (float32 / float64) otherwise.
+DType stats_dtype(DType variable) { return variable.is_reduced_float() ? kFloat32 : variable; }
+
+// `p` ([c]) reshaped to broadcast against a rank-`rank` input along `axis`.
+Tensor along(const Tensor& p, std::size_t rank, int axis) {
+  std::vector<std::int64_t> dims(rank, 1);
+  dims[static_cast<std::size_t>(axis)] = p.numel();
+  return reshape(p, Shape(dims));
+}
+
+void check_epsilon(const Layer& layer, double epsilon) {
+  if (!(epsilon > 0.0))
+    throw ValueError(fmt::format("layer '{}' ({}): epsilon must be positive; got {}", layer.name(),
+                                 layer.class_name(), epsilon));
+}
+
+}  // namespace
+
+// --- BatchNormalization ----------------------------------------------------------------------
+
+BatchNormalizationLayer::BatchNormalizationLayer(BatchNormalizationOptions options)
+    : Layer(common(options), "BatchNormalization"), options_(std::move(options)) {
+  check_epsilon(*this, options_.epsilon);
+  if (!(options_.momentum >= 0.0 && options_.momentum <= 1.0))
+    throw ValueError(
+        fmt::format("layer '{}' (BatchNormalization): momentum must be in [0, 1]; got {}", name(),
+                    options_.momentum));
+}
+
+DType BatchNormalizationLayer::param_dtype() const { return stats_dtype(variable_dtype()); }
+
+void BatchNormalizationLayer::build(const Shape& input_shape) {
+  const auto rank = static_cast<int>(input_shape.rank());
+  if (rank < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
+  axis_ = normalize_axis(options_.axis, input_shape.rank(), "BatchNormalization");
+  const std::int64_t c = input_shape[static_cast<std::size_t>(axis_)];
+  const WeightOptions trainable{.trainable = true, .dtype = param_dtype(), .autocast = false};
+  const WeightOptions state{.trainable = false, .dtype = param_dtype(), .autocast = false};
+  if (options_.scale) gamma_ = add_weight("gamma", {c}, options_.gamma_initializer, trainable);
+  if (options_.center) beta_ = add_weight("beta", {c}, options_.beta_initializer, trainable);
+  moving_mean_ = add_weight("moving_mean", {c}, options_.moving_mean_initializer, state);
+  moving_variance_ =
+      add_weight("moving_variance", {c}, options_.moving_variance_initializer, state);
+  set_input_spec(InputSpec{.rank = rank, .axes = {{axis_, c}}});
+}
+
+Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
+  const DType dt = param_dtype();
+  const std::size_t rank = x.rank();
+  Tensor xs = cast(x, dt);
+  Tensor mu, var;
+  if (ctx.training && trainable()) {
+    std::vector<int> axes;
+    for (int i = 0; i < static_cast<int>(rank); ++i)
+      if (i != axis_) axes.push_back(i);
+    mu = mean(xs, axes, true);
+    var = mean(square(xs - mu), axes, true);
+    NoGradGuard no_grad;
+    const double m = options_.momentum;
+    const Shape c{moving_mean_.numel()};
+    moving_mean_.assign(moving_mean_ * m + reshape(mu, c) * (1.0 - m));
+    moving_variance_.assign(moving_variance_ * m + reshape(var, c) * (1.0 - m));
+  } else {
+    mu = along(moving_mean_, rank, axis_);
+    var = along(moving_variance_, rank, axis_);
+  }
+  Tensor y = (xs - mu) * rsqrt(var + options_.epsilon);
+  if (options_.scale) y = y * along(gamma_, rank, axis_);
+  if (options_.center) y = y + along(beta_, rank, axis_);
+  return cast(y, compute_dtype());
+}
+
+LayerPtr<BatchNormalizationLayer> BatchNormalization(BatchNormalizationOptions options) {
+  return make_layer<BatchNormalizationLayer>(std::move(options));
+}
+
+// --- LayerNormalization ------------------------------------------------------------------
+
+LayerNormalizationLayer::LayerNormalizationLayer(LayerNormalizationOptions options)
+    : Layer(common(options), "LayerNormalization"), options_(std::move(options)) {
+  check_epsilon(*this, options_.epsilon);
+}
+
+DType LayerNormalizationLayer::param_dtype() const { return stats_dtype(variable_dtype()); }
+
+void LayerNormalizationLayer::build(const Shape& input_shape) {
+  if (input_shape.rank() < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
+  const std::int64_t c = input_shape.back();
+  const WeightOptions opts{.trainable = true, .dtype = param_dtype(), .autocast = false};
+  if (options_.scale) gamma_ = add_weight("gamma", {c}, options_.gamma_initializer, opts);
+  if (options_.center) beta_ = add_weight("beta", {c}, options_.beta_initializer, opts);
+  set_input_spec(InputSpec{.min_rank = 1, .axes = {{-1, c}}});
+}
+
+Tensor LayerNormalizationLayer::call(const Tensor& x, const CallContext&) {
+  Tensor xs = cast(x, param_dtype());
+  Tensor mu = mean(xs, {-1}, true);
+  Tensor centered = xs - mu;
+  Tensor var = mean(square(centered), {-1}, true);
+  Tensor y = centered * rsqrt(var + options_.epsilon);
+  if (options_.scale) y = y * gamma_;
+  if (options_.center) y = y + beta_;
+  return cast(y, compute_dtype());
+}
+
+LayerPtr<LayerNormalizationLayer> LayerNormalization(LayerNormalizationOptions options) {
+  return make_layer<LayerNormalizationLayer>(std::move(options));
+}
+
+}  // namespace mixtape::layers

@@ -1,0 +1,97 @@
+// The dtype trace: scopes, the MIXTAPE_TRACE_DTYPES log, and the table.
+#include "mixtape/layers/trace.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <string_view>
+
+#include "mixtape/autograd/tape.h"
+
+namespace mixtape {
+
+namespace {
+
+thread_local DTypeTrace* t_sink = nullptr;
+thread_local bool t_muted = false;
+
+bool log_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MIXTAPE_TRACE_DTYPES");
+    return v != nullptr && std::string_view(v) != "" && std::string_view(v) != "0";
+  }();
+  return on;
+}
+
+std::string cast_text(DType from, DType to) {
+  return from == to ? std::string(from.name()) : fmt::format("{} => {}", from, to);
+}
+
+std::array<std::string, 7> cells(const DTypeTraceRow& r) {
+  return {r.layer,
+          r.type,
+          r.policy,
+          cast_text(r.input, r.input_cast),
+          r.weight ? cast_text(*r.weight, *r.weight_read) : std::string("-"),
+          std::string(r.computation.name()),
+          std::string(r.output.name())};
+}
+
+}  // namespace
+
+std::string DTypeTrace::table() const {
+  const std::array<std::string, 7> header = {"layer",  "type",        "policy", "input",
+                                             "weight", "computation", "output"};
+  std::array<std::size_t, 7> width{};
+  for (std::size_t c = 0; c < header.size(); ++c) width[c] = header[c].size();
+  std::vector<std::array<std::string, 7>> body;
+  for (const auto& r : rows) {
+    body.push_back(cells(r));
+    for (std::size_t c = 0; c < width.size(); ++c)
+      width[c] = std::max(width[c], body.back()[c].size());
+  }
+  auto line = [&](const std::array<std::string, 7>& cs) {
+    std::string out;
+    for (std::size_t c = 0; c < cs.size(); ++c)
+      out += c + 1 < cs.size() ? fmt::format("{:<{}}  ", cs[c], width[c]) : cs[c];
+    return out + "\n";
+  };
+  std::string out = line(header);
+  for (const auto& b : body) out += line(b);
+  return out;
+}
+
+DTypeTraceScope::DTypeTraceScope() : previous_(t_sink) { t_sink = &trace_; }
+DTypeTraceScope::~DTypeTraceScope() { t_sink = previous_; }
+
+DTypeTrace trace_dtypes(layers::Layer& layer, const Tensor& x, const CallContext& ctx) {
+  DTypeTraceScope scope;
+  {
+    NoGradGuard no_grad;
+    layer(x, ctx);
+  }
+  return scope.trace();
+}
+
+namespace detail {
+
+bool dtype_trace_active() { return !t_muted && (t_sink != nullptr || log_enabled()); }
+
+void dtype_trace_record(const DTypeTraceRow& row) {
+  if (t_muted) return;
+  if (t_sink) t_sink->rows.push_back(row);
+  if (log_enabled()) {
+    const auto c = cells(row);
+    spdlog::info("dtype trace: {} ({}, policy {}): input {}, weight {}, computation {}, output {}",
+                 c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+  }
+}
+
+DTypeTraceMute::DTypeTraceMute() : previous_(t_muted) { t_muted = true; }
+DTypeTraceMute::~DTypeTraceMute() { t_muted = previous_; }
+
+}  // namespace detail
+
+}  // namespace mixtape

@@ -1,0 +1,93 @@
+// Policies: the table of named policies, and the global policy.
+#include "mixtape/precision/policy.h"
+
+#include <array>
+#include <mutex>
+
+#include "mixtape/core/error.h"
+
+namespace mixtape {
+
+namespace {
+
+// The policy table (the data behind Policy(name)).
+struct PolicyRow {
+  std::string_view name;
+  DType compute, variable;
+  bool dynamic_loss_scale;  // the default loss scale: dynamic, or none
+};
+constexpr std::array<PolicyRow, 6> kPolicies = {{
+    {"float32", kFloat32, kFloat32, false},
+    {"float64", kFloat64, kFloat64, false},
+    {"float16", kFloat16, kFloat16, false},
+    {"bfloat16", kBFloat16, kBFloat16, false},
+    {"mixed_float16", kFloat16, kFloat32, true},
+    {"mixed_bfloat16", kBFloat16, kFloat32, false},
+}};
+
+const PolicyRow& find_row(std::string_view name) {
+  for (const auto& row : kPolicies)
+    if (row.name == name) return row;
+  throw ValueError(
+      fmt::format("unknown dtype policy '{}'; valid names: {}", name, Policy::valid_names()));
+}
+
+std::mutex g_mutex;
+Policy& global_slot() {
+  static Policy policy;
+  return policy;
+}
+
+}  // namespace
+
+Policy::Policy() : Policy(std::string_view("float32")) {}
+
+Policy::Policy(std::string_view name) {
+  const PolicyRow& row = find_row(name);
+  name_ = std::string(row.name);
+  compute_ = row.compute;
+  variable_ = row.variable;
+  if (row.dynamic_loss_scale) loss_scale_ = LossScale::dynamic();
+}
+
+Policy::Policy(std::string_view name, double loss_scale)
+    : Policy(name, LossScale::fixed(loss_scale)) {}
+
+Policy::Policy(std::string_view name, LossScale loss_scale) : Policy(name) {
+  loss_scale_ = loss_scale;
+}
+
+std::string Policy::str() const {
+  if (!loss_scale_) return fmt::format("<Policy \"{}\">", name_);
+  return fmt::format("<Policy \"{}\", loss_scale={}>", name_, loss_scale_->str());
+}
+
+std::string Policy::valid_names() {
+  std::string out;
+  for (const auto& row : kPolicies) {
+    if (!out.empty()) out += ", ";
+    out += row.name;
+  }
+  return out;
+}
+
+bool operator==(const Policy& a, const Policy& b) {
+  return a.name_ == b.name_ && a.loss_scale_ == b.loss_scale_;
+}
+
+Policy global_policy() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return global_slot();
+}
+
+void set_global_policy(const Policy& policy) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  global_slot() = policy;
+}
+
+PolicyScope::PolicyScope(const Policy& policy) : previous_(global_policy()) {
+  set_global_policy(policy);
+}
+PolicyScope::~PolicyScope() { set_global_policy(previous_); }
+
+}  // namespace mixtape
