@@ -12,12 +12,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_cases.h"
 #include "mixtape/core/kernels.h"
 #include "mixtape/mixtape.h"
 
 using namespace mixtape;
 using kernels::Conv2dGeometry;
 using kernels::GemmArgs;
+using mtest::gemm_args;
+using mtest::GemmCase;
+using mtest::random;
 
 namespace {
 
@@ -37,20 +41,6 @@ std::vector<float> as_floats(const Tensor& t) {
   std::vector<float> v(static_cast<std::size_t>(t.numel()));
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(p[i]);
   return v;
-}
-
-template <typename S>
-void poison(const Tensor& t) {
-  // A NaN bit pattern of each type, so elements a kernel fails to write show up.
-  const std::uint16_t nan_bits = std::is_same_v<S, half> ? 0x7e00 : 0x7fc0;
-  std::fill_n(t.data<S>(), t.numel(), S::from_bits(nan_bits));
-}
-
-template <typename S>
-Tensor empty_poisoned(const Shape& shape) {
-  Tensor t = Tensor::empty(shape, dtype_of<S>::value);
-  poison<S>(t);
-  return t;
 }
 
 // Counts elements of `got` whose bits differ from `want` (the element indices `at`),
@@ -83,22 +73,7 @@ std::vector<std::int64_t> all_indices(const Tensor& t) {
   return at;
 }
 
-// Random values in [lo, hi) that are never all zero.
-Tensor random(const Shape& shape, DType dt, double lo = -1.0, double hi = 1.0) {
-  Tensor t = uniform(shape, lo, hi, dt);
-  const auto v = t.to_vector<double>();
-  REQUIRE(std::any_of(v.begin(), v.end(), [](double x) { return x != 0.0; }));
-  return t;
-}
-
 // --- matmul ------------------------------------------------------------------------------
-
-struct GemmCase {
-  std::int64_t batch, m, n, k;
-  bool ta, tb;
-  std::int64_t pad_a, pad_b, pad_c;  // extra leading-dimension elements
-  bool share_a, share_b;             // batch stride 0
-};
 
 // Runs the matmul kernel with low_precision_accumulation on random operands laid out as
 // the case says, and checks every output element against a sequential k loop rounded
@@ -106,22 +81,8 @@ struct GemmCase {
 template <typename S>
 void run_gemm_acc16_case(const GemmCase& cs, double lo = -1.0, double hi = 1.0) {
   constexpr DType dt = dtype_of<S>::value;
-  const std::int64_t rows_a = cs.ta ? cs.k : cs.m, cols_a = cs.ta ? cs.m : cs.k;
-  const std::int64_t rows_b = cs.tb ? cs.n : cs.k, cols_b = cs.tb ? cs.k : cs.n;
-  GemmArgs g;
-  g.batch = cs.batch, g.m = cs.m, g.n = cs.n, g.k = cs.k;
-  g.trans_a = cs.ta, g.trans_b = cs.tb;
-  g.lda = cols_a + cs.pad_a;
-  g.ldb = cols_b + cs.pad_b;
-  g.ldc = cs.n + cs.pad_c;
-  g.stride_a = cs.share_a ? 0 : rows_a * g.lda + 2;  // a gap between batch items
-  g.stride_b = cs.share_b ? 0 : rows_b * g.ldb;
-  g.stride_c = cs.m * g.ldc;
+  GemmArgs g = gemm_args(cs, dt, lo, hi);
   g.low_precision_accumulation = true;
-  const std::int64_t count_a = cs.share_a ? 1 : cs.batch, count_b = cs.share_b ? 1 : cs.batch;
-  g.a = random({std::max<std::int64_t>(count_a * (rows_a * g.lda + 2), 1)}, dt, lo, hi);
-  g.b = random({std::max<std::int64_t>(count_b * rows_b * g.ldb, 1)}, dt, lo, hi);
-  g.out = empty_poisoned<S>({std::max<std::int64_t>(cs.batch * g.stride_c, 1)});
 
   find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt)(g);
 
@@ -182,21 +143,10 @@ std::vector<float> transposed(const std::vector<float>& v, std::int64_t rows, st
 
 // --- conv2d ------------------------------------------------------------------------------
 
-Conv2dGeometry conv_geometry(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c,
-                             std::int64_t kh, std::int64_t kw, std::int64_t cout, std::int64_t sh,
-                             std::int64_t sw, bool same) {
-  Conv2dGeometry g;
-  g.n = n, g.h = h, g.w = w, g.c = c, g.kh = kh, g.kw = kw, g.cout = cout;
-  g.stride_h = sh, g.stride_w = sw;
-  if (same) {
-    g.oh = (h + sh - 1) / sh;
-    g.ow = (w + sw - 1) / sw;
-    g.pad_top = std::max<std::int64_t>((g.oh - 1) * sh + kh - h, 0) / 2;
-    g.pad_left = std::max<std::int64_t>((g.ow - 1) * sw + kw - w, 0) / 2;
-  } else {
-    g.oh = (h - kh) / sh + 1;
-    g.ow = (w - kw) / sw + 1;
-  }
+Conv2dGeometry acc16_geometry(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c,
+                              std::int64_t kh, std::int64_t kw, std::int64_t cout, std::int64_t sh,
+                              std::int64_t sw, bool same) {
+  Conv2dGeometry g = mtest::conv_geometry(n, h, w, c, kh, kw, cout, sh, sw, same);
   g.low_precision_accumulation = true;
   return g;
 }
@@ -288,9 +238,9 @@ void run_conv_acc16_case(const Conv2dGeometry& g) {
   const Tensor x = random({g.n, g.h, g.w, g.c}, dt);
   const Tensor w = random({g.kh, g.kw, g.c, g.cout}, dt);
   const Tensor gout = random({g.n, g.oh, g.ow, g.cout}, dt);
-  const Tensor out = empty_poisoned<S>({g.n, g.oh, g.ow, g.cout});
-  const Tensor gx = empty_poisoned<S>({g.n, g.h, g.w, g.c});
-  const Tensor gw = empty_poisoned<S>({g.kh, g.kw, g.c, g.cout});
+  const Tensor out = mtest::empty_poisoned({g.n, g.oh, g.ow, g.cout}, dtype_of<S>::value);
+  const Tensor gx = mtest::empty_poisoned({g.n, g.h, g.w, g.c}, dtype_of<S>::value);
+  const Tensor gw = mtest::empty_poisoned({g.kh, g.kw, g.c, g.cout}, dtype_of<S>::value);
   const auto cpu = DeviceType::CPU;
   find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, out, g);
   find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(gout, w, gx, g);
@@ -306,21 +256,21 @@ void run_conv_acc16_case(const Conv2dGeometry& g) {
 // larger than the image, pointwise) plus threaded sizes.
 std::vector<Conv2dGeometry> conv_geometries() {
   return {
-      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, true),      // same, stride 1
-      conv_geometry(2, 7, 6, 6, 3, 3, 4, 1, 1, true),      // same, more channels
-      conv_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, false),     // valid
-      conv_geometry(2, 7, 6, 7, 3, 3, 3, 1, 1, false),     // valid, more channels
-      conv_geometry(1, 9, 8, 1, 3, 2, 3, 2, 2, true),      // c = 1, kh != kw, stride 2, same
-      conv_geometry(2, 13, 11, 1, 8, 7, 3, 2, 2, true),    // c = 1, big window, stride 2
-      conv_geometry(2, 9, 10, 2, 2, 3, 3, 2, 1, false),    // mixed strides, valid
-      conv_geometry(2, 9, 10, 9, 2, 3, 3, 2, 1, false),    // mixed strides, more channels
-      conv_geometry(3, 5, 5, 50, 1, 1, 3, 1, 1, false),    // pointwise
-      conv_geometry(2, 6, 7, 49, 1, 1, 2, 2, 2, false),    // 1x1 stride 2
-      conv_geometry(1, 4, 4, 2, 5, 5, 3, 1, 1, true),      // kernel larger than the image
-      conv_geometry(2, 9, 9, 3, 3, 3, 2, 3, 3, true),      // stride = window (no overlap)
-      conv_geometry(4, 16, 16, 8, 3, 3, 5, 1, 1, true),    // threaded
-      conv_geometry(4, 16, 16, 3, 3, 3, 40, 1, 1, true),   // threaded, cout > 32
-      conv_geometry(2, 12, 12, 16, 5, 5, 24, 2, 2, true),  // threaded, 400 taps, stride 2
+      acc16_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, true),      // same, stride 1
+      acc16_geometry(2, 7, 6, 6, 3, 3, 4, 1, 1, true),      // same, more channels
+      acc16_geometry(2, 7, 6, 3, 3, 3, 4, 1, 1, false),     // valid
+      acc16_geometry(2, 7, 6, 7, 3, 3, 3, 1, 1, false),     // valid, more channels
+      acc16_geometry(1, 9, 8, 1, 3, 2, 3, 2, 2, true),      // c = 1, kh != kw, stride 2, same
+      acc16_geometry(2, 13, 11, 1, 8, 7, 3, 2, 2, true),    // c = 1, big window, stride 2
+      acc16_geometry(2, 9, 10, 2, 2, 3, 3, 2, 1, false),    // mixed strides, valid
+      acc16_geometry(2, 9, 10, 9, 2, 3, 3, 2, 1, false),    // mixed strides, more channels
+      acc16_geometry(3, 5, 5, 50, 1, 1, 3, 1, 1, false),    // pointwise
+      acc16_geometry(2, 6, 7, 49, 1, 1, 2, 2, 2, false),    // 1x1 stride 2
+      acc16_geometry(1, 4, 4, 2, 5, 5, 3, 1, 1, true),      // kernel larger than the image
+      acc16_geometry(2, 9, 9, 3, 3, 3, 2, 3, 3, true),      // stride = window (no overlap)
+      acc16_geometry(4, 16, 16, 8, 3, 3, 5, 1, 1, true),    // threaded
+      acc16_geometry(4, 16, 16, 3, 3, 3, 40, 1, 1, true),   // threaded, cout > 32
+      acc16_geometry(2, 12, 12, 16, 5, 5, 24, 2, 2, true),  // threaded, 400 taps, stride 2
   };
 }
 

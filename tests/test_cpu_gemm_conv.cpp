@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_cases.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
 #include "mixtape/core/tensor.h"
@@ -16,6 +17,11 @@ using namespace mixtape;
 using kernels::Conv2dGeometry;
 using kernels::GemmArgs;
 using kernels::Pool2dGeometry;
+using mtest::conv_geometry;
+using mtest::empty_poisoned;
+using mtest::gemm_args;
+using mtest::GemmCase;
+using mtest::random;
 
 namespace {
 
@@ -27,30 +33,6 @@ double tolerance(DType dt) {
   if (dt == kFloat32) return 1e-5;
   if (dt == kFloat16) return 2e-3;
   return 1e-2;  // bfloat16
-}
-
-Tensor random(const Shape& shape, DType dt, double lo = -1.0, double hi = 1.0) {
-  return uniform(shape, lo, hi, dt);
-}
-
-// Fills a tensor with NaN, so elements a kernel fails to write show up.
-void poison(const Tensor& t) {
-  const auto n = static_cast<std::size_t>(t.numel());
-  if (t.dtype() == kFloat32) {
-    std::fill_n(t.data<float>(), n, std::numeric_limits<float>::quiet_NaN());
-  } else if (t.dtype() == kFloat64) {
-    std::fill_n(t.data<double>(), n, std::numeric_limits<double>::quiet_NaN());
-  } else if (t.dtype() == kFloat16) {
-    std::fill_n(t.data<half>(), n, half::from_bits(0x7e00));
-  } else {
-    std::fill_n(t.data<bfloat16>(), n, bfloat16::from_bits(0x7fc0));
-  }
-}
-
-Tensor empty_poisoned(const Shape& shape, DType dt) {
-  Tensor t = Tensor::empty(shape, dt);
-  poison(t);
-  return t;
 }
 
 std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }
@@ -83,33 +65,8 @@ void check_close(const std::vector<double>& actual, const std::vector<double>& e
 
 // --- matmul ----------------------------------------------------------------------------
 
-struct GemmCase {
-  std::int64_t batch, m, n, k;
-  bool ta, tb;
-  std::int64_t pad_a, pad_b, pad_c;  // extra leading-dimension elements
-  bool share_a, share_b;             // batch stride 0
-};
-
 void run_gemm_case(const GemmCase& cs, DType dt) {
-  const std::int64_t rows_a = cs.ta ? cs.k : cs.m, cols_a = cs.ta ? cs.m : cs.k;
-  const std::int64_t rows_b = cs.tb ? cs.n : cs.k, cols_b = cs.tb ? cs.k : cs.n;
-  GemmArgs g;
-  g.batch = cs.batch;
-  g.m = cs.m;
-  g.n = cs.n;
-  g.k = cs.k;
-  g.trans_a = cs.ta;
-  g.trans_b = cs.tb;
-  g.lda = cols_a + cs.pad_a;
-  g.ldb = cols_b + cs.pad_b;
-  g.ldc = cs.n + cs.pad_c;
-  g.stride_a = cs.share_a ? 0 : rows_a * g.lda + 2;  // a gap between batch items
-  g.stride_b = cs.share_b ? 0 : rows_b * g.ldb;
-  g.stride_c = cs.m * g.ldc;
-  const std::int64_t count_a = cs.share_a ? 1 : cs.batch, count_b = cs.share_b ? 1 : cs.batch;
-  g.a = random({std::max<std::int64_t>(count_a * (rows_a * g.lda + 2), 1)}, dt);
-  g.b = random({std::max<std::int64_t>(count_b * rows_b * g.ldb, 1)}, dt);
-  g.out = empty_poisoned({std::max<std::int64_t>(cs.batch * g.stride_c, 1)}, dt);
+  const GemmArgs g = gemm_args(cs, dt);
 
   find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt)(g);
 
@@ -142,26 +99,6 @@ void run_gemm_case(const GemmCase& cs, DType dt) {
 }
 
 // --- conv2d ----------------------------------------------------------------------------
-
-// Geometry with TF-style "same" (ceil(in / stride), padding split top/left-first) or
-// "valid" padding.
-Conv2dGeometry conv_geometry(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c,
-                             std::int64_t kh, std::int64_t kw, std::int64_t cout, std::int64_t sh,
-                             std::int64_t sw, bool same) {
-  Conv2dGeometry g;
-  g.n = n, g.h = h, g.w = w, g.c = c, g.kh = kh, g.kw = kw, g.cout = cout;
-  g.stride_h = sh, g.stride_w = sw;
-  if (same) {
-    g.oh = (h + sh - 1) / sh;
-    g.ow = (w + sw - 1) / sw;
-    g.pad_top = std::max<std::int64_t>((g.oh - 1) * sh + kh - h, 0) / 2;
-    g.pad_left = std::max<std::int64_t>((g.ow - 1) * sw + kw - w, 0) / 2;
-  } else {
-    g.oh = (h - kh) / sh + 1;
-    g.ow = (w - kw) / sw + 1;
-  }
-  return g;
-}
 
 // Calls f(i, oy, ox, ky, kx, iy, ix) for every in-image tap of every output pixel.
 template <typename F>
