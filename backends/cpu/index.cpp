@@ -1,12 +1,19 @@
-// CPU index kernels: gather and its adjoint scatter_add (see kernels.h for the
-// [outer, n | k, inner] geometry).
+// CPU index kernels: gather and its adjoint scatter_add, take (whole rows) and its adjoint
+// index_add (see kernels.h for the [outer, n | k, inner] geometry).
 //
-// scatter_add adds in the dtype: each addition to a float16/bfloat16 element is done in
-// float32 and rounded back to the dtype; integer additions wrap. Work is split over
-// (outer, column block of inner): every column's targets lie in that column, so tasks
-// never write the same element and the j order of additions is kept.
+// scatter_add and index_add add in the dtype: each addition to a float16/bfloat16 element
+// is done in float32 and rounded back to the dtype; integer additions wrap. scatter_add
+// splits its work over (outer, column block of inner): every column's targets lie in that
+// column, so tasks never write the same element and the j order of additions is kept.
+// index_add splits over (outer, column block, range of destination rows): a task walks all
+// k source rows in order and adds those whose destination row lies in its range, so again
+// every element has one writer and its additions keep the j order. take copies row
+// segments with memcpy, split over (output row, column chunk).
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "backends/cpu/cpu_util.h"
@@ -16,7 +23,8 @@ namespace {
 
 using std::int64_t;
 
-constexpr int64_t kCols = 64;  // columns of inner per scatter_add task
+constexpr int64_t kCols = 64;        // columns of inner per scatter_add task
+constexpr int64_t kCopyCols = 8192;  // elements of a row per take task
 
 // T: an unsigned integer of the item size (gather only moves elements).
 template <typename T>
@@ -68,6 +76,83 @@ void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, i
   }
 }
 
+// take: out[o, j, :] = x[o, index[j], :]. T: an unsigned integer of the item size (take
+// only moves rows). Rows of one element are assigned directly; longer rows are copied with
+// memcpy in chunks of at most kCopyCols elements, so that a few long rows still spread
+// over the threads.
+template <typename T>
+void take_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                 int64_t inner, const Tensor& out) {
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  T* yp = static_cast<T*>(out.data_ptr());
+  const int64_t rows = outer * k;
+  if (rows == 0 || inner == 0) return;
+  const bool par = rows * inner > kParallelGrain;
+  if (inner == 1) {
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t q = 0; q < rows; ++q) yp[q] = xp[q / k * n + ip[q % k]];
+    return;
+  }
+  const int64_t cols = std::min(kCopyCols, inner);
+  const int64_t per_row = (inner + cols - 1) / cols;
+  const int64_t units = rows * per_row;
+#pragma omp parallel for schedule(static) if (par)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t q = u / per_row, c0 = u % per_row * cols;
+    const int64_t len = std::min(cols, inner - c0);
+    const T* src = xp + (q / k * n + ip[q % k]) * inner + c0;  // x[o, index[j], c0]
+    std::memcpy(yp + q * inner + c0, src, static_cast<std::size_t>(len) * sizeof(T));
+  }
+}
+
+// dst[i] += src[i] for i < len (len <= kBlock), in the dtype: 16-bit floats through
+// float32 stack buffers, rounded back once per call; integers wrap.
+template <typename T>
+void add_row(T* __restrict dst, const T* __restrict src, int64_t len) {
+  if constexpr (kReduced<T>) {
+    float d[kBlock], s[kBlock];
+    to_float(dst, d, len);
+    to_float(src, s, len);
+    for (int64_t i = 0; i < len; ++i) d[i] += s[i];
+    from_float(d, dst, len);
+  } else {
+    for (int64_t i = 0; i < len; ++i) dst[i] = wrap_add(dst[i], src[i]);
+  }
+}
+
+// index_add: out[o, index[j], :] += src[o, j, :] in the order of j. Tasks are (o, column
+// block of at most kBlock columns, part of the destination rows [0, n)); the rows are
+// split into parts only when (outer, column block) tasks alone cannot occupy the threads
+// (e.g. an embedding gradient: outer 1, inner the embedding width).
+template <typename T>
+void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                      int64_t inner, const Tensor& out) {
+  if (outer == 0 || k == 0 || inner == 0) return;
+  const T* sp = static_cast<const T*>(src.data_ptr());
+  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  T* yp = static_cast<T*>(out.data_ptr());
+  const int64_t cols = std::min(kBlock, inner);
+  const int64_t col_blocks = (inner + cols - 1) / cols;
+  const int64_t base = outer * col_blocks;
+  const bool par = outer * k * inner > kParallelGrain;
+  const int64_t threads = par ? omp_get_max_threads() : 1;
+  const int64_t parts = base >= threads ? 1 : std::min(n, (threads + base - 1) / base);
+  const int64_t tasks = base * parts;
+#pragma omp parallel for schedule(static) if (par && tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t p = t % parts, o = t / parts / col_blocks;
+    const int64_t c0 = t / parts % col_blocks * cols, len = std::min(cols, inner - c0);
+    const int64_t r0 = n * p / parts, r1 = n * (p + 1) / parts;
+    T* dst = yp + o * n * inner + c0;      // out[o, 0, c0]
+    const T* s = sp + o * k * inner + c0;  // src[o, 0, c0]
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = ip[j];
+      if (r >= r0 && r < r1) add_row(dst + r * inner, s + j * inner, len);
+    }
+  }
+}
+
 template <typename T>
 void reg(DType dtype) {
   using Bits = bits_t<sizeof(T)>;
@@ -75,6 +160,9 @@ void reg(DType dtype) {
   register_kernel<kernels::GatherFn>(OpId::gather, DeviceType::CPU, dtype, &gather_kernel<Bits>);
   register_kernel<kernels::ScatterAddFn>(OpId::scatter_add, DeviceType::CPU, dtype,
                                          &scatter_add_kernel<T>);
+  register_kernel<kernels::TakeFn>(OpId::take, DeviceType::CPU, dtype, &take_kernel<Bits>);
+  register_kernel<kernels::IndexAddFn>(OpId::index_add, DeviceType::CPU, dtype,
+                                       &index_add_kernel<T>);
 }
 
 }  // namespace

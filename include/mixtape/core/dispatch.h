@@ -28,7 +28,9 @@ namespace mixtape {
   /* linear algebra */ X(matmul)                                                      \
   /* convolution and pooling (NHWC) */ X(conv2d) X(conv2d_backward_input)             \
   X(conv2d_backward_weight) X(max_pool2d) X(max_pool2d_backward) X(avg_pool2d)        \
-  X(avg_pool2d_backward)
+  X(avg_pool2d_backward)                                                              \
+  /* rows of an axis */ X(take) X(index_add)                                          \
+  /* training */ X(unscale_check) X(sgd_update) X(rmsprop_update) X(adam_update)
 // clang-format on
 
 enum class OpId : std::uint16_t {

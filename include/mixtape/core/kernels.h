@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/tensor.h"
@@ -110,5 +111,55 @@ using Pool2dFn = void(const Tensor& x, const Tensor& out, const Pool2dGeometry& 
 // max: the gradient goes to the first maximum of each window; avg ignores x's values.
 using Pool2dBackwardFn = void(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                               const Pool2dGeometry& g);
+
+// take: whole rows along one axis (numpy's take / index_select). x viewed as
+// [outer, n, inner] (contiguous), index a contiguous int64 vector of k entries in [0, n),
+// out [outer, k, inner] (contiguous, x's dtype): out[o, j, :] = x[o, index[j], :].
+// index_add: the adjoint; out viewed as [outer, n, inner] (contiguous, accumulated into,
+// not cleared), src as [outer, k, inner]: out[o, index[j], :] += src[o, j, :], in the
+// order of j (repeated indices add up). Keyed on x's / src's dtype.
+using TakeFn = void(const Tensor& x, const Tensor& index, std::int64_t outer, std::int64_t n,
+                    std::int64_t k, std::int64_t inner, const Tensor& out);
+using IndexAddFn = void(const Tensor& src, const Tensor& index, std::int64_t outer, std::int64_t n,
+                        std::int64_t k, std::int64_t inner, const Tensor& out);
+
+// unscale_check: for each i, outs[i] = grads[i] * scale (when outs[i] is defined; the
+// same shape and dtype, contiguous, may be grads[i] itself) in the same pass that looks
+// for non-finite values in grads[i]; when one is found, found_nonfinite (a float32 scalar
+// on the same device) is set to 1 (it is never cleared, so several calls accumulate).
+// Every grads[i] is contiguous and has the dtype the kernel is keyed on. Loss scaling
+// unscales all gradients with one call per dtype and reads the flag once.
+using UnscaleCheckFn = void(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
+                            double scale, const Tensor& found_nonfinite);
+
+// Optimizer updates, in place, for one variable. var and grad are contiguous, same shape
+// and dtype (the dtype the kernel is keyed on); the slots are contiguous tensors of var's
+// shape in the slot dtype: float64 for float64 variables, float32 for every other
+// (float16 / bfloat16 variables keep float32 state). The math runs in the slot dtype and
+// the variable is rounded once when stored. step is the 1-based count of applied steps
+// including this one.
+//   sgd_update (Keras SGD): momentum == 0: var -= lr * g. Otherwise, slot1 the velocity:
+//     v = momentum * v - lr * g; var += v, or with nesterov var += momentum * v - lr * g.
+//   rmsprop_update (Keras RMSprop): slot1 = mean square, slot2 = momentum buffer (when
+//     momentum > 0), slot3 = mean gradient (when centered):
+//     ms = rho * ms + (1 - rho) g^2; [mg = rho * mg + (1 - rho) g; d = ms - mg^2 | d = ms]
+//     step = lr * g / sqrt(d + epsilon) (Keras / TensorFlow put epsilon inside the root);
+//     momentum: mom = momentum * mom + step,
+//     var -= mom; otherwise var -= step. (rho is passed as beta2.)
+//   adam_update (Keras Adam / AdamW): slot1 = m, slot2 = v, slot3 = max v (amsgrad):
+//     var -= lr * weight_decay * var (AdamW; weight_decay 0 for Adam);
+//     m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2); [vmax = max(vmax, v)]
+//     alpha = lr sqrt(1 - beta2^step) / (1 - beta1^step);
+//     var -= alpha * m / (sqrt(v | vmax) + epsilon).
+struct OptimizerUpdate {
+  Tensor var, grad;
+  Tensor slot1, slot2, slot3;  // undefined when the optimizer does not use them
+  double lr = 0.0;
+  double beta1 = 0.0, beta2 = 0.0, epsilon = 0.0;
+  double momentum = 0.0, weight_decay = 0.0;
+  std::int64_t step = 1;
+  bool nesterov = false, centered = false, amsgrad = false;
+};
+using OptimizerUpdateFn = void(const OptimizerUpdate& u);
 
 }  // namespace mixtape::kernels

@@ -1,0 +1,362 @@
+// CPU training kernels: unscale_check (multiply gradients by the loss-scale inverse and
+// look for non-finite values in the same pass) and the in-place optimizer updates
+// sgd_update, rmsprop_update and adam_update (see kernels.h for their exact semantics).
+//
+// Every kernel walks its tensors in blocks of kBlock elements with parallel_blocks (one
+// thread up to kParallelGrain elements). float32 and float64 blocks are updated in place
+// by simple loops over __restrict pointers that vectorise (sqrt vectorises as the library
+// is built with -fno-math-errno; max through ?: becomes a vector max). float16 / bfloat16
+// variables and gradients are bulk-converted to float32 stack buffers a block at a time,
+// updated by the same float32 loops (their slots are float32 tensors), and the variable is
+// converted back once, so it is rounded once per step.
+//
+// unscale_check rounds the product grad * scale once to the gradient's dtype, as if it
+// were computed in float64: float32 gradients multiply in float32 when the scale is a
+// float32 value (the float32 product is then the correctly rounded exact product) and in
+// float64 otherwise; 16-bit gradients multiply in float64 (exact for a float32 scale) and
+// reach their dtype through a float32 rounded to odd, which makes the final rounding
+// exact-once. Non-finite values are found by OR-ing the bits of x - x (zero exactly when x
+// is finite), a reduction that vectorises.
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "backends/cpu/cpu_util.h"
+
+namespace mixtape::cpu {
+namespace {
+
+using kernels::OptimizerUpdate;
+using std::int64_t;
+
+// --- unscale_check -----------------------------------------------------------------------
+
+// An unsigned integer as wide as the float C.
+template <typename C>
+using ubits_t = std::conditional_t<sizeof(C) == 4, std::uint32_t, std::uint64_t>;
+
+// The bits of x - x: 0 when x is finite, a NaN's (non-zero) bits for inf and NaN.
+template <typename C>
+ubits_t<C> nonfinite_bits(C x) {
+  return std::bit_cast<ubits_t<C>>(x - x);
+}
+
+// double -> float rounded to odd: exact values stay, inexact ones are truncated toward
+// zero and get their last mantissa bit set, so that a later rounding to float16 /
+// bfloat16 rounds as if from the double. r = d - float(d) is exact; d is inexact when r
+// is neither zero nor NaN (NaN: d is inf or NaN, which stay), and rounded away from zero
+// when r and d differ in sign (an overflow to inf truncates to FLT_MAX, which still rounds
+// to inf in 16 bits). Integer arithmetic only (no 64-bit compares, which SSE2 lacks), so
+// that loops over it vectorise.
+inline float round_to_odd(double d) {
+  const float f = static_cast<float>(d);
+  const auto rb = std::bit_cast<std::uint64_t>(d - static_cast<double>(f));
+  const std::uint64_t a = rb & 0x7FFFFFFFFFFFFFFFull;                           // |r|
+  const std::uint64_t inexact = ((0 - a) & (a - 0x7FF0000000000001ull)) >> 63;  // 0 < |r| <= inf
+  const std::uint64_t away = ((rb ^ std::bit_cast<std::uint64_t>(d)) >> 63) & inexact;
+  const std::uint64_t fb = std::bit_cast<std::uint32_t>(f);
+  return std::bit_cast<float>(static_cast<std::uint32_t>((fb - away) | inexact));
+}
+
+// True when x[0, n) holds an inf or NaN.
+template <typename C>
+bool check_block(const C* x, int64_t n) {
+  ubits_t<C> acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc |= nonfinite_bits(x[i]);
+  return acc != 0;
+}
+
+// y[i] = x[i] * s, with the product computed in M (C or double) and rounded to C; true
+// when x holds an inf or NaN. x and y do not overlap.
+template <typename C, typename M>
+bool scale_block(const C* __restrict x, C* __restrict y, int64_t n, M s) {
+  ubits_t<C> acc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= nonfinite_bits(x[i]);
+    y[i] = static_cast<C>(static_cast<M>(x[i]) * s);
+  }
+  return acc != 0;
+}
+
+// p[i] *= s in place (the product in M, rounded to C); true when p held an inf or NaN.
+template <typename C, typename M>
+bool scale_block_inplace(C* __restrict p, int64_t n, M s) {
+  ubits_t<C> acc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= nonfinite_bits(p[i]);
+    p[i] = static_cast<C>(static_cast<M>(p[i]) * s);
+  }
+  return acc != 0;
+}
+
+// buf[i] *= s in float64, rounded to odd to float32 (the 16-bit gradients' path); true
+// when buf held an inf or NaN.
+bool scale_block_to_odd(float* __restrict buf, int64_t n, double s) {
+  std::uint32_t acc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= nonfinite_bits(buf[i]);
+    buf[i] = round_to_odd(static_cast<double>(buf[i]) * s);
+  }
+  return acc != 0;
+}
+
+// One gradient: out = grad * scale when out is non-null (it may be grad itself), and
+// whether grad holds a non-finite value. M: the multiplication type of float32 / float64
+// gradients.
+template <typename T, typename M>
+bool unscale_one(const T* x, T* y, int64_t numel, double scale) {
+  std::atomic<bool> found{false};
+  parallel_blocks(numel, [&](int64_t b, int64_t e) {
+    const int64_t n = e - b;
+    bool f;
+    if constexpr (kReduced<T>) {
+      float buf[kBlock];
+      to_float(x + b, buf, n);
+      if (y == nullptr) {
+        f = check_block(buf, n);
+      } else {
+        f = scale_block_to_odd(buf, n, scale);
+        from_float(buf, y + b, n);
+      }
+    } else if (y == nullptr) {
+      f = check_block(x + b, n);
+    } else if (y == x) {
+      f = scale_block_inplace(y + b, n, static_cast<M>(scale));
+    } else {
+      f = scale_block(x + b, y + b, n, static_cast<M>(scale));
+    }
+    if (f) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load(std::memory_order_relaxed);
+}
+
+// unscale_check: every grads[i] scaled into outs[i] (when outs has a defined i-th tensor),
+// and found_nonfinite set to 1 when any gradient holds an inf or NaN (never cleared).
+template <typename T>
+void unscale_check_kernel(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
+                          double scale, const Tensor& found_nonfinite) {
+  [[maybe_unused]] const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
+  bool found = false;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const T* x = static_cast<const T*>(grads[i].data_ptr());
+    T* y = i < outs.size() && outs[i].defined() ? static_cast<T*>(outs[i].data_ptr()) : nullptr;
+    const int64_t numel = grads[i].numel();
+    bool f;
+    if constexpr (std::is_same_v<T, float>)
+      f = float_scale ? unscale_one<T, float>(x, y, numel, scale)
+                      : unscale_one<T, double>(x, y, numel, scale);
+    else
+      f = unscale_one<T, double>(x, y, numel, scale);
+    found = found || f;
+  }
+  if (found) *static_cast<float*>(found_nonfinite.data_ptr()) = 1.0f;
+}
+
+// --- Optimizer updates -------------------------------------------------------------------
+
+// The slot type of a variable of type T (float64 for float64, float32 otherwise).
+template <typename T>
+using slot_t = compute_t<T>;
+
+// The address of a slot tensor's first element, or null when the slot is undefined.
+template <typename S>
+S* slot_ptr(const Tensor& t) {
+  return t.defined() ? static_cast<S*>(t.data_ptr()) : nullptr;
+}
+
+// Runs block(v, g, b, n) for each block [b, b + n) of the variable, in parallel for large
+// variables. v and g are the block's variable and gradient in the slot type: the tensors
+// themselves, or float32 stack copies of 16-bit ones (the variable's copy is converted
+// back after the block, its one rounding per step).
+template <typename T, typename Block>
+void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
+  T* var = static_cast<T*>(u.var.data_ptr());
+  const T* grad = static_cast<const T*>(u.grad.data_ptr());
+  parallel_blocks(u.var.numel(), [&](int64_t b, int64_t e) {
+    const int64_t n = e - b;
+    if constexpr (kReduced<T>) {
+      float vbuf[kBlock], gbuf[kBlock];
+      to_float(var + b, vbuf, n);
+      to_float(grad + b, gbuf, n);
+      block(vbuf, gbuf, b, n);
+      from_float(vbuf, var + b, n);
+    } else {
+      block(var + b, grad + b, b, n);
+    }
+  });
+}
+
+// SGD without momentum: var -= lr * g.
+template <typename S>
+void sgd_block(S* __restrict v, const S* __restrict g, int64_t n, S lr) {
+  for (int64_t i = 0; i < n; ++i) v[i] -= lr * g[i];
+}
+
+// SGD with momentum: vel = momentum * vel - lr * g; var += vel, or with Nesterov
+// var += momentum * vel - lr * g.
+template <bool kNesterov, typename S>
+void sgd_momentum_block(S* __restrict v, const S* __restrict g, S* __restrict vel, int64_t n, S lr,
+                        S momentum) {
+  for (int64_t i = 0; i < n; ++i) {
+    const S nv = momentum * vel[i] - lr * g[i];
+    vel[i] = nv;
+    if constexpr (kNesterov)
+      v[i] += momentum * nv - lr * g[i];
+    else
+      v[i] += nv;
+  }
+}
+
+// sgd_update (Keras SGD): slot1 is the velocity when momentum != 0.
+template <typename T>
+void sgd_kernel(const OptimizerUpdate& u) {
+  using S = slot_t<T>;
+  const S lr = static_cast<S>(u.lr), momentum = static_cast<S>(u.momentum);
+  S* vel = slot_ptr<S>(u.slot1);
+  for_each_var_block<T>(u, [&](S* v, const S* g, int64_t b, int64_t n) {
+    if (u.momentum == 0.0)
+      sgd_block(v, g, n, lr);
+    else if (u.nesterov)
+      sgd_momentum_block<true>(v, g, vel + b, n, lr, momentum);
+    else
+      sgd_momentum_block<false>(v, g, vel + b, n, lr, momentum);
+  });
+}
+
+// RMSprop: ms = rho ms + (1 - rho) g^2; centered: mg = rho mg + (1 - rho) g and
+// d = ms - mg^2 (clamped at 0: it is never negative but for rounding), otherwise d = ms;
+// step = lr g / sqrt(d + eps) (epsilon inside the root, as Keras / TensorFlow); momentum: mom =
+// momentum mom + step, var -= mom; otherwise var -= step. mg / mom are null when unused.
+template <bool kCentered, bool kMomentum, typename S>
+void rmsprop_block(S* __restrict v, const S* __restrict g, S* __restrict ms, S* __restrict mom,
+                   S* __restrict mg, int64_t n, S lr, S rho, S one_minus_rho, S eps, S momentum) {
+  for (int64_t i = 0; i < n; ++i) {
+    const S gi = g[i];
+    const S msi = rho * ms[i] + one_minus_rho * (gi * gi);
+    ms[i] = msi;
+    S d = msi;
+    if constexpr (kCentered) {
+      const S mgi = rho * mg[i] + one_minus_rho * gi;
+      mg[i] = mgi;
+      const S c = msi - mgi * mgi;
+      d = c < S(0) ? S(0) : c;
+    }
+    const S step = lr * gi / std::sqrt(d + eps);
+    if constexpr (kMomentum) {
+      const S mi = momentum * mom[i] + step;
+      mom[i] = mi;
+      v[i] -= mi;
+    } else {
+      v[i] -= step;
+    }
+  }
+}
+
+// rmsprop_update (Keras RMSprop): slot1 the mean square, slot2 the momentum buffer
+// (momentum > 0), slot3 the mean gradient (centered); rho arrives as beta2.
+template <typename T>
+void rmsprop_kernel(const OptimizerUpdate& u) {
+  using S = slot_t<T>;
+  const S lr = static_cast<S>(u.lr), rho = static_cast<S>(u.beta2);
+  const S one_minus_rho = static_cast<S>(1.0 - u.beta2), eps = static_cast<S>(u.epsilon);
+  const S momentum = static_cast<S>(u.momentum);
+  S* ms = slot_ptr<S>(u.slot1);
+  S* mom = slot_ptr<S>(u.slot2);
+  S* mg = slot_ptr<S>(u.slot3);
+  const bool use_momentum = u.momentum > 0.0;
+  for_each_var_block<T>(u, [&](S* v, const S* g, int64_t b, int64_t n) {
+    S* m1 = ms + b;
+    S* m2 = use_momentum ? mom + b : nullptr;
+    S* m3 = u.centered ? mg + b : nullptr;
+    if (u.centered && use_momentum)
+      rmsprop_block<true, true>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
+    else if (u.centered)
+      rmsprop_block<true, false>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
+    else if (use_momentum)
+      rmsprop_block<false, true>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
+    else
+      rmsprop_block<false, false>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
+  });
+}
+
+// Adam / AdamW: var -= lr_wd * var (kDecay); m += (g - m)(1 - beta1);
+// v += (g^2 - v)(1 - beta2); amsgrad: vmax = max(vmax, v); var -= alpha m / (sqrt(v |
+// vmax) + eps). vmax is null when unused.
+template <bool kAmsgrad, bool kDecay, typename S>
+void adam_block(S* __restrict var, const S* __restrict g, S* __restrict m, S* __restrict v,
+                S* __restrict vmax, int64_t n, S alpha, S one_minus_beta1, S one_minus_beta2, S eps,
+                S lr_wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    S x = var[i];
+    if constexpr (kDecay) x -= lr_wd * x;
+    const S gi = g[i];
+    const S mi = m[i] + (gi - m[i]) * one_minus_beta1;
+    m[i] = mi;
+    const S vi = v[i] + (gi * gi - v[i]) * one_minus_beta2;
+    v[i] = vi;
+    S d = vi;
+    if constexpr (kAmsgrad) {
+      const S mx = vmax[i] < vi ? vi : vmax[i];
+      vmax[i] = mx;
+      d = mx;
+    }
+    var[i] = x - alpha * mi / (std::sqrt(d) + eps);
+  }
+}
+
+// adam_update (Keras Adam / AdamW): slot1 = m, slot2 = v, slot3 = max v (amsgrad). The
+// bias corrections fold into alpha = lr sqrt(1 - beta2^step) / (1 - beta1^step), computed
+// in float64 and used in the slot type.
+template <typename T>
+void adam_kernel(const OptimizerUpdate& u) {
+  using S = slot_t<T>;
+  const auto step = static_cast<double>(u.step);
+  const double alpha_d =
+      u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
+  const S alpha = static_cast<S>(alpha_d);
+  const S omb1 = static_cast<S>(1.0 - u.beta1), omb2 = static_cast<S>(1.0 - u.beta2);
+  const S eps = static_cast<S>(u.epsilon), lr_wd = static_cast<S>(u.lr * u.weight_decay);
+  S* m = slot_ptr<S>(u.slot1);
+  S* v = slot_ptr<S>(u.slot2);
+  S* vmax = slot_ptr<S>(u.slot3);
+  const bool decay = u.weight_decay != 0.0;
+  for_each_var_block<T>(u, [&](S* x, const S* g, int64_t b, int64_t n) {
+    S* vm = u.amsgrad ? vmax + b : nullptr;
+    if (u.amsgrad && decay)
+      adam_block<true, true>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
+    else if (u.amsgrad)
+      adam_block<true, false>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
+    else if (decay)
+      adam_block<false, true>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
+    else
+      adam_block<false, false>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
+  });
+}
+
+// Registers the four kernels of one dtype.
+template <typename T>
+void reg(DType dtype) {
+  register_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, DeviceType::CPU, dtype,
+                                           &unscale_check_kernel<T>);
+  register_kernel<kernels::OptimizerUpdateFn>(OpId::sgd_update, DeviceType::CPU, dtype,
+                                              &sgd_kernel<T>);
+  register_kernel<kernels::OptimizerUpdateFn>(OpId::rmsprop_update, DeviceType::CPU, dtype,
+                                              &rmsprop_kernel<T>);
+  register_kernel<kernels::OptimizerUpdateFn>(OpId::adam_update, DeviceType::CPU, dtype,
+                                              &adam_kernel<T>);
+}
+
+}  // namespace
+
+void register_optim_kernels() {
+  reg<float>(kFloat32);
+  reg<half>(kFloat16);
+  reg<bfloat16>(kBFloat16);
+  reg<double>(kFloat64);
+}
+
+}  // namespace mixtape::cpu
