@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/raw.h"
+#include "mixtape/autograd/amp.h"
 #include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
@@ -13,6 +14,18 @@
 namespace mixtape::detail {
 
 using Grads = std::vector<Tensor>;
+
+// The tensors an op computes with: each input autocast (autocast.h), then rewritten by
+// automatic mixed precision when it applies (amp.h: by the category of `op` in
+// amp_lists()); the op is recorded in an active OpTraceScope. `op` is the op's name as the
+// AMP lists know it. Every differentiable op calls it first.
+std::vector<Tensor> op_inputs(const char* op, std::vector<Tensor> inputs);
+inline std::vector<Tensor> op_inputs(const char* op, std::initializer_list<Tensor> inputs) {
+  return op_inputs(op, std::vector<Tensor>(inputs));
+}
+
+// True when a GradientTape of this thread is recording (defined in tape.cpp).
+bool any_tape_recording();
 
 // "float16[2, 3]" per tensor, for error messages.
 std::string describe(const std::vector<Tensor>& ts);

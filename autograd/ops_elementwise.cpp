@@ -15,7 +15,8 @@ Tensor binary_forward(OpId op, const Tensor& a_in, const Tensor& b_in, Tensor& a
                       bool comparison = false) {
   const char* name = op_name(op);
   detail::check_inputs(name, {a_in, b_in});
-  const Tensor a = autocast(a_in), b = autocast(b_in);
+  const auto in = detail::op_inputs(name, {a_in, b_in});
+  const Tensor &a = in[0], &b = in[1];
   const DType dt = promote_types(a.dtype(), b.dtype());
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), name);
   auto* kernel = detail::kernel_for<kernels::BinaryFn>(op, dt, {a, b});
@@ -44,7 +45,7 @@ Tensor unary_forward(OpId op, const Tensor& x) {
 // Records a unary op whose input gradient is grad * factor(x, y).
 template <typename Factor>
 Tensor unary(OpId op, const Tensor& x_in, Factor factor) {
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs(op_name(op), {x_in})[0];
   Tensor y = unary_forward(op, x);
   if (should_record({x}))
     record_op(op_name(op), {x}, y, [x, y, factor](const Tensor& g, const std::vector<bool>&) {
@@ -240,7 +241,8 @@ Tensor greater_equal(const Tensor& a, const Tensor& b) { return compare(OpId::ge
 
 Tensor where(const Tensor& cond, const Tensor& a_in, const Tensor& b_in) {
   detail::check_inputs("where", {cond, a_in, b_in});
-  const Tensor a = autocast(a_in), b = autocast(b_in);
+  const auto in = detail::op_inputs("where", {a_in, b_in});
+  const Tensor &a = in[0], &b = in[1];
   if (cond.dtype() != kBool)
     throw DTypeError(
         fmt::format("where: the condition must be bool; got {}", detail::describe({cond, a, b})));

@@ -53,7 +53,7 @@ Tensor gather_backward(const Tensor& g, const Tensor& idx, const Shape& shape, i
 
 Tensor gather(const Tensor& x_in, const Tensor& index, int axis) {
   detail::check_inputs("gather", {x_in, index});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("gather", {x_in})[0];
   if (x.rank() == 0 || index.rank() != x.rank())
     throw ShapeError(fmt::format("gather: indices need the rank of x (>= 1); got {}",
                                  detail::describe({x, index})));
@@ -71,6 +71,56 @@ Tensor gather(const Tensor& x_in, const Tensor& index, int axis) {
     record_op("gather", {x}, out,
               [idx, shape = x.shape(), a](const Tensor& g, const std::vector<bool>&) {
                 return Grads{gather_backward(g, idx, shape, a)};
+              });
+  return out;
+}
+
+namespace {
+
+// The adjoint of take: zeros of x's shape with the slices of g added at their indices.
+Tensor take_backward(const Tensor& g, const Tensor& idx, const Shape& shape, int axis) {
+  const auto a = static_cast<std::size_t>(axis);
+  std::int64_t outer = 1, inner = 1;
+  for (std::size_t i = 0; i < a; ++i) outer *= shape[i];
+  for (std::size_t i = a + 1; i < shape.rank(); ++i) inner *= shape[i];
+  Tensor out = zeros(shape, g.dtype(), g.device());
+  if (g.numel() > 0)
+    detail::kernel_for<kernels::IndexAddFn>(OpId::index_add, g.dtype(), {g, idx})(
+        detail::contiguous_raw(g), idx, outer, shape[a], idx.numel(), inner, out);
+  if (should_record({g}))
+    record_op("take_backward", {g}, out,
+              [idx, axis, gshape = g.shape()](const Tensor& gg, const std::vector<bool>&) {
+                return Grads{reshape(take(gg, idx, axis), gshape)};
+              });
+  return out;
+}
+
+}  // namespace
+
+Tensor take(const Tensor& x_in, const Tensor& indices, int axis) {
+  detail::check_inputs("take", {x_in, indices});
+  const Tensor x = detail::op_inputs("take", {x_in})[0];
+  if (x.rank() == 0)
+    throw ShapeError(
+        fmt::format("take: needs a tensor of rank >= 1; got {}", detail::describe({x, indices})));
+  const int a = normalize_axis(axis, x.rank(), "take");
+  auto* kernel = detail::kernel_for<kernels::TakeFn>(OpId::take, x.dtype(), {x, indices});
+  const auto au = static_cast<std::size_t>(a);
+  const std::int64_t n = x.shape()[au];
+  Tensor idx = detail::contiguous_raw(reshape(
+      checked_indices("take", detail::contiguous_raw(indices), n, x), Shape{indices.numel()}));
+  std::int64_t outer = 1, inner = 1;
+  for (std::size_t i = 0; i < au; ++i) outer *= x.shape()[i];
+  for (std::size_t i = au + 1; i < x.rank(); ++i) inner *= x.shape()[i];
+  std::vector<std::int64_t> dims(x.shape().begin(), x.shape().begin() + a);
+  dims.insert(dims.end(), indices.shape().begin(), indices.shape().end());
+  dims.insert(dims.end(), x.shape().begin() + a + 1, x.shape().end());
+  Tensor out = Tensor::empty(Shape(dims), x.dtype(), x.device());
+  if (out.numel() > 0) kernel(detail::contiguous_raw(x), idx, outer, n, idx.numel(), inner, out);
+  if (should_record({x}))
+    record_op("take", {x}, out,
+              [idx, shape = x.shape(), a](const Tensor& g, const std::vector<bool>&) {
+                return Grads{take_backward(g, idx, shape, a)};
               });
   return out;
 }

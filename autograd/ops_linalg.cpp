@@ -77,7 +77,8 @@ GemmOperand prepare(const Tensor& t, const std::vector<std::int64_t>& batch, std
 // forward's decision, like conv2d's.
 Tensor matmul_with(const Tensor& a_in, const Tensor& b_in, std::optional<bool> low_precision) {
   detail::check_inputs("matmul", {a_in, b_in});
-  const Tensor a = autocast(a_in), b = autocast(b_in);
+  const auto in = detail::op_inputs("matmul", {a_in, b_in});
+  const Tensor &a = in[0], &b = in[1];
   if (a.rank() < 2 || b.rank() < 2)
     throw ShapeError(
         fmt::format("matmul: operands need rank >= 2; got {}", detail::describe({a, b})));

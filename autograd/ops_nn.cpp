@@ -111,7 +111,8 @@ Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2d
 Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, std::array<std::int64_t, 2> strides,
               Padding padding) {
   detail::check_inputs("conv2d", {x_in, filters_in});
-  const Tensor x = autocast(x_in), filters = autocast(filters_in);
+  const auto in = detail::op_inputs("conv2d", {x_in, filters_in});
+  const Tensor &x = in[0], &filters = in[1];
   check_nhwc("conv2d", x, {x, filters});
   if (filters.rank() != 4 || filters.dim(2) != x.dim(3))
     throw ShapeError(
@@ -221,7 +222,7 @@ Tensor max_pool_backward(const Tensor& x, const Tensor& dy, const kernels::Pool2
 Tensor max_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding) {
   detail::check_inputs("max_pool2d", {x_in});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("max_pool2d", {x_in})[0];
   check_nhwc("max_pool2d", x, {x});
   auto* kernel = detail::kernel_for<kernels::Pool2dFn>(OpId::max_pool2d, x.dtype(), {x});
   const auto g = pool_geometry("max_pool2d", x, pool_size, strides, padding);
@@ -238,7 +239,7 @@ Tensor max_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
 Tensor avg_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding) {
   detail::check_inputs("avg_pool2d", {x_in});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("avg_pool2d", {x_in})[0];
   check_nhwc("avg_pool2d", x, {x});
   detail::kernel_for<kernels::Pool2dFn>(OpId::avg_pool2d, x.dtype(), {x});  // fail early
   return avg_pool_forward(x, pool_geometry("avg_pool2d", x, pool_size, strides, padding));

@@ -58,7 +58,7 @@ Tensor reduce(OpId op, const Tensor& x, const std::vector<int>& axes_in, bool ke
 
 // max/min: the gradient is shared equally among the elements equal to the extremum.
 Tensor extremum(OpId op, const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs(op_name(op), {x_in})[0];
   std::vector<int> axes;
   Tensor y = reduce(op, x, axes_in, keepdims, &axes);
   if (should_record({x}))
@@ -76,7 +76,7 @@ Tensor extremum(OpId op, const Tensor& x_in, const std::vector<int>& axes_in, bo
 }  // namespace
 
 Tensor sum(const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("sum", {x_in})[0];
   std::vector<int> axes;
   Tensor y = reduce(OpId::sum, x, axes_in, keepdims, &axes);
   if (should_record({x}))
@@ -87,7 +87,7 @@ Tensor sum(const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
 }
 
 Tensor mean(const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("mean", {x_in})[0];
   std::vector<int> axes;
   Tensor y = reduce(OpId::mean, x, axes_in, keepdims, &axes);
   if (should_record({x}))
@@ -108,8 +108,9 @@ Tensor min(const Tensor& x, const std::vector<int>& axes, bool keepdims) {
   return extremum(OpId::min, x, axes, keepdims);
 }
 
-Tensor argmax(const Tensor& x, int axis, bool keepdims) {
-  detail::check_inputs("argmax", {x});
+Tensor argmax(const Tensor& x_in, int axis, bool keepdims) {
+  detail::check_inputs("argmax", {x_in});
+  const Tensor x = detail::op_inputs("argmax", {x_in})[0];
   const int a = normalize_axis(axis, x.rank(), "argmax");
   if (x.shape()[static_cast<std::size_t>(a)] == 0)
     throw ValueError(fmt::format("argmax: axis {} of shape {} is empty", axis, x.shape().str()));
@@ -172,7 +173,7 @@ Tensor rows_forward(OpId op, const Tensor& x, int axis) {
 }  // namespace
 
 Tensor softmax(const Tensor& x_in, int axis) {
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("softmax", {x_in})[0];
   Tensor y = rows_forward(OpId::softmax, x, axis);
   if (should_record({x}))
     record_op("softmax", {x}, y, [y, axis](const Tensor& g, const std::vector<bool>&) {
@@ -182,7 +183,7 @@ Tensor softmax(const Tensor& x_in, int axis) {
 }
 
 Tensor log_softmax(const Tensor& x_in, int axis) {
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("log_softmax", {x_in})[0];
   Tensor y = rows_forward(OpId::log_softmax, x, axis);
   if (should_record({x}))
     record_op("log_softmax", {x}, y, [y, axis](const Tensor& g, const std::vector<bool>&) {

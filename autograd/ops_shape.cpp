@@ -34,7 +34,7 @@ Tensor to_device(const Tensor& x, Device device) {
 
 Tensor contiguous(const Tensor& x_in) {
   detail::check_inputs("contiguous", {x_in});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("contiguous", {x_in})[0];
   if (x.is_contiguous()) return x;
   Tensor y = detail::contiguous_raw(x);
   if (should_record({x}))
@@ -50,7 +50,7 @@ Tensor detach(const Tensor& x) {
 
 Tensor reshape(const Tensor& x_in, const Shape& shape_in) {
   detail::check_inputs("reshape", {x_in});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("reshape", {x_in})[0];
   std::vector<std::int64_t> dims;
   int infer = -1;
   std::int64_t known = 1;
@@ -90,7 +90,7 @@ Tensor reshape(const Tensor& x_in, const Shape& shape_in) {
 
 Tensor permute(const Tensor& x_in, const std::vector<int>& axes) {
   detail::check_inputs("permute", {x_in});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("permute", {x_in})[0];
   if (axes.size() != x.rank())
     throw ShapeError(fmt::format("permute: {} axes given for a tensor of shape {}", axes.size(),
                                  x.shape().str()));
@@ -163,7 +163,7 @@ Tensor slice_backward(const Tensor& g, const Shape& shape, int axis, std::int64_
 Tensor slice(const Tensor& x_in, int axis, std::int64_t start, std::int64_t stop,
              std::int64_t step) {
   detail::check_inputs("slice", {x_in});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("slice", {x_in})[0];
   if (x.rank() == 0) throw ShapeError("slice: cannot slice a 0-d tensor");
   const int a = normalize_axis(axis, x.rank(), "slice");
   if (step <= 0) throw ValueError(fmt::format("slice: step must be positive, got {}", step));
@@ -190,7 +190,7 @@ Tensor slice(const Tensor& x_in, int axis, std::int64_t start, std::int64_t stop
 
 Tensor expand(const Tensor& x_in, const Shape& shape) {
   detail::check_inputs("expand", {x_in});
-  const Tensor x = autocast(x_in);
+  const Tensor x = detail::op_inputs("expand", {x_in})[0];
   if (x.shape() == shape) return x;
   if (shape.rank() < x.rank() || broadcast_shapes(x.shape(), shape, "expand") != shape)
     throw ShapeError(fmt::format("expand: a tensor of shape {} cannot be broadcast to {}",
@@ -236,8 +236,7 @@ Tensor flatten(const Tensor& x, int start_axis) {
 Tensor concat(const std::vector<Tensor>& xs_in, int axis) {
   if (xs_in.empty()) throw ValueError("concat: no tensors given");
   detail::check_inputs("concat", xs_in);
-  std::vector<Tensor> xs;
-  for (const auto& t : xs_in) xs.push_back(autocast(t));
+  const std::vector<Tensor> xs = detail::op_inputs("concat", xs_in);
   const Tensor& first = xs.front();
   if (first.rank() == 0) throw ShapeError("concat: cannot concatenate 0-d tensors");
   const int a = normalize_axis(axis, first.rank(), "concat");

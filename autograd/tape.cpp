@@ -196,6 +196,15 @@ std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vect
 NoGradGuard::NoGradGuard() : previous_(t_no_grad) { t_no_grad = true; }
 NoGradGuard::~NoGradGuard() { t_no_grad = previous_; }
 
+namespace detail {
+bool any_tape_recording() {
+  if (t_no_grad) return false;
+  for (auto* tape : t_tapes)
+    if (tape->active()) return true;
+  return false;
+}
+}  // namespace detail
+
 bool should_record(const std::vector<Tensor>& inputs) {
   if (t_no_grad) return false;
   for (auto* tape : t_tapes) {

@@ -198,13 +198,7 @@ void EmbeddingLayer::build(const Shape&) {
 Tensor EmbeddingLayer::call(const Tensor& ids_in, const CallContext&) {
   Tensor ids = ids_in;
   if (ids.dtype().is_floating() || ids.dtype() == kBool) ids = cast(ids, kInt64);
-  const std::int64_t n = ids.numel();
-  // gather along axis 0 takes one index per output element: each id repeated over a row.
-  Tensor index = contiguous(expand(reshape(ids, Shape{n, 1}), Shape{n, output_dim_}));
-  Tensor rows = gather(embeddings_, index, 0);
-  std::vector<std::int64_t> dims = ids.shape().dims();
-  dims.push_back(output_dim_);
-  return reshape(rows, Shape(dims));
+  return take(embeddings_, ids, 0);  // [..., output_dim]
 }
 
 const Variable& EmbeddingLayer::embeddings() const {

@@ -96,6 +96,8 @@ std::string describe(const Tensor& t) { return fmt::format("{}{}", t.dtype(), t.
     throw AutogradError(prefix + e.what());
   } catch (const DeviceError& e) {
     throw DeviceError(prefix + e.what());
+  } catch (const NumericError& e) {
+    throw NumericError(prefix + e.what());
   } catch (const Error& e) {
     throw Error(prefix + e.what());
   }

@@ -46,6 +46,7 @@ TEST_CASE("errors: every error type derives from mixtape::Error", "[errors]") {
   CHECK_THROWS_AS(throw mt::KernelNotFoundError("x"), mt::Error);
   CHECK_THROWS_AS(throw mt::AutogradError("x"), mt::Error);
   CHECK_THROWS_AS(throw mt::DeviceError("x"), mt::Error);
+  CHECK_THROWS_AS(throw mt::NumericError("x"), mt::Error);
   CHECK_THROWS_AS(throw mt::Error("x"), std::runtime_error);
 }
 

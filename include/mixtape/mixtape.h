@@ -1,6 +1,7 @@
 // The one header a mixtape user includes.
 #pragma once
 
+#include "mixtape/autograd/amp.h"
 #include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
@@ -25,5 +26,7 @@
 #include "mixtape/layers/model.h"
 #include "mixtape/layers/normalization.h"
 #include "mixtape/layers/trace.h"
+#include "mixtape/optim/loss_scale_optimizer.h"
+#include "mixtape/optim/optimizer.h"
 #include "mixtape/precision/loss_scale.h"
 #include "mixtape/precision/policy.h"

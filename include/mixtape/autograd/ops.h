@@ -105,6 +105,11 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 // Along `axis`: out[..., j, ...] = x[..., index[..., j, ...], ...] (take_along_axis);
 // index is int32/int64 with x's rank; differentiable in x. Out-of-range indices throw.
 Tensor gather(const Tensor& x, const Tensor& index, int axis);
+// Whole slices along `axis` (numpy's take, index_select): the output has shape
+// x.shape[:axis] + indices.shape + x.shape[axis + 1:], and takes the slice indices[i...]
+// of x at each position. indices is int32/int64; out-of-range indices throw IndexError.
+// Differentiable in x (the gradient adds up where an index repeats).
+Tensor take(const Tensor& x, const Tensor& indices, int axis = 0);
 // Labels (integer tensor) -> one-hot vectors in a new last axis of size depth.
 Tensor one_hot(const Tensor& labels, std::int64_t depth, DType dtype = kFloat32);
 

@@ -49,6 +49,13 @@ class AutogradError : public Error {
   using Error::Error;
 };
 
+// Non-finite values where training cannot go on: a NaN or infinite gradient given to an
+// optimizer, or a loss scale that kept skipping steps (the model diverged).
+class NumericError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A device that is not available, or tensors on different devices.
 class DeviceError : public Error {
  public:

@@ -14,15 +14,131 @@
 // output is float16 or bfloat16 says so once in the log and in its summary.
 #pragma once
 
+#include <concepts>
+#include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/losses.h"
+#include "mixtape/layers/metrics.h"
+#include "mixtape/optim/optimizer.h"
 
 namespace mixtape {
+
+class Model;
+
+// --- Training configuration ----------------------------------------------------------------
+
+// An optimizer for compile(): by value (a copy is used: RMSprop()), shared (the model uses
+// that very object), or by name ("rmsprop").
+class OptimizerRef {
+ public:
+  template <typename O>
+  requires std::derived_from<O, optim::Optimizer> OptimizerRef(const O& optimizer)
+      : ptr_(optimizer.clone()) {}  // NOLINT
+  template <typename O>
+  requires std::derived_from<O, optim::Optimizer> OptimizerRef(std::shared_ptr<O> optimizer)
+      : ptr_(std::move(optimizer)) {}                                // NOLINT
+  OptimizerRef(const char* name) : ptr_(optim::get(name)) {}         // NOLINT
+  OptimizerRef(const std::string& name) : ptr_(optim::get(name)) {}  // NOLINT
+  const std::shared_ptr<optim::Optimizer>& get() const { return ptr_; }
+
+ private:
+  std::shared_ptr<optim::Optimizer> ptr_;
+};
+
+// A metric for compile(): a name ("accuracy", ...) or a Metric object.
+class MetricRef {
+ public:
+  MetricRef(const char* name) : name_(name) {}                                        // NOLINT
+  MetricRef(std::string name) : name_(std::move(name)) {}                             // NOLINT
+  MetricRef(std::shared_ptr<metrics::Metric> metric) : metric_(std::move(metric)) {}  // NOLINT
+  const std::string& name() const { return name_; }
+  const std::shared_ptr<metrics::Metric>& metric() const { return metric_; }
+
+ private:
+  std::string name_;
+  std::shared_ptr<metrics::Metric> metric_;
+};
+
+struct CompileOptions {
+  std::optional<losses::Loss> loss = {};  // required
+  OptimizerRef optimizer = "rmsprop";
+  std::vector<MetricRef> metrics = {};
+};
+
+// Values by name: "loss", "accuracy", "val_loss", ...
+using Logs = std::map<std::string, double>;
+
+// Hooks into fit(). Set model.stop_training() from one to end training after the epoch.
+class Callback {
+ public:
+  virtual ~Callback() = default;
+  virtual void on_train_begin(Model&) {}
+  virtual void on_epoch_begin(Model&, int /*epoch*/) {}
+  virtual void on_batch_end(Model&, std::int64_t /*batch*/, const Logs& /*logs*/) {}
+  virtual void on_epoch_end(Model&, int /*epoch*/, const Logs& /*logs*/) {}
+  virtual void on_train_end(Model&, const Logs& /*logs*/) {}
+};
+
+// Stops training when `monitor` has not improved by min_delta for `patience` epochs.
+class EarlyStopping : public Callback {
+ public:
+  struct Options {
+    std::string monitor = "val_loss";
+    std::int64_t patience = 0;
+    double min_delta = 0.0;
+    bool maximize = false;  // true for accuracies
+  };
+  explicit EarlyStopping(Options options);
+  void on_train_begin(Model&) override;
+  void on_epoch_end(Model& model, int epoch, const Logs& logs) override;
+  int stopped_epoch() const { return stopped_epoch_; }
+
+ private:
+  Options options_;
+  double best_ = 0.0;
+  std::int64_t wait_ = 0;
+  int stopped_epoch_ = -1;
+  bool seen_ = false;
+};
+
+struct FitOptions {
+  std::int64_t batch_size = 32;
+  int epochs = 1;
+  // The last fraction of the samples (before shuffling) held out for validation.
+  double validation_split = 0.0;
+  // Or explicit validation inputs and labels.
+  std::optional<std::pair<Tensor, Tensor>> validation_data = {};
+  bool shuffle = true;                     // the training samples, each epoch
+  std::optional<std::uint64_t> seed = {};  // for shuffling (default: the default generator)
+  int verbose = 1;  // 0 silent; 1 a progress bar on a terminal, else a line per epoch; 2 lines
+  std::vector<std::shared_ptr<Callback>> callbacks = {};
+  int initial_epoch = 0;  // start counting epochs here (resuming)
+};
+
+// What fit() returns: per epoch, every logged value.
+struct History {
+  std::vector<int> epoch;
+  std::map<std::string, std::vector<double>> history;
+  // The value of `key` after the last epoch; throws ValueError when it was not logged.
+  double last(const std::string& key) const;
+};
+
+struct EvaluateOptions {
+  std::int64_t batch_size = 32;
+  int verbose = 0;  // 1: one line with the results
+};
+
+struct PredictOptions {
+  std::int64_t batch_size = 32;
+};
 
 struct ModelOptions {
   std::optional<Policy> dtype = {};
@@ -53,6 +169,31 @@ class Model : public layers::Layer {
   // model before its first call). `input_shape` may carry -1 on the batch axis.
   void build_for(const Shape& input_shape);
 
+  // --- Training (Keras' compile / fit / evaluate / predict) ---------------------------------
+
+  // Sets the loss, the optimizer and the metrics. Under a policy with a loss scale
+  // (mixed_float16) the optimizer is wrapped in a LossScaleOptimizer, as Keras does. The
+  // metric "accuracy" becomes the accuracy that fits the loss (sparse categorical,
+  // categorical, binary or exact).
+  void compile(CompileOptions options);
+  bool compiled() const { return optimizer_ != nullptr; }
+  // The optimizer training uses (a LossScaleOptimizer under mixed_float16).
+  const std::shared_ptr<optim::Optimizer>& optimizer() const { return optimizer_; }
+  const losses::Loss& loss() const;
+
+  // Trains on (x, y) in batches along axis 0. Prints per epoch (verbose) the loss, the
+  // metrics, the validation ones, the time, us/sample, and under loss scaling the scale and
+  // the skipped steps.
+  History fit(const Tensor& x, const Tensor& y, FitOptions options = {});
+  // One training step on a batch: the loss and metric values of the batch.
+  Logs train_step(const Tensor& x, const Tensor& y);
+  // The mean loss and metrics over (x, y), in batches, in inference mode.
+  Logs evaluate(const Tensor& x, const Tensor& y, EvaluateOptions options = {});
+  // The outputs for x, in batches, in inference mode.
+  Tensor predict(const Tensor& x, PredictOptions options = {});
+  // Asks fit() to stop after the current epoch (for callbacks).
+  void stop_training() { stop_training_ = true; }
+
  protected:
   // For Sequential: a model whose call() is its own.
   Model(ModelOptions options, std::string class_name);
@@ -70,6 +211,12 @@ class Model : public layers::Layer {
   std::vector<int> node_inputs_;
   std::optional<DType> warned_output_;
   std::optional<std::string> output_note_;
+
+  // compile()
+  std::optional<losses::Loss> loss_;
+  std::shared_ptr<optim::Optimizer> optimizer_;
+  std::vector<std::shared_ptr<metrics::Metric>> metrics_;
+  bool stop_training_ = false;
 };
 
 class Sequential : public Model {

@@ -1,0 +1,119 @@
+// LossScaleOptimizer: loss scaling for float16 training, wrapped around any optimizer (the
+// guide's custom training loop).
+//
+//   mt::optim::LossScaleOptimizer opt(mt::optim::RMSprop(), mt::LossScale::dynamic());
+//   mt::GradientTape tape;
+//   mt::Tensor loss = loss_object(y, model(x, {.training = true}));
+//   auto scaled_grads = tape.gradient(opt.get_scaled_loss(loss), model.trainable_variables());
+//   opt.apply_gradients(opt.get_unscaled_gradients(scaled_grads), model.trainable_variables());
+//
+// get_unscaled_gradients divides every gradient by the scale and looks for NaN and
+// infinities in the same pass (one kernel call per dtype, one flag read per step).
+// apply_gradients then skips a step whose gradients are not finite: nothing changes (no
+// variable, slot or iteration count) and a dynamic scale is divided by its multiplier (not
+// below its floor, min_scale, 1 by default) and its count of good steps restarts. A finite
+// step goes to the wrapped optimizer; after growth_interval finite steps in a row a
+// dynamic scale is multiplied by its multiplier (never beyond 2^127, the largest power of
+// two float32 holds). A fixed scale never changes.
+//
+// When max_consecutive_skips steps in a row are skipped (the scale sits at its floor and
+// the gradients still overflow: the model diverged), apply_gradients throws NumericError
+// instead of skipping silently forever.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <unordered_set>
+
+#include "mixtape/optim/optimizer.h"
+#include "mixtape/precision/loss_scale.h"
+
+namespace mixtape::optim {
+
+struct LossScaleOptimizerOptions {
+  // Steps skipped in a row before apply_gradients throws NumericError (0: never).
+  std::int64_t max_consecutive_skips = 100;
+};
+
+class LossScaleOptimizer : public Optimizer {
+ public:
+  LossScaleOptimizer(std::shared_ptr<Optimizer> inner, LossScale loss_scale = LossScale::dynamic(),
+                     LossScaleOptimizerOptions options = {});
+  // Wraps a copy of an optimizer given by value: LossScaleOptimizer(RMSprop(), ...).
+  template <typename O>
+  requires(std::derived_from<O, Optimizer> && !std::same_as<O, LossScaleOptimizer>)
+      LossScaleOptimizer(const O& inner, LossScale loss_scale = LossScale::dynamic(),
+                         LossScaleOptimizerOptions options = {})
+      : LossScaleOptimizer(inner.clone(), loss_scale, options) {}
+  LossScaleOptimizer(const LossScaleOptimizer& other);
+
+  // loss * scale, in the loss's dtype.
+  Tensor get_scaled_loss(const Tensor& loss) const;
+  // Each gradient / scale (undefined ones stay undefined), checked for non-finite values.
+  std::vector<Tensor> get_unscaled_gradients(const std::vector<Tensor>& grads);
+  // Skips the step (and adjusts the scale) when the gradients are not finite; otherwise
+  // the wrapped optimizer steps. The gradients are the unscaled ones.
+  void apply_gradients(const std::vector<Tensor>& grads,
+                       const std::vector<Variable>& variables) override;
+
+  // The current scale.
+  double loss_scale() const { return scale_; }
+  const LossScale& loss_scale_config() const { return config_; }
+  std::int64_t applied_steps() const { return applied_; }
+  std::int64_t skipped_steps() const { return skipped_; }
+  // Finite steps since the scale last changed (dynamic scales).
+  std::int64_t good_steps() const { return good_steps_; }
+  // Whether the latest apply_gradients was skipped.
+  bool last_step_skipped() const { return last_skipped_; }
+
+  Optimizer& inner_optimizer() { return *inner_; }
+  const Optimizer& inner_optimizer() const { return *inner_; }
+  std::int64_t iterations() const override { return inner_->iterations(); }
+  double current_learning_rate() const override { return inner_->current_learning_rate(); }
+  std::string name() const override { return "LossScaleOptimizer"; }
+  std::shared_ptr<Optimizer> clone() const override {
+    return std::make_shared<LossScaleOptimizer>(*this);
+  }
+  // The wrapped optimizer's state plus loss_scale, good_steps, applied_steps and
+  // skipped_steps.
+  OptimizerState state(const std::vector<Variable>& variables) const override;
+  void load_state(const OptimizerState& state, const std::vector<Variable>& variables) override;
+
+ protected:
+  std::vector<std::string> slot_names() const override { return {}; }
+  void update(const Variable&, const Tensor&, const std::vector<Variable>&, double,
+              std::int64_t) override {}
+
+ private:
+  // Whether any of `grads` is not finite (one pass, one flag read).
+  bool any_nonfinite(const std::vector<Tensor>& grads) const;
+
+  std::shared_ptr<Optimizer> inner_;
+  LossScale config_;
+  LossScaleOptimizerOptions options_;
+  double scale_;
+  std::int64_t good_steps_ = 0, applied_ = 0, skipped_ = 0, consecutive_skips_ = 0;
+  bool last_skipped_ = false;
+  // The result of the latest get_unscaled_gradients, for the apply_gradients that follows.
+  std::unordered_set<std::uint64_t> unscaled_ids_;
+  bool unscaled_nonfinite_ = false;
+};
+
+// --- Automatic mixed precision ---------------------------------------------------------------
+
+struct AutoMixedPrecisionOptions {
+  DType dtype = kFloat16;                    // or bfloat16 (then the loss scale is fixed at 1)
+  std::optional<LossScale> loss_scale = {};  // default: dynamic for float16
+};
+
+// Turns on the automatic mixed precision rewrite (mixtape/autograd/amp.h) and returns
+// `optimizer` wrapped in a LossScaleOptimizer (TensorFlow's
+// enable_mixed_precision_graph_rewrite). A float32 model then runs its matmuls and
+// convolutions in float16 while it trains, without any layer change.
+LossScaleOptimizer enable_auto_mixed_precision(const Optimizer& optimizer,
+                                               AutoMixedPrecisionOptions options = {});
+// Turns the rewrite off again.
+void disable_auto_mixed_precision();
+
+}  // namespace mixtape::optim

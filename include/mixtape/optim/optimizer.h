@@ -1,0 +1,233 @@
+// Optimizers: SGD, RMSprop, Adam, AdamW (Keras' update rules and defaults), learning
+// rate schedules, gradient clipping, and state that can be saved and restored.
+//
+//   mt::optim::Adam opt({.learning_rate = 1e-3});
+//   opt.apply_gradients(grads, model.trainable_variables());
+//
+// State (slots) lives in float32 for float32, float16 and bfloat16 variables (float64 for
+// float64 ones) and is created on a variable's first step. A step whose gradients hold a
+// NaN or an infinity throws NumericError and changes nothing (no variable, slot or
+// iteration count); LossScaleOptimizer (loss_scale_optimizer.h) skips such steps instead.
+// Clipping (clipnorm, global_clipnorm or clipvalue; at most one) applies to the gradients
+// as given, which under loss scaling are the unscaled ones.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mixtape/autograd/variable.h"
+#include "mixtape/core/tensor.h"
+
+namespace mixtape::optim {
+
+// A learning rate: a number, or a schedule of the step (the count of applied steps
+// before the current one, Keras' `iterations`).
+class LearningRate {
+ public:
+  LearningRate(double value);  // NOLINT(google-explicit-constructor)
+  LearningRate(std::string name, std::function<double(std::int64_t step)> schedule);
+  double operator()(std::int64_t step) const;
+  const std::string& name() const { return name_; }  // "0.001" or the schedule's name
+
+ private:
+  std::string name_;
+  std::function<double(std::int64_t)> schedule_;
+};
+
+namespace schedules {
+// initial * rate^(step / decay_steps) (the exponent floored when staircase).
+LearningRate exponential_decay(double initial, std::int64_t decay_steps, double decay_rate,
+                               bool staircase = false);
+// values[i] while step <= boundaries[i] (values has one more entry than boundaries).
+LearningRate piecewise_constant(std::vector<std::int64_t> boundaries, std::vector<double> values);
+// initial * ((1 - alpha) * (1 + cos(pi * min(step, decay_steps) / decay_steps)) / 2 + alpha)
+LearningRate cosine_decay(double initial, std::int64_t decay_steps, double alpha = 0.0);
+}  // namespace schedules
+
+// Clipping of the gradients before a step (Keras' optimizer arguments); at most one.
+struct Clipping {
+  std::optional<double> clipnorm = {};         // each gradient to this L2 norm
+  std::optional<double> global_clipnorm = {};  // all gradients together to this L2 norm
+  std::optional<double> clipvalue = {};        // each element to [-clipvalue, clipvalue]
+};
+
+// What an optimizer saves: its step count, its slot tensors named "<variable>/<slot>",
+// and named numbers (a loss scale optimizer's scale and counters).
+struct OptimizerState {
+  std::int64_t iterations = 0;
+  std::map<std::string, Tensor> tensors = {};
+  std::map<std::string, double> scalars = {};
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer();
+
+  // One step: grads[i] updates variables[i]. Counts must match; an undefined gradient
+  // (a variable the loss does not depend on) leaves its variable alone and is logged
+  // once per variable; a gradient of another shape or device throws, one of another
+  // floating dtype is cast. Throws NumericError, changing nothing, when a gradient is
+  // not finite (check_finite).
+  virtual void apply_gradients(const std::vector<Tensor>& grads,
+                               const std::vector<Variable>& variables);
+
+  // Applied steps so far.
+  virtual std::int64_t iterations() const { return iterations_; }
+  // The learning rate of the next step.
+  virtual double current_learning_rate() const { return learning_rate_(iterations()); }
+  const LearningRate& learning_rate() const { return learning_rate_; }
+  void set_learning_rate(LearningRate lr) { learning_rate_ = std::move(lr); }
+  const Clipping& clipping() const { return clipping_; }
+  // Whether apply_gradients checks for non-finite gradients (on by default).
+  void set_check_finite(bool on) { check_finite_ = on; }
+
+  // "SGD", "RMSprop", "Adam", "AdamW", "LossScaleOptimizer".
+  virtual std::string name() const = 0;
+  // A copy with its own state (slots are copied, not shared).
+  virtual std::shared_ptr<Optimizer> clone() const = 0;
+
+  // The slots of `var` (empty before its first step).
+  std::vector<Variable> slots(const Variable& var) const;
+  // The state for `variables` (their slots, by the variables' names).
+  virtual OptimizerState state(const std::vector<Variable>& variables) const;
+  // Restores a state saved for variables of the same names, shapes and slot dtypes;
+  // throws ValueError naming the first slot that is missing or does not fit.
+  virtual void load_state(const OptimizerState& state, const std::vector<Variable>& variables);
+
+ protected:
+  Optimizer(LearningRate lr, Clipping clipping);
+  Optimizer(const Optimizer& other);
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // The names of the slots a variable needs ("m", "v", ...), in order.
+  virtual std::vector<std::string> slot_names() const = 0;
+  // Updates `var` in place from `grad` (var's shape and dtype, contiguous, clipped).
+  virtual void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
+                      double lr, std::int64_t step) = 0;
+
+ private:
+  std::vector<Tensor> prepare(const std::vector<Tensor>& grads,
+                              const std::vector<Variable>& variables);
+  const std::vector<Variable>& slots_for(const Variable& var);
+
+  LearningRate learning_rate_;
+  Clipping clipping_;
+  std::int64_t iterations_ = 0;
+  bool check_finite_ = true;
+  std::unordered_map<std::uint64_t, std::vector<Variable>> slots_;
+  std::unordered_map<std::uint64_t, bool> warned_missing_;
+};
+
+// --- The optimizers --------------------------------------------------------------------------
+
+struct SGDOptions {
+  LearningRate learning_rate = 0.01;
+  double momentum = 0.0;
+  bool nesterov = false;
+  Clipping clipping = {};
+};
+
+// v = momentum * v - lr * g; var += v (or var += momentum * v - lr * g with nesterov);
+// plain var -= lr * g without momentum.
+class SGD : public Optimizer {
+ public:
+  explicit SGD(SGDOptions options = {});
+  std::string name() const override { return "SGD"; }
+  std::shared_ptr<Optimizer> clone() const override { return std::make_shared<SGD>(*this); }
+  SGD(const SGD&) = default;
+
+ protected:
+  std::vector<std::string> slot_names() const override;
+  void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
+              double lr, std::int64_t step) override;
+
+ private:
+  SGDOptions options_;
+};
+
+struct RMSpropOptions {
+  LearningRate learning_rate = 1e-3;
+  double rho = 0.9;
+  double momentum = 0.0;
+  double epsilon = 1e-7;
+  bool centered = false;
+  Clipping clipping = {};
+};
+
+// ms = rho ms + (1 - rho) g^2; var -= lr g / sqrt(ms + epsilon) (centered: ms - mg^2;
+// momentum: through a momentum buffer). Keras' defaults.
+class RMSprop : public Optimizer {
+ public:
+  explicit RMSprop(RMSpropOptions options = {});
+  std::string name() const override { return "RMSprop"; }
+  std::shared_ptr<Optimizer> clone() const override { return std::make_shared<RMSprop>(*this); }
+  RMSprop(const RMSprop&) = default;
+
+ protected:
+  std::vector<std::string> slot_names() const override;
+  void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
+              double lr, std::int64_t step) override;
+
+ private:
+  RMSpropOptions options_;
+};
+
+struct AdamOptions {
+  LearningRate learning_rate = 1e-3;
+  double beta_1 = 0.9;
+  double beta_2 = 0.999;
+  double epsilon = 1e-7;
+  bool amsgrad = false;
+  Clipping clipping = {};
+};
+
+// Keras' Adam: m, v moving averages; var -= lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) +
+// epsilon).
+class Adam : public Optimizer {
+ public:
+  explicit Adam(AdamOptions options = {});
+  std::string name() const override { return "Adam"; }
+  std::shared_ptr<Optimizer> clone() const override { return std::make_shared<Adam>(*this); }
+  Adam(const Adam&) = default;
+
+ protected:
+  std::vector<std::string> slot_names() const override;
+  void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
+              double lr, std::int64_t step) override;
+  Adam(AdamOptions options, double weight_decay);
+
+ private:
+  AdamOptions options_;
+  double weight_decay_ = 0.0;
+};
+
+struct AdamWOptions {
+  LearningRate learning_rate = 1e-3;
+  double weight_decay = 0.004;
+  double beta_1 = 0.9;
+  double beta_2 = 0.999;
+  double epsilon = 1e-7;
+  bool amsgrad = false;
+  Clipping clipping = {};
+};
+
+// Adam with decoupled weight decay: var -= lr * weight_decay * var before the Adam step.
+class AdamW : public Adam {
+ public:
+  explicit AdamW(AdamWOptions options = {});
+  std::string name() const override { return "AdamW"; }
+  std::shared_ptr<Optimizer> clone() const override { return std::make_shared<AdamW>(*this); }
+  AdamW(const AdamW&) = default;
+};
+
+// An optimizer by name ("sgd", "rmsprop", "adam", "adamw") with its defaults; throws
+// ValueError listing the names otherwise.
+std::shared_ptr<Optimizer> get(std::string_view name);
+
+}  // namespace mixtape::optim

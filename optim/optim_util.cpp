@@ -1,0 +1,106 @@
+// The fused unscale + non-finite check, and gradient clipping.
+#include "optim/optim_util.h"
+
+#include <map>
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/kernels.h"
+
+namespace mixtape::optim {
+
+Tensor copy_of(const Tensor& t) {
+  Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device());
+  if (c.numel() > 0) find_kernel<kernels::CopyFn>(OpId::copy, c.device().type(), c.dtype())(t, c);
+  return c;
+}
+
+std::pair<std::vector<Tensor>, bool> scale_and_check(const std::vector<Tensor>& grads, double scale,
+                                                     bool multiply) {
+  NoGradGuard no_grad;
+  std::vector<Tensor> out(grads.size());
+  // One kernel call per (device, dtype) group; one flag per device, read once at the end.
+  struct Group {
+    std::vector<Tensor> in, out;
+  };
+  std::map<std::pair<int, int>, Group> groups;
+  std::map<int, Tensor> flags;
+  std::map<int, Device> devices;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    const Tensor g = contiguous(grads[i]);
+    const Device d = g.device();
+    const int dkey = static_cast<int>(d.type()) * 1024 + d.index();
+    devices.emplace(dkey, d);
+    Group& grp = groups[{dkey, g.dtype().index()}];
+    grp.in.push_back(g);
+    if (multiply) {
+      out[i] = Tensor::empty(g.shape(), g.dtype(), d);
+      grp.out.push_back(out[i]);
+    } else {
+      grp.out.emplace_back();
+    }
+  }
+  for (auto& [key, grp] : groups) {
+    const Device d = devices.at(key.first);
+    auto [it, inserted] = flags.try_emplace(key.first);
+    if (inserted) it->second = zeros({}, kFloat32, d);
+    const DType dt(static_cast<DType::Code>(key.second));
+    find_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, d.type(), dt)(grp.in, grp.out, scale,
+                                                                            it->second);
+  }
+  bool nonfinite = false;
+  for (const auto& [key, flag] : flags) nonfinite = nonfinite || flag.item<float>() != 0.0f;
+  return {std::move(out), nonfinite};
+}
+
+std::optional<std::size_t> first_nonfinite(const std::vector<Tensor>& grads) {
+  if (!scale_and_check(grads, 1.0, false).second) return std::nullopt;
+  for (std::size_t i = 0; i < grads.size(); ++i)  // the error path: find the culprit
+    if (grads[i].defined() && scale_and_check({grads[i]}, 1.0, false).second) return i;
+  return std::nullopt;
+}
+
+void clip(std::vector<Tensor>& grads, const Clipping& c) {
+  if (!c.clipnorm && !c.global_clipnorm && !c.clipvalue) return;
+  NoGradGuard no_grad;
+  // Norms are computed in float32 (float64 for float64 gradients).
+  auto squared_norm = [](const Tensor& g) {
+    return sum(square(cast(g, g.dtype() == kFloat64 ? kFloat64 : kFloat32)));
+  };
+  if (c.clipvalue) {
+    for (auto& g : grads) {
+      if (!g.defined()) continue;
+      g = minimum(maximum(g, full({}, -*c.clipvalue, g.dtype(), g.device())),
+                  full({}, *c.clipvalue, g.dtype(), g.device()));
+    }
+  } else if (c.clipnorm) {
+    for (auto& g : grads) {
+      if (!g.defined()) continue;
+      const Tensor norm = sqrt(squared_norm(g));
+      // factor = clipnorm / max(norm, clipnorm): 1 below the threshold.
+      const Tensor factor = full({}, *c.clipnorm, norm.dtype(), g.device()) /
+                            maximum(norm, full({}, *c.clipnorm, norm.dtype(), g.device()));
+      g = cast(cast(g, factor.dtype()) * factor, g.dtype());
+    }
+  } else {
+    Tensor total;
+    for (const auto& g : grads) {
+      if (!g.defined()) continue;
+      const Tensor s = cast(squared_norm(g), kFloat64);
+      total = total.defined() ? total + s : s;
+    }
+    if (!total.defined()) return;
+    const Tensor norm = sqrt(total);
+    const Tensor factor = full({}, *c.global_clipnorm, kFloat64, norm.device()) /
+                          maximum(norm, full({}, *c.global_clipnorm, kFloat64, norm.device()));
+    for (auto& g : grads) {
+      if (!g.defined()) continue;
+      const DType wide = g.dtype() == kFloat64 ? kFloat64 : kFloat32;
+      g = cast(cast(g, wide) * cast(factor, wide), g.dtype());
+    }
+  }
+}
+
+}  // namespace mixtape::optim

@@ -1,0 +1,33 @@
+// Private to optim/: the slot dtype, the non-finite check and gradient clipping shared by
+// the optimizers and the loss scale optimizer.
+#pragma once
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "mixtape/core/tensor.h"
+#include "mixtape/optim/optimizer.h"
+
+namespace mixtape::optim {
+
+// float64 variables keep float64 state; every other floating dtype keeps float32.
+inline DType slot_dtype(DType var) { return var == kFloat64 ? kFloat64 : kFloat32; }
+
+// A copy of `t` with storage of its own (a snapshot that later updates do not touch).
+Tensor copy_of(const Tensor& t);
+
+// grads[i] * scale for the defined gradients (undefined ones stay undefined), and whether
+// any defined gradient holds a NaN or an infinity: one unscale_check call per dtype, one
+// flag read. With `multiply` false nothing is written and only the flag is computed.
+std::pair<std::vector<Tensor>, bool> scale_and_check(const std::vector<Tensor>& grads, double scale,
+                                                     bool multiply);
+
+// The index of the first gradient holding a NaN or an infinity, if any (one pass when all
+// are finite).
+std::optional<std::size_t> first_nonfinite(const std::vector<Tensor>& grads);
+
+// Clips the defined gradients in place as `clipping` says (no-op when nothing is set).
+void clip(std::vector<Tensor>& grads, const Clipping& clipping);
+
+}  // namespace mixtape::optim

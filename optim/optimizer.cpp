@@ -1,0 +1,346 @@
+// The optimizer base (validation, finiteness check, clipping, slots, state), the learning
+// rate schedules, and SGD / RMSprop / Adam / AdamW on the backends' update kernels.
+#include "mixtape/optim/optimizer.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+#include <numbers>
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/kernels.h"
+#include "optim/optim_util.h"
+
+namespace mixtape::optim {
+
+// --- Learning rates -------------------------------------------------------------------------
+
+LearningRate::LearningRate(double value)
+    : name_(fmt::format("{}", value)), schedule_([value](std::int64_t) { return value; }) {
+  if (!std::isfinite(value) || value < 0.0)
+    throw ValueError(fmt::format("learning rate must be finite and >= 0; got {}", value));
+}
+
+LearningRate::LearningRate(std::string name, std::function<double(std::int64_t)> schedule)
+    : name_(std::move(name)), schedule_(std::move(schedule)) {
+  if (!schedule_) throw ValueError(fmt::format("learning rate schedule '{}' is empty", name_));
+}
+
+double LearningRate::operator()(std::int64_t step) const {
+  const double lr = schedule_(step);
+  if (!std::isfinite(lr) || lr < 0.0)
+    throw ValueError(
+        fmt::format("learning rate schedule '{}' gave {} at step {}; it must be "
+                    "finite and >= 0",
+                    name_, lr, step));
+  return lr;
+}
+
+namespace schedules {
+
+LearningRate exponential_decay(double initial, std::int64_t decay_steps, double decay_rate,
+                               bool staircase) {
+  if (decay_steps <= 0)
+    throw ValueError(
+        fmt::format("exponential_decay: decay_steps must be positive; got {}", decay_steps));
+  return LearningRate(fmt::format("exponential_decay({}, {}, {}{})", initial, decay_steps,
+                                  decay_rate, staircase ? ", staircase" : ""),
+                      [=](std::int64_t step) {
+                        double p = static_cast<double>(step) / static_cast<double>(decay_steps);
+                        if (staircase) p = std::floor(p);
+                        return initial * std::pow(decay_rate, p);
+                      });
+}
+
+LearningRate piecewise_constant(std::vector<std::int64_t> boundaries, std::vector<double> values) {
+  if (values.size() != boundaries.size() + 1)
+    throw ValueError(
+        fmt::format("piecewise_constant: {} values for {} boundaries (need one more "
+                    "value than boundaries)",
+                    values.size(), boundaries.size()));
+  if (!std::is_sorted(boundaries.begin(), boundaries.end()))
+    throw ValueError("piecewise_constant: boundaries must be increasing");
+  return LearningRate(fmt::format("piecewise_constant({} pieces)", values.size()),
+                      [boundaries, values](std::int64_t step) {
+                        std::size_t i = 0;
+                        while (i < boundaries.size() && step > boundaries[i]) ++i;
+                        return values[i];
+                      });
+}
+
+LearningRate cosine_decay(double initial, std::int64_t decay_steps, double alpha) {
+  if (decay_steps <= 0)
+    throw ValueError(
+        fmt::format("cosine_decay: decay_steps must be positive; got {}", decay_steps));
+  return LearningRate(
+      fmt::format("cosine_decay({}, {}, {})", initial, decay_steps, alpha), [=](std::int64_t step) {
+        const double t =
+            static_cast<double>(std::min(step, decay_steps)) / static_cast<double>(decay_steps);
+        const double cosine = 0.5 * (1.0 + std::cos(std::numbers::pi * t));
+        return initial * ((1.0 - alpha) * cosine + alpha);
+      });
+}
+
+}  // namespace schedules
+
+// --- Optimizer ------------------------------------------------------------------------------
+
+Optimizer::Optimizer(LearningRate lr, Clipping clipping)
+    : learning_rate_(std::move(lr)), clipping_(clipping) {
+  const int given = static_cast<int>(clipping_.clipnorm.has_value()) +
+                    static_cast<int>(clipping_.global_clipnorm.has_value()) +
+                    static_cast<int>(clipping_.clipvalue.has_value());
+  if (given > 1)
+    throw ValueError("optimizer: set at most one of clipnorm, global_clipnorm and clipvalue");
+  for (const auto& v : {clipping_.clipnorm, clipping_.global_clipnorm, clipping_.clipvalue})
+    if (v && !(*v > 0.0 && std::isfinite(*v)))
+      throw ValueError(fmt::format("optimizer: clipping thresholds must be positive; got {}", *v));
+}
+
+Optimizer::Optimizer(const Optimizer& other)
+    : learning_rate_(other.learning_rate_),
+      clipping_(other.clipping_),
+      iterations_(other.iterations_),
+      check_finite_(other.check_finite_) {
+  for (const auto& [id, slots] : other.slots_) {
+    std::vector<Variable> copies;
+    for (const auto& s : slots) copies.emplace_back(s, s.name(), false);
+    slots_.emplace(id, std::move(copies));
+  }
+}
+
+Optimizer::~Optimizer() = default;
+
+std::vector<Tensor> Optimizer::prepare(const std::vector<Tensor>& grads,
+                                       const std::vector<Variable>& variables) {
+  if (grads.size() != variables.size())
+    throw ValueError(fmt::format("{}::apply_gradients: {} gradients for {} variables", name(),
+                                 grads.size(), variables.size()));
+  std::vector<Tensor> out(grads.size());
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const Variable& v = variables[i];
+    if (!v.defined())
+      throw ValueError(fmt::format("{}::apply_gradients: variable {} is undefined", name(), i));
+    if (!v.dtype().is_floating())
+      throw DTypeError(fmt::format("{}::apply_gradients: variable '{}' is {}, not floating", name(),
+                                   v.name(), v.dtype()));
+    const Tensor& g = grads[i];
+    if (!g.defined()) {
+      if (!warned_missing_[v.id()]) {
+        warned_missing_[v.id()] = true;
+        spdlog::warn(
+            "{}: no gradient for variable '{}' (the loss does not depend on it); it is "
+            "left unchanged",
+            name(), v.name());
+      }
+      continue;
+    }
+    if (g.shape() != v.shape())
+      throw ShapeError(
+          fmt::format("{}::apply_gradients: the gradient for '{}' has shape {}, the "
+                      "variable {}",
+                      name(), v.name(), g.shape(), v.shape()));
+    if (g.device() != v.device())
+      throw DeviceError(
+          fmt::format("{}::apply_gradients: the gradient for '{}' is on {}, the "
+                      "variable on {}",
+                      name(), v.name(), g.device(), v.device()));
+    if (!g.dtype().is_floating())
+      throw DTypeError(fmt::format("{}::apply_gradients: the gradient for '{}' is {}, not floating",
+                                   name(), v.name(), g.dtype()));
+    out[i] = contiguous(cast(g, v.dtype()));
+  }
+  return out;
+}
+
+const std::vector<Variable>& Optimizer::slots_for(const Variable& var) {
+  auto it = slots_.find(var.id());
+  if (it != slots_.end()) return it->second;
+  std::vector<Variable> made;
+  for (const auto& s : slot_names())
+    made.emplace_back(zeros(var.shape(), slot_dtype(var.dtype()), var.device()),
+                      fmt::format("{}/{}", var.name(), s), /*trainable=*/false);
+  return slots_.emplace(var.id(), std::move(made)).first->second;
+}
+
+std::vector<Variable> Optimizer::slots(const Variable& var) const {
+  auto it = slots_.find(var.id());
+  return it == slots_.end() ? std::vector<Variable>{} : it->second;
+}
+
+void Optimizer::apply_gradients(const std::vector<Tensor>& grads,
+                                const std::vector<Variable>& variables) {
+  NoGradGuard no_grad;
+  std::vector<Tensor> g = prepare(grads, variables);
+  if (check_finite_) {
+    if (const auto bad = first_nonfinite(g)) {
+      throw NumericError(fmt::format(
+          "{}: the gradient for '{}' holds NaN or infinite values at step {}; no variable was "
+          "changed (under float16 use loss scaling: a LossScaleOptimizer skips such steps)",
+          name(), variables[*bad].name(), iterations_ + 1));
+    }
+  }
+  clip(g, clipping_);
+  const double lr = learning_rate_(iterations_);
+  const std::int64_t step = iterations_ + 1;
+  for (std::size_t i = 0; i < g.size(); ++i)
+    if (g[i].defined()) update(variables[i], g[i], slots_for(variables[i]), lr, step);
+  ++iterations_;
+}
+
+OptimizerState Optimizer::state(const std::vector<Variable>& variables) const {
+  OptimizerState s;
+  s.iterations = iterations_;
+  for (const auto& v : variables)
+    for (const auto& slot : slots(v)) s.tensors.emplace(slot.name(), copy_of(slot));
+  return s;
+}
+
+void Optimizer::load_state(const OptimizerState& state, const std::vector<Variable>& variables) {
+  // Validate everything first, so that a bad state changes nothing.
+  std::vector<std::pair<Variable, Tensor>> plan;
+  for (const auto& v : variables) {
+    std::vector<Tensor> values;
+    bool any = false;
+    for (const auto& s : slot_names()) {
+      auto it = state.tensors.find(fmt::format("{}/{}", v.name(), s));
+      any = any || it != state.tensors.end();
+      values.push_back(it == state.tensors.end() ? Tensor() : it->second);
+    }
+    if (!any) continue;  // the variable had not been stepped yet
+    const auto names = slot_names();
+    for (std::size_t k = 0; k < names.size(); ++k) {
+      const std::string slot = fmt::format("{}/{}", v.name(), names[k]);
+      if (!values[k].defined())
+        throw ValueError(fmt::format("{}::load_state: slot '{}' is missing", name(), slot));
+      if (values[k].shape() != v.shape() || values[k].dtype() != slot_dtype(v.dtype()))
+        throw ValueError(fmt::format("{}::load_state: slot '{}' is {}{}, expected {}{}", name(),
+                                     slot, values[k].dtype(), values[k].shape(),
+                                     slot_dtype(v.dtype()), v.shape()));
+    }
+    const auto& slots = slots_for(v);
+    for (std::size_t k = 0; k < slots.size(); ++k) plan.emplace_back(slots[k], values[k]);
+  }
+  NoGradGuard no_grad;
+  for (auto& [slot, value] : plan) slot.assign(value.to(slot.device()));
+  iterations_ = state.iterations;
+}
+
+// --- The optimizers -------------------------------------------------------------------------
+
+namespace {
+kernels::OptimizerUpdate update_args(const Variable& var, const Tensor& grad,
+                                     const std::vector<Variable>& slots, double lr,
+                                     std::int64_t step) {
+  kernels::OptimizerUpdate u;
+  u.var = var;
+  u.grad = grad;
+  if (!slots.empty()) u.slot1 = slots[0];
+  if (slots.size() > 1) u.slot2 = slots[1];
+  if (slots.size() > 2) u.slot3 = slots[2];
+  u.lr = lr;
+  u.step = step;
+  return u;
+}
+
+void run(OpId op, const kernels::OptimizerUpdate& u) {
+  find_kernel<kernels::OptimizerUpdateFn>(op, u.var.device().type(), u.var.dtype())(u);
+}
+}  // namespace
+
+SGD::SGD(SGDOptions options)
+    : Optimizer(options.learning_rate, options.clipping), options_(options) {
+  if (!(options_.momentum >= 0.0 && options_.momentum < 1.0))
+    throw ValueError(fmt::format("SGD: momentum must be in [0, 1); got {}", options_.momentum));
+}
+
+std::vector<std::string> SGD::slot_names() const {
+  if (options_.momentum > 0.0) return {"momentum"};
+  return {};
+}
+
+void SGD::update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
+                 double lr, std::int64_t step) {
+  auto u = update_args(var, grad, slots, lr, step);
+  u.momentum = options_.momentum;
+  u.nesterov = options_.nesterov;
+  run(OpId::sgd_update, u);
+}
+
+RMSprop::RMSprop(RMSpropOptions options)
+    : Optimizer(options.learning_rate, options.clipping), options_(options) {
+  if (!(options_.rho >= 0.0 && options_.rho < 1.0))
+    throw ValueError(fmt::format("RMSprop: rho must be in [0, 1); got {}", options_.rho));
+  if (!(options_.momentum >= 0.0 && options_.momentum < 1.0))
+    throw ValueError(fmt::format("RMSprop: momentum must be in [0, 1); got {}", options_.momentum));
+  if (!(options_.epsilon > 0.0))
+    throw ValueError(fmt::format("RMSprop: epsilon must be positive; got {}", options_.epsilon));
+}
+
+std::vector<std::string> RMSprop::slot_names() const {
+  // The kernel's order: slot1 mean square, slot2 momentum, slot3 mean gradient.
+  std::vector<std::string> names{"rms"};
+  if (options_.momentum > 0.0 || options_.centered) names.emplace_back("momentum");
+  if (options_.centered) names.emplace_back("mg");
+  return names;
+}
+
+void RMSprop::update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
+                     double lr, std::int64_t step) {
+  auto u = update_args(var, grad, slots, lr, step);
+  u.beta2 = options_.rho;
+  u.momentum = options_.momentum;
+  u.epsilon = options_.epsilon;
+  u.centered = options_.centered;
+  run(OpId::rmsprop_update, u);
+}
+
+Adam::Adam(AdamOptions options) : Adam(options, 0.0) {}
+
+Adam::Adam(AdamOptions options, double weight_decay)
+    : Optimizer(options.learning_rate, options.clipping),
+      options_(options),
+      weight_decay_(weight_decay) {
+  if (!(options_.beta_1 >= 0.0 && options_.beta_1 < 1.0) ||
+      !(options_.beta_2 >= 0.0 && options_.beta_2 < 1.0))
+    throw ValueError(fmt::format("{}: beta_1 and beta_2 must be in [0, 1); got {} and {}",
+                                 weight_decay > 0 ? "AdamW" : "Adam", options_.beta_1,
+                                 options_.beta_2));
+  if (!(options_.epsilon > 0.0))
+    throw ValueError(fmt::format("Adam: epsilon must be positive; got {}", options_.epsilon));
+  if (!(weight_decay >= 0.0))
+    throw ValueError(fmt::format("AdamW: weight_decay must be >= 0; got {}", weight_decay));
+}
+
+std::vector<std::string> Adam::slot_names() const {
+  if (options_.amsgrad) return {"m", "v", "vhat"};
+  return {"m", "v"};
+}
+
+void Adam::update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
+                  double lr, std::int64_t step) {
+  auto u = update_args(var, grad, slots, lr, step);
+  u.beta1 = options_.beta_1;
+  u.beta2 = options_.beta_2;
+  u.epsilon = options_.epsilon;
+  u.amsgrad = options_.amsgrad;
+  u.weight_decay = weight_decay_;
+  run(OpId::adam_update, u);
+}
+
+AdamW::AdamW(AdamWOptions o)
+    : Adam(AdamOptions{o.learning_rate, o.beta_1, o.beta_2, o.epsilon, o.amsgrad, o.clipping},
+           o.weight_decay) {}
+
+std::shared_ptr<Optimizer> get(std::string_view name) {
+  if (name == "sgd" || name == "SGD") return std::make_shared<SGD>();
+  if (name == "rmsprop" || name == "RMSprop") return std::make_shared<RMSprop>();
+  if (name == "adam" || name == "Adam") return std::make_shared<Adam>();
+  if (name == "adamw" || name == "AdamW") return std::make_shared<AdamW>();
+  throw ValueError(
+      fmt::format("unknown optimizer '{}'; valid names: sgd, rmsprop, adam, adamw", name));
+}
+
+}  // namespace mixtape::optim

@@ -1,0 +1,417 @@
+// Optimizers through their public API against hand-computed references, clipping, state,
+// bad input, and the LossScaleOptimizer driven through a scripted sequence of steps.
+#include <fmt/format.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "mixtape/mixtape.h"
+
+namespace mt = mixtape;
+namespace mo = mixtape::optim;
+
+namespace {
+
+mt::Tensor vec(const std::vector<double>& v, mt::DType dt = mt::kFloat32) {
+  return mt::from_vector(v, {static_cast<std::int64_t>(v.size())}, dt);
+}
+
+std::vector<double> values(const mt::Tensor& t) { return t.to_vector<double>(); }
+
+void check_close(const std::vector<double>& got, const std::vector<double>& want, double rel) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("element " << i << ": got " << got[i] << ", want " << want[i]);
+    CHECK(std::abs(got[i] - want[i]) <= rel * std::max(1.0, std::abs(want[i])));
+  }
+}
+
+// Three steps of `opt` on w (initial w0) with gradients gs[step], against `reference`, a
+// function that advances the double-precision reference state one step.
+struct Reference {
+  std::vector<double> w;
+  std::function<void(std::vector<double>& w, const std::vector<double>& g, int step)> step;
+};
+
+void run_reference(mo::Optimizer& opt, const std::vector<double>& w0,
+                   const std::vector<std::vector<double>>& gs, Reference ref, mt::DType dt,
+                   double rel) {
+  mt::Variable w(vec(w0, dt), "w");
+  ref.w = w0;
+  for (std::size_t s = 0; s < gs.size(); ++s) {
+    INFO(opt.name() << " step " << s + 1);
+    opt.apply_gradients({vec(gs[s], dt)}, {w});
+    ref.step(ref.w, gs[s], static_cast<int>(s) + 1);
+    check_close(values(w), ref.w, rel);
+    CHECK(opt.iterations() == static_cast<std::int64_t>(s) + 1);
+  }
+}
+
+const std::vector<double> kW0 = {0.5, -1.25, 2.0, 0.0};
+const std::vector<std::vector<double>> kGrads = {
+    {0.1, -0.2, 0.3, 1.5}, {-0.4, 0.05, 0.3, -1.0}, {0.2, 0.2, -0.6, 0.25}};
+
+}  // namespace
+
+TEST_CASE("optim: SGD plain, momentum and nesterov against hand-computed steps", "[optim]") {
+  for (mt::DType dt : {mt::kFloat32, mt::kFloat64}) {
+    const double rel = dt == mt::kFloat64 ? 1e-12 : 1e-6;
+    mo::SGD plain({.learning_rate = 0.1});
+    run_reference(plain, kW0, kGrads,
+                  {{},
+                   [](auto& w, const auto& g, int) {
+                     for (std::size_t i = 0; i < w.size(); ++i) w[i] -= 0.1 * g[i];
+                   }},
+                  dt, rel);
+    for (bool nesterov : {false, true}) {
+      mo::SGD sgd({.learning_rate = 0.05, .momentum = 0.9, .nesterov = nesterov});
+      std::vector<double> v(4, 0.0);
+      run_reference(sgd, kW0, kGrads,
+                    {{},
+                     [&v, nesterov](auto& w, const auto& g, int) {
+                       for (std::size_t i = 0; i < w.size(); ++i) {
+                         v[i] = 0.9 * v[i] - 0.05 * g[i];
+                         w[i] += nesterov ? 0.9 * v[i] - 0.05 * g[i] : v[i];
+                       }
+                     }},
+                    dt, rel);
+    }
+  }
+}
+
+TEST_CASE("optim: RMSprop (Keras defaults, momentum, centered) against hand-computed steps",
+          "[optim]") {
+  const mo::RMSprop defaults;
+  CHECK(defaults.current_learning_rate() == 1e-3);
+  for (mt::DType dt : {mt::kFloat32, mt::kFloat64}) {
+    const double rel = dt == mt::kFloat64 ? 1e-12 : 1e-6;
+    for (double momentum : {0.0, 0.5})
+      for (bool centered : {false, true}) {
+        mo::RMSprop opt({.learning_rate = 0.01, .momentum = momentum, .centered = centered});
+        std::vector<double> ms(4, 0.0), mg(4, 0.0), mom(4, 0.0);
+        run_reference(opt, kW0, kGrads,
+                      {{},
+                       [&](auto& w, const auto& g, int) {
+                         for (std::size_t i = 0; i < w.size(); ++i) {
+                           ms[i] = 0.9 * ms[i] + 0.1 * g[i] * g[i];
+                           double d = ms[i];
+                           if (centered) {
+                             mg[i] = 0.9 * mg[i] + 0.1 * g[i];
+                             d = ms[i] - mg[i] * mg[i];
+                           }
+                           const double step = 0.01 * g[i] / std::sqrt(d + 1e-7);
+                           if (momentum > 0) {
+                             mom[i] = momentum * mom[i] + step;
+                             w[i] -= mom[i];
+                           } else {
+                             w[i] -= step;
+                           }
+                         }
+                       }},
+                      dt, rel);
+      }
+  }
+}
+
+TEST_CASE("optim: Adam, AMSGrad and AdamW against hand-computed steps", "[optim]") {
+  for (mt::DType dt : {mt::kFloat32, mt::kFloat64}) {
+    const double rel = dt == mt::kFloat64 ? 1e-12 : 1e-6;
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool amsgrad = variant == 1;
+      const double wd = variant == 2 ? 0.1 : 0.0;
+      std::shared_ptr<mo::Optimizer> opt;
+      if (variant == 2)
+        opt = std::make_shared<mo::AdamW>(
+            mo::AdamWOptions{.learning_rate = 0.01, .weight_decay = wd});
+      else
+        opt =
+            std::make_shared<mo::Adam>(mo::AdamOptions{.learning_rate = 0.01, .amsgrad = amsgrad});
+      std::vector<double> m(4, 0.0), v(4, 0.0), vmax(4, 0.0);
+      run_reference(*opt, kW0, kGrads,
+                    {{},
+                     [&](auto& w, const auto& g, int t) {
+                       const double alpha =
+                           0.01 * std::sqrt(1 - std::pow(0.999, t)) / (1 - std::pow(0.9, t));
+                       for (std::size_t i = 0; i < w.size(); ++i) {
+                         w[i] -= 0.01 * wd * w[i];
+                         m[i] += (g[i] - m[i]) * 0.1;
+                         v[i] += (g[i] * g[i] - v[i]) * 0.001;
+                         vmax[i] = std::max(vmax[i], v[i]);
+                         w[i] -= alpha * m[i] / (std::sqrt(amsgrad ? vmax[i] : v[i]) + 1e-7);
+                       }
+                     }},
+                    dt, rel);
+    }
+  }
+}
+
+TEST_CASE("optim: learning rate schedules", "[optim]") {
+  const auto exp_decay = mo::schedules::exponential_decay(0.1, 10, 0.5);
+  CHECK(exp_decay(0) == Approx(0.1));
+  CHECK(exp_decay(10) == Approx(0.05));
+  CHECK(exp_decay(5) == Approx(0.1 * std::sqrt(0.5)));
+  CHECK(mo::schedules::exponential_decay(0.1, 10, 0.5, true)(15) == Approx(0.05));
+  const auto pieces = mo::schedules::piecewise_constant({2, 4}, {1.0, 0.5, 0.25});
+  CHECK(pieces(0) == 1.0);
+  CHECK(pieces(2) == 1.0);
+  CHECK(pieces(3) == 0.5);
+  CHECK(pieces(5) == 0.25);
+  const auto cosine = mo::schedules::cosine_decay(1.0, 10, 0.1);
+  CHECK(cosine(0) == Approx(1.0));
+  CHECK(cosine(5) == Approx(0.55));
+  CHECK(cosine(20) == Approx(0.1));
+  // An optimizer uses the schedule at its iteration count.
+  mo::SGD sgd({.learning_rate = pieces});
+  mt::Variable w(vec({0.0}), "w");
+  const std::vector<double> lrs_used = {1.0, 1.0, 1.0, 0.5, 0.5};
+  double expect = 0.0;
+  for (double lr : lrs_used) {
+    CHECK(sgd.current_learning_rate() == lr);
+    sgd.apply_gradients({vec({1.0})}, {w});
+    expect -= lr;
+    CHECK(w.item<double>() == Approx(expect));
+  }
+  CHECK_THROWS_AS(mo::schedules::piecewise_constant({1}, {1.0}), mt::ValueError);
+}
+
+TEST_CASE("optim: clipping by value, by norm and by global norm", "[optim]") {
+  {
+    mo::SGD sgd({.learning_rate = 1.0, .clipping = {.clipvalue = 0.5}});
+    mt::Variable w(vec({0, 0, 0}), "w");
+    sgd.apply_gradients({vec({2.0, -3.0, 0.25})}, {w});
+    check_close(values(w), {-0.5, 0.5, -0.25}, 1e-7);
+  }
+  {
+    mo::SGD sgd({.learning_rate = 1.0, .clipping = {.clipnorm = 1.0}});
+    mt::Variable a(vec({0, 0}), "a"), b(vec({0, 0}), "b");
+    sgd.apply_gradients({vec({3.0, 4.0}), vec({0.3, 0.4})}, {a, b});
+    check_close(values(a), {-0.6, -0.8}, 1e-6);  // norm 5 -> 1
+    check_close(values(b), {-0.3, -0.4}, 1e-6);  // norm 0.5: unchanged
+  }
+  {
+    mo::SGD sgd({.learning_rate = 1.0, .clipping = {.global_clipnorm = 1.0}});
+    mt::Variable a(vec({0, 0}), "a"), b(vec({0}), "b");
+    sgd.apply_gradients({vec({3.0, 0.0}), vec({4.0})}, {a, b});  // global norm 5
+    check_close(values(a), {-0.6, 0.0}, 1e-6);
+    check_close(values(b), {-0.8}, 1e-6);
+  }
+  CHECK_THROWS_AS(mo::SGD({.clipping = {.clipnorm = 1.0, .clipvalue = 1.0}}), mt::ValueError);
+  CHECK_THROWS_AS(mo::SGD({.clipping = {.clipnorm = -1.0}}), mt::ValueError);
+}
+
+TEST_CASE("optim: slots are float32 for float32 and 16-bit variables, float64 for float64",
+          "[optim]") {
+  for (mt::DType dt : {mt::kFloat32, mt::kFloat16, mt::kBFloat16, mt::kFloat64}) {
+    INFO(std::string(dt.name()));
+    mo::Adam adam;
+    mt::Variable w(vec({1.0, 2.0}, dt), "w");
+    CHECK(adam.slots(w).empty());
+    adam.apply_gradients({vec({0.5, -0.5}, dt)}, {w});
+    const auto slots = adam.slots(w);
+    REQUIRE(slots.size() == 2);
+    for (const auto& s : slots)
+      CHECK(s.dtype() == (dt == mt::kFloat64 ? mt::kFloat64 : mt::kFloat32));
+    CHECK(w.dtype() == dt);
+    // One Adam step moves each weight by about lr against the gradient's sign.
+    check_close(values(w), {1.0 - 1e-3, 2.0 + 1e-3}, dt == mt::kBFloat16 ? 1e-2 : 1e-3);
+  }
+}
+
+TEST_CASE("optim: state saves and restores exactly", "[optim]") {
+  auto run = [](mo::Optimizer& opt, mt::Variable& w, int from, int to) {
+    for (int s = from; s < to; ++s) opt.apply_gradients({vec(kGrads[s % 3])}, {w});
+  };
+  for (auto make : std::vector<std::function<std::shared_ptr<mo::Optimizer>()>>{
+           [] { return std::make_shared<mo::Adam>(); },
+           [] {
+             return std::make_shared<mo::RMSprop>(
+                 mo::RMSpropOptions{.momentum = 0.3, .centered = true});
+           },
+           [] { return std::make_shared<mo::SGD>(mo::SGDOptions{.momentum = 0.9}); }}) {
+    auto a = make();
+    mt::Variable wa(vec(kW0), "layer/w");
+    run(*a, wa, 0, 2);
+    const mo::OptimizerState saved = a->state({wa});
+    const auto w_saved = values(wa);
+    CHECK(saved.iterations == 2);
+    run(*a, wa, 2, 4);
+
+    auto b = make();
+    mt::Variable wb(vec(w_saved), "layer/w");
+    b->load_state(saved, {wb});
+    CHECK(b->iterations() == 2);
+    run(*b, wb, 2, 4);
+    INFO(a->name());
+    CHECK(values(wb) == values(wa));
+  }
+  // A state for another variable layout is refused, naming the slot.
+  mo::Adam adam;
+  mt::Variable w(vec({1, 2, 3}), "layer/w");
+  mo::OptimizerState bad;
+  bad.tensors["layer/w/m"] = mt::zeros({2});
+  bad.tensors["layer/w/v"] = mt::zeros({2});
+  CHECK_THROWS_WITH(adam.load_state(bad, {w}), Catch::Contains("layer/w/m"));
+  bad.tensors.erase("layer/w/v");
+  bad.tensors["layer/w/m"] = mt::zeros({3});
+  CHECK_THROWS_WITH(adam.load_state(bad, {w}), Catch::Contains("layer/w/v"));
+}
+
+TEST_CASE("optim: bad gradients are refused and change nothing", "[optim]") {
+  mo::Adam adam;
+  mt::Variable w(vec({1, 2}), "w"), u(vec({3}), "u");
+  adam.apply_gradients({vec({0.1, 0.1}), vec({0.1})}, {w, u});
+  const auto w_before = values(w), u_before = values(u);
+  const auto m_before = values(adam.slots(w)[0]);
+  CHECK_THROWS_WITH(adam.apply_gradients({vec({0.1, 0.1})}, {w, u}),
+                    Catch::Contains("1 gradients for 2 variables"));
+  CHECK_THROWS_AS(adam.apply_gradients({vec({0.1, 0.1, 0.1}), vec({0.1})}, {w, u}), mt::ShapeError);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_AS(adam.apply_gradients({vec({0.1, 0.1}), vec({nan})}, {w, u}), mt::NumericError);
+  CHECK_THROWS_WITH(adam.apply_gradients({vec({0.1, INFINITY}), vec({0.1})}, {w, u}),
+                    Catch::Contains("'w'") && Catch::Contains("no variable was changed"));
+  CHECK(values(w) == w_before);
+  CHECK(values(u) == u_before);
+  CHECK(values(adam.slots(w)[0]) == m_before);
+  CHECK(adam.iterations() == 1);
+  // An undefined gradient leaves its variable alone.
+  adam.apply_gradients({vec({0.1, 0.1}), mt::Tensor()}, {w, u});
+  CHECK(values(u) == u_before);
+  CHECK(values(w) != w_before);
+  CHECK(adam.iterations() == 2);
+}
+
+// --- LossScaleOptimizer ------------------------------------------------------------------------
+
+TEST_CASE("loss scale optimizer: a scripted sequence of finite and non-finite steps",
+          "[optim][loss_scale]") {
+  mo::LossScaleOptimizer opt(
+      mo::SGD({.learning_rate = 0.5, .momentum = 0.5}),
+      mt::LossScale::dynamic(
+          {.initial_scale = 8, .growth_interval = 2, .multiplier = 2, .min_scale = 2}));
+  mt::Variable w(vec({1.0, -1.0}), "w");
+  CHECK(opt.loss_scale() == 8);
+  CHECK(opt.get_scaled_loss(mt::full({}, 1.5)).item<double>() == 12.0);
+
+  struct Step {
+    double g0;           // first gradient element (the second is 0.25), unscaled
+    bool finite;         // whether the step applies
+    double scale_after;  // loss scale afterwards
+    std::int64_t good_after;
+  };
+  const double inf = INFINITY, nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<Step> script = {
+      {0.5, true, 8, 1},  {0.25, true, 16, 0}, {inf, false, 8, 0}, {1.0, true, 8, 1},
+      {nan, false, 4, 0}, {inf, false, 2, 0},  {inf, false, 2, 0}, {0.5, true, 2, 1},
+      {-0.5, true, 4, 0}, {0.0, true, 4, 1},
+  };
+  std::int64_t applied = 0, skipped = 0;
+  std::vector<double> velocity(2, 0.0), ref = values(w);
+  for (std::size_t s = 0; s < script.size(); ++s) {
+    const Step& st = script[s];
+    INFO("step " << s);
+    const double scale = opt.loss_scale();
+    // The gradients as a tape would give them for the scaled loss.
+    const auto unscaled = opt.get_unscaled_gradients({vec({st.g0 * scale, 0.25 * scale})});
+    if (st.finite) check_close(values(unscaled[0]), {st.g0, 0.25}, 1e-7);
+    const auto slots_before = opt.inner_optimizer().slots(w);
+    const auto slot_values_before =
+        slots_before.empty() ? std::vector<double>{} : values(slots_before[0]);
+    const auto w_before = values(w);
+    opt.apply_gradients(unscaled, {w});
+    if (st.finite) {
+      ++applied;
+      const double g[2] = {st.g0, 0.25};
+      for (int i = 0; i < 2; ++i) {
+        velocity[i] = 0.5 * velocity[i] - 0.5 * g[i];
+        ref[i] += velocity[i];
+      }
+      check_close(values(w), ref, 1e-6);
+    } else {
+      ++skipped;
+      CHECK(values(w) == w_before);  // nothing changes on a skipped step
+      if (!slots_before.empty())
+        CHECK(values(opt.inner_optimizer().slots(w)[0]) == slot_values_before);
+    }
+    CHECK(opt.last_step_skipped() == !st.finite);
+    CHECK(opt.loss_scale() == st.scale_after);
+    CHECK(opt.good_steps() == st.good_after);
+    CHECK(opt.applied_steps() == applied);
+    CHECK(opt.skipped_steps() == skipped);
+    CHECK(opt.iterations() == applied);
+  }
+}
+
+TEST_CASE("loss scale optimizer: fixed scales, the ceiling and the stuck-scale guard",
+          "[optim][loss_scale]") {
+  {
+    mo::LossScaleOptimizer fixed(mo::SGD(), mt::LossScale::fixed(1024));
+    mt::Variable w(vec({1.0}), "w");
+    fixed.apply_gradients(fixed.get_unscaled_gradients({vec({INFINITY})}), {w});
+    CHECK(fixed.loss_scale() == 1024);
+    for (int i = 0; i < 3000; ++i) fixed.apply_gradients({vec({0.0})}, {w});
+    CHECK(fixed.loss_scale() == 1024);
+    CHECK(fixed.applied_steps() == 3000);
+  }
+  {
+    const double top = std::ldexp(1.0, 127);
+    mo::LossScaleOptimizer grow(
+        mo::SGD(),
+        mt::LossScale::dynamic({.initial_scale = std::ldexp(1.0, 126), .growth_interval = 1}));
+    mt::Variable w(vec({1.0}), "w");
+    for (int i = 0; i < 3; ++i) grow.apply_gradients({vec({0.0})}, {w});
+    CHECK(grow.loss_scale() == top);  // never beyond 2^127, never inf
+  }
+  {
+    mo::LossScaleOptimizer stuck(mo::SGD(), mt::LossScale::dynamic({.initial_scale = 4}),
+                                 {.max_consecutive_skips = 5});
+    mt::Variable w(vec({1.0}), "w");
+    for (int i = 0; i < 4; ++i) stuck.apply_gradients({vec({NAN})}, {w});
+    CHECK(stuck.loss_scale() == 1);  // the floor
+    CHECK_THROWS_AS(stuck.apply_gradients({vec({NAN})}, {w}), mt::NumericError);
+    CHECK_THROWS_WITH(stuck.apply_gradients({vec({NAN})}, {w}),
+                      Catch::Contains("diverged") && Catch::Contains("floor"));
+    CHECK(w.item<double>() == 1.0);
+  }
+}
+
+TEST_CASE("loss scale optimizer: clipping applies to the unscaled gradients",
+          "[optim][loss_scale]") {
+  mo::LossScaleOptimizer opt(mo::SGD({.learning_rate = 1.0, .clipping = {.clipvalue = 0.5}}),
+                             mt::LossScale::fixed(1024));
+  mt::Variable w(vec({0.0, 0.0}), "w");
+  // Scaled gradients 1024 * (0.3, 2.0): unscaled 0.3 passes, 2.0 is clipped to 0.5.
+  opt.apply_gradients(opt.get_unscaled_gradients({vec({0.3 * 1024, 2.0 * 1024})}), {w});
+  check_close(values(w), {-0.3, -0.5}, 1e-6);
+}
+
+TEST_CASE("loss scale optimizer: state with the scale and counters", "[optim][loss_scale]") {
+  auto make = [] {
+    return mo::LossScaleOptimizer(
+        mo::Adam(), mt::LossScale::dynamic({.initial_scale = 64, .growth_interval = 3}));
+  };
+  mo::LossScaleOptimizer a = make();
+  mt::Variable wa(vec(kW0), "w");
+  a.apply_gradients({vec(kGrads[0])}, {wa});
+  a.apply_gradients({vec({INFINITY, 0, 0, 0})}, {wa});
+  a.apply_gradients({vec(kGrads[1])}, {wa});
+  const auto saved = a.state({wa});
+  CHECK(saved.scalars.at("loss_scale") == 32);
+  CHECK(saved.scalars.at("skipped_steps") == 1);
+  CHECK(saved.scalars.at("applied_steps") == 2);
+  CHECK(saved.scalars.at("good_steps") == 1);
+  const auto w_saved = values(wa);
+  a.apply_gradients({vec(kGrads[2])}, {wa});
+
+  mo::LossScaleOptimizer b = make();
+  mt::Variable wb(vec(w_saved), "w");
+  b.load_state(saved, {wb});
+  CHECK(b.loss_scale() == 32);
+  CHECK(b.iterations() == 2);
+  b.apply_gradients({vec(kGrads[2])}, {wb});
+  CHECK(values(wb) == values(wa));
+  CHECK(b.loss_scale() == a.loss_scale());
+}
