@@ -37,6 +37,12 @@ class ValueError : public Error {
   using Error::Error;
 };
 
+// A file that cannot be read, written or fetched, or whose content is malformed.
+class IOError : public Error {
+ public:
+  using Error::Error;
+};
+
 // No kernel is registered for (op, device, dtype).
 class KernelNotFoundError : public Error {
  public:

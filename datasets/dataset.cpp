@@ -1,0 +1,491 @@
+// The Dataset pipeline: each iteration builds a chain of streams from the stages. Until
+// the first batch() the chain carries row indices (shuffling indices is cheap); batch()
+// gathers the rows of a batch with one take(); map, prefetch and to work on elements.
+#include "mixtape/datasets/dataset.h"
+
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <variant>
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/error.h"
+
+namespace mixtape::data {
+
+struct Dataset::Stage {
+  struct Shuffle {
+    std::int64_t buffer_size;
+    std::uint64_t seed;
+  };
+  struct Batch {
+    std::int64_t size;
+    bool drop_remainder;
+  };
+  struct Map {
+    MapFn fn;
+  };
+  struct Prefetch {
+    std::int64_t buffer_size;
+  };
+  struct To {
+    Device device;
+  };
+  std::variant<Shuffle, Batch, Map, Prefetch, To> op;
+};
+
+namespace {
+
+using Stage = Dataset::Stage;
+
+// A source of items, pulled one at a time; nullopt at the end of the epoch.
+template <typename T>
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual std::optional<T> next() = 0;
+};
+using RowStream = Stream<std::int64_t>;
+using ElementStream = Stream<Element>;
+
+std::uint64_t splitmix64(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// The row indices 0 .. n-1 in order.
+class RangeStream final : public RowStream {
+ public:
+  explicit RangeStream(std::int64_t n) : n_(n) {}
+  std::optional<std::int64_t> next() override {
+    if (i_ >= n_) return std::nullopt;
+    return i_++;
+  }
+
+ private:
+  std::int64_t n_, i_ = 0;
+};
+
+// tf.data's shuffle buffer.
+template <typename T>
+class ShuffleStream final : public Stream<T> {
+ public:
+  ShuffleStream(std::unique_ptr<Stream<T>> up, std::int64_t buffer_size, std::uint64_t seed)
+      : up_(std::move(up)), capacity_(static_cast<std::size_t>(buffer_size)), gen_(seed) {}
+
+  std::optional<T> next() override {
+    if (!filled_) {
+      buffer_.reserve(std::min<std::size_t>(capacity_, std::size_t{1} << 16));
+      while (buffer_.size() < capacity_) {
+        auto item = up_->next();
+        if (!item) break;
+        buffer_.push_back(std::move(*item));
+      }
+      filled_ = true;
+    }
+    if (buffer_.empty()) return std::nullopt;
+    const std::size_t j = uniform(buffer_.size());
+    T out = std::move(buffer_[j]);
+    if (auto item = up_->next()) {
+      buffer_[j] = std::move(*item);
+    } else {
+      if (j + 1 != buffer_.size()) buffer_[j] = std::move(buffer_.back());
+      buffer_.pop_back();
+    }
+    return out;
+  }
+
+ private:
+  // Uniform in [0, n), without modulo bias.
+  std::size_t uniform(std::size_t n) {
+    const std::uint64_t m = n;
+    const std::uint64_t limit =
+        std::numeric_limits<std::uint64_t>::max() - std::numeric_limits<std::uint64_t>::max() % m;
+    std::uint64_t r;
+    do r = gen_.next_u64();
+    while (r >= limit);
+    return static_cast<std::size_t>(r % m);
+  }
+
+  std::unique_ptr<Stream<T>> up_;
+  std::size_t capacity_;
+  Generator gen_;
+  std::vector<T> buffer_;
+  bool filled_ = false;
+};
+
+// Rows of `x` at `indices`, as a tensor of shape index_shape + x.shape[1:]: take()
+// where the backend has a take kernel for the dtype, else a copy of the rows on the host
+// (uint8 and bool on the CPU).
+Tensor gather_rows(const Tensor& x, const std::vector<std::int64_t>& indices,
+                   const Shape& index_shape) {
+  if (supports(OpId::take, x.device().type(), x.dtype()) || !x.device().is_cpu())
+    return take(x, from_vector(indices, index_shape, kInt64, x.device()), 0);
+  std::vector<std::int64_t> dims(index_shape.begin(), index_shape.end());
+  dims.insert(dims.end(), x.shape().begin() + 1, x.shape().end());
+  Tensor out = Tensor::empty(Shape(dims), x.dtype(), x.device());
+  const std::size_t row_bytes =
+      x.dim(0) == 0 ? 0 : static_cast<std::size_t>(x.numel() / x.dim(0)) * x.dtype().itemsize();
+  const auto* src = static_cast<const std::uint8_t*>(x.data_ptr());  // x is contiguous
+  auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    if (indices[i] < 0 || indices[i] >= x.dim(0))
+      throw IndexError(
+          fmt::format("Dataset: row {} out of range for {} rows", indices[i], x.dim(0)));
+    std::memcpy(dst + i * row_bytes, src + static_cast<std::size_t>(indices[i]) * row_bytes,
+                row_bytes);
+  }
+  return out;
+}
+
+// Rows to elements: one row each (rank-0 index), or batches of rows.
+class GatherStream final : public ElementStream {
+ public:
+  GatherStream(std::unique_ptr<RowStream> up, Tensor x, Tensor y, std::int64_t batch,
+               bool drop_remainder, bool unbatched)
+      : up_(std::move(up)),
+        x_(std::move(x)),
+        y_(std::move(y)),
+        batch_(unbatched ? 1 : batch),
+        drop_(drop_remainder),
+        unbatched_(unbatched) {}
+
+  std::optional<Element> next() override {
+    std::vector<std::int64_t> rows;
+    rows.reserve(static_cast<std::size_t>(batch_));
+    while (static_cast<std::int64_t>(rows.size()) < batch_) {
+      auto r = up_->next();
+      if (!r) break;
+      rows.push_back(*r);
+    }
+    if (rows.empty() || (drop_ && static_cast<std::int64_t>(rows.size()) < batch_))
+      return std::nullopt;
+    NoGradGuard no_grad;
+    const Shape shape = unbatched_ ? Shape{} : Shape{static_cast<std::int64_t>(rows.size())};
+    return Element{gather_rows(x_, rows, shape), gather_rows(y_, rows, shape)};
+  }
+
+ private:
+  std::unique_ptr<RowStream> up_;
+  Tensor x_, y_;
+  std::int64_t batch_;
+  bool drop_, unbatched_;
+};
+
+// batch() of elements (after map or an earlier batch): stacks them along a new axis 0.
+class StackStream final : public ElementStream {
+ public:
+  StackStream(std::unique_ptr<ElementStream> up, std::int64_t batch, bool drop_remainder)
+      : up_(std::move(up)), batch_(batch), drop_(drop_remainder) {}
+
+  std::optional<Element> next() override {
+    std::vector<Tensor> xs, ys;
+    while (static_cast<std::int64_t>(xs.size()) < batch_) {
+      auto e = up_->next();
+      if (!e) break;
+      xs.push_back(std::move(e->first));
+      ys.push_back(std::move(e->second));
+    }
+    if (xs.empty() || (drop_ && static_cast<std::int64_t>(xs.size()) < batch_)) return std::nullopt;
+    NoGradGuard no_grad;
+    for (auto& t : xs) t = unsqueeze(t, 0);
+    for (auto& t : ys) t = unsqueeze(t, 0);
+    return Element{concat(xs, 0), concat(ys, 0)};
+  }
+
+ private:
+  std::unique_ptr<ElementStream> up_;
+  std::int64_t batch_;
+  bool drop_;
+};
+
+class MapStream final : public ElementStream {
+ public:
+  MapStream(std::unique_ptr<ElementStream> up, MapFn fn) : up_(std::move(up)), fn_(std::move(fn)) {}
+  std::optional<Element> next() override {
+    auto e = up_->next();
+    if (!e) return std::nullopt;
+    NoGradGuard no_grad;
+    return fn_(e->first, e->second);
+  }
+
+ private:
+  std::unique_ptr<ElementStream> up_;
+  MapFn fn_;
+};
+
+class ToStream final : public ElementStream {
+ public:
+  ToStream(std::unique_ptr<ElementStream> up, Device device)
+      : up_(std::move(up)), device_(device) {}
+  std::optional<Element> next() override {
+    auto e = up_->next();
+    if (!e) return std::nullopt;
+    NoGradGuard no_grad;
+    return Element{e->first.to(device_), e->second.to(device_)};
+  }
+
+ private:
+  std::unique_ptr<ElementStream> up_;
+  Device device_;
+};
+
+// Pulls from upstream on a background thread, up to `capacity` elements ahead.
+class PrefetchStream final : public ElementStream {
+ public:
+  PrefetchStream(std::unique_ptr<ElementStream> up, std::int64_t capacity)
+      : up_(std::move(up)), capacity_(static_cast<std::size_t>(capacity)) {
+    thread_ = std::thread([this] { produce(); });
+  }
+  ~PrefetchStream() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  PrefetchStream(const PrefetchStream&) = delete;
+  PrefetchStream& operator=(const PrefetchStream&) = delete;
+
+  std::optional<Element> next() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return !queue_.empty() || done_; });
+    if (!queue_.empty()) {
+      Element e = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      cv_.notify_all();
+      return e;
+    }
+    if (error_) {
+      std::exception_ptr error = std::exchange(error_, nullptr);
+      std::rethrow_exception(error);
+    }
+    return std::nullopt;
+  }
+
+ private:
+  void produce() {
+    try {
+      NoGradGuard no_grad;
+      for (;;) {
+        {
+          std::unique_lock<std::mutex> lock(mutex_);
+          cv_.wait(lock, [&] { return stop_ || queue_.size() < capacity_; });
+          if (stop_) return;
+        }
+        std::optional<Element> e = up_->next();
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (e)
+            queue_.push_back(std::move(*e));
+          else
+            done_ = true;
+        }
+        cv_.notify_all();
+        if (!e) return;
+      }
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
+        done_ = true;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::unique_ptr<ElementStream> up_;
+  std::size_t capacity_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Element> queue_;
+  bool stop_ = false, done_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: started after everything it uses is constructed
+};
+
+template <class... Fs>
+struct Overloaded : Fs... {
+  using Fs::operator()...;
+};
+template <class... Fs>
+Overloaded(Fs...) -> Overloaded<Fs...>;
+
+}  // namespace
+
+struct Dataset::Iterator::State {
+  std::unique_ptr<ElementStream> stream;
+  Element current;
+};
+
+Element& Dataset::Iterator::operator*() const {
+  if (!state_) throw IndexError("Dataset::Iterator: dereferencing the end of the dataset");
+  return state_->current;
+}
+
+Dataset::Iterator& Dataset::Iterator::operator++() {
+  if (!state_) throw IndexError("Dataset::Iterator: incrementing past the end of the dataset");
+  std::optional<Element> e;
+  try {
+    e = state_->stream->next();
+  } catch (...) {
+    state_.reset();  // an iterator whose pipeline failed is at its end
+    throw;
+  }
+  if (e)
+    state_->current = std::move(*e);
+  else
+    state_.reset();  // the end; destroys the pipeline (and joins a prefetch thread)
+  return *this;
+}
+
+Dataset Dataset::from_tensors(const Tensor& x, const Tensor& y) {
+  if (!x.defined() || !y.defined())
+    throw ValueError("Dataset::from_tensors: x and y must be defined tensors");
+  if (x.rank() < 1 || y.rank() < 1 || x.dim(0) != y.dim(0))
+    throw ShapeError(fmt::format(
+        "Dataset::from_tensors: x and y must have the same number of rows (axis 0); got x {} "
+        "{} and y {} {}",
+        x.dtype().name(), x.shape().str(), y.dtype().name(), y.shape().str()));
+  NoGradGuard no_grad;
+  Dataset ds;
+  ds.x_ = x.detach().contiguous();
+  ds.y_ = y.detach().contiguous();
+  return ds;
+}
+
+Dataset Dataset::with(std::shared_ptr<const Stage> stage) const {
+  Dataset out = *this;
+  out.next_epoch_.value.store(0);
+  out.stages_.push_back(std::move(stage));
+  return out;
+}
+
+Dataset Dataset::shuffle(std::int64_t buffer_size, std::optional<std::uint64_t> seed) const {
+  if (buffer_size < 1)
+    throw ValueError(
+        fmt::format("Dataset::shuffle: buffer_size must be >= 1, got {}", buffer_size));
+  const std::uint64_t s = seed ? *seed : default_generator().next_u64();
+  return with(std::make_shared<const Stage>(Stage{Stage::Shuffle{buffer_size, s}}));
+}
+
+Dataset Dataset::batch(std::int64_t batch_size, bool drop_remainder) const {
+  if (batch_size < 1)
+    throw ValueError(fmt::format("Dataset::batch: batch_size must be >= 1, got {}", batch_size));
+  return with(std::make_shared<const Stage>(Stage{Stage::Batch{batch_size, drop_remainder}}));
+}
+
+Dataset Dataset::map(MapFn fn) const {
+  if (!fn) throw ValueError("Dataset::map: the function is empty");
+  return with(std::make_shared<const Stage>(Stage{Stage::Map{std::move(fn)}}));
+}
+
+Dataset Dataset::prefetch(std::int64_t buffer_size) const {
+  if (buffer_size < 1)
+    throw ValueError(
+        fmt::format("Dataset::prefetch: buffer_size must be >= 1, got {}", buffer_size));
+  return with(std::make_shared<const Stage>(Stage{Stage::Prefetch{buffer_size}}));
+}
+
+Dataset Dataset::to(Device device) const {
+  return with(std::make_shared<const Stage>(Stage{Stage::To{device}}));
+}
+
+std::int64_t Dataset::num_rows() const { return x_.defined() ? x_.dim(0) : 0; }
+
+std::int64_t Dataset::size() const {
+  std::int64_t n = num_rows();
+  for (const auto& stage : stages_)
+    if (const auto* b = std::get_if<Stage::Batch>(&stage->op))
+      n = b->drop_remainder ? n / b->size : (n + b->size - 1) / b->size;
+  return n;
+}
+
+std::string Dataset::str() const {
+  if (!x_.defined()) return "Dataset()";
+  std::string out = fmt::format("from_tensors(x {} {}, y {} {})", x_.dtype().name(),
+                                x_.shape().str(), y_.dtype().name(), y_.shape().str());
+  for (const auto& stage : stages_)
+    out += std::visit(
+        Overloaded{
+            [](const Stage::Shuffle& s) { return fmt::format(".shuffle({})", s.buffer_size); },
+            [](const Stage::Batch& b) {
+              return b.drop_remainder ? fmt::format(".batch({}, drop_remainder)", b.size)
+                                      : fmt::format(".batch({})", b.size);
+            },
+            [](const Stage::Map&) { return std::string(".map(fn)"); },
+            [](const Stage::Prefetch& p) { return fmt::format(".prefetch({})", p.buffer_size); },
+            [](const Stage::To& t) { return fmt::format(".to({})", t.device.str()); }},
+        stage->op);
+  return out;
+}
+
+Dataset::Iterator Dataset::start(std::uint64_t epoch) const {
+  if (!x_.defined()) return Iterator();
+  std::unique_ptr<RowStream> rows = std::make_unique<RangeStream>(x_.dim(0));
+  std::unique_ptr<ElementStream> elements;
+  auto materialize = [&] {
+    if (!elements)
+      elements = std::make_unique<GatherStream>(std::move(rows), x_, y_, 1, false, true);
+  };
+  for (const auto& stage : stages_) {
+    std::visit(Overloaded{[&](const Stage::Shuffle& s) {
+                            // Each (seed, epoch) pair gives its own order.
+                            const std::uint64_t seed = splitmix64(s.seed ^ splitmix64(epoch + 1));
+                            if (elements)
+                              elements = std::make_unique<ShuffleStream<Element>>(
+                                  std::move(elements), s.buffer_size, seed);
+                            else
+                              rows = std::make_unique<ShuffleStream<std::int64_t>>(
+                                  std::move(rows), s.buffer_size, seed);
+                          },
+                          [&](const Stage::Batch& b) {
+                            if (elements)
+                              elements = std::make_unique<StackStream>(std::move(elements), b.size,
+                                                                       b.drop_remainder);
+                            else
+                              elements = std::make_unique<GatherStream>(
+                                  std::move(rows), x_, y_, b.size, b.drop_remainder, false);
+                          },
+                          [&](const Stage::Map& m) {
+                            materialize();
+                            elements = std::make_unique<MapStream>(std::move(elements), m.fn);
+                          },
+                          [&](const Stage::Prefetch& p) {
+                            materialize();
+                            elements = std::make_unique<PrefetchStream>(std::move(elements),
+                                                                        p.buffer_size);
+                          },
+                          [&](const Stage::To& t) {
+                            materialize();
+                            elements = std::make_unique<ToStream>(std::move(elements), t.device);
+                          }},
+               stage->op);
+  }
+  materialize();
+  auto state = std::make_shared<Iterator::State>();
+  state->stream = std::move(elements);
+  Iterator it(std::move(state));
+  ++it;  // the first element (or the end)
+  return it;
+}
+
+Dataset::Iterator Dataset::begin() const { return start(next_epoch_.value.fetch_add(1)); }
+
+Dataset::Iterator Dataset::end() const { return Iterator(); }
+
+Dataset::Epoch Dataset::epoch(std::uint64_t index) const { return Epoch(*this, index); }
+
+}  // namespace mixtape::data

