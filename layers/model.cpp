@@ -10,6 +10,7 @@
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
+#include "mixtape/layers/checkpoint.h"
 #include "mixtape/layers/core_layers.h"
 #include "mixtape/layers/trace.h"
 
@@ -143,6 +144,9 @@ void Model::build_for(const Shape& input_shape) {
   mixtape::detail::DTypeTraceMute mute;
   (*this)(zeros(Shape(dims), dtype, device()), CallContext{.training = false});
 }
+
+void Model::save_weights(const std::string& path) const { mixtape::save_weights(*this, path); }
+void Model::load_weights(const std::string& path) { mixtape::load_weights(*this, path); }
 
 // --- Summary ------------------------------------------------------------------------------
 

@@ -116,8 +116,11 @@ struct FitOptions {
   double validation_split = 0.0;
   // Or explicit validation inputs and labels.
   std::optional<std::pair<Tensor, Tensor>> validation_data = {};
-  bool shuffle = true;                     // the training samples, each epoch
-  std::optional<std::uint64_t> seed = {};  // for shuffling (default: the default generator)
+  bool shuffle = true;  // the training samples, each epoch
+  // For shuffling: epoch e shuffles with a generator seeded from (seed, e), so a run
+  // resumed at initial_epoch sees the same batches. Default: drawn from the default
+  // generator.
+  std::optional<std::uint64_t> seed = {};
   int verbose = 1;  // 0 silent; 1 a progress bar on a terminal, else a line per epoch; 2 lines
   std::vector<std::shared_ptr<Callback>> callbacks = {};
   int initial_epoch = 0;  // start counting epochs here (resuming)
@@ -168,6 +171,11 @@ class Model : public layers::Layer {
   // Runs a batch of one through the model so that every layer is built (for a Sequential
   // model before its first call). `input_shape` may carry -1 on the batch axis.
   void build_for(const Shape& input_shape);
+
+  // Writes the weights to a safetensors file (variable names as tensor names), and reads
+  // them back into a model of the same architecture (mixtape/layers/checkpoint.h).
+  void save_weights(const std::string& path) const;
+  void load_weights(const std::string& path);
 
   // --- Training (Keras' compile / fit / evaluate / predict) ---------------------------------
 

@@ -1,0 +1,247 @@
+// Model weights and training checkpoints on top of safetensors files: what goes in the file,
+// and the validation that runs before a load changes the model or the optimizer.
+#include "mixtape/layers/checkpoint.h"
+
+#include <charconv>
+#include <set>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "mixtape/autograd/tape.h"
+#include "mixtape/core/safetensors.h"
+#include "mixtape/optim/loss_scale_optimizer.h"
+
+namespace mixtape {
+namespace {
+
+constexpr std::string_view kModelPrefix = "model/";
+constexpr std::string_view kOptimizerPrefix = "optimizer/";
+constexpr std::string_view kScalarPrefix = "optimizer.scalar.";
+
+bool starts_with(std::string_view s, std::string_view prefix) { return s.starts_with(prefix); }
+
+// Keys of a checkpoint's __metadata__ that save_checkpoint writes itself.
+bool reserved_key(std::string_view key) {
+  return key == "format" || key == "epoch" || key == "optimizer" || key == "iterations" ||
+         starts_with(key, "optimizer.");
+}
+
+// The weights of `model`, refusing two with one name.
+std::vector<Variable> named_weights(const layers::Layer& model, const std::string& path,
+                                    std::string_view who) {
+  std::vector<Variable> weights = model.weights();
+  std::set<std::string_view> names;
+  for (const auto& w : weights)
+    if (!names.insert(w.name()).second)
+      throw ValueError(fmt::format("{} '{}': the model '{}' has two weights named '{}'", who, path,
+                                   model.name(), w.name()));
+  return weights;
+}
+
+// What a load assigns: each weight with its value from the file.
+using Plan = std::vector<std::pair<Variable, Tensor>>;
+
+// Checks that the tensors of `file` under `prefix` are exactly the weights of `model`, with
+// their shapes and dtypes; returns the assignments to make.
+Plan check_weights(const layers::Layer& model, const SafetensorsFile& file, std::string_view prefix,
+                   const std::string& path) {
+  const std::vector<Variable> weights = named_weights(model, path, "checkpoint");
+  std::unordered_map<std::string_view, const Tensor*> in_file;
+  for (const auto& [name, t] : file.tensors)
+    if (starts_with(name, prefix)) in_file.emplace(name, &t);
+  if (weights.empty() && !in_file.empty())
+    throw ValueError(fmt::format(
+        "checkpoint '{}': the model '{}' has no weights yet but the file holds {}; build the "
+        "model (call it on an input) before loading weights into it",
+        path, model.name(), in_file.size()));
+
+  Plan plan;
+  plan.reserve(weights.size());
+  for (const auto& w : weights) {
+    const std::string name = fmt::format("{}{}", prefix, w.name());
+    auto it = in_file.find(name);
+    if (it == in_file.end())
+      throw ValueError(fmt::format(
+          "checkpoint '{}': tensor '{}' (the weight '{}' of the model) is missing from the file",
+          path, name, w.name()));
+    const Tensor& t = *it->second;
+    if (t.shape() != w.shape())
+      throw ValueError(
+          fmt::format("checkpoint '{}': tensor '{}' has shape {} in the file but {} in the model",
+                      path, name, t.shape(), w.shape()));
+    if (t.dtype() != w.dtype())
+      throw ValueError(
+          fmt::format("checkpoint '{}': tensor '{}' has dtype {} in the file but {} in the model",
+                      path, name, t.dtype(), w.dtype()));
+    plan.emplace_back(w, t);
+    in_file.erase(it);
+  }
+  if (!in_file.empty()) {
+    // The first one in file order, for a stable message.
+    for (const auto& [name, t] : file.tensors)
+      if (in_file.count(name))
+        throw ValueError(fmt::format(
+            "checkpoint '{}': tensor '{}' in the file is not a weight of the model '{}' (a file "
+            "of another model?)",
+            path, name, model.name()));
+  }
+  return plan;
+}
+
+void assign(const Plan& plan) {
+  NoGradGuard no_grad;
+  for (const auto& [variable, value] : plan) {
+    Variable v = variable;
+    v.assign(value.to(v.device()));
+  }
+}
+
+const std::string& metadata_value(const SafetensorsFile& file, const std::string& key,
+                                  const std::string& path) {
+  auto it = file.metadata.find(key);
+  if (it == file.metadata.end())
+    throw ValueError(
+        fmt::format("checkpoint '{}': the file's __metadata__ has no \"{}\"", path, key));
+  return it->second;
+}
+
+template <typename T>
+T parse_number(const std::string& text, const std::string& key, const std::string& path) {
+  T value{};
+  const char* end = text.data() + text.size();
+  const auto [p, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || p != end || text.empty())
+    throw ValueError(fmt::format("checkpoint '{}': __metadata__ \"{}\" is \"{}\", not {}", path,
+                                 key, text,
+                                 std::is_floating_point_v<T> ? "a number" : "an integer"));
+  return value;
+}
+
+// The name of the optimizer a LossScaleOptimizer wraps (empty for other optimizers).
+std::string inner_name(const optim::Optimizer& optimizer) {
+  if (const auto* lso = dynamic_cast<const optim::LossScaleOptimizer*>(&optimizer))
+    return lso->inner_optimizer().name();
+  return {};
+}
+
+}  // namespace
+
+void save_weights(const layers::Layer& model, const std::string& path,
+                  const std::map<std::string, std::string>& metadata) {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& w : named_weights(model, path, "save_weights"))
+    tensors.emplace_back(w.name(), w);
+  save_safetensors(path, tensors, metadata);
+}
+
+void load_weights(layers::Layer& model, const std::string& path) {
+  const SafetensorsFile file = load_safetensors(path);
+  auto format = file.metadata.find("format");
+  const bool checkpoint = format != file.metadata.end() && format->second == kCheckpointFormat;
+  assign(check_weights(model, file, checkpoint ? kModelPrefix : std::string_view(), path));
+}
+
+void save_checkpoint(const std::string& path, const layers::Layer& model,
+                     const optim::Optimizer& optimizer, const TrainingCheckpoint& info) {
+  for (const auto& [key, value] : info.metadata)
+    if (reserved_key(key))
+      throw ValueError(fmt::format(
+          "save_checkpoint '{}': metadata key \"{}\" is reserved (save_checkpoint writes "
+          "\"format\", \"epoch\", \"optimizer\", \"iterations\" and \"optimizer.*\")",
+          path, key));
+  const std::vector<Variable> weights = named_weights(model, path, "save_checkpoint");
+  const optim::OptimizerState state = optimizer.state(model.trainable_variables());
+
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  tensors.reserve(weights.size() + state.tensors.size());
+  for (const auto& w : weights)
+    tensors.emplace_back(fmt::format("{}{}", kModelPrefix, w.name()), w);
+  for (const auto& [name, t] : state.tensors)
+    tensors.emplace_back(fmt::format("{}{}", kOptimizerPrefix, name), t);
+
+  std::map<std::string, std::string> metadata = info.metadata;
+  metadata["format"] = kCheckpointFormat;
+  metadata["epoch"] = fmt::format("{}", info.epoch);
+  metadata["optimizer"] = optimizer.name();
+  if (const std::string inner = inner_name(optimizer); !inner.empty())
+    metadata["optimizer.inner"] = inner;
+  metadata["iterations"] = fmt::format("{}", state.iterations);
+  // fmt's "{}" prints a double in the shortest form that reads back to the same value.
+  for (const auto& [name, value] : state.scalars)
+    metadata[fmt::format("{}{}", kScalarPrefix, name)] = fmt::format("{}", value);
+  save_safetensors(path, tensors, metadata);
+}
+
+TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model,
+                                   optim::Optimizer& optimizer) {
+  const SafetensorsFile file = load_safetensors(path);
+
+  // The metadata: format, optimizer kind, numbers.
+  auto format = file.metadata.find("format");
+  if (format == file.metadata.end() || format->second != kCheckpointFormat)
+    throw ValueError(fmt::format(
+        "checkpoint '{}' is not a training checkpoint: its __metadata__ \"format\" is {} instead "
+        "of \"{}\" (a file of save_weights? read it with load_weights)",
+        path, format == file.metadata.end() ? "missing" : fmt::format("\"{}\"", format->second),
+        kCheckpointFormat));
+  TrainingCheckpoint info;
+  info.epoch = parse_number<int>(metadata_value(file, "epoch", path), "epoch", path);
+  const std::string& kind = metadata_value(file, "optimizer", path);
+  if (kind != optimizer.name())
+    throw ValueError(fmt::format(
+        "checkpoint '{}' holds the state of optimizer {}, but the optimizer given is {}", path,
+        kind, optimizer.name()));
+  auto inner_it = file.metadata.find("optimizer.inner");
+  const std::string file_inner = inner_it == file.metadata.end() ? "" : inner_it->second;
+  if (const std::string inner = inner_name(optimizer); inner != file_inner)
+    throw ValueError(fmt::format(
+        "checkpoint '{}' holds the state of a {} wrapping {}, but the optimizer given wraps {}",
+        path, kind, file_inner.empty() ? "nothing" : file_inner,
+        inner.empty() ? "nothing" : inner));
+  optim::OptimizerState state;
+  state.iterations =
+      parse_number<std::int64_t>(metadata_value(file, "iterations", path), "iterations", path);
+  for (const auto& [key, value] : file.metadata) {
+    if (starts_with(key, kScalarPrefix))
+      state.scalars[key.substr(kScalarPrefix.size())] = parse_number<double>(value, key, path);
+    else if (!reserved_key(key))
+      info.metadata.emplace(key, value);
+  }
+
+  // The tensors: the model's weights, and slots of its trainable variables.
+  const Plan plan = check_weights(model, file, kModelPrefix, path);
+  std::set<std::string_view> trainable;
+  const std::vector<Variable> variables = model.trainable_variables();
+  for (const auto& v : variables) trainable.insert(v.name());
+  for (const auto& [name, t] : file.tensors) {
+    if (starts_with(name, kModelPrefix)) continue;
+    if (!starts_with(name, kOptimizerPrefix))
+      throw ValueError(fmt::format(
+          "checkpoint '{}': tensor '{}' is neither a weight (\"model/...\") nor an optimizer slot "
+          "(\"optimizer/...\")",
+          path, name));
+    const std::string key = name.substr(kOptimizerPrefix.size());
+    const auto slash = key.rfind('/');
+    if (slash == std::string::npos || slash + 1 == key.size() ||
+        !trainable.count(std::string_view(key).substr(0, slash)))
+      throw ValueError(fmt::format(
+          "checkpoint '{}': optimizer slot '{}' belongs to no trainable variable of the model '{}'",
+          path, name, model.name()));
+    state.tensors.emplace(key, t);
+  }
+
+  // The optimizer checks its state before it changes; then the weights are set.
+  try {
+    optimizer.load_state(state, variables);
+  } catch (const ValueError& e) {
+    throw ValueError(fmt::format("checkpoint '{}': {}", path, e.what()));
+  }
+  assign(plan);
+  return info;
+}
+
+}  // namespace mixtape
