@@ -170,7 +170,9 @@ History Model::fit(const Tensor& x, const Tensor& y, FitOptions o) {
   if (n_train == 0) throw ValueError(who + ": no training samples");
 
   auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
-  Generator gen(o.seed ? *o.seed : default_generator().next_u64());
+  // Each epoch shuffles with a generator of its own, seeded from the base seed and the
+  // epoch number: resuming at epoch k (initial_epoch) replays the same order.
+  const std::uint64_t base_seed = o.seed ? *o.seed : default_generator().next_u64();
   const std::int64_t steps = (n_train + o.batch_size - 1) / o.batch_size;
   const bool tty = o.verbose == 1 && isatty(fileno(stdout));
   std::vector<std::string> keys{"loss"};
@@ -185,6 +187,7 @@ History Model::fit(const Tensor& x, const Tensor& y, FitOptions o) {
     for (auto& cb : o.callbacks) cb->on_epoch_begin(*this, epoch);
     for (auto& m : metrics_) m->reset_state();
     std::iota(order.begin(), order.end(), std::int64_t{0});
+    Generator gen(base_seed ^ (0x9e3779b97f4a7c15ULL * static_cast<std::uint64_t>(epoch + 1)));
     if (o.shuffle)
       for (std::size_t i = order.size(); i > 1; --i)
         std::swap(order[i - 1], order[gen.next_u64() % i]);

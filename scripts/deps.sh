@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages that building and testing mixtape needs, when missing.
+# Installs the Debian 12 packages that building and testing mixtape needs, when missing,
+# plus any packages named as arguments.
 # Checks with dpkg-query first: when everything is present it does nothing (and needs no
 # network). Otherwise it runs `apt-get update` once and installs the missing packages,
 # through sudo when not root.
@@ -17,6 +18,8 @@ packages=(
   libopenblas-openmp-dev  # OpenBLAS sharing OpenMP's threads with mixtape's kernels
   libbenchmark-dev
 )
+# Extra packages a caller needs (train.sh: curl to fetch MNIST).
+packages+=("$@")
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -1,0 +1,506 @@
+// mixtape-mnist: trains a classifier on MNIST (or Fashion-MNIST) with mixtape, the way the
+// Keras mixed precision guide does: a dtype policy, Model.fit (or the guide's custom
+// GradientTape loop with a LossScaleOptimizer), per-epoch metrics, the test accuracy, and
+// optionally checkpoints, a metrics file and an SVG of the learning curves.
+//
+// Run with no options it fetches MNIST if needed, picks the GPU when there is one, and
+// trains the 784-512-512-10 MLP. `mixtape-mnist --help` lists the options.
+#include <mixtape/mixtape.h>
+#include <spdlog/spdlog.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "plot.h"
+
+namespace mt = mixtape;
+namespace ml = mixtape::layers;
+
+namespace {
+
+// A bad command line: printed with a pointer to --help, exit status 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct Options {
+  std::string model = "mlp";
+  std::string policy = "float32";
+  std::string device = "auto";
+  int epochs = 5;
+  std::int64_t batch_size = 0;      // 0: 128, or 8192 for the guide model
+  double learning_rate = 0.0;       // 0: 0.001 (0.002 for the cnn)
+  std::string schedule = "cosine";  // or constant
+  std::uint64_t seed = 0;
+  std::string data_dir;
+  std::string dataset = "mnist";
+  bool custom_loop = false;
+  std::string save, resume, metrics_out, plot;
+  double validation_split = 0.0;  // 0: validate on the test set
+  std::int64_t limit = 0;         // use only the first N training images
+  std::int64_t units = 0;         // guide model width (0: 4096 on a GPU, 64 on a CPU)
+  int verbose = 1;
+  bool trace_dtypes = false;
+};
+
+const char* kUsage = R"(usage: mixtape-mnist [options]
+
+Trains a classifier on MNIST with mixtape and reports the test accuracy.
+
+  --model NAME          mlp (784-512-512-10, default), cnn (Conv32-pool-Conv64-pool-Dense128-
+                        Dense10) or guide (the mixed precision guide's two Dense(units) layers)
+  --policy NAME         dtype policy: float32 (default), mixed_float16, mixed_bfloat16,
+                        float16, bfloat16, float64
+  --device NAME         auto (default: cuda when a GPU is present), cpu, cuda, cuda:N
+  --epochs N            epochs to train (default 5)
+  --batch-size N        default 128 (8192 for --model guide)
+  --learning-rate X     default 0.001, 0.002 for the cnn (Adam for mlp and cnn, RMSprop
+                        for guide)
+  --schedule NAME       cosine (default: decays to 0 over the run) or constant
+  --seed N              weights, shuffling (default 0)
+  --data-dir DIR        directory with the four IDX files (raw or .gz); default
+                        $MIXTAPE_DATA_DIR, then the cache, then a download
+  --dataset NAME        mnist (default) or fashion (Fashion-MNIST)
+  --custom-loop         the guide's GradientTape + LossScaleOptimizer loop instead of fit
+  --save PATH           write a checkpoint (safetensors) after every epoch
+  --resume PATH         continue from a checkpoint written by --save
+  --metrics-out PATH    per-epoch metrics: CSV, or JSON lines when PATH ends in .jsonl/.json
+  --plot PATH           an SVG image of the loss and accuracy curves (training, validation)
+  --validation-split X  hold out this fraction of the training images for validation
+                        (default: validate on the test set)
+  --limit N             train on the first N training images only
+  --units N             width of the guide model (default 4096 on a GPU, 64 on a CPU)
+  --trace-dtypes        print which dtypes each layer used (the cheat sheet of the model)
+  --verbose N           0 quiet, 1 progress bar (default), 2 one line per epoch
+  -h, --help            this text
+)";
+
+Options parse(int argc, char** argv) {
+  Options o;
+  auto value = [&](int& i, const std::string& flag) -> std::string {
+    if (i + 1 >= argc) throw UsageError(fmt::format("{} needs a value", flag));
+    return argv[++i];
+  };
+  auto integer = [&](int& i, const std::string& flag, std::int64_t min) {
+    const std::string v = value(i, flag);
+    char* end = nullptr;
+    errno = 0;
+    const long long n = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || errno != 0 || n < min)
+      throw UsageError(fmt::format("{} needs an integer >= {}; got '{}'", flag, min, v));
+    return static_cast<std::int64_t>(n);
+  };
+  auto real = [&](int& i, const std::string& flag, double lo, double hi) {
+    const std::string v = value(i, flag);
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(x >= lo && x <= hi))
+      throw UsageError(fmt::format("{} needs a number in [{}, {}]; got '{}'", flag, lo, hi, v));
+    return x;
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (a == "--model") {
+      o.model = value(i, a);
+      if (o.model != "mlp" && o.model != "cnn" && o.model != "guide")
+        throw UsageError(fmt::format("unknown model '{}'; valid: mlp, cnn, guide", o.model));
+    } else if (a == "--policy") {
+      o.policy = value(i, a);
+      try {
+        mt::Policy check(o.policy);
+      } catch (const mt::ValueError& e) {
+        throw UsageError(e.what());  // names the valid policies
+      }
+    } else if (a == "--device") {
+      o.device = value(i, a);
+    } else if (a == "--epochs") {
+      o.epochs = static_cast<int>(integer(i, a, 0));
+    } else if (a == "--batch-size") {
+      o.batch_size = integer(i, a, 1);
+    } else if (a == "--learning-rate") {
+      o.learning_rate = real(i, a, 1e-9, 10.0);
+    } else if (a == "--schedule") {
+      o.schedule = value(i, a);
+      if (o.schedule != "cosine" && o.schedule != "constant")
+        throw UsageError(fmt::format("unknown schedule '{}'; valid: cosine, constant", o.schedule));
+    } else if (a == "--seed") {
+      o.seed = static_cast<std::uint64_t>(integer(i, a, 0));
+    } else if (a == "--data-dir") {
+      o.data_dir = value(i, a);
+    } else if (a == "--dataset") {
+      o.dataset = value(i, a);
+      if (o.dataset != "mnist" && o.dataset != "fashion")
+        throw UsageError(fmt::format("unknown dataset '{}'; valid: mnist, fashion", o.dataset));
+    } else if (a == "--custom-loop") {
+      o.custom_loop = true;
+    } else if (a == "--save") {
+      o.save = value(i, a);
+    } else if (a == "--resume") {
+      o.resume = value(i, a);
+    } else if (a == "--metrics-out") {
+      o.metrics_out = value(i, a);
+    } else if (a == "--plot") {
+      o.plot = value(i, a);
+      if (o.plot.size() < 4 || o.plot.substr(o.plot.size() - 4) != ".svg")
+        throw UsageError(
+            fmt::format("--plot writes an SVG image; give a path ending in .svg "
+                        "(got '{}')",
+                        o.plot));
+    } else if (a == "--validation-split") {
+      o.validation_split = real(i, a, 0.0, 0.9);
+    } else if (a == "--limit") {
+      o.limit = integer(i, a, 1);
+    } else if (a == "--units") {
+      o.units = integer(i, a, 1);
+    } else if (a == "--trace-dtypes") {
+      o.trace_dtypes = true;
+    } else if (a == "--verbose") {
+      o.verbose = static_cast<int>(integer(i, a, 0));
+    } else {
+      throw UsageError(fmt::format("unknown option '{}'", a));
+    }
+  }
+  return o;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+mt::Device pick_device(const std::string& name) {
+  const bool have_cuda = mt::has_backend(mt::DeviceType::CUDA) &&
+                         mt::backend_for(mt::DeviceType::CUDA).device_count() > 0;
+  if (name == "auto") return have_cuda ? mt::Device::cuda(0) : mt::Device::cpu();
+  const mt::Device d = mt::Device::parse(name);
+  mt::check_device(d);  // a clear DeviceError when it is not there
+  return d;
+}
+
+// The three models. Each ends in a float32 layer, as the guide advises under mixed
+// precision: logits through a float32 linear activation (mlp, cnn: the loss takes
+// logits), or the guide's float32 softmax.
+std::unique_ptr<mt::Sequential> build_model(const Options& o, std::int64_t units) {
+  std::vector<ml::LayerPtr<ml::Layer>> layers;
+  if (o.model == "mlp") {
+    layers = {ml::Flatten(), ml::Dense(512, {.activation = "relu"}),
+              ml::Dense(512, {.activation = "relu"}), ml::Dense(10, {.name = "logits"}),
+              ml::Activation("linear", {.dtype = "float32", .name = "predictions"})};
+  } else if (o.model == "cnn") {
+    layers = {ml::Reshape({28, 28, 1}),
+              ml::Conv2D(32, 3, {.activation = "relu"}),
+              ml::MaxPooling2D(),
+              ml::Conv2D(64, 3, {.activation = "relu"}),
+              ml::MaxPooling2D(),
+              ml::Flatten(),
+              ml::Dense(128, {.activation = "relu"}),
+              ml::Dense(10, {.name = "logits"}),
+              ml::Activation("linear", {.dtype = "float32", .name = "predictions"})};
+  } else {
+    layers = {ml::Flatten(), ml::Dense(units, {.activation = "relu", .name = "dense_1"}),
+              ml::Dense(units, {.activation = "relu", .name = "dense_2"}),
+              ml::Dense(10, {.name = "dense_logits"}),
+              ml::Activation("softmax", {.dtype = "float32", .name = "predictions"})};
+  }
+  return std::make_unique<mt::Sequential>(std::move(layers), mt::ModelOptions{.name = o.model});
+}
+
+// Per-epoch metrics to a CSV or JSON-lines file, flushed after every epoch.
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path)
+      : path_(path), json_(ends_with(path, ".jsonl") || ends_with(path, ".json")) {
+    out_.open(path, std::ios::out | std::ios::trunc);
+    if (!out_)
+      throw mt::ValueError(
+          fmt::format("cannot write the metrics file '{}': {}", path, std::strerror(errno)));
+  }
+  void write(int epoch, const mt::Logs& logs, double train_seconds, double us_per_sample) {
+    static const std::vector<std::string> kKeys = {"loss",         "accuracy",   "val_loss",
+                                                   "val_accuracy", "loss_scale", "skipped_steps"};
+    if (json_) {
+      std::string line = fmt::format("{{\"epoch\": {}", epoch + 1);
+      for (const auto& k : kKeys)
+        if (logs.count(k)) line += fmt::format(", \"{}\": {}", k, logs.at(k));
+      line += fmt::format(", \"seconds\": {:.4f}, \"us_per_sample\": {:.3f}}}\n", train_seconds,
+                          us_per_sample);
+      out_ << line;
+    } else {
+      if (!header_written_) {
+        out_ << "epoch";
+        for (const auto& k : kKeys) out_ << ',' << k;
+        out_ << ",seconds,us_per_sample\n";
+        header_written_ = true;
+      }
+      out_ << epoch + 1;
+      for (const auto& k : kKeys) {
+        out_ << ',';
+        if (logs.count(k)) out_ << fmt::format("{}", logs.at(k));
+      }
+      out_ << fmt::format(",{:.4f},{:.3f}\n", train_seconds, us_per_sample);
+    }
+    out_.flush();
+    if (!out_) throw mt::ValueError(fmt::format("writing the metrics file '{}' failed", path_));
+  }
+
+ private:
+  std::string path_;
+  bool json_;
+  bool header_written_ = false;
+  std::ofstream out_;
+};
+
+// What happens at the end of every epoch, for fit and the custom loop alike: the metrics
+// file, the checkpoint, the curves.
+struct EpochSink {
+  const Options& options;
+  std::map<std::string, std::string> metadata;
+  std::optional<MetricsWriter> metrics;
+  mnist_app::Curves curves;
+
+  void end_epoch(mt::Model& model, int epoch, const mt::Logs& logs, double train_seconds,
+                 std::int64_t samples) {
+    const double us = train_seconds / static_cast<double>(std::max<std::int64_t>(samples, 1)) * 1e6;
+    if (metrics) metrics->write(epoch, logs, train_seconds, us);
+    if (!options.save.empty())
+      mt::save_checkpoint(options.save, model, *model.optimizer(),
+                          mt::TrainingCheckpoint{.epoch = epoch + 1, .metadata = metadata});
+    curves.epochs.push_back(epoch + 1);
+    for (const auto& [k, v] : logs) curves.series[k].push_back(v);
+  }
+};
+
+// fit's side of EpochSink: times the training part of each epoch.
+class SinkCallback : public mt::Callback {
+ public:
+  SinkCallback(EpochSink& sink, std::int64_t samples) : sink_(sink), samples_(samples) {}
+  void on_epoch_begin(mt::Model&, int) override { start_ = last_ = Clock::now(); }
+  void on_batch_end(mt::Model&, std::int64_t, const mt::Logs&) override { last_ = Clock::now(); }
+  void on_epoch_end(mt::Model& model, int epoch, const mt::Logs& logs) override {
+    sink_.end_epoch(model, epoch, logs, std::chrono::duration<double>(last_ - start_).count(),
+                    samples_);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  EpochSink& sink_;
+  std::int64_t samples_;
+  Clock::time_point start_, last_;
+};
+
+// The guide's custom training loop, with the same per-epoch output as fit.
+void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const mt::Tensor& y,
+                 const mt::Tensor& x_val, const mt::Tensor& y_val, std::int64_t batch_size,
+                 int start_epoch, EpochSink& sink) {
+  auto optimizer = model.optimizer();
+  auto* lso = dynamic_cast<mt::optim::LossScaleOptimizer*>(optimizer.get());
+  const mt::losses::Loss& loss_object = model.loss();
+  const std::int64_t n = x.dim(0);
+  for (int epoch = start_epoch; epoch < o.epochs; ++epoch) {
+    // A shuffle seeded by (seed, epoch): a resumed run replays the same batches.
+    auto train_ds = mt::data::Dataset::from_tensors(x, y)
+                        .shuffle(n, o.seed * 1000003ULL + static_cast<std::uint64_t>(epoch))
+                        .batch(batch_size)
+                        .prefetch(2);
+    mt::metrics::Mean epoch_loss("loss");
+    mt::metrics::SparseCategoricalAccuracy train_accuracy("accuracy");
+    const std::int64_t skipped_before = lso ? lso->skipped_steps() : 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (auto& [xb_host, yb_host] : train_ds) {
+      const mt::Tensor xb = xb_host.to(model.device()), yb = yb_host.to(model.device());
+      mt::GradientTape tape;
+      auto predictions = model(xb, {.training = true});
+      auto loss = loss_object(yb, predictions);
+      std::vector<mt::Tensor> grads;
+      if (lso) {
+        auto scaled_loss = lso->get_scaled_loss(loss);
+        auto scaled_grads = tape.gradient(scaled_loss, model.trainable_variables());
+        grads = lso->get_unscaled_gradients(scaled_grads);
+      } else {
+        grads = tape.gradient(loss, model.trainable_variables());
+      }
+      optimizer->apply_gradients(grads, model.trainable_variables());
+      epoch_loss.update_state(loss, mt::full({}, static_cast<double>(xb.dim(0))));
+      train_accuracy.update_state(yb, predictions.detach());
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    mt::Logs logs{{"loss", epoch_loss.result()}, {"accuracy", train_accuracy.result()}};
+    for (const auto& [k, v] : model.evaluate(x_val, y_val, {.batch_size = 1000}))
+      logs["val_" + k] = v;
+    if (lso) {
+      logs["loss_scale"] = lso->loss_scale();
+      logs["skipped_steps"] = static_cast<double>(lso->skipped_steps() - skipped_before);
+    }
+    if (o.verbose > 0) {
+      fmt::print(
+          "Epoch {}/{} - {:.1f}s - {:.0f}us/sample - loss: {:.4f} - accuracy: {:.4f} - "
+          "val_loss: {:.4f} - val_accuracy: {:.4f}",
+          epoch + 1, o.epochs, seconds, seconds / static_cast<double>(n) * 1e6, logs["loss"],
+          logs["accuracy"], logs["val_loss"], logs["val_accuracy"]);
+      if (lso)
+        fmt::print(" - loss_scale: {:g} - skipped_steps: {:g}", logs["loss_scale"],
+                   logs["skipped_steps"]);
+      fmt::print("\n");
+      std::fflush(stdout);
+    }
+    sink.end_epoch(model, epoch, logs, seconds, n);
+  }
+}
+
+int run(const Options& o) {
+  mt::manual_seed(o.seed);
+  mt::set_global_policy(o.policy);
+  const mt::Device device = pick_device(o.device);
+  const std::int64_t units = o.units ? o.units : (device.is_cuda() ? 4096 : 64);
+  const std::int64_t batch_size = o.batch_size ? o.batch_size : (o.model == "guide" ? 8192 : 128);
+
+  // Outputs that must be writable are checked before any training.
+  EpochSink sink{o, {}, std::nullopt, {}};
+  if (!o.metrics_out.empty()) sink.metrics.emplace(o.metrics_out);
+
+  // --- Data: uint8 images scaled to float32 in [0, 1] on the host, int64 labels ---------
+  mt::datasets::LoadOptions load;
+  if (!o.data_dir.empty()) {
+    // An explicit directory must exist: falling back to the cache or a download would
+    // hide the mistake.
+    if (!std::filesystem::is_directory(o.data_dir))
+      throw mt::IOError(
+          fmt::format("the data directory '{}' does not exist; point --data-dir "
+                      "at a directory with the four MNIST IDX files, or leave it "
+                      "out to use the cache or a download",
+                      o.data_dir));
+    load.data_dir = o.data_dir;
+  }
+  load.verbose = o.verbose > 0;
+  const mt::datasets::Mnist data = o.dataset == "fashion" ? mt::datasets::fashion_mnist::load(load)
+                                                          : mt::datasets::mnist::load(load);
+  mt::Tensor x = data.train.x, y = data.train.y;
+  if (o.limit > 0 && o.limit < x.dim(0)) {
+    x = x.slice(0, 0, o.limit);
+    y = y.slice(0, 0, o.limit);
+  }
+  mt::Tensor x_val = data.test.x, y_val = data.test.y;
+  if (o.validation_split > 0.0) {
+    const auto n_train =
+        static_cast<std::int64_t>(static_cast<double>(x.dim(0)) * (1.0 - o.validation_split));
+    x_val = x.slice(0, n_train, x.dim(0));
+    y_val = y.slice(0, n_train, y.dim(0));
+    x = x.slice(0, 0, n_train);
+    y = y.slice(0, 0, n_train);
+  }
+
+  // --- Model --------------------------------------------------------------------------------
+  std::unique_ptr<mt::Sequential> model = build_model(o, units);
+  model->build_for({-1, 28, 28});
+  model->to(device);
+  const bool logits = o.model != "guide";
+  // The learning rate: constant, or a cosine decay to 0 over all the run's steps.
+  const std::int64_t steps = (x.dim(0) + batch_size - 1) / batch_size * std::max(o.epochs, 1);
+  const double base_lr = o.learning_rate > 0 ? o.learning_rate : (o.model == "cnn" ? 2e-3 : 1e-3);
+  const mt::optim::LearningRate lr = o.schedule == "cosine"
+                                         ? mt::optim::schedules::cosine_decay(base_lr, steps)
+                                         : mt::optim::LearningRate(base_lr);
+  model->compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = logits}),
+                  .optimizer = o.model == "guide"
+                                   ? mt::OptimizerRef(mt::optim::RMSprop({.learning_rate = lr}))
+                                   : mt::OptimizerRef(mt::optim::Adam({.learning_rate = lr})),
+                  .metrics = {"accuracy"}});
+  sink.metadata = {{"model", o.model},       {"policy", o.policy},
+                   {"dataset", o.dataset},   {"seed", std::to_string(o.seed)},
+                   {"schedule", o.schedule}, {"epochs", std::to_string(o.epochs)}};
+
+  if (o.verbose > 0) {
+    fmt::print(
+        "mixtape-mnist: model {}, policy {}, device {}, {} training images, {} validation "
+        "images ({}{}), batch {}, {}\n",
+        o.model, o.policy, device, x.dim(0), x_val.dim(0), o.dataset,
+        o.validation_split > 0.0 ? ", held out from training" : " test set", batch_size,
+        o.custom_loop ? "custom GradientTape loop" : "Model.fit");
+    model->summary();
+  }
+  if (o.trace_dtypes) {
+    const mt::DTypeTrace trace = mt::trace_dtypes(*model, x.slice(0, 0, 8).to(device));
+    fmt::print("Which dtypes each layer used (input, weights, computation, output):\n{}",
+               trace.table());
+  }
+
+  int start_epoch = 0;
+  if (!o.resume.empty()) {
+    const mt::TrainingCheckpoint ckpt = mt::load_checkpoint(o.resume, *model, *model->optimizer());
+    for (const char* key : {"model", "policy", "dataset"}) {
+      auto it = ckpt.metadata.find(key);
+      if (it != ckpt.metadata.end() && it->second != sink.metadata[key])
+        throw mt::ValueError(
+            fmt::format("checkpoint '{}' was written with --{} {}; resume with the "
+                        "same options (this run has --{} {})",
+                        o.resume, key, it->second, key, sink.metadata[key]));
+    }
+    auto planned = ckpt.metadata.find("epochs");
+    if (o.schedule != "constant" && planned != ckpt.metadata.end() &&
+        planned->second != std::to_string(o.epochs))
+      spdlog::warn(
+          "checkpoint '{}' was written by a run of --epochs {}; the {} learning-rate "
+          "schedule spans --epochs, so this run of --epochs {} follows another curve",
+          o.resume, planned->second, o.schedule, o.epochs);
+    start_epoch = ckpt.epoch;
+    if (o.verbose > 0)
+      fmt::print("Resumed from '{}' after epoch {} (optimizer step {})\n", o.resume, start_epoch,
+                 model->optimizer()->iterations());
+  }
+
+  // --- Training ------------------------------------------------------------------------------
+  if (o.custom_loop) {
+    custom_loop(*model, o, x, y, x_val, y_val, batch_size, start_epoch, sink);
+  } else {
+    auto callback = std::make_shared<SinkCallback>(sink, x.dim(0));
+    model->fit(x, y,
+               {.batch_size = batch_size,
+                .epochs = o.epochs,
+                .validation_data = std::make_pair(x_val, y_val),
+                .seed = o.seed,
+                .verbose = o.verbose,
+                .callbacks = {callback},
+                .initial_epoch = start_epoch});
+  }
+
+  // --- Test accuracy -------------------------------------------------------------------------
+  const mt::Logs scores = model->evaluate(data.test.x, data.test.y, {.batch_size = 1000});
+  fmt::print("Test loss: {:.4f}\nTest accuracy: {:.4f}\n", scores.at("loss"),
+             scores.at("accuracy"));
+  if (!o.plot.empty()) {
+    mnist_app::write_curves_svg(
+        o.plot, sink.curves,
+        fmt::format("mixtape-mnist: {} on {}, {}", o.model, o.dataset, o.policy));
+    if (o.verbose > 0) fmt::print("Learning curves written to {}\n", o.plot);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "mixtape-mnist: %s (see --help)\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mixtape-mnist: error: %s\n", e.what());
+    return 1;
+  }
+}
