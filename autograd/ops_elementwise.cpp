@@ -205,11 +205,23 @@ Tensor sigmoid(const Tensor& x) {
                [](const Tensor& g, const Tensor&, const Tensor& y) { return g * y * (1.0 - y); });
 }
 
+namespace {
+// g where y > 0, else 0 (one kernel pass). Linear in g; its gradient in y is zero.
+Tensor relu_backward(const Tensor& y, const Tensor& g) {
+  Tensor yc, gc;
+  Tensor out = binary_forward(OpId::relu_backward, y, g, yc, gc);
+  if (should_record({gc}))
+    record_op("relu_backward", {yc, gc}, out,
+              [yc](const Tensor& gg, const std::vector<bool>& needs) {
+                return Grads{Tensor(), needs[1] ? relu_backward(yc, gg) : Tensor()};
+              });
+  return out;
+}
+}  // namespace
+
 Tensor relu(const Tensor& x) {
-  return unary(OpId::relu, x, [](const Tensor& g, const Tensor&, const Tensor& y) {
-    Tensor zero = detail::scalar_like(0.0, y);
-    return where(greater(y, zero), g, zero);
-  });
+  return unary(OpId::relu, x,
+               [](const Tensor& g, const Tensor&, const Tensor& y) { return relu_backward(y, g); });
 }
 
 Tensor gelu(const Tensor& x) {

@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--peers", default="mixtape,pytorch",
+                    help="which to run (mixtape alone measures its own precision ratios)")
     ap.add_argument("--raw", default="")
     a = ap.parse_args()
 
@@ -82,7 +84,7 @@ def main():
         for precision in precisions:
             ours, theirs = [], []
             for r in range(a.rounds):
-                for peer in ("mixtape", "pytorch"):
+                for peer in a.peers.split(","):
                     if peer == "mixtape":
                         res = run_app(a.app, a.data, model, precision, a.epochs, a.threads,
                                       a.device)
@@ -99,9 +101,9 @@ def main():
                           f"{res['us_per_sample']:.1f} us/sample, "
                           f"test accuracy {res['test_accuracy']}", file=sys.stderr)
             m = statistics.median(x["us_per_sample"] for x in ours)
-            p = statistics.median(x["us_per_sample"] for x in theirs)
+            p = statistics.median(x["us_per_sample"] for x in theirs) if theirs else float("nan")
             results.append((model, precision, m, p, ours[-1]["test_accuracy"],
-                            theirs[-1]["test_accuracy"]))
+                            theirs[-1]["test_accuracy"] if theirs else float("nan")))
 
     print(f"| workload | mixtape us/sample | PyTorch us/sample | PyTorch / mixtape | "
           f"mixtape test acc | PyTorch test acc |")

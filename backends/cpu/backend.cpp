@@ -1,16 +1,77 @@
 // The CPU backend: 64-byte aligned host memory, memcpy copies, and kernel registration.
 #include "mixtape/core/backend.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <unordered_map>
+#include <vector>
 
 #include "backends/cpu/cpu_backend.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::cpu {
 namespace {
+
+// A caching allocator: freed blocks are kept, by size class, for the next allocation of
+// that class, so that a training loop that allocates the same tensors every step stops
+// paying for fresh pages (page faults and zeroing by the kernel) after its first step.
+// Size classes: multiples of 64 bytes up to 64 KiB, then eight classes per power of two
+// (at most 12.5% waste). At most kept_limit bytes are kept (MIXTAPE_CPU_CACHE_MB, default
+// 1024); beyond it freed blocks go back to the system.
+class BlockCache {
+ public:
+  BlockCache() {
+    const char* mb = std::getenv("MIXTAPE_CPU_CACHE_MB");
+    if (mb && *mb) limit_ = static_cast<std::size_t>(std::strtoull(mb, nullptr, 10)) << 20;
+  }
+  ~BlockCache() { release_all(); }
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+
+  static std::size_t size_class(std::size_t n) {
+    if (n <= (std::size_t{64} << 10)) return std::max<std::size_t>((n + 63) / 64 * 64, 64);
+    std::size_t p = std::size_t{1} << (63 - __builtin_clzll(n));  // the power of two <= n
+    const std::size_t step = p / 8;
+    return (n + step - 1) / step * step;
+  }
+
+  void* take(std::size_t cls) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = free_.find(cls);
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();
+    it->second.pop_back();
+    kept_ -= cls;
+    return p;
+  }
+
+  // Keeps the block when there is room; false: the caller frees it.
+  bool give(void* p, std::size_t cls) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (kept_ + cls > limit_) return false;
+    free_[cls].push_back(p);
+    kept_ += cls;
+    return true;
+  }
+
+  void release_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [cls, blocks] : free_)
+      for (void* p : blocks) std::free(p);
+    free_.clear();
+    kept_ = 0;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<std::size_t, std::vector<void*>> free_;
+  std::size_t kept_ = 0;
+  std::size_t limit_ = std::size_t{1024} << 20;
+};
 
 class CpuBackend final : public Backend {
  public:
@@ -20,13 +81,19 @@ class CpuBackend final : public Backend {
 
   void* allocate(std::size_t nbytes, int /*device_index*/) override {
     // Aligned for 512-bit vector loads; a size of 0 still gets a unique pointer.
-    const std::size_t rounded = (nbytes + kAlignment - 1) / kAlignment * kAlignment;
-    void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+    const std::size_t cls = BlockCache::size_class(nbytes);
+    if (void* p = cache_.take(cls)) return p;
+    void* p = std::aligned_alloc(kAlignment, cls);
+    if (!p) {
+      cache_.release_all();  // memory is short: give the cached blocks back and retry
+      p = std::aligned_alloc(kAlignment, cls);
+    }
     if (!p) throw std::bad_alloc();
     return p;
   }
-  void deallocate(void* ptr, std::size_t /*nbytes*/, int /*device_index*/) override {
-    std::free(ptr);
+  void deallocate(void* ptr, std::size_t nbytes, int /*device_index*/) override {
+    if (!ptr) return;
+    if (!cache_.give(ptr, BlockCache::size_class(nbytes))) std::free(ptr);
   }
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
             std::size_t nbytes) override {
@@ -39,6 +106,7 @@ class CpuBackend final : public Backend {
 
  private:
   static constexpr std::size_t kAlignment = 64;
+  BlockCache cache_;
 };
 
 }  // namespace

@@ -747,7 +747,8 @@ void conv_backward_weight_acc16(const float* x, const float* grad_out, T* grad_w
 // propagates); ties keep the earlier element.
 template <typename C>
 inline bool beats(C v, C best) {
-  return v > best || (std::isnan(v) && !std::isnan(best));
+  // Non-short-circuit operators: no branch, so loops over it vectorise.
+  return (v > best) | ((v != v) & (best == best));
 }
 
 template <typename C>
@@ -777,8 +778,11 @@ void max_pool_forward(const C* x, C* out, const Pool2dGeometry& g) {
             first = false;
             continue;
           }
-          for (std::int64_t ch = 0; ch < c; ++ch)
-            if (beats(s[ch], d[ch])) d[ch] = s[ch];
+          // Branch-free so that it vectorises: d = beats(s, d) ? s : d.
+          for (std::int64_t ch = 0; ch < c; ++ch) {
+            const C v = s[ch], best = d[ch];
+            d[ch] = beats(v, best) ? v : best;
+          }
         }
       }
     }

@@ -215,6 +215,14 @@ struct Erf {
   }
 };
 
+// The gradient through relu: g where the relu's output y is positive, 0 elsewhere.
+struct ReluBackward {
+  template <typename T>
+  T operator()(T y, T g) const {
+    return y > T(0) ? g : T(0);
+  }
+};
+
 struct Add {
   template <typename T>
   T operator()(T a, T b) const {
@@ -522,6 +530,7 @@ void register_elementwise_kernels() {
   reg_binary<Maximum, float, half, bfloat16, double, int32_t, int64_t>(OpId::maximum);
   reg_binary<Minimum, float, half, bfloat16, double, int32_t, int64_t>(OpId::minimum);
   reg_binary<Pow, float, half, bfloat16, double>(OpId::pow);
+  reg_binary<ReluBackward, float, half, bfloat16, double>(OpId::relu_backward);
 
   reg_compares<Eq>(OpId::eq);
   reg_compares<Ne>(OpId::ne);

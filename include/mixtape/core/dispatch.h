@@ -21,6 +21,7 @@ namespace mixtape {
   /* unary */ X(neg) X(abs) X(exp) X(log) X(sqrt) X(rsqrt) X(tanh) X(sigmoid) X(relu)  \
   X(gelu) X(erf)                                                                      \
   /* binary arithmetic */ X(add) X(sub) X(mul) X(div) X(maximum) X(minimum) X(pow)    \
+  X(relu_backward)                                                                    \
   /* comparisons (bool output) */ X(eq) X(ne) X(lt) X(le) X(gt) X(ge)                 \
   /* selection */ X(where) X(gather) X(scatter_add)                                   \
   /* reductions */ X(sum) X(mean) X(max) X(min) X(argmax)                             \

@@ -33,6 +33,9 @@ using UnaryFn = void(const Tensor& x, const Tensor& out);
 // out is contiguous. Arithmetic outputs have the inputs' dtype, comparisons bool.
 using BinaryFn = void(const Tensor& a, const Tensor& b, const Tensor& out);
 
+// relu_backward (a BinaryFn): out = a > 0 ? b : 0, with a the relu's output and b the
+// gradient of that output, in one pass.
+
 // where: out = cond ? a : b. cond is bool; cond, a, b are views of out's shape (strides
 // may be 0); out contiguous. Keyed on a's dtype.
 using WhereFn = void(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);
