@@ -1,10 +1,12 @@
-// CPU matmul and conv2d kernel throughput (GFLOP/s), called through the dispatch table.
-// Compare the float16 / bfloat16 matmul rows against float32 at the same size.
+// CPU matmul, conv2d and pooling kernel throughput (GFLOP/s), called through the dispatch
+// table. Compare the float16 / bfloat16 matmul rows against float32 at the same size, and
+// the oneDNN rows (onednn:1) against conv.cpp's own kernels (onednn:0) run just before.
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
 #include <string>
 
+#include "backends/cpu/cpu_backend.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
 #include "mixtape/core/tensor.h"
@@ -129,8 +131,8 @@ void BM_CpuConv2dBackward(benchmark::State& state) {
 }
 
 void ConvArgs(benchmark::internal::Benchmark* b) {
-  for (std::int64_t dt = 0; dt < 2; ++dt) b->Args({28, 1, 32, dt});
-  for (std::int64_t dt = 0; dt < 2; ++dt) b->Args({14, 32, 64, dt});
+  for (std::int64_t dt = 0; dt < 3; ++dt) b->Args({28, 1, 32, dt});
+  for (std::int64_t dt = 0; dt < 3; ++dt) b->Args({14, 32, 64, dt});
 }
 BENCHMARK(BM_CpuConv2dForward)
     ->Apply(ConvArgs)
@@ -142,6 +144,127 @@ BENCHMARK(BM_CpuConv2dForward)
 BENCHMARK(BM_CpuConv2dBackward)
     ->Apply(ConvArgs)
     ->ArgNames({"HW", "C", "Cout", "dtype"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true);
+
+// --- oneDNN against conv.cpp's kernels -------------------------------------------------
+
+// Sets the oneDNN switch for one benchmark and restores it afterwards.
+class OneDnnScope {
+ public:
+  explicit OneDnnScope(bool on) : previous_(cpu::onednn_enabled()) { cpu::set_onednn_enabled(on); }
+  ~OneDnnScope() { cpu::set_onednn_enabled(previous_); }
+  OneDnnScope(const OneDnnScope&) = delete;
+  OneDnnScope& operator=(const OneDnnScope&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// The MNIST CNN's layers at batch 128 (3x3 filters, valid padding, as apps/mnist builds
+// them): 0: conv1 28x28, 1 -> 32; 1: conv2 13x13, 32 -> 64. 2 and 3 are the same-padded
+// layers of BM_CpuConv2dForward (28x28, 1 -> 32; 14x14, 32 -> 64).
+kernels::Conv2dGeometry cnn_layer(std::int64_t layer) {
+  if (layer >= 2)
+    return mnist_layer(layer == 2 ? 28 : 14, layer == 2 ? 1 : 32, layer == 2 ? 32 : 64);
+  kernels::Conv2dGeometry g =
+      mnist_layer(layer == 0 ? 28 : 13, layer == 0 ? 1 : 32, layer == 0 ? 32 : 64);
+  g.oh = g.h - 2, g.ow = g.w - 2;
+  g.pad_top = g.pad_left = 0;
+  return g;
+}
+
+// args: layer (cnn_layer), pass (0 forward, 1 backward input, 2 backward weight), dtype
+// index, onednn (0: conv.cpp's kernels, 1: oneDNN where the backend uses it).
+void BM_CpuConv2dPath(benchmark::State& state) {
+  const kernels::Conv2dGeometry g = cnn_layer(state.range(0));
+  const std::int64_t pass = state.range(1);
+  const DType dt = dtype_from_index(state.range(2));
+  const OneDnnScope scope(state.range(3) != 0);
+  const Tensor x = uniform({g.n, g.h, g.w, g.c}, -1.0, 1.0, dt);
+  const Tensor w = uniform({g.kh, g.kw, g.c, g.cout}, -1.0, 1.0, dt);
+  const Tensor y = uniform({g.n, g.oh, g.ow, g.cout}, -1.0, 1.0, dt);
+  const Tensor gx = Tensor::empty({g.n, g.h, g.w, g.c}, dt);
+  const Tensor gw = Tensor::empty({g.kh, g.kw, g.c, g.cout}, dt);
+  const auto cpu = DeviceType::CPU;
+  auto run = [&] {
+    if (pass == 0)
+      find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, y, g);
+    else if (pass == 1)
+      find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(y, w, gx,
+                                                                                        g);
+    else
+      find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt)(x, y, gw,
+                                                                                          g);
+  };
+  run();  // warm-up: primitive creation, scratch buffers
+  for (auto _ : state) {
+    run();
+    benchmark::ClobberMemory();
+  }
+  set_conv_flops(state, g, dt, 1.0);
+}
+
+void ConvPathArgs(benchmark::internal::Benchmark* b) {
+  for (std::int64_t layer = 0; layer < 4; ++layer)
+    for (std::int64_t pass = 0; pass < 3; ++pass)
+      for (std::int64_t dt : {0, 2})
+        for (std::int64_t on = 0; on < 2; ++on) b->Args({layer, pass, dt, on});
+}
+BENCHMARK(BM_CpuConv2dPath)
+    ->Apply(ConvPathArgs)
+    ->ArgNames({"layer", "pass", "dtype", "onednn"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true);
+
+// The MNIST CNN's pooling layers at batch 128 (2x2, stride 2, valid). args: layer (0: after
+// conv1, 26x26x32; 1: after conv2, 11x11x64), op (0 max, 1 max backward, 2 avg, 3 avg
+// backward), dtype index, onednn.
+void BM_CpuPool2dPath(benchmark::State& state) {
+  kernels::Pool2dGeometry g;
+  g.n = 128;
+  g.h = g.w = state.range(0) == 0 ? 26 : 11;
+  g.c = state.range(0) == 0 ? 32 : 64;
+  g.kh = g.kw = g.stride_h = g.stride_w = 2;
+  g.oh = g.ow = g.h / 2;
+  const std::int64_t op = state.range(1);
+  const DType dt = dtype_from_index(state.range(2));
+  const OneDnnScope scope(state.range(3) != 0);
+  const Tensor x = uniform({g.n, g.h, g.w, g.c}, -1.0, 1.0, dt);
+  const Tensor y = uniform({g.n, g.oh, g.ow, g.c}, -1.0, 1.0, dt);
+  const Tensor gx = Tensor::empty({g.n, g.h, g.w, g.c}, dt);
+  const auto cpu = DeviceType::CPU;
+  const OpId id = op == 0   ? OpId::max_pool2d
+                  : op == 1 ? OpId::max_pool2d_backward
+                  : op == 2 ? OpId::avg_pool2d
+                            : OpId::avg_pool2d_backward;
+  auto run = [&] {
+    if (op % 2 == 0)
+      find_kernel<kernels::Pool2dFn>(id, cpu, dt)(x, y, g);
+    else
+      find_kernel<kernels::Pool2dBackwardFn>(id, cpu, dt)(x, y, gx, g);
+  };
+  run();
+  for (auto _ : state) {
+    run();
+    benchmark::ClobberMemory();
+  }
+  state.SetLabel(std::string(dt.name()));
+}
+
+void PoolPathArgs(benchmark::internal::Benchmark* b) {
+  for (std::int64_t layer = 0; layer < 2; ++layer)
+    for (std::int64_t op = 0; op < 4; ++op)
+      for (std::int64_t dt : {0, 2})
+        for (std::int64_t on = 0; on < 2; ++on) b->Args({layer, op, dt, on});
+}
+BENCHMARK(BM_CpuPool2dPath)
+    ->Apply(PoolPathArgs)
+    ->ArgNames({"layer", "op", "dtype", "onednn"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->Repetitions(5)

@@ -16,6 +16,7 @@ packages=(
   catch2         # tests
   zlib1g-dev     # gzip'd IDX files (MNIST)
   libopenblas-openmp-dev  # OpenBLAS sharing OpenMP's threads with mixtape's kernels
+  libdnnl-dev    # oneDNN (OpenMP build): the CPU convolutions and pooling
   libbenchmark-dev
 )
 # Extra packages a caller needs (train.sh: curl to fetch MNIST).

@@ -1,13 +1,16 @@
 // CPU matmul, conv2d and pooling kernels, called straight through the dispatch table and
-// checked against naive double-precision loops.
+// checked against naive double-precision loops. The conv2d and pooling cases run twice when
+// the library has oneDNN: on its kernels and on conv.cpp's own (set_onednn_enabled).
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "backends/cpu/cpu_backend.h"
 #include "kernel_cases.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
@@ -26,6 +29,29 @@ using mtest::random;
 namespace {
 
 const std::vector<DType> kFloatTypes = {kFloat32, kFloat16, kBFloat16, kFloat64};
+
+// Sets the oneDNN switch of the CPU backend until the end of the scope.
+class OneDnnScope {
+ public:
+  explicit OneDnnScope(bool on) : previous_(cpu::onednn_enabled()) { cpu::set_onednn_enabled(on); }
+  ~OneDnnScope() { cpu::set_onednn_enabled(previous_); }
+  OneDnnScope(const OneDnnScope&) = delete;
+  OneDnnScope& operator=(const OneDnnScope&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Runs body() on each CPU conv / pooling path: conv.cpp's kernels, then oneDNN when built in.
+template <typename F>
+void for_each_path(F body) {
+  for (bool on : {false, true}) {
+    if (on && !cpu::onednn_available()) continue;
+    const OneDnnScope scope(on);
+    INFO("oneDNN " << (on ? "on" : "off"));
+    body();
+  }
+}
 
 // Error allowed relative to the largest magnitude of the reference.
 double tolerance(DType dt) {
@@ -330,40 +356,207 @@ TEST_CASE("cpu conv2d forward and backward match naive loops", "[conv]") {
       conv_geometry(4, 16, 16, 8, 3, 3, 5, 1, 1, true),   // threaded / large (GEMM)
       conv_geometry(4, 16, 16, 3, 3, 3, 40, 1, 1, true),  // threaded, cout > 32 (direct)
   };
-  for (DType dt : kFloatTypes)
-    for (const auto& g : geoms) run_conv_case(g, dt);
+  for_each_path([&] {
+    for (DType dt : kFloatTypes)
+      for (const auto& g : geoms) run_conv_case(g, dt);
+  });
+}
+
+TEST_CASE("cpu conv2d with more channels, strides and odd sizes", "[conv]") {
+  const std::vector<Conv2dGeometry> geoms = {
+      conv_geometry(2, 28, 28, 1, 3, 3, 32, 1, 1, false),   // the MNIST CNN's first layer
+      conv_geometry(2, 13, 13, 32, 3, 3, 64, 1, 1, false),  // and its second
+      conv_geometry(2, 15, 17, 24, 3, 3, 40, 2, 2, true),   // stride 2, same, odd sizes
+      conv_geometry(3, 9, 7, 17, 5, 3, 33, 2, 3, false),    // odd channels, mixed strides
+      conv_geometry(2, 11, 13, 16, 3, 3, 16, 3, 3, true),   // stride 3, same
+      conv_geometry(2, 10, 9, 20, 3, 3, 24, 2, 2, false),   // valid, stride 2: a row unread
+      conv_geometry(2, 12, 10, 48, 7, 7, 20, 2, 2, true),   // 7x7 stride 2 (a stem)
+      conv_geometry(2, 8, 8, 64, 1, 1, 128, 1, 1, false),   // pointwise, 64 -> 128
+      conv_geometry(1, 5, 6, 65, 3, 3, 31, 1, 1, true),     // channel counts off the blocks
+  };
+  for_each_path([&] {
+    for (DType dt : kFloatTypes)
+      for (const auto& g : geoms) run_conv_case(g, dt);
+  });
 }
 
 TEST_CASE("cpu conv2d processes large inputs in chunks of output rows", "[conv]") {
   // An output row's column entries are ~58 KB (float32), so the 4 MB column buffer takes
   // ~70 rows at a time: chunks end mid-image and the weight gradient accumulates.
-  run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kFloat32);
-  run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kBFloat16);
-  run_conv_case(conv_geometry(2, 150, 150, 16, 3, 3, 2, 2, 2, true), kFloat64);
+  for_each_path([] {
+    run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kFloat32);
+    run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kBFloat16);
+    run_conv_case(conv_geometry(2, 150, 150, 16, 3, 3, 2, 2, 2, true), kFloat64);
+  });
 }
 
 TEST_CASE("cpu pooling forward and backward match naive loops", "[pool]") {
   const std::vector<Pool2dGeometry> geoms = {
-      pool_geometry(2, 6, 6, 3, 2, 2, 2, 2, false),    // 2x2 / 2, valid
-      pool_geometry(2, 7, 7, 3, 2, 2, 2, 2, true),     // odd size, same (pads bottom/right)
-      pool_geometry(2, 7, 8, 5, 3, 3, 2, 2, true),     // 3x3 / 2, same
-      pool_geometry(1, 6, 5, 1, 3, 3, 1, 1, true),     // 3x3 / 1, same (overlapping)
-      pool_geometry(2, 8, 9, 2, 2, 3, 1, 2, false),    // kh != kw, mixed strides
-      pool_geometry(4, 16, 16, 40, 3, 3, 1, 1, true),  // threaded
+      pool_geometry(2, 6, 6, 3, 2, 2, 2, 2, false),     // 2x2 / 2, valid
+      pool_geometry(2, 7, 7, 3, 2, 2, 2, 2, true),      // odd size, same (pads bottom/right)
+      pool_geometry(2, 7, 8, 5, 3, 3, 2, 2, true),      // 3x3 / 2, same
+      pool_geometry(1, 6, 5, 1, 3, 3, 1, 1, true),      // 3x3 / 1, same (overlapping)
+      pool_geometry(2, 8, 9, 2, 2, 3, 1, 2, false),     // kh != kw, mixed strides
+      pool_geometry(4, 16, 16, 40, 3, 3, 1, 1, true),   // threaded
+      pool_geometry(8, 26, 26, 32, 2, 2, 2, 2, false),  // the MNIST CNN's pools
+      pool_geometry(8, 11, 11, 64, 2, 2, 2, 2, false),  // (odd size: last row dropped)
   };
-  for (DType dt : kFloatTypes)
-    for (const auto& g : geoms) run_pool_case(g, dt, random({g.n, g.h, g.w, g.c}, dt));
+  for_each_path([&] {
+    for (DType dt : kFloatTypes)
+      for (const auto& g : geoms) run_pool_case(g, dt, random({g.n, g.h, g.w, g.c}, dt));
+  });
 }
 
 TEST_CASE("cpu max pool routes ties to the first maximum of the window", "[pool]") {
-  for (DType dt : kFloatTypes) {
-    const Pool2dGeometry g = pool_geometry(2, 5, 5, 3, 3, 3, 1, 1, true);
-    run_pool_case(g, dt, full({g.n, g.h, g.w, g.c}, 0.5, dt));
-    // Few distinct values: many ties between windows' candidates.
-    Tensor coarse = random({g.n, g.h, g.w, g.c}, kFloat64, 0.0, 3.0);
-    for (std::int64_t i = 0; i < coarse.numel(); ++i)
-      coarse.data<double>()[i] = std::floor(coarse.data<double>()[i]);
-    const auto cv = values(coarse);
-    run_pool_case(g, dt, from_vector(cv, coarse.shape(), dt));
+  for_each_path([] {
+    for (DType dt : kFloatTypes) {
+      const Pool2dGeometry g = pool_geometry(2, 5, 5, 3, 3, 3, 1, 1, true);
+      run_pool_case(g, dt, full({g.n, g.h, g.w, g.c}, 0.5, dt));
+      // Few distinct values: many ties between windows' candidates.
+      Tensor coarse = random({g.n, g.h, g.w, g.c}, kFloat64, 0.0, 3.0);
+      for (std::int64_t i = 0; i < coarse.numel(); ++i)
+        coarse.data<double>()[i] = std::floor(coarse.data<double>()[i]);
+      const auto cv = values(coarse);
+      run_pool_case(g, dt, from_vector(cv, coarse.shape(), dt));
+    }
+  });
+}
+
+TEST_CASE("cpu max pool propagates NaN and keeps -inf on every path", "[pool]") {
+  // 2x2 windows, stride 2, one channel: window 0 holds a NaN after a larger number, window
+  // 1 two NaNs (the gradient goes to the first), window 2 only -inf, window 3 plain numbers.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> xs = {5.0,  nan,  nan, nan, 1.0,  2.0,  3.0, 0.5,
+                                  -inf, -inf, 4.0, 7.0, -inf, -inf, 6.0, 7.0};
+  const Pool2dGeometry g = pool_geometry(1, 4, 4, 1, 2, 2, 2, 2, false);
+  for_each_path([&] {
+    for (DType dt : {kFloat32, kBFloat16, kFloat16, kFloat64}) {
+      INFO("dtype " << std::string(dt.name()));
+      const Tensor x = from_vector(xs, Shape{1, 4, 4, 1}, dt);
+      const Tensor out = empty_poisoned({1, 2, 2, 1}, dt);
+      const Tensor gout =
+          from_vector(std::vector<double>{1.0, 2.0, 3.0, 4.0}, Shape{1, 2, 2, 1}, dt);
+      const Tensor gx = empty_poisoned({1, 4, 4, 1}, dt);
+      const auto cpu = DeviceType::CPU;
+      find_kernel<kernels::Pool2dFn>(OpId::max_pool2d, cpu, dt)(x, out, g);
+      find_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cpu, dt)(x, gout, gx, g);
+      const auto o = values(out), d = values(gx);
+      CHECK(std::isnan(o[0]));  // windows: [5, nan; 1, 2], [nan, nan; 3, 0.5]
+      CHECK(std::isnan(o[1]));
+      CHECK(o[2] == -inf);  // [-inf, -inf; -inf, -inf]
+      CHECK(o[3] == 7.0);   // [4, 7; 6, 7]: the first 7
+      CHECK(d == std::vector<double>{0, 1, 2, 0, 0, 0, 0, 0, 3, 0, 0, 4, 0, 0, 0, 0});
+    }
+  });
+}
+
+TEST_CASE("cpu oneDNN hooks take float32 / bfloat16 conv and pooling, and nothing else",
+          "[conv][onednn]") {
+  if (!cpu::onednn_available()) {
+    CHECK_FALSE(cpu::onednn_enabled());
+    return;
   }
+  const Conv2dGeometry g = conv_geometry(2, 13, 13, 32, 3, 3, 64, 1, 1, false);
+  const Pool2dGeometry pg = pool_geometry(2, 26, 26, 32, 2, 2, 2, 2, false);
+  for (DType dt : kFloatTypes) {
+    INFO("dtype " << std::string(dt.name()));
+    const Tensor x = random({g.n, g.h, g.w, g.c}, dt), w = random({g.kh, g.kw, g.c, g.cout}, dt);
+    const Tensor y = random({g.n, g.oh, g.ow, g.cout}, dt);
+    const Tensor gx = empty_poisoned({g.n, g.h, g.w, g.c}, dt);
+    const Tensor gw = empty_poisoned({g.kh, g.kw, g.c, g.cout}, dt);
+    const Tensor px = random({pg.n, pg.h, pg.w, pg.c}, dt);
+    const Tensor py = random({pg.n, pg.oh, pg.ow, pg.c}, dt);
+    const Tensor pgx = empty_poisoned({pg.n, pg.h, pg.w, pg.c}, dt);
+    const bool takes = dt == kFloat32 || dt == kBFloat16;
+    {
+      const OneDnnScope on(true);
+      CHECK(cpu::onednn_conv2d(x, w, y, g) == takes);
+      CHECK(cpu::onednn_conv2d_backward_input(y, w, gx, g) == takes);
+      CHECK(cpu::onednn_conv2d_backward_weight(x, y, gw, g) == takes);
+      // bfloat16 pooling: oneDNN has it for AVX-512 CPUs only (elsewhere a reference
+      // implementation, which the hooks decline), so it is not checked here.
+      if (dt != kBFloat16) {
+        CHECK(cpu::onednn_max_pool2d(px, py, pg) == takes);
+        CHECK(cpu::onednn_max_pool2d_backward(px, py, pgx, pg) == takes);
+        CHECK(cpu::onednn_avg_pool2d(px, py, pg) == takes);
+        CHECK(cpu::onednn_avg_pool2d_backward(py, pgx, pg) == takes);
+      }
+      Conv2dGeometry acc16 = g;  // the 16-bit accumulation emulation stays on conv.cpp
+      acc16.low_precision_accumulation = true;
+      CHECK(cpu::onednn_conv2d(x, w, y, acc16) == (dt == kFloat32));
+    }
+    if (dt == kFloat32) {  // measured faster on conv.cpp: the input gradient of c <= 4
+      const OneDnnScope on(true);
+      const Conv2dGeometry g1 = conv_geometry(2, 13, 13, 1, 3, 3, 32, 1, 1, false);
+      const Tensor y1 = random({g1.n, g1.oh, g1.ow, g1.cout}, dt);
+      const Tensor w1 = random({g1.kh, g1.kw, g1.c, g1.cout}, dt);
+      const Tensor gx1 = empty_poisoned({g1.n, g1.h, g1.w, g1.c}, dt);
+      CHECK_FALSE(cpu::onednn_conv2d_backward_input(y1, w1, gx1, g1));
+    }
+    const OneDnnScope off(false);
+    CHECK_FALSE(cpu::onednn_conv2d(x, w, y, g));
+    CHECK_FALSE(cpu::onednn_conv2d_backward_input(y, w, gx, g));
+    CHECK_FALSE(cpu::onednn_conv2d_backward_weight(x, y, gw, g));
+    CHECK_FALSE(cpu::onednn_max_pool2d(px, py, pg));
+    CHECK_FALSE(cpu::onednn_avg_pool2d_backward(py, pgx, pg));
+  }
+}
+
+TEST_CASE("cpu conv2d from several threads at once gives the single-threaded results", "[conv]") {
+  // Threads share the kernels' cached primitives (oneDNN) and have their own scratch.
+  const std::vector<Conv2dGeometry> geoms = {
+      conv_geometry(4, 13, 13, 32, 3, 3, 64, 1, 1, false),
+      conv_geometry(4, 15, 17, 24, 3, 3, 40, 2, 2, true),
+      conv_geometry(4, 28, 28, 1, 3, 3, 32, 1, 1, false),
+  };
+  for_each_path([&] {
+    for (DType dt : {kFloat32, kBFloat16}) {
+      INFO("dtype " << std::string(dt.name()));
+      const auto cpu = DeviceType::CPU;
+      auto* fwd = find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt);
+      auto* bwd_w =
+          find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt);
+      std::vector<Tensor> xs, ws, ys;
+      std::vector<std::vector<double>> want_out, want_gw;
+      for (const auto& g : geoms) {
+        xs.push_back(random({g.n, g.h, g.w, g.c}, dt));
+        ws.push_back(random({g.kh, g.kw, g.c, g.cout}, dt));
+        ys.push_back(random({g.n, g.oh, g.ow, g.cout}, dt));
+        const Tensor out = Tensor::empty({g.n, g.oh, g.ow, g.cout}, dt);
+        const Tensor gw = Tensor::empty({g.kh, g.kw, g.c, g.cout}, dt);
+        fwd(xs.back(), ws.back(), out, g);
+        bwd_w(xs.back(), ys.back(), gw, g);
+        want_out.push_back(values(out));
+        want_gw.push_back(values(gw));
+      }
+      // Results per (thread, round, geometry), checked on this thread (Catch2's assertions
+      // are not thread-safe).
+      constexpr int kThreads = 4, kRounds = 3;
+      const std::size_t per_thread = kRounds * geoms.size();
+      std::vector<std::vector<double>> got_out(kThreads * per_thread), got_gw(got_out.size());
+      std::vector<std::thread> threads;
+      for (int t = 0; t < kThreads; ++t)
+        threads.emplace_back([&, t] {
+          for (int r = 0; r < kRounds; ++r)
+            for (std::size_t i = 0; i < geoms.size(); ++i) {
+              const std::size_t k = (i + static_cast<std::size_t>(t)) % geoms.size();
+              const Conv2dGeometry& g = geoms[k];
+              const Tensor out = Tensor::empty({g.n, g.oh, g.ow, g.cout}, dt);
+              const Tensor gw = Tensor::empty({g.kh, g.kw, g.c, g.cout}, dt);
+              fwd(xs[k], ws[k], out, g);
+              bwd_w(xs[k], ys[k], gw, g);
+              const std::size_t at = static_cast<std::size_t>(t) * per_thread +
+                                     static_cast<std::size_t>(r) * geoms.size() + k;
+              got_out[at] = values(out);
+              got_gw[at] = values(gw);
+            }
+        });
+      for (auto& th : threads) th.join();
+      for (std::size_t at = 0; at < got_out.size(); ++at) {
+        check_close(got_out[at], want_out[at % geoms.size()], dt, "conv2d (threads)");
+        check_close(got_gw[at], want_gw[at % geoms.size()], dt, "conv2d_backward_weight (threads)");
+      }
+    }
+  });
 }

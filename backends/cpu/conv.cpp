@@ -953,6 +953,7 @@ void conv2d(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeo
     if (g.low_precision_accumulation)
       return conv_forward_acc16(input<T>(x, 1), input<T>(w, 2), static_cast<T*>(out.data_ptr()), g);
   }
+  if (onednn_conv2d(x, w, out, g)) return;
   conv_forward(input<T>(x, 1), input<T>(w, 2), static_cast<T*>(out.data_ptr()), g);
 }
 
@@ -964,6 +965,7 @@ void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor
       return conv_backward_input_acc16(input<T>(grad_out, 1), input<T>(w, 2),
                                        static_cast<T*>(grad_x.data_ptr()), g);
   }
+  if (onednn_conv2d_backward_input(grad_out, w, grad_x, g)) return;
   auto* o = output<T>(grad_x, 3);
   conv_backward_input(input<T>(grad_out, 1), input<T>(w, 2), o, g);
   store<T>(o, grad_x);
@@ -977,6 +979,7 @@ void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tenso
       return conv_backward_weight_acc16(input<T>(x, 1), input<T>(grad_out, 2),
                                         static_cast<T*>(grad_w.data_ptr()), g);
   }
+  if (onednn_conv2d_backward_weight(x, grad_out, grad_w, g)) return;
   auto* o = output<T>(grad_w, 3);
   conv_backward_weight(input<T>(x, 1), input<T>(grad_out, 2), o, g);
   store<T>(o, grad_w);
@@ -984,6 +987,7 @@ void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tenso
 
 template <typename T>
 void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  if (onednn_max_pool2d(x, out, g)) return;
   auto* o = output<T>(out, 3);
   max_pool_forward(input<T>(x, 1), o, g);
   store<T>(o, out);
@@ -992,6 +996,7 @@ void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
 template <typename T>
 void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
+  if (onednn_max_pool2d_backward(x, grad_out, grad_x, g)) return;
   auto* o = output<T>(grad_x, 3);
   max_pool_backward(input<T>(x, 1), input<T>(grad_out, 2), o, g);
   store<T>(o, grad_x);
@@ -999,6 +1004,7 @@ void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& 
 
 template <typename T>
 void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  if (onednn_avg_pool2d(x, out, g)) return;
   auto* o = output<T>(out, 3);
   avg_pool_forward(input<T>(x, 1), o, g);
   store<T>(o, out);
@@ -1007,6 +1013,7 @@ void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
 template <typename T>
 void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
+  if (onednn_avg_pool2d_backward(grad_out, grad_x, g)) return;
   auto* o = output<T>(grad_x, 3);
   avg_pool_backward(input<T>(grad_out, 2), o, g);
   store<T>(o, grad_x);

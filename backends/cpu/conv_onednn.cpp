@@ -1,0 +1,689 @@
+// oneDNN convolutions and pooling for the CPU backend (built when CMake found oneDNN:
+// MIXTAPE_WITH_ONEDNN; MIXTAPE_ONEDNN=AUTO/ON/OFF).
+//
+// conv.cpp's float32 / bfloat16 conv2d (forward, backward input, backward weight) and
+// pooling kernels call the onednn_* hooks first; a hook returns false, having written
+// nothing, when the call stays on the im2col + OpenBLAS / direct paths:
+//   - oneDNN is off at run time (MIXTAPE_CPU_ONEDNN=0, or set_onednn_enabled(false));
+//   - the dtype is float16 or float64, or a conv asks for low_precision_accumulation
+//     (the 16-bit accumulation emulation stays in conv.cpp);
+//   - a dimension is 0, or the geometry is not one oneDNN can express (a window entirely
+//     in the padding), or oneDNN has only a reference implementation for it;
+//   - the existing kernel measured faster for that case (see prefer_existing below);
+//   - max pooling sees a NaN or -inf in its input: oneDNN's max skips NaNs (mixtape's
+//     propagates them) and starts from -FLT_MAX (a window of -inf would give -FLT_MAX).
+//     Ties go to the first maximum of the window in row-major order in both.
+//
+// Layouts: activations are NHWC (oneDNN tag nhwc, logical dims {n, c, h, w}), filters HWIO
+// [kh, kw, cin, cout] (tag hwio, logical {cout, cin, kh, kw}). The primitives take the
+// activations in place (no copy) and their weights in the blocked layout oneDNN picks
+// ("any"), reordered from / to HWIO on every call (the filter changes every step; the
+// reorder is a few microseconds). Padding: TensorFlow's pad_top / pad_left, with the
+// bottom / right padding implied by the output size (never below 0: a "valid" window
+// that does not reach the last rows just leaves them out).
+//
+// bfloat16: oneDNN's bf16 kernels (f32 accumulation, one rounding) where the CPU has
+// AVX512-BF16 (or AMX). Without it oneDNN emulates bf16 arithmetic (avx512_core: several
+// times slower than its float32 kernels) or has no bf16 convolution at all (AVX2), so
+// there bfloat16 tensors are converted to float32 in bulk, run through the float32
+// primitive and rounded back, as conv.cpp does around sgemm.
+//
+// Primitives are created once per (kind, dtype, geometry) and kept in a small LRU cache
+// (thread-safe). Scratchpads and reorder buffers are thread-local and grow-only, so steady
+// state calls allocate nothing large. oneDNN here is Debian's OpenMP build: it runs on the
+// same libgomp thread pool as OpenBLAS (libopenblas-openmp) and mixtape's own kernels.
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include "backends/cpu/cpu_backend.h"
+#include "mixtape/core/error.h"
+
+#ifdef MIXTAPE_WITH_ONEDNN
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <limits>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "mixtape/core/half.h"
+#endif
+
+namespace mixtape::cpu {
+namespace {
+
+// The run-time switch: -1 until decided (by the environment on first use, or by
+// set_onednn_enabled()), then 0 (off) or 1 (on).
+std::atomic<int> g_onednn{-1};
+
+// MIXTAPE_CPU_ONEDNN, read once: unset or "1" on, "0" off; anything else throws (and is
+// read again, and throws again, on the next call).
+bool onednn_from_environment() {
+  static const bool value = [] {
+    const char* env = std::getenv(kCpuOneDnnEnv);
+    if (env == nullptr) return true;
+    const std::string_view v(env);
+    if (v == "1") return true;
+    if (v == "0") return false;
+    throw ValueError(fmt::format(
+        "{}='{}' is not a valid value; valid: \"0\" (CPU convolutions and pooling without "
+        "oneDNN), \"1\" (with oneDNN where it is faster; the default when unset)",
+        kCpuOneDnnEnv, v));
+  }();
+  return value;
+}
+
+}  // namespace
+
+// Whether this build contains the oneDNN paths.
+bool onednn_available() {
+#ifdef MIXTAPE_WITH_ONEDNN
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The switch, read from the environment on the first call; false in builds without oneDNN.
+bool onednn_enabled() {
+  if (!onednn_available()) return false;
+  int s = g_onednn.load(std::memory_order_acquire);
+  if (s < 0) {
+    int expected = -1;
+    // A concurrent set_onednn_enabled() wins over the environment.
+    g_onednn.compare_exchange_strong(expected, onednn_from_environment() ? 1 : 0,
+                                     std::memory_order_acq_rel);
+    s = g_onednn.load(std::memory_order_acquire);
+  }
+  return s == 1;
+}
+
+// Overrides the switch for the whole process (no effect on what a build without oneDNN
+// does).
+void set_onednn_enabled(bool on) { g_onednn.store(on ? 1 : 0, std::memory_order_release); }
+
+#ifndef MIXTAPE_WITH_ONEDNN
+
+// Without oneDNN every call stays on conv.cpp's kernels.
+bool onednn_conv2d(const Tensor&, const Tensor&, const Tensor&, const kernels::Conv2dGeometry&) {
+  return false;
+}
+bool onednn_conv2d_backward_input(const Tensor&, const Tensor&, const Tensor&,
+                                  const kernels::Conv2dGeometry&) {
+  return false;
+}
+bool onednn_conv2d_backward_weight(const Tensor&, const Tensor&, const Tensor&,
+                                   const kernels::Conv2dGeometry&) {
+  return false;
+}
+bool onednn_max_pool2d(const Tensor&, const Tensor&, const kernels::Pool2dGeometry&) {
+  return false;
+}
+bool onednn_max_pool2d_backward(const Tensor&, const Tensor&, const Tensor&,
+                                const kernels::Pool2dGeometry&) {
+  return false;
+}
+bool onednn_avg_pool2d(const Tensor&, const Tensor&, const kernels::Pool2dGeometry&) {
+  return false;
+}
+bool onednn_avg_pool2d_backward(const Tensor&, const Tensor&, const kernels::Pool2dGeometry&) {
+  return false;
+}
+
+#else
+
+namespace {
+
+#define MIXTAPE_ONEDNN_ALWAYS_INLINE inline __attribute__((always_inline))
+
+namespace dn = dnnl;
+using Dims = dn::memory::dims;
+using Md = dn::memory::desc;
+using Tag = dn::memory::format_tag;
+using DnType = dn::memory::data_type;
+using kernels::Conv2dGeometry;
+using kernels::Pool2dGeometry;
+
+// --- Engine, stream, thread-local buffers ----------------------------------------------
+
+// The CPU engine, created on first use.
+dn::engine& engine() {
+  static dn::engine e(dn::engine::kind::cpu, 0);
+  return e;
+}
+
+// The calling thread's stream (CPU streams execute synchronously on the caller's thread,
+// whose OpenMP team runs the primitive).
+dn::stream& stream() {
+  thread_local dn::stream s(engine());
+  return s;
+}
+
+// A grow-only, 64-byte aligned buffer.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { release(); }
+  // At least n bytes (and never null).
+  void* get(std::size_t n) {
+    n = std::max<std::size_t>(n, 64);
+    if (n > cap_) {
+      release();
+      ptr_ = ::operator new(n, std::align_val_t(64));
+      cap_ = n;
+    }
+    return ptr_;
+  }
+
+ private:
+  void release() {
+    if (ptr_) ::operator delete(ptr_, std::align_val_t(64));
+    ptr_ = nullptr;
+    cap_ = 0;
+  }
+  void* ptr_ = nullptr;
+  std::size_t cap_ = 0;
+};
+
+// Buffer slots of the calling thread.
+enum Slot : int {
+  kScratchpad = 0,
+  kInner0 = 1,  // kInner0 + i: argument i in the primitive's layout (3 arguments)
+  kWide0 = 4,   // kWide0 + i: argument i converted to float32 (bfloat16 without AVX512-BF16)
+  kWorkspace = 7,
+  kPoolDst = 8,
+  kSlots = 9,
+};
+void* buffer(int slot, std::size_t bytes) {
+  thread_local Buffer slots[kSlots];
+  return slots[slot].get(bytes);
+}
+
+// --- Plans: cached primitives ----------------------------------------------------------
+
+enum class Kind : std::uint8_t {
+  conv_forward,
+  conv_backward_input,
+  conv_backward_weight,
+  max_pool,
+  max_pool_backward,
+  avg_pool,
+  avg_pool_backward,
+};
+
+// A plan's cache key: what it computes, the data type, and every geometry field.
+struct Key {
+  Kind kind;
+  DnType type;
+  std::array<std::int64_t, 13> dims;
+  bool operator==(const Key& o) const { return kind == o.kind && type == o.type && dims == o.dims; }
+};
+
+// FNV-1a over the key's fields.
+struct KeyHash {
+  std::size_t operator()(const Key& k) const {
+    std::uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](std::uint64_t v) {
+      h ^= v;
+      h *= 1099511628211ull;
+    };
+    mix(static_cast<std::uint64_t>(k.kind));
+    mix(static_cast<std::uint64_t>(k.type));
+    for (std::int64_t d : k.dims) mix(static_cast<std::uint64_t>(d));
+    return static_cast<std::size_t>(h);
+  }
+};
+
+// One tensor argument of a primitive: the layout of mixtape's buffer (user) and the one the
+// primitive was created with (inner). When they differ, `convert` reorders user -> inner
+// before the primitive (inputs) or inner -> user after it (outputs), through a thread-local
+// buffer.
+struct Arg {
+  int id = 0;  // DNNL_ARG_*
+  Md user, inner;
+  bool output = false;
+  bool reordered = false;
+  dn::reorder convert;
+};
+
+// A primitive ready to run, with its arguments in the order of the hook's tensors (inputs,
+// then the output).
+struct Plan {
+  dn::primitive prim;
+  std::vector<Arg> args;
+  Md scratchpad;
+  // max_pool_backward: the forward (training) primitive that recomputes the workspace
+  // (the position of each window's maximum) from x; its dst goes to a scratch buffer.
+  dn::primitive forward;
+  Md forward_scratchpad, workspace, forward_dst;
+};
+
+// An LRU cache of plans (nullptr: oneDNN declined that case).
+class PlanCache {
+ public:
+  // The plan for key, made by make() on a miss (under the lock: concurrent first calls of
+  // one geometry make it once).
+  template <typename Make>
+  std::shared_ptr<const Plan> get(const Key& key, Make&& make) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto it = index_.find(key); it != index_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second);
+      return it->second->second;
+    }
+    std::shared_ptr<const Plan> plan = make();
+    lru_.emplace_front(key, plan);
+    index_[key] = lru_.begin();
+    if (lru_.size() > kCapacity) {
+      index_.erase(lru_.back().first);
+      lru_.pop_back();
+    }
+    return plan;
+  }
+
+ private:
+  static constexpr std::size_t kCapacity = 128;
+  std::mutex mutex_;
+  std::list<std::pair<Key, std::shared_ptr<const Plan> > > lru_;
+  std::unordered_map<Key, std::list<std::pair<Key, std::shared_ptr<const Plan> > >::iterator,
+                     KeyHash>
+      index_;
+};
+
+PlanCache& cache() {
+  static PlanCache c;
+  return c;
+}
+
+// Fills in an argument from the user layout and the primitive's.
+Arg make_arg(int id, const Md& user, const Md& inner, bool output) {
+  Arg a;
+  a.id = id;
+  a.user = user;
+  a.inner = inner;
+  a.output = output;
+  a.reordered = user != inner;
+  if (a.reordered)
+    a.convert = output ? dn::reorder(dn::reorder::primitive_desc(engine(), inner, engine(), user))
+                       : dn::reorder(dn::reorder::primitive_desc(engine(), user, engine(), inner));
+  return a;
+}
+
+// True when oneDNN chose a reference (unoptimised) implementation: the existing kernels
+// are faster than those.
+bool is_reference(const char* impl) { return std::string_view(impl).starts_with("ref"); }
+
+// Runs p.prim on the tensors' buffers (ptrs in the order of p.args), reordering where
+// the layouts differ.
+void execute(const Plan& p, const std::array<void*, 3>& ptrs) {
+  dn::engine& eng = engine();
+  dn::stream& s = stream();
+  std::unordered_map<int, dn::memory> args;
+  std::array<dn::memory, 3> user_mem, inner_mem;
+  for (std::size_t i = 0; i < p.args.size(); ++i) {
+    const Arg& a = p.args[i];
+    user_mem[i] = dn::memory(a.user, eng, ptrs[i]);
+    if (!a.reordered) {
+      args.emplace(a.id, user_mem[i]);
+      continue;
+    }
+    inner_mem[i] =
+        dn::memory(a.inner, eng, buffer(kInner0 + static_cast<int>(i), a.inner.get_size()));
+    if (!a.output) a.convert.execute(s, user_mem[i], inner_mem[i]);
+    args.emplace(a.id, inner_mem[i]);
+  }
+  if (const std::size_t n = p.scratchpad.get_size(); n > 0)
+    args.emplace(DNNL_ARG_SCRATCHPAD, dn::memory(p.scratchpad, eng, buffer(kScratchpad, n)));
+  p.prim.execute(s, args);
+  for (std::size_t i = 0; i < p.args.size(); ++i)
+    if (p.args[i].reordered && p.args[i].output)
+      p.args[i].convert.execute(s, inner_mem[i], user_mem[i]);
+  s.wait();
+}
+
+// --- When the existing kernels stay ------------------------------------------------------
+
+// bfloat16 arithmetic in hardware (AVX512-BF16 or AMX); elsewhere oneDNN's bf16
+// convolutions are emulated (slow) or absent.
+bool native_bf16() {
+  static const bool yes = [] {
+    const dn::cpu_isa isa = dn::get_effective_cpu_isa();
+    return isa == dn::cpu_isa::avx512_core_bf16 || isa == dn::cpu_isa::avx512_core_amx;
+  }();
+  return yes;
+}
+
+// The conv2d cases measured faster on conv.cpp's kernels (bench/bench_cpu_matmul.cpp,
+// BM_CpuConv2dPath; docs/benchmarks.md): the float32 input gradient of a layer with at
+// most 4 input channels. oneDNN's data-gradient kernels pad the input channels to a
+// block of 16, so they cost as much at c = 1 as at c = 16 (about 4.4 ms at batch 128,
+// 28x28, 32 -> 1 channels, against 2.8 ms for GEMM + col2im). Its bfloat16 kernels win
+// there too (2.0 ms against 4.9 with the bulk conversions). Everything else measured
+// faster on oneDNN, the direct loops of small first layers included (28x28, 1 -> 32:
+// forward 0.45 against 0.95 ms, weight gradient 0.29 against 1.47 ms).
+bool prefer_existing(Kind kind, DnType type, const Conv2dGeometry& g) {
+  return kind == Kind::conv_backward_input && type == DnType::f32 && g.c <= 4;
+}
+
+// --- Convolution plans -----------------------------------------------------------------
+
+// The bottom (right) padding implied by the output size: the least that yields `out`
+// windows, at least 0. Returns false when no padding >= 0 gives `out` windows.
+bool implied_pad(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t pad_before,
+                 std::int64_t out, std::int64_t& pad_after) {
+  pad_after = std::max<std::int64_t>((out - 1) * stride + k - in - pad_before, 0);
+  const std::int64_t span = in + pad_before + pad_after - k;
+  return span >= 0 && span / stride + 1 == out;
+}
+
+Key conv_key(Kind kind, DnType type, const Conv2dGeometry& g) {
+  return Key{kind,
+             type,
+             {g.n, g.h, g.w, g.c, g.kh, g.kw, g.cout, g.oh, g.ow, g.stride_h, g.stride_w, g.pad_top,
+              g.pad_left}};
+}
+
+// The convolution primitive of `kind` for g in `type` (nullptr when oneDNN cannot do it
+// well). Arguments: forward (x, w -> out), backward input (grad_out, w -> grad_x),
+// backward weight (x, grad_out -> grad_w).
+std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dGeometry& g) {
+  std::int64_t pad_bottom = 0, pad_right = 0;
+  if (!implied_pad(g.h, g.kh, g.stride_h, g.pad_top, g.oh, pad_bottom) ||
+      !implied_pad(g.w, g.kw, g.stride_w, g.pad_left, g.ow, pad_right))
+    return nullptr;
+  const Dims src{g.n, g.c, g.h, g.w}, wei{g.cout, g.c, g.kh, g.kw}, dst{g.n, g.cout, g.oh, g.ow};
+  const Dims strides{g.stride_h, g.stride_w}, pad_l{g.pad_top, g.pad_left},
+      pad_r{pad_bottom, pad_right};
+  const Md src_user(src, type, Tag::nhwc), wei_user(wei, type, Tag::hwio),
+      dst_user(dst, type, Tag::nhwc);
+  const Md wei_any(wei, type, Tag::any);
+  dn::primitive_attr attr;
+  attr.set_scratchpad_mode(dn::scratchpad_mode::user);
+  const auto alg = dn::algorithm::convolution_direct;
+  try {
+    const dn::convolution_forward::primitive_desc fwd(
+        dn::convolution_forward::desc(dn::prop_kind::forward_training, alg, src_user, wei_any,
+                                      dst_user, strides, pad_l, pad_r),
+        attr, engine());
+    auto plan = std::make_shared<Plan>();
+    if (kind == Kind::conv_forward) {
+      if (is_reference(fwd.impl_info_str())) return nullptr;
+      plan->prim = dn::convolution_forward(fwd);
+      plan->scratchpad = fwd.scratchpad_desc();
+      plan->args = {make_arg(DNNL_ARG_SRC, src_user, fwd.src_desc(), false),
+                    make_arg(DNNL_ARG_WEIGHTS, wei_user, fwd.weights_desc(), false),
+                    make_arg(DNNL_ARG_DST, dst_user, fwd.dst_desc(), true)};
+    } else if (kind == Kind::conv_backward_input) {
+      const dn::convolution_backward_data::primitive_desc bwd(
+          dn::convolution_backward_data::desc(alg, src_user, wei_any, dst_user, strides, pad_l,
+                                              pad_r),
+          attr, engine(), fwd);
+      if (is_reference(bwd.impl_info_str())) return nullptr;
+      plan->prim = dn::convolution_backward_data(bwd);
+      plan->scratchpad = bwd.scratchpad_desc();
+      plan->args = {make_arg(DNNL_ARG_DIFF_DST, dst_user, bwd.diff_dst_desc(), false),
+                    make_arg(DNNL_ARG_WEIGHTS, wei_user, bwd.weights_desc(), false),
+                    make_arg(DNNL_ARG_DIFF_SRC, src_user, bwd.diff_src_desc(), true)};
+    } else {
+      const dn::convolution_backward_weights::primitive_desc bwd(
+          dn::convolution_backward_weights::desc(alg, src_user, wei_any, dst_user, strides, pad_l,
+                                                 pad_r),
+          attr, engine(), fwd);
+      if (is_reference(bwd.impl_info_str())) return nullptr;
+      plan->prim = dn::convolution_backward_weights(bwd);
+      plan->scratchpad = bwd.scratchpad_desc();
+      plan->args = {make_arg(DNNL_ARG_SRC, src_user, bwd.src_desc(), false),
+                    make_arg(DNNL_ARG_DIFF_DST, dst_user, bwd.diff_dst_desc(), false),
+                    make_arg(DNNL_ARG_DIFF_WEIGHTS, wei_user, bwd.diff_weights_desc(), true)};
+    }
+    return plan;
+  } catch (const dn::error&) {
+    return nullptr;  // no implementation for this case: conv.cpp's kernels take it
+  }
+}
+
+// Runs a convolution of `kind` on (in0, in1 -> out); false when it stays on conv.cpp.
+bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& out,
+              const Conv2dGeometry& g) {
+  const DType dt = out.dtype();
+  if (dt != kFloat32 && dt != kBFloat16) return false;
+  if (g.low_precision_accumulation && dt != kFloat32) return false;
+  if (g.n <= 0 || g.h <= 0 || g.w <= 0 || g.c <= 0 || g.kh <= 0 || g.kw <= 0 || g.cout <= 0 ||
+      g.oh <= 0 || g.ow <= 0 || g.stride_h <= 0 || g.stride_w <= 0 || g.pad_top < 0 ||
+      g.pad_left < 0)
+    return false;
+  if (!onednn_enabled()) return false;
+  // bfloat16 tensors go through float32 primitives on CPUs without AVX512-BF16.
+  const bool widen = dt == kBFloat16 && !native_bf16();
+  const DnType type = dt == kFloat32 || widen ? DnType::f32 : DnType::bf16;
+  if (prefer_existing(kind, type, g)) return false;
+  const Key key = conv_key(kind, type, g);
+  const std::shared_ptr<const Plan> plan =
+      cache().get(key, [&] { return make_conv_plan(kind, type, g); });
+  if (!plan) return false;
+  std::array<void*, 3> ptrs{in0.data_ptr(), in1.data_ptr(), out.data_ptr()};
+  if (!widen) {
+    execute(*plan, ptrs);
+    return true;
+  }
+  for (int i = 0; i < 2; ++i) {
+    const Tensor& t = i == 0 ? in0 : in1;
+    const auto n = static_cast<std::size_t>(t.numel());
+    auto* f = static_cast<float*>(buffer(kWide0 + i, n * sizeof(float)));
+    convert_bfloat16_to_float(static_cast<const bfloat16*>(t.data_ptr()), f, n);
+    ptrs[static_cast<std::size_t>(i)] = f;
+  }
+  const auto n_out = static_cast<std::size_t>(out.numel());
+  auto* f_out = static_cast<float*>(buffer(kWide0 + 2, n_out * sizeof(float)));
+  ptrs[2] = f_out;
+  execute(*plan, ptrs);
+  convert_float_to_bfloat16(f_out, static_cast<bfloat16*>(out.data_ptr()), n_out);
+  return true;
+}
+
+// --- Pooling plans ---------------------------------------------------------------------
+
+Key pool_key(Kind kind, DnType type, const Pool2dGeometry& g) {
+  return Key{kind,
+             type,
+             {g.n, g.h, g.w, g.c, g.kh, g.kw, g.oh, g.ow, g.stride_h, g.stride_w, g.pad_top,
+              g.pad_left, 0}};
+}
+
+// The pooling primitive(s) of `kind` for g (nullptr when oneDNN cannot match mixtape's
+// semantics or has only a reference implementation). Arguments: forward (x -> out),
+// max backward (x, grad_out -> grad_x), avg backward (grad_out -> grad_x).
+std::shared_ptr<const Plan> make_pool_plan(Kind kind, DnType type, const Pool2dGeometry& g) {
+  std::int64_t pad_bottom = 0, pad_right = 0;
+  if (!implied_pad(g.h, g.kh, g.stride_h, g.pad_top, g.oh, pad_bottom) ||
+      !implied_pad(g.w, g.kw, g.stride_w, g.pad_left, g.ow, pad_right))
+    return nullptr;
+  // Every window must hold an input element (mixtape writes 0 for an all-padding window).
+  if (g.pad_top >= g.kh || g.pad_left >= g.kw || pad_bottom >= g.kh || pad_right >= g.kw)
+    return nullptr;
+  const Dims src{g.n, g.c, g.h, g.w}, dst{g.n, g.c, g.oh, g.ow};
+  const Dims strides{g.stride_h, g.stride_w}, kernel{g.kh, g.kw}, pad_l{g.pad_top, g.pad_left},
+      pad_r{pad_bottom, pad_right};
+  const Md src_md(src, type, Tag::nhwc), dst_md(dst, type, Tag::nhwc);
+  const bool is_max = kind == Kind::max_pool || kind == Kind::max_pool_backward;
+  const auto alg = is_max ? dn::algorithm::pooling_max : dn::algorithm::pooling_avg_exclude_padding;
+  const bool backward = kind == Kind::max_pool_backward || kind == Kind::avg_pool_backward;
+  dn::primitive_attr attr;
+  attr.set_scratchpad_mode(dn::scratchpad_mode::user);
+  try {
+    const dn::pooling_forward::primitive_desc fwd(
+        dn::pooling_forward::desc(
+            backward ? dn::prop_kind::forward_training : dn::prop_kind::forward_inference, alg,
+            src_md, dst_md, strides, kernel, pad_l, pad_r),
+        attr, engine());
+    if (is_reference(fwd.impl_info_str())) return nullptr;
+    auto plan = std::make_shared<Plan>();
+    if (!backward) {
+      plan->prim = dn::pooling_forward(fwd);
+      plan->scratchpad = fwd.scratchpad_desc();
+      plan->args = {make_arg(DNNL_ARG_SRC, src_md, src_md, false),
+                    make_arg(DNNL_ARG_DST, dst_md, dst_md, true)};
+      return plan;
+    }
+    const dn::pooling_backward::primitive_desc bwd(
+        dn::pooling_backward::desc(alg, src_md, dst_md, strides, kernel, pad_l, pad_r), attr,
+        engine(), fwd);
+    if (is_reference(bwd.impl_info_str())) return nullptr;
+    plan->prim = dn::pooling_backward(bwd);
+    plan->scratchpad = bwd.scratchpad_desc();
+    plan->args = {make_arg(DNNL_ARG_DIFF_DST, dst_md, dst_md, false),
+                  make_arg(DNNL_ARG_DIFF_SRC, src_md, src_md, true)};
+    if (is_max) {
+      plan->forward = dn::pooling_forward(fwd);
+      plan->forward_scratchpad = fwd.scratchpad_desc();
+      plan->workspace = fwd.workspace_desc();
+      plan->forward_dst = dst_md;
+    }
+    return plan;
+  } catch (const dn::error&) {
+    return nullptr;
+  }
+}
+
+// Whether n values hold a NaN or -inf (where oneDNN's max pooling differs from mixtape's):
+// !(v > -inf) is true exactly for those, one compare per element. The scan reads x once
+// more than the pooling; it runs on the OpenMP team, in an AVX2 build where the CPU has it.
+template <typename T>
+MIXTAPE_ONEDNN_ALWAYS_INLINE bool scan_impl(const T* p, std::int64_t n) {
+  int bad = 0;
+#pragma omp parallel for simd reduction(| : bad) schedule(static) if (n > 4 * kParallelGrain)
+  for (std::int64_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      bad |= static_cast<int>(!(p[i] > -std::numeric_limits<float>::infinity()));
+    } else {  // bfloat16 bits: NaN (exponent all ones, mantissa not 0), or -inf
+      const std::uint16_t v = p[i];
+      bad |= static_cast<int>(((v & 0x7fff) > 0x7f80) | (v == 0xff80));
+    }
+  }
+  return bad != 0;
+}
+template <typename T>
+bool scan_baseline(const T* p, std::int64_t n) {
+  return scan_impl(p, n);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename T>
+__attribute__((target("avx2"))) bool scan_avx2(const T* p, std::int64_t n) {
+  return scan_impl(p, n);
+}
+#endif
+template <typename T>
+bool has_nan_or_minus_inf(const T* p, std::int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return scan_avx2(p, n);
+#endif
+  return scan_baseline(p, n);
+}
+
+// The plan for a pooling call, or nullptr when it stays on conv.cpp.
+std::shared_ptr<const Plan> pool_plan(Kind kind, const Tensor& t, const Pool2dGeometry& g) {
+  const DType dt = t.dtype();
+  if (dt != kFloat32 && dt != kBFloat16) return nullptr;
+  if (g.n <= 0 || g.h <= 0 || g.w <= 0 || g.c <= 0 || g.kh <= 0 || g.kw <= 0 || g.oh <= 0 ||
+      g.ow <= 0 || g.stride_h <= 0 || g.stride_w <= 0 || g.pad_top < 0 || g.pad_left < 0)
+    return nullptr;
+  if (!onednn_enabled()) return nullptr;
+  const DnType type = dt == kFloat32 ? DnType::f32 : DnType::bf16;
+  return cache().get(pool_key(kind, type, g), [&] { return make_pool_plan(kind, type, g); });
+}
+
+// Whether x holds a value where oneDNN's max differs from mixtape's.
+bool max_pool_unsafe(const Tensor& x) {
+  if (x.dtype() == kFloat32) return has_nan_or_minus_inf(x.data<float>(), x.numel());
+  return has_nan_or_minus_inf(static_cast<const std::uint16_t*>(x.data_ptr()), x.numel());
+}
+
+}  // namespace
+
+// --- The hooks (cpu_backend.h) -----------------------------------------------------------
+
+bool onednn_conv2d(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
+  return run_conv(Kind::conv_forward, x, w, out, g);
+}
+
+bool onednn_conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
+                                  const Conv2dGeometry& g) {
+  return run_conv(Kind::conv_backward_input, grad_out, w, grad_x, g);
+}
+
+bool onednn_conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
+                                   const Conv2dGeometry& g) {
+  return run_conv(Kind::conv_backward_weight, x, grad_out, grad_w, g);
+}
+
+bool onednn_max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  const auto plan = pool_plan(Kind::max_pool, x, g);
+  if (!plan || max_pool_unsafe(x)) return false;
+  execute(*plan, {x.data_ptr(), out.data_ptr(), nullptr});
+  return true;
+}
+
+bool onednn_max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
+                                const Pool2dGeometry& g) {
+  const auto plan = pool_plan(Kind::max_pool_backward, x, g);
+  if (!plan || max_pool_unsafe(x)) return false;
+  // The forward pass again, for the workspace (each window's argmax), then the scatter.
+  dn::engine& eng = engine();
+  dn::stream& s = stream();
+  const std::size_t ws_bytes = plan->workspace.get_size();
+  const std::size_t dst_bytes = plan->forward_dst.get_size();
+  const std::size_t scratch_bytes =
+      std::max(plan->forward_scratchpad.get_size(), plan->scratchpad.get_size());
+  void* scratch = buffer(kScratchpad, scratch_bytes);
+  dn::memory ws(plan->workspace, eng, buffer(kWorkspace, ws_bytes));
+  std::unordered_map<int, dn::memory> fwd_args{
+      {DNNL_ARG_SRC, dn::memory(plan->args[1].user, eng, x.data_ptr())},
+      {DNNL_ARG_DST, dn::memory(plan->forward_dst, eng, buffer(kPoolDst, dst_bytes))},
+      {DNNL_ARG_WORKSPACE, ws}};
+  if (plan->forward_scratchpad.get_size() > 0)
+    fwd_args.emplace(DNNL_ARG_SCRATCHPAD, dn::memory(plan->forward_scratchpad, eng, scratch));
+  plan->forward.execute(s, fwd_args);
+  std::unordered_map<int, dn::memory> bwd_args{
+      {DNNL_ARG_DIFF_DST, dn::memory(plan->args[0].user, eng, grad_out.data_ptr())},
+      {DNNL_ARG_DIFF_SRC, dn::memory(plan->args[1].user, eng, grad_x.data_ptr())},
+      {DNNL_ARG_WORKSPACE, ws}};
+  if (plan->scratchpad.get_size() > 0)
+    bwd_args.emplace(DNNL_ARG_SCRATCHPAD, dn::memory(plan->scratchpad, eng, scratch));
+  plan->prim.execute(s, bwd_args);
+  s.wait();
+  return true;
+}
+
+bool onednn_avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  const auto plan = pool_plan(Kind::avg_pool, x, g);
+  if (!plan) return false;
+  execute(*plan, {x.data_ptr(), out.data_ptr(), nullptr});
+  return true;
+}
+
+bool onednn_avg_pool2d_backward(const Tensor& grad_out, const Tensor& grad_x,
+                                const Pool2dGeometry& g) {
+  const auto plan = pool_plan(Kind::avg_pool_backward, grad_out, g);
+  if (!plan) return false;
+  execute(*plan, {grad_out.data_ptr(), grad_x.data_ptr(), nullptr});
+  return true;
+}
+
+#endif  // MIXTAPE_WITH_ONEDNN
+
+}  // namespace mixtape::cpu
