@@ -1,9 +1,12 @@
 // Policies: the table of named policies, and the global policy.
 #include "mixtape/precision/policy.h"
 
+#include <spdlog/spdlog.h>
+
 #include <array>
 #include <mutex>
 
+#include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape {
@@ -80,7 +83,29 @@ Policy global_policy() {
   return global_slot();
 }
 
+namespace {
+// Seed 002: mixed_float16 on a GPU without tensor cores (compute capability < 7.0) runs, but
+// slowly. Said once per process, the first time a float16 policy is set.
+void check_float16_hardware(const Policy& policy) {
+  static std::once_flag once;
+  if (policy.compute_dtype() != kFloat16 || !cuda::available()) return;
+  std::call_once(once, [] {
+    for (int i = 0; i < cuda::device_count(); ++i) {
+      const DeviceProperties p = cuda::properties(i);
+      if (p.compute_major >= 7) continue;
+      spdlog::warn(
+          "Mixed precision compatibility check (mixed_float16): your GPU cuda:{} ({}, "
+          "compute capability {}.{}) may run slowly with float16 computations because "
+          "it does not have compute capability of at least 7.0 (tensor cores). See "
+          "https://developer.nvidia.com/cuda-gpus. This message is logged once.",
+          i, p.name, p.compute_major, p.compute_minor);
+    }
+  });
+}
+}  // namespace
+
 void set_global_policy(const Policy& policy) {
+  check_float16_hardware(policy);
   std::lock_guard<std::mutex> lock(g_mutex);
   global_slot() = policy;
 }

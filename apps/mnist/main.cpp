@@ -314,8 +314,10 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
     // A shuffle seeded by (seed, epoch): a resumed run replays the same batches.
     auto train_ds = mt::data::Dataset::from_tensors(x, y)
                         .shuffle(n, o.seed * 1000003ULL + static_cast<std::uint64_t>(epoch))
-                        .batch(batch_size)
-                        .prefetch(2);
+                        .batch(batch_size);
+    // On a GPU the next batch is gathered and copied while the current step runs; on the
+    // CPU a second thread would only compete with the step's own OpenMP threads.
+    if (model.device().is_cuda()) train_ds = train_ds.to(model.device()).prefetch(2);
     mt::metrics::Mean epoch_loss("loss");
     mt::metrics::SparseCategoricalAccuracy train_accuracy("accuracy");
     const std::int64_t skipped_before = lso ? lso->skipped_steps() : 0;

@@ -103,6 +103,9 @@ class CpuBackend final : public Backend {
     if (nbytes) std::memmove(dst, src, nbytes);
   }
   void synchronize(int /*device_index*/) override {}
+  DeviceProperties properties(int /*device_index*/) const override {
+    return DeviceProperties{.name = "CPU"};
+  }
 
  private:
   static constexpr std::size_t kAlignment = 64;

@@ -8,6 +8,7 @@
 #include "mixtape/autograd/variable.h"
 #include "mixtape/core/backend.h"
 #include "mixtape/core/compute_mode.h"
+#include "mixtape/core/cuda.h"
 #include "mixtape/core/device.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/dtype.h"

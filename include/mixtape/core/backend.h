@@ -12,6 +12,15 @@
 
 namespace mixtape {
 
+// What a backend knows about one of its devices.
+struct DeviceProperties {
+  std::string name;       // "CPU", "NVIDIA H100 80GB HBM3", ...
+  int compute_major = 0;  // CUDA compute capability (0 for the CPU)
+  int compute_minor = 0;
+  std::size_t total_memory = 0;  // bytes (0 when unknown)
+  int multiprocessors = 0;       // CUDA streaming multiprocessors (0 for the CPU)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -28,6 +37,8 @@ class Backend {
                     std::size_t nbytes) = 0;
   // Waits until the work queued on the device is done.
   virtual void synchronize(int device_index) = 0;
+  // The device's name and capabilities.
+  virtual DeviceProperties properties(int device_index) const = 0;
 };
 
 // Installs a backend (replacing one of the same type).

@@ -1,0 +1,298 @@
+// The CUDA backend: device discovery, one stream per device, a caching allocator (no
+// cudaMalloc / cudaFree per op), copies through pinned host buffers, and the registration
+// of the CUDA kernels. Without a driver or a GPU it registers with zero devices, so that
+// the library still loads and every CUDA tensor creation fails with a clear DeviceError.
+#include "mixtape/core/backend.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_util.h"
+#include "mixtape/core/error.h"
+
+namespace mixtape {
+namespace cuda_backend {
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* what, const char* file, int line) {
+  throw DeviceError(fmt::format("{} failed at {}:{}: {}: {}", what, file, line,
+                                cudaGetErrorName(err), cudaGetErrorString(err)));
+}
+
+namespace {
+
+int g_device_count = -1;  // set once by the backend's constructor
+
+std::mutex g_streams_mutex;
+std::vector<cudaStream_t>& streams() {
+  static std::vector<cudaStream_t> s;
+  return s;
+}
+
+// Size classes as in the CPU backend's cache: 512-byte multiples up to 1 MiB, then eight
+// classes per power of two.
+std::size_t size_class(std::size_t n) {
+  if (n <= (std::size_t{1} << 20)) return std::max<std::size_t>((n + 511) / 512 * 512, 512);
+  const std::size_t p = std::size_t{1} << (63 - __builtin_clzll(n));
+  const std::size_t step = p / 8;
+  return (n + step - 1) / step * step;
+}
+
+// Freed device blocks by (device, size class). Blocks are only reused on the device's own
+// stream, in stream order, so a block freed while a kernel still reads it is safe to hand
+// out again: the next user's kernels queue behind that kernel.
+class DeviceCache {
+ public:
+  void* take(int device, std::size_t cls) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& list = free_[key(device, cls)];
+    if (list.empty()) return nullptr;
+    void* p = list.back();
+    list.pop_back();
+    cached_[static_cast<std::size_t>(device)] -= cls;
+    return p;
+  }
+  void give(int device, std::size_t cls, void* p) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_[key(device, cls)].push_back(p);
+    if (cached_.size() <= static_cast<std::size_t>(device))
+      cached_.resize(static_cast<std::size_t>(device) + 1, 0);
+    cached_[static_cast<std::size_t>(device)] += cls;
+  }
+  // Frees every cached block of `device` (after its stream is idle).
+  void release(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DeviceGuard guard(device);
+    cudaStreamSynchronize(stream(device));
+    for (auto& [k, list] : free_) {
+      if (static_cast<int>(k >> 56) != device) continue;
+      for (void* p : list) cudaFree(p);
+      list.clear();
+    }
+    if (static_cast<std::size_t>(device) < cached_.size())
+      cached_[static_cast<std::size_t>(device)] = 0;
+  }
+
+ private:
+  static std::uint64_t key(int device, std::size_t cls) {
+    return (static_cast<std::uint64_t>(device) << 56) | static_cast<std::uint64_t>(cls);
+  }
+  std::mutex mutex_;
+  std::unordered_map<std::uint64_t, std::vector<void*>> free_;
+  std::vector<std::size_t> cached_;
+};
+
+DeviceCache& cache() {
+  static DeviceCache* c = new DeviceCache();  // never destroyed: frees may come at exit
+  return *c;
+}
+
+// A grow-only pinned host buffer per device for copies between pageable host memory and
+// the device (guarded by a mutex; copies through it are synchronous).
+struct Staging {
+  std::mutex mutex;
+  void* ptr = nullptr;
+  std::size_t size = 0;
+  void* get(std::size_t n) {
+    if (n > size) {
+      if (ptr) MIXTAPE_CUDA_CHECK(cudaFreeHost(ptr));
+      ptr = nullptr;
+      size = 0;
+      MIXTAPE_CUDA_CHECK(cudaMallocHost(&ptr, n));
+      size = n;
+    }
+    return ptr;
+  }
+};
+Staging& staging(int device) {
+  static std::mutex m;
+  static std::vector<std::unique_ptr<Staging>> all;
+  std::lock_guard<std::mutex> lock(m);
+  if (all.size() <= static_cast<std::size_t>(device))
+    all.resize(static_cast<std::size_t>(device) + 1);
+  auto& s = all[static_cast<std::size_t>(device)];
+  if (!s) s = std::make_unique<Staging>();
+  return *s;
+}
+
+// Copies of more than this many bytes between pageable host memory and a device go in
+// pieces through the staging buffer.
+constexpr std::size_t kStagingPiece = std::size_t{32} << 20;
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() {
+    int n = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky error of a missing driver
+      spdlog::debug("mixtape: CUDA backend built in, but no usable GPU: {}",
+                    cudaGetErrorString(err));
+      n = 0;
+    }
+    g_device_count = n;
+  }
+
+  DeviceType type() const override { return DeviceType::CUDA; }
+  std::string name() const override { return "CUDA"; }
+  int device_count() const override { return g_device_count; }
+
+  void* allocate(std::size_t nbytes, int device_index) override {
+    check_index(device_index);
+    const std::size_t cls = size_class(nbytes);
+    if (void* p = cache().take(device_index, cls)) return p;
+    DeviceGuard guard(device_index);
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, cls);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      cache().release(device_index);  // give the cached blocks back and try again
+      err = cudaMalloc(&p, cls);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      std::size_t free_bytes = 0, total = 0;
+      cudaMemGetInfo(&free_bytes, &total);
+      throw DeviceError(
+          fmt::format("out of memory on cuda:{}: could not allocate {} bytes ({} "
+                      "of {} MiB free): {}",
+                      device_index, cls, free_bytes >> 20, total >> 20, cudaGetErrorString(err)));
+    }
+    return p;
+  }
+
+  void deallocate(void* ptr, std::size_t nbytes, int device_index) override {
+    if (ptr) cache().give(device_index, size_class(nbytes), ptr);
+  }
+
+  void copy(void* dst, Device dst_device, const void* src, Device src_device,
+            std::size_t nbytes) override {
+    if (nbytes == 0) return;
+    if (dst_device.is_cuda() && src_device.is_cuda()) {
+      DeviceGuard guard(dst_device.index());
+      if (dst_device == src_device) {
+        MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice,
+                                           stream(dst_device.index())));
+      } else {
+        // Queue behind the source's pending work, then copy between the devices.
+        MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(src_device.index())));
+        MIXTAPE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device.index(), src, src_device.index(),
+                                               nbytes, stream(dst_device.index())));
+      }
+      return;
+    }
+    if (dst_device.is_cuda()) {  // host -> device, through pinned memory
+      const int d = dst_device.index();
+      DeviceGuard guard(d);
+      Staging& st = staging(d);
+      std::lock_guard<std::mutex> lock(st.mutex);
+      for (std::size_t off = 0; off < nbytes; off += kStagingPiece) {
+        const std::size_t n = std::min(kStagingPiece, nbytes - off);
+        void* pinned = st.get(std::min(nbytes, kStagingPiece));
+        // The previous piece's copy must be done before the buffer is refilled.
+        MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(d)));
+        std::memcpy(pinned, static_cast<const char*>(src) + off, n);
+        MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, pinned, n,
+                                           cudaMemcpyHostToDevice, stream(d)));
+      }
+      MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(d)));
+      return;
+    }
+    if (src_device.is_cuda()) {  // device -> host: waits for the device's pending work
+      const int d = src_device.index();
+      DeviceGuard guard(d);
+      Staging& st = staging(d);
+      std::lock_guard<std::mutex> lock(st.mutex);
+      for (std::size_t off = 0; off < nbytes; off += kStagingPiece) {
+        const std::size_t n = std::min(kStagingPiece, nbytes - off);
+        void* pinned = st.get(std::min(nbytes, kStagingPiece));
+        MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(pinned, static_cast<const char*>(src) + off, n,
+                                           cudaMemcpyDeviceToHost, stream(d)));
+        MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(d)));
+        std::memcpy(static_cast<char*>(dst) + off, pinned, n);
+      }
+      return;
+    }
+    throw DeviceError(
+        fmt::format("CUDA backend: cannot copy from {} to {}", src_device.str(), dst_device.str()));
+  }
+
+  void synchronize(int device_index) override {
+    check_index(device_index);
+    DeviceGuard guard(device_index);
+    MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device_index)));
+  }
+
+  DeviceProperties properties(int device_index) const override {
+    check_index(device_index);
+    cudaDeviceProp p{};
+    MIXTAPE_CUDA_CHECK(cudaGetDeviceProperties(&p, device_index));
+    return DeviceProperties{.name = p.name,
+                            .compute_major = p.major,
+                            .compute_minor = p.minor,
+                            .total_memory = p.totalGlobalMem,
+                            .multiprocessors = p.multiProcessorCount};
+  }
+
+ private:
+  static void check_index(int index) {
+    if (index < 0 || index >= g_device_count)
+      throw DeviceError(fmt::format("cuda:{} is not available ({} CUDA device{} present)", index,
+                                    g_device_count, g_device_count == 1 ? "" : "s"));
+  }
+};
+
+}  // namespace
+
+cudaStream_t stream(int index) {
+  std::lock_guard<std::mutex> lock(g_streams_mutex);
+  auto& s = streams();
+  if (s.size() <= static_cast<std::size_t>(index))
+    s.resize(static_cast<std::size_t>(index) + 1, nullptr);
+  auto& st = s[static_cast<std::size_t>(index)];
+  if (!st) {
+    DeviceGuard guard(index);
+    MIXTAPE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  }
+  return st;
+}
+
+DeviceGuard::DeviceGuard(int index) {
+  MIXTAPE_CUDA_CHECK(cudaGetDevice(&previous_));
+  if (previous_ != index) {
+    MIXTAPE_CUDA_CHECK(cudaSetDevice(index));
+    changed_ = true;
+  }
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (changed_) cudaSetDevice(previous_);
+}
+
+Workspace::Workspace(std::size_t bytes, int index) : bytes_(bytes), index_(index) {
+  if (bytes_ > 0) ptr_ = backend_for(DeviceType::CUDA).allocate(bytes_, index_);
+}
+
+Workspace::~Workspace() {
+  if (ptr_) backend_for(DeviceType::CUDA).deallocate(ptr_, bytes_, index_);
+}
+
+}  // namespace cuda_backend
+
+namespace cuda {
+// Called once by core (backends/builtin.cpp) before the first backend or kernel look-up.
+void register_backend_and_kernels() {
+  register_backend(std::make_unique<cuda_backend::CudaBackend>());
+  // The kernels register without a GPU too (registering touches no device): supports()
+  // then tells what this build can run on a GPU.
+  cuda_backend::register_all_kernels();
+}
+}  // namespace cuda
+
+}  // namespace mixtape

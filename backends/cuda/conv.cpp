@@ -1,0 +1,632 @@
+// CUDA conv2d kernels (kernels::Conv2dFn, Conv2dBackwardInputFn, Conv2dBackwardWeightFn),
+// through cuDNN 9's convolution API (cudnnConvolutionForward / BackwardData /
+// BackwardFilter, in libcudnn_cnn, reached through libcudnn's loader). Built only with
+// cuDNN (MIXTAPE_WITH_CUDNN); without it the CUDA backend registers no conv2d kernel.
+//
+// Layouts. Activations are NHWC, which cuDNN takes as is (CUDNN_TENSOR_NHWC descriptors).
+// Filters are HWIO [kh, kw, cin, cout]; cuDNN's NHWC filter layout is KRSC [cout, kh, kw,
+// cin], the transpose of the HWIO filter viewed as a [kh*kw*cin, cout] matrix. So the
+// filter is transposed into a workspace before forward and backward-data, and the weight
+// gradient is computed as KRSC into a workspace and transposed back (conv_kernels.cu).
+//
+// Padding. Conv2dGeometry gives pad_top / pad_left; the bottom / right padding is whatever
+// the output size implies, and may differ from the top / left one (TensorFlow's 'same' puts
+// the odd element at the bottom / right) or be negative (input rows no window reaches).
+// cuDNN's legacy API only takes one symmetric padding per axis, with the output extent
+// floor((in + 2 pad - k) / stride) + 1. Output position o's window starts at
+// o * stride - pad in both conventions, so when that formula with pad = pad_top (pad_left)
+// gives exactly oh (ow), cuDNN with symmetric padding computes exactly our convolution (its
+// extra bottom padding only adds zeros, or windows we do not ask for do not exist). That is
+// the common case (symmetric 'same', every 'valid'). Otherwise the input is zero-padded
+// explicitly into a workspace of extent ((oh - 1) * stride_h + kh) x ((ow - 1) * stride_w +
+// kw), the exact extent the windows cover, and cuDNN runs unpadded on it: forward and
+// backward-weight read the padded input; backward-data writes the padded input's gradient,
+// which is cropped back (the adjoint of the padding; input positions no window reaches get
+// 0). The cost is one copy of the input (or of its gradient) per call, for asymmetric
+// geometries only.
+//
+// Precision. float32 runs with CUDNN_FMA_MATH (no TF32) unless mixtape::cuda::allow_tf32(),
+// then CUDNN_DEFAULT_MATH; float16 and bfloat16 with float32 compute (PSEUDO_HALF /
+// PSEUDO_BFLOAT16 configurations) and CUDNN_TENSOR_OP_MATH. Not through cuDNN:
+//   - float16 / bfloat16 with low_precision_accumulation (MIXTAPE_FP16_USE_FP32_COMPUTE=0):
+//     the direct kernels of conv_kernels.cu, rounding the accumulator to the 16-bit type
+//     after every multiply-add in the CPU emulation's order (bit-exact with the CPU; cuDNN's
+//     TRUE_HALF configuration makes no such promise, and bfloat16 has no 16-bit one);
+//   - float64: the same direct kernels with float64 accumulation (exact order, no
+//     library-dependent algorithms; slow, meant for checks rather than training);
+//   - what cuDNN refuses (a NOT_SUPPORTED status, or no algorithm found; logged once per
+//     geometry) or does not fit its int32 extents: the direct kernels with float32
+//     accumulation.
+//
+// Algorithms. Per device: one cuDNN handle on the device's stream (created on first use,
+// used by one thread at a time under a mutex) and a cache of plans by direction, dtype,
+// geometry, math mode and pointer alignment: the descriptors and the algorithm that
+// cudnnFind*AlgorithmEx measured fastest on the first call (a host-blocking benchmark, once
+// per plan), with its math type and workspace size. Workspaces come from the caching
+// allocator for each call.
+#include "backends/cuda/cuda_backend.h"
+
+#ifdef MIXTAPE_WITH_CUDNN
+
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backends/cuda/cuda_util.h"
+#include "backends/cuda/gemm_conv_kernels.h"
+#include "mixtape/core/cuda.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/error.h"
+#include "mixtape/core/kernels.h"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using kernels::Conv2dGeometry;
+using std::int64_t;
+
+// --- Errors ------------------------------------------------------------------------------
+
+std::string cudnn_message(cudnnStatus_t status) {
+  char detail[1024] = {};
+  cudnnGetLastErrorString(detail, sizeof(detail));
+  if (detail[0] == '\0') return cudnnGetErrorString(status);
+  return fmt::format("{} ({})", cudnnGetErrorString(status), detail);
+}
+
+[[noreturn]] void throw_cudnn_error(cudnnStatus_t status, const char* what, const char* file,
+                                    int line) {
+  throw DeviceError(fmt::format("{} failed at {}:{}: {}", what, file, line, cudnn_message(status)));
+}
+inline void check_cudnn(cudnnStatus_t status, const char* what, const char* file, int line) {
+  if (status != CUDNN_STATUS_SUCCESS) throw_cudnn_error(status, what, file, line);
+}
+
+// Every cuDNN call goes through this: MIXTAPE_CUDNN_CHECK(cudnnCreate(&handle)).
+#define MIXTAPE_CUDNN_CHECK(call) check_cudnn((call), #call, __FILE__, __LINE__)
+
+// A status by which cuDNN declines a problem (rather than failing at it).
+bool is_refusal(cudnnStatus_t status) {
+  return CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_NOT_SUPPORTED;
+}
+
+// --- Constants and small helpers -----------------------------------------------------------
+
+// Workspace offered to cudnnFind*AlgorithmEx (and so the most a chosen algorithm may use).
+constexpr std::size_t kMaxConvWorkspace = std::size_t{256} << 20;
+constexpr int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+
+Elem elem_of(DType dt) {
+  switch (dt.code()) {
+    case DType::Float16:
+      return Elem::Float16;
+    case DType::BFloat16:
+      return Elem::BFloat16;
+    case DType::Float64:
+      return Elem::Float64;
+    default:
+      return Elem::Float32;
+  }
+}
+
+cudnnDataType_t cudnn_type(DType dt) {
+  if (dt == kFloat16) return CUDNN_DATA_HALF;
+  if (dt == kBFloat16) return CUDNN_DATA_BFLOAT16;
+  return CUDNN_DATA_FLOAT;
+}
+
+ConvShape shape_of(const Conv2dGeometry& g) {
+  ConvShape s;
+  s.n = g.n, s.h = g.h, s.w = g.w, s.c = g.c;
+  s.kh = g.kh, s.kw = g.kw, s.cout = g.cout;
+  s.oh = g.oh, s.ow = g.ow;
+  s.sh = g.stride_h, s.sw = g.stride_w;
+  s.pad_top = g.pad_top, s.pad_left = g.pad_left;
+  return s;
+}
+
+void zero_fill(const Tensor& t, cudaStream_t st) {
+  MIXTAPE_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), st));
+}
+
+enum class Direction { Forward = 0, BackwardData = 1, BackwardFilter = 2 };
+
+const char* direction_name(Direction d) {
+  switch (d) {
+    case Direction::Forward:
+      return "conv2d";
+    case Direction::BackwardData:
+      return "conv2d_backward_input";
+    case Direction::BackwardFilter:
+      return "conv2d_backward_weight";
+  }
+  return "conv2d";
+}
+
+std::string describe(const Conv2dGeometry& g) {
+  return fmt::format("n {} h {} w {} c {} window {}x{} cout {} stride {}x{} pad {},{} out {}x{}",
+                     g.n, g.h, g.w, g.c, g.kh, g.kw, g.cout, g.stride_h, g.stride_w, g.pad_top,
+                     g.pad_left, g.oh, g.ow);
+}
+
+// --- How cuDNN sees the geometry (see "Padding" at the top) --------------------------------
+
+struct CudnnLayout {
+  bool padded = false;           // the input is zero-padded explicitly into a workspace
+  int64_t hin = 0, win = 0;      // the input extent cuDNN sees
+  int64_t pad_h = 0, pad_w = 0;  // cuDNN's (symmetric) padding
+};
+
+// Whether cuDNN's symmetric padding `pad` gives exactly `out` output positions.
+bool symmetric_fits(int64_t in, int64_t k, int64_t stride, int64_t pad, int64_t out) {
+  const int64_t span = in + 2 * pad - k;
+  return span >= 0 && span / stride + 1 == out;
+}
+
+CudnnLayout cudnn_layout(const Conv2dGeometry& g) {
+  CudnnLayout l;
+  if (symmetric_fits(g.h, g.kh, g.stride_h, g.pad_top, g.oh) &&
+      symmetric_fits(g.w, g.kw, g.stride_w, g.pad_left, g.ow)) {
+    l.hin = g.h, l.win = g.w, l.pad_h = g.pad_top, l.pad_w = g.pad_left;
+  } else {
+    l.padded = true;
+    l.hin = (g.oh - 1) * g.stride_h + g.kh;
+    l.win = (g.ow - 1) * g.stride_w + g.kw;
+  }
+  return l;
+}
+
+// Whether every extent and tensor size fits cuDNN's int32 arguments.
+bool fits_cudnn(const Conv2dGeometry& g, const CudnnLayout& l) {
+  const int64_t dims[] = {g.n,  g.c,  l.hin,      l.win,      g.kh,    g.kw,   g.cout,
+                          g.oh, g.ow, g.stride_h, g.stride_w, l.pad_h, l.pad_w};
+  for (int64_t d : dims)
+    if (d > kInt32Max) return false;
+  // Element counts, computed in double against overflow.
+  const double x = double(g.n) * double(l.hin) * double(l.win) * double(g.c);
+  const double y = double(g.n) * double(g.oh) * double(g.ow) * double(g.cout);
+  const double w = double(g.kh) * double(g.kw) * double(g.c) * double(g.cout);
+  return x <= double(kInt32Max) && y <= double(kInt32Max) && w <= double(kInt32Max);
+}
+
+// --- Handles and plans -------------------------------------------------------------------------
+
+struct PlanKey {
+  std::array<int64_t, 19> v{};
+  bool operator==(const PlanKey&) const = default;
+};
+struct PlanKeyHash {
+  std::size_t operator()(const PlanKey& k) const {
+    std::uint64_t h = 0x9e3779b97f4a7c15ULL;
+    for (int64_t x : k.v)
+      h ^= static_cast<std::uint64_t>(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return static_cast<std::size_t>(h);
+  }
+};
+
+// One direction of one geometry: the descriptors and the algorithm.
+struct ConvPlan {
+  bool use_cudnn = false;  // false: cuDNN refused; the direct kernels run it
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;  // input (as cuDNN sees it), output
+  cudnnFilterDescriptor_t w = nullptr;               // KRSC
+  cudnnConvolutionDescriptor_t conv = nullptr;
+  int algo = 0;  // a cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t
+  std::size_t workspace = 0;
+
+  ConvPlan() = default;
+  ConvPlan(const ConvPlan&) = delete;
+  ConvPlan& operator=(const ConvPlan&) = delete;
+  ~ConvPlan() {
+    if (conv) cudnnDestroyConvolutionDescriptor(conv);
+    if (w) cudnnDestroyFilterDescriptor(w);
+    if (y) cudnnDestroyTensorDescriptor(y);
+    if (x) cudnnDestroyTensorDescriptor(x);
+  }
+};
+
+struct CudnnContext {
+  std::mutex mutex;  // a cuDNN handle serves one thread at a time; also guards `plans`
+  cudnnHandle_t handle = nullptr;
+  std::unordered_map<PlanKey, std::unique_ptr<ConvPlan>, PlanKeyHash> plans;
+};
+
+// The context of `device`, its handle created on first use (on the device's stream).
+// Contexts are never destroyed (kernels may run during static destruction).
+CudnnContext& cudnn_context(int device) {
+  static std::mutex mutex;
+  static auto* contexts = new std::vector<std::unique_ptr<CudnnContext>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (contexts->size() <= static_cast<std::size_t>(device))
+    contexts->resize(static_cast<std::size_t>(device) + 1);
+  auto& ctx = (*contexts)[static_cast<std::size_t>(device)];
+  if (!ctx) ctx = std::make_unique<CudnnContext>();
+  if (!ctx->handle) {
+    DeviceGuard guard(device);
+    cudnnHandle_t handle = nullptr;
+    MIXTAPE_CUDNN_CHECK(cudnnCreate(&handle));
+    const cudnnStatus_t status = cudnnSetStream(handle, stream(device));
+    if (status != CUDNN_STATUS_SUCCESS) {
+      cudnnDestroy(handle);
+      throw_cudnn_error(status, "cudnnSetStream(handle, stream(device))", __FILE__, __LINE__);
+    }
+    ctx->handle = handle;
+  }
+  return *ctx;
+}
+
+// The buffers of one call, in the order of the direction's cuDNN function:
+//   Forward         in0 = x,  in1 = w (KRSC), out = y
+//   BackwardData    in0 = w,  in1 = dy,       out = dx
+//   BackwardFilter  in0 = x,  in1 = dy,       out = dw (KRSC)
+struct Buffers {
+  const void* in0;
+  const void* in1;
+  void* out;
+};
+
+// The first (fastest) usable result of a Find: succeeded, within the workspace offered, and
+// of an allowed math type. CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (down-conversion to
+// float16) is never used. float32 without TF32 (`strict`) prefers results found with
+// CUDNN_FMA_MATH, then takes CUDNN_DEFAULT_MATH ones, and always runs with CUDNN_FMA_MATH
+// (the descriptor's math type restricts the kernels, whatever a result reports); the other
+// configurations run with the result's math type.
+template <typename Perf>
+const Perf* pick(const std::vector<Perf>& perf, int returned, std::size_t limit, bool strict) {
+  for (int pass = 0; pass < (strict ? 2 : 1); ++pass) {
+    for (int i = 0; i < returned; ++i) {
+      const Perf& p = perf[static_cast<std::size_t>(i)];
+      if (p.status != CUDNN_STATUS_SUCCESS || p.memory > limit) continue;
+      if (p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+      if (strict && p.mathType != (pass == 0 ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH)) continue;
+      return &p;
+    }
+  }
+  return nullptr;
+}
+
+// Builds the plan of one direction and geometry: descriptors, then the Find (which runs the
+// candidate algorithms on `buf`, writing its output buffer), then the chosen algorithm's math
+// type and workspace. A refusal leaves use_cudnn false (and says so in the log).
+std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, int device, Direction dir, DType dt,
+                                    bool tf32, const Conv2dGeometry& g, const CudnnLayout& l,
+                                    const Buffers& buf) {
+  auto plan = std::make_unique<ConvPlan>();
+  const cudnnDataType_t type = cudnn_type(dt);
+  const auto i32 = [](int64_t v) { return static_cast<int>(v); };
+  MIXTAPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->x));
+  MIXTAPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->y));
+  MIXTAPE_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan->w));
+  MIXTAPE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&plan->conv));
+  // Dimensions are given as (n, c, h, w) whatever the memory format.
+  MIXTAPE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->x, CUDNN_TENSOR_NHWC, type, i32(g.n),
+                                                 i32(g.c), i32(l.hin), i32(l.win)));
+  MIXTAPE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->y, CUDNN_TENSOR_NHWC, type, i32(g.n),
+                                                 i32(g.cout), i32(g.oh), i32(g.ow)));
+  MIXTAPE_CUDNN_CHECK(cudnnSetFilter4dDescriptor(plan->w, type, CUDNN_TENSOR_NHWC, i32(g.cout),
+                                                 i32(g.c), i32(g.kh), i32(g.kw)));
+  MIXTAPE_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(plan->conv, i32(l.pad_h), i32(l.pad_w),
+                                                      i32(g.stride_h), i32(g.stride_w), 1, 1,
+                                                      CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+  const bool strict = dt == kFloat32 && !tf32;
+  const cudnnMathType_t requested =
+      dt == kFloat32 ? (tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH) : CUDNN_TENSOR_OP_MATH;
+  MIXTAPE_CUDNN_CHECK(cudnnSetConvolutionMathType(plan->conv, requested));
+
+  // cuDNN's output extent must be ours (the layout is built so); a mismatch is a bug here.
+  int dn = 0, dc = 0, dh = 0, dw = 0;
+  MIXTAPE_CUDNN_CHECK(
+      cudnnGetConvolution2dForwardOutputDim(plan->conv, plan->x, plan->w, &dn, &dc, &dh, &dw));
+  if (dn != g.n || dc != g.cout || dh != g.oh || dw != g.ow)
+    throw DeviceError(fmt::format(
+        "{}: cuDNN's output extent {}x{}x{}x{} differs from the geometry's ({}; cuDNN input "
+        "{}x{}, padding {},{})",
+        direction_name(dir), dn, dh, dw, dc, describe(g), l.hin, l.win, l.pad_h, l.pad_w));
+
+  std::size_t limit = 0;
+  {
+    std::size_t free_bytes = 0, total_bytes = 0;
+    MIXTAPE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    limit = std::min(kMaxConvWorkspace, free_bytes / 4);
+  }
+  Workspace scratch(limit, device);
+
+  cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
+  bool found = false;
+  int algo = 0;
+  cudnnMathType_t math = requested;
+  std::size_t memory = 0;
+  const auto take = [&](const auto* p) {
+    if (!p) return;
+    found = true;
+    algo = static_cast<int>(p->algo);
+    math = strict ? CUDNN_FMA_MATH : p->mathType;
+    memory = p->memory;
+  };
+  switch (dir) {
+    case Direction::Forward: {
+      int count = 0;
+      MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(ctx.handle, &count));
+      count = std::max(count, 1);
+      std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(static_cast<std::size_t>(count));
+      int returned = 0;
+      status = cudnnFindConvolutionForwardAlgorithmEx(
+          ctx.handle, plan->x, buf.in0, plan->w, buf.in1, plan->conv, plan->y, buf.out, count,
+          &returned, perf.data(), scratch.data(), limit);
+      if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
+      break;
+    }
+    case Direction::BackwardData: {
+      int count = 0;
+      MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(ctx.handle, &count));
+      count = std::max(count, 1);
+      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(static_cast<std::size_t>(count));
+      int returned = 0;
+      status = cudnnFindConvolutionBackwardDataAlgorithmEx(
+          ctx.handle, plan->w, buf.in0, plan->y, buf.in1, plan->conv, plan->x, buf.out, count,
+          &returned, perf.data(), scratch.data(), limit);
+      if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
+      break;
+    }
+    case Direction::BackwardFilter: {
+      int count = 0;
+      MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(ctx.handle, &count));
+      count = std::max(count, 1);
+      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(static_cast<std::size_t>(count));
+      int returned = 0;
+      status = cudnnFindConvolutionBackwardFilterAlgorithmEx(
+          ctx.handle, plan->x, buf.in0, plan->y, buf.in1, plan->conv, plan->w, buf.out, count,
+          &returned, perf.data(), scratch.data(), limit);
+      if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
+      break;
+    }
+  }
+  if (status != CUDNN_STATUS_SUCCESS && !is_refusal(status))
+    throw_cudnn_error(status, "cudnnFindConvolution*AlgorithmEx", __FILE__, __LINE__);
+
+  // The chosen algorithm's workspace with the math type it will run with.
+  if (found) {
+    MIXTAPE_CUDNN_CHECK(cudnnSetConvolutionMathType(plan->conv, math));
+    std::size_t bytes = 0;
+    switch (dir) {
+      case Direction::Forward:
+        status = cudnnGetConvolutionForwardWorkspaceSize(
+            ctx.handle, plan->x, plan->w, plan->conv, plan->y,
+            static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes);
+        break;
+      case Direction::BackwardData:
+        status = cudnnGetConvolutionBackwardDataWorkspaceSize(
+            ctx.handle, plan->w, plan->y, plan->conv, plan->x,
+            static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &bytes);
+        break;
+      case Direction::BackwardFilter:
+        status = cudnnGetConvolutionBackwardFilterWorkspaceSize(
+            ctx.handle, plan->x, plan->y, plan->conv, plan->w,
+            static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &bytes);
+        break;
+    }
+    if (status == CUDNN_STATUS_SUCCESS) {
+      plan->algo = algo;
+      plan->workspace = std::max(memory, bytes);
+      plan->use_cudnn = true;
+    } else if (!is_refusal(status)) {
+      throw_cudnn_error(status, "cudnnGetConvolution*WorkspaceSize", __FILE__, __LINE__);
+    }
+  }
+  if (!plan->use_cudnn)
+    spdlog::warn(
+        "mixtape: cuDNN has no usable algorithm for {} ({}, {}{}): {}; using the direct CUDA "
+        "kernels",
+        direction_name(dir), dt.name(), describe(g), l.padded ? ", explicitly padded" : "",
+        status == CUDNN_STATUS_SUCCESS ? std::string("no algorithm succeeded in the Find")
+                                       : cudnn_message(status));
+  return plan;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// The plan of (direction, dtype, geometry) on ctx's device, made on first use (ctx.mutex
+// held). Plans are never destroyed, so the reference stays valid.
+const ConvPlan& plan_for(CudnnContext& ctx, int device, Direction dir, DType dt,
+                         const Conv2dGeometry& g, const CudnnLayout& l, const Buffers& buf) {
+  const bool tf32 = dt == kFloat32 && cuda::allow_tf32();
+  const bool aligned = aligned16(buf.in0) && aligned16(buf.in1) && aligned16(buf.out);
+  PlanKey key;
+  key.v = {static_cast<int64_t>(dir),
+           dt.index(),
+           tf32,
+           aligned,
+           g.n,
+           g.h,
+           g.w,
+           g.c,
+           g.kh,
+           g.kw,
+           g.cout,
+           g.oh,
+           g.ow,
+           g.stride_h,
+           g.stride_w,
+           g.pad_top,
+           g.pad_left,
+           device,
+           0};
+  auto it = ctx.plans.find(key);
+  if (it == ctx.plans.end())
+    it = ctx.plans.emplace(key, make_plan(ctx, device, dir, dt, tf32, g, l, buf)).first;
+  return *it->second;
+}
+
+// How a call runs when cuDNN does not: the 16-bit emulation, float64, or a problem cuDNN
+// cannot take.
+bool direct_only(DType dt, const Conv2dGeometry& g, Accumulation* acc) {
+  if (dt.is_reduced_float() && g.low_precision_accumulation) {
+    *acc = Accumulation::Round16;
+    return true;
+  }
+  *acc = Accumulation::Wide;
+  return dt == kFloat64 || !fits_cudnn(g, cudnn_layout(g));
+}
+
+// --- The kernels -------------------------------------------------------------------------------
+
+template <DType::Code kCode>
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
+  constexpr DType dt{kCode};
+  if (out.numel() == 0) return;
+  const int device = out.device().index();
+  DeviceGuard guard(device);
+  const cudaStream_t st = stream(device);
+  if (x.numel() == 0 || w.numel() == 0) return zero_fill(out, st);
+  const ConvShape s = shape_of(g);
+  Accumulation acc;
+  if (direct_only(dt, g, &acc))
+    return conv_direct_forward(elem_of(dt), acc, s, x.data_ptr(), w.data_ptr(), out.data_ptr(), st);
+
+  const std::size_t item = dt.itemsize();
+  const CudnnLayout l = cudnn_layout(g);
+  CudnnContext& ctx = cudnn_context(device);
+  std::lock_guard<std::mutex> lock(ctx.mutex);
+  const int64_t kdim = g.kh * g.kw * g.c;
+  Workspace w_krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
+  transpose_matrix(w.data_ptr(), w_krsc.data(), kdim, g.cout, item, st);
+  Workspace x_pad(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
+                  device);
+  if (l.padded)
+    pad_nhwc(x.data_ptr(), x_pad.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left,
+             item, st);
+  const void* xin = l.padded ? x_pad.data() : x.data_ptr();
+  const ConvPlan& plan =
+      plan_for(ctx, device, Direction::Forward, dt, g, l, {xin, w_krsc.data(), out.data_ptr()});
+  if (!plan.use_cudnn)
+    return conv_direct_forward(elem_of(dt), Accumulation::Wide, s, x.data_ptr(), w.data_ptr(),
+                               out.data_ptr(), st);
+  Workspace workspace(plan.workspace, device);
+  const float one = 1.0f, zero = 0.0f;
+  MIXTAPE_CUDNN_CHECK(
+      cudnnConvolutionForward(ctx.handle, &one, plan.x, xin, plan.w, w_krsc.data(), plan.conv,
+                              static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo), workspace.data(),
+                              plan.workspace, &zero, plan.y, out.data_ptr()));
+}
+
+template <DType::Code kCode>
+void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
+                           const Conv2dGeometry& g) {
+  constexpr DType dt{kCode};
+  if (grad_x.numel() == 0) return;
+  const int device = grad_x.device().index();
+  DeviceGuard guard(device);
+  const cudaStream_t st = stream(device);
+  if (grad_out.numel() == 0 || w.numel() == 0) return zero_fill(grad_x, st);
+  const ConvShape s = shape_of(g);
+  Accumulation acc;
+  if (direct_only(dt, g, &acc))
+    return conv_direct_backward_input(elem_of(dt), acc, s, grad_out.data_ptr(), w.data_ptr(),
+                                      grad_x.data_ptr(), st);
+
+  const std::size_t item = dt.itemsize();
+  const CudnnLayout l = cudnn_layout(g);
+  CudnnContext& ctx = cudnn_context(device);
+  std::lock_guard<std::mutex> lock(ctx.mutex);
+  const int64_t kdim = g.kh * g.kw * g.c;
+  Workspace w_krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
+  transpose_matrix(w.data_ptr(), w_krsc.data(), kdim, g.cout, item, st);
+  Workspace dx_pad(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
+                   device);
+  void* dx = l.padded ? dx_pad.data() : grad_x.data_ptr();
+  const ConvPlan& plan = plan_for(ctx, device, Direction::BackwardData, dt, g, l,
+                                  {w_krsc.data(), grad_out.data_ptr(), dx});
+  if (!plan.use_cudnn)
+    return conv_direct_backward_input(elem_of(dt), Accumulation::Wide, s, grad_out.data_ptr(),
+                                      w.data_ptr(), grad_x.data_ptr(), st);
+  Workspace workspace(plan.workspace, device);
+  const float one = 1.0f, zero = 0.0f;
+  MIXTAPE_CUDNN_CHECK(cudnnConvolutionBackwardData(
+      ctx.handle, &one, plan.w, w_krsc.data(), plan.y, grad_out.data_ptr(), plan.conv,
+      static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo), workspace.data(), plan.workspace,
+      &zero, plan.x, dx));
+  if (l.padded)
+    crop_nhwc(dx, grad_x.data_ptr(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left, item,
+              st);
+}
+
+template <DType::Code kCode>
+void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
+                            const Conv2dGeometry& g) {
+  constexpr DType dt{kCode};
+  if (grad_w.numel() == 0) return;
+  const int device = grad_w.device().index();
+  DeviceGuard guard(device);
+  const cudaStream_t st = stream(device);
+  if (x.numel() == 0 || grad_out.numel() == 0) return zero_fill(grad_w, st);
+  const ConvShape s = shape_of(g);
+  Accumulation acc;
+  if (direct_only(dt, g, &acc))
+    return conv_direct_backward_weight(elem_of(dt), acc, s, x.data_ptr(), grad_out.data_ptr(),
+                                       grad_w.data_ptr(), st);
+
+  const std::size_t item = dt.itemsize();
+  const CudnnLayout l = cudnn_layout(g);
+  CudnnContext& ctx = cudnn_context(device);
+  std::lock_guard<std::mutex> lock(ctx.mutex);
+  const int64_t kdim = g.kh * g.kw * g.c;
+  Workspace x_pad(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
+                  device);
+  if (l.padded)
+    pad_nhwc(x.data_ptr(), x_pad.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left,
+             item, st);
+  const void* xin = l.padded ? x_pad.data() : x.data_ptr();
+  Workspace dw_krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
+  const ConvPlan& plan = plan_for(ctx, device, Direction::BackwardFilter, dt, g, l,
+                                  {xin, grad_out.data_ptr(), dw_krsc.data()});
+  if (!plan.use_cudnn)
+    return conv_direct_backward_weight(elem_of(dt), Accumulation::Wide, s, x.data_ptr(),
+                                       grad_out.data_ptr(), grad_w.data_ptr(), st);
+  Workspace workspace(plan.workspace, device);
+  const float one = 1.0f, zero = 0.0f;
+  MIXTAPE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+      ctx.handle, &one, plan.x, xin, plan.y, grad_out.data_ptr(), plan.conv,
+      static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), workspace.data(), plan.workspace,
+      &zero, plan.w, dw_krsc.data()));
+  // KRSC [cout, kh*kw*cin] -> HWIO [kh*kw*cin, cout].
+  transpose_matrix(dw_krsc.data(), grad_w.data_ptr(), g.cout, kdim, item, st);
+}
+
+template <DType::Code kCode>
+void register_for() {
+  constexpr DType dt{kCode};
+  constexpr auto cuda = DeviceType::CUDA;
+  register_kernel<kernels::Conv2dFn>(OpId::conv2d, cuda, dt, &conv2d_forward<kCode>);
+  register_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cuda, dt,
+                                                  &conv2d_backward_input<kCode>);
+  register_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cuda, dt,
+                                                   &conv2d_backward_weight<kCode>);
+}
+
+}  // namespace
+}  // namespace mixtape::cuda_backend
+
+#endif  // MIXTAPE_WITH_CUDNN
+
+namespace mixtape::cuda_backend {
+
+void register_conv_kernels() {
+#ifdef MIXTAPE_WITH_CUDNN
+  register_for<DType::Float32>();
+  register_for<DType::Float16>();
+  register_for<DType::BFloat16>();
+  register_for<DType::Float64>();  // direct kernels (float64 accumulation), not cuDNN
+#endif
+}
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,19 @@
+// Private to the CUDA backend: the registration entry points of its kernel files.
+#pragma once
+
+namespace mixtape::cuda_backend {
+
+// Registers every CUDA kernel into the dispatch table (backends/cuda/register.cpp).
+void register_all_kernels();
+
+// One per kernel file.
+void register_memory_kernels();       // copy, fill, cast (memory.cu)
+void register_elementwise_kernels();  // unary, binary, comparisons, where (elementwise.cu)
+void register_reduction_kernels();    // sum ... argmax, softmax, log_softmax (reduction.cu)
+void register_index_kernels();        // gather, scatter_add, take, index_add (index.cu)
+void register_optim_kernels();        // unscale_check, optimizer updates (optim.cu)
+void register_gemm_kernels();         // matmul through cuBLASLt / cuBLAS (gemm.cpp)
+void register_conv_kernels();         // conv2d and its backward through cuDNN (conv.cpp)
+void register_pool_kernels();         // max / average pooling (pool.cu)
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,104 @@
+// Private to the CUDA backend: error checks that name the call, the file and the line, the
+// one stream per device that every kernel and copy runs on, launch geometry, and the
+// mapping of mixtape's element types to CUDA's. Included by the .cpp and the .cu files.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "mixtape/core/half.h"
+
+namespace mixtape::cuda_backend {
+
+// Throws DeviceError "<what> failed at <file>:<line>: <error name>: <description>".
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* what, const char* file, int line);
+inline void check_cuda(cudaError_t err, const char* what, const char* file, int line) {
+  if (err != cudaSuccess) throw_cuda_error(err, what, file, line);
+}
+
+// Every CUDA runtime call goes through this: MIXTAPE_CUDA_CHECK(cudaMalloc(&p, n)).
+#define MIXTAPE_CUDA_CHECK(call) \
+  ::mixtape::cuda_backend::check_cuda((call), #call, __FILE__, __LINE__)
+// After a kernel launch: the launch error (a bad configuration), without waiting.
+#define MIXTAPE_CUDA_CHECK_LAUNCH(name) \
+  ::mixtape::cuda_backend::check_cuda(cudaGetLastError(), name, __FILE__, __LINE__)
+
+// The stream of device `index` (created on first use, non-blocking); all work of the
+// backend on that device is queued on it, in order.
+cudaStream_t stream(int index);
+// The stream of the device a tensor's data lives on.
+inline cudaStream_t stream_of(int device_index) { return stream(device_index); }
+
+// Makes `index` the current device for the scope, and restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+// Scratch memory for library calls (cuDNN workspaces, ...): a block of at least `bytes` on
+// device `index`, from the caching allocator; freed (back to the cache) with the handle.
+class Workspace {
+ public:
+  Workspace(std::size_t bytes, int index);
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  void* data() const { return ptr_; }
+  std::size_t size() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+  int index_ = 0;
+};
+
+// --- Launch geometry ----------------------------------------------------------------------
+
+inline constexpr int kThreads = 256;
+// Blocks for a grid-stride loop over n elements (at most 65535 * 8, the loop covers the rest).
+inline unsigned blocks_for(std::int64_t n, int threads = kThreads) {
+  const std::int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b > 65535 * 8 ? 65535 * 8 : b));
+}
+
+// --- Element types ------------------------------------------------------------------------
+
+// mixtape's storage types and CUDA's: half <-> __half, bfloat16 <-> __nv_bfloat16 (the
+// same 16 bits), the rest are themselves. Kernels take device pointers of the CUDA type.
+template <typename T>
+struct cuda_type {
+  using type = T;
+};
+template <>
+struct cuda_type<half> {
+  using type = __half;
+};
+template <>
+struct cuda_type<bfloat16> {
+  using type = __nv_bfloat16;
+};
+template <typename T>
+using cuda_t = typename cuda_type<T>::type;
+
+template <typename T>
+cuda_t<T>* device_ptr(void* p) {
+  return static_cast<cuda_t<T>*>(p);
+}
+template <typename T>
+const cuda_t<T>* device_ptr(const void* p) {
+  return static_cast<const cuda_t<T>*>(p);
+}
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,479 @@
+// CUDA elementwise kernels: unary math, binary arithmetic, comparisons and where, for the
+// dtypes the CPU backend registers (backends/cpu/elementwise.cpp) and with its semantics:
+//  - float16/bfloat16 are loaded as float32, computed in float32 and rounded to nearest
+//    even once when stored;
+//  - integer add/sub/mul/neg/abs wrap modulo 2^bits (through the unsigned type); integer
+//    division truncates, x / 0 is 0 and INT_MIN / -1 wraps to INT_MIN;
+//  - float maximum/minimum propagate NaN (a NaN in either operand gives NaN);
+//  - relu keeps NaN and -0; relu_backward is (y > 0 ? g : 0);
+//  - comparisons write bool bytes (0 / 1); bool operands compare as their bytes.
+// Math is the CUDA library's accurate functions (no fast-math intrinsics): results agree
+// with the CPU within a few ulp, not bit for bit (exp, tanh, erf, pow, ...).
+//
+// Launches: contiguous operands take a grid-stride loop over 16-byte vectors (when every
+// pointer is 16-byte aligned; a scalar tail follows) or over scalars; broadcast / strided
+// operands take the strided geometry of elementwise_util.cuh (stride 0 on broadcast axes).
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using std::int64_t;
+
+// -x modulo 2^bits.
+template <typename T>
+__device__ __forceinline__ T wrap_neg(T x) {
+  using U = std::make_unsigned_t<T>;
+  return static_cast<T>(U(0) - static_cast<U>(x));
+}
+
+// --- Op functors (on the compute type C: float for 16-bit floats) --------------------------
+
+struct Neg {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    if constexpr (std::is_integral_v<C>)
+      return wrap_neg(x);
+    else
+      return -x;
+  }
+};
+struct Abs {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    if constexpr (std::is_integral_v<C>)
+      return x < 0 ? wrap_neg(x) : x;
+    else
+      return d_fabs(x);
+  }
+};
+struct Exp {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return d_exp(x);
+  }
+};
+struct Log {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return d_log(x);
+  }
+};
+struct Sqrt {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return d_sqrt(x);
+  }
+};
+struct Rsqrt {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return C(1) / d_sqrt(x);
+  }
+};
+struct Tanh {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return d_tanh(x);
+  }
+};
+// 1 / (1 + e^-x) through e = e^-|x| <= 1 (nothing overflows); NaN stays NaN.
+struct Sigmoid {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    const C e = d_exp(-d_fabs(x));
+    const C s = C(1) / (C(1) + e);
+    return x >= C(0) ? s : e * s;
+  }
+};
+// max(x, 0); NaN and -0 stay.
+struct Relu {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return x < C(0) ? C(0) : x;
+  }
+};
+// Exact gelu: 0.5 x erfc(-x / sqrt2).
+struct Gelu {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return C(0.5) * x * d_erfc(-x * C(0.70710678118654752440));
+  }
+};
+struct Erf {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    return d_erf(x);
+  }
+};
+
+struct Add {
+  template <typename C>
+  __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      using U = std::make_unsigned_t<C>;
+      return static_cast<C>(static_cast<U>(a) + static_cast<U>(b));
+    } else {
+      return a + b;
+    }
+  }
+};
+struct Sub {
+  template <typename C>
+  __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      using U = std::make_unsigned_t<C>;
+      return static_cast<C>(static_cast<U>(a) - static_cast<U>(b));
+    } else {
+      return a - b;
+    }
+  }
+};
+struct Mul {
+  template <typename C>
+  __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      using U = std::make_unsigned_t<C>;
+      return static_cast<C>(static_cast<U>(a) * static_cast<U>(b));
+    } else {
+      return a * b;
+    }
+  }
+};
+// Integer division truncates; x / 0 is 0; INT_MIN / -1 wraps.
+struct Div {
+  template <typename C>
+  __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      if (b == 0) return C(0);
+      if (b == C(-1)) return wrap_neg(a);
+      return a / b;
+    } else {
+      return a / b;
+    }
+  }
+};
+// NaN in either operand propagates (a NaN a is kept; a NaN b wins the comparison's else).
+struct Maximum {
+  template <typename C>
+  __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>)
+      return a > b ? a : b;
+    else
+      return (a > b || a != a) ? a : b;
+  }
+};
+struct Minimum {
+  template <typename C>
+  __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>)
+      return a < b ? a : b;
+    else
+      return (a < b || a != a) ? a : b;
+  }
+};
+struct Pow {
+  template <typename C>
+  __device__ C operator()(C a, C b) const {
+    return d_pow(a, b);
+  }
+};
+// relu_backward: g where relu's output y is positive, 0 elsewhere.
+struct ReluBackward {
+  template <typename C>
+  __device__ C operator()(C y, C g) const {
+    return y > C(0) ? g : C(0);
+  }
+};
+
+struct Eq {
+  template <typename C>
+  __device__ bool operator()(C a, C b) const {
+    return a == b;
+  }
+};
+struct Ne {
+  template <typename C>
+  __device__ bool operator()(C a, C b) const {
+    return a != b;
+  }
+};
+struct Lt {
+  template <typename C>
+  __device__ bool operator()(C a, C b) const {
+    return a < b;
+  }
+};
+struct Le {
+  template <typename C>
+  __device__ bool operator()(C a, C b) const {
+    return a <= b;
+  }
+};
+struct Gt {
+  template <typename C>
+  __device__ bool operator()(C a, C b) const {
+    return a > b;
+  }
+};
+struct Ge {
+  template <typename C>
+  __device__ bool operator()(C a, C b) const {
+    return a >= b;
+  }
+};
+
+// --- Unary ---------------------------------------------------------------------------------
+
+// y = op(x) over n contiguous elements; with `vec`, x and y are 16-byte aligned and are
+// walked as 16-byte packs, then a scalar tail.
+template <typename T, typename Op>
+__global__ void unary_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n, bool vec,
+                             Op op) {
+  if (vec) {
+    constexpr int N = kVec<T>;
+    using P = Pack<T, N>;
+    const int64_t nv = n / N;
+    const P* xv = reinterpret_cast<const P*>(x);
+    P* yv = reinterpret_cast<P*>(y);
+    MIXTAPE_GRID_LOOP(i, nv) {
+      const P a = xv[i];
+      P r;
+#pragma unroll
+      for (int k = 0; k < N; ++k) r.v[k] = store<T>(op(load(a.v[k])));
+      yv[i] = r;
+    }
+    const int64_t t0 = nv * N;
+    MIXTAPE_GRID_LOOP(j, n - t0) y[t0 + j] = store<T>(op(load(x[t0 + j])));
+  } else {
+    MIXTAPE_GRID_LOOP(i, n) y[i] = store<T>(op(load(x[i])));
+  }
+}
+
+template <typename T, typename Op>
+void unary_host(const Tensor& x, const Tensor& out) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  OnDevice on(out);
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  T* yp = static_cast<T*>(out.data_ptr());
+  const bool vec = aligned16(xp) && aligned16(yp);
+  const int64_t work = vec ? n / kVec<T> + kVec<T> : n;
+  unary_kernel<T, Op><<<blocks_for(work), kThreads, 0, on.s>>>(xp, yp, n, vec, Op{});
+  MIXTAPE_CUDA_CHECK_LAUNCH("unary kernel");
+}
+
+// --- Binary --------------------------------------------------------------------------------
+
+// out = op(a, b) over n contiguous elements (T the inputs' storage type, O the output's: T,
+// or the bool byte); with `vec`, all three pointers are 16-byte aligned.
+template <typename T, typename O, typename Op>
+__global__ void binary_contig_kernel(const T* __restrict__ a, const T* __restrict__ b,
+                                     O* __restrict__ out, int64_t n, bool vec, Op op) {
+  if (vec) {
+    constexpr int N = kVec<T>;
+    using P = Pack<T, N>;
+    using PO = Pack<O, N>;
+    const int64_t nv = n / N;
+    const P* av = reinterpret_cast<const P*>(a);
+    const P* bv = reinterpret_cast<const P*>(b);
+    PO* ov = reinterpret_cast<PO*>(out);
+    MIXTAPE_GRID_LOOP(i, nv) {
+      const P x = av[i];
+      const P y = bv[i];
+      PO r;
+#pragma unroll
+      for (int k = 0; k < N; ++k) r.v[k] = store<O>(op(load(x.v[k]), load(y.v[k])));
+      ov[i] = r;
+    }
+    const int64_t t0 = nv * N;
+    MIXTAPE_GRID_LOOP(j, n - t0) out[t0 + j] = store<O>(op(load(a[t0 + j]), load(b[t0 + j])));
+  } else {
+    MIXTAPE_GRID_LOOP(i, n) out[i] = store<O>(op(load(a[i]), load(b[i])));
+  }
+}
+
+// out[i] = op(a[off_a(i)], b[off_b(i)]) over n output elements of a strided geometry.
+template <typename T, typename O, typename Op, typename I>
+__global__ void binary_strided_kernel(const T* __restrict__ a, const T* __restrict__ b,
+                                      O* __restrict__ out, StridedGeom<2> g, int64_t n, Op op) {
+  MIXTAPE_GRID_LOOP(i, n) {
+    int64_t off[2];
+    strided_offsets<I>(g, i, off);
+    out[i] = store<O>(op(load(a[off[0]]), load(b[off[1]])));
+  }
+}
+
+template <typename T, typename O, typename Op>
+void binary_host(const Tensor& a, const Tensor& b, const Tensor& out) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OnDevice on(out);
+  const T* ap = static_cast<const T*>(a.data_ptr());
+  const T* bp = static_cast<const T*>(b.data_ptr());
+  O* op = static_cast<O*>(out.data_ptr());
+  const Coalesced<2> l = coalesce<2>(out.shape(), {&a.strides(), &b.strides()});
+  if (l.contiguous()) {
+    const bool vec = aligned16(ap) && aligned16(bp) && aligned16(op);
+    const int64_t work = vec ? n / kVec<T> + kVec<T> : n;
+    binary_contig_kernel<T, O, Op>
+        <<<blocks_for(work), kThreads, 0, on.s>>>(ap, bp, op, n, vec, Op{});
+    MIXTAPE_CUDA_CHECK_LAUNCH("binary kernel");
+    return;
+  }
+  for_each_slice(l, [&](const StridedGeom<2>& g, const std::array<int64_t, 2>& off, int64_t out_off,
+                        int64_t count) {
+    if (fits_u32(count))
+      binary_strided_kernel<T, O, Op, std::uint32_t><<<blocks_for(count), kThreads, 0, on.s>>>(
+          ap + off[0], bp + off[1], op + out_off, g, count, Op{});
+    else
+      binary_strided_kernel<T, O, Op, std::uint64_t><<<blocks_for(count), kThreads, 0, on.s>>>(
+          ap + off[0], bp + off[1], op + out_off, g, count, Op{});
+    MIXTAPE_CUDA_CHECK_LAUNCH("binary kernel (strided)");
+  });
+}
+
+// --- where ---------------------------------------------------------------------------------
+
+// out[i] = cond ? a : b; T an unsigned integer of the item size (where only moves bits).
+template <typename T, typename I>
+__global__ void where_kernel(const std::uint8_t* __restrict__ c, const T* __restrict__ a,
+                             const T* __restrict__ b, T* __restrict__ out, StridedGeom<3> g,
+                             int64_t n) {
+  MIXTAPE_GRID_LOOP(i, n) {
+    int64_t off[3];
+    strided_offsets<I>(g, i, off);
+    out[i] = c[off[0]] != 0 ? a[off[1]] : b[off[2]];
+  }
+}
+
+template <typename T>
+void where_host(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OnDevice on(out);
+  const auto* cp = static_cast<const std::uint8_t*>(cond.data_ptr());
+  const T* ap = static_cast<const T*>(a.data_ptr());
+  const T* bp = static_cast<const T*>(b.data_ptr());
+  T* op = static_cast<T*>(out.data_ptr());
+  const Coalesced<3> l = coalesce<3>(out.shape(), {&cond.strides(), &a.strides(), &b.strides()});
+  for_each_slice(l, [&](const StridedGeom<3>& g, const std::array<int64_t, 3>& off, int64_t out_off,
+                        int64_t count) {
+    if (fits_u32(count))
+      where_kernel<T, std::uint32_t><<<blocks_for(count), kThreads, 0, on.s>>>(
+          cp + off[0], ap + off[1], bp + off[2], op + out_off, g, count);
+    else
+      where_kernel<T, std::uint64_t><<<blocks_for(count), kThreads, 0, on.s>>>(
+          cp + off[0], ap + off[1], bp + off[2], op + out_off, g, count);
+    MIXTAPE_CUDA_CHECK_LAUNCH("where kernel");
+  });
+}
+
+// --- Registration --------------------------------------------------------------------------
+
+// Device storage types of the floating and integer dtypes.
+using F32 = float;
+using F16 = __half;
+using BF16 = __nv_bfloat16;
+using F64 = double;
+using I32 = std::int32_t;
+using I64 = std::int64_t;
+using U8 = std::uint8_t;
+
+template <typename T>
+DType dtype_code() {
+  if constexpr (std::is_same_v<T, F32>)
+    return kFloat32;
+  else if constexpr (std::is_same_v<T, F16>)
+    return kFloat16;
+  else if constexpr (std::is_same_v<T, BF16>)
+    return kBFloat16;
+  else if constexpr (std::is_same_v<T, F64>)
+    return kFloat64;
+  else if constexpr (std::is_same_v<T, I32>)
+    return kInt32;
+  else if constexpr (std::is_same_v<T, I64>)
+    return kInt64;
+  else
+    return kUInt8;
+}
+
+template <typename Op, typename... Ts>
+void reg_unary(OpId id) {
+  (register_kernel<kernels::UnaryFn>(id, DeviceType::CUDA, dtype_code<Ts>(), &unary_host<Ts, Op>),
+   ...);
+}
+
+template <typename Op, typename... Ts>
+void reg_binary(OpId id) {
+  (register_kernel<kernels::BinaryFn>(id, DeviceType::CUDA, dtype_code<Ts>(),
+                                      &binary_host<Ts, Ts, Op>),
+   ...);
+}
+
+// Comparisons for all 8 dtypes; bool compares as its byte.
+template <typename Op>
+void reg_compares(OpId id) {
+  auto reg = [id](DType d, kernels::BinaryFn* fn) {
+    register_kernel<kernels::BinaryFn>(id, DeviceType::CUDA, d, fn);
+  };
+  reg(kFloat32, &binary_host<F32, U8, Op>);
+  reg(kFloat16, &binary_host<F16, U8, Op>);
+  reg(kBFloat16, &binary_host<BF16, U8, Op>);
+  reg(kFloat64, &binary_host<F64, U8, Op>);
+  reg(kInt32, &binary_host<I32, U8, Op>);
+  reg(kInt64, &binary_host<I64, U8, Op>);
+  reg(kUInt8, &binary_host<U8, U8, Op>);
+  reg(kBool, &binary_host<U8, U8, Op>);
+}
+
+void reg_where() {
+  auto reg = [](DType d, kernels::WhereFn* fn) {
+    register_kernel<kernels::WhereFn>(OpId::where, DeviceType::CUDA, d, fn);
+  };
+  reg(kFloat32, &where_host<std::uint32_t>);
+  reg(kFloat16, &where_host<std::uint16_t>);
+  reg(kBFloat16, &where_host<std::uint16_t>);
+  reg(kFloat64, &where_host<std::uint64_t>);
+  reg(kInt32, &where_host<std::uint32_t>);
+  reg(kInt64, &where_host<std::uint64_t>);
+  reg(kUInt8, &where_host<std::uint8_t>);
+  reg(kBool, &where_host<std::uint8_t>);
+}
+
+}  // namespace
+
+void register_elementwise_kernels() {
+  reg_unary<Neg, F32, F16, BF16, F64, I32, I64>(OpId::neg);
+  reg_unary<Abs, F32, F16, BF16, F64, I32, I64>(OpId::abs);
+  reg_unary<Exp, F32, F16, BF16, F64>(OpId::exp);
+  reg_unary<Log, F32, F16, BF16, F64>(OpId::log);
+  reg_unary<Sqrt, F32, F16, BF16, F64>(OpId::sqrt);
+  reg_unary<Rsqrt, F32, F16, BF16, F64>(OpId::rsqrt);
+  reg_unary<Tanh, F32, F16, BF16, F64>(OpId::tanh);
+  reg_unary<Sigmoid, F32, F16, BF16, F64>(OpId::sigmoid);
+  reg_unary<Relu, F32, F16, BF16, F64>(OpId::relu);
+  reg_unary<Gelu, F32, F16, BF16, F64>(OpId::gelu);
+  reg_unary<Erf, F32, F16, BF16, F64>(OpId::erf);
+
+  reg_binary<Add, F32, F16, BF16, F64, I32, I64>(OpId::add);
+  reg_binary<Sub, F32, F16, BF16, F64, I32, I64>(OpId::sub);
+  reg_binary<Mul, F32, F16, BF16, F64, I32, I64>(OpId::mul);
+  reg_binary<Div, F32, F16, BF16, F64, I32, I64>(OpId::div);
+  reg_binary<Maximum, F32, F16, BF16, F64, I32, I64>(OpId::maximum);
+  reg_binary<Minimum, F32, F16, BF16, F64, I32, I64>(OpId::minimum);
+  reg_binary<Pow, F32, F16, BF16, F64>(OpId::pow);
+  reg_binary<ReluBackward, F32, F16, BF16, F64>(OpId::relu_backward);
+
+  reg_compares<Eq>(OpId::eq);
+  reg_compares<Ne>(OpId::ne);
+  reg_compares<Lt>(OpId::lt);
+  reg_compares<Le>(OpId::le);
+  reg_compares<Gt>(OpId::gt);
+  reg_compares<Ge>(OpId::ge);
+
+  reg_where();
+}
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,341 @@
+// Private to the CUDA backend's memory / elementwise / reduction / index / optim kernels:
+// the device element type of each dtype, exact conversions between element types (the CPU
+// backend's rules, bit for bit), strided geometry of up to 8 dimensions passed to kernels
+// by value, and 16-byte vector packs for the contiguous fast paths.
+//
+// Strided geometry: like the CPU backend, the operands' common shape drops its size-1
+// dimensions and merges neighbours wherever every operand allows it; the output is always
+// contiguous, so each input contributes one stride per remaining dimension. A kernel
+// decomposes a linear output index into the input offsets (32-bit divisions when the
+// element count fits in 32 bits, 64-bit otherwise). More than 8 dimensions left after
+// merging are handled on the host, one launch per index of the leading dimensions.
+#pragma once
+
+// fmt 9 (through mixtape/core/tensor.h) turns its FMT_CONSTEXPR off under nvcc, which leaves
+// constexpr functions calling non-constexpr ones that g++ 12 rejects in C++20; with it on,
+// nvcc and the host compiler accept fmt. Must precede the first fmt include of the .cu file.
+#ifndef FMT_USE_CONSTEXPR
+#define FMT_USE_CONSTEXPR 1
+#endif
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "backends/cuda/cuda_math.cuh"
+#include "backends/cuda/cuda_util.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/kernels.h"
+#include "mixtape/core/tensor.h"
+
+namespace mixtape::cuda_backend {
+
+// --- Element types ------------------------------------------------------------------------
+
+// The device storage type of each dtype; bool is handled as its byte (0 or 1).
+template <DType::Code C>
+struct DevElem;
+template <>
+struct DevElem<DType::Float32> {
+  using type = float;
+};
+template <>
+struct DevElem<DType::Float16> {
+  using type = __half;
+};
+template <>
+struct DevElem<DType::BFloat16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct DevElem<DType::Float64> {
+  using type = double;
+};
+template <>
+struct DevElem<DType::Int32> {
+  using type = std::int32_t;
+};
+template <>
+struct DevElem<DType::Int64> {
+  using type = std::int64_t;
+};
+template <>
+struct DevElem<DType::UInt8> {
+  using type = std::uint8_t;
+};
+template <>
+struct DevElem<DType::Bool> {
+  using type = std::uint8_t;
+};
+template <DType::Code C>
+using dev_t = typename DevElem<C>::type;
+
+// An unsigned integer of N bytes (N = 1, 2, 4 or 8), for kernels that only move elements.
+template <std::size_t N>
+using ubits_t = std::conditional_t<
+    N == 1, std::uint8_t,
+    std::conditional_t<N == 2, std::uint16_t,
+                       std::conditional_t<N == 4, std::uint32_t, std::uint64_t>>>;
+
+// True for the 16-bit floats (computed in float32).
+template <typename T>
+inline constexpr bool kHalfLike = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+
+// --- Exact conversions (the CPU backend's rules, backends/cpu/memory.cpp) -------------------
+
+// The range of the integer types as doubles: [lo, hi] are the values that truncate into the
+// type; hi = 2^digits, lo = min - 1 (exclusive bounds, as the CPU's saturating_trunc).
+template <typename I>
+struct IntRange;
+template <>
+struct IntRange<std::int32_t> {
+  static constexpr double kHi = 2147483648.0;
+  static constexpr double kLo = -2147483649.0;
+  static constexpr std::int32_t kMax = 2147483647;
+  static constexpr std::int32_t kMin = -2147483647 - 1;
+};
+template <>
+struct IntRange<std::int64_t> {
+  static constexpr double kHi = 9223372036854775808.0;
+  static constexpr double kLo = -9223372036854775808.0;  // min - 1 rounds to min in double
+  static constexpr std::int64_t kMax = 9223372036854775807LL;
+  static constexpr std::int64_t kMin = -9223372036854775807LL - 1;
+};
+template <>
+struct IntRange<std::uint8_t> {
+  static constexpr double kHi = 256.0;
+  static constexpr double kLo = -1.0;
+  static constexpr std::uint8_t kMax = 255;
+  static constexpr std::uint8_t kMin = 0;
+};
+
+// Floating -> integer: truncation toward zero, saturated at the type's range, NaN -> 0.
+template <typename I>
+__host__ __device__ inline I saturating_trunc(double d) {
+  if (d != d) return I(0);
+  if (d >= IntRange<I>::kHi) return IntRange<I>::kMax;
+  if (d <= IntRange<I>::kLo) return IntRange<I>::kMin;
+  // d lies in (kLo, kHi): its truncation fits in I (and in int64 on the way).
+  return static_cast<I>(static_cast<long long>(d));
+}
+
+// double -> float rounded to odd: exact values stay, inexact ones are truncated toward zero
+// and get their last mantissa bit set (then a rounding to 16 bits is correct-once). inf
+// stays inf, NaN stays NaN, finite values beyond the float range truncate to +-FLT_MAX.
+__device__ __forceinline__ float round_to_odd(double d) {
+  float f = __double2float_rz(d);
+  if (!(d != d) && static_cast<double>(f) != d) f = __uint_as_float(__float_as_uint(f) | 1u);
+  return f;
+}
+
+// int64 -> float rounded to odd (truncate, then set the last bit when inexact). f is
+// integer-valued whenever it is inexact (|f| >= 2^24), and |f| <= |v| <= 2^63, so the
+// truncating conversion back is exact and in range.
+__device__ __forceinline__ float round_to_odd_i64(long long v) {
+  float f = __ll2float_rz(v);
+  if (__float2ll_rz(f) != v) f = __uint_as_float(__float_as_uint(f) | 1u);
+  return f;
+}
+
+// A value of source type S (a device storage type) converted to destination type D exactly
+// as the CPU backend's cast does: to bool (x != 0); to 16-bit floats correctly rounded
+// (nearest even, wider sources through a float rounded to odd); floating -> integer by
+// saturating_trunc; integer -> integer wraps; everything else a C++ conversion (nearest).
+// DB: whether D is the bool byte.
+template <typename S, typename D, bool DB>
+__device__ __forceinline__ D convert_elem(S v) {
+  if constexpr (DB) {
+    if constexpr (kHalfLike<S>)
+      return static_cast<D>(load(v) != 0.0f ? 1 : 0);
+    else
+      return static_cast<D>(v != S(0) ? 1 : 0);
+  } else if constexpr (std::is_same_v<D, __half> || std::is_same_v<D, __nv_bfloat16>) {
+    float f;
+    if constexpr (kHalfLike<S>)
+      f = load(v);  // exact
+    else if constexpr (std::is_same_v<S, float>)
+      f = v;
+    else if constexpr (std::is_same_v<S, double>)
+      f = round_to_odd(v);
+    else if constexpr (std::is_same_v<S, std::int32_t>)
+      f = round_to_odd(static_cast<double>(v));  // int32 -> double is exact
+    else if constexpr (std::is_same_v<S, std::int64_t>)
+      f = round_to_odd_i64(static_cast<long long>(v));
+    else
+      f = static_cast<float>(v);  // uint8 / bool: exact
+    return store<D>(f);
+  } else if constexpr (std::is_same_v<D, float> || std::is_same_v<D, double>) {
+    if constexpr (kHalfLike<S>)
+      return static_cast<D>(load(v));
+    else
+      return static_cast<D>(v);  // nearest (float64 -> float32, large integers)
+  } else if constexpr (kHalfLike<S>) {
+    return saturating_trunc<D>(static_cast<double>(load(v)));
+  } else if constexpr (std::is_same_v<S, float> || std::is_same_v<S, double>) {
+    return saturating_trunc<D>(static_cast<double>(v));
+  } else {
+    return static_cast<D>(v);  // integer -> integer wraps (two's complement)
+  }
+}
+
+// --- Device math, overloaded on float / double --------------------------------------------
+
+__device__ __forceinline__ float d_fabs(float x) { return fabsf(x); }
+__device__ __forceinline__ double d_fabs(double x) { return fabs(x); }
+__device__ __forceinline__ float d_exp(float x) { return expf(x); }
+__device__ __forceinline__ double d_exp(double x) { return exp(x); }
+__device__ __forceinline__ float d_log(float x) { return logf(x); }
+__device__ __forceinline__ double d_log(double x) { return log(x); }
+__device__ __forceinline__ float d_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double d_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float d_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double d_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float d_erf(float x) { return erff(x); }
+__device__ __forceinline__ double d_erf(double x) { return erf(x); }
+__device__ __forceinline__ float d_erfc(float x) { return erfcf(x); }
+__device__ __forceinline__ double d_erfc(double x) { return erfc(x); }
+__device__ __forceinline__ float d_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double d_pow(double x, double y) { return pow(x, y); }
+
+// --- Strided geometry ---------------------------------------------------------------------
+
+inline constexpr int kMaxDims = 8;
+
+// The geometry of K strided inputs read in the row-major order of a contiguous output.
+template <int K>
+struct StridedGeom {
+  int rank = 1;
+  std::int64_t shape[kMaxDims] = {};
+  std::int64_t stride[K][kMaxDims] = {};
+};
+
+// The element offsets (into each input) of linear output index i. I: the index type of the
+// divisions (std::uint32_t when the launch's element count fits, std::uint64_t otherwise).
+template <typename I, int K>
+__device__ __forceinline__ void strided_offsets(const StridedGeom<K>& g, std::int64_t i,
+                                                std::int64_t (&off)[K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) off[k] = 0;
+  I rem = static_cast<I>(i);
+#pragma unroll
+  for (int d = kMaxDims - 1; d >= 1; --d) {
+    if (d < g.rank) {
+      const I extent = static_cast<I>(g.shape[d]);
+      const I q = rem / extent;
+      const auto idx = static_cast<std::int64_t>(rem - q * extent);
+      rem = q;
+#pragma unroll
+      for (int k = 0; k < K; ++k) off[k] += idx * g.stride[k][d];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) off[k] += static_cast<std::int64_t>(rem) * g.stride[k][0];
+}
+
+// The host-side merged geometry of K inputs over an output shape.
+template <int K>
+struct Coalesced {
+  std::vector<std::int64_t> shape;
+  std::vector<std::array<std::int64_t, K>> strides;
+  // True when the inputs are all contiguous over the output (one dimension, stride 1).
+  bool contiguous() const {
+    if (shape.size() != 1) return false;
+    for (int k = 0; k < K; ++k)
+      if (strides[0][static_cast<std::size_t>(k)] != 1) return false;
+    return true;
+  }
+};
+
+// Size-1 dimensions dropped; neighbours merged where every input allows it (outer d and
+// inner d + 1 merge when stride[d] == stride[d + 1] * shape[d + 1] for each input).
+template <int K>
+Coalesced<K> coalesce(const Shape& shape, const std::array<const Strides*, K>& st) {
+  Coalesced<K> l;
+  for (std::size_t d = 0; d < shape.rank(); ++d) {
+    if (shape[d] == 1) continue;
+    std::array<std::int64_t, K> s{};
+    for (int k = 0; k < K; ++k)
+      s[static_cast<std::size_t>(k)] = (*st[static_cast<std::size_t>(k)])[d];
+    bool merge = !l.shape.empty();
+    for (int k = 0; k < K && merge; ++k) {
+      const auto kk = static_cast<std::size_t>(k);
+      merge = l.strides.back()[kk] == s[kk] * shape[d];
+    }
+    if (merge) {
+      l.shape.back() *= shape[d];
+      l.strides.back() = s;
+    } else {
+      l.shape.push_back(shape[d]);
+      l.strides.push_back(s);
+    }
+  }
+  if (l.shape.empty()) {  // one element (or a rank-0 tensor)
+    l.shape.push_back(1);
+    l.strides.push_back({});
+  }
+  return l;
+}
+
+// Calls fn(geom, input_offsets, output_offset, count) for slices of at most kMaxDims
+// dimensions covering the whole geometry (one slice unless more than kMaxDims dimensions
+// remain after merging; then one per index of the leading dimensions). Offsets in elements.
+template <int K, typename Fn>
+void for_each_slice(const Coalesced<K>& l, Fn&& fn) {
+  const int r = static_cast<int>(l.shape.size());
+  const int lead = r > kMaxDims ? r - kMaxDims : 0;
+  StridedGeom<K> g;
+  g.rank = r - lead;
+  std::int64_t count = 1;
+  for (int d = 0; d < g.rank; ++d) {
+    const auto src = static_cast<std::size_t>(lead + d);
+    g.shape[d] = l.shape[src];
+    count *= l.shape[src];
+    for (int k = 0; k < K; ++k) g.stride[k][d] = l.strides[src][static_cast<std::size_t>(k)];
+  }
+  std::int64_t slices = 1;
+  for (int d = 0; d < lead; ++d) slices *= l.shape[static_cast<std::size_t>(d)];
+  for (std::int64_t s = 0; s < slices; ++s) {
+    std::array<std::int64_t, K> off{};
+    std::int64_t rem = s;
+    for (int d = lead - 1; d >= 0; --d) {
+      const auto dd = static_cast<std::size_t>(d);
+      const std::int64_t idx = rem % l.shape[dd];
+      rem /= l.shape[dd];
+      for (int k = 0; k < K; ++k)
+        off[static_cast<std::size_t>(k)] += idx * l.strides[dd][static_cast<std::size_t>(k)];
+    }
+    fn(g, off, s * count, count);
+  }
+}
+
+// Whether a launch over `count` elements may decompose indices in 32 bits.
+inline bool fits_u32(std::int64_t count) { return count <= 0xFFFFFFFFLL; }
+
+// --- Vector packs ----------------------------------------------------------------------------
+
+// N elements of T in one aligned 16-byte (or smaller) access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// Elements of T per 16-byte vector.
+template <typename T>
+inline constexpr int kVec = static_cast<int>(16 / sizeof(T));
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// --- Launch helpers ---------------------------------------------------------------------------
+
+// The device of a tensor made current for the scope, and its stream.
+struct OnDevice {
+  explicit OnDevice(const Tensor& t) : index(t.device().index()), guard(index), s(stream(index)) {}
+  int index;
+  DeviceGuard guard;
+  cudaStream_t s;
+};
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,366 @@
+// CUDA matmul kernels (kernels::GemmFn) for float32, float16, bfloat16 and float64.
+//
+// The products go to cuBLASLt (cublasLtMatmul), one call per batch of up to 65535 matrices
+// (strided batch, with stride 0 for an operand the batch shares):
+//   float32   CUBLAS_COMPUTE_32F, or CUBLAS_COMPUTE_32F_FAST_TF32 while
+//             mixtape::cuda::allow_tf32() is true (read per call; off by default)
+//   float16   CUDA_R_16F operands, CUBLAS_COMPUTE_32F (tensor cores, float32 accumulation)
+//   bfloat16  CUDA_R_16BF operands, CUBLAS_COMPUTE_32F (likewise)
+//   float64   CUBLAS_COMPUTE_64F
+// GemmArgs is row-major and cuBLASLt column-major: a row-major m x n matrix with leading
+// dimension ld is the column-major n x m matrix with the same ld, so the call computes
+// C^T = op(B)^T op(A)^T, i.e. cuBLASLt's A is our B (transposed when trans_b) and its B is our
+// A (transposed when trans_a), with m and n swapped. Leading dimensions, batch strides and
+// the m x n part of each C are exactly GemmArgs' (the leading-dimension gaps of C are never
+// written: beta = 0 and D = C).
+//
+// Per device: one cuBLASLt handle (created on first use), and a cache of plans by problem
+// (dtype, compute type, shape, transposes, leading dimensions, batch and strides, and the
+// alignment of the three pointers): the matmul and layout descriptors plus the algorithm the
+// heuristic chose (cublasLtMatmulAlgoGetHeuristic, first result) and its workspace size.
+// The workspace (at most 32 MiB) comes from the caching allocator for each call.
+//
+// Not through cuBLASLt:
+//   - float16 / bfloat16 with low_precision_accumulation (MIXTAPE_FP16_USE_FP32_COMPUTE=0):
+//     the sequential kernel of gemm_acc16.cu, which rounds the accumulator to the 16-bit type
+//     after every multiply-add exactly as the CPU emulation does (no library does that);
+//   - k == 0 (zeros) and problems the heuristic finds no algorithm for (logged once per
+//     problem) or with a dimension past int32: the same kernel with float32 / float64
+//     accumulation.
+//
+// Fusion: nothing is fused yet. A bias + ReLU epilogue would plug in as
+// CUBLASLT_MATMUL_DESC_EPILOGUE = CUBLASLT_EPILOGUE_RELU_BIAS (or _BIAS / _GELU_BIAS) with
+// CUBLASLT_MATMUL_DESC_BIAS_POINTER on the matmul descriptor (part of the plan key), the bias
+// broadcast along cuBLASLt's rows, which are our columns (n) after the swap: exactly a
+// Dense layer's per-output-feature bias.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_util.h"
+#include "backends/cuda/gemm_conv_kernels.h"
+#include "mixtape/core/cuda.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/error.h"
+#include "mixtape/core/kernels.h"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using kernels::GemmArgs;
+using std::int64_t;
+
+// --- Errors ------------------------------------------------------------------------------
+
+[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* what, const char* file,
+                                     int line) {
+  throw DeviceError(fmt::format("{} failed at {}:{}: {}: {}", what, file, line,
+                                cublasLtGetStatusName(status), cublasLtGetStatusString(status)));
+}
+inline void check_cublas(cublasStatus_t status, const char* what, const char* file, int line) {
+  if (status != CUBLAS_STATUS_SUCCESS) throw_cublas_error(status, what, file, line);
+}
+
+// Every cuBLAS / cuBLASLt call goes through this: MIXTAPE_CUBLAS_CHECK(cublasLtCreate(&h)).
+#define MIXTAPE_CUBLAS_CHECK(call) check_cublas((call), #call, __FILE__, __LINE__)
+
+// --- Constants -------------------------------------------------------------------------------
+
+constexpr std::size_t kMaxWorkspace = std::size_t{32} << 20;  // cuBLAS's recommendation (Hopper)
+constexpr int64_t kMaxBatchPerCall = 65535;
+constexpr int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+
+Elem elem_of(DType dt) {
+  switch (dt.code()) {
+    case DType::Float16:
+      return Elem::Float16;
+    case DType::BFloat16:
+      return Elem::BFloat16;
+    case DType::Float64:
+      return Elem::Float64;
+    default:
+      return Elem::Float32;
+  }
+}
+
+// --- Geometry ------------------------------------------------------------------------------
+
+// GemmArgs after the CPU backend's normalisation: a matrix with one stored row may carry any
+// leading dimension (raised to its row length, as cuBLASLt wants ld >= rows of its
+// column-major view), and a batch that shares B, with A and C evenly strided, is one taller
+// product. A batch of one has no strides.
+GemmShape normalize(const GemmArgs& g) {
+  GemmShape s;
+  s.batch = g.batch, s.m = g.m, s.n = g.n, s.k = g.k;
+  s.ta = g.trans_a, s.tb = g.trans_b;
+  s.lda = g.lda, s.ldb = g.ldb, s.ldc = g.ldc;
+  s.sa = g.stride_a, s.sb = g.stride_b, s.sc = g.stride_c;
+  const int64_t rows_a = s.ta ? s.k : s.m, cols_a = s.ta ? s.m : s.k;
+  const int64_t rows_b = s.tb ? s.n : s.k, cols_b = s.tb ? s.k : s.n;
+  if (rows_a <= 1) s.lda = std::max(s.lda, cols_a);
+  if (rows_b <= 1) s.ldb = std::max(s.ldb, cols_b);
+  if (s.m <= 1) s.ldc = std::max(s.ldc, s.n);
+  s.lda = std::max<int64_t>(s.lda, 1);
+  s.ldb = std::max<int64_t>(s.ldb, 1);
+  s.ldc = std::max<int64_t>(s.ldc, 1);
+  if (s.batch > 1 && !s.ta && s.sb == 0 && s.sa == s.m * s.lda && s.sc == s.m * s.ldc &&
+      s.batch * s.m <= kInt32Max) {
+    s.m *= s.batch;
+    s.batch = 1;
+  }
+  if (s.batch == 1) s.sa = s.sb = s.sc = 0;
+  return s;
+}
+
+// The alignment (a power of two up to 256 bytes) that the pointer, the leading dimension
+// and, in a batch, the batch stride all share: what cuBLASLt may assume of the operand.
+std::uint32_t alignment(const void* p, int64_t ld, int64_t stride, int64_t batch,
+                        std::size_t item) {
+  std::uint64_t v = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)) |
+                    static_cast<std::uint64_t>(ld) * item;
+  if (batch > 1) v |= static_cast<std::uint64_t>(stride) * item;
+  if (v == 0) return 256;
+  return static_cast<std::uint32_t>(std::min<std::uint64_t>(v & (~v + 1), 256));
+}
+
+// --- cuBLASLt handles and plans ------------------------------------------------------------
+
+cublasLtHandle_t lt_handle(int device) {
+  static std::mutex mutex;
+  static auto* handles = new std::vector<cublasLtHandle_t>();  // never destroyed
+  std::lock_guard<std::mutex> lock(mutex);
+  if (handles->size() <= static_cast<std::size_t>(device))
+    handles->resize(static_cast<std::size_t>(device) + 1, nullptr);
+  cublasLtHandle_t& h = (*handles)[static_cast<std::size_t>(device)];
+  if (!h) {
+    DeviceGuard guard(device);
+    MIXTAPE_CUBLAS_CHECK(cublasLtCreate(&h));
+  }
+  return h;
+}
+
+struct LtTypes {
+  cudaDataType_t data;
+  cublasComputeType_t compute;
+  cudaDataType_t scale;
+};
+
+LtTypes lt_types(DType dt, bool tf32) {
+  switch (dt.code()) {
+    case DType::Float16:
+      return {CUDA_R_16F, CUBLAS_COMPUTE_32F, CUDA_R_32F};
+    case DType::BFloat16:
+      return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUDA_R_32F};
+    case DType::Float64:
+      return {CUDA_R_64F, CUBLAS_COMPUTE_64F, CUDA_R_64F};
+    default:
+      return {CUDA_R_32F, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F};
+  }
+}
+
+// One problem's descriptors and algorithm. cuBLASLt's A is our B and its B our A (see the
+// top of the file); C and D share one layout.
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  std::size_t workspace = 0;
+  bool supported = false;  // false: no algorithm; the sequential kernel runs the problem
+
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+struct PlanKey {
+  std::array<int64_t, 19> v{};
+  bool operator==(const PlanKey&) const = default;
+};
+struct PlanKeyHash {
+  std::size_t operator()(const PlanKey& k) const {
+    std::uint64_t h = 0x9e3779b97f4a7c15ULL;
+    for (int64_t x : k.v) {
+      h ^= static_cast<std::uint64_t>(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    }
+    return static_cast<std::size_t>(h);
+  }
+};
+
+// A column-major rows x cols layout with leading dimension ld, strided over the batch.
+void set_layout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int64_t rows, int64_t cols,
+                int64_t ld, int64_t batch, int64_t stride) {
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(layout, type, static_cast<std::uint64_t>(rows),
+                                                  static_cast<std::uint64_t>(cols), ld));
+  if (batch > 1) {
+    const std::int32_t count = static_cast<std::int32_t>(batch);
+    const int64_t offset = stride;
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+        *layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+        *layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset, sizeof(offset)));
+  }
+}
+
+// Builds the descriptors of problem s (batch <= kMaxBatchPerCall) and asks the heuristic for
+// an algorithm that works with the given alignments.
+std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTypes& types,
+                                  const GemmShape& s, std::uint32_t align_a, std::uint32_t align_b,
+                                  std::uint32_t align_c) {
+  auto plan = std::make_unique<LtPlan>();
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, types.compute, types.scale));
+  const std::int32_t op_a = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A: our B
+  const std::int32_t op_b = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B: our A
+  MIXTAPE_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  MIXTAPE_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  // Our row-major B (k x n, or n x k when transposed) is column-major n x k (k x n); our A
+  // (m x k, or k x m) is column-major k x m (m x k); our C (m x n) is column-major n x m.
+  set_layout(&plan->a, types.data, s.tb ? s.k : s.n, s.tb ? s.n : s.k, s.ldb, s.batch, s.sb);
+  set_layout(&plan->b, types.data, s.ta ? s.m : s.k, s.ta ? s.k : s.m, s.lda, s.batch, s.sa);
+  set_layout(&plan->c, types.data, s.n, s.m, s.ldc, s.batch, s.sc);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  struct PrefGuard {
+    cublasLtMatmulPreference_t p;
+    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
+  } pref_guard{pref};
+  const std::uint64_t max_workspace = kMaxWorkspace;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace)));
+  // cuBLASLt's A is our B, its B our A; C and D are our C.
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_b, sizeof(align_b)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_a, sizeof(align_a)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int returned = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &returned);
+  if (status == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+    plan->algo = result.algo;
+    plan->workspace = result.workspaceSize;
+    plan->supported = true;
+  } else if (status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    spdlog::warn(
+        "mixtape: cuBLASLt has no algorithm for a {} matmul (batch {}, m {}, n {}, k {}, "
+        "trans {}{}, ld {}/{}/{}, strides {}/{}/{}, alignment {}/{}/{}): {}; using the "
+        "sequential CUDA kernel",
+        dt.name(), s.batch, s.m, s.n, s.k, s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', s.lda, s.ldb, s.ldc,
+        s.sa, s.sb, s.sc, align_a, align_b, align_c,
+        status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status)
+        : returned > 0                  ? cublasLtGetStatusName(result.state)
+                                        : "no result");
+  } else {
+    throw_cublas_error(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+  }
+  return plan;
+}
+
+// The plan of problem s on `device`, made on first use. Plans are never destroyed, so the
+// reference stays valid.
+const LtPlan& plan_for(int device, cublasLtHandle_t handle, DType dt, bool tf32, const GemmShape& s,
+                       std::uint32_t align_a, std::uint32_t align_b, std::uint32_t align_c) {
+  static std::mutex mutex;
+  static auto* plans =
+      new std::unordered_map<PlanKey, std::unique_ptr<LtPlan>, PlanKeyHash>();  // never destroyed
+  const LtTypes types = lt_types(dt, tf32);
+  PlanKey key;
+  key.v = {device,  dt.index(), static_cast<int64_t>(types.compute),
+           s.batch, s.m,        s.n,
+           s.k,     s.ta,       s.tb,
+           s.lda,   s.ldb,      s.ldc,
+           s.sa,    s.sb,       s.sc,
+           align_a, align_b,    align_c,
+           0};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = plans->find(key);
+  if (it == plans->end())
+    it = plans->emplace(key, make_plan(handle, dt, types, s, align_a, align_b, align_c)).first;
+  return *it->second;
+}
+
+// --- The kernel ------------------------------------------------------------------------------
+
+template <DType::Code kCode>
+void gemm(const GemmArgs& g) {
+  constexpr DType dt{kCode};
+  if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
+  const int device = g.out.device().index();
+  DeviceGuard guard(device);
+  const cudaStream_t st = stream(device);
+  const GemmShape s = normalize(g);
+  const void* a = g.a.data_ptr();
+  const void* b = g.b.data_ptr();
+  void* c = g.out.data_ptr();
+
+  if (dt.is_reduced_float() && g.low_precision_accumulation)
+    return gemm_sequential(elem_of(dt), Accumulation::Round16, s, a, b, c, st);
+  if (s.k <= 0 || s.m > kInt32Max || s.n > kInt32Max || s.k > kInt32Max || s.lda > kInt32Max ||
+      s.ldb > kInt32Max || s.ldc > kInt32Max)
+    return gemm_sequential(elem_of(dt), Accumulation::Wide, s, a, b, c, st);
+
+  const bool tf32 = dt == kFloat32 && cuda::allow_tf32();
+  const cublasLtHandle_t handle = lt_handle(device);
+  const std::size_t item = dt.itemsize();
+  const double one_d = 1.0, zero_d = 0.0;
+  const float one_f = 1.0f, zero_f = 0.0f;
+  const void* alpha = dt == kFloat64 ? static_cast<const void*>(&one_d) : &one_f;
+  const void* beta = dt == kFloat64 ? static_cast<const void*>(&zero_d) : &zero_f;
+
+  for (int64_t b0 = 0; b0 < s.batch; b0 += kMaxBatchPerCall) {
+    GemmShape part = s;
+    part.batch = std::min(kMaxBatchPerCall, s.batch - b0);
+    if (part.batch == 1) part.sa = part.sb = part.sc = 0;
+    const void* pa = static_cast<const char*>(a) + b0 * s.sa * static_cast<int64_t>(item);
+    const void* pb = static_cast<const char*>(b) + b0 * s.sb * static_cast<int64_t>(item);
+    void* pc = static_cast<char*>(c) + b0 * s.sc * static_cast<int64_t>(item);
+    const std::uint32_t align_a = alignment(pa, part.lda, part.sa, part.batch, item);
+    const std::uint32_t align_b = alignment(pb, part.ldb, part.sb, part.batch, item);
+    const std::uint32_t align_c = alignment(pc, part.ldc, part.sc, part.batch, item);
+    const LtPlan& plan = plan_for(device, handle, dt, tf32, part, align_a, align_b, align_c);
+    if (!plan.supported) {
+      gemm_sequential(elem_of(dt), Accumulation::Wide, part, pa, pb, pc, st);
+      continue;
+    }
+    Workspace workspace(plan.workspace, device);
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, alpha, pb, plan.a, pa, plan.b, beta, pc,
+                                        plan.c, pc, plan.c, &plan.algo, workspace.data(),
+                                        plan.workspace, st));
+  }
+}
+
+}  // namespace
+
+void register_gemm_kernels() {
+  constexpr auto cuda = DeviceType::CUDA;
+  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kFloat32, &gemm<DType::Float32>);
+  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kFloat16, &gemm<DType::Float16>);
+  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kBFloat16, &gemm<DType::BFloat16>);
+  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kFloat64, &gemm<DType::Float64>);
+}
+
+}  // namespace mixtape::cuda_backend

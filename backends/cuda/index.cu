@@ -1,0 +1,164 @@
+// CUDA index kernels: gather and its adjoint scatter_add, take (whole rows) and its adjoint
+// index_add (see kernels.h for the [outer, n | k, inner] geometry), for the dtypes the CPU
+// backend registers: float32, float16, bfloat16, float64, int32, int64.
+//
+// gather and take only move elements (an unsigned integer of the item size; take moves
+// 16-byte units when the rows and pointers allow it), one thread per output element.
+// scatter_add and index_add run one thread per source element and add with atomicAdd in the
+// dtype: float32 / float64 natively, float16 (sm_70+) and bfloat16 (sm_80+) with CUDA's
+// 16-bit atomics (each addition rounded to the dtype, as the CPU does), int32 / int64 as
+// wrapping two's-complement additions (32-bit int and 64-bit unsigned atomics). The order of
+// the additions into one element is not the CPU's (j order): integer results are identical,
+// floating results may differ by rounding.
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using std::int64_t;
+
+// *p += v in the dtype, atomically.
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(__half* p, __half v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(__nv_bfloat16* p, __nv_bfloat16 v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(std::int32_t* p, std::int32_t v) {
+  atomicAdd(reinterpret_cast<int*>(p), static_cast<int>(v));
+}
+__device__ __forceinline__ void atomic_add(std::int64_t* p, std::int64_t v) {
+  static_assert(sizeof(std::int64_t) == sizeof(unsigned long long));
+  atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
+
+// out[o, j, i] = x[o, index[o, j, i], i]; q = (o * k + j) * inner + i.
+template <typename T>
+__global__ void gather_kernel(const T* __restrict__ x, const int64_t* __restrict__ index,
+                              T* __restrict__ out, int64_t total, int64_t n, int64_t k,
+                              int64_t inner) {
+  MIXTAPE_GRID_LOOP(q, total) {
+    const int64_t i = q % inner, o = q / inner / k;
+    out[q] = x[(o * n + index[q]) * inner + i];
+  }
+}
+
+// out[o, index[o, j, i], i] += src[o, j, i].
+template <typename T>
+__global__ void scatter_add_kernel(const T* __restrict__ src, const int64_t* __restrict__ index,
+                                   T* out, int64_t total, int64_t n, int64_t k, int64_t inner) {
+  MIXTAPE_GRID_LOOP(q, total) {
+    const int64_t i = q % inner, o = q / inner / k;
+    atomic_add(out + (o * n + index[q]) * inner + i, src[q]);
+  }
+}
+
+// out[o, j, i] = x[o, index[j], i].
+template <typename T>
+__global__ void take_kernel(const T* __restrict__ x, const int64_t* __restrict__ index,
+                            T* __restrict__ out, int64_t total, int64_t n, int64_t k,
+                            int64_t inner) {
+  MIXTAPE_GRID_LOOP(q, total) {
+    const int64_t i = q % inner, r = q / inner;
+    const int64_t j = r % k, o = r / k;
+    out[q] = x[(o * n + index[j]) * inner + i];
+  }
+}
+
+// out[o, index[j], i] += src[o, j, i].
+template <typename T>
+__global__ void index_add_kernel(const T* __restrict__ src, const int64_t* __restrict__ index,
+                                 T* out, int64_t total, int64_t n, int64_t k, int64_t inner) {
+  MIXTAPE_GRID_LOOP(q, total) {
+    const int64_t i = q % inner, r = q / inner;
+    const int64_t j = r % k, o = r / k;
+    atomic_add(out + (o * n + index[j]) * inner + i, src[q]);
+  }
+}
+
+// T: an unsigned integer of the item size.
+template <typename T>
+void gather_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                 int64_t inner, const Tensor& out) {
+  const int64_t total = outer * k * inner;
+  if (total == 0) return;
+  OnDevice on(out);
+  gather_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
+      static_cast<const T*>(x.data_ptr()), static_cast<const int64_t*>(index.data_ptr()),
+      static_cast<T*>(out.data_ptr()), total, n, k, inner);
+  MIXTAPE_CUDA_CHECK_LAUNCH("gather kernel");
+}
+
+// T: the device storage type.
+template <typename T>
+void scatter_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                      int64_t inner, const Tensor& out) {
+  const int64_t total = outer * k * inner;
+  if (total == 0) return;
+  OnDevice on(out);
+  scatter_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
+      static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()),
+      static_cast<T*>(out.data_ptr()), total, n, k, inner);
+  MIXTAPE_CUDA_CHECK_LAUNCH("scatter_add kernel");
+}
+
+// T: an unsigned integer of the item size. Rows of a multiple of 16 bytes between 16-byte
+// aligned pointers move as uint4 units.
+template <typename T>
+void take_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+               int64_t inner, const Tensor& out) {
+  const int64_t total = outer * k * inner;
+  if (total == 0) return;
+  OnDevice on(out);
+  const void* xp = x.data_ptr();
+  void* yp = out.data_ptr();
+  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  const int64_t row_bytes = inner * static_cast<int64_t>(sizeof(T));
+  if (row_bytes % 16 == 0 && aligned16(xp) && aligned16(yp)) {
+    const int64_t units = row_bytes / 16;
+    const int64_t vtotal = outer * k * units;
+    take_kernel<uint4><<<blocks_for(vtotal), kThreads, 0, on.s>>>(
+        static_cast<const uint4*>(xp), ip, static_cast<uint4*>(yp), vtotal, n, k, units);
+  } else {
+    take_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
+        static_cast<const T*>(xp), ip, static_cast<T*>(yp), total, n, k, inner);
+  }
+  MIXTAPE_CUDA_CHECK_LAUNCH("take kernel");
+}
+
+// T: the device storage type.
+template <typename T>
+void index_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                    int64_t inner, const Tensor& out) {
+  const int64_t total = outer * k * inner;
+  if (total == 0) return;
+  OnDevice on(out);
+  index_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
+      static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()),
+      static_cast<T*>(out.data_ptr()), total, n, k, inner);
+  MIXTAPE_CUDA_CHECK_LAUNCH("index_add kernel");
+}
+
+template <typename T>
+void reg(DType dtype) {
+  using Bits = ubits_t<sizeof(T)>;
+  static_assert(sizeof(Bits) == sizeof(T));
+  register_kernel<kernels::GatherFn>(OpId::gather, DeviceType::CUDA, dtype, &gather_host<Bits>);
+  register_kernel<kernels::ScatterAddFn>(OpId::scatter_add, DeviceType::CUDA, dtype,
+                                         &scatter_add_host<T>);
+  register_kernel<kernels::TakeFn>(OpId::take, DeviceType::CUDA, dtype, &take_host<Bits>);
+  register_kernel<kernels::IndexAddFn>(OpId::index_add, DeviceType::CUDA, dtype,
+                                       &index_add_host<T>);
+}
+
+}  // namespace
+
+void register_index_kernels() {
+  reg<float>(kFloat32);
+  reg<__half>(kFloat16);
+  reg<__nv_bfloat16>(kBFloat16);
+  reg<double>(kFloat64);
+  reg<std::int32_t>(kInt32);
+  reg<std::int64_t>(kInt64);
+}
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,219 @@
+// CUDA memory kernels: copy (strided -> contiguous), fill and cast, for all 8 dtypes.
+//
+// The conversion rules are the CPU backend's (backends/cpu/memory.cpp), bit for bit:
+//  - to float16/bfloat16: correctly rounded (nearest, ties to even) from any source; wider
+//    sources (float64, int32, int64) go through a float32 rounded to odd first;
+//  - floating -> integer truncates toward zero and saturates; NaN becomes 0;
+//  - integer -> narrower integer wraps; anything -> bool is (x != 0) (NaN is true).
+// copy and fill only move bits (an unsigned integer of the item size); a contiguous copy is
+// a cudaMemcpyAsync, a fill whose bytes are all equal (zeros, bool, uint8, -1) a
+// cudaMemsetAsync, other fills store 16-byte vectors when the pointer allows it.
+#include <cmath>
+#include <cstring>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using std::int64_t;
+
+// --- copy ------------------------------------------------------------------------------
+
+// dst[i] = src[offset of output index i], over `n` output elements.
+template <typename T, typename I>
+__global__ void copy_strided_kernel(const T* __restrict__ src, T* __restrict__ dst,
+                                    StridedGeom<1> g, int64_t n) {
+  MIXTAPE_GRID_LOOP(i, n) {
+    int64_t off[1];
+    strided_offsets<I>(g, i, off);
+    dst[i] = src[off[0]];
+  }
+}
+
+// copy: any strided src -> contiguous dst. T: an unsigned integer of the item size.
+template <typename T>
+void copy_host(const Tensor& src, const Tensor& dst) {
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  OnDevice on(dst);
+  const T* s = static_cast<const T*>(src.data_ptr());
+  T* d = static_cast<T*>(dst.data_ptr());
+  const Coalesced<1> l = coalesce<1>(src.shape(), {&src.strides()});
+  if (l.contiguous()) {
+    MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(d, s, static_cast<std::size_t>(n) * sizeof(T),
+                                       cudaMemcpyDeviceToDevice, on.s));
+    return;
+  }
+  for_each_slice(l, [&](const StridedGeom<1>& g, const std::array<int64_t, 1>& off, int64_t out_off,
+                        int64_t count) {
+    if (fits_u32(count))
+      copy_strided_kernel<T, std::uint32_t>
+          <<<blocks_for(count), kThreads, 0, on.s>>>(s + off[0], d + out_off, g, count);
+    else
+      copy_strided_kernel<T, std::uint64_t>
+          <<<blocks_for(count), kThreads, 0, on.s>>>(s + off[0], d + out_off, g, count);
+    MIXTAPE_CUDA_CHECK_LAUNCH("copy kernel");
+  });
+}
+
+// --- fill ------------------------------------------------------------------------------
+
+// double -> float rounded to odd, on the host (as the CPU backend's round_to_odd).
+float host_round_to_odd(double v) {
+  float f = static_cast<float>(v);
+  if (std::isnan(v) || static_cast<double>(f) == v) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits |= 1u;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The bits of `value` converted to dtype dt, exactly as the CPU backend's fill converts it.
+std::uint64_t fill_bits(double value, DType dt) {
+  std::uint64_t bits = 0;
+  switch (dt.code()) {
+    case DType::Float32: {
+      const float f = static_cast<float>(value);
+      std::memcpy(&bits, &f, sizeof f);
+      break;
+    }
+    case DType::Float16:
+      bits = mixtape::half(host_round_to_odd(value)).bits;
+      break;
+    case DType::BFloat16:
+      bits = mixtape::bfloat16(host_round_to_odd(value)).bits;
+      break;
+    case DType::Float64:
+      std::memcpy(&bits, &value, sizeof value);
+      break;
+    case DType::Int32:
+      bits = static_cast<std::uint32_t>(saturating_trunc<std::int32_t>(value));
+      break;
+    case DType::Int64:
+      bits = static_cast<std::uint64_t>(saturating_trunc<std::int64_t>(value));
+      break;
+    case DType::UInt8:
+      bits = saturating_trunc<std::uint8_t>(value);
+      break;
+    case DType::Bool:
+      bits = value != 0.0 ? 1 : 0;  // NaN is true
+      break;
+  }
+  return bits;
+}
+
+// p[0, n) = v; with `vec`, p is 16-byte aligned and `pattern` holds v repeated over 16 bytes.
+template <typename T>
+__global__ void fill_kernel(T* __restrict__ p, int64_t n, T v, uint4 pattern, bool vec) {
+  if (vec) {
+    constexpr int N = kVec<T>;
+    const int64_t nv = n / N;
+    uint4* pv = reinterpret_cast<uint4*>(p);
+    MIXTAPE_GRID_LOOP(i, nv) pv[i] = pattern;
+    const int64_t t0 = nv * N;
+    MIXTAPE_GRID_LOOP(j, n - t0) p[t0 + j] = v;
+  } else {
+    MIXTAPE_GRID_LOOP(i, n) p[i] = v;
+  }
+}
+
+// T: an unsigned integer of the item size.
+template <typename T>
+void fill_host(const Tensor& out, double value) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  OnDevice on(out);
+  const std::uint64_t bits = fill_bits(value, out.dtype());
+  unsigned char bytes[sizeof(T)];
+  const T v = static_cast<T>(bits);
+  std::memcpy(bytes, &v, sizeof(T));
+  bool same = true;
+  for (std::size_t b = 1; b < sizeof(T); ++b) same = same && bytes[b] == bytes[0];
+  T* p = static_cast<T*>(out.data_ptr());
+  if (same) {
+    MIXTAPE_CUDA_CHECK(cudaMemsetAsync(p, bytes[0], static_cast<std::size_t>(n) * sizeof(T), on.s));
+    return;
+  }
+  uint4 pattern;
+  unsigned char rep[16];
+  for (std::size_t b = 0; b < 16; ++b) rep[b] = bytes[b % sizeof(T)];
+  std::memcpy(&pattern, rep, sizeof pattern);
+  const bool vec = aligned16(p);
+  const int64_t work = vec ? n / kVec<T> + kVec<T> : n;
+  fill_kernel<T><<<blocks_for(work), kThreads, 0, on.s>>>(p, n, v, pattern, vec);
+  MIXTAPE_CUDA_CHECK_LAUNCH("fill kernel");
+}
+
+// --- cast ------------------------------------------------------------------------------
+
+template <DType::Code S, DType::Code D>
+__global__ void cast_kernel(const dev_t<S>* __restrict__ x, dev_t<D>* __restrict__ y, int64_t n) {
+  MIXTAPE_GRID_LOOP(i, n) y[i] = convert_elem<dev_t<S>, dev_t<D>, D == DType::Bool>(x[i]);
+}
+
+template <DType::Code S, DType::Code D>
+void cast_to(const Tensor& x, const Tensor& out, cudaStream_t s) {
+  const int64_t n = x.numel();
+  const auto* xp = static_cast<const dev_t<S>*>(x.data_ptr());
+  auto* yp = static_cast<dev_t<D>*>(out.data_ptr());
+  if constexpr (S == D) {
+    MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(yp, xp, static_cast<std::size_t>(n) * sizeof(dev_t<S>),
+                                       cudaMemcpyDeviceToDevice, s));
+  } else {
+    cast_kernel<S, D><<<blocks_for(n), kThreads, 0, s>>>(xp, yp, n);
+    MIXTAPE_CUDA_CHECK_LAUNCH("cast kernel");
+  }
+}
+
+template <DType::Code S>
+void cast_host(const Tensor& x, const Tensor& out) {
+  if (x.numel() == 0) return;
+  OnDevice on(x);
+  switch (out.dtype().code()) {
+    case DType::Float32:
+      return cast_to<S, DType::Float32>(x, out, on.s);
+    case DType::Float16:
+      return cast_to<S, DType::Float16>(x, out, on.s);
+    case DType::BFloat16:
+      return cast_to<S, DType::BFloat16>(x, out, on.s);
+    case DType::Float64:
+      return cast_to<S, DType::Float64>(x, out, on.s);
+    case DType::Int32:
+      return cast_to<S, DType::Int32>(x, out, on.s);
+    case DType::Int64:
+      return cast_to<S, DType::Int64>(x, out, on.s);
+    case DType::UInt8:
+      return cast_to<S, DType::UInt8>(x, out, on.s);
+    case DType::Bool:
+      return cast_to<S, DType::Bool>(x, out, on.s);
+  }
+}
+
+// Registers copy, fill and cast for dtype C.
+template <DType::Code C>
+void register_dtype() {
+  using Bits = ubits_t<sizeof(dev_t<C>)>;
+  static_assert(sizeof(Bits) == sizeof(dev_t<C>));
+  register_kernel<kernels::CopyFn>(OpId::copy, DeviceType::CUDA, DType(C), &copy_host<Bits>);
+  register_kernel<kernels::FillFn>(OpId::fill, DeviceType::CUDA, DType(C), &fill_host<Bits>);
+  register_kernel<kernels::CastFn>(OpId::cast, DeviceType::CUDA, DType(C), &cast_host<C>);
+}
+
+}  // namespace
+
+void register_memory_kernels() {
+  register_dtype<DType::Float32>();
+  register_dtype<DType::Float16>();
+  register_dtype<DType::BFloat16>();
+  register_dtype<DType::Float64>();
+  register_dtype<DType::Int32>();
+  register_dtype<DType::Int64>();
+  register_dtype<DType::UInt8>();
+  register_dtype<DType::Bool>();
+}
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,280 @@
+// CUDA training kernels: unscale_check and the in-place optimizer updates sgd_update,
+// rmsprop_update and adam_update, for float32, float16, bfloat16 and float64 variables
+// (slots float32, float64 for float64), with the CPU backend's exact arithmetic
+// (backends/cpu/optim.cpp):
+//  - the update math runs in the slot type, operation by operation as the CPU writes it,
+//    with the round-to-nearest intrinsics (__fmul_rn, __dadd_rn, ...) so that nvcc does not
+//    contract a * b + c into an FMA: the results are the CPU's, bit for bit, where the CPU
+//    does not contract either (x86-64). The variable is rounded once when stored.
+//  - unscale_check rounds grad * scale once to the gradient's dtype as if computed in
+//    float64: float32 gradients multiply in float32 when the scale is a float32 value and
+//    in float64 otherwise; 16-bit gradients multiply in float64 and reach their dtype
+//    through a float32 rounded to odd. A gradient element x is non-finite when x - x != 0.
+//    The whole list is handled by one launch per kUnscaleChunk tensors (the pointers and
+//    sizes travel as a kernel parameter); found_nonfinite is set to 1 on the device by any
+//    thread that saw a non-finite value (never cleared, never read back).
+#include <cmath>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using kernels::OptimizerUpdate;
+using std::int64_t;
+
+// --- Non-contracting arithmetic in the slot type ------------------------------------------
+
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+
+// --- unscale_check -------------------------------------------------------------------------
+
+constexpr int kUnscaleChunk = 128;  // tensors per launch (3 KiB of kernel parameters)
+
+struct UnscaleList {
+  const void* in[kUnscaleChunk];
+  void* out[kUnscaleChunk];  // null: only check
+  int64_t n[kUnscaleChunk];
+  int count;
+};
+
+// T: the gradients' device type. kFloatScale: float32 gradients multiply in float32.
+template <typename T, bool kFloatScale>
+__global__ void unscale_check_kernel(UnscaleList list, double scale, float* flag) {
+  bool found = false;
+  for (int t = 0; t < list.count; ++t) {
+    const T* x = static_cast<const T*>(list.in[t]);
+    T* y = static_cast<T*>(list.out[t]);
+    const int64_t n = list.n[t];
+    MIXTAPE_GRID_LOOP(i, n) {
+      const auto v = load(x[i]);  // float (float32 and 16-bit) or double
+      if (!(v - v == decltype(v)(0))) found = true;
+      if (y != nullptr) {
+        if constexpr (std::is_same_v<T, double>)
+          y[i] = __dmul_rn(v, scale);
+        else if constexpr (std::is_same_v<T, float> && kFloatScale)
+          y[i] = __fmul_rn(v, static_cast<float>(scale));
+        else if constexpr (std::is_same_v<T, float>)
+          y[i] = static_cast<float>(__dmul_rn(static_cast<double>(v), scale));
+        else
+          y[i] = store<T>(round_to_odd(__dmul_rn(static_cast<double>(v), scale)));
+      }
+    }
+  }
+  if (found) *flag = 1.0f;
+}
+
+template <typename T>
+void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
+                        double scale, const Tensor& found_nonfinite) {
+  if (grads.empty()) return;
+  OnDevice on(found_nonfinite);
+  auto* flag = static_cast<float*>(found_nonfinite.data_ptr());
+  const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
+  UnscaleList list{};
+  int64_t total = 0;
+  auto launch = [&]() {
+    if (list.count == 0) return;
+    const unsigned blocks = blocks_for(total);
+    if constexpr (std::is_same_v<T, float>) {
+      if (float_scale)
+        unscale_check_kernel<T, true><<<blocks, kThreads, 0, on.s>>>(list, scale, flag);
+      else
+        unscale_check_kernel<T, false><<<blocks, kThreads, 0, on.s>>>(list, scale, flag);
+    } else {
+      unscale_check_kernel<T, false><<<blocks, kThreads, 0, on.s>>>(list, scale, flag);
+    }
+    MIXTAPE_CUDA_CHECK_LAUNCH("unscale_check kernel");
+    list = UnscaleList{};
+    total = 0;
+  };
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const int64_t n = grads[i].numel();
+    if (n == 0) continue;
+    const bool has_out = i < outs.size() && outs[i].defined();
+    list.in[list.count] = grads[i].data_ptr();
+    list.out[list.count] = has_out ? outs[i].data_ptr() : nullptr;
+    list.n[list.count] = n;
+    ++list.count;
+    total += n;
+    if (list.count == kUnscaleChunk) launch();
+  }
+  launch();
+}
+
+// --- Optimizer updates ----------------------------------------------------------------------
+
+template <typename T>
+using slot_of = compute_of<T>;  // float64 for float64, float32 otherwise
+
+template <typename S>
+S* slot_ptr(const Tensor& t) {
+  return t.defined() ? static_cast<S*>(t.data_ptr()) : nullptr;
+}
+
+// sgd: mode 0: var -= lr g; 1: vel = momentum vel - lr g, var += vel; 2 (Nesterov): the same
+// velocity, var += momentum vel - lr g.
+template <typename T>
+__global__ void sgd_kernel(T* __restrict__ var, const T* __restrict__ grad,
+                           slot_of<T>* __restrict__ vel, int64_t n, slot_of<T> lr,
+                           slot_of<T> momentum, int mode) {
+  using S = slot_of<T>;
+  MIXTAPE_GRID_LOOP(i, n) {
+    S v = load(var[i]);
+    const S g = load(grad[i]);
+    if (mode == 0) {
+      v = sub_rn(v, mul_rn(lr, g));
+    } else {
+      const S nv = sub_rn(mul_rn(momentum, vel[i]), mul_rn(lr, g));
+      vel[i] = nv;
+      if (mode == 2)
+        v = add_rn(v, sub_rn(mul_rn(momentum, nv), mul_rn(lr, g)));
+      else
+        v = add_rn(v, nv);
+    }
+    var[i] = store<T>(v);
+  }
+}
+
+template <typename T>
+void sgd_host(const OptimizerUpdate& u) {
+  using S = slot_of<T>;
+  const int64_t n = u.var.numel();
+  if (n == 0) return;
+  OnDevice on(u.var);
+  const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
+  sgd_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
+      static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
+      mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n, static_cast<S>(u.lr),
+      static_cast<S>(u.momentum), mode);
+  MIXTAPE_CUDA_CHECK_LAUNCH("sgd_update kernel");
+}
+
+// rmsprop: ms = rho ms + (1 - rho) g^2; centered: mg = rho mg + (1 - rho) g, d = max(ms -
+// mg^2, 0), else d = ms; step = lr g / sqrt(d + eps); momentum: mom = momentum mom + step,
+// var -= mom; otherwise var -= step.
+template <typename T>
+__global__ void rmsprop_kernel(T* __restrict__ var, const T* __restrict__ grad,
+                               slot_of<T>* __restrict__ ms, slot_of<T>* __restrict__ mom,
+                               slot_of<T>* __restrict__ mg, int64_t n, slot_of<T> lr,
+                               slot_of<T> rho, slot_of<T> one_minus_rho, slot_of<T> eps,
+                               slot_of<T> momentum, bool centered, bool use_momentum) {
+  using S = slot_of<T>;
+  MIXTAPE_GRID_LOOP(i, n) {
+    S v = load(var[i]);
+    const S g = load(grad[i]);
+    const S msi = add_rn(mul_rn(rho, ms[i]), mul_rn(one_minus_rho, mul_rn(g, g)));
+    ms[i] = msi;
+    S d = msi;
+    if (centered) {
+      const S mgi = add_rn(mul_rn(rho, mg[i]), mul_rn(one_minus_rho, g));
+      mg[i] = mgi;
+      const S c = sub_rn(msi, mul_rn(mgi, mgi));
+      d = c < S(0) ? S(0) : c;
+    }
+    const S step = div_rn(mul_rn(lr, g), sqrt_rn(add_rn(d, eps)));
+    if (use_momentum) {
+      const S mi = add_rn(mul_rn(momentum, mom[i]), step);
+      mom[i] = mi;
+      v = sub_rn(v, mi);
+    } else {
+      v = sub_rn(v, step);
+    }
+    var[i] = store<T>(v);
+  }
+}
+
+template <typename T>
+void rmsprop_host(const OptimizerUpdate& u) {
+  using S = slot_of<T>;
+  const int64_t n = u.var.numel();
+  if (n == 0) return;
+  OnDevice on(u.var);
+  const bool use_momentum = u.momentum > 0.0;
+  rmsprop_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
+      static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
+      slot_ptr<S>(u.slot1), use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
+      u.centered ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(u.lr), static_cast<S>(u.beta2),
+      static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon), static_cast<S>(u.momentum),
+      u.centered, use_momentum);
+  MIXTAPE_CUDA_CHECK_LAUNCH("rmsprop_update kernel");
+}
+
+// adam: var -= lr_wd var (AdamW); m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2);
+// amsgrad: vmax = max(vmax, v); var -= alpha m / (sqrt(v | vmax) + eps).
+template <typename T>
+__global__ void adam_kernel(T* __restrict__ var, const T* __restrict__ grad,
+                            slot_of<T>* __restrict__ m, slot_of<T>* __restrict__ v,
+                            slot_of<T>* __restrict__ vmax, int64_t n, slot_of<T> alpha,
+                            slot_of<T> one_minus_beta1, slot_of<T> one_minus_beta2, slot_of<T> eps,
+                            slot_of<T> lr_wd, bool amsgrad, bool decay) {
+  using S = slot_of<T>;
+  MIXTAPE_GRID_LOOP(i, n) {
+    S x = load(var[i]);
+    if (decay) x = sub_rn(x, mul_rn(lr_wd, x));
+    const S g = load(grad[i]);
+    const S mi = add_rn(m[i], mul_rn(sub_rn(g, m[i]), one_minus_beta1));
+    m[i] = mi;
+    const S vi = add_rn(v[i], mul_rn(sub_rn(mul_rn(g, g), v[i]), one_minus_beta2));
+    v[i] = vi;
+    S d = vi;
+    if (amsgrad) {
+      const S mx = vmax[i] < vi ? vi : vmax[i];
+      vmax[i] = mx;
+      d = mx;
+    }
+    x = sub_rn(x, div_rn(mul_rn(alpha, mi), add_rn(sqrt_rn(d), eps)));
+    var[i] = store<T>(x);
+  }
+}
+
+template <typename T>
+void adam_host(const OptimizerUpdate& u) {
+  using S = slot_of<T>;
+  const int64_t n = u.var.numel();
+  if (n == 0) return;
+  OnDevice on(u.var);
+  const auto step = static_cast<double>(u.step);
+  const double alpha =
+      u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
+  const bool decay = u.weight_decay != 0.0;
+  adam_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
+      static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
+      slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2), u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr, n,
+      static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2),
+      static_cast<S>(u.epsilon), static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay);
+  MIXTAPE_CUDA_CHECK_LAUNCH("adam_update kernel");
+}
+
+template <typename T>
+void reg(DType dtype) {
+  register_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, DeviceType::CUDA, dtype,
+                                           &unscale_check_host<T>);
+  register_kernel<kernels::OptimizerUpdateFn>(OpId::sgd_update, DeviceType::CUDA, dtype,
+                                              &sgd_host<T>);
+  register_kernel<kernels::OptimizerUpdateFn>(OpId::rmsprop_update, DeviceType::CUDA, dtype,
+                                              &rmsprop_host<T>);
+  register_kernel<kernels::OptimizerUpdateFn>(OpId::adam_update, DeviceType::CUDA, dtype,
+                                              &adam_host<T>);
+}
+
+}  // namespace
+
+void register_optim_kernels() {
+  reg<float>(kFloat32);
+  reg<__half>(kFloat16);
+  reg<__nv_bfloat16>(kBFloat16);
+  reg<double>(kFloat64);
+}
+
+}  // namespace mixtape::cuda_backend

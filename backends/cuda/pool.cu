@@ -1,0 +1,291 @@
+// CUDA kernels: max / average pooling over NHWC windows and their backward, for float32,
+// float16, bfloat16 and float64 (kernels::Pool2dFn / Pool2dBackwardFn).
+//
+// Own kernels rather than cuDNN's pooling, whose tie, NaN and padding rules differ; these
+// follow the CPU backend (backends/cpu/conv.cpp) exactly, and in the same order of
+// operations, so the two agree bit for bit:
+//   - padded positions never win a max and are not counted in an average; a window that is
+//     all padding gives 0;
+//   - a max takes the first maximum in row-major (ky, kx) order, and a NaN beats any number
+//     (so NaN propagates, the first NaN winning);
+//   - the max backward sends each window's gradient to that first maximum;
+//   - the average multiplies the window's sum by 1 / count (count = in-image taps).
+// The 16-bit types compute in float32 and round once at the end, float64 in float64.
+//
+// Both backward kernels are gathers, one thread per input element, adding the windows that
+// cover it in the CPU's order: no atomics (windows overlap), deterministic results. The
+// max backward recomputes the argmax of each covering window (kh * kw work per window).
+//
+// fmt 9 switches off its constexpr support under nvcc, which GCC 12 then rejects in C++20
+// mode ("call to non-constexpr function" in fmt/core.h); the mixtape headers below include
+// fmt, so turn it back on (nvcc's host pass compiles those functions like GCC alone).
+#ifndef FMT_USE_CONSTEXPR
+#define FMT_USE_CONSTEXPR 1
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_math.cuh"
+#include "backends/cuda/cuda_util.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/kernels.h"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using kernels::Pool2dGeometry;
+using std::int64_t;
+
+struct Range {
+  int64_t lo, hi;  // [lo, hi), empty when lo >= hi
+};
+
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// The taps t of the window at output position o that land inside the input:
+// 0 <= o * stride - pad + t < size (the CPU backend's tap_range).
+__device__ __forceinline__ Range tap_range(int64_t o, int64_t stride, int64_t pad, int64_t taps,
+                                           int64_t size) {
+  const int64_t start = o * stride - pad;
+  const int64_t lo = clamp64(-start, 0, taps);
+  return {lo, clamp64(size - start, lo, taps)};
+}
+
+// The output positions whose window covers input position p: o * stride - pad <= p and
+// p <= o * stride - pad + taps - 1, with 0 <= o < outs.
+__device__ __forceinline__ Range covering(int64_t p, int64_t stride, int64_t pad, int64_t taps,
+                                          int64_t outs) {
+  const int64_t first = p + pad - taps + 1;
+  const int64_t lo = first <= 0 ? 0 : (first + stride - 1) / stride;
+  const int64_t last = (p + pad) / stride + 1;  // p + pad >= 0
+  return {lo, last < outs ? last : outs};
+}
+
+// The max-pool order: v beats best when larger, and a NaN beats any number.
+template <typename C>
+__device__ __forceinline__ bool beats(C v, C best) {
+  return v > best || (v != v && best == best);
+}
+
+// Decomposes an NHWC element index: (i, y, x, ch) of an [n, hh, ww, c] tensor.
+struct Pos {
+  int64_t i, y, x, ch;
+};
+__device__ __forceinline__ Pos position(int64_t idx, int64_t hh, int64_t ww, int64_t c) {
+  Pos p;
+  p.ch = idx % c;
+  idx /= c;
+  p.x = idx % ww;
+  idx /= ww;
+  p.y = idx % hh;
+  p.i = idx / hh;
+  return p;
+}
+
+template <typename T>
+__global__ void max_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Pool2dGeometry g) {
+  using C = compute_of<T>;
+  const int64_t total = g.n * g.oh * g.ow * g.c;
+  MIXTAPE_GRID_LOOP(idx, total) {
+    const Pos o = position(idx, g.oh, g.ow, g.c);
+    const Range ry = tap_range(o.y, g.stride_h, g.pad_top, g.kh, g.h);
+    const Range rx = tap_range(o.x, g.stride_w, g.pad_left, g.kw, g.w);
+    const T* img = x + o.i * g.h * g.w * g.c + o.ch;
+    C best = C(0);  // a window of padding only gives 0
+    bool first = true;
+    for (int64_t ky = ry.lo; ky < ry.hi; ++ky) {
+      const int64_t iy = o.y * g.stride_h - g.pad_top + ky;
+      for (int64_t kx = rx.lo; kx < rx.hi; ++kx) {
+        const int64_t ix = o.x * g.stride_w - g.pad_left + kx;
+        const C v = load(img[(iy * g.w + ix) * g.c]);
+        if (first || beats(v, best)) best = v;
+        first = false;
+      }
+    }
+    out[idx] = store<T>(best);
+  }
+}
+
+// Each input element adds the gradients of the windows (row-major over (oy, ox)) whose first
+// maximum it is.
+template <typename T>
+__global__ void max_pool_backward_kernel(const T* __restrict__ x, const T* __restrict__ grad_out,
+                                         T* __restrict__ grad_x, Pool2dGeometry g) {
+  using C = compute_of<T>;
+  const int64_t total = g.n * g.h * g.w * g.c;
+  MIXTAPE_GRID_LOOP(idx, total) {
+    const Pos p = position(idx, g.h, g.w, g.c);
+    const Range wy = covering(p.y, g.stride_h, g.pad_top, g.kh, g.oh);
+    const Range wx = covering(p.x, g.stride_w, g.pad_left, g.kw, g.ow);
+    const T* img = x + p.i * g.h * g.w * g.c + p.ch;
+    C acc = C(0);
+    for (int64_t oy = wy.lo; oy < wy.hi; ++oy) {
+      const Range ry = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+      for (int64_t ox = wx.lo; ox < wx.hi; ++ox) {
+        const Range rx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+        // The window's first maximum (it covers p, so it has at least one in-image tap).
+        C best = C(0);
+        int64_t best_y = -1, best_x = -1;
+        for (int64_t ky = ry.lo; ky < ry.hi; ++ky) {
+          const int64_t iy = oy * g.stride_h - g.pad_top + ky;
+          for (int64_t kx = rx.lo; kx < rx.hi; ++kx) {
+            const int64_t ix = ox * g.stride_w - g.pad_left + kx;
+            const C v = load(img[(iy * g.w + ix) * g.c]);
+            if (best_y < 0 || beats(v, best)) {
+              best = v;
+              best_y = iy;
+              best_x = ix;
+            }
+          }
+        }
+        if (best_y == p.y && best_x == p.x)
+          acc = acc + load(grad_out[((p.i * g.oh + oy) * g.ow + ox) * g.c + p.ch]);
+      }
+    }
+    grad_x[idx] = store<T>(acc);
+  }
+}
+
+// out = (sum of the in-image taps, row-major) * (1 / count).
+template <typename T>
+__global__ void avg_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Pool2dGeometry g) {
+  using C = compute_of<T>;
+  const int64_t total = g.n * g.oh * g.ow * g.c;
+  MIXTAPE_GRID_LOOP(idx, total) {
+    const Pos o = position(idx, g.oh, g.ow, g.c);
+    const Range ry = tap_range(o.y, g.stride_h, g.pad_top, g.kh, g.h);
+    const Range rx = tap_range(o.x, g.stride_w, g.pad_left, g.kw, g.w);
+    const T* img = x + o.i * g.h * g.w * g.c + o.ch;
+    C sum = C(0);
+    for (int64_t ky = ry.lo; ky < ry.hi; ++ky) {
+      const int64_t iy = o.y * g.stride_h - g.pad_top + ky;
+      for (int64_t kx = rx.lo; kx < rx.hi; ++kx) {
+        const int64_t ix = o.x * g.stride_w - g.pad_left + kx;
+        sum = sum + load(img[(iy * g.w + ix) * g.c]);
+      }
+    }
+    const int64_t count = (ry.hi - ry.lo) * (rx.hi - rx.lo);
+    // Separate roundings of the reciprocal and the product (no fused operations), as the CPU
+    // computes them.
+    C value = C(0);
+    if (count > 0) {
+      if constexpr (std::is_same_v<C, double>)
+        value = __dmul_rn(sum, __ddiv_rn(1.0, static_cast<double>(count)));
+      else
+        value = __fmul_rn(sum, __fdiv_rn(1.0f, static_cast<float>(count)));
+    }
+    out[idx] = store<T>(value);
+  }
+}
+
+// Each input element adds grad_out * (1 / count) of the windows covering it, over ky
+// ascending, then kx ascending (the CPU's order: output positions descending).
+template <typename T>
+__global__ void avg_pool_backward_kernel(const T* __restrict__ grad_out, T* __restrict__ grad_x,
+                                         Pool2dGeometry g) {
+  using C = compute_of<T>;
+  const int64_t total = g.n * g.h * g.w * g.c;
+  MIXTAPE_GRID_LOOP(idx, total) {
+    const Pos p = position(idx, g.h, g.w, g.c);
+    C acc = C(0);
+    for (int64_t ky = 0; ky < g.kh; ++ky) {
+      const int64_t ty = p.y + g.pad_top - ky;
+      if (ty < 0 || ty % g.stride_h != 0) continue;
+      const int64_t oy = ty / g.stride_h;
+      if (oy >= g.oh) continue;
+      const Range ry = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+      for (int64_t kx = 0; kx < g.kw; ++kx) {
+        const int64_t tx = p.x + g.pad_left - kx;
+        if (tx < 0 || tx % g.stride_w != 0) continue;
+        const int64_t ox = tx / g.stride_w;
+        if (ox >= g.ow) continue;
+        const Range rx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+        const int64_t count = (ry.hi - ry.lo) * (rx.hi - rx.lo);  // >= 1: the window covers p
+        const C go = load(grad_out[((p.i * g.oh + oy) * g.ow + ox) * g.c + p.ch]);
+        if constexpr (std::is_same_v<C, double>)
+          acc = __dadd_rn(acc, __dmul_rn(go, __ddiv_rn(1.0, static_cast<double>(count))));
+        else
+          acc = __fadd_rn(acc, __fmul_rn(go, __fdiv_rn(1.0f, static_cast<float>(count))));
+      }
+    }
+    grad_x[idx] = store<T>(acc);
+  }
+}
+
+// --- Kernels keyed on the storage dtype -------------------------------------------------
+
+template <typename S>
+void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  const int64_t total = out.numel();
+  if (total == 0) return;
+  const int device = out.device().index();
+  DeviceGuard guard(device);
+  max_pool_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
+      device_ptr<S>(x.data_ptr()), device_ptr<S>(out.data_ptr()), g);
+  MIXTAPE_CUDA_CHECK_LAUNCH("max_pool_kernel");
+}
+
+template <typename S>
+void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
+                         const Pool2dGeometry& g) {
+  const int64_t total = grad_x.numel();
+  if (total == 0) return;
+  const int device = grad_x.device().index();
+  DeviceGuard guard(device);
+  max_pool_backward_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
+      device_ptr<S>(x.data_ptr()), device_ptr<S>(grad_out.data_ptr()),
+      device_ptr<S>(grad_x.data_ptr()), g);
+  MIXTAPE_CUDA_CHECK_LAUNCH("max_pool_backward_kernel");
+}
+
+template <typename S>
+void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  const int64_t total = out.numel();
+  if (total == 0) return;
+  const int device = out.device().index();
+  DeviceGuard guard(device);
+  avg_pool_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
+      device_ptr<S>(x.data_ptr()), device_ptr<S>(out.data_ptr()), g);
+  MIXTAPE_CUDA_CHECK_LAUNCH("avg_pool_kernel");
+}
+
+template <typename S>
+void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tensor& grad_x,
+                         const Pool2dGeometry& g) {
+  const int64_t total = grad_x.numel();
+  if (total == 0) return;
+  const int device = grad_x.device().index();
+  DeviceGuard guard(device);
+  avg_pool_backward_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
+      device_ptr<S>(grad_out.data_ptr()), device_ptr<S>(grad_x.data_ptr()), g);
+  MIXTAPE_CUDA_CHECK_LAUNCH("avg_pool_backward_kernel");
+}
+
+template <typename S>
+void register_for() {
+  constexpr DType dt = dtype_of<S>::value;
+  constexpr auto cuda = DeviceType::CUDA;
+  register_kernel<kernels::Pool2dFn>(OpId::max_pool2d, cuda, dt, &max_pool2d<S>);
+  register_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cuda, dt,
+                                             &max_pool2d_backward<S>);
+  register_kernel<kernels::Pool2dFn>(OpId::avg_pool2d, cuda, dt, &avg_pool2d<S>);
+  register_kernel<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, cuda, dt,
+                                             &avg_pool2d_backward<S>);
+}
+
+}  // namespace
+
+void register_pool_kernels() {
+  register_for<float>();
+  register_for<half>();
+  register_for<bfloat16>();
+  register_for<double>();
+}
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,22 @@
+// The CUDA test executable (CTest: cuda.conformance). Without a usable GPU it prints why
+// and exits 77, which CTest reports as skipped; with one it runs every CUDA test case.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+#include <cstdio>
+
+#include "mixtape/mixtape.h"
+
+int main(int argc, char** argv) {
+  if (!mixtape::has_backend(mixtape::DeviceType::CUDA)) {
+    std::printf("mixtape was built without the CUDA backend: skipping the CUDA tests\n");
+    return 77;
+  }
+  if (!mixtape::cuda::available()) {
+    std::printf("no CUDA device (or no driver) on this machine: skipping the CUDA tests\n");
+    return 77;
+  }
+  const auto p = mixtape::cuda::properties(0);
+  std::printf("CUDA tests on %s (compute capability %d.%d, %zu MiB)\n", p.name.c_str(),
+              p.compute_major, p.compute_minor, p.total_memory >> 20);
+  return Catch::Session().run(argc, argv);
+}

@@ -1,0 +1,562 @@
+// The CUDA index and training kernels against the CPU backend:
+//  - gather / take bit for bit over geometries with repeated indices, k = 0, inner = 1,
+//    rows that move as 16-byte units and rows that do not, > 2^20 elements;
+//  - scatter_add / index_add: exactly on integer-valued data (every partial sum exact, so
+//    the order of the atomic additions cannot matter), within tolerance on random floats;
+//  - the public gather / take ops and their gradients through a GradientTape;
+//  - unscale_check: outputs bit for bit (in place, separate, undefined), the flag clear for
+//    finite gradients, set by one inf / NaN anywhere (more tensors than one launch takes),
+//    never cleared;
+//  - sgd / rmsprop / adam updates (every variant) for three steps against the CPU kernels.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_test_util.h"
+#include "mixtape/core/kernels.h"
+
+namespace {
+
+namespace mt = mixtape;
+namespace cu = ctest_util;
+using mt::DType;
+using mt::OpId;
+using mt::Shape;
+using mt::Tensor;
+using std::int64_t;
+
+const std::vector<DType> kIndexTypes = {mt::kFloat32, mt::kFloat16, mt::kBFloat16,
+                                        mt::kFloat64, mt::kInt32,   mt::kInt64};
+
+Tensor gpu(const Tensor& t) { return t.to(cu::kGpu); }
+
+template <typename Fn>
+Fn* gpu_kernel(OpId op, DType dt) {
+  return mt::find_kernel<Fn>(op, mt::DeviceType::CUDA, dt);
+}
+template <typename Fn>
+Fn* cpu_kernel(OpId op, DType dt) {
+  return mt::find_kernel<Fn>(op, mt::DeviceType::CPU, dt);
+}
+
+// Random values (never all zero): floats in [lo, hi), integers in [lo, hi) floored (in
+// [-1000, 1000) when the range is the default).
+Tensor random_of(const Shape& shape, DType dt, std::uint64_t seed, double lo = -1.0,
+                 double hi = 1.0) {
+  if (dt.is_integral() && lo == -1.0 && hi == 1.0) lo = -1000.0, hi = 1000.0;
+  for (std::uint64_t attempt = 0;; ++attempt) {
+    mt::Generator gen(seed * 1000003 + attempt);
+    Tensor t = mt::uniform(shape, lo, hi, dt, mt::Device::cpu(), &gen);
+    if (t.numel() == 0) return t;
+    const Tensor head = t.reshape({t.numel()}).slice(0, 0, std::min<int64_t>(t.numel(), 64));
+    const auto v = head.to_vector<double>();
+    if (std::any_of(v.begin(), v.end(), [](double x) { return x != 0.0; })) return t;
+    REQUIRE(attempt < 50);
+  }
+}
+
+// Small integers (-4 ... 4) stored in dt: exact in every dtype, and so are the sums of up to
+// a few hundred of them (bfloat16 holds the integers up to 256 exactly).
+Tensor small_ints(const Shape& shape, DType dt, std::uint64_t seed) {
+  return random_of(shape, mt::kInt32, seed, -4.0, 5.0).to(dt);
+}
+
+// int64 indices in [0, n).
+Tensor random_index(const Shape& shape, int64_t n, std::uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int64_t> dist(0, n - 1);
+  std::vector<int64_t> v(static_cast<std::size_t>(shape.numel()));
+  for (auto& e : v) e = dist(gen);
+  return mt::from_vector(v, shape, mt::kInt64);
+}
+
+// got and want hold the same bits (NaN matches any NaN).
+void check_bits(const Tensor& got, const Tensor& want, const std::string& what) {
+  INFO(what);
+  REQUIRE(got.shape() == want.shape());
+  REQUIRE(got.dtype() == want.dtype());
+  const DType dt = got.dtype();
+  const auto g = mt::detail::host_bytes(got), w = mt::detail::host_bytes(want);
+  const std::size_t item = dt.itemsize();
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i * item < g.size(); ++i) {
+    if (std::memcmp(g.data() + i * item, w.data() + i * item, item) == 0) continue;
+    if (dt.is_floating() && std::isnan(mt::detail::read_as_double(g.data() + i * item, dt)) &&
+        std::isnan(mt::detail::read_as_double(w.data() + i * item, dt)))
+      continue;
+    if (bad++ == 0) first = i;
+  }
+  INFO(fmt::format("{} of {} elements differ, first at {}: got {}, want {}", bad, g.size() / item,
+                   first, bad ? mt::detail::read_as_double(g.data() + first * item, dt) : 0.0,
+                   bad ? mt::detail::read_as_double(w.data() + first * item, dt) : 0.0));
+  CHECK(bad == 0);
+}
+
+struct Geo {
+  int64_t outer, n, k, inner;
+};
+std::string geo_name(const Geo& g) {
+  return fmt::format("outer {} n {} k {} inner {}", g.outer, g.n, g.k, g.inner);
+}
+
+}  // namespace
+
+// --- gather / scatter_add ---------------------------------------------------------------------
+
+TEST_CASE("cuda gather and scatter_add: every geometry and registered dtype", "[cuda]") {
+  const std::vector<Geo> geos = {{1, 5, 3, 1},
+                                 {2, 7, 4, 3},
+                                 {3, 1, 2, 5},
+                                 {1, 1000, 100000, 1},
+                                 {4, 10, 0, 3},
+                                 {2, 50, 60, 40},
+                                 {1, 3, (1 << 20) + 1, 1},
+                                 {5, 4, 3, 0}};
+  std::uint64_t seed = 100;
+  for (DType dt : kIndexTypes) {
+    CHECK(mt::supports(OpId::gather, mt::DeviceType::CUDA, dt));
+    CHECK(mt::supports(OpId::scatter_add, mt::DeviceType::CUDA, dt));
+    for (const Geo& g : geos) {
+      INFO(fmt::format("{} {}", dt.name(), geo_name(g)));
+      Tensor x = small_ints({g.outer, g.n, g.inner}, dt, ++seed);
+      Tensor index = random_index({g.outer, g.k, g.inner}, g.n, ++seed);
+      Tensor xg = gpu(x), ig = gpu(index);
+      // gather: bit for bit, poisoned output.
+      Tensor want = Tensor::empty({g.outer, g.k, g.inner}, dt);
+      if (want.numel() > 0)
+        cpu_kernel<mt::kernels::GatherFn>(OpId::gather, dt)(x, index, g.outer, g.n, g.k, g.inner,
+                                                            want);
+      Tensor got = cu::poisoned({g.outer, g.k, g.inner}, dt);
+      gpu_kernel<mt::kernels::GatherFn>(OpId::gather, dt)(xg, ig, g.outer, g.n, g.k, g.inner, got);
+      check_bits(got, want, "gather");
+      // scatter_add into a non-zero output (accumulated into, not cleared): integer-valued
+      // data, so every partial sum is exact and the result cannot depend on the order (for
+      // the 16-bit floats only while about 100 values at most land on one element).
+      if (dt.is_reduced_float() && g.k > 100 * g.n) continue;
+      Tensor src = small_ints({g.outer, g.k, g.inner}, dt, ++seed);
+      Tensor out_cpu = small_ints({g.outer, g.n, g.inner}, dt, ++seed);
+      Tensor out_gpu = gpu(out_cpu);
+      if (src.numel() > 0)
+        cpu_kernel<mt::kernels::ScatterAddFn>(OpId::scatter_add, dt)(src, index, g.outer, g.n, g.k,
+                                                                     g.inner, out_cpu);
+      gpu_kernel<mt::kernels::ScatterAddFn>(OpId::scatter_add, dt)(gpu(src), ig, g.outer, g.n, g.k,
+                                                                   g.inner, out_gpu);
+      check_bits(out_gpu, out_cpu, "scatter_add, integer-valued");
+    }
+    // Random floats: the order of additions differs from the CPU's; rounding only.
+    if (dt.is_floating()) {
+      const Geo g{2, 50, 60, 40};
+      INFO(fmt::format("{} {} random values", dt.name(), geo_name(g)));
+      Tensor index = random_index({g.outer, g.k, g.inner}, g.n, ++seed);
+      Tensor src = random_of({g.outer, g.k, g.inner}, dt, ++seed);
+      Tensor out_cpu = random_of({g.outer, g.n, g.inner}, dt, ++seed);
+      Tensor out_gpu = gpu(out_cpu);
+      cpu_kernel<mt::kernels::ScatterAddFn>(OpId::scatter_add, dt)(src, index, g.outer, g.n, g.k,
+                                                                   g.inner, out_cpu);
+      gpu_kernel<mt::kernels::ScatterAddFn>(OpId::scatter_add, dt)(gpu(src), gpu(index), g.outer,
+                                                                   g.n, g.k, g.inner, out_gpu);
+      cu::check_close(out_gpu, out_cpu, 4 * cu::tolerance(dt), "scatter_add, random values");
+    }
+  }
+}
+
+TEST_CASE("cuda gather: the public op and its gradient", "[cuda]") {
+  std::uint64_t seed = 200;
+  for (DType dt : kIndexTypes) {
+    Tensor x = random_of({4, 6, 5}, dt, ++seed);
+    for (int axis : {0, 1, 2, -1}) {
+      INFO(fmt::format("{} axis {}", dt.name(), axis));
+      const int a = axis < 0 ? axis + 3 : axis;
+      std::vector<int64_t> ishape = {4, 6, 5};
+      ishape[static_cast<std::size_t>(a)] = 7;
+      Tensor idx = random_index(Shape(ishape), x.shape()[static_cast<std::size_t>(a)], ++seed);
+      check_bits(mt::gather(gpu(x), gpu(idx), axis), mt::gather(x, idx, axis), "int64 indices");
+      Tensor idx32 = idx.to(mt::kInt32);
+      check_bits(mt::gather(gpu(x), gpu(idx32), axis), mt::gather(x, idx32, axis), "int32 indices");
+    }
+  }
+  for (DType dt : {mt::kFloat32, mt::kFloat64}) {
+    INFO(fmt::format("{} gradient", dt.name()));
+    Tensor x = random_of({5, 8}, dt, ++seed);
+    Tensor idx = random_index({5, 20}, 8, ++seed);
+    Tensor c = random_of({5, 20}, dt, ++seed);
+    auto grad_on = [&](mt::Device d) {
+      Tensor xd = x.to(d);
+      mt::GradientTape tape;
+      tape.watch(xd);
+      Tensor y = mt::sum(mt::gather(xd, idx.to(d), 1) * c.to(d));
+      return tape.gradient(y, xd);
+    };
+    cu::check_close(grad_on(cu::kGpu), grad_on(mt::Device::cpu()), cu::tolerance(dt),
+                    "d/dx of gather");
+  }
+}
+
+// --- take / index_add -------------------------------------------------------------------------
+
+TEST_CASE("cuda take and index_add: every geometry and registered dtype", "[cuda]") {
+  const std::vector<Geo> geos = {{1, 10, 4, 1}, {3, 7, 5, 8}, {2, 6, 3, 5},  {1, 5000, 1000, 64},
+                                 {2, 5, 0, 3},  {1, 1, 3, 2}, {4, 9, 12, 1}, {1, 300, 20000, 64},
+                                 {3, 4, 2, 0},  {2, 3, 5, 4}};
+  std::uint64_t seed = 300;
+  for (DType dt : kIndexTypes) {
+    CHECK(mt::supports(OpId::take, mt::DeviceType::CUDA, dt));
+    CHECK(mt::supports(OpId::index_add, mt::DeviceType::CUDA, dt));
+    for (const Geo& g : geos) {
+      INFO(fmt::format("{} {}", dt.name(), geo_name(g)));
+      Tensor x = small_ints({g.outer, g.n, g.inner}, dt, ++seed);
+      Tensor index = random_index({g.k}, g.n, ++seed);
+      Tensor ig = gpu(index);
+      Tensor want = Tensor::empty({g.outer, g.k, g.inner}, dt);
+      if (want.numel() > 0)
+        cpu_kernel<mt::kernels::TakeFn>(OpId::take, dt)(x, index, g.outer, g.n, g.k, g.inner, want);
+      Tensor got = cu::poisoned({g.outer, g.k, g.inner}, dt);
+      gpu_kernel<mt::kernels::TakeFn>(OpId::take, dt)(gpu(x), ig, g.outer, g.n, g.k, g.inner, got);
+      check_bits(got, want, "take");
+      // An unaligned x (offset 1 element): rows cannot move as 16-byte units.
+      if (g.outer * g.n * g.inner > 0 && want.numel() > 0) {
+        Tensor xb = gpu(small_ints({g.outer * g.n * g.inner + 1}, dt, ++seed));
+        Tensor xv =
+            Tensor::view_of(xb, {g.outer, g.n, g.inner}, mt::contiguous_strides(x.shape()), 1);
+        Tensor xv_cpu = xv.to(mt::Device::cpu());
+        cpu_kernel<mt::kernels::TakeFn>(OpId::take, dt)(xv_cpu, index, g.outer, g.n, g.k, g.inner,
+                                                        want);
+        Tensor got2 = cu::poisoned({g.outer, g.k, g.inner}, dt);
+        gpu_kernel<mt::kernels::TakeFn>(OpId::take, dt)(xv, ig, g.outer, g.n, g.k, g.inner, got2);
+        check_bits(got2, want, "take, unaligned x");
+      }
+      // index_add, integer-valued: exact whatever the order of the additions.
+      Tensor src = small_ints({g.outer, g.k, g.inner}, dt, ++seed);
+      Tensor out_cpu = small_ints({g.outer, g.n, g.inner}, dt, ++seed);
+      Tensor out_gpu = gpu(out_cpu);
+      if (src.numel() > 0)
+        cpu_kernel<mt::kernels::IndexAddFn>(OpId::index_add, dt)(src, index, g.outer, g.n, g.k,
+                                                                 g.inner, out_cpu);
+      gpu_kernel<mt::kernels::IndexAddFn>(OpId::index_add, dt)(gpu(src), ig, g.outer, g.n, g.k,
+                                                               g.inner, out_gpu);
+      check_bits(out_gpu, out_cpu, "index_add, integer-valued");
+    }
+    if (dt.is_floating()) {
+      const Geo g{3, 20, 30, 16};
+      INFO(fmt::format("{} {} random values", dt.name(), geo_name(g)));
+      Tensor index = random_index({g.k}, g.n, ++seed);
+      Tensor src = random_of({g.outer, g.k, g.inner}, dt, ++seed);
+      Tensor out_cpu = random_of({g.outer, g.n, g.inner}, dt, ++seed);
+      Tensor out_gpu = gpu(out_cpu);
+      cpu_kernel<mt::kernels::IndexAddFn>(OpId::index_add, dt)(src, index, g.outer, g.n, g.k,
+                                                               g.inner, out_cpu);
+      gpu_kernel<mt::kernels::IndexAddFn>(OpId::index_add, dt)(gpu(src), gpu(index), g.outer, g.n,
+                                                               g.k, g.inner, out_gpu);
+      cu::check_close(out_gpu, out_cpu, 4 * cu::tolerance(dt), "index_add, random values");
+    }
+  }
+}
+
+TEST_CASE("cuda take: the public op and its gradient", "[cuda]") {
+  std::uint64_t seed = 400;
+  for (DType dt : kIndexTypes) {
+    Tensor x = random_of({4, 6, 5}, dt, ++seed);
+    for (int axis : {0, 1, 2}) {
+      INFO(fmt::format("{} axis {}", dt.name(), axis));
+      const int64_t n = x.shape()[static_cast<std::size_t>(axis)];
+      Tensor idx = random_index({2, 3}, n, ++seed);
+      check_bits(mt::take(gpu(x), gpu(idx), axis), mt::take(x, idx, axis), "take, 2-D indices");
+      Tensor idx32 = random_index({9}, n, ++seed).to(mt::kInt32);
+      check_bits(mt::take(gpu(x), gpu(idx32), axis), mt::take(x, idx32, axis),
+                 "take, int32 indices");
+    }
+  }
+  for (DType dt : {mt::kFloat32, mt::kFloat64}) {
+    INFO(fmt::format("{} gradient (an embedding)", dt.name()));
+    Tensor table = random_of({50, 16}, dt, ++seed);
+    Tensor ids = random_index({8, 30}, 50, ++seed);  // repeated ids add up
+    Tensor c = random_of({8, 30, 16}, dt, ++seed);
+    auto grad_on = [&](mt::Device d) {
+      Tensor td = table.to(d);
+      mt::GradientTape tape;
+      tape.watch(td);
+      Tensor y = mt::sum(mt::take(td, ids.to(d), 0) * c.to(d));
+      return tape.gradient(y, td);
+    };
+    cu::check_close(grad_on(cu::kGpu), grad_on(mt::Device::cpu()), cu::tolerance(dt),
+                    "d/dtable of take");
+  }
+}
+
+// --- unscale_check ----------------------------------------------------------------------------
+
+namespace {
+
+enum class OutKind { kSeparate, kInPlace, kUndefined };
+
+// A list of gradients on the CPU and its copy on the GPU, with their outputs.
+struct UnscaleSet {
+  std::vector<Tensor> grads_cpu, grads_gpu, outs_cpu, outs_gpu;
+};
+
+UnscaleSet make_set(DType dt, const std::vector<Shape>& shapes, const std::vector<OutKind>& kinds,
+                    std::uint64_t seed) {
+  UnscaleSet s;
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    Tensor g = random_of(shapes[i], dt, seed + i, -4.0, 4.0);
+    s.grads_cpu.push_back(g);
+    s.grads_gpu.push_back(gpu(g));
+    if (i >= kinds.size()) continue;  // outs shorter than grads: undefined
+    switch (kinds[i]) {
+      case OutKind::kSeparate:
+        s.outs_cpu.push_back(Tensor::empty(shapes[i], dt));
+        s.outs_gpu.push_back(cu::poisoned(shapes[i], dt));
+        break;
+      case OutKind::kInPlace:
+        s.outs_cpu.push_back(s.grads_cpu.back());
+        s.outs_gpu.push_back(s.grads_gpu.back());
+        break;
+      case OutKind::kUndefined:
+        s.outs_cpu.push_back(Tensor());
+        s.outs_gpu.push_back(Tensor());
+        break;
+    }
+  }
+  return s;
+}
+
+// Sets element `at` of gradient i (on both sides) to v.
+void poke(UnscaleSet& s, std::size_t i, int64_t at, double v) {
+  Tensor& g = s.grads_cpu[i];
+  mt::detail::write_from_double(
+      static_cast<char*>(g.data_ptr()) + at * static_cast<int64_t>(g.dtype().itemsize()), g.dtype(),
+      v);
+  s.grads_gpu[i] = gpu(g);
+  if (i < s.outs_gpu.size() && s.outs_cpu[i].defined() && s.outs_cpu[i].impl_ptr() == g.impl_ptr())
+    s.outs_gpu[i] = s.grads_gpu[i];  // keep in-place outputs in place
+}
+
+// Runs unscale_check on both sides; compares outputs (and in-place gradients) bit for bit.
+void run_and_compare(UnscaleSet& s, DType dt, double scale, const Tensor& flag_cpu,
+                     const Tensor& flag_gpu, const std::string& what) {
+  INFO(what);
+  cpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)(s.grads_cpu, s.outs_cpu, scale,
+                                                                   flag_cpu);
+  gpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)(s.grads_gpu, s.outs_gpu, scale,
+                                                                   flag_gpu);
+  for (std::size_t i = 0; i < s.outs_cpu.size(); ++i) {
+    INFO("tensor " << i);
+    CHECK(s.outs_cpu[i].defined() == s.outs_gpu[i].defined());
+    if (s.outs_cpu[i].defined()) check_bits(s.outs_gpu[i], s.outs_cpu[i], "output");
+  }
+  for (std::size_t i = 0; i < s.grads_cpu.size(); ++i) {
+    INFO("gradient " << i);
+    check_bits(s.grads_gpu[i], s.grads_cpu[i], "gradient (in place or untouched)");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda unscale_check: outputs bit for bit and the non-finite flag", "[cuda]") {
+  const std::vector<Shape> shapes = {{1000}, {0}, {37}, {3, 5}, {(1 << 20) + 3}, {1}};
+  const std::vector<OutKind> kinds = {OutKind::kSeparate, OutKind::kUndefined, OutKind::kInPlace,
+                                      OutKind::kSeparate, OutKind::kInPlace};  // 6th: undefined
+  std::uint64_t seed = 500;
+  for (DType dt : cu::kFloatTypes) {
+    CHECK(mt::supports(OpId::unscale_check, mt::DeviceType::CUDA, dt));
+    // 1/1024 is a float32 value, 1/3 is not, 65536 overflows 16-bit outputs.
+    for (double scale : {1.0 / 1024.0, 1.0 / 3.0, 65536.0}) {
+      INFO(fmt::format("{} scale {}", dt.name(), scale));
+      Tensor flag_cpu = mt::zeros({}, mt::kFloat32);
+      Tensor flag_gpu = mt::zeros({}, mt::kFloat32, cu::kGpu);
+      UnscaleSet s = make_set(dt, shapes, kinds, seed += 10);
+      run_and_compare(s, dt, scale, flag_cpu, flag_gpu, "finite gradients");
+      CHECK(flag_cpu.item<float>() == 0.0f);
+      CHECK(flag_gpu.item<float>() == 0.0f);
+      // One non-finite value anywhere sets the flag.
+      struct Poke {
+        std::size_t tensor;
+        int64_t at;
+        double value;
+      };
+      for (const Poke& p :
+           {Poke{0, 0, NAN}, Poke{3, 7, INFINITY}, Poke{4, (1 << 20) + 2, -INFINITY},
+            Poke{5, 0, NAN}, Poke{2, 36, INFINITY}}) {
+        INFO(fmt::format("{} at element {} of gradient {}", p.value, p.at, p.tensor));
+        UnscaleSet t = make_set(dt, shapes, kinds, seed += 10);
+        poke(t, p.tensor, p.at, p.value);
+        Tensor fc = mt::zeros({}, mt::kFloat32), fg = mt::zeros({}, mt::kFloat32, cu::kGpu);
+        run_and_compare(t, dt, scale, fc, fg, "one non-finite value");
+        CHECK(fc.item<float>() == 1.0f);
+        CHECK(fg.item<float>() == 1.0f);
+        // Never cleared: a finite call afterwards leaves it set.
+        UnscaleSet u = make_set(dt, shapes, kinds, seed += 10);
+        run_and_compare(u, dt, scale, fc, fg, "finite call after a non-finite one");
+        CHECK(fg.item<float>() == 1.0f);
+      }
+    }
+    // An empty list does nothing; a list longer than one launch takes (300 tensors), with a
+    // NaN in tensor 250 only.
+    Tensor fg = mt::zeros({}, mt::kFloat32, cu::kGpu);
+    gpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)({}, {}, 0.5, fg);
+    CHECK(fg.item<float>() == 0.0f);
+    std::vector<Shape> many(300, Shape{7});
+    std::vector<OutKind> many_kinds;
+    for (int i = 0; i < 300; ++i)
+      many_kinds.push_back(i % 3 == 0 ? OutKind::kSeparate
+                                      : (i % 3 == 1 ? OutKind::kInPlace : OutKind::kUndefined));
+    UnscaleSet m = make_set(dt, many, many_kinds, seed += 10);
+    Tensor fc = mt::zeros({}, mt::kFloat32);
+    run_and_compare(m, dt, 0.25, fc, fg, "300 finite tensors");
+    CHECK(fg.item<float>() == 0.0f);
+    UnscaleSet m2 = make_set(dt, many, many_kinds, seed += 10);
+    poke(m2, 250, 3, NAN);
+    run_and_compare(m2, dt, 0.25, fc, fg, "300 tensors, NaN in tensor 250");
+    CHECK(fc.item<float>() == 1.0f);
+    CHECK(fg.item<float>() == 1.0f);
+  }
+}
+
+// --- Optimizer updates --------------------------------------------------------------------
+
+namespace {
+
+enum class Opt { kSgd, kRmsprop, kAdam };
+
+struct Variant {
+  std::string name;
+  Opt opt;
+  mt::kernels::OptimizerUpdate p;  // the scalars and flags (no tensors)
+};
+
+std::vector<Variant> variants() {
+  std::vector<Variant> v;
+  auto add = [&](std::string name, Opt opt, auto&& set) {
+    mt::kernels::OptimizerUpdate p;
+    set(p);
+    v.push_back({std::move(name), opt, p});
+  };
+  add("sgd", Opt::kSgd, [](auto& p) { p.lr = 0.1; });
+  add("sgd momentum", Opt::kSgd, [](auto& p) {
+    p.lr = 0.05;
+    p.momentum = 0.9;
+  });
+  add("sgd nesterov", Opt::kSgd, [](auto& p) {
+    p.lr = 0.05;
+    p.momentum = 0.9;
+    p.nesterov = true;
+  });
+  auto rms = [](auto& p) {
+    p.lr = 0.01;
+    p.beta2 = 0.9;
+    p.epsilon = 1e-7;
+  };
+  add("rmsprop", Opt::kRmsprop, rms);
+  add("rmsprop momentum", Opt::kRmsprop, [&](auto& p) {
+    rms(p);
+    p.momentum = 0.5;
+  });
+  add("rmsprop centered", Opt::kRmsprop, [&](auto& p) {
+    rms(p);
+    p.centered = true;
+  });
+  add("rmsprop centered momentum", Opt::kRmsprop, [&](auto& p) {
+    rms(p);
+    p.centered = true;
+    p.momentum = 0.5;
+  });
+  auto adam = [](auto& p) {
+    p.lr = 0.01;
+    p.beta1 = 0.9;
+    p.beta2 = 0.999;
+    p.epsilon = 1e-7;
+  };
+  add("adam", Opt::kAdam, adam);
+  add("adam amsgrad", Opt::kAdam, [&](auto& p) {
+    adam(p);
+    p.beta2 = 0.6;
+    p.amsgrad = true;
+  });
+  add("adamw", Opt::kAdam, [&](auto& p) {
+    adam(p);
+    p.weight_decay = 0.25;
+  });
+  add("adamw amsgrad", Opt::kAdam, [&](auto& p) {
+    adam(p);
+    p.beta2 = 0.6;
+    p.amsgrad = true;
+    p.weight_decay = 0.25;
+  });
+  return v;
+}
+
+OpId op_of(Opt opt) {
+  return opt == Opt::kSgd       ? OpId::sgd_update
+         : opt == Opt::kRmsprop ? OpId::rmsprop_update
+                                : OpId::adam_update;
+}
+
+// Which of slot1..slot3 (s = 1, 2, 3) a variant uses.
+bool uses_slot(const Variant& v, int s) {
+  switch (v.opt) {
+    case Opt::kSgd:
+      return s == 1 && v.p.momentum != 0.0;
+    case Opt::kRmsprop:
+      return s == 1 || (s == 2 && v.p.momentum > 0.0) || (s == 3 && v.p.centered);
+    case Opt::kAdam:
+      return s != 3 || v.p.amsgrad;
+  }
+  return false;
+}
+
+// The GPU and CPU kernels run the same operations in the same order and roundings, so
+// they agree to the last bit where the CPU does not contract to FMAs; the comparison allows
+// a little more (the dtype's tolerance, against the tensor's largest magnitude).
+double optim_tolerance(DType dt) {
+  if (dt == mt::kFloat64) return 1e-13;
+  if (dt == mt::kFloat32) return 1e-6;
+  return cu::tolerance(dt);
+}
+
+}  // namespace
+
+TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU", "[cuda]") {
+  std::uint64_t seed = 600;
+  for (const Variant& v : variants()) {
+    for (DType dt : cu::kFloatTypes) {
+      CHECK(mt::supports(op_of(v.opt), mt::DeviceType::CUDA, dt));
+      const DType slot_dt = dt == mt::kFloat64 ? mt::kFloat64 : mt::kFloat32;
+      for (int64_t numel : {int64_t{1000}, int64_t{(1 << 20) + 7}, int64_t{1}, int64_t{0}}) {
+        Tensor var_cpu = random_of({numel}, dt, ++seed);
+        Tensor var_gpu = gpu(var_cpu);
+        Tensor slots_cpu[3], slots_gpu[3];
+        for (int s = 1; s <= 3; ++s) {
+          if (!uses_slot(v, s)) continue;
+          slots_cpu[s - 1] = mt::zeros({numel}, slot_dt);
+          slots_gpu[s - 1] = mt::zeros({numel}, slot_dt, cu::kGpu);
+        }
+        for (int64_t step = 1; step <= 3; ++step) {
+          INFO(fmt::format("{} {} numel {} step {}", v.name, dt.name(), numel, step));
+          Tensor grad = random_of({numel}, dt, ++seed);
+          mt::kernels::OptimizerUpdate uc = v.p, ug = v.p;
+          uc.var = var_cpu, ug.var = var_gpu;
+          uc.grad = grad, ug.grad = gpu(grad);
+          uc.slot1 = slots_cpu[0], ug.slot1 = slots_gpu[0];
+          uc.slot2 = slots_cpu[1], ug.slot2 = slots_gpu[1];
+          uc.slot3 = slots_cpu[2], ug.slot3 = slots_gpu[2];
+          uc.step = ug.step = step;
+          cpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(uc);
+          gpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(ug);
+          cu::check_close(var_gpu, var_cpu, optim_tolerance(dt), "variable");
+          for (int s = 0; s < 3; ++s)
+            if (slots_cpu[s].defined())
+              cu::check_close(slots_gpu[s], slots_cpu[s], optim_tolerance(slot_dt),
+                              "slot" + std::to_string(s + 1));
+        }
+      }
+    }
+  }
+}
