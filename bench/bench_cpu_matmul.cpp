@@ -1,6 +1,6 @@
 // CPU matmul, conv2d and pooling kernel throughput (GFLOP/s), called through the dispatch
 // table. Compare the float16 / bfloat16 matmul rows against float32 at the same size, and
-// the oneDNN rows (onednn:1) against conv.cpp's own kernels (onednn:0) run just before.
+// the oneDNN rows (onednn:1) against the backend's own kernels (onednn:0) run just before.
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -216,6 +216,46 @@ void ConvPathArgs(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_CpuConv2dPath)
     ->Apply(ConvPathArgs)
     ->ArgNames({"layer", "pass", "dtype", "onednn"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true);
+
+// bfloat16 matmul on gemm.cpp's bulk conversion + sgemm path (onednn:0) and on oneDNN's
+// native bf16 matmul (onednn:1; the same path again on CPUs without AVX512-BF16). args: m,
+// k, n, trans_a (A stored [k, m]: the weight gradient of a Dense layer), onednn.
+void BM_CpuMatmulBf16Path(benchmark::State& state) {
+  const std::int64_t m = state.range(0), k = state.range(1), n = state.range(2);
+  const bool ta = state.range(3) != 0;
+  const OneDnnScope scope(state.range(4) != 0);
+  kernels::GemmArgs g;
+  g.a = ta ? uniform({k, m}, -1.0, 1.0, kBFloat16) : uniform({m, k}, -1.0, 1.0, kBFloat16);
+  g.b = uniform({k, n}, -1.0, 1.0, kBFloat16);
+  g.out = Tensor::empty({m, n}, kBFloat16);
+  g.m = m, g.n = n, g.k = k, g.trans_a = ta;
+  g.lda = ta ? m : k, g.ldb = n, g.ldc = n;
+  auto* fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, kBFloat16);
+  fn(g);  // warm-up: primitive creation, scratch buffers
+  for (auto _ : state) {
+    fn(g);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * static_cast<double>(m * k * n) * static_cast<double>(state.iterations()) * 1e-9,
+      benchmark::Counter::kIsRate);
+}
+
+void MatmulPathArgs(benchmark::internal::Benchmark* b) {
+  // The MLP's products at batch 128 (forward, input gradient, weight gradient), then a
+  // large square one.
+  const std::int64_t shapes[][4] = {{128, 784, 512, 0}, {128, 512, 784, 0}, {784, 128, 512, 1},
+                                    {128, 512, 512, 0}, {512, 128, 512, 1}, {2048, 2048, 2048, 0}};
+  for (const auto& s : shapes)
+    for (std::int64_t on = 0; on < 2; ++on) b->Args({s[0], s[1], s[2], s[3], on});
+}
+BENCHMARK(BM_CpuMatmulBf16Path)
+    ->Apply(MatmulPathArgs)
+    ->ArgNames({"M", "K", "N", "ta", "onednn"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->Repetitions(5)

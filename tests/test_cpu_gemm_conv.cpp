@@ -299,41 +299,53 @@ void run_pool_case(const Pool2dGeometry& g, DType dt, const Tensor& x) {
 TEST_CASE("cpu matmul matches a naive loop for every transpose and dtype", "[gemm]") {
   const std::vector<std::vector<std::int64_t>> sizes = {
       {1, 1, 1}, {3, 17, 5}, {17, 3, 65}, {65, 17, 3}, {1, 65, 17}, {17, 1, 3}, {64, 65, 33}};
-  for (DType dt : kFloatTypes)
-    for (const auto& s : sizes)
-      for (int t = 0; t < 4; ++t)
-        run_gemm_case({1, s[0], s[1], s[2], (t & 1) != 0, (t & 2) != 0, 0, 0, 0, false, false}, dt);
+  for_each_path([&] {
+    for (DType dt : kFloatTypes)
+      for (const auto& s : sizes)
+        for (int t = 0; t < 4; ++t)
+          run_gemm_case({1, s[0], s[1], s[2], (t & 1) != 0, (t & 2) != 0, 0, 0, 0, false, false},
+                        dt);
+  });
 }
 
 TEST_CASE("cpu matmul honours leading dimensions and batch strides", "[gemm]") {
-  for (DType dt : kFloatTypes)
-    for (int t = 0; t < 4; ++t) {
-      const bool ta = (t & 1) != 0, tb = (t & 2) != 0;
-      run_gemm_case({3, 17, 5, 65, ta, tb, 3, 1, 2, false, false}, dt);  // padded ld
-      run_gemm_case({4, 5, 17, 3, ta, tb, 0, 0, 0, true, false}, dt);    // shared A
-      run_gemm_case({4, 17, 3, 5, ta, tb, 0, 0, 0, false, true}, dt);    // shared B
-      run_gemm_case({3, 17, 3, 5, ta, tb, 2, 0, 1, false, true}, dt);    // shared B, padded
-      run_gemm_case({2, 3, 5, 17, ta, tb, 0, 0, 0, true, true}, dt);     // both shared
-      run_gemm_case({5, 1, 1, 17, ta, tb, 0, 0, 0, false, false}, dt);   // batched dots
-    }
+  for_each_path([] {
+    for (DType dt : kFloatTypes)
+      for (int t = 0; t < 4; ++t) {
+        const bool ta = (t & 1) != 0, tb = (t & 2) != 0;
+        run_gemm_case({3, 17, 5, 65, ta, tb, 3, 1, 2, false, false}, dt);  // padded ld
+        run_gemm_case({4, 5, 17, 3, ta, tb, 0, 0, 0, true, false}, dt);    // shared A
+        run_gemm_case({4, 17, 3, 5, ta, tb, 0, 0, 0, false, true}, dt);    // shared B
+        run_gemm_case({3, 17, 3, 5, ta, tb, 2, 0, 1, false, true}, dt);    // shared B, padded
+        run_gemm_case({2, 3, 5, 17, ta, tb, 0, 0, 0, true, true}, dt);     // both shared
+        run_gemm_case({5, 1, 1, 17, ta, tb, 0, 0, 0, false, false}, dt);   // batched dots
+      }
+  });
 }
 
 TEST_CASE("cpu matmul with k == 0 writes zeros", "[gemm]") {
-  for (DType dt : kFloatTypes) {
-    GemmArgs g;
-    g.batch = 2, g.m = 3, g.n = 4, g.k = 0;
-    g.lda = 1, g.ldb = 4, g.ldc = 4, g.stride_a = 0, g.stride_b = 0, g.stride_c = 12;
-    g.a = random({1}, dt);
-    g.b = random({1}, dt);
-    g.out = empty_poisoned({24}, dt);
-    find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt)(g);
-    CHECK(values(g.out) == std::vector<double>(24, 0.0));
-  }
+  for_each_path([] {
+    for (DType dt : kFloatTypes) {
+      GemmArgs g;
+      g.batch = 2, g.m = 3, g.n = 4, g.k = 0;
+      g.lda = 1, g.ldb = 4, g.ldc = 4, g.stride_a = 0, g.stride_b = 0, g.stride_c = 12;
+      g.a = random({1}, dt);
+      g.b = random({1}, dt);
+      g.out = empty_poisoned({24}, dt);
+      find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt)(g);
+      CHECK(values(g.out) == std::vector<double>(24, 0.0));
+    }
+  });
 }
 
 TEST_CASE("cpu matmul of a larger product (threaded BLAS)", "[gemm]") {
-  for (DType dt : {kFloat32, kFloat16})
-    run_gemm_case({1, 130, 257, 200, false, true, 0, 0, 0, false, false}, dt);
+  for_each_path([] {
+    for (DType dt : {kFloat32, kFloat16, kBFloat16})
+      for (int t = 0; t < 4; ++t)
+        run_gemm_case({1, 130, 257, 200, (t & 1) != 0, (t & 2) != 0, 0, 0, 0, false, false}, dt);
+    // The MLP's weight gradient: A transposed, batch 128 in k.
+    run_gemm_case({1, 784, 512, 128, true, false, 0, 0, 0, false, false}, kBFloat16);
+  });
 }
 
 TEST_CASE("cpu conv2d forward and backward match naive loops", "[conv]") {
@@ -451,8 +463,10 @@ TEST_CASE("cpu max pool propagates NaN and keeps -inf on every path", "[pool]") 
   });
 }
 
-TEST_CASE("cpu oneDNN hooks take float32 / bfloat16 conv and pooling, and nothing else",
-          "[conv][onednn]") {
+TEST_CASE(
+    "cpu oneDNN hooks take float32 / bfloat16 conv and pooling, bfloat16 matmul, and "
+    "nothing else",
+    "[conv][onednn]") {
   if (!cpu::onednn_available()) {
     CHECK_FALSE(cpu::onednn_enabled());
     return;
@@ -493,6 +507,18 @@ TEST_CASE("cpu oneDNN hooks take float32 / bfloat16 conv and pooling, and nothin
       const Tensor w1 = random({g1.kh, g1.kw, g1.c, g1.cout}, dt);
       const Tensor gx1 = empty_poisoned({g1.n, g1.h, g1.w, g1.c}, dt);
       CHECK_FALSE(cpu::onednn_conv2d_backward_input(y1, w1, gx1, g1));
+    }
+    {  // matmul: bfloat16 only, and only where the CPU multiplies it natively
+      const OneDnnScope on(true);
+      cpu::OneDnnGemm mg;
+      mg.m = 17, mg.n = 33, mg.k = 65, mg.lda = 65, mg.ldb = 33, mg.ldc = 33;
+      const Tensor a = random({17, 65}, dt), b = random({65, 33}, dt);
+      const Tensor c = empty_poisoned({17, 33}, dt);
+      if (dt == kBFloat16)
+        CHECK(cpu::onednn_matmul_bf16(mg, a.data_ptr(), b.data_ptr(), c.data_ptr()) ==
+              cpu::onednn_native_bf16());
+      const OneDnnScope off(false);
+      CHECK_FALSE(cpu::onednn_matmul_bf16(mg, a.data_ptr(), b.data_ptr(), c.data_ptr()));
     }
     const OneDnnScope off(false);
     CHECK_FALSE(cpu::onednn_conv2d(x, w, y, g));

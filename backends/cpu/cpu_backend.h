@@ -24,10 +24,11 @@ void register_optim_kernels();        // unscale_check, sgd/rmsprop/adam updates
 // Below this many elements a kernel runs on one thread.
 inline constexpr std::int64_t kParallelGrain = 32768;
 
-// --- oneDNN (conv_onednn.cpp) ----------------------------------------------------------
-// conv.cpp's conv2d and pooling kernels call these hooks first. Each runs the call through
-// oneDNN and returns true, or returns false having written nothing (oneDNN off or not
-// built in, a dtype or case it does not take, or one measured faster on conv.cpp's path).
+// --- oneDNN (onednn.cpp) ---------------------------------------------------------------
+// conv.cpp's conv2d and pooling kernels and gemm.cpp's bfloat16 matmul call these hooks
+// first. Each runs the call through oneDNN and returns true, or returns false having
+// written nothing (oneDNN off or not built in, a dtype or case it does not take, or one
+// measured faster on the backend's own path).
 
 // The environment variable that switches oneDNN off at run time ("0"; "1" or unset: on).
 inline constexpr const char* kCpuOneDnnEnv = "MIXTAPE_CPU_ONEDNN";
@@ -38,6 +39,9 @@ bool onednn_available();
 bool onednn_enabled();
 // Overrides MIXTAPE_CPU_ONEDNN for the whole process (tests and benchmarks compare paths).
 void set_onednn_enabled(bool on);
+// Whether oneDNN runs bfloat16 natively on this CPU (AVX512-BF16 or AMX): its bf16
+// kernels are used only then. False in builds without oneDNN.
+bool onednn_native_bf16();
 
 bool onednn_conv2d(const Tensor& x, const Tensor& w, const Tensor& out,
                    const kernels::Conv2dGeometry& g);
@@ -51,5 +55,20 @@ bool onednn_max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const T
 bool onednn_avg_pool2d(const Tensor& x, const Tensor& out, const kernels::Pool2dGeometry& g);
 bool onednn_avg_pool2d_backward(const Tensor& grad_out, const Tensor& grad_x,
                                 const kernels::Pool2dGeometry& g);
+
+// One row-major matmul after gemm.cpp's normalisation: C[i] = op(A[i]) x op(B[i]) for i <
+// batch, leading dimensions lda / ldb / ldc, batch strides sa / sb / sc (0: the matrix is
+// shared by every batch item), m, n, k > 0.
+struct OneDnnGemm {
+  std::int64_t batch = 1, m = 0, n = 0, k = 0;
+  bool ta = false, tb = false;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  std::int64_t sa = 0, sb = 0, sc = 0;
+};
+// bfloat16 operands and result on oneDNN's native bf16 matmul (float32 accumulation, one
+// rounding of each result, as gemm.cpp's bulk conversion + sgemm path): only on CPUs with
+// AVX512-BF16 or AMX, where it multiplies bfloat16 at twice float32's rate. Elsewhere, and
+// for layouts oneDNN only has a reference implementation of, false.
+bool onednn_matmul_bf16(const OneDnnGemm& g, const void* a, const void* b, void* c);
 
 }  // namespace mixtape::cpu

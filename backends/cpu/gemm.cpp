@@ -2,7 +2,8 @@
 // bfloat16 operands are converted in bulk to float32 scratch, multiplied with sgemm and
 // rounded back (nearest-even) in bulk. With GemmArgs::low_precision_accumulation
 // (MIXTAPE_FP16_USE_FP32_COMPUTE=0) float16 / bfloat16 products instead emulate a GEMM
-// that accumulates in the 16-bit type (gemm_acc16 below).
+// that accumulates in the 16-bit type (gemm_acc16 below). bfloat16 products run on
+// oneDNN's native bf16 matmul where the CPU has AVX512-BF16 (onednn.cpp).
 #include <cblas.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <type_traits>
 
 #include "backends/cpu/cpu_backend.h"
 #include "mixtape/core/half.h"
@@ -266,6 +268,12 @@ void gemm_reduced(const GemmArgs& g) {
   const T* b = static_cast<const T*>(g.b.data_ptr());
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    OneDnnGemm og;
+    og.batch = p.batch, og.m = p.m, og.n = p.n, og.k = p.k, og.ta = p.ta, og.tb = p.tb;
+    og.lda = p.lda, og.ldb = p.ldb, og.ldc = p.ldc, og.sa = p.sa, og.sb = p.sb, og.sc = p.sc;
+    if (onednn_matmul_bf16(og, a, b, c)) return;
+  }
 
   thread_local Scratch<> scratch_a, scratch_b, scratch_c;
   const std::int64_t size_a = p.rows_a() * p.cols_a(), size_b = p.rows_b() * p.cols_b();
