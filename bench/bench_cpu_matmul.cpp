@@ -151,18 +151,6 @@ BENCHMARK(BM_CpuConv2dBackward)
 
 // --- oneDNN against conv.cpp's kernels -------------------------------------------------
 
-// Sets the oneDNN switch for one benchmark and restores it afterwards.
-class OneDnnScope {
- public:
-  explicit OneDnnScope(bool on) : previous_(cpu::onednn_enabled()) { cpu::set_onednn_enabled(on); }
-  ~OneDnnScope() { cpu::set_onednn_enabled(previous_); }
-  OneDnnScope(const OneDnnScope&) = delete;
-  OneDnnScope& operator=(const OneDnnScope&) = delete;
-
- private:
-  bool previous_;
-};
-
 // The MNIST CNN's layers at batch 128 (3x3 filters, valid padding, as apps/mnist builds
 // them): 0: conv1 28x28, 1 -> 32; 1: conv2 13x13, 32 -> 64. 2 and 3 are the same-padded
 // layers of BM_CpuConv2dForward (28x28, 1 -> 32; 14x14, 32 -> 64).
@@ -182,7 +170,7 @@ void BM_CpuConv2dPath(benchmark::State& state) {
   const kernels::Conv2dGeometry g = cnn_layer(state.range(0));
   const std::int64_t pass = state.range(1);
   const DType dt = dtype_from_index(state.range(2));
-  const OneDnnScope scope(state.range(3) != 0);
+  const cpu::OneDnnScope scope(state.range(3) != 0);
   const Tensor x = uniform({g.n, g.h, g.w, g.c}, -1.0, 1.0, dt);
   const Tensor w = uniform({g.kh, g.kw, g.c, g.cout}, -1.0, 1.0, dt);
   const Tensor y = uniform({g.n, g.oh, g.ow, g.cout}, -1.0, 1.0, dt);
@@ -227,7 +215,7 @@ BENCHMARK(BM_CpuConv2dPath)
 void BM_CpuMatmulBf16Path(benchmark::State& state) {
   const std::int64_t m = state.range(0), k = state.range(1), n = state.range(2);
   const bool ta = state.range(3) != 0;
-  const OneDnnScope scope(state.range(4) != 0);
+  const cpu::OneDnnScope scope(state.range(4) != 0);
   kernels::GemmArgs g;
   g.a = ta ? uniform({k, m}, -1.0, 1.0, kBFloat16) : uniform({m, k}, -1.0, 1.0, kBFloat16);
   g.b = uniform({k, n}, -1.0, 1.0, kBFloat16);
@@ -273,7 +261,7 @@ void BM_CpuPool2dPath(benchmark::State& state) {
   g.oh = g.ow = g.h / 2;
   const std::int64_t op = state.range(1);
   const DType dt = dtype_from_index(state.range(2));
-  const OneDnnScope scope(state.range(3) != 0);
+  const cpu::OneDnnScope scope(state.range(3) != 0);
   const Tensor x = uniform({g.n, g.h, g.w, g.c}, -1.0, 1.0, dt);
   const Tensor y = uniform({g.n, g.oh, g.ow, g.c}, -1.0, 1.0, dt);
   const Tensor gx = Tensor::empty({g.n, g.h, g.w, g.c}, dt);

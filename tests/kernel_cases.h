@@ -1,12 +1,16 @@
-// Shared by the kernel tests (tests/test_cpu_gemm_conv.cpp, tests/test_compute_mode.cpp):
-// matmul cases laid out with leading-dimension gaps and batch strides, conv2d geometries
-// with TensorFlow's padding rules, and NaN-poisoned outputs that show unwritten elements.
+// Shared by the kernel tests (tests/test_cpu_*.cpp, tests/cuda/*.cpp): matmul cases laid
+// out with leading-dimension gaps and batch strides, conv2d geometries with TensorFlow's
+// padding rules, NaN-poisoned outputs that show unwritten elements, and the optimizer
+// update variants.
 #pragma once
 
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "mixtape/core/kernels.h"
 #include "mixtape/core/tensor.h"
@@ -93,6 +97,99 @@ inline mt::kernels::Conv2dGeometry conv_geometry(std::int64_t n, std::int64_t h,
     g.ow = (w - kw) / sw + 1;
   }
   return g;
+}
+
+// --- Optimizer update variants ---------------------------------------------------------------
+// The SGD / RMSprop / Adam(W) flag combinations the optimizer kernel tests run (CPU against
+// a double reference, CUDA against the CPU).
+
+enum class Opt { kSgd, kRmsprop, kAdam };
+
+struct Variant {
+  std::string name;
+  Opt opt;
+  mt::kernels::OptimizerUpdate p;  // the scalars and flags (no tensors)
+};
+
+inline std::vector<Variant> variants() {
+  std::vector<Variant> v;
+  auto add = [&](std::string name, Opt opt, auto&& set) {
+    mt::kernels::OptimizerUpdate p;
+    set(p);
+    v.push_back({std::move(name), opt, p});
+  };
+  add("sgd", Opt::kSgd, [](auto& p) { p.lr = 0.1; });
+  add("sgd momentum", Opt::kSgd, [](auto& p) {
+    p.lr = 0.05;
+    p.momentum = 0.9;
+  });
+  add("sgd nesterov", Opt::kSgd, [](auto& p) {
+    p.lr = 0.05;
+    p.momentum = 0.9;
+    p.nesterov = true;
+  });
+  auto rms = [](auto& p) {
+    p.lr = 0.01;
+    p.beta2 = 0.9;
+    p.epsilon = 1e-7;
+  };
+  add("rmsprop", Opt::kRmsprop, rms);
+  add("rmsprop momentum", Opt::kRmsprop, [&](auto& p) {
+    rms(p);
+    p.momentum = 0.5;
+  });
+  add("rmsprop centered", Opt::kRmsprop, [&](auto& p) {
+    rms(p);
+    p.centered = true;
+  });
+  add("rmsprop centered momentum", Opt::kRmsprop, [&](auto& p) {
+    rms(p);
+    p.centered = true;
+    p.momentum = 0.5;
+  });
+  auto adam = [](auto& p) {
+    p.lr = 0.01;
+    p.beta1 = 0.9;
+    p.beta2 = 0.999;
+    p.epsilon = 1e-7;
+  };
+  add("adam", Opt::kAdam, adam);
+  // beta2 0.6: v falls often enough for its maximum to differ from it.
+  add("adam amsgrad", Opt::kAdam, [&](auto& p) {
+    adam(p);
+    p.beta2 = 0.6;
+    p.amsgrad = true;
+  });
+  add("adamw", Opt::kAdam, [&](auto& p) {
+    adam(p);
+    p.weight_decay = 0.25;
+  });
+  add("adamw amsgrad", Opt::kAdam, [&](auto& p) {
+    adam(p);
+    p.beta2 = 0.6;
+    p.amsgrad = true;
+    p.weight_decay = 0.25;
+  });
+  return v;
+}
+
+inline mt::OpId op_of(Opt opt) {
+  return opt == Opt::kSgd       ? mt::OpId::sgd_update
+         : opt == Opt::kRmsprop ? mt::OpId::rmsprop_update
+                                : mt::OpId::adam_update;
+}
+
+// Which of slot1..slot3 (s = 1, 2, 3) a variant uses.
+inline bool uses_slot(const Variant& v, int s) {
+  switch (v.opt) {
+    case Opt::kSgd:
+      return s == 1 && v.p.momentum != 0.0;
+    case Opt::kRmsprop:
+      return s == 1 || (s == 2 && v.p.momentum > 0.0) || (s == 3 && v.p.centered);
+    case Opt::kAdam:
+      return s != 3 || v.p.amsgrad;
+  }
+  return false;
 }
 
 }  // namespace mtest

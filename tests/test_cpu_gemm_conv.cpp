@@ -30,24 +30,12 @@ namespace {
 
 const std::vector<DType> kFloatTypes = {kFloat32, kFloat16, kBFloat16, kFloat64};
 
-// Sets the oneDNN switch of the CPU backend until the end of the scope.
-class OneDnnScope {
- public:
-  explicit OneDnnScope(bool on) : previous_(cpu::onednn_enabled()) { cpu::set_onednn_enabled(on); }
-  ~OneDnnScope() { cpu::set_onednn_enabled(previous_); }
-  OneDnnScope(const OneDnnScope&) = delete;
-  OneDnnScope& operator=(const OneDnnScope&) = delete;
-
- private:
-  bool previous_;
-};
-
 // Runs body() on each CPU conv / pooling path: conv.cpp's kernels, then oneDNN when built in.
 template <typename F>
 void for_each_path(F body) {
   for (bool on : {false, true}) {
     if (on && !cpu::onednn_available()) continue;
-    const OneDnnScope scope(on);
+    const cpu::OneDnnScope scope(on);
     INFO("oneDNN " << (on ? "on" : "off"));
     body();
   }
@@ -419,6 +407,116 @@ TEST_CASE("cpu pooling forward and backward match naive loops", "[pool]") {
   });
 }
 
+TEST_CASE("cpu bfloat16 conv2d and matmul on oneDNN round like the float32 path",
+          "[conv][onednn]") {
+  // Both paths accumulate in float32 and round each result once, so they differ only by
+  // float32's summation order: at most one bfloat16 ulp per element, plus float32's error
+  // on results that cancel to near 0 (1e-5 of the largest output). Rounding after partial
+  // sums would show as several ulps on ordinary elements. Long reductions: the weight
+  // gradient sums over n*oh*ow.
+  if (!cpu::onednn_available()) return;
+  const std::vector<Conv2dGeometry> geoms = {
+      conv_geometry(16, 13, 13, 32, 3, 3, 64, 1, 1, false),  // the MNIST CNN's second layer
+      conv_geometry(16, 28, 28, 1, 3, 3, 32, 1, 1, false),   // and its first
+      conv_geometry(8, 15, 17, 24, 3, 3, 40, 2, 2, true),
+  };
+  auto compare = [](const Tensor& on, const Tensor& off, const char* what) {
+    const auto a = values(on), b = values(off);
+    double largest = 0.0;
+    for (double v : b) largest = std::max(largest, std::abs(v));
+    std::size_t bad = 0, first_bad = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const double mag = std::max(std::abs(a[i]), std::abs(b[i]));
+      const double ulp = mag > 0 ? std::ldexp(1.0, std::ilogb(mag) - 7) : 0.0;
+      if (!(std::abs(a[i] - b[i]) <= ulp + 1e-5 * largest)) {
+        if (bad++ == 0) first_bad = i;
+      }
+    }
+    INFO(what << ": " << bad << " elements apart by more than one bfloat16 ulp; first at "
+              << first_bad << ": " << a[first_bad] << " against " << b[first_bad]);
+    CHECK(bad == 0);
+  };
+  const auto cpu = DeviceType::CPU;
+  for (const auto& g : geoms) {
+    const Tensor x = random({g.n, g.h, g.w, g.c}, kBFloat16);
+    const Tensor w = random({g.kh, g.kw, g.c, g.cout}, kBFloat16);
+    const Tensor gout = random({g.n, g.oh, g.ow, g.cout}, kBFloat16);
+    std::vector<Tensor> outs[2];
+    for (int on = 0; on < 2; ++on) {
+      const cpu::OneDnnScope scope(on != 0);
+      const Tensor out = empty_poisoned({g.n, g.oh, g.ow, g.cout}, kBFloat16);
+      const Tensor gx = empty_poisoned({g.n, g.h, g.w, g.c}, kBFloat16);
+      const Tensor gw = empty_poisoned({g.kh, g.kw, g.c, g.cout}, kBFloat16);
+      find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, kBFloat16)(x, w, out, g);
+      find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, kBFloat16)(
+          gout, w, gx, g);
+      find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, kBFloat16)(
+          x, gout, gw, g);
+      outs[on] = {out, gx, gw};
+    }
+    INFO("conv n " << g.n << " h " << g.h << " c " << g.c << " cout " << g.cout);
+    compare(outs[1][0], outs[0][0], "conv2d");
+    compare(outs[1][1], outs[0][1], "conv2d_backward_input");
+    compare(outs[1][2], outs[0][2], "conv2d_backward_weight");
+  }
+  // matmul: a long k (the MLP's weight gradient at batch 1024) and a square product.
+  for (const GemmCase& cs : {GemmCase{1, 784, 512, 1024, true, false, 0, 0, 0, false, false},
+                             GemmCase{1, 300, 200, 2048, false, true, 0, 0, 0, false, false}}) {
+    const GemmArgs on = gemm_args(cs, kBFloat16), off = gemm_args(cs, kBFloat16);
+    GemmArgs off_same = off;
+    off_same.a = on.a, off_same.b = on.b;
+    {
+      const cpu::OneDnnScope scope(true);
+      find_kernel<kernels::GemmFn>(OpId::matmul, cpu, kBFloat16)(on);
+    }
+    {
+      const cpu::OneDnnScope scope(false);
+      find_kernel<kernels::GemmFn>(OpId::matmul, cpu, kBFloat16)(off_same);
+    }
+    compare(on.out, off_same.out, "matmul");
+  }
+}
+
+TEST_CASE("cpu bfloat16 pooling gradients sum in float32 and round once", "[pool]") {
+  // Overlapping windows send several contributions to one input; each bfloat16 gradient
+  // must be the float32 sum rounded once: within half a bfloat16 ulp of the exact sum (plus
+  // float32's own error). Rounding after every contribution misses that by several ulps.
+  const std::vector<Pool2dGeometry> geoms = {
+      pool_geometry(4, 16, 16, 40, 3, 3, 1, 1, true),   // 3x3 / 1: up to 9 windows per input
+      pool_geometry(2, 15, 13, 24, 3, 3, 2, 2, true),   // 3x3 / 2: up to 4
+      pool_geometry(2, 12, 12, 32, 2, 2, 2, 2, false),  // no overlap
+  };
+  for_each_path([&] {
+    for (const auto& g : geoms) {
+      INFO("pool k " << g.kh << "x" << g.kw << " stride " << g.stride_h << "x" << g.stride_w);
+      const Tensor x = random({g.n, g.h, g.w, g.c}, kBFloat16);
+      const Tensor gout = random({g.n, g.oh, g.ow, g.c}, kBFloat16);
+      const PoolRefs ref = pool_reference(values(x), values(gout), g);
+      const auto cpu = DeviceType::CPU;
+      for (const bool is_max : {true, false}) {
+        INFO((is_max ? "max_pool2d_backward" : "avg_pool2d_backward"));
+        const Tensor grad = empty_poisoned({g.n, g.h, g.w, g.c}, kBFloat16);
+        find_kernel<kernels::Pool2dBackwardFn>(
+            is_max ? OpId::max_pool2d_backward : OpId::avg_pool2d_backward, cpu, kBFloat16)(
+            x, gout, grad, g);
+        const auto got = values(grad);
+        const auto& want = is_max ? ref.max_grad : ref.avg_grad;
+        std::size_t bad = 0, first_bad = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          const double mag = std::abs(want[i]);
+          const double ulp = mag > 0 ? std::ldexp(1.0, std::ilogb(mag) - 7) : 0.0;
+          if (!(std::abs(got[i] - want[i]) <= 0.5 * ulp * (1.0 + 1e-3) + 1e-6)) {
+            if (bad++ == 0) first_bad = i;
+          }
+        }
+        INFO("first at " << first_bad << ": got " << got[first_bad] << ", exact "
+                         << want[first_bad]);
+        CHECK(bad == 0);
+      }
+    }
+  });
+}
+
 TEST_CASE("cpu max pool routes ties to the first maximum of the window", "[pool]") {
   for_each_path([] {
     for (DType dt : kFloatTypes) {
@@ -484,7 +582,7 @@ TEST_CASE(
     const Tensor pgx = empty_poisoned({pg.n, pg.h, pg.w, pg.c}, dt);
     const bool takes = dt == kFloat32 || dt == kBFloat16;
     {
-      const OneDnnScope on(true);
+      const cpu::OneDnnScope on(true);
       CHECK(cpu::onednn_conv2d(x, w, y, g) == takes);
       CHECK(cpu::onednn_conv2d_backward_input(y, w, gx, g) == takes);
       CHECK(cpu::onednn_conv2d_backward_weight(x, y, gw, g) == takes);
@@ -501,7 +599,7 @@ TEST_CASE(
       CHECK(cpu::onednn_conv2d(x, w, y, acc16) == (dt == kFloat32));
     }
     if (dt == kFloat32) {  // measured faster on conv.cpp: the input gradient of c <= 4
-      const OneDnnScope on(true);
+      const cpu::OneDnnScope on(true);
       const Conv2dGeometry g1 = conv_geometry(2, 13, 13, 1, 3, 3, 32, 1, 1, false);
       const Tensor y1 = random({g1.n, g1.oh, g1.ow, g1.cout}, dt);
       const Tensor w1 = random({g1.kh, g1.kw, g1.c, g1.cout}, dt);
@@ -509,7 +607,7 @@ TEST_CASE(
       CHECK_FALSE(cpu::onednn_conv2d_backward_input(y1, w1, gx1, g1));
     }
     {  // matmul: bfloat16 only, and only where the CPU multiplies it natively
-      const OneDnnScope on(true);
+      const cpu::OneDnnScope on(true);
       cpu::OneDnnGemm mg;
       mg.m = 17, mg.n = 33, mg.k = 65, mg.lda = 65, mg.ldb = 33, mg.ldc = 33;
       const Tensor a = random({17, 65}, dt), b = random({65, 33}, dt);
@@ -517,10 +615,10 @@ TEST_CASE(
       if (dt == kBFloat16)
         CHECK(cpu::onednn_matmul_bf16(mg, a.data_ptr(), b.data_ptr(), c.data_ptr()) ==
               cpu::onednn_native_bf16());
-      const OneDnnScope off(false);
+      const cpu::OneDnnScope off(false);
       CHECK_FALSE(cpu::onednn_matmul_bf16(mg, a.data_ptr(), b.data_ptr(), c.data_ptr()));
     }
-    const OneDnnScope off(false);
+    const cpu::OneDnnScope off(false);
     CHECK_FALSE(cpu::onednn_conv2d(x, w, y, g));
     CHECK_FALSE(cpu::onednn_conv2d_backward_input(y, w, gx, g));
     CHECK_FALSE(cpu::onednn_conv2d_backward_weight(x, y, gw, g));

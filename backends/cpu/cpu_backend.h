@@ -39,6 +39,18 @@ bool onednn_available();
 bool onednn_enabled();
 // Overrides MIXTAPE_CPU_ONEDNN for the whole process (tests and benchmarks compare paths).
 void set_onednn_enabled(bool on);
+// Sets the oneDNN switch until the end of the scope, then restores it (tests and
+// benchmarks run one case on both paths).
+class OneDnnScope {
+ public:
+  explicit OneDnnScope(bool on) : previous_(onednn_enabled()) { set_onednn_enabled(on); }
+  ~OneDnnScope() { set_onednn_enabled(previous_); }
+  OneDnnScope(const OneDnnScope&) = delete;
+  OneDnnScope& operator=(const OneDnnScope&) = delete;
+
+ private:
+  bool previous_;
+};
 // Whether oneDNN runs bfloat16 natively on this CPU (AVX512-BF16 or AMX): its bf16
 // kernels are used only then. False in builds without oneDNN.
 bool onednn_native_bf16();

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
+#include "kernel_cases.h"
 #include "mixtape/core/kernels.h"
 
 namespace {
@@ -424,93 +425,11 @@ TEST_CASE("cuda unscale_check: outputs bit for bit and the non-finite flag", "[c
 
 namespace {
 
-enum class Opt { kSgd, kRmsprop, kAdam };
-
-struct Variant {
-  std::string name;
-  Opt opt;
-  mt::kernels::OptimizerUpdate p;  // the scalars and flags (no tensors)
-};
-
-std::vector<Variant> variants() {
-  std::vector<Variant> v;
-  auto add = [&](std::string name, Opt opt, auto&& set) {
-    mt::kernels::OptimizerUpdate p;
-    set(p);
-    v.push_back({std::move(name), opt, p});
-  };
-  add("sgd", Opt::kSgd, [](auto& p) { p.lr = 0.1; });
-  add("sgd momentum", Opt::kSgd, [](auto& p) {
-    p.lr = 0.05;
-    p.momentum = 0.9;
-  });
-  add("sgd nesterov", Opt::kSgd, [](auto& p) {
-    p.lr = 0.05;
-    p.momentum = 0.9;
-    p.nesterov = true;
-  });
-  auto rms = [](auto& p) {
-    p.lr = 0.01;
-    p.beta2 = 0.9;
-    p.epsilon = 1e-7;
-  };
-  add("rmsprop", Opt::kRmsprop, rms);
-  add("rmsprop momentum", Opt::kRmsprop, [&](auto& p) {
-    rms(p);
-    p.momentum = 0.5;
-  });
-  add("rmsprop centered", Opt::kRmsprop, [&](auto& p) {
-    rms(p);
-    p.centered = true;
-  });
-  add("rmsprop centered momentum", Opt::kRmsprop, [&](auto& p) {
-    rms(p);
-    p.centered = true;
-    p.momentum = 0.5;
-  });
-  auto adam = [](auto& p) {
-    p.lr = 0.01;
-    p.beta1 = 0.9;
-    p.beta2 = 0.999;
-    p.epsilon = 1e-7;
-  };
-  add("adam", Opt::kAdam, adam);
-  add("adam amsgrad", Opt::kAdam, [&](auto& p) {
-    adam(p);
-    p.beta2 = 0.6;
-    p.amsgrad = true;
-  });
-  add("adamw", Opt::kAdam, [&](auto& p) {
-    adam(p);
-    p.weight_decay = 0.25;
-  });
-  add("adamw amsgrad", Opt::kAdam, [&](auto& p) {
-    adam(p);
-    p.beta2 = 0.6;
-    p.amsgrad = true;
-    p.weight_decay = 0.25;
-  });
-  return v;
-}
-
-OpId op_of(Opt opt) {
-  return opt == Opt::kSgd       ? OpId::sgd_update
-         : opt == Opt::kRmsprop ? OpId::rmsprop_update
-                                : OpId::adam_update;
-}
-
-// Which of slot1..slot3 (s = 1, 2, 3) a variant uses.
-bool uses_slot(const Variant& v, int s) {
-  switch (v.opt) {
-    case Opt::kSgd:
-      return s == 1 && v.p.momentum != 0.0;
-    case Opt::kRmsprop:
-      return s == 1 || (s == 2 && v.p.momentum > 0.0) || (s == 3 && v.p.centered);
-    case Opt::kAdam:
-      return s != 3 || v.p.amsgrad;
-  }
-  return false;
-}
+using mtest::op_of;
+using mtest::Opt;
+using mtest::uses_slot;
+using mtest::Variant;
+using mtest::variants;
 
 // The GPU and CPU kernels run the same operations in the same order and roundings, so
 // they agree to the last bit where the CPU does not contract to FMAs; the comparison allows
