@@ -31,8 +31,9 @@ int g_device_count = -1;  // set once by the backend's constructor
 
 std::mutex g_streams_mutex;
 std::vector<cudaStream_t>& streams() {
-  static std::vector<cudaStream_t> s;
-  return s;
+  // Never destroyed: kernels may still be queued while other statics are destroyed at exit.
+  static auto* s = new std::vector<cudaStream_t>();
+  return *s;
 }
 
 // Size classes as in the CPU backend's cache: 512-byte multiples up to 1 MiB, then eight
@@ -69,10 +70,10 @@ class DeviceCache {
   void release(int device) {
     std::lock_guard<std::mutex> lock(mutex_);
     DeviceGuard guard(device);
-    cudaStreamSynchronize(stream(device));
+    MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device)));
     for (auto& [k, list] : free_) {
       if (static_cast<int>(k >> 56) != device) continue;
-      for (void* p : list) cudaFree(p);
+      for (void* p : list) MIXTAPE_CUDA_CHECK(cudaFree(p));
       list.clear();
     }
     if (static_cast<std::size_t>(device) < cached_.size())
@@ -156,7 +157,7 @@ class CudaBackend final : public Backend {
       err = cudaMalloc(&p, cls);
     }
     if (err != cudaSuccess) {
-      cudaGetLastError();
+      if (err == cudaErrorMemoryAllocation) cudaGetLastError();  // clear only our own error
       std::size_t free_bytes = 0, total = 0;
       cudaMemGetInfo(&free_bytes, &total);
       throw DeviceError(
@@ -180,10 +181,14 @@ class CudaBackend final : public Backend {
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice,
                                            stream(dst_device.index())));
       } else {
-        // Queue behind the source's pending work, then copy between the devices.
+        // Queue behind the source's pending work, then copy between the devices and wait
+        // for it: the source's block may go back to the caching allocator as soon as this
+        // returns, and work queued on the source device's stream is not ordered after a copy
+        // on the destination's.
         MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(src_device.index())));
         MIXTAPE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device.index(), src, src_device.index(),
                                                nbytes, stream(dst_device.index())));
+        MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(dst_device.index())));
       }
       return;
     }

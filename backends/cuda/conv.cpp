@@ -275,20 +275,23 @@ struct Buffers {
   void* out;
 };
 
-// The first (fastest) usable result of a Find: succeeded, within the workspace offered, and
-// of an allowed math type. CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (down-conversion to
-// float16) is never used. float32 without TF32 (`strict`) prefers results found with
-// CUDNN_FMA_MATH, then takes CUDNN_DEFAULT_MATH ones, and always runs with CUDNN_FMA_MATH
-// (the descriptor's math type restricts the kernels, whatever a result reports); the other
-// configurations run with the result's math type.
+// The first (fastest) usable result of a Find: succeeded, within the workspace offered, of
+// an allowed math type, and deterministic where one is (non-deterministic algorithms, such
+// as backward-filter ones that add partial sums atomically into a 16-bit output, may round
+// more than once and differ from run to run; they are taken only when nothing else runs).
+// CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION (down-conversion to float16) is never used. float32
+// without TF32 (`strict`) takes only results found with CUDNN_FMA_MATH: a result measured
+// under another math type may exist only as a TF32 kernel, which an FMA_MATH descriptor
+// then refuses at execution. The other configurations run with the result's math type.
 template <typename Perf>
 const Perf* pick(const std::vector<Perf>& perf, int returned, std::size_t limit, bool strict) {
-  for (int pass = 0; pass < (strict ? 2 : 1); ++pass) {
+  for (const bool deterministic_only : {true, false}) {
     for (int i = 0; i < returned; ++i) {
       const Perf& p = perf[static_cast<std::size_t>(i)];
       if (p.status != CUDNN_STATUS_SUCCESS || p.memory > limit) continue;
       if (p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
-      if (strict && p.mathType != (pass == 0 ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH)) continue;
+      if (strict && p.mathType != CUDNN_FMA_MATH) continue;
+      if (deterministic_only && p.determinism != CUDNN_DETERMINISTIC) continue;
       return &p;
     }
   }

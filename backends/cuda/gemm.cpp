@@ -255,6 +255,13 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+  // Split-K partial sums are added in the compute type (float32 for 16-bit operands),
+  // never in place in the output or in the output type: each result is rounded once, as
+  // kernels.h promises and the CPU does, whichever algorithm the heuristic picks.
+  const std::uint32_t reduction =
+      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof(reduction)));
 
   cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
