@@ -217,7 +217,9 @@ struct PlanKeyHash {
 
 // One direction of one geometry: the descriptors and the algorithm.
 struct ConvPlan {
-  bool use_cudnn = false;  // false: cuDNN refused; the direct kernels run it
+  // false: cuDNN refused (at the Find, or later at an execution); the direct kernels run it.
+  // Mutable: an execution that is refused turns it off (under the context's mutex).
+  mutable bool use_cudnn = false;
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;  // input (as cuDNN sees it), output
   cudnnFilterDescriptor_t w = nullptr;               // KRSC
   cudnnConvolutionDescriptor_t conv = nullptr;
@@ -301,8 +303,8 @@ const Perf* pick(const std::vector<Perf>& perf, int returned, std::size_t limit,
 // Builds the plan of one direction and geometry: descriptors, then the Find (which runs the
 // candidate algorithms on `buf`, writing its output buffer), then the chosen algorithm's math
 // type and workspace. A refusal leaves use_cudnn false (and says so in the log).
-std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, int device, Direction dir, DType dt,
-                                    bool tf32, const Conv2dGeometry& g, const CudnnLayout& l,
+std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, Direction dir, DType dt, bool tf32,
+                                    const Conv2dGeometry& g, const CudnnLayout& l,
                                     const Buffers& buf) {
   auto plan = std::make_unique<ConvPlan>();
   const cudnnDataType_t type = cudnn_type(dt);
@@ -342,7 +344,25 @@ std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, int device, Direction dir
     MIXTAPE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     limit = std::min(kMaxConvWorkspace, free_bytes / 4);
   }
-  Workspace scratch(limit, device);
+  // The Find's scratch comes straight from cudaMalloc and goes back to the device after the
+  // Find (cudaFree waits for it): through the caching allocator, a block this large would
+  // stay cached in a size class little else uses.
+  struct FindScratch {
+    void* p = nullptr;
+    ~FindScratch() {
+      if (p) cudaFree(p);
+    }
+  } scratch;
+  if (limit > 0) {
+    const cudaError_t err = cudaMalloc(&scratch.p, limit);
+    if (err == cudaErrorMemoryAllocation) {  // the Find runs with no workspace
+      cudaGetLastError();                    // (clears only this allocation failure)
+      scratch.p = nullptr;
+      limit = 0;
+    } else {
+      MIXTAPE_CUDA_CHECK(err);
+    }
+  }
 
   cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
   bool found = false;
@@ -363,9 +383,9 @@ std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, int device, Direction dir
       count = std::max(count, 1);
       std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(static_cast<std::size_t>(count));
       int returned = 0;
-      status = cudnnFindConvolutionForwardAlgorithmEx(
-          ctx.handle, plan->x, buf.in0, plan->w, buf.in1, plan->conv, plan->y, buf.out, count,
-          &returned, perf.data(), scratch.data(), limit);
+      status = cudnnFindConvolutionForwardAlgorithmEx(ctx.handle, plan->x, buf.in0, plan->w,
+                                                      buf.in1, plan->conv, plan->y, buf.out, count,
+                                                      &returned, perf.data(), scratch.p, limit);
       if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
       break;
     }
@@ -377,7 +397,7 @@ std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, int device, Direction dir
       int returned = 0;
       status = cudnnFindConvolutionBackwardDataAlgorithmEx(
           ctx.handle, plan->w, buf.in0, plan->y, buf.in1, plan->conv, plan->x, buf.out, count,
-          &returned, perf.data(), scratch.data(), limit);
+          &returned, perf.data(), scratch.p, limit);
       if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
       break;
     }
@@ -389,7 +409,7 @@ std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, int device, Direction dir
       int returned = 0;
       status = cudnnFindConvolutionBackwardFilterAlgorithmEx(
           ctx.handle, plan->x, buf.in0, plan->y, buf.in1, plan->conv, plan->w, buf.out, count,
-          &returned, perf.data(), scratch.data(), limit);
+          &returned, perf.data(), scratch.p, limit);
       if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
       break;
     }
@@ -466,8 +486,21 @@ const ConvPlan& plan_for(CudnnContext& ctx, int device, Direction dir, DType dt,
            0};
   auto it = ctx.plans.find(key);
   if (it == ctx.plans.end())
-    it = ctx.plans.emplace(key, make_plan(ctx, device, dir, dt, tf32, g, l, buf)).first;
+    it = ctx.plans.emplace(key, make_plan(ctx, dir, dt, tf32, g, l, buf)).first;
   return *it->second;
+}
+
+// Whether a cuDNN execution of `plan` was refused (an algorithm Find measured can still be
+// declined for the execution's configuration): the plan turns to the direct kernels for good,
+// with a warning, and the caller runs them. Any other failure throws.
+bool refused(cudnnStatus_t status, const ConvPlan& plan, const char* call, Direction dir, DType dt,
+             const Conv2dGeometry& g, const char* file, int line) {
+  if (status == CUDNN_STATUS_SUCCESS) return false;
+  if (!is_refusal(status)) throw_cudnn_error(status, call, file, line);
+  plan.use_cudnn = false;
+  spdlog::warn("mixtape: cuDNN refused {} for {} ({}, {}): {}; using the direct CUDA kernels", call,
+               direction_name(dir), dt.name(), describe(g), cudnn_message(status));
+  return true;
 }
 
 // How a call runs when cuDNN does not: the 16-bit emulation, float64, or a problem cuDNN
@@ -516,10 +549,14 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& out, const C
                                out.data_ptr(), st);
   Workspace workspace(plan.workspace, device);
   const float one = 1.0f, zero = 0.0f;
-  MIXTAPE_CUDNN_CHECK(
+  const cudnnStatus_t status =
       cudnnConvolutionForward(ctx.handle, &one, plan.x, xin, plan.w, w_krsc.data(), plan.conv,
                               static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo), workspace.data(),
-                              plan.workspace, &zero, plan.y, out.data_ptr()));
+                              plan.workspace, &zero, plan.y, out.data_ptr());
+  if (refused(status, plan, "cudnnConvolutionForward", Direction::Forward, dt, g, __FILE__,
+              __LINE__))
+    conv_direct_forward(elem_of(dt), Accumulation::Wide, s, x.data_ptr(), w.data_ptr(),
+                        out.data_ptr(), st);
 }
 
 template <DType::Code kCode>
@@ -554,10 +591,14 @@ void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor
                                       w.data_ptr(), grad_x.data_ptr(), st);
   Workspace workspace(plan.workspace, device);
   const float one = 1.0f, zero = 0.0f;
-  MIXTAPE_CUDNN_CHECK(cudnnConvolutionBackwardData(
+  const cudnnStatus_t status = cudnnConvolutionBackwardData(
       ctx.handle, &one, plan.w, w_krsc.data(), plan.y, grad_out.data_ptr(), plan.conv,
       static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo), workspace.data(), plan.workspace,
-      &zero, plan.x, dx));
+      &zero, plan.x, dx);
+  if (refused(status, plan, "cudnnConvolutionBackwardData", Direction::BackwardData, dt, g,
+              __FILE__, __LINE__))
+    return conv_direct_backward_input(elem_of(dt), Accumulation::Wide, s, grad_out.data_ptr(),
+                                      w.data_ptr(), grad_x.data_ptr(), st);
   if (l.padded)
     crop_nhwc(dx, grad_x.data_ptr(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left, item,
               st);
@@ -597,10 +638,14 @@ void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tenso
                                        grad_out.data_ptr(), grad_w.data_ptr(), st);
   Workspace workspace(plan.workspace, device);
   const float one = 1.0f, zero = 0.0f;
-  MIXTAPE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+  const cudnnStatus_t status = cudnnConvolutionBackwardFilter(
       ctx.handle, &one, plan.x, xin, plan.y, grad_out.data_ptr(), plan.conv,
       static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), workspace.data(), plan.workspace,
-      &zero, plan.w, dw_krsc.data()));
+      &zero, plan.w, dw_krsc.data());
+  if (refused(status, plan, "cudnnConvolutionBackwardFilter", Direction::BackwardFilter, dt, g,
+              __FILE__, __LINE__))
+    return conv_direct_backward_weight(elem_of(dt), Accumulation::Wide, s, x.data_ptr(),
+                                       grad_out.data_ptr(), grad_w.data_ptr(), st);
   // KRSC [cout, kh*kw*cin] -> HWIO [kh*kw*cin, cout].
   transpose_matrix(dw_krsc.data(), grad_w.data_ptr(), g.cout, kdim, item, st);
 }
