@@ -1,5 +1,6 @@
 // Shared by the CUDA tests: random inputs (never all zero), NaN-poisoned outputs, and the
-// comparison of a CUDA result with the CPU backend's, with per-dtype tolerances.
+// comparison of a CUDA result with the CPU backend's, with per-dtype tolerances or bit for
+// bit.
 #pragma once
 
 #include <fmt/format.h>
@@ -7,6 +8,8 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -86,6 +89,30 @@ inline void check_equal(const mt::Tensor& got, const mt::Tensor& want, const std
   std::size_t bad = 0;
   for (std::size_t i = 0; i < g.size(); ++i)
     if (!(g[i] == w[i] || (std::isnan(g[i]) && std::isnan(w[i])))) ++bad;
+  CHECK(bad == 0);
+}
+
+// got and want (any devices) hold the same bits, element by element; a NaN matches any NaN
+// (payloads differ between the CPU's and CUDA's conversions).
+inline void check_bits(const mt::Tensor& got, const mt::Tensor& want, const std::string& what) {
+  INFO(what);
+  REQUIRE(got.shape() == want.shape());
+  REQUIRE(got.dtype() == want.dtype());
+  const mt::DType dt = got.dtype();
+  const auto g = mt::detail::host_bytes(got), w = mt::detail::host_bytes(want);
+  REQUIRE(g.size() == w.size());
+  const std::size_t item = dt.itemsize();
+  const auto value_at = [&](const std::vector<std::uint8_t>& bytes, std::size_t i) {
+    return mt::detail::read_as_double(bytes.data() + i * item, dt);
+  };
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i * item < g.size(); ++i) {
+    if (std::memcmp(g.data() + i * item, w.data() + i * item, item) == 0) continue;
+    if (dt.is_floating() && std::isnan(value_at(g, i)) && std::isnan(value_at(w, i))) continue;
+    if (bad++ == 0) first = i;
+  }
+  INFO(fmt::format("{} of {} elements differ; first at {}: got {}, want {}", bad, g.size() / item,
+                   first, bad ? value_at(g, first) : 0.0, bad ? value_at(w, first) : 0.0));
   CHECK(bad == 0);
 }
 

@@ -57,31 +57,7 @@ Fn* cpu_kernel(OpId op, DType dt) {
 Tensor gpu(const Tensor& t) { return t.to(cu::kGpu); }
 
 // Element i of host bytes as a double.
-double value_at(const std::vector<std::uint8_t>& bytes, std::size_t i, DType dt) {
-  return mt::detail::read_as_double(bytes.data() + i * dt.itemsize(), dt);
-}
-
-// got and want (any devices) hold the same bits, element by element; a NaN matches any NaN
-// (payloads differ between the CPU's and CUDA's conversions).
-void check_bits(const Tensor& got, const Tensor& want, const std::string& what) {
-  INFO(what);
-  REQUIRE(got.shape() == want.shape());
-  REQUIRE(got.dtype() == want.dtype());
-  const DType dt = got.dtype();
-  const auto g = mt::detail::host_bytes(got), w = mt::detail::host_bytes(want);
-  REQUIRE(g.size() == w.size());
-  const std::size_t item = dt.itemsize();
-  std::size_t bad = 0, first = 0;
-  for (std::size_t i = 0; i * item < g.size(); ++i) {
-    if (std::memcmp(g.data() + i * item, w.data() + i * item, item) == 0) continue;
-    if (dt.is_floating() && std::isnan(value_at(g, i, dt)) && std::isnan(value_at(w, i, dt)))
-      continue;
-    if (bad++ == 0) first = i;
-  }
-  INFO(fmt::format("{} of {} elements differ; first at {}: got {}, want {}", bad, g.size() / item,
-                   first, bad ? value_at(g, first, dt) : 0.0, bad ? value_at(w, first, dt) : 0.0));
-  CHECK(bad == 0);
-}
+using cu::check_bits;
 
 // Random values of any dtype (never all zero): floats in [lo, hi), integers in [-1000, 1000),
 // uint8 in [0, 256), bool 50/50. A draw whose first elements are all zero (a one-element bool

@@ -79,27 +79,7 @@ Tensor random_index(const Shape& shape, int64_t n, std::uint64_t seed) {
   return mt::from_vector(v, shape, mt::kInt64);
 }
 
-// got and want hold the same bits (NaN matches any NaN).
-void check_bits(const Tensor& got, const Tensor& want, const std::string& what) {
-  INFO(what);
-  REQUIRE(got.shape() == want.shape());
-  REQUIRE(got.dtype() == want.dtype());
-  const DType dt = got.dtype();
-  const auto g = mt::detail::host_bytes(got), w = mt::detail::host_bytes(want);
-  const std::size_t item = dt.itemsize();
-  std::size_t bad = 0, first = 0;
-  for (std::size_t i = 0; i * item < g.size(); ++i) {
-    if (std::memcmp(g.data() + i * item, w.data() + i * item, item) == 0) continue;
-    if (dt.is_floating() && std::isnan(mt::detail::read_as_double(g.data() + i * item, dt)) &&
-        std::isnan(mt::detail::read_as_double(w.data() + i * item, dt)))
-      continue;
-    if (bad++ == 0) first = i;
-  }
-  INFO(fmt::format("{} of {} elements differ, first at {}: got {}, want {}", bad, g.size() / item,
-                   first, bad ? mt::detail::read_as_double(g.data() + first * item, dt) : 0.0,
-                   bad ? mt::detail::read_as_double(w.data() + first * item, dt) : 0.0));
-  CHECK(bad == 0);
-}
+using cu::check_bits;
 
 struct Geo {
   int64_t outer, n, k, inner;
