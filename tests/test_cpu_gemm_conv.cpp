@@ -608,7 +608,7 @@ TEST_CASE(
     }
     {  // matmul: bfloat16 only, and only where the CPU multiplies it natively
       const cpu::OneDnnScope on(true);
-      cpu::OneDnnGemm mg;
+      cpu::GemmShape mg;
       mg.m = 17, mg.n = 33, mg.k = 65, mg.lda = 65, mg.ldb = 33, mg.ldc = 33;
       const Tensor a = random({17, 65}, dt), b = random({65, 33}, dt);
       const Tensor c = empty_poisoned({17, 33}, dt);

@@ -68,19 +68,24 @@ bool onednn_avg_pool2d(const Tensor& x, const Tensor& out, const kernels::Pool2d
 bool onednn_avg_pool2d_backward(const Tensor& grad_out, const Tensor& grad_x,
                                 const kernels::Pool2dGeometry& g);
 
-// One row-major matmul after gemm.cpp's normalisation: C[i] = op(A[i]) x op(B[i]) for i <
-// batch, leading dimensions lda / ldb / ldc, batch strides sa / sb / sc (0: the matrix is
-// shared by every batch item), m, n, k > 0.
-struct OneDnnGemm {
+// One row-major matmul after gemm.cpp's normalisation (normalize()): C[i] = op(A[i]) x
+// op(B[i]) for i < batch, leading dimensions lda / ldb / ldc, batch strides sa / sb / sc (0:
+// the matrix is shared by every batch item, and always 0 when batch is 1).
+struct GemmShape {
   std::int64_t batch = 1, m = 0, n = 0, k = 0;
   bool ta = false, tb = false;
   std::int64_t lda = 0, ldb = 0, ldc = 0;
   std::int64_t sa = 0, sb = 0, sc = 0;
+  // Rows and columns of each stored operand (before op()).
+  std::int64_t rows_a() const { return ta ? k : m; }
+  std::int64_t cols_a() const { return ta ? m : k; }
+  std::int64_t rows_b() const { return tb ? n : k; }
+  std::int64_t cols_b() const { return tb ? k : n; }
 };
 // bfloat16 operands and result on oneDNN's native bf16 matmul (float32 accumulation, one
 // rounding of each result, as gemm.cpp's bulk conversion + sgemm path): only on CPUs with
 // AVX512-BF16 or AMX, where it multiplies bfloat16 at twice float32's rate. Elsewhere, and
-// for layouts oneDNN only has a reference implementation of, false.
-bool onednn_matmul_bf16(const OneDnnGemm& g, const void* a, const void* b, void* c);
+// for layouts oneDNN only has a reference implementation of, false. m, n, k > 0.
+bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* c);
 
 }  // namespace mixtape::cpu

@@ -91,17 +91,7 @@ inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int
 }
 
 // The geometry of one call after normalisation (see normalize()).
-struct Plan {
-  std::int64_t batch, m, n, k;
-  bool ta, tb;
-  std::int64_t lda, ldb, ldc;
-  std::int64_t sa, sb, sc;
-  // Rows and columns of each stored operand (before op()).
-  std::int64_t rows_a() const { return ta ? k : m; }
-  std::int64_t cols_a() const { return ta ? m : k; }
-  std::int64_t rows_b() const { return tb ? n : k; }
-  std::int64_t cols_b() const { return tb ? k : n; }
-};
+using Plan = GemmShape;
 
 // Makes leading dimensions acceptable to BLAS (a one-row matrix may carry any ld) and
 // folds a batch that shares B into one taller GEMM when A and C are evenly strided.
@@ -269,10 +259,7 @@ void gemm_reduced(const GemmArgs& g) {
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
   if constexpr (std::is_same_v<T, bfloat16>) {
-    OneDnnGemm og;
-    og.batch = p.batch, og.m = p.m, og.n = p.n, og.k = p.k, og.ta = p.ta, og.tb = p.tb;
-    og.lda = p.lda, og.ldb = p.ldb, og.ldc = p.ldc, og.sa = p.sa, og.sb = p.sb, og.sc = p.sc;
-    if (onednn_matmul_bf16(og, a, b, c)) return;
+    if (onednn_matmul_bf16(p, a, b, c)) return;
   }
 
   thread_local Scratch<> scratch_a, scratch_b, scratch_c;

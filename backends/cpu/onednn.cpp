@@ -151,7 +151,7 @@ bool onednn_avg_pool2d(const Tensor&, const Tensor&, const kernels::Pool2dGeomet
 bool onednn_avg_pool2d_backward(const Tensor&, const Tensor&, const kernels::Pool2dGeometry&) {
   return false;
 }
-bool onednn_matmul_bf16(const OneDnnGemm&, const void*, const void*, void*) { return false; }
+bool onednn_matmul_bf16(const GemmShape&, const void*, const void*, void*) { return false; }
 bool onednn_native_bf16() { return false; }
 
 #else
@@ -632,7 +632,7 @@ bool max_pool_unsafe(const Tensor& x) {
 
 // --- Matmul plans ----------------------------------------------------------------------
 
-Key gemm_key(const OneDnnGemm& g) {
+Key gemm_key(const GemmShape& g) {
   return Key{Kind::matmul,
              DnType::bf16,
              {g.batch, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.sa, g.sb, g.sc,
@@ -653,7 +653,7 @@ Md matrix_md(std::int64_t batch, std::int64_t rows, std::int64_t cols, bool tran
 
 // The bf16 matmul primitive for g (nullptr when oneDNN has only a reference
 // implementation for these layouts, or cannot take them).
-std::shared_ptr<const Plan> make_gemm_plan(const OneDnnGemm& g) {
+std::shared_ptr<const Plan> make_gemm_plan(const GemmShape& g) {
   // Both operands shared by a batch > 1: every item is the same product; gemm.cpp's loop
   // takes that rare case.
   if (g.batch > 1 && g.sa == 0 && g.sb == 0) return nullptr;
@@ -684,7 +684,7 @@ std::shared_ptr<const Plan> make_gemm_plan(const OneDnnGemm& g) {
 
 bool onednn_native_bf16() { return native_bf16(); }
 
-bool onednn_matmul_bf16(const OneDnnGemm& g, const void* a, const void* b, void* c) {
+bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* c) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
   if (!onednn_enabled() || !native_bf16()) return false;
   const std::shared_ptr<const Plan> plan =
