@@ -1,8 +1,8 @@
 // safetensors files: the writer (header JSON in the safetensors library's layout, atomic
-// write through a temporary file, fsync and rename) and the reader (a strict JSON reader
-// for the header's subset of JSON, then checks of every tensor's dtype, shape and offsets
-// before any data is read). See include/mixtape/core/safetensors.h and
-// docs/checkpoints.md.
+// write through a temporary file, fsync and rename) and the reader (the header parsed by
+// nlohmann-json's SAX parser and held to the format's shape, then checks of every tensor's
+// dtype, shape and offsets before any data is read). See include/mixtape/core/safetensors.h
+// and docs/checkpoints.md.
 #include "mixtape/core/safetensors.h"
 
 #include <fcntl.h>
@@ -13,10 +13,12 @@
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <charconv>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string_view>
@@ -179,302 +181,411 @@ struct Header {
   throw IOError(fmt::format("safetensors file '{}' is corrupt: {}", path, problem));
 }
 
-// A strict reader for the subset of JSON a safetensors header is made of: one object whose
-// values are tensor entries ({"dtype": string, "shape": [integers], "data_offsets":
-// [integer, integer]}) or, under "__metadata__", an object of strings. Anything else
-// (numbers that are negative, fractional or exponential, true/false/null, other nesting,
-// unknown or duplicate keys, trailing characters other than whitespace) is refused.
-class HeaderParser {
+bool is_json_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+// Reads a header with nlohmann-json's SAX parser and holds it to the format's shape: one
+// object whose values are tensor entries ({"dtype": string, "shape": [integers],
+// "data_offsets": [integer, integer]}) or, under "__metadata__", an object of strings.
+//
+// SAX rather than a DOM because a DOM would take what the format refuses: it keeps the last
+// of two equal keys and takes any value anywhere. This handler checks each event against
+// what may come next and refuses everything else: numbers that are negative, fractional,
+// exponential, too large or with a leading zero, true/false/null, other nesting, unknown
+// or repeated keys, anything but whitespace before or after the object. nlohmann tokenises and
+// parses the JSON (escapes, surrogate pairs, control characters, the syntax); what stays ours is
+// the UTF-8 check up front, the byte positions (SAX events carry none: the handler follows the
+// tokens through the header text), the wording of each refusal (nlohmann's errors are mapped onto
+// it) and, after the parse, check_layout's checks of the tensors.
+class HeaderHandler final : public nlohmann::json_sax<nlohmann::json> {
  public:
-  HeaderParser(std::string_view text, const std::string& path) : s_(text), path_(path) {}
+  HeaderHandler(std::string_view text, const std::string& path) : s_(text), path_(path) {}
 
   Header parse() {
     if (auto bad = invalid_utf8(s_)) fail_at(*bad, "the header is not valid UTF-8");
-    Header h;
-    std::set<std::string> seen;
-    skip_ws();
-    expect('{', "'{' (the header must be a JSON object)");
-    skip_ws();
-    if (!consume('}')) {
-      for (;;) {
-        skip_ws();
-        const std::size_t key_pos = pos_;
-        std::string key = parse_string("a tensor name");
-        if (!seen.insert(key).second)
-          fail_at(key_pos, key == "__metadata__"
-                               ? std::string("\"__metadata__\" appears twice")
-                               : fmt::format("tensor name {} appears twice", quote_name(key)));
-        skip_ws();
-        expect(':', "':'");
-        skip_ws();
-        if (key == "__metadata__")
-          h.metadata = parse_metadata();
-        else
-          h.tensors.push_back(parse_tensor(std::move(key)));
-        skip_ws();
-        if (consume('}')) break;
-        expect(',', "',' or '}'");
-      }
+    // Only whitespace before the '{' (nlohmann would also skip a byte order mark).
+    start_ = skip_ws(0);
+    if (start_ == s_.size() || s_[start_] != '{') unexpected();
+    // strict: one JSON value and nothing after it (end_object checks that too); comments
+    // are not JSON.
+    if (!nlohmann::json::sax_parse(s_.begin(), s_.end(), this, nlohmann::json::input_format_t::json,
+                                   /*strict=*/true, /*ignore_comments=*/false) ||
+        expect_ != Expect::kDone)
+      fail_at(end_, "the header ended early");  // not reached: the handler throws first
+    return std::move(header_);
+  }
+
+  // Values the format has no place for (number_integer: nlohmann's negative numbers).
+  bool null() override { return refuse(); }
+  bool boolean(bool) override { return refuse(); }
+  bool number_integer(number_integer_t) override { return refuse(); }
+  bool binary(binary_t&) override { return refuse(); }
+
+  bool number_unsigned(number_unsigned_t v) override {
+    at_token();
+    std::size_t digits = 1;
+    for (auto x = v; x >= 10; x /= 10) ++digits;
+    ends(digits, ',');
+    if (expect_ != Expect::kNumber) unexpected();
+    numbers_.push_back(v);
+    return true;
+  }
+
+  // nlohmann's numbers with a fraction or an exponent, and its integers too large for 64
+  // bits (`raw` is the number as written).
+  bool number_float(number_float_t, const string_t& raw) override {
+    at_token();
+    if (expect_ != Expect::kNumber || raw.starts_with('-')) unexpected();
+    not_an_integer(raw);
+  }
+
+  bool string(string_t& value) override {
+    at_token();
+    ends(string_length(), ',');
+    if (expect_ == Expect::kMetadataValue) {
+      if (!header_.metadata.emplace(key_, std::move(value)).second)
+        fail_at(key_pos_, fmt::format("metadata key {} appears twice", quote_name(key_)));
+      expect_ = Expect::kMetadataKey;
+    } else if (expect_ == Expect::kDtype) {
+      const auto dtype = dtype_of_code(value);
+      if (!dtype)
+        corrupt(path_, fmt::format("{} has the unknown dtype {} (mixtape reads F64, F32, F16, "
+                                   "BF16, I64, I32, U8 and BOOL) at byte {} of the header",
+                                   who_, quote_name(value), start_));
+      tensor_.dtype = *dtype;
+      once();
+      expect_ = Expect::kTensorKey;
+    } else {
+      unexpected();
     }
-    skip_ws();
-    if (pos_ != s_.size())
-      fail_at(pos_,
-              "unexpected characters after the header object (only space padding may "
-              "follow it)");
-    return h;
+    return true;
+  }
+
+  bool start_object(std::size_t) override {
+    at_token();
+    ends(1, 0);
+    if (expect_ == Expect::kHeader)
+      expect_ = Expect::kName;
+    else if (expect_ == Expect::kEntry)
+      expect_ = metadata_ ? Expect::kMetadataKey : Expect::kTensorKey;
+    else
+      unexpected();
+    return true;
+  }
+
+  bool key(string_t& k) override {
+    at_token();
+    key_pos_ = start_;
+    ends(string_length(), ':');
+    switch (expect_) {
+      case Expect::kName:
+        if (!names_.insert(k).second)
+          fail_at(key_pos_, k == "__metadata__"
+                                ? std::string("\"__metadata__\" appears twice")
+                                : fmt::format("tensor name {} appears twice", quote_name(k)));
+        metadata_ = k == "__metadata__";
+        tensor_ = TensorEntry{};
+        tensor_.name = k;
+        who_ = fmt::format("tensor {}", quote_name(k));
+        have_dtype_ = have_shape_ = have_offsets_ = false;
+        expect_ = Expect::kEntry;
+        break;
+      case Expect::kMetadataKey:
+        expect_ = Expect::kMetadataValue;
+        break;
+      case Expect::kTensorKey:
+        if (k == "dtype") {
+          have_ = &have_dtype_;
+          expect_ = Expect::kDtype;
+        } else if (k == "shape" || k == "data_offsets") {
+          shape_ = k == "shape";
+          have_ = shape_ ? &have_shape_ : &have_offsets_;
+          expect_ = Expect::kArray;
+        } else {
+          expect_ = Expect::kUnknownKey;
+        }
+        break;
+      default:
+        unexpected();
+    }
+    key_ = std::move(k);
+    return true;
+  }
+
+  bool end_object() override {
+    at_token();
+    ends(1, ',');
+    switch (expect_) {
+      case Expect::kName: {
+        // Checked here rather than left to the strict parse: nlohmann's lexer takes a NUL
+        // byte for the end of its input, so "{}\0x" would pass.
+        const std::size_t rest = skip_ws(end_);
+        if (rest != s_.size())
+          fail_at(rest,
+                  "unexpected characters after the header object (only space padding may "
+                  "follow it)");
+        expect_ = Expect::kDone;
+        break;
+      }
+      case Expect::kMetadataKey:
+        expect_ = Expect::kName;
+        break;
+      case Expect::kTensorKey:
+        if (!have_dtype_ || !have_shape_ || !have_offsets_)
+          fail_at(end_, fmt::format("{} lacks {}", who_,
+                                    !have_dtype_   ? "\"dtype\""
+                                    : !have_shape_ ? "\"shape\""
+                                                   : "\"data_offsets\""));
+        header_.tensors.push_back(std::move(tensor_));
+        expect_ = Expect::kName;
+        break;
+      default:
+        unexpected();
+    }
+    return true;
+  }
+
+  bool start_array(std::size_t) override {
+    at_token();
+    ends(1, 0);
+    if (expect_ != Expect::kArray) unexpected();
+    array_pos_ = start_;
+    numbers_.clear();
+    expect_ = Expect::kNumber;
+    return true;
+  }
+
+  bool end_array() override {
+    at_token();
+    ends(1, ',');
+    if (expect_ != Expect::kNumber) unexpected();  // not reached: only shapes and offsets nest
+    if (shape_) {
+      for (std::uint64_t d : numbers_) {
+        if (d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+          fail_at(key_pos_, fmt::format("an extent of the shape of {} is too large", who_));
+        tensor_.shape.push_back(static_cast<std::int64_t>(d));
+      }
+    } else {
+      if (numbers_.size() != 2)
+        fail_at(array_pos_, fmt::format("the data_offsets of {} must be [begin, end]; it has {} "
+                                        "numbers",
+                                        who_, numbers_.size()));
+      tensor_.begin = numbers_[0];
+      tensor_.end = numbers_[1];
+    }
+    once();
+    expect_ = Expect::kTensorKey;
+    return true;
+  }
+
+  // A token that does not fit where it is, or one that nlohmann's lexer refused. `position`
+  // counts the bytes the lexer read (reading the end of the header counts as one).
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::json::exception& ex) override {
+    if (!at_token()) {  // the ':' after a key, or the ',' after a value, is missing
+      // nlohmann reads "02" as the numbers 0 and 2.
+      if (expect_ == Expect::kNumber && start_ == end_ && start_ < s_.size() &&
+          is_digit(s_[start_]) && s_[start_ - 1] == '0')
+        fail_at(start_ - 1, fmt::format("{} has a leading zero", element()));
+      fail_at(start_, fmt::format("expected {}, found {}",
+                                  separator_ == ':'            ? "':'"
+                                  : expect_ == Expect::kNumber ? "',' or ']'"
+                                                               : "',' or '}'",
+                                  found(start_)));
+    }
+    const char c = start_ < s_.size() ? s_[start_] : '\0';
+    if (c == '"' && wants_string()) string_error(position, ex.what());
+    // "2.", "1e", "1e999", or a number too large for a double.
+    if (expect_ == Expect::kNumber && is_digit(c)) not_an_integer(s_.substr(start_));
+    unexpected();
   }
 
  private:
+  // What the next event must be.
+  enum class Expect {
+    kHeader,         // the header's '{'
+    kName,           // a tensor name, "__metadata__", or the header's '}'
+    kEntry,          // a tensor's object, or "__metadata__"'s
+    kMetadataKey,    // a metadata key or the '}' of "__metadata__"
+    kMetadataValue,  // a metadata value (a string)
+    kTensorKey,      // "dtype", "shape", "data_offsets" or the tensor's '}'
+    kDtype,          // a dtype code (a string)
+    kUnknownKey,     // nothing: a key of a tensor that is none of those three, refused
+                     // once its ':' is there (a missing ':' is reported first)
+    kArray,          // the '[' of a shape or of data_offsets
+    kNumber,         // an element of the array, or its ']'
+    kDone,           // nothing: the header's '}' was the end
+  };
+
   [[noreturn]] void fail_at(std::size_t pos, std::string_view problem) const {
     corrupt(path_, fmt::format("malformed header JSON at byte {} of the header: {}", pos, problem));
   }
-  [[noreturn]] void fail(std::string_view problem) const { fail_at(pos_, problem); }
 
-  void skip_ws() {
-    while (pos_ < s_.size() &&
-           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
-      ++pos_;
-  }
-  bool consume(char c) {
-    if (pos_ < s_.size() && s_[pos_] == c) {
-      ++pos_;
-      return true;
-    }
-    return false;
-  }
-  std::string found() const {
-    if (pos_ >= s_.size()) return "the end of the header";
-    const auto c = static_cast<unsigned char>(s_[pos_]);
-    if (c >= 0x20 && c < 0x7F) return fmt::format("'{}'", s_[pos_]);
+  std::string found(std::size_t pos) const {
+    if (pos >= s_.size()) return "the end of the header";
+    const auto c = static_cast<unsigned char>(s_[pos]);
+    if (c >= 0x20 && c < 0x7F) return fmt::format("'{}'", s_[pos]);
     return fmt::format("byte 0x{:02x}", c);
   }
-  void expect(char c, std::string_view what) {
-    if (!consume(c)) fail(fmt::format("expected {}, found {}", what, found()));
+
+  std::string element() const {
+    return fmt::format("an element of the {} of {}", shape_ ? "shape" : "data_offsets", who_);
   }
 
-  unsigned hex_digit() {
-    if (pos_ >= s_.size()) fail("unterminated \\u escape");
-    const char c = s_[pos_++];
-    if (c >= '0' && c <= '9') return static_cast<unsigned>(c - '0');
-    if (c >= 'a' && c <= 'f') return static_cast<unsigned>(c - 'a' + 10);
-    if (c >= 'A' && c <= 'F') return static_cast<unsigned>(c - 'A' + 10);
-    fail_at(pos_ - 1, "a \\u escape needs four hex digits");
-  }
-  std::uint32_t hex4() {
-    std::uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v = (v << 4) | hex_digit();
-    return v;
-  }
-  static void append_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
+  std::string expectation() const {
+    switch (expect_) {
+      case Expect::kHeader:
+        return "'{' (the header must be a JSON object)";
+      case Expect::kName:
+        return "a tensor name (a string)";
+      case Expect::kEntry:
+        return metadata_ ? "an object of strings for \"__metadata__\""
+                         : fmt::format("an object for {}", who_);
+      case Expect::kMetadataKey:
+        return "a metadata key (a string)";
+      case Expect::kMetadataValue:
+        return fmt::format("the value of metadata key {} (a string)", quote_name(key_));
+      case Expect::kTensorKey:
+        return fmt::format("a key of {} (a string)", who_);
+      case Expect::kDtype:
+        return fmt::format("the dtype of {} (a string)", who_);
+      case Expect::kArray:
+        return fmt::format("the {} of {} (an array of non-negative integers)",
+                           shape_ ? "shape" : "data_offsets", who_);
+      case Expect::kNumber:
+        return fmt::format("{} (a non-negative integer)", element());
+      case Expect::kUnknownKey:
+      case Expect::kDone:
+        break;
     }
+    return "the end of the header";
   }
 
-  std::string parse_string(std::string_view what) {
-    if (!consume('"')) fail(fmt::format("expected {} (a string), found {}", what, found()));
-    std::string out;
-    for (;;) {
-      if (pos_ >= s_.size()) fail("unterminated string");
-      const char c = s_[pos_];
-      if (c == '"') {
-        ++pos_;
-        return out;
-      }
-      if (static_cast<unsigned char>(c) < 0x20)
-        fail(fmt::format("control character 0x{:02x} in a string (it must be escaped)",
-                         static_cast<unsigned>(static_cast<unsigned char>(c))));
-      if (c != '\\') {
-        out += c;
-        ++pos_;
-        continue;
-      }
-      const std::size_t escape_pos = pos_;
-      ++pos_;
-      if (pos_ >= s_.size()) fail("unterminated string");
-      const char e = s_[pos_++];
-      switch (e) {
-        case '"':
-          out += '"';
-          break;
-        case '\\':
-          out += '\\';
-          break;
-        case '/':
-          out += '/';
-          break;
-        case 'b':
-          out += '\b';
-          break;
-        case 'f':
-          out += '\f';
-          break;
-        case 'n':
-          out += '\n';
-          break;
-        case 'r':
-          out += '\r';
-          break;
-        case 't':
-          out += '\t';
-          break;
-        case 'u': {
-          std::uint32_t cp = hex4();
-          if (cp >= 0xDC00 && cp <= 0xDFFF)
-            fail_at(escape_pos, "a \\u escape holds a lone low surrogate");
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (!(pos_ + 1 < s_.size() && s_[pos_] == '\\' && s_[pos_ + 1] == 'u'))
-              fail_at(escape_pos, "a \\u escape holds a high surrogate without its low half");
-            pos_ += 2;
-            const std::uint32_t low = hex4();
-            if (low < 0xDC00 || low > 0xDFFF)
-              fail_at(escape_pos, "a \\u escape holds a high surrogate without its low half");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default:
-          fail_at(escape_pos, fmt::format("unknown escape '\\{}'", e));
-      }
-    }
+  bool wants_string() const {
+    return expect_ == Expect::kName || expect_ == Expect::kMetadataKey ||
+           expect_ == Expect::kTensorKey || expect_ == Expect::kMetadataValue ||
+           expect_ == Expect::kDtype;
   }
 
-  std::uint64_t parse_uint(std::string_view what) {
-    const std::size_t start = pos_;
-    if (pos_ >= s_.size() || s_[pos_] < '0' || s_[pos_] > '9')
-      fail(fmt::format("expected {} (a non-negative integer), found {}", what, found()));
+  // The token at start_ is not what may come next.
+  [[noreturn]] void unexpected() const {
+    if (expect_ == Expect::kUnknownKey)
+      fail_at(key_pos_, fmt::format("{} has the unknown key {} (expected dtype, shape and "
+                                    "data_offsets)",
+                                    who_, quote_name(key_)));
+    fail_at(start_, fmt::format("expected {}, found {}", expectation(), found(start_)));
+  }
+  [[noreturn]] bool refuse() {
+    at_token();
+    unexpected();
+  }
+
+  // A tensor's key given twice: checked once its value is read, as before.
+  void once() {
+    if (*have_) fail_at(key_pos_, fmt::format("{} has the key {} twice", who_, quote_name(key_)));
+    *have_ = true;
+  }
+
+  // A number that is not a 64-bit integer (`number` starts with its digits): too large, or
+  // with a fraction or an exponent.
+  [[noreturn]] void not_an_integer(std::string_view number) const {
+    const std::string_view digits = number.substr(0, number.find_first_not_of("0123456789"));
     std::uint64_t v = 0;
-    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') {
-      const auto d = static_cast<std::uint64_t>(s_[pos_] - '0');
-      if (v > (std::numeric_limits<std::uint64_t>::max() - d) / 10)
-        fail_at(start, fmt::format("{} does not fit in 64 bits", what));
-      v = v * 10 + d;
-      ++pos_;
-    }
-    if (pos_ - start > 1 && s_[start] == '0')
-      fail_at(start, fmt::format("{} has a leading zero", what));
-    if (pos_ < s_.size() && (s_[pos_] == '.' || s_[pos_] == 'e' || s_[pos_] == 'E'))
-      fail_at(start, fmt::format("{} must be an integer", what));
-    return v;
+    const bool fits =
+        std::from_chars(digits.data(), digits.data() + digits.size(), v).ec == std::errc();
+    fail_at(start_, fmt::format("{} {}", element(),
+                                fits ? "must be an integer" : "does not fit in 64 bits"));
   }
 
-  std::vector<std::uint64_t> parse_uint_array(std::string_view what) {
-    if (!consume('['))
-      fail(fmt::format("expected {} (an array of non-negative integers), found {}", what, found()));
-    std::vector<std::uint64_t> out;
-    skip_ws();
-    if (consume(']')) return out;
-    for (;;) {
-      skip_ws();
-      out.push_back(parse_uint(fmt::format("an element of {}", what)));
-      skip_ws();
-      if (consume(']')) return out;
-      expect(',', "',' or ']'");
+  // A string nlohmann's lexer refused. Its messages (fixed text) name the problem, and
+  // `position`, just past the byte where the lexer stopped, places it.
+  [[noreturn]] void string_error(std::size_t position, std::string_view what) const {
+    const auto says = [&](std::string_view m) { return what.find(m) != std::string_view::npos; };
+    const auto byte_is = [&](std::size_t back, char c) {
+      return position >= back && position - back < s_.size() && s_[position - back] == c;
+    };
+    if (position > s_.size()) {  // it read the end of the header
+      if (says("4 hex digits")) fail_at(s_.size(), "unterminated \\u escape");
+      if (says("missing closing quote") || says("after backslash"))
+        fail_at(s_.size(), "unterminated string");
     }
+    if (says("forbidden character after backslash") && byte_is(2, '\\')) {
+      const auto e = static_cast<unsigned char>(s_[position - 1]);
+      fail_at(position - 2, e >= 0x20 && e < 0x7F
+                                ? fmt::format("unknown escape '\\{}'", static_cast<char>(e))
+                                : fmt::format("unknown escape: '\\' followed by byte 0x{:02x}", e));
+    }
+    if (says("4 hex digits") && position <= s_.size())
+      fail_at(position - 1, "a \\u escape needs four hex digits");
+    if (says("must follow U+D800..U+DBFF") && byte_is(6, '\\'))
+      fail_at(position - 6, "a \\u escape holds a lone low surrogate");
+    // Stopped after the high surrogate's \uXXXX and one byte, a backslash and one byte, or
+    // a second \uXXXX.
+    if (says("must be followed by U+DC00..U+DFFF"))
+      for (std::size_t back : {7, 8, 12})
+        if (byte_is(back, '\\') && byte_is(back - 1, 'u'))
+          fail_at(position - back, "a \\u escape holds a high surrogate without its low half");
+    if (says("control character") && position >= 1 && position <= s_.size() &&
+        static_cast<unsigned char>(s_[position - 1]) < 0x20)
+      fail_at(position - 1, fmt::format("control character 0x{:02x} in a string (it must be "
+                                        "escaped)",
+                                        static_cast<unsigned char>(s_[position - 1])));
+    // Not reached with nlohmann 3.11's messages; say what nlohmann says, without its
+    // "[json.exception.parse_error.101] parse error at line 1, column 9: ".
+    if (const auto cut = what.find("] "); cut != std::string_view::npos)
+      what.remove_prefix(cut + 2);
+    if (what.starts_with("parse error"))
+      if (const auto cut = what.find(": "); cut != std::string_view::npos)
+        what.remove_prefix(cut + 2);
+    fail_at(start_, what);
   }
 
-  std::map<std::string, std::string> parse_metadata() {
-    if (!consume('{'))
-      fail(fmt::format("expected an object of strings for \"__metadata__\", found {}", found()));
-    std::map<std::string, std::string> out;
-    skip_ws();
-    if (consume('}')) return out;
-    for (;;) {
-      skip_ws();
-      const std::size_t key_pos = pos_;
-      std::string key = parse_string("a metadata key");
-      skip_ws();
-      expect(':', "':'");
-      skip_ws();
-      std::string value =
-          parse_string(fmt::format("the value of metadata key {}", quote_name(key)));
-      if (!out.emplace(key, std::move(value)).second)
-        fail_at(key_pos, fmt::format("metadata key {} appears twice", quote_name(key)));
-      skip_ws();
-      if (consume('}')) return out;
-      expect(',', "',' or '}'");
-    }
+  // Token positions. Between two events the header holds only whitespace and the ':' or
+  // ',' that the syntax puts there, so each event's token starts after those, past where
+  // the last event's token ended.
+  std::size_t skip_ws(std::size_t p) const {
+    while (p < s_.size() && is_json_space(s_[p])) ++p;
+    return p;
   }
-
-  TensorEntry parse_tensor(std::string name) {
-    const std::string who = fmt::format("tensor {}", quote_name(name));
-    if (!consume('{')) fail(fmt::format("expected an object for {}, found {}", who, found()));
-    TensorEntry t;
-    t.name = std::move(name);
-    bool have_dtype = false, have_shape = false, have_offsets = false;
-    skip_ws();
-    if (!consume('}')) {
-      for (;;) {
-        skip_ws();
-        const std::size_t key_pos = pos_;
-        const std::string key = parse_string(fmt::format("a key of {}", who));
-        skip_ws();
-        expect(':', "':'");
-        skip_ws();
-        bool* have = nullptr;
-        if (key == "dtype") {
-          have = &have_dtype;
-          const std::size_t value_pos = pos_;
-          const std::string code = parse_string(fmt::format("the dtype of {}", who));
-          const auto dtype = dtype_of_code(code);
-          if (!dtype)
-            corrupt(path_, fmt::format("{} has the unknown dtype {} (mixtape reads F64, F32, F16, "
-                                       "BF16, I64, I32, U8 and BOOL) at byte {} of the header",
-                                       who, quote_name(code), value_pos));
-          t.dtype = *dtype;
-        } else if (key == "shape") {
-          have = &have_shape;
-          for (std::uint64_t d : parse_uint_array(fmt::format("the shape of {}", who))) {
-            if (d > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-              fail_at(key_pos, fmt::format("an extent of the shape of {} is too large", who));
-            t.shape.push_back(static_cast<std::int64_t>(d));
-          }
-        } else if (key == "data_offsets") {
-          have = &have_offsets;
-          const std::size_t value_pos = pos_;
-          const auto offsets = parse_uint_array(fmt::format("the data_offsets of {}", who));
-          if (offsets.size() != 2)
-            fail_at(value_pos, fmt::format("the data_offsets of {} must be [begin, end]; it "
-                                           "has {} numbers",
-                                           who, offsets.size()));
-          t.begin = offsets[0];
-          t.end = offsets[1];
-        } else {
-          fail_at(key_pos, fmt::format("{} has the unknown key {} (expected dtype, shape and "
-                                       "data_offsets)",
-                                       who, quote_name(key)));
-        }
-        if (*have) fail_at(key_pos, fmt::format("{} has the key {} twice", who, quote_name(key)));
-        *have = true;
-        skip_ws();
-        if (consume('}')) break;
-        expect(',', "',' or '}'");
-      }
-    }
-    if (!have_dtype || !have_shape || !have_offsets)
-      fail(fmt::format("{} lacks {}", who,
-                       !have_dtype   ? "\"dtype\""
-                       : !have_shape ? "\"shape\""
-                                     : "\"data_offsets\""));
-    return t;
+  // Moves start_ to the current event's token; false when the ':' or ',' due after the
+  // last token is not there (only at a parse error, or before a '}' or ']').
+  bool at_token() {
+    std::size_t p = skip_ws(end_);
+    const bool separated = separator_ == 0 || (p < s_.size() && s_[p] == separator_);
+    if (separator_ != 0 && separated) p = skip_ws(p + 1);
+    start_ = p;
+    return separated;
+  }
+  // The current token is `length` bytes long and `separator` may follow it.
+  void ends(std::size_t length, char separator) {
+    end_ = start_ + length;
+    separator_ = separator;
+  }
+  // The length of the string token at start_ (nlohmann has read it: it is well formed).
+  std::size_t string_length() const {
+    std::size_t i = start_ + 1;
+    while (i < s_.size() && s_[i] != '"') i += s_[i] == '\\' ? 2 : 1;
+    return i + 1 - start_;
   }
 
   std::string_view s_;
   const std::string& path_;
-  std::size_t pos_ = 0;
+  std::size_t start_ = 0, end_ = 0;  // the current token
+  char separator_ = 0;               // what may follow it: ':', ',' or nothing
+  Expect expect_ = Expect::kHeader;
+
+  Header header_;
+  std::set<std::string> names_;  // tensor names and "__metadata__"
+  bool metadata_ = false;        // the current name is "__metadata__"
+  std::string key_;              // the current key
+  std::size_t key_pos_ = 0;
+  TensorEntry tensor_;
+  std::string who_;  // "tensor 'name'"
+  bool have_dtype_ = false, have_shape_ = false, have_offsets_ = false;
+  bool* have_ = nullptr;  // the flag of the current key
+  bool shape_ = false;    // the current array is the shape (else data_offsets)
+  std::size_t array_pos_ = 0;
+  std::vector<std::uint64_t> numbers_;
 };
 
 std::string offsets_str(const TensorEntry& t) {
@@ -840,7 +951,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
   std::string text(static_cast<std::size_t>(n), '\0');
   read_or_throw(text.data(), text.size(), 8);
 
-  Header header = HeaderParser(text, path).parse();
+  Header header = HeaderHandler(text, path).parse();
   const std::uint64_t data_start = 8 + n;
   const auto order = check_layout(path, header, file_size - data_start);
 
