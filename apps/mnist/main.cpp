@@ -8,6 +8,8 @@
 #include <mixtape/mixtape.h>
 #include <spdlog/spdlog.h>
 
+#include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -15,6 +17,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -27,12 +31,6 @@ namespace mt = mixtape;
 namespace ml = mixtape::layers;
 
 namespace {
-
-// A bad command line: printed with a pointer to --help, exit status 2.
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 struct Options {
   std::string model = "mlp";
@@ -54,132 +52,239 @@ struct Options {
   bool trace_dtypes = false;
 };
 
-const char* kUsage = R"(usage: mixtape-mnist [options]
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
 
-Trains a classifier on MNIST with mixtape and reports the test accuracy.
+// --- The command line (CLI11) ---------------------------------------------------------------
+// Each option's value is checked by one of the validators below; CLI11 refuses it with
+// "--flag: <message>", and main() prints that as one line with a pointer to --help (exit
+// status 2).
 
-  --model NAME          mlp (784-512-512-10, default), cnn (Conv32-pool-Conv64-pool-Dense128-
-                        Dense10) or guide (the mixed precision guide's two Dense(units) layers)
-  --policy NAME         dtype policy: float32 (default), mixed_float16, mixed_bfloat16,
-                        float16, bfloat16, float64
-  --device NAME         auto (default: cuda when a GPU is present), cpu, cuda, cuda:N
-  --epochs N            epochs to train (default 5)
-  --batch-size N        default 128 (8192 for --model guide)
-  --learning-rate X     default 0.001, 0.002 for the cnn (Adam for mlp and cnn, RMSprop
-                        for guide)
-  --schedule NAME       cosine (default: decays to 0 over the run) or constant
-  --seed N              weights, shuffling (default 0)
-  --data-dir DIR        directory with the four IDX files (raw or .gz); default
-                        $MIXTAPE_DATA_DIR, then the cache, then a download
-  --dataset NAME        mnist (default) or fashion (Fashion-MNIST)
-  --custom-loop         the guide's GradientTape + LossScaleOptimizer loop instead of fit
-  --save PATH           write a checkpoint (safetensors) after every epoch
-  --resume PATH         continue from a checkpoint written by --save
-  --metrics-out PATH    per-epoch metrics: CSV, or JSON lines when PATH ends in .jsonl/.json
-  --plot PATH           an SVG image of the loss and accuracy curves (training, validation)
-  --validation-split X  hold out this fraction of the training images for validation
-                        (default: validate on the test set)
-  --limit N             train on the first N training images only
-  --units N             width of the guide model (default 4096 on a GPU, 64 on a CPU)
-  --trace-dtypes        print which dtypes each layer used (the cheat sheet of the model)
-  --verbose N           0 quiet, 1 progress bar (default), 2 one line per epoch
-  -h, --help            this text
-)";
+// A check (or a transform, when it rewrites its argument) returning an error message, or ""
+// when the value is fine. No description: CLI11 would append it to the option's type in --help.
+CLI::Validator validator(std::function<std::string(std::string&)> check) {
+  return CLI::Validator(std::move(check), "");
+}
 
-Options parse(int argc, char** argv) {
-  Options o;
-  auto value = [&](int& i, const std::string& flag) -> std::string {
-    if (i + 1 >= argc) throw UsageError(fmt::format("{} needs a value", flag));
-    return argv[++i];
-  };
-  auto integer = [&](int& i, const std::string& flag, std::int64_t min) {
-    const std::string v = value(i, flag);
+// An integer in [min, max], in base 10 with nothing after the digits. The check rewrites the
+// value in plain decimal, so that CLI11's own conversion (which reads "010" as octal and
+// "0x10" as hexadecimal) converts exactly the number that was checked.
+CLI::Validator integer(std::int64_t min, std::int64_t max = std::numeric_limits<int>::max()) {
+  return validator([min, max](std::string& v) -> std::string {
     char* end = nullptr;
     errno = 0;
     const long long n = std::strtoll(v.c_str(), &end, 10);
     if (v.empty() || *end != '\0' || errno != 0 || n < min)
-      throw UsageError(fmt::format("{} needs an integer >= {}; got '{}'", flag, min, v));
-    return static_cast<std::int64_t>(n);
-  };
-  auto real = [&](int& i, const std::string& flag, double lo, double hi) {
-    const std::string v = value(i, flag);
+      return fmt::format("needs an integer >= {}; got '{}'", min, v);
+    if (n > max) return fmt::format("needs an integer <= {}; got '{}'", max, v);
+    v = std::to_string(n);
+    return {};
+  });
+}
+
+// A number in [lo, hi] (NaN is not). Rewritten with 17 digits, which CLI11 converts back to
+// the same double.
+CLI::Validator real(double lo, double hi) {
+  return validator([lo, hi](std::string& v) -> std::string {
     char* end = nullptr;
     const double x = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !(x >= lo && x <= hi))
-      throw UsageError(fmt::format("{} needs a number in [{}, {}]; got '{}'", flag, lo, hi, v));
-    return x;
-  };
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (a == "--model") {
-      o.model = value(i, a);
-      if (o.model != "mlp" && o.model != "cnn" && o.model != "guide")
-        throw UsageError(fmt::format("unknown model '{}'; valid: mlp, cnn, guide", o.model));
-    } else if (a == "--policy") {
-      o.policy = value(i, a);
-      try {
-        mt::Policy check(o.policy);
-      } catch (const mt::ValueError& e) {
-        throw UsageError(e.what());  // names the valid policies
-      }
-    } else if (a == "--device") {
-      o.device = value(i, a);
-    } else if (a == "--epochs") {
-      o.epochs = static_cast<int>(integer(i, a, 0));
-    } else if (a == "--batch-size") {
-      o.batch_size = integer(i, a, 1);
-    } else if (a == "--learning-rate") {
-      o.learning_rate = real(i, a, 1e-9, 10.0);
-    } else if (a == "--schedule") {
-      o.schedule = value(i, a);
-      if (o.schedule != "cosine" && o.schedule != "constant")
-        throw UsageError(fmt::format("unknown schedule '{}'; valid: cosine, constant", o.schedule));
-    } else if (a == "--seed") {
-      o.seed = static_cast<std::uint64_t>(integer(i, a, 0));
-    } else if (a == "--data-dir") {
-      o.data_dir = value(i, a);
-    } else if (a == "--dataset") {
-      o.dataset = value(i, a);
-      if (o.dataset != "mnist" && o.dataset != "fashion")
-        throw UsageError(fmt::format("unknown dataset '{}'; valid: mnist, fashion", o.dataset));
-    } else if (a == "--custom-loop") {
-      o.custom_loop = true;
-    } else if (a == "--save") {
-      o.save = value(i, a);
-    } else if (a == "--resume") {
-      o.resume = value(i, a);
-    } else if (a == "--metrics-out") {
-      o.metrics_out = value(i, a);
-    } else if (a == "--plot") {
-      o.plot = value(i, a);
-      if (o.plot.size() < 4 || o.plot.substr(o.plot.size() - 4) != ".svg")
-        throw UsageError(
-            fmt::format("--plot writes an SVG image; give a path ending in .svg "
-                        "(got '{}')",
-                        o.plot));
-    } else if (a == "--validation-split") {
-      o.validation_split = real(i, a, 0.0, 0.9);
-    } else if (a == "--limit") {
-      o.limit = integer(i, a, 1);
-    } else if (a == "--units") {
-      o.units = integer(i, a, 1);
-    } else if (a == "--trace-dtypes") {
-      o.trace_dtypes = true;
-    } else if (a == "--verbose") {
-      o.verbose = static_cast<int>(integer(i, a, 0));
-    } else {
-      throw UsageError(fmt::format("unknown option '{}'", a));
-    }
-  }
-  return o;
+      return fmt::format("needs a number in [{}, {}]; got '{}'", lo, hi, v);
+    v = fmt::format("{:.17g}", x);
+    return {};
+  });
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+// One of `names`; the message lists them.
+CLI::Validator one_of(const std::string& what, const std::vector<std::string>& names) {
+  return validator([what, names](const std::string& v) -> std::string {
+    if (std::find(names.begin(), names.end(), v) != names.end()) return {};
+    std::string valid;
+    for (const std::string& name : names) valid += (valid.empty() ? "" : ", ") + name;
+    return fmt::format("unknown {} '{}'; valid: {}", what, v, valid);
+  });
+}
+
+// A dtype policy mt::Policy knows; its ValueError names the valid ones.
+CLI::Validator policy_name() {
+  return validator([](const std::string& v) -> std::string {
+    try {
+      mt::Policy check(v);
+    } catch (const mt::ValueError& e) {
+      return e.what();
+    }
+    return {};
+  });
+}
+
+CLI::Validator svg_path() {
+  return validator([](const std::string& v) -> std::string {
+    if (ends_with(v, ".svg")) return {};
+    return fmt::format("writes an SVG image; give a path ending in .svg (got '{}')", v);
+  });
+}
+
+// A flag takes no value: CLI11 records "true" for `--flag`, and the value for `--flag=value`
+// (which it would otherwise read as a boolean, "--flag=0" or "--flag=no" turning it off).
+CLI::Validator no_value() {
+  return validator([](const std::string& v) -> std::string {
+    return v == "true" ? "" : fmt::format("takes no value; got '{}'", v);
+  });
+}
+
+// The options, their help text and their checks. The help text is CLI11's, made from the
+// descriptions below.
+void add_options(CLI::App& app, Options& o) {
+  app.get_formatter()->column_width(24);
+  app.set_help_flag("-h,--help", "this text");
+  app.footer(
+      "An option given more than once takes its last value. --name=value works as well as\n"
+      "--name value.");
+  // Like the hand-written parser this replaces: a repeated option is no error, the last
+  // value wins (every value is still checked).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Unknown options and positional arguments are collected, then refused by
+  // refuse_extras() with a hint at the closest known option.
+  app.allow_extras();
+
+  app.add_option("--model", o.model,
+                 "mlp (784-512-512-10, default), cnn (Conv32-pool-Conv64-pool-Dense128-\n"
+                 "Dense10) or guide (the mixed precision guide's two Dense(units) layers)")
+      ->type_name("NAME")
+      ->check(one_of("model", {"mlp", "cnn", "guide"}));
+  app.add_option("--policy", o.policy,
+                 "dtype policy: float32 (default), mixed_float16, mixed_bfloat16,\n"
+                 "float16, bfloat16, float64")
+      ->type_name("NAME")
+      ->check(policy_name());
+  app.add_option("--device", o.device,
+                 "auto (default: cuda when a GPU is present), cpu, cuda, cuda:N")
+      ->type_name("NAME");
+  app.add_option("--epochs", o.epochs, "epochs to train (default 5)")
+      ->type_name("N")
+      ->transform(integer(0));
+  app.add_option("--batch-size", o.batch_size, "default 128 (8192 for --model guide)")
+      ->type_name("N")
+      ->transform(integer(1, std::numeric_limits<std::int64_t>::max()));
+  app.add_option("--learning-rate", o.learning_rate,
+                 "default 0.001, 0.002 for the cnn (Adam for mlp and cnn, RMSprop\n"
+                 "for guide)")
+      ->type_name("X")
+      ->transform(real(1e-9, 10.0));
+  app.add_option("--schedule", o.schedule, "cosine (default: decays to 0 over the run) or constant")
+      ->type_name("NAME")
+      ->check(one_of("schedule", {"cosine", "constant"}));
+  app.add_option("--seed", o.seed, "weights, shuffling (default 0)")
+      ->type_name("N")
+      ->transform(integer(0, std::numeric_limits<std::int64_t>::max()));
+  app.add_option("--data-dir", o.data_dir,
+                 "directory with the four IDX files (raw or .gz); default\n"
+                 "$MIXTAPE_DATA_DIR, then the cache, then a download")
+      ->type_name("DIR");
+  app.add_option("--dataset", o.dataset, "mnist (default) or fashion (Fashion-MNIST)")
+      ->type_name("NAME")
+      ->check(one_of("dataset", {"mnist", "fashion"}));
+  app.add_flag("--custom-loop", o.custom_loop,
+               "the guide's GradientTape + LossScaleOptimizer loop instead of fit")
+      ->check(no_value());
+  app.add_option("--save", o.save, "write a checkpoint (safetensors) after every epoch")
+      ->type_name("PATH");
+  app.add_option("--resume", o.resume, "continue from a checkpoint written by --save")
+      ->type_name("PATH");
+  app.add_option("--metrics-out", o.metrics_out,
+                 "per-epoch metrics: CSV, or JSON lines when PATH ends in .jsonl/.json")
+      ->type_name("PATH");
+  app.add_option("--plot", o.plot,
+                 "an SVG image of the loss and accuracy curves (training, validation)")
+      ->type_name("PATH")
+      ->check(svg_path());
+  app.add_option("--validation-split", o.validation_split,
+                 "hold out this fraction of the training images for validation\n"
+                 "(default: validate on the test set)")
+      ->type_name("X")
+      ->transform(real(0.0, 0.9));
+  app.add_option("--limit", o.limit, "train on the first N training images only")
+      ->type_name("N")
+      ->transform(integer(1, std::numeric_limits<std::int64_t>::max()));
+  app.add_option("--units", o.units,
+                 "width of the guide model (default 4096 on a GPU, 64 on a CPU)")
+      ->type_name("N")
+      ->transform(integer(1, std::numeric_limits<std::int64_t>::max()));
+  app.add_flag("--trace-dtypes", o.trace_dtypes,
+               "print which dtypes each layer used (the cheat sheet of the model)")
+      ->check(no_value());
+  app.add_option("--verbose", o.verbose, "0 quiet, 1 progress bar (default), 2 one line per epoch")
+      ->type_name("N")
+      ->transform(integer(0));
+}
+
+// The edit distance of a and b, a transposition of two neighbours counting as one edit.
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i)
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min(
+          {d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// "; did you mean --epochs?" for an argument close to an option CLI11 knows, "" when none is.
+// An option (`--epoch`, `-epochs`, `--epoch=3`) is close to the known options it abbreviates,
+// or else to those within the smallest edit distance, at most 2; a positional argument only
+// to an option of its exact name (`epochs`: the dashes forgotten).
+std::string did_you_mean(const CLI::App& app, std::string arg, bool positional) {
+  arg = arg.substr(0, arg.find('='));
+  arg.erase(0, arg.find_first_not_of('-'));
+  if (arg.empty()) return {};
+  std::vector<std::string> names;  // the long names, in the order of --help
+  for (const CLI::Option* option : app.get_options())
+    for (const std::string& name : option->get_lnames()) names.push_back(name);
+
+  std::vector<std::string> close;
+  if (positional) {
+    if (std::find(names.begin(), names.end(), arg) != names.end()) close.push_back(arg);
+  } else {
+    for (const std::string& name : names)
+      if (name.starts_with(arg)) close.push_back(name);
+    if (close.empty()) {
+      std::size_t best = std::min<std::size_t>(2, arg.size() - 1);
+      for (const std::string& name : names) best = std::min(best, edit_distance(arg, name));
+      for (const std::string& name : names)
+        if (edit_distance(arg, name) <= best) close.push_back(name);
+    }
+  }
+  if (close.empty() || close.size() > 3) return {};
+  std::string hint = "; did you mean --" + close[0];
+  for (std::size_t i = 1; i < close.size(); ++i)
+    hint += (i + 1 == close.size() ? " or --" : ", --") + close[i];
+  return hint + "?";
+}
+
+// Refuses what CLI11 left over (app.allow_extras()): an unknown option, or a positional
+// argument (the trainer takes none; everything after `--` is one).
+void refuse_extras(const CLI::App& app) {
+  bool options_ended = false;
+  for (const std::string& arg : app.remaining()) {
+    if (arg == "--" && !options_ended) {
+      options_ended = true;
+      continue;
+    }
+    // "-1" is no option: CLI11 reads a dash before a digit as a negative number.
+    const bool option =
+        !options_ended && arg.size() > 1 && arg[0] == '-' && !(arg[1] >= '0' && arg[1] <= '9');
+    throw CLI::ExtrasError(
+        option ? fmt::format("unknown option '{}'{}", arg, did_you_mean(app, arg, false))
+               : fmt::format("unexpected argument '{}': mixtape-mnist takes options only{}", arg,
+                             did_you_mean(app, arg, true)),
+        CLI::ExitCodes::ExtrasError);
+  }
 }
 
 mt::Device pick_device(const std::string& name) {
@@ -496,11 +601,21 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Options options;
+  CLI::App app("Trains a classifier on MNIST with mixtape and reports the test accuracy.",
+               "mixtape-mnist");
   try {
-    return run(parse(argc, argv));
-  } catch (const UsageError& e) {
+    add_options(app, options);
+    app.parse(argc, argv);
+    refuse_extras(app);
+  } catch (const CLI::Success& e) {  // --help: the help text on stdout, exit status 0
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {  // a bad command line: one line, exit status 2
     std::fprintf(stderr, "mixtape-mnist: %s (see --help)\n", e.what());
     return 2;
+  }
+  try {
+    return run(options);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mixtape-mnist: error: %s\n", e.what());
     return 1;

@@ -6,7 +6,10 @@
 #     and accuracy as epoch 2 of the uninterrupted run;
 #   - the custom GradientTape loop under mixed_float16 (loss scale in the epoch line);
 #   - bad input: a missing data directory, an unknown option, a checkpoint of another
-#     model, an unwritable metrics file: a one-line error and a non-zero exit.
+#     model, an unwritable metrics file: a one-line error and a non-zero exit;
+#   - the command line (CLI11): --help lists the options with their descriptions; a
+#     mistyped option gets a "did you mean" hint; a bad integer, an out-of-range or NaN
+#     number and a positional argument are refused with one line naming the flag and value.
 # Usage: cmake -DAPP=... -DFAKE=... -DWORK_DIR=... [-DDATA_DIR=...] -P mnist_smoke.cmake
 cmake_minimum_required(VERSION 3.25)
 
@@ -41,6 +44,15 @@ function(require text what)
   string(FIND "${text}" "${what}" at)
   if(at EQUAL -1)
     message(FATAL_ERROR "expected '${what}' in:\n${text}")
+  endif()
+endfunction()
+
+# A refused command line: one line, "mixtape-mnist: ... (see --help)".
+function(require_one_line text)
+  string(STRIP "${text}" text)
+  string(FIND "${text}" "\n" at)
+  if(NOT at EQUAL -1 OR NOT text MATCHES "^mixtape-mnist: .*\\(see --help\\)$")
+    message(FATAL_ERROR "expected one line 'mixtape-mnist: ... (see --help)', got:\n${text}")
   endif()
 endfunction()
 
@@ -113,4 +125,50 @@ run_app(nonzero out ${common} --epochs 1 --metrics-out ${WORK_DIR}/no-such-dir/m
 require("${out}" "m.csv")
 run_app(nonzero out --policy mixed_float8)
 require("${out}" "mixed_float16")
+
+# --- the command line ----------------------------------------------------------------------------
+# The runs that must be refused name a missing data directory, so that a check that let them
+# through would fail quickly (and with another message) instead of training.
+set(nodata --data-dir ${WORK_DIR}/no-such-dir)
+run_app(0 out --help)
+require("${out}" "Usage: mixtape-mnist [OPTIONS]")
+foreach(line "--model NAME" "--policy NAME" "--device NAME" "--epochs N" "epochs to train (default 5)"
+        "--batch-size N" "default 128 (8192 for --model guide)" "--learning-rate X"
+        "--schedule NAME" "cosine (default: decays to 0 over the run) or constant" "--seed N"
+        "--data-dir DIR" "--dataset NAME" "--custom-loop" "--save PATH" "--resume PATH"
+        "--metrics-out PATH" "--plot PATH" "--validation-split X" "--limit N" "--units N"
+        "--trace-dtypes" "--verbose N" "0 quiet, 1 progress bar (default), 2 one line per epoch"
+        "--help" "takes its last value")
+  require("${out}" "${line}")
+endforeach()
+run_app(nonzero out ${nodata} --epoch 1)
+require_one_line("${out}")
+require("${out}" "unknown option '--epoch'; did you mean --epochs?")
+run_app(nonzero out ${nodata} --learning_rate 0.01)
+require("${out}" "did you mean --learning-rate?")
+run_app(nonzero out ${nodata} --batch-size 3x)
+require_one_line("${out}")
+require("${out}" "--batch-size")
+require("${out}" "'3x'")
+run_app(nonzero out ${nodata} --epochs -1)
+require_one_line("${out}")
+require("${out}" "--epochs: needs an integer >= 0; got '-1'")
+run_app(nonzero out ${nodata} --epochs 0x10)
+require("${out}" "'0x10'")
+run_app(nonzero out ${nodata} --learning-rate 11)
+require_one_line("${out}")
+require("${out}" "--learning-rate")
+require("${out}" "'11'")
+run_app(nonzero out ${nodata} --validation-split nan)
+require_one_line("${out}")
+require("${out}" "--validation-split")
+require("${out}" "'nan'")
+run_app(nonzero out ${nodata} --model resnet)
+require_one_line("${out}")
+require("${out}" "unknown model 'resnet'")
+run_app(nonzero out ${nodata} --plot curves.png)
+require("${out}" "curves.png")
+run_app(nonzero out ${nodata} --epochs 1 extra)
+require_one_line("${out}")
+require("${out}" "unexpected argument 'extra'")
 message(STATUS "mnist smoke test passed")
