@@ -6,25 +6,26 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <mutex>
 
 #include "autograd/op_util.h"
+#include "core/env.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape {
 
 namespace {
 
-// Every op name the rewrite knows: the ops that call detail::op_inputs.
-constexpr std::array<std::string_view, 45> kOpNames = {
-    "matmul",     "conv2d",     "add",      "sub",    "mul",     "div",         "maximum",
-    "minimum",    "pow",        "neg",      "abs",    "exp",     "log",         "sqrt",
-    "rsqrt",      "tanh",       "sigmoid",  "relu",   "gelu",    "erf",         "eq",
-    "ne",         "lt",         "le",       "gt",     "ge",      "where",       "sum",
-    "mean",       "max",        "min",      "argmax", "softmax", "log_softmax", "gather",
-    "take",       "reshape",    "permute",  "slice",  "expand",  "concat",      "contiguous",
-    "max_pool2d", "avg_pool2d", "to_device"};
+// Every op name the rewrite knows: the ops that call detail::op_inputs with that name (a
+// test runs each op and checks that the rewrite sees every name of this list). to_device
+// is not one of them: it moves tensors and never passes through the rewrite.
+constexpr std::array<std::string_view, 44> kOpNames = {
+    "matmul",  "conv2d",      "add",        "sub",       "mul",     "div",     "maximum", "minimum",
+    "pow",     "neg",         "abs",        "exp",       "log",     "sqrt",    "rsqrt",   "tanh",
+    "sigmoid", "relu",        "gelu",       "erf",       "eq",      "ne",      "lt",      "le",
+    "gt",      "ge",          "where",      "sum",       "mean",    "max",     "min",     "argmax",
+    "softmax", "log_softmax", "gather",     "take",      "reshape", "permute", "slice",   "expand",
+    "concat",  "contiguous",  "max_pool2d", "avg_pool2d"};
 
 // The built-in lists (after TensorFlow's AutoMixedPrecisionLists).
 struct DefaultEntry {
@@ -100,22 +101,6 @@ bool known_op(std::string_view op) {
   return std::find(kOpNames.begin(), kOpNames.end(), op) != kOpNames.end();
 }
 
-std::vector<std::string> split_names(const char* value) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (const char* p = value;; ++p) {
-    if (*p == ',' || *p == '\0') {
-      const auto b = cur.find_first_not_of(" \t"), e = cur.find_last_not_of(" \t");
-      if (b != std::string::npos) out.push_back(cur.substr(b, e - b + 1));
-      cur.clear();
-      if (*p == '\0') break;
-    } else {
-      cur += *p;
-    }
-  }
-  return out;
-}
-
 std::atomic<bool> g_enabled{false};
 std::atomic<int> g_low{DType::Float16};
 thread_local bool t_scope = false;
@@ -137,6 +122,8 @@ std::string_view amp_category_name(AmpCategory c) {
   }
   return "clear";
 }
+
+std::span<const std::string_view> amp_op_names() { return kOpNames; }
 
 // --- AmpLists ---------------------------------------------------------------------------
 
@@ -173,23 +160,22 @@ std::vector<std::string> AmpLists::ops(AmpCategory c) const {
 }
 
 void AmpLists::apply_environment() {
+  // Applied to a copy: a bad value in any of the variables leaves the lists unchanged.
+  AmpLists next = *this;
   for (std::size_t i = 0; i < kCategories.size(); ++i) {
     for (const char* action : {"ADD", "REMOVE"}) {
-      const std::string var = fmt::format("MIXTAPE_AMP_{}_{}", kEnvLists[i], action);
-      const char* value = std::getenv(var.c_str());
-      if (!value) continue;
-      for (const auto& op : split_names(value)) {
-        if (!known_op(op))
-          throw ValueError(fmt::format("{}: unknown op '{}'; the ops the rewrite knows: {}", var,
-                                       op, valid_op_names()));
+      const std::string var =
+          fmt::format("{}{}_{}", detail::env::kAmpListVariablePrefix, kEnvLists[i], action);
+      for (const auto& op : detail::env::NameListVar{var.c_str(), "op"}.read(kOpNames)) {
         if (std::string_view(action) == "ADD") {
-          set(op, kCategories[i]);
-        } else if (category(op) == kCategories[i] && listed(op)) {
-          remove(op);
+          next.set(op, kCategories[i]);
+        } else if (next.category(op) == kCategories[i] && next.listed(op)) {
+          next.remove(op);
         }
       }
     }
   }
+  *this = std::move(next);
 }
 
 std::string AmpLists::str() const {

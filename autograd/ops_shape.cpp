@@ -51,33 +51,34 @@ Tensor detach(const Tensor& x) {
 Tensor reshape(const Tensor& x_in, const Shape& shape_in) {
   detail::check_inputs("reshape", {x_in});
   const Tensor x = detail::op_inputs("reshape", {x_in})[0];
-  std::vector<std::int64_t> dims;
+  std::vector<std::int64_t> dims = shape_in.dims();
   int infer = -1;
-  std::int64_t known = 1;
-  for (std::size_t i = 0; i < shape_in.rank(); ++i) {
-    dims.push_back(shape_in[i]);
-  }
   for (std::size_t i = 0; i < dims.size(); ++i) {
-    if (dims[i] == -1) {
-      if (infer >= 0)
-        throw ShapeError(fmt::format("reshape: more than one -1 in {}", shape_in.str()));
-      infer = static_cast<int>(i);
-    } else {
-      known *= dims[i];
-    }
+    if (dims[i] != -1) continue;
+    if (infer >= 0)
+      throw ShapeError(fmt::format("reshape: more than one -1 in {}", shape_in.str()));
+    infer = static_cast<int>(i);
   }
   if (infer >= 0) {
-    if (known == 0 || x.numel() % known != 0)
+    // The product of the other extents, overflow-checked (the -1 counted as 1).
+    std::vector<std::int64_t> others = dims;
+    others[static_cast<std::size_t>(infer)] = 1;
+    const auto known = try_numel(Shape(others));
+    if (!known)
+      throw ShapeError(fmt::format(
+          "reshape: shape {} is too large: its element count overflows int64", shape_in.str()));
+    if (*known == 0 || x.numel() % *known != 0)
       throw ShapeError(
           fmt::format("reshape: cannot reshape a tensor of shape {} ({} elements) to {}",
                       x.shape().str(), x.numel(), shape_in.str()));
-    dims[static_cast<std::size_t>(infer)] = x.numel() / known;
+    dims[static_cast<std::size_t>(infer)] = x.numel() / *known;
   }
   Shape shape(dims);
-  if (shape.numel() != x.numel())
+  const std::int64_t numel = checked_numel(shape, "reshape");
+  if (numel != x.numel())
     throw ShapeError(fmt::format(
         "reshape: cannot reshape a tensor of shape {} ({} elements) to {} ({} elements)",
-        x.shape().str(), x.numel(), shape.str(), shape.numel()));
+        x.shape().str(), x.numel(), shape.str(), numel));
   if (shape == x.shape()) return x;
   Tensor base = detail::contiguous_raw(x);
   Tensor y = Tensor::view_of(base, shape, contiguous_strides(shape), base.offset());
@@ -173,12 +174,15 @@ Tensor slice(const Tensor& x_in, int axis, std::int64_t start, std::int64_t stop
     return std::clamp<std::int64_t>(v, 0, n);
   };
   const std::int64_t b = clamp(start), e = std::max(clamp(stop), clamp(start));
-  const std::int64_t len = (e - b + step - 1) / step;
+  // ceil((e - b) / step), without overflow for a huge step.
+  const std::int64_t len = e > b ? (e - b - 1) / step + 1 : 0;
   std::vector<std::int64_t> dims = x.shape().dims();
   Strides strides = x.strides();
   dims[static_cast<std::size_t>(a)] = len;
   const std::int64_t offset = x.offset() + (len > 0 ? b * strides[static_cast<std::size_t>(a)] : 0);
-  strides[static_cast<std::size_t>(a)] *= step;
+  // The stride of an axis of one element (or none) is never used; leaving it avoids an
+  // overflow of stride * step for a huge step. Otherwise (len - 1) * step < n, so it fits.
+  if (len > 1) strides[static_cast<std::size_t>(a)] *= step;
   Tensor y = Tensor::view_of(x, Shape(dims), strides, offset);
   if (should_record({x}))
     record_op("slice", {x}, y,
@@ -192,6 +196,7 @@ Tensor expand(const Tensor& x_in, const Shape& shape) {
   detail::check_inputs("expand", {x_in});
   const Tensor x = detail::op_inputs("expand", {x_in})[0];
   if (x.shape() == shape) return x;
+  checked_nbytes(shape, x.dtype(), "expand");
   if (shape.rank() < x.rank() || broadcast_shapes(x.shape(), shape, "expand") != shape)
     throw ShapeError(fmt::format("expand: a tensor of shape {} cannot be broadcast to {}",
                                  x.shape().str(), shape.str()));

@@ -2,13 +2,10 @@
 // (MIXTAPE_FP16_USE_FP32_COMPUTE).
 #include "mixtape/core/compute_mode.h"
 
-#include <fmt/format.h>
-
 #include <atomic>
-#include <cstdlib>
 #include <string_view>
 
-#include "mixtape/core/error.h"
+#include "core/env.h"
 
 namespace mixtape {
 namespace {
@@ -20,9 +17,9 @@ std::atomic<int> g_switch{-1};
 // The environment's value, read once: a function-local static is initialised by exactly
 // one thread. When parsing throws, the static stays uninitialised and the next call reads
 // (and throws) again.
+static_assert(std::string_view(detail::env::kFp16UseFp32Compute.name) == kFp16UseFp32ComputeEnv);
 bool from_environment() {
-  static const bool value =
-      detail::parse_fp16_use_fp32_compute(std::getenv(kFp16UseFp32ComputeEnv));
+  static const bool value = detail::env::kFp16UseFp32Compute.read();
   return value;
 }
 
@@ -30,15 +27,7 @@ bool from_environment() {
 
 namespace detail {
 bool parse_fp16_use_fp32_compute(const char* value) {
-  if (value == nullptr) return true;
-  const std::string_view v(value);
-  if (v == "1") return true;
-  if (v == "0") return false;
-  throw ValueError(fmt::format(
-      "{}='{}' is not a valid value; valid: \"0\" (float16/bfloat16 matmul and conv2d "
-      "accumulate in their 16-bit type), \"1\" (they accumulate in float32; the default when "
-      "unset)",
-      kFp16UseFp32ComputeEnv, v));
+  return env::kFp16UseFp32Compute.parse(value);
 }
 }  // namespace detail
 

@@ -2,10 +2,22 @@
 // (factories, printing, item) and that the differentiable ops reuse for their forward.
 #pragma once
 
+#include <cstdint>
+#include <string>
+#include <string_view>
+
 #include "mixtape/core/kernels.h"
 #include "mixtape/core/tensor.h"
 
 namespace mixtape::detail {
+
+// Tensor::empty whose errors begin with `op`: a shape whose size overflows (ShapeError,
+// checked_nbytes) or an allocation that fails (OutOfMemoryError naming the bytes, the
+// device, the dtype and the shape).
+Tensor empty_raw(const Shape& shape, DType dtype, Device device, std::string_view op);
+// "out of memory: cannot allocate N bytes (X GiB) on DEVICE", the words of every
+// OutOfMemoryError.
+std::string out_of_memory_message(std::uint64_t nbytes, Device device);
 
 // A contiguous copy (or `t` itself when already contiguous).
 Tensor contiguous_raw(const Tensor& t);

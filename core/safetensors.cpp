@@ -6,6 +6,9 @@
 #include "mixtape/core/safetensors.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -597,17 +600,12 @@ std::string offsets_str(const TensorEntry& t) {
 std::vector<const TensorEntry*> check_layout(const std::string& path, Header& h,
                                              std::uint64_t data_size) {
   for (auto& t : h.tensors) {
-    std::uint64_t n = t.dtype.itemsize();
-    for (std::int64_t d : t.shape) {
-      const auto ud = static_cast<std::uint64_t>(d);
-      if (ud != 0 && n > std::numeric_limits<std::uint64_t>::max() / ud)
-        corrupt(path, fmt::format("tensor {} has shape {} whose size in bytes overflows 64 bits",
-                                  quote_name(t.name), Shape(t.shape).str()));
-      n *= ud;
-    }
-    if (n > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-      corrupt(path, fmt::format("tensor {} has shape {}, too large", quote_name(t.name),
-                                Shape(t.shape).str()));
+    // core's overflow-checked size (the shape's extents are >= 0: the parser refuses others).
+    const auto nbytes = try_nbytes(Shape(t.shape), t.dtype.itemsize());
+    if (!nbytes)
+      corrupt(path, fmt::format("tensor {} of dtype {} has shape {}, whose size overflows int64",
+                                quote_name(t.name), code_of(t.dtype).code, Shape(t.shape).str()));
+    const auto n = static_cast<std::uint64_t>(*nbytes);
     t.nbytes = n;
     if (t.end < t.begin)
       corrupt(path, fmt::format("tensor {} has {}, which end before they begin", quote_name(t.name),
@@ -765,6 +763,41 @@ class TempFile {
   bool committed_ = false;
 };
 
+// Best effort: removes the temporaries that earlier saves of `path` left behind when their
+// process died (killed or crashed mid-save): files named `<name of path>.tmp-<pid>` in
+// path's directory whose process is gone. A temporary stays when its process exists (it
+// may be saving right now), when it is our own, and when another process holds its lock
+// (a save on another machine sharing the directory: the PID means nothing here). Errors
+// are ignored: the save itself does not depend on this.
+void remove_stale_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  const std::string prefix = target.filename().string() + ".tmp-";
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) return;
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) return;
+    const std::string name = it->path().filename().string();
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string_view digits = std::string_view(name).substr(prefix.size());
+    long pid = 0;
+    const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+    if (err != std::errc() || end != digits.data() + digits.size() || pid <= 0 ||
+        pid > std::numeric_limits<pid_t>::max() || digits.front() == '0')
+      continue;
+    if (static_cast<pid_t>(pid) == ::getpid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive
+    Fd fd(::open(it->path().c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (fd.get() < 0) continue;
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) continue;  // in use
+    if (::unlink(it->path().c_str()) == 0)
+      spdlog::info("safetensors: removed '{}', left by process {} that died while saving '{}'",
+                   it->path().string(), pid, path);
+  }
+}
+
 // Best effort: makes a rename in `dir` durable (some file systems cannot fsync a directory).
 void sync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -853,6 +886,7 @@ void save_safetensors(const std::string& path,
     length[static_cast<std::size_t>(i)] =
         static_cast<std::uint8_t>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
 
+  remove_stale_temporaries(path);
   TempFile tmp(fmt::format("{}.tmp-{}", path, static_cast<long>(::getpid())));
   Fd fd(::open(tmp.path().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
   if (fd.get() < 0) {
@@ -860,6 +894,9 @@ void save_safetensors(const std::string& path,
     throw IOError(fmt::format("safetensors: cannot write '{}': cannot create '{}': {}", path,
                               tmp.path(), system_reason(err)));
   }
+  // Held while writing (released when the process dies), so that the cleanup of another
+  // process never removes a temporary that is being written.
+  (void)::flock(fd.get(), LOCK_EX | LOCK_NB);
   Writer out(fd.get(), tmp.path());
   out.write(length.data(), length.size());
   out.write(header.data(), header.size());
@@ -959,7 +996,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
   file.metadata = std::move(header.metadata);
   file.tensors.reserve(order.size());
   for (const TensorEntry* e : order) {
-    Tensor t = Tensor::empty(Shape(e->shape), e->dtype, Device::cpu());
+    Tensor t = detail::empty_raw(Shape(e->shape), e->dtype, Device::cpu(),
+                                 fmt::format("load_safetensors '{}'", path));
     if (e->nbytes > 0) {
       auto* p = static_cast<std::uint8_t*>(t.data_ptr());
       read_or_throw(p, static_cast<std::size_t>(e->nbytes), data_start + e->begin);

@@ -2,6 +2,7 @@
 #include "mixtape/core/shape.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "mixtape/core/error.h"
 
@@ -19,10 +20,35 @@ Shape::Shape(std::vector<std::int64_t> dims) : dims_(std::move(dims)) {
     if (d < -1) throw ShapeError(fmt::format("Shape: negative extent in {}", str()));
 }
 
+namespace {
+
+// The product of `dims`, or nullopt when the product of the nonzero ones overflows int64
+// (negative extents multiply in as they are: reshape's -1 placeholder).
+std::optional<std::int64_t> product(const std::vector<std::int64_t>& dims) {
+  std::int64_t p = 1;
+  bool empty = false;
+  for (const std::int64_t d : dims) {
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    if (__builtin_mul_overflow(p, d, &p)) return std::nullopt;
+  }
+  return empty ? 0 : p;
+}
+
+bool has_negative(const Shape& shape) {
+  return std::any_of(shape.begin(), shape.end(), [](std::int64_t d) { return d < 0; });
+}
+
+}  // namespace
+
 std::int64_t Shape::numel() const {
-  std::int64_t n = 1;
-  for (auto d : dims_) n *= d;
-  return n;
+  const auto n = product(dims_);
+  if (!n)
+    throw ShapeError(fmt::format(
+        "Shape::numel: shape {} is too large: its element count overflows int64", str()));
+  return *n;
 }
 
 std::int64_t Shape::dim(int axis) const {
@@ -36,12 +62,49 @@ std::int64_t Shape::back() const {
 
 std::string Shape::str() const { return fmt::format("[{}]", fmt::join(dims_, ", ")); }
 
+std::optional<std::int64_t> try_numel(const Shape& shape) {
+  if (has_negative(shape)) return std::nullopt;
+  return product(shape.dims());
+}
+
+std::optional<std::int64_t> try_nbytes(const Shape& shape, std::size_t itemsize) {
+  const auto n = try_numel(shape);
+  std::int64_t bytes = 0;
+  if (!n || itemsize > static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max()) ||
+      __builtin_mul_overflow(*n, static_cast<std::int64_t>(itemsize), &bytes))
+    return std::nullopt;
+  return bytes;
+}
+
+std::int64_t checked_numel(const Shape& shape, std::string_view op) {
+  if (has_negative(shape))
+    throw ShapeError(fmt::format("{}: negative extent in shape {}", op, shape.str()));
+  const auto n = try_numel(shape);
+  if (!n)
+    throw ShapeError(fmt::format("{}: shape {} is too large: its element count overflows int64", op,
+                                 shape.str()));
+  return *n;
+}
+
+std::int64_t checked_nbytes(const Shape& shape, DType dtype, std::string_view op) {
+  const std::int64_t n = checked_numel(shape, op);
+  const auto bytes = try_nbytes(shape, dtype.itemsize());
+  if (!bytes)
+    throw ShapeError(
+        fmt::format("{}: shape {} of {} is too large: its size in bytes ({} elements of {} bytes) "
+                    "overflows int64",
+                    op, shape.str(), dtype.name(), n, dtype.itemsize()));
+  return *bytes;
+}
+
 Strides contiguous_strides(const Shape& shape) {
   Strides s(shape.rank());
   std::int64_t acc = 1;
   for (std::size_t i = shape.rank(); i-- > 0;) {
     s[i] = acc;
-    acc *= std::max<std::int64_t>(shape[i], 1);
+    if (__builtin_mul_overflow(acc, std::max<std::int64_t>(shape[i], 1), &acc) && i > 0)
+      throw ShapeError(fmt::format(
+          "contiguous_strides: shape {} is too large: its strides overflow int64", shape.str()));
   }
   return s;
 }
@@ -65,7 +128,9 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
           fmt::format("{}: shapes {} and {} cannot be broadcast together", op, a.str(), b.str()));
     out[i] = da == 1 ? db : da;
   }
-  return Shape(std::move(out));
+  Shape result(std::move(out));
+  checked_numel(result, op);
+  return result;
 }
 
 }  // namespace mixtape

@@ -4,6 +4,9 @@
 
 #include <atomic>
 #include <cstring>
+#include <new>
+#include <string>
+#include <string_view>
 
 #include "core/raw.h"
 #include "mixtape/core/backend.h"
@@ -23,17 +26,60 @@ std::shared_ptr<TensorImpl> new_impl(std::shared_ptr<Storage> storage, std::int6
   impl->id = g_next_id.fetch_add(1, std::memory_order_relaxed);
   return impl;
 }
+
+// The checks of Tensor::view_of: see its comment in tensor.h.
+void check_view(const Tensor& base, const Shape& shape, const Strides& strides,
+                std::int64_t offset) {
+  constexpr std::string_view op = "Tensor::view_of";
+  // Formatted only for a message (views are made on every view op).
+  const auto geometry = [&] {
+    return fmt::format("shape {} with strides [{}] at offset {}", shape.str(),
+                       fmt::join(strides, ", "), offset);
+  };
+  if (strides.size() != shape.rank())
+    throw ShapeError(fmt::format("{}: a view of {}: {} strides for {} axes", op, geometry(),
+                                 strides.size(), shape.rank()));
+  const std::int64_t numel = checked_numel(shape, op);
+  checked_nbytes(shape, base.dtype(), op);
+  for (const std::int64_t s : strides)
+    if (s < 0)
+      throw ShapeError(
+          fmt::format("{}: a view of {}: negative strides are not supported", op, geometry()));
+  const auto capacity =
+      static_cast<std::int64_t>(base.storage()->nbytes() / base.dtype().itemsize());
+  const auto storage = [&] {
+    return fmt::format("a storage of {} elements of {}", capacity, base.dtype());
+  };
+  if (offset < 0)
+    throw IndexError(fmt::format("{}: a view of {}: the offset is negative", op, geometry()));
+  if (numel == 0) {
+    if (offset > capacity)
+      throw IndexError(
+          fmt::format("{}: a view of {} starts after the end of {}", op, geometry(), storage()));
+    return;
+  }
+  // The furthest element the view reaches (the strides are >= 0).
+  std::int64_t last = offset;
+  for (std::size_t i = 0; i < shape.rank(); ++i) {
+    std::int64_t step = 0;
+    if (__builtin_mul_overflow(shape[i] - 1, strides[i], &step) ||
+        __builtin_add_overflow(last, step, &last))
+      throw IndexError(fmt::format("{}: a view of {} reaches past element 2^63 - 1, outside {}", op,
+                                   geometry(), storage()));
+  }
+  if (last >= capacity)
+    throw IndexError(fmt::format("{}: a view of {} reaches element {}, outside {}", op, geometry(),
+                                 last, storage()));
+}
+
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  for (auto d : shape)
-    if (d < 0) throw ShapeError(fmt::format("Tensor: negative extent in shape {}", shape.str()));
-  const std::size_t nbytes = static_cast<std::size_t>(shape.numel()) * dtype.itemsize();
-  auto storage = std::make_shared<Storage>(nbytes, device);
-  return Tensor(new_impl(std::move(storage), 0, shape, contiguous_strides(shape), dtype));
+  return detail::empty_raw(shape, dtype, device, "Tensor::empty");
 }
 
 Tensor Tensor::view_of(const Tensor& base, Shape shape, Strides strides, std::int64_t offset) {
+  check_view(base, shape, strides, offset);
   return Tensor(
       new_impl(base.storage(), offset, std::move(shape), std::move(strides), base.dtype()));
 }
@@ -64,6 +110,19 @@ void* Tensor::data_ptr() const {
 }
 
 namespace detail {
+
+Tensor empty_raw(const Shape& shape, DType dtype, Device device, std::string_view op) {
+  const std::int64_t nbytes = checked_nbytes(shape, dtype, op);
+  std::shared_ptr<Storage> storage;
+  try {
+    storage = std::make_shared<Storage>(static_cast<std::size_t>(nbytes), device);
+  } catch (const OutOfMemoryError&) {
+    throw OutOfMemoryError(fmt::format(
+        "{}: {} for a {} tensor of shape {}", op,
+        out_of_memory_message(static_cast<std::uint64_t>(nbytes), device), dtype, shape.str()));
+  }
+  return Tensor(new_impl(std::move(storage), 0, shape, contiguous_strides(shape), dtype));
+}
 
 Tensor contiguous_raw(const Tensor& t) {
   if (t.is_contiguous()) return t;
@@ -152,18 +211,25 @@ void write_from_double(void* p, DType dtype, double v) {
 
 std::vector<std::uint8_t> host_bytes(const Tensor& t) {
   Tensor c = to_device_raw(t, Device::cpu());
-  std::vector<std::uint8_t> out(c.nbytes());
+  std::vector<std::uint8_t> out;
+  try {
+    out.resize(c.nbytes());
+  } catch (const std::bad_alloc&) {
+    throw_out_of_memory("host_bytes", c.nbytes(), Device::cpu());
+  }
   if (!out.empty()) std::memcpy(out.data(), c.data_ptr(), out.size());
   return out;
 }
 
 Tensor from_host(const void* data, std::size_t count, DType src_dtype, const Shape& shape,
                  DType dtype, Device device) {
-  if (static_cast<std::int64_t>(count) != shape.numel())
+  const std::int64_t numel = checked_numel(shape, "from_vector");
+  if (count != static_cast<std::uint64_t>(numel))
     throw ShapeError(
         fmt::format("from_vector: {} values cannot fill a tensor of shape {} ({} elements)", count,
-                    shape.str(), shape.numel()));
-  Tensor host = Tensor::empty(shape, src_dtype, Device::cpu());
+                    shape.str(), numel));
+  checked_nbytes(shape, dtype, "from_vector");
+  Tensor host = empty_raw(shape, src_dtype, Device::cpu(), "from_vector");
   if (count) std::memcpy(host.data_ptr(), data, count * src_dtype.itemsize());
   return to_device_raw(cast_raw(host, dtype), device);
 }

@@ -1,8 +1,12 @@
-// IDX files: a streaming reader of raw or gzip-compressed files (zlib), the IDX header
-// and size validation, conversion of the big-endian elements to a tensor, and the writer.
+// IDX files: a streaming reader of raw or gzip-compressed files (zlib) that opens regular
+// files only, the IDX header and size validation (the data read is bounded by what the
+// header promises, the promise by what the file can hold and by the caller's check),
+// conversion of the big-endian elements to a tensor, and the writer.
 #include "mixtape/datasets/idx.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -24,9 +28,40 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr std::size_t kChunk = 1 << 16;
+// The data of read_idx is read in pieces of this size (a multiple of every item size), so
+// that memory grows with the bytes actually read, never with the header's promise alone.
+constexpr std::size_t kDataPiece = std::size_t{16} << 20;
+// Deflate expands at most 1032 to 1 (a match of 258 bytes coded in 2 bits; zlib's FAQ): a
+// gzip file of n bytes inflates to at most 1032 n bytes, whatever its header says.
+constexpr std::uint64_t kMaxDeflateRatio = 1032;
 
 [[noreturn]] void fail(const std::string& op, const fs::path& path, const std::string& what) {
   throw IOError(fmt::format("{}: {}: {}", op, path.string(), what));
+}
+
+// What a file of this mode is, for messages ("a FIFO (named pipe)").
+std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Refuses `path`, which is not a regular file: "is a FIFO (named pipe) (through a symbolic
+// link to /x/fifo), not a regular file".
+[[noreturn]] void refuse_non_regular(const fs::path& path, mode_t mode) {
+  std::string via;
+  std::error_code ec;
+  if (fs::is_symlink(path, ec)) {
+    const fs::path target = fs::read_symlink(path, ec);
+    if (!ec) via = fmt::format(" (through a symbolic link to {})", target.string());
+  }
+  const std::string kind = file_kind(mode);
+  fail("read", path,
+       kind == "not a regular file" ? kind + via
+                                    : fmt::format("is {}{}, not a regular file", kind, via));
 }
 
 struct FileCloser {
@@ -35,14 +70,37 @@ struct FileCloser {
 using File = std::unique_ptr<std::FILE, FileCloser>;
 
 // The decompressed bytes of a file, read in order: inflated when the file starts with
-// the gzip magic bytes, passed through otherwise.
+// the gzip magic bytes, passed through otherwise. Only a regular file (or a symbolic link to
+// one) is opened: a FIFO, a directory or a device is refused before it could block a reader
+// or feed it without end.
 class ByteStream {
  public:
   explicit ByteStream(const fs::path& path) : path_(path), in_(kChunk) {
-    std::error_code ec;
-    if (fs::is_directory(path, ec)) fail("read", path, "is a directory, not a file");
-    file_.reset(std::fopen(path.c_str(), "rb"));
-    if (!file_) fail("read", path, fmt::format("cannot open: {}", std::strerror(errno)));
+    // stat() first, so that a device or FIFO is not even opened; then open without blocking
+    // (a FIFO that appeared meanwhile) and fstat() what was opened, so that no race between
+    // the two lets one through.
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0)
+      fail("read", path, fmt::format("cannot open: {}", std::strerror(errno)));
+    if (!S_ISREG(st.st_mode)) refuse_non_regular(path, st.st_mode);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) fail("read", path, fmt::format("cannot open: {}", std::strerror(errno)));
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      const int err = errno;
+      ::close(fd);
+      if (!S_ISREG(st.st_mode)) refuse_non_regular(path, st.st_mode);
+      fail("read", path, fmt::format("cannot open: {}", std::strerror(err)));
+    }
+    // O_NONBLOCK means nothing to a regular file's reads; cleared all the same.
+    if (const int flags = ::fcntl(fd, F_GETFL); flags >= 0)
+      ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    file_.reset(::fdopen(fd, "rb"));
+    if (!file_) {
+      const int err = errno;
+      ::close(fd);
+      fail("read", path, fmt::format("cannot open: {}", std::strerror(err)));
+    }
+    file_size_ = static_cast<std::uint64_t>(st.st_size);
     refill();
     gzip_ = avail_ >= 2 && in_[0] == 0x1f && in_[1] == 0x8b;
     if (gzip_) {
@@ -58,6 +116,8 @@ class ByteStream {
   ByteStream& operator=(const ByteStream&) = delete;
 
   bool gzip() const { return gzip_; }
+  // The size of the file (compressed, for a gzip file) when it was opened.
+  std::uint64_t file_size() const { return file_size_; }
 
   // Reads up to n bytes into dst; fewer only at the end of the data.
   std::size_t read(std::uint8_t* dst, std::size_t n) {
@@ -140,6 +200,7 @@ class ByteStream {
 
   fs::path path_;
   File file_;
+  std::uint64_t file_size_ = 0;
   std::vector<std::uint8_t> in_;
   std::size_t pos_ = 0, avail_ = 0;
   bool eof_ = false;
@@ -268,7 +329,7 @@ std::vector<std::uint8_t> read_decompressed(const fs::path& path) {
   return out;
 }
 
-Tensor read_idx(const fs::path& path) {
+Tensor read_idx(const fs::path& path, const IdxHeaderCheck& check) {
   ByteStream in(path);
   std::uint8_t magic[4];
   const std::size_t got = in.read(magic, 4);
@@ -300,6 +361,8 @@ Tensor read_idx(const fs::path& path) {
     fail("read_idx", path,
          fmt::format("truncated header: rank {} needs {} bytes of extents, file has {}", rank,
                      4 * rank, dims_got));
+  // The bytes of data promised: the extents (uint32 each) times the item size, multiplied
+  // with overflow checks.
   std::vector<std::int64_t> dims;
   std::uint64_t promised64 = item;
   bool overflow = false;
@@ -312,49 +375,87 @@ Tensor read_idx(const fs::path& path) {
   if (overflow || promised64 > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
     fail("read_idx", path,
          fmt::format("header promises an impossible size (shape {})", shape.str()));
-  const auto promised = static_cast<std::size_t>(promised64);
+  const std::uint64_t promised = promised64;
+  const DType dtype = idx_dtype(code);
 
-  // Read exactly `promised` bytes, growing the buffer only as data arrives (a lying
-  // header cannot make us allocate more than the file holds).
-  std::vector<std::uint8_t> data;
-  data.reserve(std::min<std::size_t>(promised, std::size_t{256} << 20));
-  while (data.size() < promised) {
-    const std::size_t want = std::min(promised - data.size(), std::size_t{16} << 20);
-    const std::size_t old = data.size();
-    data.resize(old + want);
-    const std::size_t n = in.read(data.data() + old, want);
-    data.resize(old + n);
+  // The caller's check sees the header before any data is read.
+  if (check)
+    check(IdxHeader{.type = static_cast<IdxType>(code),
+                    .dtype = dtype,
+                    .shape = shape,
+                    .data_bytes = promised});
+
+  // What the file can hold bounds the promise before anything is read: a raw file's data
+  // is its size less the header; a gzip file inflates to at most 1032 times its size.
+  const std::uint64_t header_bytes = 4 + 4 * static_cast<std::uint64_t>(rank);
+  if (!in.gzip()) {
+    const std::uint64_t available =
+        in.file_size() > header_bytes ? in.file_size() - header_bytes : 0;
+    if (available < promised)
+      fail("read_idx", path,
+           fmt::format("truncated: header promises {} bytes of data (shape {}), file has {}",
+                       promised, shape.str(), available));
+    if (available > promised)
+      fail(
+          "read_idx", path,
+          fmt::format("{} trailing bytes: header promises {} bytes of data (shape {}), file has {}",
+                      available - promised, promised, shape.str(), available));
+  } else if (in.file_size() < std::numeric_limits<std::uint64_t>::max() / kMaxDeflateRatio &&
+             promised > in.file_size() * kMaxDeflateRatio) {
+    fail("read_idx", path,
+         fmt::format("header promises {} bytes of data (shape {}), more than the {}-byte gzip "
+                     "file can inflate to (deflate expands at most {} to 1)",
+                     promised, shape.str(), in.file_size(), kMaxDeflateRatio));
+  }
+
+  // Read exactly the promised bytes, in pieces allocated as the data arrives (memory grows
+  // with the bytes read), then one more byte to find trailing data: nothing past it is read
+  // or inflated.
+  std::vector<std::vector<std::uint8_t>> pieces;
+  std::uint64_t have = 0;
+  while (have < promised) {
+    const auto want =
+        static_cast<std::size_t>(std::min<std::uint64_t>(promised - have, kDataPiece));
+    std::vector<std::uint8_t> piece(want);
+    const std::size_t n = in.read(piece.data(), want);
+    piece.resize(n);
+    have += n;
+    pieces.push_back(std::move(piece));
     if (n < want) break;
   }
-  if (data.size() < promised)
+  if (have < promised)
     fail("read_idx", path,
          fmt::format("truncated: header promises {} bytes of data (shape {}), file has {}",
-                     promised, shape.str(), data.size()));
-  std::size_t extra = 0;
-  {
-    std::vector<std::uint8_t> scratch(kChunk);
-    for (std::size_t n; (n = in.read(scratch.data(), scratch.size())) > 0;) extra += n;
-  }
-  if (extra > 0)
+                     promised, shape.str(), have));
+  std::uint8_t extra = 0;
+  if (in.read(&extra, 1) > 0)
     fail("read_idx", path,
-         fmt::format("{} trailing bytes: header promises {} bytes of data (shape {}), file has {}",
-                     extra, promised, shape.str(), promised + extra));
+         fmt::format("trailing bytes: header promises {} bytes of data (shape {}), the {} holds "
+                     "more",
+                     promised, shape.str(), in.gzip() ? "decompressed file" : "file"));
 
-  const DType dtype = idx_dtype(code);
+  // Convert piece by piece (each holds whole elements: kDataPiece is a multiple of every
+  // item size), freeing each piece once converted.
   Tensor out = Tensor::empty(shape, dtype);
-  const auto n = static_cast<std::size_t>(shape.numel());
   auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
-  if (code == 0x09) {
-    auto* o = out.data<std::int32_t>();
-    for (std::size_t i = 0; i < n; ++i) o[i] = static_cast<std::int8_t>(data[i]);
-  } else if (code == 0x0B) {
-    auto* o = out.data<std::int32_t>();
-    for (std::size_t i = 0; i < n; ++i)
-      o[i] = static_cast<std::int16_t>(
-          static_cast<std::uint16_t>((data[2 * i] << 8) | data[2 * i + 1]));
-  } else {
-    if (n > 0) std::memcpy(dst, data.data(), n * item);
-    swap_bytes(dst, n, item);
+  std::size_t first = 0;  // the index of the piece's first element
+  for (std::vector<std::uint8_t>& piece : pieces) {
+    const std::size_t count = piece.size() / item;
+    const std::uint8_t* data = piece.data();
+    if (code == 0x09) {
+      auto* o = out.data<std::int32_t>() + first;
+      for (std::size_t i = 0; i < count; ++i) o[i] = static_cast<std::int8_t>(data[i]);
+    } else if (code == 0x0B) {
+      auto* o = out.data<std::int32_t>() + first;
+      for (std::size_t i = 0; i < count; ++i)
+        o[i] = static_cast<std::int16_t>(
+            static_cast<std::uint16_t>((data[2 * i] << 8) | data[2 * i + 1]));
+    } else if (count > 0) {
+      std::memcpy(dst + first * item, data, count * item);
+      swap_bytes(dst + first * item, count, item);
+    }
+    first += count;
+    std::vector<std::uint8_t>().swap(piece);
   }
   return out;
 }

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <pwd.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -192,13 +194,68 @@ Spec fashion_spec() {
 
 // --- Files ----------------------------------------------------------------------------------
 
-std::optional<fs::path> find_in(const fs::path& dir, const std::string& name) {
-  for (const std::string& candidate : {name, name + ".gz"}) {
-    std::error_code ec;
-    const fs::path p = dir / candidate;
-    if (fs::is_regular_file(p, ec)) return p;
+// What a directory entry that is not a regular file is, for messages.
+std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a special file";
+}
+
+// The target of a symbolic link, or "?" when it cannot be read.
+std::string link_target(const fs::path& p) {
+  std::error_code ec;
+  const fs::path target = fs::read_symlink(p, ec);
+  return ec ? std::string("?") : target.string();
+}
+
+// A standard name looked up in a directory: the file found, or what is wrong with the
+// entry of that name ("<path>: is a FIFO (named pipe), not a regular file"), or neither
+// when no entry has the name.
+struct Lookup {
+  std::optional<fs::path> file = {};
+  std::string problem = {};
+};
+
+// What is wrong with the entry `p`, which exists (lstat found it): "" when it is a regular
+// file (a directory, when `directory`) or a symbolic link to one.
+std::string entry_problem(const fs::path& p, const struct stat& lst, bool directory = false) {
+  const char* wanted = directory ? "a directory" : "a regular file";
+  const bool link = S_ISLNK(lst.st_mode);
+  struct stat st {};
+  if (::stat(p.c_str(), &st) != 0) {
+    const int err = errno;
+    if (link && err == ENOENT)
+      return fmt::format("{}: is a dangling symbolic link (to {}), not a readable {}", p.string(),
+                         link_target(p), directory ? "directory" : "regular file");
+    return fmt::format("{}: cannot be examined: {}", p.string(), std::strerror(err));
   }
-  return std::nullopt;
+  if (directory ? S_ISDIR(st.st_mode) : S_ISREG(st.st_mode)) return {};
+  return fmt::format("{}: is {}{}, not {}", p.string(),
+                     S_ISREG(st.st_mode) ? "a regular file" : file_kind(st.st_mode),
+                     link ? fmt::format(" (through a symbolic link to {})", link_target(p)) : "",
+                     wanted);
+}
+
+// Looks up `name`, then `name`.gz, in `dir`: the first entry present decides. A regular file
+// (or a symbolic link to one) is found; a directory, a FIFO, a device, a dangling link ...
+// is reported (never skipped for the next variant or place).
+Lookup find_in(const fs::path& dir, const std::string& name) {
+  for (const std::string& candidate : {name, name + ".gz"}) {
+    const fs::path p = dir / candidate;
+    struct stat lst {};
+    if (::lstat(p.c_str(), &lst) != 0) {
+      if (errno == ENOENT) continue;
+      return {.problem =
+                  fmt::format("{}: cannot be examined: {}", p.string(), std::strerror(errno))};
+    }
+    std::string problem = entry_problem(p, lst);
+    if (problem.empty()) return {.file = p};
+    return {.problem = std::move(problem)};
+  }
+  return {};
 }
 
 bool dir_exists(const fs::path& p) {
@@ -220,6 +277,30 @@ std::string file_sha256(const fs::path& p) {
   read_decompressed(p, [&](const std::uint8_t* data, std::size_t n) { h.update(data, n); });
   return h.hex_digest();
 }
+
+// True when the decompressed content of `p` has the SHA-256 `expected`, reading at most
+// `max_bytes` of it (a longer file is not that one); false too when it cannot be read.
+bool has_sha256(const fs::path& p, const std::string& expected, std::uint64_t max_bytes) {
+  struct TooLong {};
+  Sha256 h;
+  std::uint64_t seen = 0;
+  try {
+    read_decompressed(p, [&](const std::uint8_t* data, std::size_t n) {
+      seen += n;
+      if (seen > max_bytes) throw TooLong{};
+      h.update(data, n);
+    });
+  } catch (const TooLong&) {
+    return false;
+  } catch (const IOError&) {
+    return false;  // an unreadable file is reported when it is read
+  }
+  return h.hex_digest() == expected;
+}
+
+// The largest label file of MNIST and Fashion-MNIST, decompressed (the 60000 train labels
+// and their 8-byte header).
+constexpr std::uint64_t kMaxLabelFileBytes = 8 + 60000;
 
 std::string join(const std::vector<std::string>& parts, const std::string& sep) {
   std::string out;
@@ -386,32 +467,48 @@ class Fetcher {
     }
     for (const fs::path& candidate : {fs::path(dir) / spec_.name, fs::path(dir)}) {
       if (missing().empty()) return;
+      if (candidate != fs::path(dir)) {
+        // The dataset's subdirectory is optional, but an entry of its name that is not a
+        // directory (a dangling link, a file) is a mistake to report, not to skip.
+        struct stat lst {};
+        if (::lstat(candidate.c_str(), &lst) == 0) {
+          const std::string problem = entry_problem(candidate, lst, /*directory=*/true);
+          if (!problem.empty())
+            throw IOError(fmt::format("{}: {} (the {}'s subdirectory for {})", spec_.title, problem,
+                                      label, spec_.title));
+        }
+      }
       if (!dir_exists(candidate)) {
-        // The dataset's subdirectory is optional; only a missing data dir is worth noting.
+        // Only a missing data dir is worth noting.
         if (candidate == fs::path(dir))
           note(fmt::format("{} {}: no such directory", label, candidate.string()));
         continue;
       }
-      // Both datasets use the same file names: do not take the other one's files.
+      // Both datasets use the same file names: do not take the other one's files (a label
+      // file longer than the other's is not the other's: at most that much is read).
       bool other = false;
       for (const std::string& labels : {file_names()[1], file_names()[3]}) {
-        const auto p = find_in(candidate, labels);
-        if (!p || !spec_.other) continue;
-        try {
-          if (file_sha256(*p) == spec_.other->at(labels)) other = true;
-        } catch (const IOError&) {
-          // An unreadable file is reported when it is read.
-        }
+        const Lookup found = find_in(candidate, labels);
+        if (!found.file || !spec_.other) continue;
+        if (has_sha256(*found.file, spec_.other->at(labels), kMaxLabelFileBytes)) other = true;
       }
       if (other) {
         note(fmt::format("{} {}: holds {}'s files, not {}'s (skipped)", label, candidate.string(),
                          spec_.other_title, spec_.title));
         continue;
       }
+      // A file of the data dir is used as it is: one present but unusable is an error, never
+      // a reason to use the cache or a download instead.
       for (const auto& name : missing()) {
-        if (const auto p = find_in(candidate, name)) {
-          found_[name] = *p;
-          info(fmt::format("using {} ({})", p->string(), label));
+        const Lookup found = find_in(candidate, name);
+        if (!found.problem.empty())
+          throw IOError(
+              fmt::format("{}: {} (in the {} {}; its files are never replaced by the "
+                          "cache or a download)",
+                          spec_.title, found.problem, label, candidate.string()));
+        if (found.file) {
+          found_[name] = *found.file;
+          info(fmt::format("using {} ({})", found.file->string(), label));
         }
       }
       if (!missing().empty())
@@ -425,11 +522,19 @@ class Fetcher {
       note(fmt::format("cache {}: no such directory", cache_.string()));
       return;
     }
+    // The cache only ever holds regular files written by the loaders: anything else under a
+    // standard name was put there by someone else and is reported, not removed or replaced.
     for (const auto& name : missing()) {
-      if (const auto p = find_in(cache_, name)) {
-        found_[name] = *p;
-        cached_.insert(*p);
-        info(fmt::format("using {} (cache)", p->string()));
+      const Lookup found = find_in(cache_, name);
+      if (!found.problem.empty())
+        throw IOError(
+            fmt::format("{}: {} (in the cache {}, which only holds regular files; "
+                        "remove it to fetch the file again)",
+                        spec_.title, found.problem, cache_.string()));
+      if (found.file) {
+        found_[name] = *found.file;
+        cached_.insert(*found.file);
+        info(fmt::format("using {} (cache)", found.file->string()));
       }
     }
     if (!missing().empty())
@@ -680,12 +785,16 @@ class Fetcher {
   // Takes the missing files from a local directory (a Debian package's).
   void take_from_dir(const fs::path& dir, const std::string& where) {
     for (const auto& name : missing()) {
-      const auto p = find_in(dir, name);
-      if (!p) {
+      const Lookup found = find_in(dir, name);
+      if (!found.problem.empty()) {
+        note(fmt::format("{}: {}", where, found.problem));  // a failed source: the next is tried
+        continue;
+      }
+      if (!found.file) {
         note(fmt::format("{}: no {} in {}", where, with_gz({name}), dir.string()));
         continue;
       }
-      accept(name, *p, where, nullptr);
+      accept(name, *found.file, where, nullptr);
     }
   }
 
@@ -708,20 +817,55 @@ class Fetcher {
 
 // --- Reading -----------------------------------------------------------------------------
 
-Tensor read_images(const Spec& spec, const fs::path& path) {
-  Tensor t = read_idx(path);
-  if (t.dtype() != kUInt8 || t.rank() != 3 || t.dim(1) != 28 || t.dim(2) != 28)
-    throw IOError(fmt::format("{}: {}: expected uint8 images of shape [N, 28, 28], got {} {}",
-                              spec.title, path.string(), t.dtype().name(), t.shape().str()));
+// Thrown when an image file's count disagrees with its label file's: not a reason to
+// remove a cached file (both were verified), unlike the other errors of a file.
+struct CountMismatch : IOError {
+  using IOError::IOError;
+};
+
+// Reads a label file: integers of shape [N], N at most max_examples (both checked from the
+// header, before the labels are read), each a class 0 to 9.
+Tensor read_labels(const Spec& spec, const fs::path& path, std::int64_t max_examples) {
+  Tensor t = read_idx(path, [&](const IdxHeader& h) {
+    if (h.shape.rank() != 1 || !(h.dtype == kUInt8 || h.dtype == kInt32))
+      throw IOError(fmt::format("{}: {}: expected uint8 labels of shape [N], got {} {}", spec.title,
+                                path.string(), h.dtype.name(), h.shape.str()));
+    if (h.shape[0] > max_examples)
+      throw IOError(
+          fmt::format("{}: {}: holds {} labels, more than LoadOptions::max_examples "
+                      "({}) allows",
+                      spec.title, path.string(), h.shape[0], max_examples));
+  });
+  auto refuse = [&](std::int64_t label, std::size_t at) {
+    throw IOError(fmt::format("{}: {}: label {} at index {} is not a class (0 to 9)", spec.title,
+                              path.string(), label, at));
+  };
+  const auto n = static_cast<std::size_t>(t.numel());
+  if (t.dtype() == kUInt8) {
+    const auto* p = t.data<std::uint8_t>();
+    for (std::size_t i = 0; i < n; ++i)
+      if (p[i] > 9) refuse(p[i], i);
+  } else {
+    const auto* p = t.data<std::int32_t>();
+    for (std::size_t i = 0; i < n; ++i)
+      if (p[i] < 0 || p[i] > 9) refuse(p[i], i);
+  }
   return t;
 }
 
-Tensor read_labels(const Spec& spec, const fs::path& path) {
-  Tensor t = read_idx(path);
-  if (t.rank() != 1 || !(t.dtype() == kUInt8 || t.dtype() == kInt32))
-    throw IOError(fmt::format("{}: {}: expected uint8 labels of shape [N], got {} {}", spec.title,
-                              path.string(), t.dtype().name(), t.shape().str()));
-  return t;
+// Reads an image file: uint8 of shape [count, 28, 28], where count is the number of labels
+// of `labels_path` (checked from the header, before the images are read).
+Tensor read_images(const Spec& spec, const fs::path& path, std::int64_t count,
+                   const fs::path& labels_path) {
+  return read_idx(path, [&](const IdxHeader& h) {
+    const Shape& s = h.shape;
+    if (h.dtype != kUInt8 || s.rank() != 3 || s[1] != 28 || s[2] != 28)
+      throw IOError(fmt::format("{}: {}: expected uint8 images of shape [N, 28, 28], got {} {}",
+                                spec.title, path.string(), h.dtype.name(), s.str()));
+    if (s[0] != count)
+      throw CountMismatch(fmt::format("{}: {} holds {} images but {} holds {} labels", spec.title,
+                                      path.string(), s[0], labels_path.string(), count));
+  });
 }
 
 Tensor to_int64(const Tensor& labels) {
@@ -753,33 +897,44 @@ Tensor shaped_images(const Tensor& bytes, bool flatten, bool raw) {
 }
 
 Mnist load_impl(const Spec& spec, const LoadOptions& options, bool raw) {
+  if (options.max_examples < 1)
+    throw ValueError(fmt::format("{}: LoadOptions::max_examples must be at least 1; got {}",
+                                 spec.title, options.max_examples));
   const auto start = std::chrono::steady_clock::now();
-  for (int attempt = 0;; ++attempt) {
+  std::set<fs::path> removed;  // bad cache files removed (each at most once: the loop ends)
+  for (;;) {
     Fetcher fetcher(spec, options);
     const Files files = fetcher.run();
     // A file in the cache that cannot be read is removed and fetched again (once).
-    auto read = [&](const fs::path& path, bool images) -> std::optional<Tensor> {
+    auto read = [&](const fs::path& path,
+                    const std::function<Tensor()>& reader) -> std::optional<Tensor> {
       try {
-        return images ? read_images(spec, path) : read_labels(spec, path);
+        return reader();
+      } catch (const CountMismatch&) {
+        throw;
       } catch (const IOError& e) {
-        if (attempt > 0 || !fetcher.from_cache(path)) throw;
+        if (removed.count(path) || !fetcher.from_cache(path)) throw;
         spdlog::warn("{}: removing a bad file from the cache: {}", spec.title, e.what());
         std::error_code ec;
         fs::remove(path, ec);
+        removed.insert(path);
         return std::nullopt;
       }
     };
-    auto train_x = read(files.train_images, true), train_y = read(files.train_labels, false);
-    auto test_x = read(files.test_images, true), test_y = read(files.test_labels, false);
-    if (!train_x || !train_y || !test_x || !test_y) continue;
-    auto split = [&](const Tensor& x, const Tensor& y, const fs::path& xp, const fs::path& yp) {
-      if (x.dim(0) != y.dim(0))
-        throw IOError(fmt::format("{}: {} holds {} images but {} holds {} labels", spec.title,
-                                  xp.string(), x.dim(0), yp.string(), y.dim(0)));
-      return Split{shaped_images(x, options.flatten, raw), to_int64(y)};
+    // Each split's labels first: their count bounds the images read next (a header that
+    // promises more, or other images, is refused before its data is read).
+    auto split = [&](const fs::path& xp, const fs::path& yp) -> std::optional<Split> {
+      const auto y = read(yp, [&] { return read_labels(spec, yp, options.max_examples); });
+      if (!y) return std::nullopt;
+      const auto x = read(xp, [&] { return read_images(spec, xp, y->dim(0), yp); });
+      if (!x) return std::nullopt;
+      return Split{shaped_images(*x, options.flatten, raw), to_int64(*y)};
     };
-    Mnist out{split(*train_x, *train_y, files.train_images, files.train_labels),
-              split(*test_x, *test_y, files.test_images, files.test_labels)};
+    auto train = split(files.train_images, files.train_labels);
+    if (!train) continue;
+    auto test = split(files.test_images, files.test_labels);
+    if (!test) continue;
+    Mnist out{std::move(*train), std::move(*test)};
     if (options.verbose)
       spdlog::info("{}: loaded train {} and test {} in {:.2f} s", spec.title,
                    out.train.x.shape().str(), out.test.x.shape().str(),

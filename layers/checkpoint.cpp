@@ -3,6 +3,7 @@
 #include "mixtape/layers/checkpoint.h"
 
 #include <charconv>
+#include <cmath>
 #include <set>
 #include <string_view>
 #include <system_error>
@@ -121,6 +122,30 @@ T parse_number(const std::string& text, const std::string& key, const std::strin
   return value;
 }
 
+// A number of the metadata that must not be negative (the epoch, the step count).
+template <typename T>
+T parse_count(const SafetensorsFile& file, const std::string& key, const std::string& path) {
+  const T value = parse_number<T>(metadata_value(file, key, path), key, path);
+  if (value < 0)
+    throw ValueError(fmt::format("checkpoint '{}': __metadata__ \"{}\" is {}; it must be >= 0",
+                                 path, key, value));
+  return value;
+}
+
+// Every BOOL tensor of the file holds bytes 0 and 1 only (another byte is no bool value).
+void check_bools(const SafetensorsFile& file, const std::string& path) {
+  for (const auto& [name, t] : file.tensors) {
+    if (t.dtype() != kBool) continue;
+    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      if (bytes[i] > 1)
+        throw ValueError(fmt::format(
+            "checkpoint '{}': BOOL tensor '{}' holds the byte {} at flat position {} (a BOOL "
+            "byte is 0 or 1)",
+            path, name, static_cast<int>(bytes[i]), i));
+  }
+}
+
 // The name of the optimizer a LossScaleOptimizer wraps (empty for other optimizers).
 std::string inner_name(const optim::Optimizer& optimizer) {
   if (const auto* lso = dynamic_cast<const optim::LossScaleOptimizer*>(&optimizer))
@@ -140,6 +165,7 @@ void save_weights(const layers::Layer& model, const std::string& path,
 
 void load_weights(layers::Layer& model, const std::string& path) {
   const SafetensorsFile file = load_safetensors(path);
+  check_bools(file, path);
   auto format = file.metadata.find("format");
   const bool checkpoint = format != file.metadata.end() && format->second == kCheckpointFormat;
   assign(check_weights(model, file, checkpoint ? kModelPrefix : std::string_view(), path));
@@ -147,6 +173,9 @@ void load_weights(layers::Layer& model, const std::string& path) {
 
 void save_checkpoint(const std::string& path, const layers::Layer& model,
                      const optim::Optimizer& optimizer, const TrainingCheckpoint& info) {
+  if (info.epoch < 0)
+    throw ValueError(
+        fmt::format("save_checkpoint '{}': epoch is {}; it must be >= 0", path, info.epoch));
   for (const auto& [key, value] : info.metadata)
     if (reserved_key(key))
       throw ValueError(fmt::format(
@@ -179,6 +208,7 @@ void save_checkpoint(const std::string& path, const layers::Layer& model,
 TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model,
                                    optim::Optimizer& optimizer) {
   const SafetensorsFile file = load_safetensors(path);
+  check_bools(file, path);
 
   // The metadata: format, optimizer kind, numbers.
   auto format = file.metadata.find("format");
@@ -189,7 +219,7 @@ TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model
         path, format == file.metadata.end() ? "missing" : fmt::format("\"{}\"", format->second),
         kCheckpointFormat));
   TrainingCheckpoint info;
-  info.epoch = parse_number<int>(metadata_value(file, "epoch", path), "epoch", path);
+  info.epoch = parse_count<int>(file, "epoch", path);
   const std::string& kind = metadata_value(file, "optimizer", path);
   if (kind != optimizer.name())
     throw ValueError(fmt::format(
@@ -203,13 +233,17 @@ TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model
         path, kind, file_inner.empty() ? "nothing" : file_inner,
         inner.empty() ? "nothing" : inner));
   optim::OptimizerState state;
-  state.iterations =
-      parse_number<std::int64_t>(metadata_value(file, "iterations", path), "iterations", path);
+  state.iterations = parse_count<std::int64_t>(file, "iterations", path);
   for (const auto& [key, value] : file.metadata) {
     if (starts_with(key, kScalarPrefix))
       state.scalars[key.substr(kScalarPrefix.size())] = parse_number<double>(value, key, path);
     else if (!reserved_key(key))
       info.metadata.emplace(key, value);
+    else if (key != "format" && key != "epoch" && key != "optimizer" && key != "iterations" &&
+             key != "optimizer.inner")
+      throw ValueError(fmt::format(
+          "checkpoint '{}': __metadata__ key \"{}\" is reserved for mixtape but unknown to it",
+          path, key));
   }
 
   // The tensors: the model's weights, and slots of its trainable variables.
@@ -242,6 +276,55 @@ TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model
   }
   assign(plan);
   return info;
+}
+
+// --- ModelCheckpoint --------------------------------------------------------------------------
+
+ModelCheckpoint::ModelCheckpoint(Options options) : options_(std::move(options)) {
+  if (options_.filepath.empty()) throw ValueError("ModelCheckpoint: filepath is empty");
+  maximize_ = options_.maximize.value_or(options_.monitor.find("acc") != std::string::npos);
+  path_for(0);  // refuses a filepath whose braces are not {epoch...} now, not after an epoch
+}
+
+std::string ModelCheckpoint::path_for(int epoch) const {
+  try {
+    return fmt::format(fmt::runtime(options_.filepath), fmt::arg("epoch", epoch + 1));
+  } catch (const fmt::format_error& e) {
+    throw ValueError(fmt::format(
+        "ModelCheckpoint: filepath '{}' is not a path with an optional {{epoch}} field ({})",
+        options_.filepath, e.what()));
+  }
+}
+
+void ModelCheckpoint::on_train_begin(Model&) { best_.reset(); }
+
+void ModelCheckpoint::on_epoch_end(Model& model, int epoch, const Logs& logs) {
+  if (options_.save_best_only) {
+    const auto it = logs.find(options_.monitor);
+    if (it == logs.end()) {
+      std::string logged;
+      for (const auto& [key, value] : logs) logged += (logged.empty() ? "" : ", ") + key;
+      throw ValueError(fmt::format(
+          "ModelCheckpoint: save_best_only monitors '{}', which fit does not log (it logs: "
+          "{}; val_ values need validation data)",
+          options_.monitor, logged));
+    }
+    const double v = it->second;
+    const bool better = !std::isnan(v) && (!best_ || (maximize_ ? v > *best_ : v < *best_));
+    if (!better) return;
+    best_ = v;
+  }
+  const std::string path = path_for(epoch);
+  if (options_.save_weights_only) {
+    save_weights(model, path);
+  } else {
+    if (!model.optimizer())
+      throw ValueError(fmt::format(
+          "ModelCheckpoint: model '{}' has no optimizer (compile it, or set save_weights_only)",
+          model.name()));
+    save_checkpoint(path, model, *model.optimizer(), {.epoch = epoch + 1});
+  }
+  last_saved_ = path;
 }
 
 }  // namespace mixtape

@@ -1,6 +1,7 @@
 // The core layers.
 #include "mixtape/layers/core_layers.h"
 
+#include "layers/class_indices.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/core/compute_mode.h"
 
@@ -196,8 +197,9 @@ void EmbeddingLayer::build(const Shape&) {
 }
 
 Tensor EmbeddingLayer::call(const Tensor& ids_in, const CallContext&) {
-  Tensor ids = ids_in;
-  if (ids.dtype().is_floating() || ids.dtype() == kBool) ids = cast(ids, kInt64);
+  // Floating ids that are NaN, infinite or outside [0, input_dim) are refused here, naming
+  // the first; integer ones are checked by take.
+  const Tensor ids = detail::class_indices("", "ids", ids_in, input_dim_);
   return take(embeddings_, ids, 0);  // [..., output_dim]
 }
 

@@ -1,11 +1,15 @@
 // Initializers: constants, Glorot / He variance scaling, uniform and normal.
 #include "mixtape/layers/initializers.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "core/raw.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::init {
@@ -28,15 +32,33 @@ Fans fans(const Shape& s) {
 }
 
 // The generator a random initializer draws from: its own when seeded (restarted at every
-// call, so that the same seed gives the same values), the default one otherwise.
+// call, so that the same seed gives the same values), the default one otherwise, held for
+// the whole tensor so that its values are one consecutive run of the generator's sequence
+// even while other threads draw. The weight is allocated (on the host) before anything is
+// drawn, so that one too large for memory is an OutOfMemoryError naming its own bytes,
+// shape and dtype; the values are drawn in float64 a chunk at a time and cast into it (the
+// same rounding as a cast of the whole float64 tensor, without a float64 copy of it).
 template <typename Draw>
-Tensor random_tensor(const Shape& shape, DType dtype, Device device,
+Tensor random_tensor(const std::string& name, const Shape& shape, DType dtype, Device device,
                      std::optional<std::uint64_t> seed, Draw draw) {
+  Tensor out = detail::empty_raw(shape, dtype, Device::cpu(), name);
+  constexpr std::int64_t kChunk = 1 << 16;
+  const std::int64_t n = out.numel();
+  Tensor chunk = detail::empty_raw(Shape{std::min(n, kChunk)}, kFloat64, Device::cpu(), name);
+  auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
   Generator own(seed.value_or(0));
   Generator& gen = seed ? own : default_generator();
-  std::vector<double> values(static_cast<std::size_t>(shape.numel()));
-  for (auto& v : values) v = draw(gen);
-  return from_vector(values, shape, dtype, device);
+  auto hold = gen.lock();
+  for (std::int64_t begin = 0; begin < n; begin += kChunk) {
+    const std::int64_t len = std::min(kChunk, n - begin);
+    const Tensor part = len == chunk.numel() ? chunk : Tensor::view_of(chunk, {len}, {1}, 0);
+    double* v = chunk.data<double>();
+    for (std::int64_t i = 0; i < len; ++i) v[i] = draw(gen);
+    const Tensor cast = detail::cast_raw(part, dtype);
+    std::memcpy(dst, cast.data_ptr(), static_cast<std::size_t>(cast.nbytes()));
+    dst += cast.nbytes();
+  }
+  return detail::to_device_raw(out, device);
 }
 
 // A standard normal sample redrawn until it lies within two standard deviations.
@@ -53,18 +75,21 @@ constexpr double kTruncatedStddev = 0.87962566103423978;
 
 Initializer uniform_with(std::string name, double (*limit)(const Fans&),
                          std::optional<std::uint64_t> seed) {
-  return Initializer(std::move(name), [limit, seed](const Shape& s, DType dt, Device d) {
+  std::string label = name;
+  return Initializer(std::move(name), [label, limit, seed](const Shape& s, DType dt, Device d) {
     const double l = limit(fans(s));
-    return random_tensor(s, dt, d, seed,
+    return random_tensor(label, s, dt, d, seed,
                          [l](Generator& g) { return (2.0 * g.next_uniform() - 1.0) * l; });
   });
 }
 
 Initializer truncated_with(std::string name, double (*stddev)(const Fans&),
                            std::optional<std::uint64_t> seed) {
-  return Initializer(std::move(name), [stddev, seed](const Shape& s, DType dt, Device d) {
+  std::string label = name;
+  return Initializer(std::move(name), [label, stddev, seed](const Shape& s, DType dt, Device d) {
     const double sd = stddev(fans(s)) / kTruncatedStddev;
-    return random_tensor(s, dt, d, seed, [sd](Generator& g) { return truncated_normal(g) * sd; });
+    return random_tensor(label, s, dt, d, seed,
+                         [sd](Generator& g) { return truncated_normal(g) * sd; });
   });
 }
 
@@ -136,23 +161,22 @@ Initializer he_uniform(std::optional<std::uint64_t> seed) {
 Initializer random_uniform(double low, double high, std::optional<std::uint64_t> seed) {
   if (!(low <= high))
     throw ValueError(fmt::format("random_uniform: low {} is above high {}", low, high));
-  return Initializer(fmt::format("random_uniform({}, {})", low, high),
-                     [low, high, seed](const Shape& s, DType dt, Device d) {
-                       return random_tensor(s, dt, d, seed, [low, high](Generator& g) {
-                         return low + (high - low) * g.next_uniform();
-                       });
-                     });
+  std::string label = fmt::format("random_uniform({}, {})", low, high);
+  return Initializer(label, [label, low, high, seed](const Shape& s, DType dt, Device d) {
+    return random_tensor(label, s, dt, d, seed, [low, high](Generator& g) {
+      return low + (high - low) * g.next_uniform();
+    });
+  });
 }
 
 Initializer random_normal(double mean, double stddev, std::optional<std::uint64_t> seed) {
   if (!(stddev >= 0.0))
     throw ValueError(fmt::format("random_normal: stddev must be >= 0; got {}", stddev));
-  return Initializer(fmt::format("random_normal({}, {})", mean, stddev),
-                     [mean, stddev, seed](const Shape& s, DType dt, Device d) {
-                       return random_tensor(s, dt, d, seed, [mean, stddev](Generator& g) {
-                         return mean + stddev * g.next_normal();
-                       });
-                     });
+  std::string label = fmt::format("random_normal({}, {})", mean, stddev);
+  return Initializer(label, [label, mean, stddev, seed](const Shape& s, DType dt, Device d) {
+    return random_tensor(label, s, dt, d, seed,
+                         [mean, stddev](Generator& g) { return mean + stddev * g.next_normal(); });
+  });
 }
 
 Initializer get(std::string_view name) {

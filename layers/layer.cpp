@@ -2,7 +2,9 @@
 #include "mixtape/layers/layer.h"
 
 #include <cxxabi.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <exception>
@@ -10,6 +12,7 @@
 #include <mutex>
 #include <typeinfo>
 #include <unordered_set>
+#include <vector>
 
 #include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
@@ -98,9 +101,44 @@ std::string describe(const Tensor& t) { return fmt::format("{}{}", t.dtype(), t.
     throw DeviceError(prefix + e.what());
   } catch (const NumericError& e) {
     throw NumericError(prefix + e.what());
+  } catch (const IOError& e) {
+    throw IOError(prefix + e.what());
+  } catch (const OutOfMemoryError& e) {
+    throw OutOfMemoryError(prefix + e.what());
   } catch (const Error& e) {
     throw Error(prefix + e.what());
   }
+}
+
+// The shape an InputSpec describes, with None where any extent goes: "[None, 28, 28]" for
+// an exact rank, "[..., 784]" for required trailing extents; empty when it says nothing of
+// the extents.
+std::string spec_shape_text(const InputSpec& spec) {
+  auto extent = [&](int axis, int rank) -> std::string {
+    for (const auto& [a, e] : spec.axes)
+      if (a == axis || (rank >= 0 && a + rank == axis)) return std::to_string(e);
+    return "None";
+  };
+  std::vector<std::string> dims;
+  if (spec.rank >= 0) {
+    for (int i = 0; i < spec.rank; ++i) dims.push_back(extent(i, spec.rank));
+    return fmt::format("[{}]", fmt::join(dims, ", "));
+  }
+  if (spec.axes.empty()) return {};
+  int lowest = 0, highest = -1;
+  for (const auto& [a, e] : spec.axes) {
+    lowest = std::min(lowest, a);
+    highest = std::max(highest, a);
+  }
+  if (lowest < 0 && highest >= 0) return {};  // both ends: no simple picture
+  if (lowest < 0) {
+    dims.emplace_back("...");
+    for (int a = lowest; a < 0; ++a) dims.push_back(extent(a, -1));
+  } else {
+    for (int a = 0; a <= highest; ++a) dims.push_back(extent(a, -1));
+    dims.emplace_back("...");
+  }
+  return fmt::format("[{}]", fmt::join(dims, ", "));
 }
 
 bool starts_with(const char* what, const std::string& prefix) {
@@ -209,14 +247,18 @@ Tensor Layer::operator()(const Tensor& input, const CallContext& ctx) {
       device_set_ = true;
       try {
         build(x.shape());
+        // A spec set before the build (an Input's) can refuse the first input: the layer
+        // then stays unbuilt.
+        check_input(x);
       } catch (...) {
         weights_.clear();
         throw;
       }
       built_ = true;
       built_shape_ = x.shape();
+    } else {
+      check_input(x);
     }
-    check_input(x);
     Tensor y;
     {
       std::optional<DType> cast_to;
@@ -253,26 +295,39 @@ void Layer::check_input(const Tensor& x) const {
   if (!input_spec_) return;
   const InputSpec& spec = *input_spec_;
   const auto rank = static_cast<int>(x.rank());
-  const std::string built_for =
-      built_shape_ ? fmt::format(" (built for inputs of shape {})", built_shape_->str()) : "";
+  // What is expected, "(shape [None, 28, 28])" or "(shape [..., 784]; built for inputs of
+  // shape [2, 784])": the spec's shape, and the shape of the first input when there was one.
+  const auto expected = [&] {
+    const std::string shape = spec_shape_text(spec);
+    std::vector<std::string> parts;
+    if (!shape.empty()) parts.push_back("shape " + shape);
+    if (built_shape_) parts.push_back("built for inputs of shape " + built_shape_->str());
+    return parts.empty() ? std::string() : fmt::format(" ({})", fmt::join(parts, "; "));
+  };
   if (spec.rank >= 0 && rank != spec.rank)
     throw ShapeError(
-        fmt::format("expected an input of rank {}{}; got {}", spec.rank, built_for, describe(x)));
+        fmt::format("expected an input of rank {}{}; got {}", spec.rank, expected(), describe(x)));
   if (spec.min_rank >= 0 && rank < spec.min_rank)
     throw ShapeError(fmt::format("expected an input of rank >= {}{}; got {}", spec.min_rank,
-                                 built_for, describe(x)));
+                                 expected(), describe(x)));
   for (const auto& [axis, extent] : spec.axes) {
     const int a = axis < 0 ? axis + rank : axis;
     if (a < 0 || a >= rank || x.shape()[static_cast<std::size_t>(a)] != extent)
       throw ShapeError(fmt::format("expected axis {} of the input to be {}{}; got {}", axis, extent,
-                                   built_for, describe(x)));
+                                   expected(), describe(x)));
   }
 }
 
 Variable Layer::add_weight(const std::string& name, const Shape& shape,
                            const init::Initializer& init, WeightOptions options) {
   const DType dtype = options.dtype ? *options.dtype : variable_dtype();
-  Tensor value = init(shape, dtype, device_);
+  Tensor value;
+  try {
+    value = init(shape, dtype, device_);
+  } catch (const Error&) {
+    // "add_weight 'kernel': glorot_uniform: out of memory: ...": which weight failed.
+    rethrow_with_prefix(fmt::format("add_weight '{}': ", name));
+  }
   if (value.shape() != shape || value.dtype() != dtype)
     throw ValueError(fmt::format("add_weight '{}': initializer '{}' gave {}, expected {}{}", name,
                                  init.name(), describe(value), dtype, shape));

@@ -1,6 +1,7 @@
 // Losses, computed in float32 (float64 for float64 predictions).
 #include "mixtape/layers/losses.h"
 
+#include "layers/class_indices.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/core/error.h"
 
@@ -37,16 +38,30 @@ Tensor clip(const Tensor& p) {
 // Probabilities normalised to sum to one over the last axis, clipped, then logged.
 Tensor log_probabilities(const Tensor& p) { return log(clip(p / sum(p, {-1}, true))); }
 
-// Mean over the last axis, unless there is only the batch axis.
-Tensor per_sample_mean(const Tensor& elementwise) {
-  return elementwise.rank() <= 1 ? elementwise : mean(elementwise, {-1});
+// A class axis (the last) with at least one class.
+void check_classes(const char* loss, const Tensor& y_pred) {
+  if (y_pred.rank() < 1)
+    throw ShapeError(fmt::format("{}: y_pred needs a class axis; got {}", loss, describe(y_pred)));
+  if (y_pred.dim(-1) == 0)
+    throw ShapeError(fmt::format("{}: y_pred needs at least one class on its last axis; got {}",
+                                 loss, describe(y_pred)));
+}
+
+// Mean over the last axis, unless there is only the batch axis. An empty last axis
+// (samples with nothing to average: 0/0) is refused.
+Tensor per_sample_mean(const char* loss, const Tensor& elementwise, const Tensor& y_pred) {
+  if (elementwise.rank() <= 1) return elementwise;
+  if (elementwise.dim(-1) == 0)
+    throw ShapeError(
+        fmt::format("{}: y_pred {} has no values on its last axis to average per sample", loss,
+                    describe(y_pred)));
+  return mean(elementwise, {-1});
 }
 
 Tensor sparse_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from_logits) {
   constexpr const char* kName = "sparse_categorical_crossentropy";
   check_defined(kName, y_true, y_pred);
-  if (y_pred.rank() < 1)
-    throw ShapeError(fmt::format("{}: y_pred needs a class axis; got {}", kName, describe(y_pred)));
+  check_classes(kName, y_pred);
   Tensor labels = y_true;
   if (labels.rank() == y_pred.rank() && labels.rank() > 0 && labels.dim(-1) == 1)
     labels = squeeze(labels, -1);
@@ -57,8 +72,10 @@ Tensor sparse_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from
         fmt::format("{}: labels {} do not match predictions {} (expected labels of "
                     "shape {} or {} with a trailing 1)",
                     kName, describe(y_true), describe(y_pred), expected, expected));
-  if (labels.dtype().is_floating() || labels.dtype() == kBool) labels = cast(labels, kInt64);
   const std::int64_t classes = y_pred.dim(-1);
+  // Floating labels: NaN, infinities and values outside [0, classes) are refused here,
+  // naming the first; integer ones are checked by gather below.
+  labels = layers::detail::class_indices(kName, "labels", labels, classes);
   const std::int64_t n = labels.numel();
   Tensor p = reshape(cast(y_pred, loss_dtype(y_pred)), Shape{n, classes});
   Tensor logp = from_logits ? log_softmax(p, -1) : log_probabilities(p);
@@ -76,8 +93,7 @@ Tensor categorical_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool
   constexpr const char* kName = "categorical_crossentropy";
   check_defined(kName, y_true, y_pred);
   check_same_shape(kName, y_true, y_pred);
-  if (y_pred.rank() < 1)
-    throw ShapeError(fmt::format("{}: y_pred needs a class axis; got {}", kName, describe(y_pred)));
+  check_classes(kName, y_pred);
   const DType dt = loss_dtype(y_pred);
   Tensor p = cast(y_pred, dt);
   Tensor logp = from_logits ? log_softmax(p, -1) : log_probabilities(p);
@@ -98,7 +114,7 @@ Tensor binary_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from
     Tensor p = clip(x);
     elementwise = -(y * log(p) + (1.0 - y) * log(1.0 - p));
   }
-  return per_sample_mean(elementwise);
+  return per_sample_mean(kName, elementwise, y_pred);
 }
 
 Tensor mean_squared_error(const Tensor& y_true, const Tensor& y_pred) {
@@ -106,7 +122,7 @@ Tensor mean_squared_error(const Tensor& y_true, const Tensor& y_pred) {
   check_defined(kName, y_true, y_pred);
   check_same_shape(kName, y_true, y_pred);
   const DType dt = loss_dtype(y_pred);
-  return per_sample_mean(square(cast(y_true, dt) - cast(y_pred, dt)));
+  return per_sample_mean(kName, square(cast(y_true, dt) - cast(y_pred, dt)), y_pred);
 }
 
 }  // namespace
@@ -145,6 +161,9 @@ Tensor Loss::operator()(const Tensor& y_true, const Tensor& y_pred,
     case Reduction::SumOverBatchSize:
       break;
   }
+  // The sum over the number of losses, and 0 for an empty batch (Keras divides with
+  // divide_no_nan): never 0/0.
+  if (losses.numel() == 0) return sum(losses);
   return mean(losses);
 }
 

@@ -1,6 +1,7 @@
 // Metrics: device-side comparisons, host-side float64 totals.
 #include "mixtape/layers/metrics.h"
 
+#include "layers/class_indices.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/error.h"
@@ -16,8 +17,19 @@ void check_defined(const std::string& metric, const Tensor& y_true, const Tensor
     throw ValueError(fmt::format("metric '{}': y_true and y_pred must be defined", metric));
 }
 
-// Integer labels of shape `shape` from [shape] or [shape..., 1].
-Tensor labels_like(const std::string& metric, const Tensor& y_true, const Shape& shape) {
+// A class axis (the last) with at least one class: argmax needs one.
+void check_classes(const std::string& metric, const Tensor& y_pred) {
+  if (y_pred.rank() < 1 || y_pred.dim(-1) == 0)
+    throw ShapeError(
+        fmt::format("metric '{}': y_pred needs a class axis with at least one class; got {}",
+                    metric, describe(y_pred)));
+}
+
+// Integer labels of shape `shape` from [shape] or [shape..., 1], for `classes` classes:
+// floating labels must be class indices (NaN, infinities and values outside [0, classes)
+// throw IndexError naming the first); integer ones outside the range count as misses.
+Tensor labels_like(const std::string& metric, const Tensor& y_true, const Shape& shape,
+                   std::int64_t classes) {
   Tensor labels = y_true;
   if (labels.shape() != shape && labels.rank() == shape.rank() + 1 && labels.dim(-1) == 1)
     labels = squeeze(labels, -1);
@@ -25,7 +37,8 @@ Tensor labels_like(const std::string& metric, const Tensor& y_true, const Shape&
     throw ShapeError(
         fmt::format("metric '{}': labels {} do not match predictions of batch shape {}", metric,
                     describe(y_true), shape));
-  return cast(labels, kInt64);
+  return layers::detail::class_indices(fmt::format("metric '{}'", metric), "labels", labels,
+                                       classes);
 }
 
 }  // namespace
@@ -73,12 +86,11 @@ void Accuracy::update_state(const Tensor& y_true, const Tensor& y_pred,
 void SparseCategoricalAccuracy::update_state(const Tensor& y_true, const Tensor& y_pred,
                                              const Tensor& sample_weight) {
   check_defined(name(), y_true, y_pred);
-  if (y_pred.rank() < 1)
-    throw ShapeError(
-        fmt::format("metric '{}': y_pred needs a class axis; got {}", name(), describe(y_pred)));
+  check_classes(name(), y_pred);
   NoGradGuard no_grad;
   Tensor predicted = argmax(y_pred, -1);
-  accumulate(equal(predicted, labels_like(name(), y_true, predicted.shape())), sample_weight);
+  accumulate(equal(predicted, labels_like(name(), y_true, predicted.shape(), y_pred.dim(-1))),
+             sample_weight);
 }
 
 void CategoricalAccuracy::update_state(const Tensor& y_true, const Tensor& y_pred,
@@ -87,6 +99,7 @@ void CategoricalAccuracy::update_state(const Tensor& y_true, const Tensor& y_pre
   if (y_true.shape() != y_pred.shape() || y_pred.rank() < 1)
     throw ShapeError(fmt::format("metric '{}': y_true {} and y_pred {} must have the same shape",
                                  name(), describe(y_true), describe(y_pred)));
+  check_classes(name(), y_pred);
   NoGradGuard no_grad;
   accumulate(equal(argmax(y_pred, -1), argmax(y_true, -1)), sample_weight);
 }

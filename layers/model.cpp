@@ -46,14 +46,21 @@ std::string grouped(std::int64_t n) {
 
 // --- Construction ----------------------------------------------------------------------
 
-Model::Model(ModelOptions options, std::string class_name)
-    : Layer(layers::LayerOptions{options.dtype,
-                                 options.name.empty()
-                                     ? layers::detail::unique_layer_name(
-                                           class_name == "Sequential" ? "sequential" : "model")
-                                     : options.name,
-                                 options.trainable},
-            std::move(class_name)) {}
+namespace {
+// The name of a model: the one given, else "sequential", "sequential_1", ... for a
+// Sequential and "model", "model_1", ... otherwise.
+std::string model_name(const ModelOptions& options, const std::string& class_name) {
+  if (!options.name.empty()) return options.name;
+  return layers::detail::unique_layer_name(class_name == "Sequential" ? "sequential" : "model");
+}
+}  // namespace
+
+// class_name is copied, not moved, into Layer: the arguments of one call are evaluated in
+// no set order, and a move could empty it before model_name() reads it (every Sequential
+// was named "model" that way).
+Model::Model(ModelOptions options, const std::string& class_name)
+    : Layer(layers::LayerOptions{options.dtype, model_name(options, class_name), options.trainable},
+            class_name) {}
 
 Model::Model(const layers::SymbolicTensor& inputs, const layers::SymbolicTensor& outputs,
              ModelOptions options)
@@ -124,7 +131,21 @@ std::shared_ptr<Layer> Model::get_layer(std::string_view layer_name) const {
 
 // --- Running -----------------------------------------------------------------------------
 
-Tensor Model::call(const Tensor& x, const CallContext& ctx) {
+std::optional<DType> Model::integer_input_dtype() const {
+  if (layers_.empty()) return std::nullopt;
+  return layers_.front()->integer_input_dtype();
+}
+
+Tensor Model::conform_input(const Tensor& x) const {
+  if (!x.defined() || x.dtype().is_floating()) return x;
+  const std::optional<DType> dtype = integer_input_dtype();
+  if (!dtype || *dtype == x.dtype()) return x;
+  NoGradGuard no_grad;
+  return cast(x, *dtype);
+}
+
+Tensor Model::call(const Tensor& x_in, const CallContext& ctx) {
+  const Tensor x = conform_input(x_in);
   std::vector<Tensor> values(nodes_.size());
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
     const int in = node_inputs_[i];
@@ -218,7 +239,7 @@ void Sequential::add(layers::LayerPtr<Layer> layer) {
 
 Tensor Sequential::call(const Tensor& x, const CallContext& ctx) {
   if (layers_.empty()) throw ValueError("the model has no layers (add some with add())");
-  Tensor y = x;
+  Tensor y = conform_input(x);
   for (const auto& l : layers_) y = (*l)(y, ctx);
   check_output_dtype(y.dtype());
   return y;

@@ -64,7 +64,9 @@ Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
   const std::size_t rank = x.rank();
   Tensor xs = cast(x, dt);
   Tensor mu, var;
-  if (ctx.training && trainable()) {
+  // An empty batch has no statistics (its mean would be 0/0): the moving ones are used and
+  // left as they are.
+  if (ctx.training && trainable() && x.numel() > 0) {
     std::vector<int> axes;
     for (int i = 0; i < static_cast<int>(rank); ++i)
       if (i != axis_) axes.push_back(i);

@@ -5,9 +5,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
-#include <string_view>
 
+#include "core/env.h"
 #include "mixtape/autograd/tape.h"
 
 namespace mixtape {
@@ -17,11 +16,11 @@ namespace {
 thread_local DTypeTrace* t_sink = nullptr;
 thread_local bool t_muted = false;
 
+// MIXTAPE_TRACE_DTYPES, read once (thread-safe), at the first leaf layer call: "1" logs
+// every layer call, "0" or unset does not; another value throws ValueError (and is read,
+// and throws, again on the next call).
 bool log_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MIXTAPE_TRACE_DTYPES");
-    return v != nullptr && std::string_view(v) != "" && std::string_view(v) != "0";
-  }();
+  static const bool on = detail::env::kTraceDtypes.read();
   return on;
 }
 
@@ -77,7 +76,10 @@ DTypeTrace trace_dtypes(layers::Layer& layer, const Tensor& x, const CallContext
 
 namespace detail {
 
-bool dtype_trace_active() { return !t_muted && (t_sink != nullptr || log_enabled()); }
+bool dtype_trace_active() {
+  const bool log = log_enabled();  // read first: a bad value is refused on any layer call
+  return !t_muted && (t_sink != nullptr || log);
+}
 
 void dtype_trace_record(const DTypeTraceRow& row) {
   if (t_muted) return;

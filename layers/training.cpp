@@ -53,6 +53,19 @@ Tensor rows(const Tensor& t, std::int64_t begin, std::int64_t end) {
   return slice(t, 0, begin, end);
 }
 
+// Integer and boolean tensors (uint8, int32, bool) widened to int64, the dtype of labels and
+// ids (values kept); floating ones as they are.
+Tensor as_int64(const Tensor& y) {
+  if (!y.defined() || y.dtype().is_floating() || y.dtype() == kInt64) return y;
+  NoGradGuard no_grad;
+  return cast(y, kInt64);
+}
+
+// Whether fit can gather batches of t (with take): floating, int32 and int64 data.
+bool batchable(const Tensor& t) {
+  return t.dtype().is_floating() || t.dtype() == kInt32 || t.dtype() == kInt64;
+}
+
 }  // namespace
 
 // --- compile ------------------------------------------------------------------------------
@@ -103,10 +116,24 @@ const losses::Loss& Model::loss() const {
 
 // --- One step ---------------------------------------------------------------------------------
 
-Logs Model::train_step(const Tensor& x, const Tensor& y) {
+Logs Model::train_step(const Tensor& x, const Tensor& y_in) {
   if (!compiled())
     throw ValueError(
         fmt::format("model '{}' is not compiled: call compile() before training", name()));
+  const Tensor y = as_int64(y_in);
+  if (x.defined() && x.rank() > 0 && x.dim(0) == 0) {
+    // An empty batch: nothing to learn from. The model (in inference mode, so that no
+    // statistic moves) and the loss still run, to check the shapes; the loss of an empty
+    // batch is 0 (Keras); no gradient, no optimizer step, no iteration counted.
+    NoGradGuard no_grad;
+    const Tensor pred = (*this)(x, CallContext{.training = false});
+    Logs logs{{"loss", (*loss_)(y, pred).item<double>()}};
+    for (const auto& m : metrics_) {
+      m->update_state(y, pred);
+      logs[m->name()] = m->result();
+    }
+    return logs;
+  }
   auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
   const std::vector<Variable> vars = trainable_variables();
   Tensor loss, pred;
@@ -130,16 +157,25 @@ Logs Model::train_step(const Tensor& x, const Tensor& y) {
 
 // --- fit --------------------------------------------------------------------------------------
 
-History Model::fit(const Tensor& x, const Tensor& y, FitOptions o) {
+History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
   const std::string who = fmt::format("model '{}': fit", name());
   if (!compiled()) throw ValueError(who + ": the model is not compiled (call compile() first)");
-  if (!x.defined() || !y.defined()) throw ValueError(who + ": x and y must be defined");
+  if (!x_in.defined() || !y_in.defined()) throw ValueError(who + ": x and y must be defined");
+  // Integer data is cast once, here, at the boundary (as Keras casts a model's inputs):
+  // uint8 images to the model's input dtype (float32 unless its Input says otherwise), the
+  // ids of a model that takes them as they are (an Embedding first) from uint8 or bool to
+  // int64, labels to int64.
+  Tensor x = conform_input(x_in);
+  if (!batchable(x)) x = as_int64(x);
+  const Tensor y = as_int64(y_in);
   if (x.rank() == 0 || y.rank() == 0 || x.dim(0) != y.dim(0))
     throw ShapeError(fmt::format("{}: x {} and y {} need the same number of samples (axis 0)", who,
                                  describe(x), describe(y)));
   if (o.batch_size <= 0)
     throw ValueError(fmt::format("{}: batch_size must be positive; got {}", who, o.batch_size));
   if (o.epochs < 0) throw ValueError(fmt::format("{}: epochs must be >= 0; got {}", who, o.epochs));
+  if (o.initial_epoch < 0)
+    throw ValueError(fmt::format("{}: initial_epoch must be >= 0; got {}", who, o.initial_epoch));
   if (!(o.validation_split >= 0.0 && o.validation_split < 1.0))
     throw ValueError(
         fmt::format("{}: validation_split must be in [0, 1); got {}", who, o.validation_split));
@@ -149,7 +185,8 @@ History Model::fit(const Tensor& x, const Tensor& y, FitOptions o) {
   std::int64_t n_train = n;
   Tensor x_val, y_val;
   if (o.validation_data) {
-    std::tie(x_val, y_val) = *o.validation_data;
+    x_val = o.validation_data.x;
+    y_val = o.validation_data.y;
     if (!x_val.defined() || !y_val.defined() || x_val.rank() == 0 || y_val.rank() == 0 ||
         x_val.dim(0) != y_val.dim(0))
       throw ShapeError(
@@ -282,7 +319,8 @@ Logs Model::evaluate(const Tensor& x, const Tensor& y, EvaluateOptions o) {
   double loss_sum = 0.0;
   for (std::int64_t b0 = 0; b0 < n; b0 += o.batch_size) {
     const std::int64_t b1 = std::min(n, b0 + o.batch_size);
-    const Tensor xb = rows(x, b0, b1).to(device()), yb = rows(y, b0, b1).to(device());
+    const Tensor xb = rows(x, b0, b1).to(device());
+    const Tensor yb = as_int64(rows(y, b0, b1)).to(device());
     const Tensor pred = (*this)(xb, CallContext{.training = false});
     loss_sum += (*loss_)(yb, pred).item<double>() * static_cast<double>(b1 - b0);
     for (auto& m : metrics_) m->update_state(yb, pred);

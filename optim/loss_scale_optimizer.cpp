@@ -2,8 +2,11 @@
 // skipping non-finite steps and moving a dynamic scale; enable_auto_mixed_precision.
 #include "mixtape/optim/loss_scale_optimizer.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "mixtape/autograd/amp.h"
@@ -16,6 +19,8 @@ namespace mixtape::optim {
 namespace {
 // The largest power of two float32 holds: a dynamic scale never grows beyond it.
 const double kMaxLossScale = std::ldexp(1.0, 127);
+// The largest count a checkpoint's double holds exactly: 2^53.
+const double kMaxExactCount = std::ldexp(1.0, 53);
 }  // namespace
 
 LossScaleOptimizer::LossScaleOptimizer(std::shared_ptr<Optimizer> inner, LossScale loss_scale,
@@ -124,22 +129,40 @@ OptimizerState LossScaleOptimizer::state(const std::vector<Variable>& variables)
 
 void LossScaleOptimizer::load_state(const OptimizerState& state,
                                     const std::vector<Variable>& variables) {
+  // Every number is checked before anything changes (and before any cast: a NaN or 1e300
+  // has no int64 value).
+  constexpr const char* kWho = "LossScaleOptimizer::load_state";
+  static constexpr std::array<const char*, 4> kKeys = {"loss_scale", "good_steps", "applied_steps",
+                                                       "skipped_steps"};
+  for (const auto& [key, value] : state.scalars)
+    if (std::find_if(kKeys.begin(), kKeys.end(), [&](const char* k) { return key == k; }) ==
+        kKeys.end())
+      throw ValueError(
+          fmt::format("{}: unknown scalar '{}' (it keeps {})", kWho, key, fmt::join(kKeys, ", ")));
   auto scalar = [&](const char* key) {
     auto it = state.scalars.find(key);
-    if (it == state.scalars.end())
-      throw ValueError(fmt::format("LossScaleOptimizer::load_state: '{}' is missing", key));
+    if (it == state.scalars.end()) throw ValueError(fmt::format("{}: '{}' is missing", kWho, key));
     return it->second;
   };
   const double scale = scalar("loss_scale");
   if (!(scale > 0.0) || !std::isfinite(scale))
-    throw ValueError(fmt::format("LossScaleOptimizer::load_state: bad loss scale {}", scale));
-  const double good = scalar("good_steps"), applied = scalar("applied_steps"),
-               skipped = scalar("skipped_steps");
-  inner_->load_state(state, variables);
+    throw ValueError(fmt::format("{}: 'loss_scale' is {}; it must be finite and > 0", kWho, scale));
+  // A count: a whole number that double holds exactly (so it converts to int64 exactly).
+  auto count = [&](const char* key) {
+    const double v = scalar(key);
+    if (!(v >= 0.0 && v <= kMaxExactCount && v == std::floor(v)))
+      throw ValueError(
+          fmt::format("{}: '{}' is {}; it must be a whole number in [0, 2^53]", kWho, key, v));
+    return static_cast<std::int64_t>(v);
+  };
+  const std::int64_t good = count("good_steps"), applied = count("applied_steps"),
+                     skipped = count("skipped_steps");
+  // The wrapped optimizer checks (and then loads) its part: the step count and the slots.
+  inner_->load_state(OptimizerState{state.iterations, state.tensors, {}}, variables);
   scale_ = scale;
-  good_steps_ = static_cast<std::int64_t>(good);
-  applied_ = static_cast<std::int64_t>(applied);
-  skipped_ = static_cast<std::int64_t>(skipped);
+  good_steps_ = good;
+  applied_ = applied;
+  skipped_ = skipped;
   consecutive_skips_ = 0;
 }
 

@@ -2,10 +2,12 @@
 // rate schedules, and SGD / RMSprop / Adam / AdamW on the backends' update kernels.
 #include "mixtape/optim/optimizer.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <numbers>
+#include <set>
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
@@ -193,38 +195,80 @@ void Optimizer::apply_gradients(const std::vector<Tensor>& grads,
 OptimizerState Optimizer::state(const std::vector<Variable>& variables) const {
   OptimizerState s;
   s.iterations = iterations_;
-  for (const auto& v : variables)
-    for (const auto& slot : slots(v)) s.tensors.emplace(slot.name(), copy_of(slot));
+  const std::vector<std::string> names = slot_names();
+  for (const auto& v : variables) {
+    const std::vector<Variable> existing = slots(v);
+    for (const auto& slot : existing) s.tensors.emplace(slot.name(), copy_of(slot));
+    // A variable not stepped yet (it had no gradient so far) after steps of the others: the
+    // zeros its first step would start from, so that a state with iterations > 0 holds the
+    // slots of every variable (load_state insists).
+    if (existing.empty() && iterations_ > 0)
+      for (const auto& name : names)
+        s.tensors.emplace(fmt::format("{}/{}", v.name(), name),
+                          zeros(v.shape(), slot_dtype(v.dtype()), v.device()));
+  }
   return s;
 }
 
 void Optimizer::load_state(const OptimizerState& state, const std::vector<Variable>& variables) {
   // Validate everything first, so that a bad state changes nothing.
-  std::vector<std::pair<Variable, Tensor>> plan;
+  const std::string who = fmt::format("{}::load_state", name());
+  if (state.iterations < 0)
+    throw ValueError(fmt::format("{}: iterations is {}; it must be >= 0", who, state.iterations));
+  if (!state.scalars.empty())
+    throw ValueError(fmt::format("{}: unknown scalar '{}' ({} keeps none)", who,
+                                 state.scalars.begin()->first, name()));
+  const std::vector<std::string> names = slot_names();
+  std::set<std::string> expected;  // every "<variable>/<slot>" of `variables`
+  std::vector<std::pair<Variable, std::vector<Tensor>>> plan;
+  std::vector<Variable> restart;  // variables with no slots in the state (iterations 0)
   for (const auto& v : variables) {
     std::vector<Tensor> values;
     bool any = false;
-    for (const auto& s : slot_names()) {
-      auto it = state.tensors.find(fmt::format("{}/{}", v.name(), s));
+    for (const auto& s : names) {
+      const std::string key = fmt::format("{}/{}", v.name(), s);
+      expected.insert(key);
+      auto it = state.tensors.find(key);
       any = any || it != state.tensors.end();
       values.push_back(it == state.tensors.end() ? Tensor() : it->second);
     }
-    if (!any) continue;  // the variable had not been stepped yet
-    const auto names = slot_names();
+    if (!any) {
+      // Not stepped yet: only possible before the first step (state() saves the slots of
+      // every variable once iterations > 0); otherwise its state would silently restart.
+      if (state.iterations > 0 && !names.empty())
+        throw ValueError(fmt::format(
+            "{}: slot '{}/{}' is missing although iterations is {} (> 0: every variable has its "
+            "slots)",
+            who, v.name(), names.front(), state.iterations));
+      restart.push_back(v);
+      continue;
+    }
     for (std::size_t k = 0; k < names.size(); ++k) {
       const std::string slot = fmt::format("{}/{}", v.name(), names[k]);
       if (!values[k].defined())
-        throw ValueError(fmt::format("{}::load_state: slot '{}' is missing", name(), slot));
+        throw ValueError(fmt::format("{}: slot '{}' is missing", who, slot));
       if (values[k].shape() != v.shape() || values[k].dtype() != slot_dtype(v.dtype()))
-        throw ValueError(fmt::format("{}::load_state: slot '{}' is {}{}, expected {}{}", name(),
-                                     slot, values[k].dtype(), values[k].shape(),
-                                     slot_dtype(v.dtype()), v.shape()));
+        throw ValueError(fmt::format("{}: slot '{}' is {}{}, expected {}{}", who, slot,
+                                     values[k].dtype(), values[k].shape(), slot_dtype(v.dtype()),
+                                     v.shape()));
     }
-    const auto& slots = slots_for(v);
-    for (std::size_t k = 0; k < slots.size(); ++k) plan.emplace_back(slots[k], values[k]);
+    plan.emplace_back(v, std::move(values));
   }
+  for (const auto& [key, t] : state.tensors)
+    if (!expected.count(key))
+      throw ValueError(fmt::format(
+          "{}: '{}' is not a slot of the variables given ({} keeps {})", who, key, name(),
+          names.empty() ? std::string("no slots") : fmt::format("{}", fmt::join(names, ", "))));
+  // Now change: slots made (or restarted) and assigned, then the step count.
   NoGradGuard no_grad;
-  for (auto& [slot, value] : plan) slot.assign(value.to(slot.device()));
+  for (auto& [v, values] : plan) {
+    const auto& slots = slots_for(v);
+    for (std::size_t k = 0; k < slots.size(); ++k) {
+      Variable slot = slots[k];
+      slot.assign(values[k].to(slot.device()));
+    }
+  }
+  for (const auto& v : restart) slots_.erase(v.id());
   iterations_ = state.iterations;
 }
 

@@ -1,4 +1,4 @@
-// Policies: the table of named policies, and the global policy.
+// Policies: the table of named policies, the process default and the per-thread scopes.
 #include "mixtape/precision/policy.h"
 
 #include <spdlog/spdlog.h>
@@ -35,11 +35,15 @@ const PolicyRow& find_row(std::string_view name) {
       fmt::format("unknown dtype policy '{}'; valid names: {}", name, Policy::valid_names()));
 }
 
+// The process default (set_global_policy outside any PolicyScope), under g_mutex.
 std::mutex g_mutex;
-Policy& global_slot() {
+Policy& process_default() {
   static Policy policy;
   return policy;
 }
+
+// The policy of this thread's innermost PolicyScope (std::nullopt: no scope is open).
+thread_local std::optional<Policy> t_scope_policy;
 
 }  // namespace
 
@@ -52,6 +56,8 @@ Policy::Policy(std::string_view name) {
   variable_ = row.variable;
   if (row.dynamic_loss_scale) loss_scale_ = LossScale::dynamic();
 }
+
+Policy::Policy(DType dtype) : Policy(dtype.name()) {}
 
 Policy::Policy(std::string_view name, double loss_scale)
     : Policy(name, LossScale::fixed(loss_scale)) {}
@@ -79,8 +85,9 @@ bool operator==(const Policy& a, const Policy& b) {
 }
 
 Policy global_policy() {
+  if (t_scope_policy) return *t_scope_policy;
   std::lock_guard<std::mutex> lock(g_mutex);
-  return global_slot();
+  return process_default();
 }
 
 namespace {
@@ -106,13 +113,20 @@ void check_float16_hardware(const Policy& policy) {
 
 void set_global_policy(const Policy& policy) {
   check_float16_hardware(policy);
+  if (t_scope_policy) {
+    // Inside a scope of this thread: the scope's policy, until the scope ends (what a
+    // process-wide scope did on one thread).
+    t_scope_policy = policy;
+    return;
+  }
   std::lock_guard<std::mutex> lock(g_mutex);
-  global_slot() = policy;
+  process_default() = policy;
 }
 
-PolicyScope::PolicyScope(const Policy& policy) : previous_(global_policy()) {
-  set_global_policy(policy);
+PolicyScope::PolicyScope(const Policy& policy) : previous_(t_scope_policy) {
+  check_float16_hardware(policy);
+  t_scope_policy = policy;
 }
-PolicyScope::~PolicyScope() { set_global_policy(previous_); }
+PolicyScope::~PolicyScope() { t_scope_policy = std::move(previous_); }
 
 }  // namespace mixtape

@@ -5,10 +5,13 @@
 // prefetch).
 #include <archive.h>
 #include <archive_entry.h>
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <array>
@@ -20,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -514,6 +518,186 @@ TEST_CASE("idx: write_idx refuses what IDX cannot hold", "[datasets][idx]") {
   const mt::Tensor t = u8({1, 2, 3, 4, 5, 6}, {2, 3}).transpose();
   md::write_idx(dir / "t", t);
   CHECK(md::read_idx(dir / "t").to_vector<int>() == std::vector<int>{1, 4, 2, 5, 3, 6});
+}
+
+// --- IDX: bombs, FIFOs, devices (issue 18, item 9) ------------------------------------------
+
+namespace {
+
+// A gzip file (one member, written with zlib) whose content is `head`, then `zeros` zero
+// bytes streamed through the deflater (never held in memory), then `tail`.
+Bytes gzip_with_zeros(const Bytes& head, std::size_t zeros, const Bytes& tail = {}) {
+  z_stream z{};
+  REQUIRE(deflateInit2(&z, 9, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) == Z_OK);
+  Bytes out, buf(1 << 16);
+  const Bytes zero_chunk(1 << 20, 0);
+  auto feed = [&](const std::uint8_t* p, std::size_t n, int flush) {
+    z.next_in = const_cast<Bytef*>(p);
+    z.avail_in = static_cast<uInt>(n);
+    do {
+      z.next_out = buf.data();
+      z.avail_out = static_cast<uInt>(buf.size());
+      const int ret = deflate(&z, flush);
+      REQUIRE((ret == Z_OK || ret == Z_STREAM_END || ret == Z_BUF_ERROR));
+      out.insert(out.end(), buf.data(), buf.data() + (buf.size() - z.avail_out));
+    } while (z.avail_out == 0 || z.avail_in > 0);
+  };
+  feed(head.data(), head.size(), Z_NO_FLUSH);
+  for (std::size_t left = zeros; left > 0;) {
+    const std::size_t n = std::min(left, zero_chunk.size());
+    feed(zero_chunk.data(), n, Z_NO_FLUSH);
+    left -= n;
+  }
+  feed(tail.data(), tail.size(), Z_FINISH);
+  deflateEnd(&z);
+  return out;
+}
+
+// The IDX header alone (magic and extents).
+Bytes idx_header(std::uint8_t type, const std::vector<std::uint32_t>& dims) {
+  return idx_bytes(type, dims, {});
+}
+
+// The peak resident memory of this process in KiB (Linux's VmHWM), after resetting it to the
+// current resident memory; nullopt where the kernel does not offer that.
+std::optional<std::int64_t> reset_peak_rss_kib();
+std::optional<std::int64_t> peak_rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6));
+  return std::nullopt;
+}
+std::optional<std::int64_t> reset_peak_rss_kib() {
+  {
+    std::ofstream f("/proc/self/clear_refs");
+    if (!f) return std::nullopt;
+    f << "5";
+    f.flush();
+    if (!f) return std::nullopt;
+  }
+  return peak_rss_kib();
+}
+
+// Runs `f` on a thread of its own and returns its error message; a call still running after
+// 10 s is reported as blocked (and the FIFO `fifo`, where it waits, is opened for writing and
+// closed, so that it sees the FIFO's end and returns).
+std::string message_without_blocking(const fs::path& fifo, const std::function<void()>& f) {
+  auto result = std::async(std::launch::async, [&] { return message_of(f); });
+  if (result.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (w >= 0) ::close(w);
+    result.wait();
+    return "(blocked on the FIFO)";
+  }
+  return result.get();
+}
+
+}  // namespace
+
+TEST_CASE("idx: a gzip bomb is refused without inflating it", "[datasets][idx]") {
+  TempDir dir;
+  // A header promising [2^32 - 1, 28, 28] (3.4 TB), then 64 MiB of zeros in a 64 KB file:
+  // more than any gzip file of that size can inflate to, refused before reading the data.
+  const fs::path huge = dir / "huge.gz";
+  write_bytes(huge, gzip_with_zeros(idx_header(0x08, {0xffffffffu, 28, 28}), 64u << 20));
+  const auto huge_size = fs::file_size(huge);
+  const auto start_rss = reset_peak_rss_kib();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string msg = message_of([&] { md::read_idx(huge); });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK_THROWS_AS(md::read_idx(huge), mt::IOError);
+  CHECK_THAT(msg, Contains(huge.string()));
+  CHECK_THAT(msg, Contains("header promises 3367254359280 bytes of data (shape [4294967295, 28, "
+                           "28]), more than the " +
+                           std::to_string(huge_size) + "-byte gzip file can inflate to"));
+  CHECK(one_line(msg));
+  CHECK(seconds < 2.0);
+  if (start_rss) {
+    const auto peak = peak_rss_kib();
+    REQUIRE(peak);
+    INFO("peak resident memory grew by " << (*peak - *start_rss) << " KiB");
+    CHECK(*peak - *start_rss < 32 * 1024);
+  }
+
+  // The promise a file can hold ([60000, 28, 28], 47 MB) followed by 17 MB more zeros:
+  // reading stops at the first byte past the promise (memory: the promised data only).
+  const fs::path longer = dir / "longer.gz";
+  write_bytes(longer, gzip_with_zeros(idx_header(0x08, {60000, 28, 28}), 64u << 20));
+  const auto longer_rss = reset_peak_rss_kib();
+  msg = message_of([&] { md::read_idx(longer); });
+  CHECK_THAT(msg, Contains(longer.string()));
+  CHECK_THAT(msg, Contains("trailing bytes: header promises 47040000 bytes of data (shape [60000, "
+                           "28, 28])"));
+  CHECK(one_line(msg));
+  if (longer_rss) {
+    const auto peak = peak_rss_kib();
+    REQUIRE(peak);
+    INFO("peak resident memory grew by " << (*peak - *longer_rss) << " KiB");
+    CHECK(*peak - *longer_rss < (47040000 >> 10) + 48 * 1024);
+  }
+
+  // Nothing past the first extra byte is inflated: a stream that is cut short far beyond the
+  // promise fails as "trailing bytes", not as the truncated stream it also is.
+  Bytes cut = gzip_with_zeros(idx_bytes(0x08, {2, 3}, {1, 2, 3, 4, 5, 6}), 32u << 20);
+  cut.resize(cut.size() - 64);
+  const fs::path cut_path = dir / "cut-after.gz";
+  write_bytes(cut_path, cut);
+  msg = message_of([&] { md::read_idx(cut_path); });
+  CHECK_THAT(msg, Contains("trailing bytes: header promises 6 bytes of data (shape [2, 3]), the "
+                           "decompressed file holds more"));
+  CHECK_THAT(msg, !Contains("truncated gzip stream"));
+
+  // A raw file's size is known before reading: the same checks, with the counts.
+  write_bytes(dir / "raw", idx_bytes(0x08, {2, 3}, {1, 2, 3, 4, 5, 6, 7}));
+  CHECK_THAT(message_of([&] { md::read_idx(dir / "raw"); }),
+             Contains("1 trailing bytes: header promises 6 bytes of data (shape [2, 3]), file "
+                      "has 7"));
+  // A file of exactly its promise reads, even compressed as well as deflate can (zlib's best
+  // is more than 1000 to 1 here, near the bound's 1032).
+  const Bytes exact = gzip_with_zeros(idx_header(0x08, {65536, 1024}), 64u << 20);
+  CHECK(exact.size() * 1000 < (64u << 20));
+  write_bytes(dir / "exact.gz", exact);
+  const mt::Tensor t = md::read_idx(dir / "exact.gz");
+  CHECK(t.shape() == mt::Shape{65536, 1024});
+  const auto values = t.to_vector<int>();
+  CHECK(std::all_of(values.begin(), values.end(), [](int v) { return v == 0; }));
+}
+
+TEST_CASE("idx: a FIFO or a device is refused without blocking", "[datasets][idx]") {
+  TempDir dir;
+  const fs::path fifo = dir / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::string msg = message_without_blocking(fifo, [&] { md::read_idx(fifo); });
+  CHECK_THAT(msg, Contains(fifo.string()));
+  CHECK_THAT(msg, Contains("is a FIFO (named pipe), not a regular file"));
+  msg = message_without_blocking(fifo, [&] { md::read_decompressed(fifo); });
+  CHECK_THAT(msg, Contains("is a FIFO (named pipe), not a regular file"));
+  // Through a symbolic link, the link's target is named too.
+  fs::create_symlink(fifo, dir / "link-to-fifo");
+  msg = message_without_blocking(fifo, [&] { md::read_idx(dir / "link-to-fifo"); });
+  CHECK_THAT(msg, Contains((dir / "link-to-fifo").string()));
+  CHECK_THAT(msg, Contains("is a FIFO (named pipe) (through a symbolic link to " + fifo.string() +
+                           "), not a regular file"));
+  if (fs::exists("/dev/zero")) {
+    fs::create_symlink("/dev/zero", dir / "zero");
+    msg = message_of([&] { md::read_idx(dir / "zero"); });
+    CHECK_THAT(msg, Contains((dir / "zero").string()));
+    CHECK_THAT(msg, Contains("is a character device"));
+    CHECK_THROWS_AS(md::read_decompressed(dir / "zero"), mt::IOError);
+  }
+  fs::create_directories(dir / "sub");
+  CHECK_THAT(message_of([&] { md::read_idx(dir / "sub"); }),
+             Contains("is a directory, not a regular file"));
+  CHECK_THROWS_AS(md::read_decompressed(dir / "sub"), mt::IOError);
+  fs::create_symlink(dir / "nowhere", dir / "dangling");
+  CHECK_THAT(message_of([&] { md::read_idx(dir / "dangling"); }),
+             Contains("cannot open: No such file or directory"));
+  // A symbolic link to a regular file is read as the file.
+  md::write_idx(dir / "real.gz", u8({1, 2, 3}, {3}), true);
+  fs::create_symlink(dir / "real.gz", dir / "link.gz");
+  CHECK(md::read_idx(dir / "link.gz").to_vector<int>() == std::vector<int>{1, 2, 3});
 }
 
 // --- SHA-256 ------------------------------------------------------------------------------
@@ -1031,6 +1215,227 @@ TEST_CASE("fashion_mnist: from Debian's package directory", "[datasets][mnist][r
                                   .download = false,
                                   .sources = {md::Source::directory((dir / "none").string())}})
             .train_images == dir / "c" / "fashion-mnist" / "train-images-idx3-ubyte.gz");
+}
+
+// --- MNIST: unusable files, labels, bounds (issue 18, items 9, 10 and 12) ---------------------
+
+TEST_CASE("mnist: a data dir entry that is not a regular file is an error and never a fallback",
+          "[datasets][mnist]") {
+  TempDir dir;
+  // The cache holds good files: a data dir entry skipped as absent would silently load them.
+  write_tiny(dir / "cache" / "mnist", 4, 2, 1);
+  const fs::path data = dir / "data";
+  const fs::path fifo_target = dir / "fifo";
+  REQUIRE(::mkfifo(fifo_target.c_str(), 0600) == 0);
+  struct Bad {
+    std::string what;
+    std::function<void(const fs::path&)> make;
+    std::string problem;
+  };
+  const std::vector<Bad> bad = {
+      {"directory", [](const fs::path& p) { fs::create_directories(p); },
+       "is a directory, not a regular file"},
+      {"fifo", [](const fs::path& p) { REQUIRE(::mkfifo(p.c_str(), 0600) == 0); },
+       "is a FIFO (named pipe), not a regular file"},
+      {"dangling symlink", [&](const fs::path& p) { fs::create_symlink(dir / "no-such-file", p); },
+       "is a dangling symbolic link (to " + (dir / "no-such-file").string() + ")"},
+      {"symlink to a fifo", [&](const fs::path& p) { fs::create_symlink(fifo_target, p); },
+       "is a FIFO (named pipe) (through a symbolic link to " + fifo_target.string() +
+           "), not a regular file"},
+  };
+  std::vector<Bad> cases = bad;
+  if (fs::exists("/dev/zero"))
+    cases.push_back({"symlink to /dev/zero",
+                     [](const fs::path& p) { fs::create_symlink("/dev/zero", p); },
+                     "is a character device (through a symbolic link to /dev/zero)"});
+  for (const Bad& b : cases) {
+    for (const std::string sub : {"", "mnist"}) {
+      for (const std::string variant : {"", ".gz"}) {
+        fs::remove_all(data);
+        write_tiny(data / sub, 4, 2, 2, {false, false, false, false});
+        const fs::path entry = data / sub / ("train-images-idx3-ubyte" + variant);
+        fs::remove(data / sub / "train-images-idx3-ubyte");
+        b.make(entry);
+        const md::LoadOptions opt{
+            .data_dir = data.string(), .cache_dir = (dir / "cache").string(), .download = false};
+        INFO(b.what << " at " << entry.string());
+        const std::string msg = message_without_blocking(entry, [&] { md::mnist::load(opt); });
+        CHECK_THAT(msg, Contains("MNIST: " + entry.string() + ": " + b.problem));
+        CHECK(one_line(msg));
+        CHECK_THROWS_AS(md::mnist::fetch(opt), mt::IOError);
+      }
+    }
+  }
+  // The raw name comes first: a directory there is an error even when the .gz file exists.
+  fs::remove_all(data);
+  write_tiny(data, 4, 2, 2);
+  fs::create_directories(data / "train-images-idx3-ubyte");
+  CHECK_THAT(
+      message_of([&] {
+        md::mnist::load(
+            {.data_dir = data.string(), .cache_dir = (dir / "cache").string(), .download = false});
+      }),
+      Contains((data / "train-images-idx3-ubyte").string() + ": is a directory"));
+  // The dataset's subdirectory as a dangling link (a drive not mounted): an error, not a
+  // reason to read the data dir itself or the cache.
+  fs::remove_all(data);
+  write_tiny(data, 4, 2, 2);
+  fs::create_symlink(dir / "unmounted" / "mnist", data / "mnist");
+  CHECK_THAT(
+      message_of([&] {
+        md::mnist::load(
+            {.data_dir = data.string(), .cache_dir = (dir / "cache").string(), .download = false});
+      }),
+      Contains("MNIST: " + (data / "mnist").string() + ": is a dangling symbolic link (to " +
+               (dir / "unmounted" / "mnist").string() + "), not a readable directory"));
+  // A symbolic link to a regular file is that file.
+  fs::remove_all(data);
+  const Tiny linked = write_tiny(dir / "elsewhere", 3, 2, 9);
+  fs::create_directories(data);
+  for (const auto& e : fs::directory_iterator(dir / "elsewhere"))
+    fs::create_symlink(e.path(), data / e.path().filename());
+  check_tiny(
+      md::mnist::load(
+          {.data_dir = data.string(), .cache_dir = (dir / "cache").string(), .download = false}),
+      linked, 3, 2);
+}
+
+TEST_CASE("mnist: a cache entry that is not a regular file is an error naming it",
+          "[datasets][mnist]") {
+  TempDir dir;
+  const Tiny good = write_tiny(dir / "good", 4, 2, 1, {true, true, true, true});
+  const auto table = checksums_of(dir / "good");
+  write_tiny(dir / "cache" / "mnist", 4, 2, 1, {true, true, true, true});
+  const fs::path entry = dir / "cache" / "mnist" / "t10k-labels-idx1-ubyte.gz";
+  fs::remove(entry);
+  REQUIRE(::mkfifo(entry.c_str(), 0600) == 0);
+  const md::LoadOptions opt{.data_dir = (dir / "none").string(),
+                            .cache_dir = (dir / "cache").string(),
+                            .sources = {md::Source::url("file://" + (dir / "good").string() + "/")},
+                            .checksums = table};
+  const std::string msg = message_without_blocking(entry, [&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("MNIST: " + entry.string() +
+                           ": is a FIFO (named pipe), not a regular file (in the cache"));
+  CHECK(one_line(msg));
+  CHECK(fs::is_fifo(entry));  // left for its owner to look at
+  // Removed, the file is fetched again.
+  fs::remove(entry);
+  check_tiny(md::mnist::load(opt), good, 4, 2);
+  // Two damaged cache files (regular files the loader wrote): both removed and fetched again.
+  write_bytes(dir / "cache" / "mnist" / "train-labels-idx1-ubyte.gz", {1, 2, 3});
+  write_bytes(dir / "cache" / "mnist" / "t10k-images-idx3-ubyte.gz", {4, 5, 6});
+  check_tiny(md::mnist::load(opt), good, 4, 2);
+  CHECK(read_bytes(dir / "cache" / "mnist" / "t10k-images-idx3-ubyte.gz") ==
+        read_bytes(dir / "good" / "t10k-images-idx3-ubyte.gz"));
+}
+
+TEST_CASE("mnist: an unusable file in a directory source is noted; the next source is used",
+          "[datasets][mnist][fetch]") {
+  TempDir dir;
+  const Tiny good = write_tiny(dir / "good", 4, 2, 1, {false, false, false, false});
+  const auto table = checksums_of(dir / "good");
+  fs::create_directories(dir / "pkg");
+  for (const auto& name : md::file_names()) fs::create_directories(dir / "pkg" / name);
+  const md::LoadOptions opt{.data_dir = (dir / "none").string(),
+                            .cache_dir = (dir / "cache").string(),
+                            .download = false,
+                            .sources = {md::Source::directory((dir / "pkg").string()),
+                                        md::Source::directory((dir / "good").string())},
+                            .checksums = table};
+  check_tiny(md::mnist::load(opt), good, 4, 2);
+  fs::remove_all(dir / "cache");
+  const md::LoadOptions only_pkg{.data_dir = (dir / "none").string(),
+                                 .cache_dir = (dir / "cache").string(),
+                                 .download = false,
+                                 .sources = {md::Source::directory((dir / "pkg").string())},
+                                 .checksums = table};
+  const std::string msg = message_of([&] { md::mnist::load(only_pkg); });
+  CHECK_THAT(msg, Contains("directory " + (dir / "pkg").string() + ": " +
+                           (dir / "pkg" / "train-images-idx3-ubyte").string() +
+                           ": is a directory, not a regular file"));
+  CHECK_THAT(msg, Contains("MNIST: cannot find train-images-idx3-ubyte"));
+}
+
+TEST_CASE("mnist: labels outside 0..9 are refused when loaded with the file and position named",
+          "[datasets][mnist]") {
+  TempDir dir;
+  write_tiny(dir / "d", 6, 3, 0);
+  const md::LoadOptions opt{
+      .data_dir = (dir / "d").string(), .cache_dir = (dir / "c").string(), .download = false};
+  const fs::path labels = dir / "d" / "train-labels-idx1-ubyte";
+  md::write_idx(labels, u8({1, 2, 3, 10, 255, 5}, {6}));
+  std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(
+      msg, Contains("MNIST: " + labels.string() + ": label 10 at index 3 is not a class (0 to 9)"));
+  CHECK(one_line(msg));
+  CHECK_THROWS_AS(md::mnist::load_raw(opt), mt::IOError);
+  // int32 labels (IDX type 0x0C): a negative one too.
+  md::write_idx(labels, mt::from_vector(std::vector<std::int32_t>{0, 1, 2, 3, 4, -1}, {6}));
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }),
+             Contains(": label -1 at index 5 is not a class (0 to 9)"));
+  // The test labels, and Fashion-MNIST's.
+  md::write_idx(labels, u8({0, 1, 2, 3, 4, 9}, {6}));
+  const fs::path test_labels = dir / "d" / "t10k-labels-idx1-ubyte.gz";
+  md::write_idx(test_labels, u8({0, 0, 42}, {3}), true);
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }),
+             Contains(test_labels.string() + ": label 42 at index 2"));
+  CHECK_THAT(
+      message_of([&] {
+        md::fashion_mnist::load({.data_dir = (dir / "d").string(),
+                                 .cache_dir = (dir / "c").string(),
+                                 .download = false,
+                                 .sources = {md::Source::directory((dir / "none").string())}});
+      }),
+      Contains("Fashion-MNIST: " + test_labels.string() + ": label 42 at index 2"));
+  // 0 and 9 are fine.
+  md::write_idx(test_labels, u8({0, 9, 5}, {3}), true);
+  CHECK(md::mnist::load(opt).test.y.to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{0, 9, 5});
+}
+
+TEST_CASE("mnist: the headers are checked before any image is read", "[datasets][mnist]") {
+  TempDir dir;
+  write_tiny(dir / "d", 5, 3, 0);
+  const md::LoadOptions opt{
+      .data_dir = (dir / "d").string(), .cache_dir = (dir / "c").string(), .download = false};
+  const fs::path images = dir / "d" / "train-images-idx3-ubyte.gz";
+  const fs::path labels = dir / "d" / "train-labels-idx1-ubyte";
+  // An image file whose header disagrees with the labels: the count is refused from the
+  // header, before its (here missing) data would be read.
+  write_bytes(images, idx_header(0x08, {60000, 28, 28}));
+  std::string msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains("MNIST: " + images.string() + " holds 60000 images but " +
+                           labels.string() + " holds 5 labels"));
+  // The shape and the element type, from the header.
+  write_bytes(images, idx_header(0x08, {5, 28, 27}));
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }),
+             Contains("MNIST: " + images.string() +
+                      ": expected uint8 images of shape [N, 28, 28], got uint8 [5, 28, 27]"));
+  write_bytes(images, idx_header(0x0D, {5, 28, 28}));
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }), Contains("got float32 [5, 28, 28]"));
+  // A gzip image file of the promised size followed by 32 MiB of zeros: refused at the
+  // first byte past the promise.
+  write_bytes(images, gzip_with_zeros(idx_header(0x08, {5, 28, 28}), 32u << 20));
+  msg = message_of([&] { md::mnist::load(opt); });
+  CHECK_THAT(msg, Contains(images.string()));
+  CHECK_THAT(msg, Contains("trailing bytes: header promises 3920 bytes of data"));
+
+  // More labels than LoadOptions::max_examples (the labels bound the images): refused from
+  // the header.
+  write_tiny(dir / "d", 5, 3, 0);
+  write_bytes(labels, idx_header(0x08, {2000000}));
+  CHECK_THAT(message_of([&] { md::mnist::load(opt); }),
+             Contains("MNIST: " + labels.string() +
+                      ": holds 2000000 labels, more than LoadOptions::max_examples (1000000)"));
+  write_tiny(dir / "d", 5, 3, 0);
+  md::LoadOptions small = opt;
+  small.max_examples = 4;
+  CHECK_THAT(message_of([&] { md::mnist::load(small); }),
+             Contains("holds 5 labels, more than LoadOptions::max_examples (4)"));
+  small.max_examples = 5;
+  CHECK(md::mnist::load(small).train.x.shape() == mt::Shape{5, 28, 28});
+  small.max_examples = 0;
+  CHECK_THROWS_AS(md::mnist::load(small), mt::ValueError);
 }
 
 // --- Dataset ----------------------------------------------------------------------------

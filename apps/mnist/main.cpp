@@ -7,6 +7,7 @@
 // trains the 784-512-512-10 MLP. `mixtape-mnist --help` lists the options.
 #include <mixtape/mixtape.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -287,6 +288,54 @@ void refuse_extras(const CLI::App& app) {
   }
 }
 
+// --- Checks before anything is loaded or trained ------------------------------------------------
+// A run that fails should fail in its first second, not after an epoch (or the whole run): the
+// outputs are checked before the data is loaded, the data when it is loaded (the loaders
+// check the IDX headers, the image and label counts and that every label is 0..9), and the
+// options that depend on the data before the model is built.
+
+// Checks that `path`, the value of `flag`, can be written: it is not a directory, and its
+// directory exists and takes a new file (a probe file is created there and removed at once:
+// nothing is left behind, and an existing file is not touched). A file written in place (the
+// metrics) must also be writable itself when it exists; the others are written to a
+// temporary file and renamed over it.
+void check_writable(const std::string& flag, const std::string& path, bool in_place) {
+  namespace fs = std::filesystem;
+  auto refuse = [&](const std::string& why) {
+    throw mt::IOError(fmt::format("{}: cannot write '{}': {}", flag, path, why));
+  };
+  const fs::path p(path);
+  std::error_code ec;
+  if (fs::is_directory(p, ec)) refuse("it is a directory; give the path of a file");
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  const fs::file_status st = fs::status(dir, ec);
+  if (st.type() == fs::file_type::not_found)
+    refuse(fmt::format("the directory '{}' does not exist", dir.string()));
+  if (!fs::is_directory(st)) refuse(fmt::format("'{}' is not a directory", dir.string()));
+  std::string probe = (dir / ".mixtape-mnist-probe-XXXXXX").string();
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0)
+    refuse(fmt::format("cannot create a file in '{}': {}", dir.string(), std::strerror(errno)));
+  ::close(fd);
+  ::unlink(probe.c_str());
+  if (in_place && fs::exists(p, ec) && ::access(path.c_str(), W_OK) != 0)
+    refuse(std::strerror(errno));
+}
+
+// Checks that `path`, the value of `flag`, is a file that can be read.
+void check_readable(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  auto refuse = [&](const std::string& why) {
+    throw mt::IOError(fmt::format("{}: cannot read '{}': {}", flag, path, why));
+  };
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (st.type() == fs::file_type::not_found) refuse("no such file");
+  if (ec) refuse(ec.message());
+  if (!fs::is_regular_file(st)) refuse("it is not a regular file");
+  if (::access(path.c_str(), R_OK) != 0) refuse(std::strerror(errno));
+}
+
 mt::Device pick_device(const std::string& name) {
   const bool have_cuda = mt::has_backend(mt::DeviceType::CUDA) &&
                          mt::backend_for(mt::DeviceType::CUDA).device_count() > 0;
@@ -476,21 +525,27 @@ int run(const Options& o) {
   const std::int64_t units = o.units ? o.units : (device.is_cuda() ? 4096 : 64);
   const std::int64_t batch_size = o.batch_size ? o.batch_size : (o.model == "guide" ? 8192 : 128);
 
-  // Outputs that must be writable are checked before any training.
+  // Files to write and to read are checked before the data is loaded (a download, maybe)
+  // and anything is trained. The metrics file itself is created only when training starts:
+  // a run that fails before leaves no (empty, or emptied) metrics file behind.
+  if (!o.save.empty()) check_writable("--save", o.save, /*in_place=*/false);
+  if (!o.plot.empty()) check_writable("--plot", o.plot, /*in_place=*/false);
+  if (!o.metrics_out.empty()) check_writable("--metrics-out", o.metrics_out, /*in_place=*/true);
+  if (!o.resume.empty()) check_readable("--resume", o.resume);
   EpochSink sink{o, {}, std::nullopt, {}};
-  if (!o.metrics_out.empty()) sink.metrics.emplace(o.metrics_out);
 
   // --- Data: uint8 images scaled to float32 in [0, 1] on the host, int64 labels ---------
   mt::datasets::LoadOptions load;
   if (!o.data_dir.empty()) {
     // An explicit directory must exist: falling back to the cache or a download would
     // hide the mistake.
-    if (!std::filesystem::is_directory(o.data_dir))
-      throw mt::IOError(
-          fmt::format("the data directory '{}' does not exist; point --data-dir "
-                      "at a directory with the four MNIST IDX files, or leave it "
-                      "out to use the cache or a download",
-                      o.data_dir));
+    std::error_code ec;
+    if (!std::filesystem::is_directory(o.data_dir, ec))
+      throw mt::IOError(fmt::format(
+          "the data directory '{}' {}; point --data-dir at a directory with the four MNIST "
+          "IDX files, or leave it out to use the cache or a download",
+          o.data_dir,
+          std::filesystem::exists(o.data_dir, ec) ? "is not a directory" : "does not exist"));
     load.data_dir = o.data_dir;
   }
   load.verbose = o.verbose > 0;
@@ -507,6 +562,11 @@ int run(const Options& o) {
         static_cast<std::int64_t>(static_cast<double>(x.dim(0)) * (1.0 - o.validation_split));
     x_val = x.slice(0, n_train, x.dim(0));
     y_val = y.slice(0, n_train, y.dim(0));
+    if (n_train < 1)
+      throw mt::ValueError(
+          fmt::format("--validation-split {} of {} training image{} leaves none to train on; use a "
+                      "smaller split or more images (--limit)",
+                      o.validation_split, x.dim(0), x.dim(0) == 1 ? "" : "s"));
     x = x.slice(0, 0, n_train);
     y = y.slice(0, 0, n_train);
   }
@@ -571,6 +631,7 @@ int run(const Options& o) {
   }
 
   // --- Training ------------------------------------------------------------------------------
+  if (!o.metrics_out.empty()) sink.metrics.emplace(o.metrics_out);
   if (o.custom_loop) {
     custom_loop(*model, o, x, y, x_val, y_val, batch_size, start_epoch, sink);
   } else {

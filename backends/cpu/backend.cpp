@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_backend.h"
+#include "core/env.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::cpu {
@@ -20,14 +21,13 @@ namespace {
 // that class, so that a training loop that allocates the same tensors every step stops
 // paying for fresh pages (page faults and zeroing by the kernel) after its first step.
 // Size classes: multiples of 64 bytes up to 64 KiB, then eight classes per power of two
-// (at most 12.5% waste). At most kept_limit bytes are kept (MIXTAPE_CPU_CACHE_MB, default
-// 1024); beyond it freed blocks go back to the system.
+// (at most 12.5% waste). At most limit_ bytes are kept (MIXTAPE_CPU_CACHE_MB megabytes,
+// 0 to 1048576, default 1024); beyond it freed blocks go back to the system.
 class BlockCache {
  public:
-  BlockCache() {
-    const char* mb = std::getenv("MIXTAPE_CPU_CACHE_MB");
-    if (mb && *mb) limit_ = static_cast<std::size_t>(std::strtoull(mb, nullptr, 10)) << 20;
-  }
+  // Reads MIXTAPE_CPU_CACHE_MB (when the backend is registered, at the first tensor): a bad
+  // value throws ValueError there, and registration is tried again on the next use.
+  BlockCache() : limit_(static_cast<std::size_t>(detail::env::kCpuCacheMb.read()) << 20) {}
   ~BlockCache() { release_all(); }
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
@@ -70,7 +70,7 @@ class BlockCache {
   std::mutex mutex_;
   std::unordered_map<std::size_t, std::vector<void*>> free_;
   std::size_t kept_ = 0;
-  std::size_t limit_ = std::size_t{1024} << 20;
+  std::size_t limit_;
 };
 
 class CpuBackend final : public Backend {

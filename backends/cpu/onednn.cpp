@@ -49,6 +49,7 @@
 #include <string_view>
 
 #include "backends/cpu/cpu_backend.h"
+#include "core/env.h"
 #include "mixtape/core/error.h"
 
 #ifdef MIXTAPE_WITH_ONEDNN
@@ -80,18 +81,9 @@ std::atomic<int> g_onednn{-1};
 
 // MIXTAPE_CPU_ONEDNN, read once: unset or "1" on, "0" off; anything else throws (and is
 // read again, and throws again, on the next call).
+static_assert(std::string_view(detail::env::kCpuOneDnn.name) == kCpuOneDnnEnv);
 bool onednn_from_environment() {
-  static const bool value = [] {
-    const char* env = std::getenv(kCpuOneDnnEnv);
-    if (env == nullptr) return true;
-    const std::string_view v(env);
-    if (v == "1") return true;
-    if (v == "0") return false;
-    throw ValueError(fmt::format(
-        "{}='{}' is not a valid value; valid: \"0\" (CPU convolutions and pooling without "
-        "oneDNN), \"1\" (with oneDNN where it is faster; the default when unset)",
-        kCpuOneDnnEnv, v));
-  }();
+  static const bool value = detail::env::kCpuOneDnn.read();
   return value;
 }
 

@@ -1,11 +1,17 @@
-// Writes a small MNIST-shaped dataset (the four IDX files, gzip'd) into a directory, for
-// the mixtape-mnist smoke test on machines without MNIST: 28x28 uint8 images where class k
-// is a bright 6x6 square at a position of its own plus noise, so a model can learn it.
-//   fake_mnist DIR [TRAIN_COUNT [TEST_COUNT]]
+// Writes a small MNIST-shaped dataset (the four IDX files, gzip'd) into a directory (created
+// when missing), for the mixtape-mnist smoke test on machines without MNIST: 28x28 uint8
+// images where class k is a bright 6x6 square at a position of its own plus noise, so a
+// model can learn it.
+//   fake_mnist DIR [TRAIN_COUNT [TEST_COUNT [BAD_AT [BAD_LABEL]]]]
+// With BAD_AT, the training label at that index is BAD_LABEL (default 10) instead: a label
+// file that MNIST's loaders must refuse (its labels are the classes 0 to 9).
 #include <mixtape/mixtape.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,8 +19,23 @@ namespace mt = mixtape;
 
 namespace {
 
+// A base-10 integer in [lo, hi], the whole argument; nullopt otherwise.
+std::optional<std::int64_t> parse_int(const char* s, std::int64_t lo, std::int64_t hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(s, &end, 10);
+  if (end == s || *end != '\0' || errno != 0 || v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+// The bad label to write: `label` at index `at` of the training labels.
+struct BadLabel {
+  std::int64_t at = -1;
+  std::uint8_t label = 10;
+};
+
 void write_split(const std::string& dir, const std::string& prefix, std::int64_t n,
-                 mt::Generator& gen) {
+                 mt::Generator& gen, const BadLabel& bad = {}) {
   std::vector<std::uint8_t> images(static_cast<std::size_t>(n * 28 * 28));
   std::vector<std::uint8_t> labels(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) {
@@ -30,6 +51,7 @@ void write_split(const std::string& dir, const std::string& prefix, std::int64_t
             static_cast<std::uint8_t>(on ? 215 + noise : noise);
       }
   }
+  if (bad.at >= 0) labels[static_cast<std::size_t>(bad.at)] = bad.label;
   const std::string images_name =
       prefix == "train" ? "train-images-idx3-ubyte" : "t10k-images-idx3-ubyte";
   const std::string labels_name =
@@ -43,16 +65,29 @@ void write_split(const std::string& dir, const std::string& prefix, std::int64_t
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: fake_mnist DIR [TRAIN_COUNT [TEST_COUNT]]\n");
+  constexpr const char* kUsage =
+      "usage: fake_mnist DIR [TRAIN_COUNT [TEST_COUNT [BAD_AT [BAD_LABEL]]]]\n";
+  if (argc < 2 || argc > 6) {
+    std::fprintf(stderr, "%s", kUsage);
     return 2;
   }
-  const std::int64_t train = argc > 2 ? std::atoll(argv[2]) : 2000;
-  const std::int64_t test = argc > 3 ? std::atoll(argv[3]) : 500;
+  const auto train = argc > 2 ? parse_int(argv[2], 1, 10000000) : std::optional<std::int64_t>(2000);
+  const auto test = argc > 3 ? parse_int(argv[3], 1, 10000000) : std::optional<std::int64_t>(500);
+  BadLabel bad;
+  std::optional<std::int64_t> at = -1, label = 10;
+  if (train && argc > 4) at = parse_int(argv[4], 0, *train - 1);
+  if (argc > 5) label = parse_int(argv[5], 0, 255);
+  if (!train || !test || !at || !label) {
+    std::fprintf(stderr, "fake_mnist: bad count, index or label\n%s", kUsage);
+    return 2;
+  }
+  bad.at = *at;
+  bad.label = static_cast<std::uint8_t>(*label);
   try {
+    std::filesystem::create_directories(argv[1]);
     mt::Generator gen(7);
-    write_split(argv[1], "train", train, gen);
-    write_split(argv[1], "test", test, gen);
+    write_split(argv[1], "train", *train, gen, bad);
+    write_split(argv[1], "test", *test, gen);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fake_mnist: %s\n", e.what());
     return 1;

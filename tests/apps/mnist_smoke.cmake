@@ -7,6 +7,11 @@
 #   - the custom GradientTape loop under mixed_float16 (loss scale in the epoch line);
 #   - bad input: a missing data directory, an unknown option, a checkpoint of another
 #     model, an unwritable metrics file: a one-line error and a non-zero exit;
+#   - checked before training (no model summary, no epoch line): --save, --plot and
+#     --metrics-out into a missing directory or onto a directory, a missing --resume file, a
+#     label outside 0..9, a data dir file that is a dangling link (while the cache holds the
+#     files), a --validation-split that leaves no training image; a failed run leaves no
+#     metrics file;
 #   - the command line (CLI11): --help lists the options with their descriptions; a
 #     mistyped option gets a "did you mean" hint; a bad integer, an out-of-range or NaN
 #     number and a positional argument are refused with one line naming the flag and value.
@@ -28,8 +33,13 @@ endif()
 message(STATUS "mnist smoke test: data in ${DATA_DIR} (fake: ${fake})")
 
 # Runs the app; fails the test unless the exit status is `expect` ("0" or "nonzero").
+# With `run_env` set (NAME=VALUE ...), the app runs in that environment.
 function(run_app expect out_var)
-  execute_process(COMMAND ${APP} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+  set(launcher)
+  if(run_env)
+    set(launcher ${CMAKE_COMMAND} -E env ${run_env})
+  endif()
+  execute_process(COMMAND ${launcher} ${APP} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
                   ERROR_VARIABLE err)
   message(STATUS "mixtape-mnist ${ARGN}\n  -> exit ${rc}\n${out}${err}")
   if(expect STREQUAL "0" AND NOT rc EQUAL 0)
@@ -45,6 +55,16 @@ function(require text what)
   if(at EQUAL -1)
     message(FATAL_ERROR "expected '${what}' in:\n${text}")
   endif()
+endfunction()
+
+# A run refused before training: nothing of the model or an epoch was printed.
+function(require_before_training text)
+  foreach(word "Total params" "Epoch 1/" "Test accuracy")
+    string(FIND "${text}" "${word}" at)
+    if(NOT at EQUAL -1)
+      message(FATAL_ERROR "expected a failure before training, but the output has '${word}':\n${text}")
+    endif()
+  endforeach()
 endfunction()
 
 # A refused command line: one line, "mixtape-mnist: ... (see --help)".
@@ -126,6 +146,69 @@ require("${out}" "m.csv")
 run_app(nonzero out --policy mixed_float8)
 require("${out}" "mixed_float16")
 
+# --- checked before training ---------------------------------------------------------------------
+# Outputs that cannot be written: a missing directory, a directory in the file's place.
+foreach(flag --save --plot --metrics-out)
+  set(name out.csv)
+  if(flag STREQUAL "--plot")
+    set(name curves.svg)
+  endif()
+  run_app(nonzero out ${common} --epochs 1 ${flag} ${WORK_DIR}/no-such-dir/${name})
+  require("${out}" "mixtape-mnist: error: ${flag}: cannot write '${WORK_DIR}/no-such-dir/${name}'")
+  require("${out}" "the directory '${WORK_DIR}/no-such-dir' does not exist")
+  require_before_training("${out}")
+endforeach()
+file(MAKE_DIRECTORY ${WORK_DIR}/a-dir.svg)
+foreach(flag --save --plot --metrics-out)
+  run_app(nonzero out ${common} --epochs 1 ${flag} ${WORK_DIR}/a-dir.svg)
+  require("${out}" "${flag}: cannot write '${WORK_DIR}/a-dir.svg': it is a directory")
+  require_before_training("${out}")
+endforeach()
+run_app(nonzero out ${common} --epochs 1 --resume ${WORK_DIR}/no-such.safetensors)
+require("${out}" "--resume: cannot read '${WORK_DIR}/no-such.safetensors'")
+require_before_training("${out}")
+# A run that fails leaves no metrics file (nor an emptied one) behind.
+file(WRITE ${WORK_DIR}/kept.csv "from an earlier run\n")
+run_app(nonzero out --data-dir ${WORK_DIR}/no-such-dir --epochs 1 --metrics-out ${WORK_DIR}/new.csv)
+run_app(nonzero out --data-dir ${WORK_DIR}/no-such-dir --epochs 1 --metrics-out ${WORK_DIR}/kept.csv)
+if(EXISTS ${WORK_DIR}/new.csv)
+  message(FATAL_ERROR "a failed run left the metrics file new.csv behind")
+endif()
+file(READ ${WORK_DIR}/kept.csv kept)
+require("${kept}" "from an earlier run")
+# A --validation-split that leaves no training image.
+run_app(nonzero out ${common} --epochs 1 --limit 1 --validation-split 0.5)
+require("${out}" "--validation-split 0.5 of 1 training image leaves none to train on")
+require_before_training("${out}")
+
+# A label outside 0..9 (fake data with label 12 at index 100 of the training labels): refused
+# when loaded, naming the file and the position.
+execute_process(COMMAND ${FAKE} ${WORK_DIR}/bad-labels 256 64 100 12 RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "fake_mnist (bad labels) failed (${rc})")
+endif()
+run_app(nonzero out --data-dir ${WORK_DIR}/bad-labels --epochs 1 --verbose 2)
+require("${out}" "${WORK_DIR}/bad-labels/train-labels-idx1-ubyte.gz: label 12 at index 100")
+require_before_training("${out}")
+
+# A data dir file that is a dangling symbolic link is an error, even when the cache holds a
+# good copy (which it must not fall back to).
+execute_process(COMMAND ${FAKE} ${WORK_DIR}/cache/mnist 256 64 RESULT_VARIABLE rc)
+execute_process(COMMAND ${FAKE} ${WORK_DIR}/dangling 256 64 RESULT_VARIABLE rc2)
+if(NOT rc EQUAL 0 OR NOT rc2 EQUAL 0)
+  message(FATAL_ERROR "fake_mnist (cache, dangling) failed (${rc}, ${rc2})")
+endif()
+file(REMOVE ${WORK_DIR}/dangling/train-images-idx3-ubyte.gz)
+file(CREATE_LINK ${WORK_DIR}/no-such-file ${WORK_DIR}/dangling/train-images-idx3-ubyte.gz
+     SYMBOLIC)
+set(run_env --unset=MIXTAPE_DATA_DIR MIXTAPE_CACHE_DIR=${WORK_DIR}/cache)
+run_app(nonzero out --data-dir ${WORK_DIR}/dangling --epochs 1 --verbose 2)
+require("${out}" "${WORK_DIR}/dangling/train-images-idx3-ubyte.gz: is a dangling symbolic link")
+require_before_training("${out}")
+run_app(0 out --epochs 1 --verbose 2 --batch-size 64)  # the cache itself is fine
+require("${out}" "Test accuracy")
+unset(run_env)
+
 # --- the command line ----------------------------------------------------------------------------
 # The runs that must be refused name a missing data directory, so that a check that let them
 # through would fail quickly (and with another message) instead of training.
@@ -153,6 +236,9 @@ require("${out}" "'3x'")
 run_app(nonzero out ${nodata} --epochs -1)
 require_one_line("${out}")
 require("${out}" "--epochs: needs an integer >= 0; got '-1'")
+run_app(nonzero out ${nodata} --epochs 4294967296)
+require_one_line("${out}")
+require("${out}" "--epochs: needs an integer <= 2147483647; got '4294967296'")
 run_app(nonzero out ${nodata} --epochs 0x10)
 require("${out}" "'0x10'")
 run_app(nonzero out ${nodata} --learning-rate 11)

@@ -19,11 +19,13 @@
 //
 // The lists are printable and editable: amp_lists().set("gelu", AmpCategory::Allow), or,
 // at start-up, the environment variables MIXTAPE_AMP_ALLOWLIST_ADD, ..._REMOVE and the
-// same for INFERLIST, DENYLIST and CLEARLIST (comma-separated op names, as printed by
-// op_name()).
+// same for INFERLIST, DENYLIST and CLEARLIST (comma-separated op names out of
+// amp_op_names(); read when the lists are first used, by set_auto_mixed_precision(true)
+// or amp_lists(); docs/environment.md).
 #pragma once
 
 #include <map>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,8 +50,9 @@ class AmpLists {
   void remove(std::string_view op);
   // The ops of a category, sorted.
   std::vector<std::string> ops(AmpCategory c) const;
-  // Applies MIXTAPE_AMP_<LIST>_ADD / _REMOVE from the environment. An op name that is not
-  // an op of mixtape throws ValueError naming the variable and listing the valid names.
+  // Applies MIXTAPE_AMP_<LIST>_ADD / _REMOVE from the environment (comma-separated names of
+  // amp_op_names()). An unknown or empty op name throws ValueError naming the variable, the
+  // value and the valid names, and leaves the lists unchanged.
   void apply_environment();
   // "allow: conv2d, matmul\ninfer: ...\n..."
   std::string str() const;
@@ -57,6 +60,10 @@ class AmpLists {
  private:
   std::map<std::string, AmpCategory, std::less<>> category_;
 };
+
+// The op names the rewrite knows: every op that passes through it (matmul, conv2d, add,
+// ...). AmpLists::set and the MIXTAPE_AMP_* variables accept these names only.
+std::span<const std::string_view> amp_op_names();
 
 // The process-wide lists the rewrite uses (the defaults with the environment applied on
 // first use). Edit them before training starts.

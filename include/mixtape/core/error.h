@@ -68,4 +68,14 @@ class DeviceError : public Error {
   using Error::Error;
 };
 
+// An allocation that failed: the memory of a tensor (or of a host buffer holding tensor
+// data) could not be had. The message names the op, the bytes asked for and the device,
+// and the shape and dtype when there is one: "zeros: out of memory: cannot allocate
+// 1125899906842624 bytes (1.0 PiB) on cpu for a float32 tensor of shape [...]". Nothing
+// was changed; freeing tensors and trying again may succeed.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace mixtape

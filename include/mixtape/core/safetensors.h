@@ -31,7 +31,10 @@ namespace mixtape {
 // atomically: the bytes go to `path + ".tmp-<pid>"` in the same directory, which is
 // fsync'ed and then renamed over `path`. A crash never leaves a half-written file at
 // `path`, and a failed save leaves any file already there untouched and removes its
-// temporary file. Throws ValueError for an undefined tensor, a duplicate or reserved name
+// temporary file. A process killed mid-save leaves its temporary behind; the next save of
+// the same path removes such stale temporaries (`path + ".tmp-<pid>"` whose process is
+// gone; never one of a live process, which may be saving at the same time). Throws ValueError for
+// an undefined tensor, a duplicate or reserved name
 // ("__metadata__") or a name or metadata text that is not valid UTF-8, and IOError (naming
 // the path and the system's reason) when the file cannot be written.
 void save_safetensors(const std::string& path,

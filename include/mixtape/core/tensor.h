@@ -12,7 +12,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <new>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -83,10 +86,18 @@ class Tensor {
   Tensor() = default;  // an undefined tensor (e.g. the gradient of an unconnected source)
   explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
 
-  // A new, uninitialised contiguous tensor.
+  // A new, uninitialised contiguous tensor. Throws ShapeError for a negative extent or a
+  // shape whose size overflows (checked_nbytes in shape.h), and OutOfMemoryError when the
+  // memory cannot be had.
   static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
-  // A view of `base`'s storage with the given geometry (no copy, no checks of bounds
-  // beyond the storage size).
+  // A view of `base`'s storage (not of `base` itself: `offset` counts from the start of
+  // the storage, as Tensor::offset() does) with the given geometry, in elements of
+  // base's dtype; no copy. Every element the view can reach must lie inside the storage.
+  // Throws ShapeError when the strides are not one per axis, an extent is negative, a
+  // stride is negative (views never reverse) or the shape's size overflows, and
+  // IndexError when the offset is negative or an element the view reaches (the furthest
+  // one is offset + sum((extent - 1) * stride)) lies outside the storage; an empty view
+  // may sit anywhere from 0 to the end of the storage.
   static Tensor view_of(const Tensor& base, Shape shape, Strides strides, std::int64_t offset);
 
   bool defined() const { return impl_ != nullptr; }
@@ -147,6 +158,9 @@ double read_as_double(const void* p, DType dtype);
 void write_from_double(void* p, DType dtype, double v);
 // Copies a tensor to a contiguous host buffer of the same dtype.
 std::vector<std::uint8_t> host_bytes(const Tensor& t);
+// Throws OutOfMemoryError "<op>: out of memory: cannot allocate N bytes (...) on <device>"
+// (for host buffers that hold tensor data and fail to allocate).
+[[noreturn]] void throw_out_of_memory(std::string_view op, std::uint64_t nbytes, Device device);
 }  // namespace detail
 
 template <typename T>
@@ -161,7 +175,13 @@ T Tensor::item() const {
 template <typename T>
 std::vector<T> Tensor::to_vector() const {
   auto bytes = detail::host_bytes(*this);
-  std::vector<T> out(static_cast<std::size_t>(numel()));
+  std::vector<T> out;
+  try {
+    out.resize(static_cast<std::size_t>(numel()));
+  } catch (const std::bad_alloc&) {
+    detail::throw_out_of_memory("Tensor::to_vector",
+                                static_cast<std::uint64_t>(numel()) * sizeof(T), Device::cpu());
+  }
   const std::size_t item = dtype().itemsize();
   for (std::size_t i = 0; i < out.size(); ++i)
     out[i] = static_cast<T>(detail::read_as_double(bytes.data() + i * item, dtype()));
@@ -170,24 +190,49 @@ std::vector<T> Tensor::to_vector() const {
 
 // --- Factories --------------------------------------------------------------------
 
+namespace detail {
+struct GeneratorAccess;
+}  // namespace detail
+
 // Seeded random number generator (64-bit Mersenne Twister); the same seed gives the
-// same numbers on every platform.
+// same numbers on every platform. Copies share one state.
+//
+// Threads: a Generator is locked, not per-thread. Every draw takes its mutex, so threads
+// may share one (the default generator is shared by every thread of the process) and no
+// number is lost or drawn twice: together they draw exactly the generator's sequence.
+// Which thread gets which numbers then depends on timing. A random factory holds the lock
+// while it fills its tensor, so each tensor is one consecutive run of the sequence, the
+// same run a single thread would have drawn in that order. For results that do not
+// depend on how threads interleave, give each thread its own Generator (seeded from your
+// seed and the thread's index) or pass seeds explicitly.
 class Generator {
  public:
   explicit Generator(std::uint64_t seed = 0x6d697874617065ULL);
-  void seed(std::uint64_t seed);
+  void seed(std::uint64_t seed);  // restarts the sequence
   std::uint64_t next_u64();
   double next_uniform();  // [0, 1)
   double next_normal();   // standard normal
+  // Holds the generator for the calling thread until the returned lock is released: the
+  // draws this thread makes meanwhile are consecutive numbers of the sequence (other
+  // threads' draws wait). The lock is recursive, so draws through this Generator (or a
+  // copy) may be made while holding it.
+  std::unique_lock<std::recursive_mutex> lock() const;
 
  private:
+  friend struct detail::GeneratorAccess;  // the factories draw a whole tensor under one lock
   struct State;
   std::shared_ptr<State> state_;
 };
-// The generator factories use when none is passed.
+// The generator that factories and layers use when none is passed: one per process,
+// shared by all threads and locked (see Generator).
 Generator& default_generator();
+// Reseeds the default generator (for every thread: there is one).
 void manual_seed(std::uint64_t seed);
 
+// Every factory refuses a shape with a negative extent or whose size overflows int64
+// (ShapeError naming the factory and the shape, see checked_nbytes in shape.h) before it
+// allocates anything, and throws OutOfMemoryError (naming the factory, the bytes, the
+// device, the dtype and the shape) when the memory cannot be had.
 Tensor zeros(const Shape& shape, DType dtype = kFloat32, Device device = Device::cpu());
 Tensor ones(const Shape& shape, DType dtype = kFloat32, Device device = Device::cpu());
 Tensor full(const Shape& shape, double value, DType dtype = kFloat32,
@@ -195,11 +240,13 @@ Tensor full(const Shape& shape, double value, DType dtype = kFloat32,
 Tensor zeros_like(const Tensor& t);
 Tensor ones_like(const Tensor& t);
 Tensor full_like(const Tensor& t, double value);
-// [start, stop) by step, as a 1-D tensor.
+// [start, stop) by step, as a 1-D tensor. Throws ValueError for a zero or non-finite
+// step or bound, and for a range of more elements than a tensor can hold (counted before
+// anything is allocated: arange(0, 1e30) is refused at once).
 Tensor arange(double start, double stop, double step = 1.0, DType dtype = kFloat32,
               Device device = Device::cpu());
 Tensor arange(std::int64_t stop, DType dtype = kInt64, Device device = Device::cpu());
-// Copies host values into a new tensor of the given shape (numel must match).
+// Copies host values into a new tensor of the given shape (numel must match; ShapeError).
 template <typename T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape,
                    DType dtype = dtype_of<T>::value, Device device = Device::cpu());
@@ -216,7 +263,12 @@ Tensor from_host(const void* data, std::size_t count, DType src_dtype, const Sha
 template <typename T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape, DType dtype, Device device) {
   if constexpr (std::is_same_v<T, bool>) {
-    std::vector<std::uint8_t> bytes(values.begin(), values.end());
+    std::vector<std::uint8_t> bytes;
+    try {
+      bytes.assign(values.begin(), values.end());
+    } catch (const std::bad_alloc&) {
+      detail::throw_out_of_memory("from_vector", values.size(), Device::cpu());
+    }
     return detail::from_host(bytes.data(), bytes.size(), kBool, shape, dtype, device);
   } else {
     return detail::from_host(values.data(), values.size(), dtype_of<T>::value, shape, dtype,

@@ -21,8 +21,18 @@
 // Each file is looked up on its own (standard names, raw or .gz). When a file is found
 // nowhere, one IOError lists every place looked at and why each failed. Downloads use
 // libcurl and tarballs are read with libarchive, in-process: no program is run.
+//
+// An entry of a standard name in the data dir or the cache that is not a regular file (a
+// directory, a FIFO, a device, a dangling symbolic link; a link to a regular file is fine)
+// is an IOError naming it: it is never skipped for the cache or a download.
+//
+// The files are checked as they are read, each header before its data: labels of shape
+// [N] (at most LoadOptions::max_examples), each a class 0 to 9 (the first bad one named with
+// its index); images uint8 of shape [N, 28, 28] with the N of their labels. Every error is
+// an IOError naming the file.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -88,6 +98,10 @@ struct LoadOptions {
   std::string npm_registry = {};
   int connect_timeout_s = 10;    // the most reaching a host may take, per download
   int transfer_timeout_s = 600;  // the most one download may take
+  // The most images (and labels) one file may hold: a header promising more is refused
+  // before any of its data is read (MNIST and Fashion-MNIST hold 60000; the default leaves
+  // room for larger sets in the same format). At least 1.
+  std::int64_t max_examples = 1000000;
 };
 
 // The paths of the four files of a dataset, as found or fetched (in the data dir or the

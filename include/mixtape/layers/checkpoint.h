@@ -9,17 +9,21 @@
 //   // ... fit(..., {.initial_epoch = info.epoch}) resumes where training stopped
 //
 // Loading validates before it changes anything: every weight of the model must be in the
-// file with the same shape and dtype (and the file may hold no other weights), and a
-// checkpoint's optimizer kind, slots and numbers must fit; otherwise ValueError names the
+// file with the same shape and dtype (and the file may hold no other weights), a BOOL
+// tensor holds only bytes 0 and 1, and a checkpoint's optimizer kind, slots and numbers
+// must fit and be possible (epoch and iterations >= 0, every variable's slots present once
+// iterations > 0, loss-scale counters whole and in range); otherwise ValueError names the
 // file and the first tensor or key that does not fit, and the model and optimizer are left
 // as they were. A file that cannot be read or is corrupt throws IOError.
 // docs/checkpoints.md describes the files.
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/model.h"
 #include "mixtape/optim/optimizer.h"
 
 namespace mixtape {
@@ -51,17 +55,64 @@ struct TrainingCheckpoint {
 // (optimizer.name()), "optimizer.inner" (the wrapped optimizer's name, for a
 // LossScaleOptimizer), "iterations", each of the state's scalars as
 // "optimizer.scalar.<name>" (shortest text that reads back to the same double), and
-// info.metadata. Throws ValueError when info.metadata uses one of those keys ("format",
-// "epoch", "optimizer", "iterations" or one starting with "optimizer.").
+// info.metadata. Throws ValueError, writing nothing, when info.epoch < 0 or info.metadata
+// uses one of those keys ("format", "epoch", "optimizer", "iterations" or one starting with
+// "optimizer.").
 void save_checkpoint(const std::string& path, const layers::Layer& model,
                      const optim::Optimizer& optimizer, const TrainingCheckpoint& info);
 
 // Restores a save_checkpoint file into `model` and `optimizer` (of the same kinds, built
 // the same way) and returns its epoch and the caller's metadata. Checks the format, the
-// optimizer's kind, the weights (as load_weights does), that every slot belongs to a
-// trainable variable, and the optimizer's state (optimizer.load_state, which checks before
-// it changes anything) before the weights are assigned.
+// optimizer's kind, the epoch and iteration count (>= 0), that no other key of mixtape's
+// own is there, the weights (as load_weights does), that every slot belongs to a trainable
+// variable, and the optimizer's state (optimizer.load_state, which checks before it changes
+// anything) before the weights are assigned.
 TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model,
                                    optim::Optimizer& optimizer);
+
+// A fit() callback that saves the model at the end of epochs, as Keras' ModelCheckpoint:
+//
+//   auto ckpt = std::make_shared<mt::ModelCheckpoint>(mt::ModelCheckpoint::Options{
+//       .filepath = "ckpt-{epoch:02d}.safetensors", .monitor = "val_accuracy",
+//       .save_best_only = true});
+//   model.fit(x, y, {.epochs = 10, .validation_split = 0.1, .callbacks = {ckpt}});
+//
+// By default a training checkpoint (save_checkpoint: weights, optimizer state, and as its
+// epoch the number of epochs done, so that load_checkpoint's epoch is fit's initial_epoch
+// to resume); with save_weights_only, the weights alone (save_weights). `{epoch}` in the
+// path (with any format spec, e.g. `{epoch:03d}`) is the number of the epoch just done,
+// counting from 1 as Keras does; other braces are refused. Every file is written
+// atomically.
+class ModelCheckpoint : public Callback {
+ public:
+  struct Options {
+    std::string filepath = {};
+    std::string monitor = "val_loss";  // the logged value save_best_only compares
+    bool save_best_only = false;       // save only when `monitor` improved
+    bool save_weights_only = false;    // save_weights instead of save_checkpoint
+    // true: larger is better; false: smaller; empty: larger for names containing "acc"
+    // (accuracies), smaller otherwise (Keras' mode "auto").
+    std::optional<bool> maximize = {};
+  };
+  // Throws ValueError for an empty filepath, or braces other than {epoch...} in it.
+  explicit ModelCheckpoint(Options options);
+  void on_train_begin(Model& model) override;
+  // Saves (when due). With save_best_only, a monitor that is not logged throws ValueError
+  // naming it and the logged names; a NaN value is never an improvement.
+  void on_epoch_end(Model& model, int epoch, const Logs& logs) override;
+
+  // The path of the last file written ("" before the first).
+  const std::string& last_saved() const { return last_saved_; }
+  // The best monitored value so far (save_best_only), if any.
+  std::optional<double> best() const { return best_; }
+
+ private:
+  std::string path_for(int epoch) const;
+
+  Options options_;
+  bool maximize_ = false;
+  std::optional<double> best_ = {};
+  std::string last_saved_ = {};
+};
 
 }  // namespace mixtape

@@ -31,6 +31,7 @@ class InputLayer : public Layer {
   std::string class_name() const override { return "InputLayer"; }
   const Shape& input_shape() const { return shape_; }  // without the batch axis
   DType input_dtype() const { return dtype_; }
+  std::optional<DType> integer_input_dtype() const override { return dtype_; }
 
  protected:
   bool autocast_inputs() const override { return false; }
@@ -146,13 +147,16 @@ struct EmbeddingOptions {
 };
 
 // Integer ids [...] -> rows of a [input_dim, output_dim] table: [..., output_dim]. Floating
-// ids are truncated to integers; ids outside [0, input_dim) throw IndexError.
+// ids are truncated toward zero (as Keras casts them); ids outside [0, input_dim), NaN and
+// infinities throw IndexError naming the flat position and the value of the first.
 class EmbeddingLayer : public Layer {
  public:
   EmbeddingLayer(std::int64_t input_dim, std::int64_t output_dim, EmbeddingOptions options = {});
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   const Variable& embeddings() const;
+  // Integer ids reach it as they are, also as a model's first layer.
+  std::optional<DType> integer_input_dtype() const override { return std::nullopt; }
 
  protected:
   bool autocast_inputs() const override { return false; }

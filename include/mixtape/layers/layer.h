@@ -150,6 +150,13 @@ class Layer {
   std::vector<Tensor> get_weights() const;
   void set_weights(const std::vector<Tensor>& values);
 
+  // The dtype a model casts integer and boolean inputs (uint8 images, say) to when this
+  // layer is the first to receive them, as Keras casts a model's inputs to its Input's
+  // dtype: float32 by default; an Input's declared dtype; none for an Embedding (its ids
+  // are taken as they are); a model's first layer's. A layer of your own that takes
+  // integers as they are returns std::nullopt.
+  virtual std::optional<DType> integer_input_dtype() const { return kFloat32; }
+
   // The sublayers (a model's layers), in order.
   const std::vector<std::shared_ptr<Layer>>& sublayers() const { return sublayers_; }
   // The output shape of the latest call, with -1 on the batch axis (empty before).
@@ -212,10 +219,18 @@ class LayerPtr : public std::shared_ptr<T> {
   std::shared_ptr<Layer> checked() const;
 };
 
-// Makes a layer of a user's class: make_layer<Scale>(mt::layers::LayerOptions{.name = "s"}).
+// Makes a layer of a user's class: make_layer<Scale>(), make_layer<Scale>({.name = "s"})
+// (for a class constructible from LayerOptions), or make_layer<Scale>(args...) with the
+// arguments of any of its constructors.
 template <typename T, typename... Args>
 LayerPtr<T> make_layer(Args&&... args) {
   return LayerPtr<T>(std::make_shared<T>(std::forward<Args>(args)...));
+}
+// The braced form, make_layer<T>({.name = ..., .dtype = ...}): a braced list has no type to
+// deduce Args from, so this overload names it.
+template <typename T>
+requires std::constructible_from<T, LayerOptions> LayerPtr<T> make_layer(LayerOptions options) {
+  return LayerPtr<T>(std::make_shared<T>(std::move(options)));
 }
 
 namespace detail {

@@ -3,9 +3,11 @@
 //
 // A Loss is called as loss(y_true, y_pred) and returns a scalar: the mean of the
 // per-sample losses over the batch (Reduction::SumOverBatchSize, Keras' default), their
-// sum, or the per-sample losses themselves (Reduction::None). Losses always compute in
-// float32 (float64 stays float64): a float16 or bfloat16 prediction is cast up first, as
-// the mixed precision guide requires of a model's output.
+// sum, or the per-sample losses themselves (Reduction::None). Over an empty batch (0
+// samples) the mean and the sum are 0, as in Keras, never NaN; a prediction whose last axis
+// is empty (no class, or nothing to average per sample) throws ShapeError. Losses always
+// compute in float32 (float64 stays float64): a float16 or bfloat16 prediction is cast up
+// first, as the mixed precision guide requires of a model's output.
 //
 //   auto loss_object = mt::losses::SparseCategoricalCrossentropy();
 //   mt::Tensor loss = loss_object(labels, probabilities);
@@ -50,6 +52,9 @@ class Loss {
 };
 
 // Integer labels [batch] (or [batch, 1]) against class probabilities (or logits) [batch, C].
+// Labels outside [0, C) throw IndexError naming the flat position and the value of the
+// first; floating labels are truncated toward zero (as Keras casts them), and a NaN or an
+// infinity among them throws the same way.
 Loss SparseCategoricalCrossentropy(LossOptions options = {});
 // One-hot (or soft) labels [batch, C] against probabilities (or logits) [batch, C].
 Loss CategoricalCrossentropy(LossOptions options = {});

@@ -4,7 +4,8 @@
 //   mt::metrics::SparseCategoricalAccuracy acc;       acc.update_state(labels, probabilities);
 //   fmt::print("{} {}", epoch_loss.result(), acc.result());
 //
-// Totals are kept on the host in float64; reset_state() starts over.
+// Totals are kept on the host in float64; reset_state() starts over. An empty batch changes
+// nothing (the result stays 0 before anything is seen).
 #pragma once
 
 #include <memory>
@@ -53,7 +54,9 @@ class Accuracy : public Metric {
                     const Tensor& sample_weight = Tensor()) override;
 };
 
-// How often argmax(y_pred) equals the integer label y_true ([batch] or [batch, 1]).
+// How often argmax(y_pred) equals the integer label y_true ([batch] or [batch, 1]). Integer
+// labels outside [0, C) count as misses (Keras); floating labels must be class indices (a NaN,
+// an infinity or a value outside [0, C) throws IndexError naming its position).
 class SparseCategoricalAccuracy : public Metric {
  public:
   explicit SparseCategoricalAccuracy(std::string name = "sparse_categorical_accuracy")

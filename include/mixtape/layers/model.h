@@ -109,13 +109,28 @@ class EarlyStopping : public Callback {
   bool seen_ = false;
 };
 
+// Validation inputs and labels for fit(), written as Keras users write them:
+// `.validation_data = {x_val, y_val}` (std::make_pair(x_val, y_val) works too). Empty, the
+// default, means none.
+struct ValidationData {
+  ValidationData() = default;
+  ValidationData(Tensor x_val, Tensor y_val) : x(std::move(x_val)), y(std::move(y_val)) {}
+  ValidationData(std::pair<Tensor, Tensor> xy)  // NOLINT: converts like the pair it was
+      : x(std::move(xy.first)), y(std::move(xy.second)) {}
+  // True when validation data is given (x or y defined).
+  explicit operator bool() const { return x.defined() || y.defined(); }
+
+  Tensor x = {};
+  Tensor y = {};
+};
+
 struct FitOptions {
   std::int64_t batch_size = 32;
   int epochs = 1;
   // The last fraction of the samples (before shuffling) held out for validation.
   double validation_split = 0.0;
   // Or explicit validation inputs and labels.
-  std::optional<std::pair<Tensor, Tensor>> validation_data = {};
+  ValidationData validation_data = {};
   bool shuffle = true;  // the training samples, each epoch
   // For shuffling: epoch e shuffles with a generator seeded from (seed, e), so a run
   // resumed at initial_epoch sees the same batches. Default: drawn from the default
@@ -123,7 +138,9 @@ struct FitOptions {
   std::optional<std::uint64_t> seed = {};
   int verbose = 1;  // 0 silent; 1 a progress bar on a terminal, else a line per epoch; 2 lines
   std::vector<std::shared_ptr<Callback>> callbacks = {};
-  int initial_epoch = 0;  // start counting epochs here (resuming)
+  // Start counting epochs here (resuming): epochs initial_epoch .. epochs - 1 run (none when
+  // initial_epoch >= epochs). Must be >= 0.
+  int initial_epoch = 0;
 };
 
 // What fit() returns: per epoch, every logged value.
@@ -168,6 +185,14 @@ class Model : public layers::Layer {
   std::string summary_string() const;
   void summary() const;  // prints summary_string() to stdout
 
+  // The dtype integer and boolean inputs are cast to when they reach the model, in a call,
+  // fit, evaluate, predict and train_step (as Keras casts a model's inputs to its Input's
+  // dtype): that of its first layer (a functional model's Input dtype; float32 for a
+  // Sequential that starts with Dense, Conv2D, Flatten, ...; none when it starts with an
+  // Embedding, which takes its ids as they are). Floating inputs are never cast here (each
+  // layer casts them to its compute dtype).
+  std::optional<DType> integer_input_dtype() const override;
+
   // Runs a batch of one through the model so that every layer is built (for a Sequential
   // model before its first call). `input_shape` may carry -1 on the batch axis.
   void build_for(const Shape& input_shape);
@@ -189,13 +214,20 @@ class Model : public layers::Layer {
   const std::shared_ptr<optim::Optimizer>& optimizer() const { return optimizer_; }
   const losses::Loss& loss() const;
 
+  // Data of any dtype goes in, as in Keras: integer and boolean inputs (uint8 images) are
+  // cast to integer_input_dtype() (fit casts x once, at its start: a copy in that dtype),
+  // integer and boolean labels are widened to int64.
+
   // Trains on (x, y) in batches along axis 0. Prints per epoch (verbose) the loss, the
   // metrics, the validation ones, the time, us/sample, and under loss scaling the scale and
-  // the skipped steps.
+  // the skipped steps. Throws ValueError for no training samples, a batch_size <= 0, epochs
+  // or initial_epoch < 0.
   History fit(const Tensor& x, const Tensor& y, FitOptions options = {});
-  // One training step on a batch: the loss and metric values of the batch.
+  // One training step on a batch: the loss and metric values of the batch. An empty batch
+  // (0 rows) takes no step: the model (in inference mode) and the loss run to check the
+  // shapes, the loss is 0 and nothing changes (no weight, statistic, slot or iteration).
   Logs train_step(const Tensor& x, const Tensor& y);
-  // The mean loss and metrics over (x, y), in batches, in inference mode.
+  // The mean loss and metrics over (x, y), in batches, in inference mode (0 for 0 rows).
   Logs evaluate(const Tensor& x, const Tensor& y, EvaluateOptions options = {});
   // The outputs for x, in batches, in inference mode.
   Tensor predict(const Tensor& x, PredictOptions options = {});
@@ -204,9 +236,11 @@ class Model : public layers::Layer {
 
  protected:
   // For Sequential: a model whose call() is its own.
-  Model(ModelOptions options, std::string class_name);
+  Model(ModelOptions options, const std::string& class_name);
   bool autocast_inputs() const override { return false; }
   void add_layer(std::shared_ptr<layers::Layer> layer);
+  // x cast to integer_input_dtype() when it is an integer or boolean tensor.
+  Tensor conform_input(const Tensor& x) const;
   // Says once (log) when the output is 16-bit under a mixed policy.
   void check_output_dtype(DType output);
 

@@ -32,7 +32,8 @@ struct BatchNormalizationOptions {
 // Training (a trainable layer called with {.training = true}): normalises with the batch's
 // mean and (biased) variance over every axis but `axis`, and moves the moving averages
 // towards them: moving = moving * momentum + batch * (1 - momentum). Otherwise (inference,
-// or a frozen layer) it normalises with the moving averages.
+// a frozen layer, or an empty batch, which has no statistics) it normalises with the moving
+// averages and leaves them as they are.
 class BatchNormalizationLayer : public Layer {
  public:
   explicit BatchNormalizationLayer(BatchNormalizationOptions options = {});

@@ -12,7 +12,10 @@
 //
 // A DTypeTraceScope collects the same rows for every layer call of the thread while it is
 // alive (training steps included). With the environment variable MIXTAPE_TRACE_DTYPES=1,
-// every layer call also logs its row (spdlog, info level).
+// every layer call also logs its row (spdlog, info level); "0" or unset: no log. Another
+// value throws ValueError at the first layer call (docs/environment.md).
+//
+// Threads: scopes are per thread (a scope collects the layer calls of its own thread).
 #pragma once
 
 #include <optional>

@@ -76,7 +76,9 @@ class LossScaleOptimizer : public Optimizer {
     return std::make_shared<LossScaleOptimizer>(*this);
   }
   // The wrapped optimizer's state plus loss_scale, good_steps, applied_steps and
-  // skipped_steps.
+  // skipped_steps. load_state checks them before anything changes (ValueError naming the
+  // number: the scale finite and > 0, each count a whole number in [0, 2^53], no other
+  // scalar), then the wrapped optimizer's part (Optimizer::load_state).
   OptimizerState state(const std::vector<Variable>& variables) const override;
   void load_state(const OptimizerState& state, const std::vector<Variable>& variables) override;
 

@@ -94,10 +94,15 @@ class Optimizer {
 
   // The slots of `var` (empty before its first step).
   std::vector<Variable> slots(const Variable& var) const;
-  // The state for `variables` (their slots, by the variables' names).
+  // The state for `variables` (their slots, by the variables' names). Once iterations > 0
+  // every variable has its slots in it: one not stepped yet (no gradient so far) gets the
+  // zeros its first step would start from.
   virtual OptimizerState state(const std::vector<Variable>& variables) const;
-  // Restores a state saved for variables of the same names, shapes and slot dtypes;
-  // throws ValueError naming the first slot that is missing or does not fit.
+  // Restores a state saved for variables of the same names, shapes and slot dtypes. Checks
+  // everything before it changes anything, and throws ValueError naming the first problem:
+  // iterations < 0, a scalar it does not keep, a slot that is missing (a variable without
+  // any of its slots is accepted only when iterations is 0; its slots then restart), of
+  // another shape or dtype, or a tensor that is no slot of these variables.
   virtual void load_state(const OptimizerState& state, const std::vector<Variable>& variables);
 
  protected:

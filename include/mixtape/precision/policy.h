@@ -12,6 +12,12 @@
 // A layer reads the global policy when it is constructed; changing the global policy later
 // does not touch existing layers. A layer's `dtype` option (a name or a Policy) overrides
 // the global policy for that layer. docs/mixed_precision.md has the whole story.
+//
+// Threads: the global policy is a process default (set_global_policy, synchronised)
+// under per-thread overrides (PolicyScope). A thread reads its innermost PolicyScope's
+// policy, else the process default; a scope on one thread never changes what another
+// thread sees, and a new thread starts with no scope (the process default), whatever
+// scope the thread that started it is in.
 #pragma once
 
 #include <fmt/format.h>
@@ -34,6 +40,10 @@ class Policy {
   Policy(std::string_view name);                                       // NOLINT
   Policy(const char* name) : Policy(std::string_view(name)) {}         // NOLINT
   Policy(const std::string& name) : Policy(std::string_view(name)) {}  // NOLINT
+  // The single-dtype policy of a floating dtype (mt::kFloat32 -> "float32"), so that
+  // `.dtype = mt::kFloat32` works where `.dtype = "float32"` does; any other dtype throws
+  // ValueError listing the policy names.
+  Policy(DType dtype);  // NOLINT
   // With an explicit loss scale: a number is a fixed scale (as in the guide:
   // Policy("mixed_float16", 1024)).
   Policy(std::string_view name, double loss_scale);
@@ -60,11 +70,17 @@ class Policy {
   std::optional<LossScale> loss_scale_;
 };
 
-// The policy layers take when none is given (float32 until set).
+// The policy a layer constructed on this thread takes when none is given: the policy of
+// the thread's innermost PolicyScope, else the process default (float32 until set).
 Policy global_policy();
+// Sets the process default, which every thread without a PolicyScope reads (thread-safe).
+// Called inside a PolicyScope of this thread it sets that scope's policy instead, until
+// the scope ends (so code that sets the policy inside a scope behaves as on one thread).
 void set_global_policy(const Policy& policy);
 
-// Sets the global policy while alive and restores the previous one.
+// Sets the global policy of the current thread only while alive, and restores the
+// thread's previous one (an outer scope's, or the process default) when it ends. Other
+// threads are not affected. Destroy it on the thread that made it (it is a stack object).
 class PolicyScope {
  public:
   explicit PolicyScope(const Policy& policy);
@@ -73,7 +89,7 @@ class PolicyScope {
   PolicyScope& operator=(const PolicyScope&) = delete;
 
  private:
-  Policy previous_;
+  std::optional<Policy> previous_;  // the thread's scope policy before (nullopt: none)
 };
 
 }  // namespace mixtape
