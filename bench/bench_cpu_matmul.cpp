@@ -287,7 +287,7 @@ void BM_CpuPool2dPath(benchmark::State& state) {
 void PoolPathArgs(benchmark::internal::Benchmark* b) {
   for (std::int64_t layer = 0; layer < 2; ++layer)
     for (std::int64_t op = 0; op < 4; ++op)
-      for (std::int64_t dt : {0, 2})
+      for (std::int64_t dt : {0, 2, 1})
         for (std::int64_t on = 0; on < 2; ++on) b->Args({layer, op, dt, on});
 }
 BENCHMARK(BM_CpuPool2dPath)
