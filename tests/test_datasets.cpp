@@ -36,6 +36,7 @@
 
 #include "datasets/digest.h"
 #include "mixtape/mixtape.h"
+#include "temp_dir.h"
 
 namespace mt = mixtape;
 namespace md = mixtape::datasets;
@@ -45,26 +46,7 @@ using mt::data::Dataset;
 
 namespace {
 
-// A fresh temporary directory, removed with its content at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "mixtape-datasets-test-XXXXXX").string();
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
+using mixtape_test::TempDir;
 
 // Sets (or unsets, with nullopt) an environment variable for the scope.
 class EnvScope {

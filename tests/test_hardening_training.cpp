@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "mixtape/mixtape.h"
+#include "temp_dir.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
@@ -90,27 +91,7 @@ mt::Model classifier(std::int64_t dims, std::int64_t classes, std::uint64_t seed
   return mt::Model(inputs, outputs);
 }
 
-// A fresh directory, removed with its contents at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            fmt::format("mixtape-hardening-{}-{}", static_cast<long>(::getpid()), counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using mixtape_test::TempDir;
 
 }  // namespace
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "mixtape/mixtape.h"
+#include "temp_dir.h"
 
 namespace mt = mixtape;
 namespace mo = mixtape::optim;
@@ -28,34 +29,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory, removed with its contents at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            fmt::format("mixtape-safetensors-{}-{}", static_cast<long>(::getpid()), counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  // The names of the directory's entries, sorted.
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename().string());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
+using mixtape_test::TempDir;
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

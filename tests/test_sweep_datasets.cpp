@@ -17,6 +17,7 @@
 
 #include "api_sweep.h"
 #include "mixtape/mixtape.h"
+#include "temp_dir.h"
 
 namespace mt = mixtape;
 namespace md = mixtape::datasets;
@@ -28,25 +29,7 @@ namespace {
 
 using Bytes = std::vector<std::uint8_t>;
 
-// A fresh temporary directory, removed with its content at the end of the test.
-class SweepDir {
- public:
-  SweepDir() {
-    std::string tmpl = (fs::temp_directory_path() / "mixtape-sweep-datasets-XXXXXX").string();
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~SweepDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  SweepDir(const SweepDir&) = delete;
-  SweepDir& operator=(const SweepDir&) = delete;
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
+using SweepDir = mixtape_test::TempDir;
 
 void write_bytes(const fs::path& path, const Bytes& bytes) {
   fs::create_directories(path.parent_path());

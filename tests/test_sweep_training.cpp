@@ -16,6 +16,7 @@
 
 #include "api_sweep.h"
 #include "mixtape/mixtape.h"
+#include "temp_dir.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
@@ -36,27 +37,7 @@ mt::Tensor labels_with(double bad) {
   return mt::from_vector(std::vector<double>{0, 1, 2, bad, 1}, {5});
 }
 
-// A fresh directory, removed with its contents at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            fmt::format("mixtape-sweep-training-{}-{}", static_cast<long>(::getpid()), counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using mixtape_test::TempDir;
 
 }  // namespace
 

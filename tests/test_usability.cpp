@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mixtape/mixtape.h"
+#include "temp_dir.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
@@ -31,30 +32,7 @@ class Scale : public ml::Layer {
   mt::Variable alpha_;
 };
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "mixtape-usability-XXXXXX").string();
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
+using mixtape_test::TempDir;
 
 struct Data {
   mt::Tensor x, y;
