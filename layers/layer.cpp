@@ -167,7 +167,69 @@ const std::shared_ptr<Layer>& SymbolicTensor::layer() const {
   return node_->layer;
 }
 
+// --- Automatic tracking of sublayers ---------------------------------------------------
+//
+// Two per-thread stacks. The frames: one per construction by make_layer (collecting the
+// layers made inside it) and one per build() (whose owner tracks what is made inside it at
+// once, so that build() may call it right away). The calls: the layers whose operator() is
+// running, innermost last, for the check that a layer called inside another's call() is
+// tracked by it (or by a layer further out).
+
 namespace detail {
+
+struct Tracking {
+  struct Frame {
+    Layer* owner = nullptr;                                    // a build() frame
+    std::vector<std::shared_ptr<Layer>>* collected = nullptr;  // a construction frame
+  };
+  static std::vector<Frame>& frames() {
+    thread_local std::vector<Frame> stack;
+    return stack;
+  }
+  static std::vector<const Layer*>& calls() {
+    thread_local std::vector<const Layer*> stack;
+    return stack;
+  }
+  static void track(Layer& owner, std::shared_ptr<Layer> layer) { owner.track(std::move(layer)); }
+  // `layer` was just made: it goes to the innermost frame, if any.
+  static void hand_to_enclosing(const std::shared_ptr<Layer>& layer) {
+    if (frames().empty()) return;
+    const Frame& f = frames().back();
+    if (f.owner)
+      track(*f.owner, layer);
+    else
+      f.collected->push_back(layer);
+  }
+  static bool tracks(const Layer& owner, const Layer* layer) {
+    for (const auto& l : owner.sublayers_)
+      if (l.get() == layer) return true;
+    return false;
+  }
+};
+
+// Pops a frame or a call when it ends, also by an exception.
+template <typename T>
+struct PopGuard {
+  std::vector<T>& stack;
+  ~PopGuard() { stack.pop_back(); }
+};
+
+ConstructionFrame::ConstructionFrame() {
+  Tracking::frames().push_back(Tracking::Frame{nullptr, &children_});
+}
+
+ConstructionFrame::~ConstructionFrame() {
+  if (open_) Tracking::frames().pop_back();
+}
+
+void ConstructionFrame::made(const std::shared_ptr<Layer>& layer) {
+  Tracking::frames().pop_back();
+  open_ = false;
+  for (auto& child : children_)
+    if (child != layer) Tracking::track(*layer, std::move(child));
+  children_.clear();
+  Tracking::hand_to_enclosing(layer);
+}
 
 std::string unique_layer_name(const std::string& base) { return unique_name(base); }
 
@@ -238,6 +300,10 @@ Tensor Layer::operator()(const Tensor& input, const CallContext& ctx) {
     throw ValueError(
         fmt::format("layer '{}' ({}): called on an undefined tensor", name(), class_name()));
   try {
+    check_tracked_by_caller();
+    auto& calls = detail::Tracking::calls();
+    calls.push_back(this);
+    const detail::PopGuard<const Layer*> pop_call{calls};
     Tensor x = input;
     if (autocast_inputs() && x.dtype().is_floating() && compute_dtype().is_floating() &&
         x.dtype() != compute_dtype())
@@ -245,13 +311,20 @@ Tensor Layer::operator()(const Tensor& input, const CallContext& ctx) {
     if (!built_) {
       if (!device_set_) device_ = x.device();
       device_set_ = true;
+      const std::size_t sublayers_before = sublayers_.size();
       try {
+        // Layers made inside build() become sublayers (detail::Tracking).
+        auto& frames = detail::Tracking::frames();
+        frames.push_back(detail::Tracking::Frame{this, nullptr});
+        const detail::PopGuard<detail::Tracking::Frame> pop_frame{frames};
         build(x.shape());
         // A spec set before the build (an Input's) can refuse the first input: the layer
         // then stays unbuilt.
         check_input(x);
       } catch (...) {
         weights_.clear();
+        sublayers_.erase(sublayers_.begin() + static_cast<std::ptrdiff_t>(sublayers_before),
+                         sublayers_.end());
         throw;
       }
       built_ = true;
@@ -339,9 +412,39 @@ Variable Layer::add_weight(const std::string& name, const Shape& shape,
 
 void Layer::track(std::shared_ptr<Layer> layer) {
   if (!layer) throw ValueError(fmt::format("layer '{}': cannot track an empty layer", name()));
+  if (layer.get() == this)
+    throw ValueError(fmt::format("layer '{}' ({}): cannot track itself", name(), class_name()));
   for (const auto& l : sublayers_)
     if (l == layer) return;
+  // A layer that already holds this one (directly or further down) would make a cycle, and
+  // weights() would never end.
+  std::vector<const Layer*> pending{layer.get()};
+  while (!pending.empty()) {
+    const Layer* l = pending.back();
+    pending.pop_back();
+    for (const auto& sub : l->sublayers_) {
+      if (sub.get() == this)
+        throw ValueError(fmt::format(
+            "layer '{}' ({}): cannot track layer '{}' ({}), which holds it already (a cycle)",
+            name(), class_name(), layer->name(), layer->class_name()));
+      pending.push_back(sub.get());
+    }
+  }
   sublayers_.push_back(std::move(layer));
+}
+
+void Layer::check_tracked_by_caller() const {
+  const auto& calls = detail::Tracking::calls();
+  if (calls.empty()) return;
+  for (const Layer* caller : calls)
+    if (detail::Tracking::tracks(*caller, this)) return;
+  const Layer& caller = *calls.back();
+  throw ValueError(fmt::format(
+      "called inside the call() of layer '{}' ({}), which does not track it: its weights would "
+      "not be among '{}''s and would never train. Make it with make_layer or a layer factory "
+      "(Dense(...), ...) in the constructor or build() of '{}' (tracked automatically), or call "
+      "track() on it there",
+      caller.name(), caller.class_name(), caller.name(), caller.name()));
 }
 
 void Layer::set_trainable(bool trainable) {

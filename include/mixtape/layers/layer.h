@@ -43,6 +43,9 @@ struct CallContext {
 namespace mixtape::layers {
 
 class Layer;
+namespace detail {
+struct Tracking;
+}
 
 // The options every layer takes. (Each layer's own options struct ends with these three
 // fields, in this order, so designated initializers read {.units.., .dtype, .name}.)
@@ -168,7 +171,12 @@ class Layer {
   Variable add_weight(const std::string& name, const Shape& shape, const init::Initializer& init,
                       WeightOptions options = {});
   void set_input_spec(InputSpec spec) { input_spec_ = std::move(spec); }
-  // Adds a sublayer whose weights become part of this layer's.
+  // Adds a sublayer whose weights become part of this layer's. Layers made with
+  // make_layer (or a built-in factory such as Dense()) while this layer is being made by
+  // make_layer, or inside its build(), are tracked automatically; track() is for the others
+  // (a layer made elsewhere and passed in, a std::make_shared one). A layer called inside
+  // another's call() must be tracked by it or by a layer calling it: otherwise the call
+  // throws ValueError (its weights would silently never train).
   void track(std::shared_ptr<Layer> layer);
   // Whether floating inputs are cast to the compute dtype before call() (models: no).
   virtual bool autocast_inputs() const { return true; }
@@ -181,7 +189,9 @@ class Layer {
     bool declared_trainable;
   };
   void check_input(const Tensor& x) const;
+  void check_tracked_by_caller() const;
   void apply_trainable();
+  friend struct detail::Tracking;
 
   mutable std::string name_;
   std::string given_class_name_;
@@ -219,18 +229,44 @@ class LayerPtr : public std::shared_ptr<T> {
   std::shared_ptr<Layer> checked() const;
 };
 
+namespace detail {
+// Automatic tracking of sublayers: one frame lives across each construction by
+// make_layer. The layers made inside it (by make_layer, in the constructor) are handed to
+// made(), which makes the new layer track them and hands it, in turn, to the enclosing frame:
+// the layer under construction or in build() on this thread, if any.
+class ConstructionFrame {
+ public:
+  ConstructionFrame();
+  ~ConstructionFrame();  // also when the constructor threw: nothing is tracked then
+  ConstructionFrame(const ConstructionFrame&) = delete;
+  ConstructionFrame& operator=(const ConstructionFrame&) = delete;
+  void made(const std::shared_ptr<Layer>& layer);
+
+ private:
+  std::vector<std::shared_ptr<Layer>> children_;
+  bool open_ = true;
+};
+}  // namespace detail
+
 // Makes a layer of a user's class: make_layer<Scale>(), make_layer<Scale>({.name = "s"})
 // (for a class constructible from LayerOptions), or make_layer<Scale>(args...) with the
-// arguments of any of its constructors.
+// arguments of any of its constructors. Layers made with make_layer inside the constructor
+// become the new layer's sublayers (see Layer::track).
 template <typename T, typename... Args>
 LayerPtr<T> make_layer(Args&&... args) {
-  return LayerPtr<T>(std::make_shared<T>(std::forward<Args>(args)...));
+  detail::ConstructionFrame frame;
+  auto layer = std::make_shared<T>(std::forward<Args>(args)...);
+  frame.made(layer);
+  return LayerPtr<T>(std::move(layer));
 }
 // The braced form, make_layer<T>({.name = ..., .dtype = ...}): a braced list has no type to
 // deduce Args from, so this overload names it.
 template <typename T>
 requires std::constructible_from<T, LayerOptions> LayerPtr<T> make_layer(LayerOptions options) {
-  return LayerPtr<T>(std::make_shared<T>(std::move(options)));
+  detail::ConstructionFrame frame;
+  auto layer = std::make_shared<T>(std::move(options));
+  frame.made(layer);
+  return LayerPtr<T>(std::move(layer));
 }
 
 namespace detail {

@@ -35,8 +35,10 @@ class Model;
 
 // --- Training configuration ----------------------------------------------------------------
 
-// An optimizer for compile(): by value (a copy is used: RMSprop()), shared (the model uses
-// that very object), or by name ("rmsprop").
+// An optimizer for compile(): by value (RMSprop(...)) or by name ("rmsprop"), each
+// compile() makes a copy of its own, so one CompileOptions compiles several models with
+// an optimizer (and its state) each; shared (a std::shared_ptr), every model compiled with
+// it uses that very object.
 class OptimizerRef {
  public:
   template <typename O>
@@ -44,13 +46,19 @@ class OptimizerRef {
       : ptr_(optimizer.clone()) {}  // NOLINT
   template <typename O>
   requires std::derived_from<O, optim::Optimizer> OptimizerRef(std::shared_ptr<O> optimizer)
-      : ptr_(std::move(optimizer)) {}                                // NOLINT
+      : ptr_(std::move(optimizer)), shared_(true) {}                 // NOLINT
   OptimizerRef(const char* name) : ptr_(optim::get(name)) {}         // NOLINT
   OptimizerRef(const std::string& name) : ptr_(optim::get(name)) {}  // NOLINT
-  const std::shared_ptr<optim::Optimizer>& get() const { return ptr_; }
+  // The optimizer one compile() uses: a new copy, or the shared object (null when an empty
+  // shared_ptr was given).
+  std::shared_ptr<optim::Optimizer> get() const {
+    return shared_ || !ptr_ ? ptr_ : ptr_->clone();
+  }
+  bool shared() const { return shared_; }
 
  private:
   std::shared_ptr<optim::Optimizer> ptr_;
+  bool shared_ = false;
 };
 
 // A metric for compile(): a name ("accuracy", ...) or a Metric object.
