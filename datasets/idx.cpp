@@ -19,6 +19,7 @@
 #include <string>
 #include <system_error>
 
+#include "datasets/file_kind.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::datasets {
@@ -39,16 +40,6 @@ constexpr std::uint64_t kMaxDeflateRatio = 1032;
   throw IOError(fmt::format("{}: {}: {}", op, path.string(), what));
 }
 
-// What a file of this mode is, for messages ("a FIFO (named pipe)").
-std::string file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
 // Refuses `path`, which is not a regular file: "is a FIFO (named pipe) (through a symbolic
 // link to /x/fifo), not a regular file".
 [[noreturn]] void refuse_non_regular(const fs::path& path, mode_t mode) {
@@ -58,10 +49,7 @@ std::string file_kind(mode_t mode) {
     const fs::path target = fs::read_symlink(path, ec);
     if (!ec) via = fmt::format(" (through a symbolic link to {})", target.string());
   }
-  const std::string kind = file_kind(mode);
-  fail("read", path,
-       kind == "not a regular file" ? kind + via
-                                    : fmt::format("is {}{}, not a regular file", kind, via));
+  fail("read", path, fmt::format("is {}{}, not a regular file", file_kind(mode), via));
 }
 
 struct FileCloser {

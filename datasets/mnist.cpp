@@ -26,6 +26,7 @@
 
 #include "datasets/digest.h"
 #include "datasets/download.h"
+#include "datasets/file_kind.h"
 #include "datasets/tarball.h"
 #include "mixtape/core/error.h"
 #include "mixtape/datasets/idx.h"
@@ -193,16 +194,6 @@ Spec fashion_spec() {
 }
 
 // --- Files ----------------------------------------------------------------------------------
-
-// What a directory entry that is not a regular file is, for messages.
-std::string file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "a special file";
-}
 
 // The target of a symbolic link, or "?" when it cannot be read.
 std::string link_target(const fs::path& p) {
