@@ -8,6 +8,17 @@ namespace mixtape {
 
 using detail::Grads;
 
+std::int64_t window_output_extent(std::int64_t in, std::int64_t window, std::int64_t stride,
+                                  Padding padding) {
+  if (stride <= 0 || window <= 0)
+    throw ValueError(fmt::format("window {} and stride {} must be positive", window, stride));
+  if (padding == Padding::Same) return (in + stride - 1) / stride;
+  if (in < window)
+    throw ShapeError(fmt::format(
+        "window {} is larger than the input extent {} with 'valid' padding", window, in));
+  return (in - window) / stride + 1;
+}
+
 Padding parse_padding(const std::string& name) {
   if (name == "valid" || name == "VALID") return Padding::Valid;
   if (name == "same" || name == "SAME") return Padding::Same;
@@ -33,9 +44,9 @@ Window window(const char* op, std::int64_t in, std::int64_t k, std::int64_t stri
           fmt::format("{}: window {} is larger than the input extent {} with 'valid' "
                       "padding; inputs: {}",
                       op, k, in, detail::describe(inputs)));
-    w.out = (in - k) / stride + 1;
+    w.out = window_output_extent(in, k, stride, p);
   } else {
-    w.out = (in + stride - 1) / stride;
+    w.out = window_output_extent(in, k, stride, p);
     const std::int64_t total = std::max<std::int64_t>((w.out - 1) * stride + k - in, 0);
     w.pad_before = total / 2;
   }

@@ -46,6 +46,15 @@ void Conv2DLayer::build(const Shape& input_shape) {
   set_input_spec(InputSpec{.rank = 4, .axes = {{-1, c}}});
 }
 
+std::optional<Shape> Conv2DLayer::compute_output_shape(const Shape& input_shape) const {
+  if (input_shape.rank() != 4)
+    throw ShapeError(fmt::format("expected an NHWC input of rank 4; got shape {}", input_shape));
+  return Shape{input_shape[0],
+               window_output_extent(input_shape[1], kernel_size_.h, options_.strides.h, padding_),
+               window_output_extent(input_shape[2], kernel_size_.w, options_.strides.w, padding_),
+               filters_};
+}
+
 Tensor Conv2DLayer::call(const Tensor& x, const CallContext&) {
   Tensor y = conv2d(x, kernel_, options_.strides.array(), padding_);
   if (options_.use_bias) y = y + bias_;
@@ -97,6 +106,16 @@ Tensor Pooling2DLayer::call(const Tensor& x, const CallContext&) {
   return avg_pool2d(x, options_.pool_size.array(), strides.array(), padding_);
 }
 
+std::optional<Shape> Pooling2DLayer::compute_output_shape(const Shape& input_shape) const {
+  if (input_shape.rank() != 4)
+    throw ShapeError(fmt::format("expected an NHWC input of rank 4; got shape {}", input_shape));
+  const Size2 strides = options_.strides.value_or(options_.pool_size);
+  return Shape{input_shape[0],
+               window_output_extent(input_shape[1], options_.pool_size.h, strides.h, padding_),
+               window_output_extent(input_shape[2], options_.pool_size.w, strides.w, padding_),
+               input_shape[3]};
+}
+
 LayerPtr<Pooling2DLayer> MaxPooling2D(PoolingOptions options) {
   return make_layer<Pooling2DLayer>(Pooling2DLayer::Kind::Max, std::move(options));
 }
@@ -112,6 +131,13 @@ GlobalAveragePooling2DLayer::GlobalAveragePooling2DLayer(LayerOptions options)
 
 Tensor GlobalAveragePooling2DLayer::call(const Tensor& x, const CallContext&) {
   return mean(x, {1, 2});
+}
+
+std::optional<Shape> GlobalAveragePooling2DLayer::compute_output_shape(
+    const Shape& input_shape) const {
+  if (input_shape.rank() != 4)
+    throw ShapeError(fmt::format("expected an NHWC input of rank 4; got shape {}", input_shape));
+  return Shape{input_shape[0], input_shape[3]};
 }
 
 LayerPtr<GlobalAveragePooling2DLayer> GlobalAveragePooling2D(LayerOptions options) {

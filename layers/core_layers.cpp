@@ -23,6 +23,11 @@ const Variable& built_weight(const Layer& layer, const Variable& v, const char* 
   return v;
 }
 
+// The shape of one sample: without the batch axis.
+Shape sample_shape(const Shape& s) {
+  return Shape(std::vector<std::int64_t>(s.begin() + 1, s.end()));
+}
+
 }  // namespace
 
 // --- Input ------------------------------------------------------------------------------
@@ -49,15 +54,19 @@ InputLayer::InputLayer(const Shape& shape, InputOptions options)
 
 Tensor InputLayer::call(const Tensor& x, const CallContext&) { return x; }
 
+std::optional<std::vector<TensorSpec>> InputLayer::compute_output_spec(
+    const std::vector<TensorSpec>& inputs) const {
+  return inputs;  // checked against the declared shape when built
+}
+
 SymbolicTensor Input(const Shape& shape, InputOptions options) {
   auto layer = std::make_shared<InputLayer>(shape, options);
   auto node = std::make_shared<detail::SymbolicNode>();
   std::vector<std::int64_t> dims{-1};
   dims.insert(dims.end(), shape.begin(), shape.end());
   node->layer = layer;
-  node->shape = Shape(dims);
-  node->dtype = options.dtype;
-  return SymbolicTensor(node);
+  node->outputs.push_back(TensorSpec{Shape(dims), options.dtype});
+  return SymbolicTensor::output_of(node, 0);
 }
 
 // --- Dense ------------------------------------------------------------------------------
@@ -80,6 +89,15 @@ void DenseLayer::build(const Shape& input_shape) {
   kernel_ = add_weight("kernel", {in, units_}, options_.kernel_initializer);
   if (options_.use_bias) bias_ = add_weight("bias", {units_}, options_.bias_initializer);
   set_input_spec(InputSpec{.min_rank = 2, .axes = {{-1, in}}});
+}
+
+std::optional<Shape> DenseLayer::compute_output_shape(const Shape& input_shape) const {
+  if (input_shape.rank() < 2)
+    throw ShapeError(fmt::format(
+        "expected an input of rank >= 2 ([batch, ..., features]); got shape {}", input_shape));
+  std::vector<std::int64_t> dims = input_shape.dims();
+  dims.back() = units_;
+  return Shape(dims);
 }
 
 Tensor DenseLayer::call(const Tensor& x, const CallContext&) {
@@ -110,6 +128,10 @@ ActivationLayer::ActivationLayer(const std::string& activation, LayerOptions opt
 
 Tensor ActivationLayer::call(const Tensor& x, const CallContext&) { return activation_(x); }
 
+std::optional<Shape> ActivationLayer::compute_output_shape(const Shape& input_shape) const {
+  return input_shape;
+}
+
 LayerPtr<ActivationLayer> Activation(const std::string& activation, LayerOptions options) {
   return make_layer<ActivationLayer>(activation, std::move(options));
 }
@@ -123,6 +145,11 @@ FlattenLayer::FlattenLayer(LayerOptions options) : Layer(std::move(options), "Fl
 Tensor FlattenLayer::call(const Tensor& x, const CallContext&) {
   if (x.rank() == 1) return reshape(x, Shape{x.dim(0), 1});
   return flatten(x, 1);
+}
+
+std::optional<Shape> FlattenLayer::compute_output_shape(const Shape& input_shape) const {
+  if (input_shape.rank() < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
+  return Shape{input_shape[0], checked_numel(sample_shape(input_shape), "Flatten")};
 }
 
 LayerPtr<FlattenLayer> Flatten(LayerOptions options) {
@@ -149,6 +176,29 @@ Tensor ReshapeLayer::call(const Tensor& x, const CallContext&) {
   return reshape(x, Shape(dims));
 }
 
+std::optional<Shape> ReshapeLayer::compute_output_shape(const Shape& input_shape) const {
+  if (input_shape.rank() < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
+  const std::int64_t have = checked_numel(sample_shape(input_shape), "Reshape");
+  std::vector<std::int64_t> dims{input_shape[0]}, known;
+  std::size_t inferred = 0;
+  for (auto d : target_) {
+    if (d == -1) inferred = dims.size();
+    known.push_back(d == -1 ? 1 : d);
+    dims.push_back(d);
+  }
+  const std::int64_t want = checked_numel(Shape(known), "Reshape");
+  if (inferred > 0) {
+    if (want == 0 || have % want != 0)
+      throw ShapeError(fmt::format("cannot reshape samples of shape {} ({} elements) to {}",
+                                   sample_shape(input_shape), have, target_));
+    dims[inferred] = have / want;
+  } else if (want != have) {
+    throw ShapeError(fmt::format("cannot reshape samples of shape {} ({} elements) to {} ({})",
+                                 sample_shape(input_shape), have, target_, want));
+  }
+  return Shape(dims);
+}
+
 LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options) {
   return make_layer<ReshapeLayer>(target_shape, std::move(options));
 }
@@ -170,6 +220,10 @@ Tensor DropoutLayer::call(const Tensor& x, const CallContext& ctx) {
   Tensor u = uniform(x.shape(), 0.0, 1.0, kFloat32, x.device(), &generator_);
   Tensor keep = cast(greater_equal(u, full({}, rate_, kFloat32, x.device())), x.dtype());
   return x * keep * (1.0 / (1.0 - rate_));
+}
+
+std::optional<Shape> DropoutLayer::compute_output_shape(const Shape& input_shape) const {
+  return input_shape;
 }
 
 LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options) {
@@ -201,6 +255,14 @@ Tensor EmbeddingLayer::call(const Tensor& ids_in, const CallContext&) {
   // the first; integer ones are checked by take.
   const Tensor ids = detail::class_indices("", "ids", ids_in, input_dim_);
   return take(embeddings_, ids, 0);  // [..., output_dim]
+}
+
+std::optional<std::vector<TensorSpec>> EmbeddingLayer::compute_output_spec(
+    const std::vector<TensorSpec>& inputs) const {
+  if (inputs.size() != 1) return std::nullopt;
+  std::vector<std::int64_t> dims = inputs.front().shape.dims();
+  dims.push_back(output_dim_);
+  return std::vector<TensorSpec>{TensorSpec{Shape(dims), compute_dtype()}};
 }
 
 const Variable& EmbeddingLayer::embeddings() const {

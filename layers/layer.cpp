@@ -78,8 +78,6 @@ Tensor clone(const Tensor& t) {
   return c;
 }
 
-std::string describe(const Tensor& t) { return fmt::format("{}{}", t.dtype(), t.shape()); }
-
 // Re-throws the exception in flight with `prefix` in front of its message, keeping its
 // type (every mixtape error type has the same constructor).
 [[noreturn]] void rethrow_with_prefix(const std::string& prefix) {
@@ -154,17 +152,32 @@ void reset_default_names() {
 
 // --- Symbolic tensors -------------------------------------------------------------------
 
+SymbolicTensor SymbolicTensor::output_of(std::shared_ptr<detail::SymbolicNode> node, int index) {
+  SymbolicTensor t;
+  if (node && (index < 0 || static_cast<std::size_t>(index) >= node->outputs.size()))
+    throw IndexError(fmt::format("SymbolicTensor: layer '{}' has {} outputs; asked for output {}",
+                                 node->layer->name(), node->outputs.size(), index));
+  t.node_ = std::move(node);
+  t.index_ = index;
+  return t;
+}
+
 const Shape& SymbolicTensor::shape() const {
   if (!node_) throw ValueError("SymbolicTensor::shape: the symbolic tensor is undefined");
-  return node_->shape;
+  return node_->outputs[static_cast<std::size_t>(index_)].shape;
 }
 DType SymbolicTensor::dtype() const {
   if (!node_) throw ValueError("SymbolicTensor::dtype: the symbolic tensor is undefined");
-  return node_->dtype;
+  return node_->outputs[static_cast<std::size_t>(index_)].dtype;
 }
 const std::shared_ptr<Layer>& SymbolicTensor::layer() const {
   if (!node_) throw ValueError("SymbolicTensor::layer: the symbolic tensor is undefined");
   return node_->layer;
+}
+std::string SymbolicTensor::name() const {
+  if (!node_) return "<undefined>";
+  return node_->outputs.size() == 1 ? node_->layer->name()
+                                    : fmt::format("{}[{}]", node_->layer->name(), index_);
 }
 
 // --- Automatic tracking of sublayers ---------------------------------------------------
@@ -233,31 +246,79 @@ void ConstructionFrame::made(const std::shared_ptr<Layer>& layer) {
 
 std::string unique_layer_name(const std::string& base) { return unique_name(base); }
 
+std::string shape_with_none(const Shape& s) {
+  std::vector<std::string> dims;
+  for (auto d : s) dims.push_back(d < 0 ? std::string("None") : std::to_string(d));
+  return fmt::format("[{}]", fmt::join(dims, ", "));
+}
+
 void throw_null_layer() { throw ValueError("LayerPtr: called through an empty layer pointer"); }
 
-SymbolicTensor call_symbolic(const std::shared_ptr<Layer>& layer, const SymbolicTensor& x) {
-  if (!x.defined())
-    throw ValueError(fmt::format("layer '{}' ({}): called on an undefined symbolic tensor",
-                                 layer->name(), layer->class_name()));
-  // A concrete batch of one stands in for the batch axis.
-  std::vector<std::int64_t> dims = x.shape().dims();
-  const bool batched = !dims.empty() && dims[0] == -1;
-  if (batched) dims[0] = 1;
-  Tensor probe = zeros(Shape(dims), x.dtype(), layer->built() ? layer->device() : Device::cpu());
-  Tensor y;
+std::vector<TensorSpec> build_for_specs(const std::shared_ptr<Layer>& layer,
+                                        const std::vector<TensorSpec>& specs) {
+  const std::string prefix = fmt::format("layer '{}' ({}): ", layer->name(), layer->class_name());
+  std::optional<std::vector<TensorSpec>> out;
+  try {
+    out = layer->compute_output_spec(specs);
+    if (out && out->empty()) throw ValueError("compute_output_spec() returned no outputs");
+  } catch (const Error& e) {
+    if (starts_with(e.what(), prefix)) throw;
+    rethrow_with_prefix(prefix);
+  }
+  if (out) {
+    // The shape rule said what comes out: the layer is built from the shapes (nothing runs).
+    layer->build_symbolic(specs);
+    layer->output_shape_ = out->front().shape;
+    return *out;
+  }
+  // No shape rule: a concrete batch of one stands in for the batch axis.
+  std::vector<Tensor> probes;
+  bool batched = true;
+  for (const auto& s : specs) {
+    std::vector<std::int64_t> dims = s.shape.dims();
+    if (dims.empty() || dims[0] >= 0) batched = false;
+    if (!dims.empty() && dims[0] < 0) dims[0] = 1;
+    probes.push_back(zeros(Shape(dims), s.dtype, layer->built() ? layer->device() : Device::cpu()));
+  }
+  std::vector<Tensor> ys;
   {
     NoGradGuard no_grad;
     mixtape::detail::DTypeTraceMute mute;
-    y = (*layer)(probe, CallContext{.training = false});
+    ys = layer->apply(probes, CallContext{.training = false});
   }
-  std::vector<std::int64_t> out = y.shape().dims();
-  if (batched && !out.empty()) out[0] = -1;
+  std::vector<TensorSpec> result;
+  for (const auto& y : ys) {
+    std::vector<std::int64_t> dims = y.shape().dims();
+    if (batched && !dims.empty()) dims[0] = -1;
+    result.push_back(TensorSpec{Shape(dims), y.dtype()});
+  }
+  return result;
+}
+
+std::vector<SymbolicTensor> call_symbolic(const std::shared_ptr<Layer>& layer,
+                                          const std::vector<SymbolicTensor>& inputs) {
+  if (inputs.empty())
+    throw ValueError(fmt::format("layer '{}' ({}): called on no symbolic tensors", layer->name(),
+                                 layer->class_name()));
+  std::vector<TensorSpec> specs;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined())
+      throw ValueError(
+          inputs.size() == 1
+              ? fmt::format("layer '{}' ({}): called on an undefined symbolic tensor",
+                            layer->name(), layer->class_name())
+              : fmt::format("layer '{}' ({}): input {} is an undefined symbolic tensor",
+                            layer->name(), layer->class_name(), i));
+    specs.push_back(TensorSpec{inputs[i].shape(), inputs[i].dtype()});
+  }
   auto node = std::make_shared<SymbolicNode>();
   node->layer = layer;
-  node->input = x.node();
-  node->shape = Shape(out);
-  node->dtype = y.dtype();
-  return SymbolicTensor(node);
+  node->inputs = inputs;
+  node->outputs = build_for_specs(layer, specs);
+  std::vector<SymbolicTensor> result;
+  for (std::size_t i = 0; i < node->outputs.size(); ++i)
+    result.push_back(SymbolicTensor::output_of(node, static_cast<int>(i)));
+  return result;
 }
 
 }  // namespace detail
@@ -295,57 +356,97 @@ DType Layer::computation_dtype() const {
 
 void Layer::build(const Shape&) {}
 
+void Layer::build_multi(const std::vector<Shape>& input_shapes) {
+  if (input_shapes.size() == 1) build(input_shapes.front());
+}
+
+Tensor Layer::call(const Tensor&, const CallContext&) {
+  throw ValueError(
+      "call() is not implemented: a layer overrides call(x, ctx) (one input and one output) or "
+      "call_multi(inputs, ctx)");
+}
+
+std::vector<Tensor> Layer::call_multi(const std::vector<Tensor>& inputs, const CallContext& ctx) {
+  if (inputs.size() != 1)
+    throw ValueError(fmt::format(
+        "takes one input; got {} (a layer of several inputs overrides call_multi)", inputs.size()));
+  return {call(inputs.front(), ctx)};
+}
+
+std::optional<Shape> Layer::compute_output_shape(const Shape&) const { return std::nullopt; }
+
+std::optional<std::vector<TensorSpec>> Layer::compute_output_spec(
+    const std::vector<TensorSpec>& inputs) const {
+  if (inputs.size() != 1 || !inputs.front().dtype.is_floating() || !compute_dtype().is_floating())
+    return std::nullopt;
+  std::optional<Shape> shape = compute_output_shape(inputs.front().shape);
+  if (!shape) return std::nullopt;
+  return std::vector<TensorSpec>{TensorSpec{*shape, compute_dtype()}};
+}
+
 Tensor Layer::operator()(const Tensor& input, const CallContext& ctx) {
   if (!input.defined())
     throw ValueError(
         fmt::format("layer '{}' ({}): called on an undefined tensor", name(), class_name()));
+  return (*this)(std::vector<Tensor>{input}, ctx);
+}
+
+Tensor Layer::operator()(const std::vector<Tensor>& inputs, const CallContext& ctx) {
+  std::vector<Tensor> outputs = apply(inputs, ctx);
+  if (outputs.size() != 1)
+    throw ValueError(fmt::format(
+        "layer '{}' ({}): has {} outputs; call apply() (or a model with a vector of inputs) to "
+        "get them all",
+        name(), class_name(), outputs.size()));
+  return std::move(outputs.front());
+}
+
+std::vector<Tensor> Layer::apply(const std::vector<Tensor>& inputs, const CallContext& ctx) {
+  if (inputs.empty())
+    throw ValueError(fmt::format("layer '{}' ({}): called on no tensors", name(), class_name()));
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    if (!inputs[i].defined())
+      throw ValueError(
+          fmt::format("layer '{}' ({}): input {} is an undefined tensor", name(), class_name(), i));
   try {
     check_tracked_by_caller();
     auto& calls = detail::Tracking::calls();
     calls.push_back(this);
     const detail::PopGuard<const Layer*> pop_call{calls};
-    Tensor x = input;
-    if (autocast_inputs() && x.dtype().is_floating() && compute_dtype().is_floating() &&
-        x.dtype() != compute_dtype())
-      x = cast(x, compute_dtype());
-    if (!built_) {
-      if (!device_set_) device_ = x.device();
-      device_set_ = true;
-      const std::size_t sublayers_before = sublayers_.size();
-      try {
-        // Layers made inside build() become sublayers (detail::Tracking).
-        auto& frames = detail::Tracking::frames();
-        frames.push_back(detail::Tracking::Frame{this, nullptr});
-        const detail::PopGuard<detail::Tracking::Frame> pop_frame{frames};
-        build(x.shape());
-        // A spec set before the build (an Input's) can refuse the first input: the layer
-        // then stays unbuilt.
-        check_input(x);
-      } catch (...) {
-        weights_.clear();
-        sublayers_.erase(sublayers_.begin() + static_cast<std::ptrdiff_t>(sublayers_before),
-                         sublayers_.end());
-        throw;
-      }
-      built_ = true;
-      built_shape_ = x.shape();
-    } else {
-      check_input(x);
+    std::vector<Tensor> xs = inputs;
+    std::vector<Shape> shapes;
+    std::vector<DType> dtypes;
+    for (Tensor& x : xs) {
+      if (autocast_inputs() && x.dtype().is_floating() && compute_dtype().is_floating() &&
+          x.dtype() != compute_dtype())
+        x = cast(x, compute_dtype());
+      shapes.push_back(x.shape());
+      dtypes.push_back(x.dtype());
     }
-    Tensor y;
+    build_and_check(shapes, dtypes, xs.front().device());
+    std::vector<Tensor> ys;
     {
       std::optional<DType> cast_to;
       if (compute_dtype().is_floating()) cast_to = compute_dtype();
       AutocastScope autocast_scope(cast_to);
-      y = call(x, ctx);
+      ys = call_multi(xs, ctx);
     }
-    if (!y.defined()) throw ValueError("call() returned an undefined tensor");
-    std::vector<std::int64_t> dims = y.shape().dims();
-    if (!dims.empty() && input.rank() > 0) dims[0] = -1;
+    if (ys.empty()) throw ValueError("call_multi() returned no outputs");
+    for (const Tensor& y : ys)
+      if (!y.defined()) throw ValueError("call() returned an undefined tensor");
+    std::vector<std::int64_t> dims = ys.front().shape().dims();
+    if (!dims.empty() && inputs.front().rank() > 0) dims[0] = -1;
     output_shape_ = Shape(dims);
     if (sublayers_.empty() && mixtape::detail::dtype_trace_active()) {
-      DTypeTraceRow row{name(),       class_name(), policy_.name(),      input.dtype(), x.dtype(),
-                        std::nullopt, std::nullopt, computation_dtype(), y.dtype()};
+      DTypeTraceRow row{name(),
+                        class_name(),
+                        policy_.name(),
+                        inputs.front().dtype(),
+                        xs.front().dtype(),
+                        std::nullopt,
+                        std::nullopt,
+                        computation_dtype(),
+                        ys.front().dtype()};
       for (const auto& w : weights_) {
         if (!w.variable.dtype().is_floating()) continue;
         row.weight = w.variable.dtype();
@@ -355,7 +456,7 @@ Tensor Layer::operator()(const Tensor& input, const CallContext& ctx) {
       }
       mixtape::detail::dtype_trace_record(row);
     }
-    return y;
+    return ys;
   } catch (const Error& e) {
     // Errors of inner layers carry their own name; ours goes in front (a path).
     const std::string prefix = fmt::format("layer '{}' ({}): ", name(), class_name());
@@ -364,7 +465,87 @@ Tensor Layer::operator()(const Tensor& input, const CallContext& ctx) {
   }
 }
 
-void Layer::check_input(const Tensor& x) const {
+void Layer::build_and_check(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes,
+                            Device device) {
+  if (built_) {
+    check_inputs(shapes, dtypes);
+    return;
+  }
+  if (!device_set_) device_ = device;
+  device_set_ = true;
+  const std::size_t sublayers_before = sublayers_.size();
+  try {
+    // Layers made inside build() become sublayers (detail::Tracking).
+    auto& frames = detail::Tracking::frames();
+    frames.push_back(detail::Tracking::Frame{this, nullptr});
+    const detail::PopGuard<detail::Tracking::Frame> pop_frame{frames};
+    build_multi(shapes);
+    // A spec set before the build (an Input's) can refuse the first input: the layer
+    // then stays unbuilt.
+    check_inputs(shapes, dtypes);
+    built_shapes_ = shapes;
+  } catch (...) {
+    weights_.clear();
+    built_shapes_.clear();
+    sublayers_.erase(sublayers_.begin() + static_cast<std::ptrdiff_t>(sublayers_before),
+                     sublayers_.end());
+    throw;
+  }
+  built_ = true;
+}
+
+void Layer::build_symbolic(const std::vector<TensorSpec>& inputs) {
+  std::vector<Shape> shapes;
+  std::vector<DType> dtypes;
+  for (const auto& s : inputs) {
+    shapes.push_back(s.shape);
+    // As a call would see it: floating inputs cast to the compute dtype.
+    dtypes.push_back(autocast_inputs() && s.dtype.is_floating() && compute_dtype().is_floating()
+                         ? compute_dtype()
+                         : s.dtype);
+  }
+  try {
+    build_and_check(shapes, dtypes, built_ ? device_ : Device::cpu());
+  } catch (const Error& e) {
+    const std::string prefix = fmt::format("layer '{}' ({}): ", name(), class_name());
+    if (starts_with(e.what(), prefix)) throw;
+    rethrow_with_prefix(prefix);
+  }
+}
+
+SymbolicTensor Layer::operator()(const SymbolicTensor& x) {
+  return (*this)(std::vector<SymbolicTensor>{x});
+}
+
+SymbolicTensor Layer::operator()(const std::vector<SymbolicTensor>& inputs) {
+  std::vector<SymbolicTensor> outputs = apply(inputs);
+  if (outputs.size() != 1)
+    throw ValueError(fmt::format(
+        "layer '{}' ({}): has {} outputs; call apply() (or a model with a vector of inputs) to "
+        "get them all",
+        name(), class_name(), outputs.size()));
+  return outputs.front();
+}
+
+std::vector<SymbolicTensor> Layer::apply(const std::vector<SymbolicTensor>& inputs) {
+  std::shared_ptr<Layer> self = weak_from_this().lock();
+  if (!self)
+    throw ValueError(fmt::format(
+        "layer '{}' ({}): called on a symbolic tensor but not held by a std::shared_ptr; make it "
+        "with make_layer<T>(...) or std::make_shared (a model: std::make_shared<Model>(...))",
+        name(), class_name()));
+  return detail::call_symbolic(self, inputs);
+}
+
+void Layer::check_inputs(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes) const {
+  if (!checks_input_count() && !built_shapes_.empty() && shapes.size() != built_shapes_.size())
+    throw ValueError(fmt::format("expected {} input{} (as when it was built); got {}",
+                                 built_shapes_.size(), built_shapes_.size() == 1 ? "" : "s",
+                                 shapes.size()));
+  if (shapes.size() == 1) check_input(shapes.front(), dtypes.front());
+}
+
+void Layer::check_input(const Shape& x, DType dtype) const {
   if (!input_spec_) return;
   const InputSpec& spec = *input_spec_;
   const auto rank = static_cast<int>(x.rank());
@@ -374,20 +555,23 @@ void Layer::check_input(const Tensor& x) const {
     const std::string shape = spec_shape_text(spec);
     std::vector<std::string> parts;
     if (!shape.empty()) parts.push_back("shape " + shape);
-    if (built_shape_) parts.push_back("built for inputs of shape " + built_shape_->str());
+    if (built_shapes_.size() == 1)
+      parts.push_back("built for inputs of shape " +
+                      detail::shape_with_none(built_shapes_.front()));
     return parts.empty() ? std::string() : fmt::format(" ({})", fmt::join(parts, "; "));
   };
+  const auto got = [&] { return fmt::format("{}{}", dtype, detail::shape_with_none(x)); };
   if (spec.rank >= 0 && rank != spec.rank)
     throw ShapeError(
-        fmt::format("expected an input of rank {}{}; got {}", spec.rank, expected(), describe(x)));
+        fmt::format("expected an input of rank {}{}; got {}", spec.rank, expected(), got()));
   if (spec.min_rank >= 0 && rank < spec.min_rank)
-    throw ShapeError(fmt::format("expected an input of rank >= {}{}; got {}", spec.min_rank,
-                                 expected(), describe(x)));
+    throw ShapeError(
+        fmt::format("expected an input of rank >= {}{}; got {}", spec.min_rank, expected(), got()));
   for (const auto& [axis, extent] : spec.axes) {
     const int a = axis < 0 ? axis + rank : axis;
-    if (a < 0 || a >= rank || x.shape()[static_cast<std::size_t>(a)] != extent)
+    if (a < 0 || a >= rank || x[static_cast<std::size_t>(a)] != extent)
       throw ShapeError(fmt::format("expected axis {} of the input to be {}{}; got {}", axis, extent,
-                                   expected(), describe(x)));
+                                   expected(), got()));
   }
 }
 
@@ -403,7 +587,8 @@ Variable Layer::add_weight(const std::string& name, const Shape& shape,
   }
   if (value.shape() != shape || value.dtype() != dtype)
     throw ValueError(fmt::format("add_weight '{}': initializer '{}' gave {}, expected {}{}", name,
-                                 init.name(), describe(value), dtype, shape));
+                                 init.name(), fmt::format("{}{}", value.dtype(), value.shape()),
+                                 dtype, shape));
   Variable v(value, fmt::format("{}/{}", this->name(), name), options.trainable && trainable_);
   v.set_autocast(options.autocast && dtype.is_floating());
   weights_.push_back(Weight{v, options.trainable});

@@ -4,7 +4,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <set>
 
@@ -64,33 +63,114 @@ Model::Model(ModelOptions options, const std::string& class_name)
 
 Model::Model(const layers::SymbolicTensor& inputs, const layers::SymbolicTensor& outputs,
              ModelOptions options)
+    : Model(std::vector<layers::SymbolicTensor>{inputs},
+            std::vector<layers::SymbolicTensor>{outputs}, std::move(options)) {}
+
+Model::Model(const std::vector<layers::SymbolicTensor>& inputs,
+             const std::vector<layers::SymbolicTensor>& outputs, ModelOptions options)
     : Model(std::move(options), "Functional") {
-  if (!inputs.defined() || !outputs.defined())
-    throw ValueError(fmt::format("model '{}': inputs and outputs must be defined", name()));
-  if (inputs.node()->input != nullptr ||
-      !std::dynamic_pointer_cast<layers::InputLayer>(inputs.layer()))
-    throw ValueError(
-        fmt::format("model '{}': the inputs must come from Input(); got the output of "
-                    "layer '{}'",
-                    name(), inputs.layer()->name()));
-  // Walk back from the output to the input: every layer takes one input, so the graph
-  // between them is a chain.
-  std::vector<std::shared_ptr<SymbolicNode>> chain;
-  for (auto n = outputs.node(); n; n = n->input) {
-    chain.push_back(n);
-    if (n == inputs.node()) break;
+  inputs_ = inputs;
+  outputs_ = outputs;
+  make_graph();
+  for (const auto& o : outputs_) check_output_dtype(o.dtype());
+}
+
+// Checks the graph between inputs_ and outputs_ and orders it: the inputs first, then every
+// node after all the nodes it reads (a depth-first walk back from the outputs, in order).
+void Model::make_graph() {
+  if (inputs_.empty()) throw ValueError(fmt::format("model '{}': no inputs given", name()));
+  if (outputs_.empty()) throw ValueError(fmt::format("model '{}': no outputs given", name()));
+  std::map<const SymbolicNode*, std::size_t> index;  // node -> position in nodes_
+  for (std::size_t i = 0; i < inputs_.size(); ++i) {
+    const auto& in = inputs_[i];
+    if (!in.defined())
+      throw ValueError(fmt::format("model '{}': input {} is undefined", name(), i));
+    if (!in.node()->inputs.empty() || !std::dynamic_pointer_cast<layers::InputLayer>(in.layer()))
+      throw ValueError(
+          fmt::format("model '{}': the inputs must come from Input(); input {} is the output of "
+                      "layer '{}' ({})",
+                      name(), i, in.layer()->name(), in.layer()->class_name()));
+    if (index.count(in.node().get()))
+      throw ValueError(
+          fmt::format("model '{}': input '{}' is given twice", name(), in.layer()->name()));
+    index[in.node().get()] = nodes_.size();
+    nodes_.push_back(in.node());
   }
-  if (chain.back() != inputs.node())
-    throw ValueError(fmt::format(
-        "model '{}': the output (from layer '{}') is not computed from the given input '{}'",
-        name(), outputs.layer()->name(), inputs.layer()->name()));
-  std::reverse(chain.begin(), chain.end());
-  nodes_ = chain;
-  for (std::size_t i = 0; i < nodes_.size(); ++i) {
-    node_inputs_.push_back(static_cast<int>(i) - 1);
-    add_layer(nodes_[i]->layer);
+  for (std::size_t i = 0; i < outputs_.size(); ++i)
+    if (!outputs_[i].defined())
+      throw ValueError(fmt::format("model '{}': output {} is undefined", name(), i));
+
+  // Depth-first, without recursion (a deep network would overflow the stack).
+  enum class State { Open, Done };
+  std::map<const SymbolicNode*, State> state;
+  for (const auto& in : inputs_) state[in.node().get()] = State::Done;
+  for (const auto& out : outputs_) {
+    struct Item {
+      std::shared_ptr<SymbolicNode> node;
+      std::size_t next = 0;  // the next of its inputs to visit
+    };
+    std::vector<Item> stack;
+    auto enter = [&](const std::shared_ptr<SymbolicNode>& n) {
+      const auto it = state.find(n.get());
+      if (it != state.end()) {
+        if (it->second == State::Done) return;
+        throw ValueError(fmt::format("model '{}': the graph has a cycle through layer '{}' ({})",
+                                     name(), n->layer->name(), n->layer->class_name()));
+      }
+      if (n->inputs.empty())
+        throw ValueError(fmt::format(
+            "model '{}': output '{}' is computed from input '{}', which is not among the model's "
+            "inputs ({})",
+            name(), out.name(), n->layer->name(), [&] {
+              std::string names;
+              for (const auto& in : inputs_) names += (names.empty() ? "" : ", ") + in.name();
+              return names;
+            }()));
+      state[n.get()] = State::Open;
+      stack.push_back(Item{n});
+    };
+    enter(out.node());
+    while (!stack.empty()) {
+      Item& top = stack.back();
+      if (top.next < top.node->inputs.size()) {
+        const std::shared_ptr<SymbolicNode> next = top.node->inputs[top.next++].node();
+        enter(next);
+        continue;
+      }
+      state[top.node.get()] = State::Done;
+      index[top.node.get()] = nodes_.size();
+      nodes_.push_back(top.node);
+      stack.pop_back();
+    }
   }
-  check_output_dtype(outputs.dtype());
+  for (const auto& in : inputs_) {
+    bool used = false;
+    for (const auto& n : nodes_)
+      for (const auto& x : n->inputs) used = used || x.node() == in.node();
+    for (const auto& o : outputs_) used = used || o.node() == in.node();
+    if (!used)
+      throw ValueError(fmt::format("model '{}': input '{}' is not used by any output", name(),
+                                   in.layer()->name()));
+  }
+
+  node_inputs_.resize(nodes_.size());
+  uses_.resize(nodes_.size());
+  for (std::size_t i = 0; i < nodes_.size(); ++i) uses_[i].assign(nodes_[i]->outputs.size(), 0);
+  for (std::size_t i = 0; i < nodes_.size(); ++i)
+    for (const auto& x : nodes_[i]->inputs) {
+      const std::size_t from = index.at(x.node().get());
+      const auto k = static_cast<std::size_t>(x.index());
+      node_inputs_[i].emplace_back(from, k);
+      ++uses_[from][k];
+    }
+  for (const auto& o : outputs_) {
+    const std::size_t from = index.at(o.node().get());
+    const auto k = static_cast<std::size_t>(o.index());
+    output_slots_.emplace_back(from, k);
+    ++uses_[from][k];
+  }
+  // Added last: a name clash leaves nothing tracked that a caller could see half-made.
+  for (const auto& n : nodes_) add_layer(n->layer);
 }
 
 void Model::add_layer(std::shared_ptr<Layer> layer) {
@@ -144,26 +224,128 @@ Tensor Model::conform_input(const Tensor& x) const {
   return cast(x, *dtype);
 }
 
-Tensor Model::call(const Tensor& x_in, const CallContext& ctx) {
-  const Tensor x = conform_input(x_in);
-  std::vector<Tensor> values(nodes_.size());
+std::vector<Tensor> Model::operator()(const std::vector<Tensor>& inputs, const CallContext& ctx) {
+  return apply(inputs, ctx);
+}
+
+std::vector<layers::SymbolicTensor> Model::operator()(
+    const std::vector<layers::SymbolicTensor>& inputs) {
+  return apply(inputs);
+}
+
+Tensor Model::call(const Tensor& x, const CallContext& ctx) {
+  if (nodes_.empty())
+    throw ValueError("a model made with Model(options, class_name) overrides call()");
+  std::vector<Tensor> ys = call_multi({x}, ctx);
+  if (ys.size() != 1)
+    throw ValueError(
+        fmt::format("has {} outputs; call it with a vector of inputs to get them all", ys.size()));
+  return std::move(ys.front());
+}
+
+namespace {
+std::string names_of(const std::vector<layers::SymbolicTensor>& ts) {
+  std::string out;
+  for (const auto& t : ts) out += (out.empty() ? "" : ", ") + t.name();
+  return out;
+}
+}  // namespace
+
+std::vector<Tensor> Model::call_multi(const std::vector<Tensor>& inputs, const CallContext& ctx) {
+  if (nodes_.empty()) return Layer::call_multi(inputs, ctx);  // Sequential: its call()
+  if (inputs.size() != inputs_.size())
+    throw ValueError(fmt::format("expected {} input{} ({}); got {}", inputs_.size(),
+                                 inputs_.size() == 1 ? "" : "s", names_of(inputs_), inputs.size()));
+  std::vector<std::vector<Tensor>> values(nodes_.size());
+  std::vector<std::vector<int>> left = uses_;
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
-    const int in = node_inputs_[i];
-    values[i] = (*nodes_[i]->layer)(in < 0 ? x : values[static_cast<std::size_t>(in)], ctx);
-    // Values nothing later reads are dropped as soon as possible (a chain: the previous).
-    if (in >= 0) values[static_cast<std::size_t>(in)] = Tensor();
+    std::vector<Tensor> xs;
+    if (i < inputs_.size()) {
+      // Integer and boolean inputs become the Input's dtype, as in Keras.
+      Tensor x = inputs[i];
+      const auto* input = static_cast<const layers::InputLayer*>(nodes_[i]->layer.get());
+      if (x.defined() && !x.dtype().is_floating() && x.dtype() != input->input_dtype()) {
+        NoGradGuard no_grad;
+        x = cast(x, input->input_dtype());
+      }
+      xs.push_back(std::move(x));
+    } else {
+      for (const auto& [from, k] : node_inputs_[i]) xs.push_back(values[from][k]);
+    }
+    values[i] = nodes_[i]->layer->apply(xs, ctx);
+    if (values[i].size() != nodes_[i]->outputs.size())
+      throw ValueError(
+          fmt::format("layer '{}' ({}) gave {} outputs; it gave {} when the model was "
+                      "made",
+                      nodes_[i]->layer->name(), nodes_[i]->layer->class_name(), values[i].size(),
+                      nodes_[i]->outputs.size()));
+    // Values nothing later reads are dropped as soon as possible.
+    for (const auto& [from, k] : node_inputs_[i])
+      if (--left[from][k] == 0) values[from][k] = Tensor();
   }
-  return values.back();
+  std::vector<Tensor> outputs;
+  for (const auto& [from, k] : output_slots_) outputs.push_back(values[from][k]);
+  for (const auto& y : outputs) check_output_dtype(y.dtype());
+  return outputs;
+}
+
+std::optional<std::vector<layers::TensorSpec>> Model::compute_output_spec(
+    const std::vector<layers::TensorSpec>& inputs) const {
+  if (nodes_.empty()) {
+    // Sequential: each layer's rule in turn (none when one of them has none).
+    if (inputs.size() != 1 || layers_.empty()) return std::nullopt;
+    std::vector<layers::TensorSpec> specs = inputs;
+    for (const auto& l : layers_) {
+      auto next = l->compute_output_spec(specs);
+      if (!next) return std::nullopt;
+      specs = std::move(*next);
+    }
+    return specs;
+  }
+  if (inputs.size() != inputs_.size())
+    throw ValueError(fmt::format("expected {} input{} ({}); got {}", inputs_.size(),
+                                 inputs_.size() == 1 ? "" : "s", names_of(inputs_), inputs.size()));
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const Shape& want = inputs_[i].shape();
+    const Shape& got = inputs[i].shape;
+    bool ok = want.rank() == got.rank();
+    for (std::size_t a = 1; ok && a < want.rank(); ++a) ok = want[a] == got[a];
+    if (!ok)
+      throw ShapeError(fmt::format("input {} ('{}') must have shape {}; got {}", i,
+                                   inputs_[i].name(), shape_text(want), shape_text(got)));
+  }
+  std::vector<layers::TensorSpec> out;
+  for (const auto& o : outputs_) out.push_back(layers::TensorSpec{o.shape(), o.dtype()});
+  return out;
+}
+
+void Model::build(const Shape& input_shape) {
+  if (!nodes_.empty()) return;  // a functional model is built when made
+  std::vector<layers::TensorSpec> specs{
+      layers::TensorSpec{input_shape, integer_input_dtype().value_or(kFloat32)}};
+  if (specs.front().shape.rank() > 0 && specs.front().shape[0] >= 0) {
+    std::vector<std::int64_t> dims = input_shape.dims();
+    dims[0] = -1;
+    specs.front().shape = Shape(dims);
+  }
+  for (const auto& l : layers_) specs = layers::detail::build_for_specs(l, specs);
 }
 
 void Model::build_for(const Shape& input_shape) {
   std::vector<std::int64_t> dims = input_shape.dims();
-  if (!dims.empty() && dims[0] < 0) dims[0] = 1;
-  DType dtype = kFloat32;
-  if (!nodes_.empty()) dtype = nodes_.front()->dtype;
-  NoGradGuard no_grad;
-  mixtape::detail::DTypeTraceMute mute;
-  (*this)(zeros(Shape(dims), dtype, device()), CallContext{.training = false});
+  if (!dims.empty()) dims[0] = -1;
+  if (nodes_.empty()) {
+    if (layers_.empty()) throw ValueError(fmt::format("model '{}' has no layers", name()));
+    build(Shape(dims));
+    return;
+  }
+  try {
+    compute_output_spec({layers::TensorSpec{Shape(dims), inputs_.front().dtype()}});
+  } catch (const ShapeError& e) {
+    throw ShapeError(fmt::format("model '{}': {}", name(), e.what()));
+  } catch (const ValueError& e) {
+    throw ValueError(fmt::format("model '{}': {}", name(), e.what()));
+  }
 }
 
 void Model::save_weights(const std::string& path) const { mixtape::save_weights(*this, path); }
@@ -172,33 +354,64 @@ void Model::load_weights(const std::string& path) { mixtape::load_weights(*this,
 // --- Summary ------------------------------------------------------------------------------
 
 std::string Model::summary_string() const {
+  // A functional model has Keras's "Connected to" column: for each call of the layer, the
+  // tensors it read, as layer[call][output] (the call counted among that layer's calls in
+  // this model).
+  const bool functional = !nodes_.empty();
+  std::map<const SymbolicNode*, std::size_t> call_number;
+  std::map<const Layer*, std::vector<const SymbolicNode*>> calls_of;
+  for (const auto& n : nodes_) {
+    auto& calls = calls_of[n->layer.get()];
+    call_number[n.get()] = calls.size();
+    calls.push_back(n.get());
+  }
   struct Row {
-    std::array<std::string, 6> cells;
+    std::vector<std::string> cells;
   };
   std::vector<Row> rows;
-  for (std::size_t i = 0; i < layers_.size(); ++i) {
-    const auto& l = layers_[i];
-    std::optional<Shape> shape = l->output_shape();
-    for (const auto& n : nodes_)
-      if (n->layer == l) shape = n->shape;
+  for (const auto& l : layers_) {
+    std::string shape = shape_text(l->output_shape());
+    std::string connected;
+    std::string input_dtype = "-";
+    if (functional) {
+      std::set<std::string> shapes;
+      std::vector<std::string> reads;
+      for (const SymbolicNode* n : calls_of[l.get()]) {
+        std::vector<std::string> outs;
+        for (const auto& o : n->outputs) outs.push_back(shape_text(o.shape));
+        std::string joined = outs.front();
+        for (std::size_t k = 1; k < outs.size(); ++k) joined += ", " + outs[k];
+        shapes.insert(joined);
+        for (const auto& x : n->inputs)
+          reads.push_back(fmt::format("{}[{}][{}]", x.layer()->name(),
+                                      call_number.at(x.node().get()), x.index()));
+        if (n->inputs.empty()) input_dtype = std::string(n->outputs.front().dtype.name());
+      }
+      if (shapes.size() == 1) shape = *shapes.begin();
+      if (shapes.size() > 1) shape = "multiple";
+      for (std::size_t k = 0; k < reads.size(); ++k) connected += (k ? ", " : "") + reads[k];
+      if (connected.empty()) connected = "-";
+    }
     const bool has_vars = !l->weights().empty();
     const Policy& p = l->dtype_policy();
     const bool is_input = std::dynamic_pointer_cast<layers::InputLayer>(l) != nullptr;
-    rows.push_back(Row{{fmt::format("{} ({})", l->name(), l->class_name()), shape_text(shape),
-                        grouped(l->count_params()), is_input ? "-" : p.name(),
-                        is_input ? std::string(shape ? nodes_.front()->dtype.name() : "-")
-                                 : std::string(p.compute_dtype().name()),
-                        has_vars ? std::string(p.variable_dtype().name()) : "-"}});
+    Row row{{fmt::format("{} ({})", l->name(), l->class_name()), shape, grouped(l->count_params()),
+             is_input ? "-" : p.name(),
+             is_input ? input_dtype : std::string(p.compute_dtype().name()),
+             has_vars ? std::string(p.variable_dtype().name()) : "-"}};
+    if (functional) row.cells.push_back(connected);
+    rows.push_back(std::move(row));
   }
-  const std::array<std::string, 6> header = {"Layer (type)", "Output Shape", "Param #",
-                                             "Policy",       "Compute",      "Variables"};
-  std::array<std::size_t, 6> width{};
+  std::vector<std::string> header = {"Layer (type)", "Output Shape", "Param #",
+                                     "Policy",       "Compute",      "Variables"};
+  if (functional) header.emplace_back("Connected to");
+  std::vector<std::size_t> width(header.size());
   for (std::size_t c = 0; c < width.size(); ++c) width[c] = header[c].size();
   for (const auto& r : rows)
     for (std::size_t c = 0; c < width.size(); ++c) width[c] = std::max(width[c], r.cells[c].size());
   std::size_t total_width = 0;
   for (auto w : width) total_width += w + 3;
-  auto line = [&](const std::array<std::string, 6>& cs) {
+  auto line = [&](const std::vector<std::string>& cs) {
     std::string out;
     for (std::size_t c = 0; c < cs.size(); ++c)
       out += c + 1 < cs.size() ? fmt::format("{:<{}}   ", cs[c], width[c]) : cs[c];

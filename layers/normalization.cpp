@@ -98,6 +98,16 @@ LayerNormalizationLayer::LayerNormalizationLayer(LayerNormalizationOptions optio
   check_epsilon(*this, options_.epsilon);
 }
 
+std::optional<Shape> BatchNormalizationLayer::compute_output_shape(const Shape& input_shape) const {
+  if (input_shape.rank() < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
+  return input_shape;
+}
+
+std::optional<Shape> LayerNormalizationLayer::compute_output_shape(const Shape& input_shape) const {
+  if (input_shape.rank() < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
+  return input_shape;
+}
+
 DType LayerNormalizationLayer::param_dtype() const { return stats_dtype(variable_dtype()); }
 
 void LayerNormalizationLayer::build(const Shape& input_shape) {

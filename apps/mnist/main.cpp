@@ -39,7 +39,7 @@ struct Options {
   std::string device = "auto";
   int epochs = 5;
   std::int64_t batch_size = 0;      // 0: 128, or 8192 for the guide model
-  double learning_rate = 0.0;       // 0: 0.001 (0.002 for the cnn)
+  double learning_rate = 0.0;       // 0: 0.001 (0.002 for the cnn and the resnet)
   std::string schedule = "cosine";  // or constant
   std::uint64_t seed = 0;
   std::string data_dir;
@@ -152,9 +152,11 @@ void add_options(CLI::App& app, Options& o) {
 
   app.add_option("--model", o.model,
                  "mlp (784-512-512-10, default), cnn (Conv32-pool-Conv64-pool-Dense128-\n"
-                 "Dense10) or guide (the mixed precision guide's two Dense(units) layers)")
+                 "Dense10), resnet (a small ResNet: conv stem, three residual blocks of\n"
+                 "16, 32 and 64 channels with BatchNormalization, global average pooling)\n"
+                 "or guide (the mixed precision guide's two Dense(units) layers)")
       ->type_name("NAME")
-      ->check(one_of("model", {"mlp", "cnn", "guide"}));
+      ->check(one_of("model", {"mlp", "cnn", "resnet", "guide"}));
   app.add_option("--policy", o.policy,
                  "dtype policy: float32 (default), mixed_float16, mixed_bfloat16,\n"
                  "float16, bfloat16, float64")
@@ -345,10 +347,39 @@ mt::Device pick_device(const std::string& name) {
   return d;
 }
 
-// The three models. Each ends in a float32 layer, as the guide advises under mixed
-// precision: logits through a float32 linear activation (mlp, cnn: the loss takes
+// A small ResNet for 28x28 images, a functional model: a 3x3 conv stem (16 channels), three
+// residual blocks (16 channels; 32 and 64 with stride 2, their shortcuts a strided 1x1 conv),
+// each conv followed by BatchNormalization, then global average pooling and the logits.
+std::unique_ptr<mt::Model> build_resnet() {
+  auto conv_bn = [](ml::SymbolicTensor x, std::int64_t filters, std::int64_t stride,
+                    std::int64_t kernel) {
+    x = ml::Conv2D(filters, kernel, {.strides = stride, .padding = "same", .use_bias = false})(x);
+    return ml::BatchNormalization()(x);
+  };
+  auto block = [&](const ml::SymbolicTensor& x, std::int64_t filters, std::int64_t stride) {
+    ml::SymbolicTensor shortcut = x;
+    if (stride != 1 || x.shape()[3] != filters) shortcut = conv_bn(x, filters, stride, 1);
+    auto h = ml::Activation("relu")(conv_bn(x, filters, stride, 3));
+    h = conv_bn(h, filters, 1, 3);
+    return ml::Activation("relu")(ml::Add()({h, shortcut}));
+  };
+  auto inputs = ml::Input({28, 28}, {.name = "images"});
+  auto x = ml::Reshape({28, 28, 1})(inputs);
+  x = ml::Activation("relu")(conv_bn(x, 16, 1, 3));
+  x = block(x, 16, 1);  // 28x28
+  x = block(x, 32, 2);  // 14x14
+  x = block(x, 64, 2);  // 7x7
+  x = ml::GlobalAveragePooling2D()(x);
+  x = ml::Dense(10, {.name = "logits"})(x);
+  auto outputs = ml::Activation("linear", {.dtype = "float32", .name = "predictions"})(x);
+  return std::make_unique<mt::Model>(inputs, outputs, mt::ModelOptions{.name = "resnet"});
+}
+
+// The four models. Each ends in a float32 layer, as the guide advises under mixed
+// precision: logits through a float32 linear activation (mlp, cnn, resnet: the loss takes
 // logits), or the guide's float32 softmax.
-std::unique_ptr<mt::Sequential> build_model(const Options& o, std::int64_t units) {
+std::unique_ptr<mt::Model> build_model(const Options& o, std::int64_t units) {
+  if (o.model == "resnet") return build_resnet();
   std::vector<ml::LayerPtr<ml::Layer>> layers;
   if (o.model == "mlp") {
     layers = {ml::Flatten(), ml::Dense(512, {.activation = "relu"}),
@@ -572,13 +603,15 @@ int run(const Options& o) {
   }
 
   // --- Model --------------------------------------------------------------------------------
-  std::unique_ptr<mt::Sequential> model = build_model(o, units);
+  std::unique_ptr<mt::Model> model = build_model(o, units);
   model->build_for({-1, 28, 28});
   model->to(device);
   const bool logits = o.model != "guide";
   // The learning rate: constant, or a cosine decay to 0 over all the run's steps.
   const std::int64_t steps = (x.dim(0) + batch_size - 1) / batch_size * std::max(o.epochs, 1);
-  const double base_lr = o.learning_rate > 0 ? o.learning_rate : (o.model == "cnn" ? 2e-3 : 1e-3);
+  const double base_lr = o.learning_rate > 0
+                             ? o.learning_rate
+                             : (o.model == "cnn" || o.model == "resnet" ? 2e-3 : 1e-3);
   const mt::optim::LearningRate lr = o.schedule == "cosine"
                                          ? mt::optim::schedules::cosine_decay(base_lr, steps)
                                          : mt::optim::LearningRate(base_lr);

@@ -28,6 +28,7 @@
 #include "mixtape/layers/initializers.h"
 #include "mixtape/layers/layer.h"
 #include "mixtape/layers/losses.h"
+#include "mixtape/layers/merge.h"
 #include "mixtape/layers/metrics.h"
 #include "mixtape/layers/model.h"
 #include "mixtape/layers/normalization.h"

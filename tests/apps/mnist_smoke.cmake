@@ -134,6 +134,12 @@ run_app(0 out ${common} --epochs 1 --custom-loop --policy mixed_float16 --limit 
 require("${out}" "loss_scale")
 require("${out}" "Test accuracy:")
 
+# --- the residual network (a functional graph with Add and BatchNormalization) ----------------
+run_app(0 out ${common} --epochs 1 --model resnet --policy mixed_bfloat16 --limit 512)
+require("${out}" "Connected to")
+require("${out}" "(Add)")
+require("${out}" "Test accuracy:")
+
 # --- bad input ---------------------------------------------------------------------------------
 run_app(nonzero out --data-dir ${WORK_DIR}/no-such-dir --epochs 1)
 require("${out}" "no-such-dir")
@@ -249,9 +255,9 @@ run_app(nonzero out ${nodata} --validation-split nan)
 require_one_line("${out}")
 require("${out}" "--validation-split")
 require("${out}" "'nan'")
-run_app(nonzero out ${nodata} --model resnet)
+run_app(nonzero out ${nodata} --model vgg)
 require_one_line("${out}")
-require("${out}" "unknown model 'resnet'")
+require("${out}" "unknown model 'vgg'")
 run_app(nonzero out ${nodata} --plot curves.png)
 require("${out}" "curves.png")
 run_app(nonzero out ${nodata} --epochs 1 extra)

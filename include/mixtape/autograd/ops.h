@@ -116,6 +116,11 @@ Tensor one_hot(const Tensor& labels, std::int64_t depth, DType dtype = kFloat32)
 // --- Convolution and pooling (NHWC like Keras; filters HWIO [kh, kw, cin, cout]) -----------
 enum class Padding { Valid, Same };
 Padding parse_padding(const std::string& name);  // "valid" / "same"
+// The output extent of a window of `window` sliding by `stride` over `in` (TensorFlow's rules:
+// 'valid' gives (in - window) / stride + 1, 'same' ceil(in / stride)); ShapeError when a
+// 'valid' window is larger than the input.
+std::int64_t window_output_extent(std::int64_t in, std::int64_t window, std::int64_t stride,
+                                  Padding padding);
 
 Tensor conv2d(const Tensor& x, const Tensor& filters, std::array<std::int64_t, 2> strides = {1, 1},
               Padding padding = Padding::Valid);

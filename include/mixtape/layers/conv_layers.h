@@ -41,6 +41,7 @@ class Conv2DLayer : public Layer {
   Conv2DLayer(std::int64_t filters, Size2 kernel_size, Conv2DOptions options = {});
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   DType computation_dtype() const override;
   const Variable& kernel() const;
   const Variable& bias() const;
@@ -70,6 +71,7 @@ class Pooling2DLayer : public Layer {
   enum class Kind { Max, Average };
   Pooling2DLayer(Kind kind, PoolingOptions options = {});
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 
  private:
   Kind kind_;
@@ -84,6 +86,7 @@ class GlobalAveragePooling2DLayer : public Layer {
  public:
   explicit GlobalAveragePooling2DLayer(LayerOptions options = {});
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 };
 LayerPtr<GlobalAveragePooling2DLayer> GlobalAveragePooling2D(LayerOptions options = {});
 

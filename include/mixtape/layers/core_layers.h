@@ -28,6 +28,8 @@ class InputLayer : public Layer {
  public:
   InputLayer(const Shape& shape, InputOptions options = {});
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<std::vector<TensorSpec>> compute_output_spec(
+      const std::vector<TensorSpec>& inputs) const override;
   std::string class_name() const override { return "InputLayer"; }
   const Shape& input_shape() const { return shape_; }  // without the batch axis
   DType input_dtype() const { return dtype_; }
@@ -62,6 +64,7 @@ class DenseLayer : public Layer {
   explicit DenseLayer(std::int64_t units, DenseOptions options = {});
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   DType computation_dtype() const override;
 
   std::int64_t units() const { return units_; }
@@ -85,6 +88,7 @@ class ActivationLayer : public Layer {
  public:
   explicit ActivationLayer(const std::string& activation, LayerOptions options = {});
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   const std::string& activation() const { return activation_name_; }
 
  private:
@@ -100,6 +104,7 @@ class FlattenLayer : public Layer {
  public:
   explicit FlattenLayer(LayerOptions options = {});
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 };
 LayerPtr<FlattenLayer> Flatten(LayerOptions options = {});
 
@@ -108,6 +113,7 @@ class ReshapeLayer : public Layer {
  public:
   explicit ReshapeLayer(const Shape& target_shape, LayerOptions options = {});
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 
  private:
   Shape target_;
@@ -129,6 +135,7 @@ class DropoutLayer : public Layer {
  public:
   explicit DropoutLayer(double rate, DropoutOptions options = {});
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   double rate() const { return rate_; }
 
  private:
@@ -154,6 +161,9 @@ class EmbeddingLayer : public Layer {
   EmbeddingLayer(std::int64_t input_dim, std::int64_t output_dim, EmbeddingOptions options = {});
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  // [..., output_dim] in the compute dtype, for ids of any dtype.
+  std::optional<std::vector<TensorSpec>> compute_output_spec(
+      const std::vector<TensorSpec>& inputs) const override;
   const Variable& embeddings() const;
   // Integer ids reach it as they are, also as a model's first layer.
   std::optional<DType> integer_input_dtype() const override { return std::nullopt; }

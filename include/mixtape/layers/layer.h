@@ -16,6 +16,11 @@
 //   mt::Tensor y = dense(x);                                       // called like a function
 //   dense->kernel();                                               // members through ->
 // A user's own layer derives from Layer and is made with make_layer<MyLayer>(...).
+//
+// A layer of several inputs (a merge layer: Add()({a, b})) or outputs overrides call_multi()
+// instead of call(); apply() returns every output. On SymbolicTensors (Input() and what
+// layers make of it) a call records a node of a graph for a functional Model
+// (mixtape/layers/model.h), its output shape from compute_output_shape().
 #pragma once
 
 #include <concepts>
@@ -72,16 +77,23 @@ struct WeightOptions {
 
 // --- Symbolic tensors: the functional API ----------------------------------------------
 
+// The shape and dtype of a tensor of a functional graph (-1 on the batch axis).
+struct TensorSpec {
+  Shape shape;
+  DType dtype;
+};
+
 namespace detail {
 struct SymbolicNode;
 }
 
-// A placeholder for the tensors of a functional model: the output of Input() or of a layer
-// called on another SymbolicTensor. Its shape has -1 on the batch axis.
+// A placeholder for the tensors of a functional model: the output of Input() or one output
+// of a layer called on other SymbolicTensors. Its shape has -1 on the batch axis.
 class SymbolicTensor {
  public:
   SymbolicTensor() = default;
-  explicit SymbolicTensor(std::shared_ptr<detail::SymbolicNode> node) : node_(std::move(node)) {}
+  // Output `index` of `node`.
+  static SymbolicTensor output_of(std::shared_ptr<detail::SymbolicNode> node, int index);
 
   bool defined() const { return node_ != nullptr; }
   const Shape& shape() const;
@@ -89,40 +101,79 @@ class SymbolicTensor {
   // The layer that produced it (an InputLayer for Input()).
   const std::shared_ptr<Layer>& layer() const;
   const std::shared_ptr<detail::SymbolicNode>& node() const { return node_; }
+  // Which output of that layer's call it is (0 but for layers with several outputs).
+  int index() const { return index_; }
+  // "dense_1[0][0]" style text: the layer's name and this output's index ([0] when it has one).
+  std::string name() const;
 
  private:
   std::shared_ptr<detail::SymbolicNode> node_;
+  int index_ = 0;
 };
 
 namespace detail {
+// One call of a layer in a functional graph: its inputs and the specs of its outputs.
 struct SymbolicNode {
   std::shared_ptr<Layer> layer;
-  std::shared_ptr<SymbolicNode> input;  // null for an Input()
-  Shape shape;
-  DType dtype;
+  std::vector<SymbolicTensor> inputs;  // empty for an Input()
+  std::vector<TensorSpec> outputs;
 };
-// Calls `layer` on a symbolic tensor: the layer is built and run once on a batch of one
-// (no tape, inference mode) to learn the output's shape and dtype.
-SymbolicTensor call_symbolic(const std::shared_ptr<Layer>& layer, const SymbolicTensor& x);
+// Calls `layer` on symbolic tensors: the output specs come from the layer's
+// compute_output_spec() and the layer is built from the input shapes; a layer without a shape
+// rule (compute_output_spec returns nothing) is built and run once on a batch of one instead
+// (no tape, inference mode).
+std::vector<SymbolicTensor> call_symbolic(const std::shared_ptr<Layer>& layer,
+                                          const std::vector<SymbolicTensor>& inputs);
+// The same on specs: builds `layer` for inputs of `inputs` and returns its output specs.
+std::vector<TensorSpec> build_for_specs(const std::shared_ptr<Layer>& layer,
+                                        const std::vector<TensorSpec>& inputs);
 }  // namespace detail
 
 // --- Layer ------------------------------------------------------------------------------
 
-class Layer {
+class Layer : public std::enable_shared_from_this<Layer> {
  public:
   explicit Layer(LayerOptions options = {});
   virtual ~Layer();
   Layer(const Layer&) = delete;
   Layer& operator=(const Layer&) = delete;
 
-  // Casts, builds, checks and calls (see the top of this file).
+  // Casts, builds, checks and calls (see the top of this file): one input, one output.
   Tensor operator()(const Tensor& x, const CallContext& ctx = {});
+  // Several inputs, one output: Add()({a, b}).
+  Tensor operator()(const std::vector<Tensor>& inputs, const CallContext& ctx = {});
+  // Any number of inputs; every output.
+  std::vector<Tensor> apply(const std::vector<Tensor>& inputs, const CallContext& ctx = {});
 
-  // Creates the weights for inputs of `input_shape` (batch axis included). Called once,
-  // before the first call().
+  // The same on symbolic tensors (the functional API): the layer is built from their shapes
+  // and the call is recorded as a node of a graph. The layer must be held by a shared_ptr
+  // (layers made by make_layer and the factories are).
+  SymbolicTensor operator()(const SymbolicTensor& x);
+  SymbolicTensor operator()(const std::vector<SymbolicTensor>& inputs);
+  std::vector<SymbolicTensor> apply(const std::vector<SymbolicTensor>& inputs);
+
+  // Creates the weights for inputs of `input_shape` (batch axis included; -1 when the
+  // layer is built from a symbolic tensor). Called once, before the first call().
   virtual void build(const Shape& input_shape);
-  // The computation, on an input already cast to the compute dtype.
-  virtual Tensor call(const Tensor& x, const CallContext& ctx) = 0;
+  // The same for a layer of several inputs; by default build(input_shapes[0]) for one
+  // input and nothing for several.
+  virtual void build_multi(const std::vector<Shape>& input_shapes);
+  // The computation, on an input already cast to the compute dtype. A layer of one input
+  // and one output overrides this one.
+  virtual Tensor call(const Tensor& x, const CallContext& ctx);
+  // A layer of several inputs or outputs overrides this one instead; by default it calls
+  // call() on the only input.
+  virtual std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs, const CallContext& ctx);
+
+  // The output shape for an input of `input_shape` (batch axis -1 or any), without running
+  // the layer; std::nullopt when the layer cannot say (the default), in which case a
+  // symbolic call runs it once on a batch of one. Throws ShapeError for an input the layer
+  // cannot take.
+  virtual std::optional<Shape> compute_output_shape(const Shape& input_shape) const;
+  // The specs of the outputs for inputs of `inputs`; by default, for one floating input,
+  // compute_output_shape() in the compute dtype, and std::nullopt otherwise.
+  virtual std::optional<std::vector<TensorSpec>> compute_output_spec(
+      const std::vector<TensorSpec>& inputs) const;
 
   const std::string& name() const;
   // "Dense", "Conv2D", ...; by default the C++ class name.
@@ -162,7 +213,8 @@ class Layer {
 
   // The sublayers (a model's layers), in order.
   const std::vector<std::shared_ptr<Layer>>& sublayers() const { return sublayers_; }
-  // The output shape of the latest call, with -1 on the batch axis (empty before).
+  // The output shape of the latest call, with -1 on the batch axis (empty before); the
+  // first output's for a layer of several outputs.
   const std::optional<Shape>& output_shape() const { return output_shape_; }
 
  protected:
@@ -180,6 +232,9 @@ class Layer {
   void track(std::shared_ptr<Layer> layer);
   // Whether floating inputs are cast to the compute dtype before call() (models: no).
   virtual bool autocast_inputs() const { return true; }
+  // Whether call_multi() checks the number of inputs itself (a functional model, naming its
+  // inputs); otherwise a call with another number than at build is refused here.
+  virtual bool checks_input_count() const { return false; }
   // Only the layers of mixtape set these.
   Layer(LayerOptions options, std::string class_name);
 
@@ -188,7 +243,15 @@ class Layer {
     Variable variable;
     bool declared_trainable;
   };
-  void check_input(const Tensor& x) const;
+  void check_input(const Shape& shape, DType dtype) const;
+  void check_inputs(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes) const;
+  // Builds (once) for inputs of `shapes` on `device`, then checks them.
+  void build_and_check(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes,
+                       Device device);
+  // For a symbolic call with a shape rule: builds from the specs (nothing runs).
+  void build_symbolic(const std::vector<TensorSpec>& inputs);
+  friend std::vector<TensorSpec> detail::build_for_specs(const std::shared_ptr<Layer>&,
+                                                         const std::vector<TensorSpec>&);
   void check_tracked_by_caller() const;
   void apply_trainable();
   friend struct detail::Tracking;
@@ -203,7 +266,7 @@ class Layer {
   std::vector<Weight> weights_;
   std::vector<std::shared_ptr<Layer>> sublayers_;
   std::optional<InputSpec> input_spec_;
-  std::optional<Shape> built_shape_;
+  std::vector<Shape> built_shapes_;  // the input shapes at build
   std::optional<Shape> output_shape_;
 };
 
@@ -218,15 +281,19 @@ class LayerPtr : public std::shared_ptr<T> {
   requires std::derived_from<U, T> LayerPtr(LayerPtr<U> other)
       : std::shared_ptr<T>(std::move(other)) {}  // NOLINT
 
-  Tensor operator()(const Tensor& x, const CallContext& ctx = {}) const {
+  // The layer's own operator(), so that a model's (which returns a vector for a vector of
+  // inputs) is the one called through a LayerPtr<Model>.
+  auto operator()(const Tensor& x, const CallContext& ctx = {}) const {
     return (*checked())(x, ctx);
   }
-  SymbolicTensor operator()(const SymbolicTensor& x) const {
-    return detail::call_symbolic(checked(), x);
+  auto operator()(const std::vector<Tensor>& inputs, const CallContext& ctx = {}) const {
+    return (*checked())(inputs, ctx);
   }
+  auto operator()(const SymbolicTensor& x) const { return (*checked())(x); }
+  auto operator()(const std::vector<SymbolicTensor>& inputs) const { return (*checked())(inputs); }
 
  private:
-  std::shared_ptr<Layer> checked() const;
+  T* checked() const;
 };
 
 namespace detail {
@@ -271,13 +338,15 @@ requires std::constructible_from<T, LayerOptions> LayerPtr<T> make_layer(LayerOp
 
 namespace detail {
 [[noreturn]] void throw_null_layer();
+// "[None, 28, 28]" for a shape with -1 on the batch axis, "[2, 28, 28]" for a concrete one.
+std::string shape_with_none(const Shape& shape);
 // "base" the first time, then "base_1", "base_2", ... (the default layer names).
 std::string unique_layer_name(const std::string& base);
 }  // namespace detail
 template <typename T>
-std::shared_ptr<Layer> LayerPtr<T>::checked() const {
+T* LayerPtr<T>::checked() const {
   if (!*this) detail::throw_null_layer();
-  return *this;
+  return this->get();
 }
 
 // Resets the counters behind default layer names (the next Dense is "dense" again).

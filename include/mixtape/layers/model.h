@@ -51,9 +51,7 @@ class OptimizerRef {
   OptimizerRef(const std::string& name) : ptr_(optim::get(name)) {}  // NOLINT
   // The optimizer one compile() uses: a new copy, or the shared object (null when an empty
   // shared_ptr was given).
-  std::shared_ptr<optim::Optimizer> get() const {
-    return shared_ || !ptr_ ? ptr_ : ptr_->clone();
-  }
+  std::shared_ptr<optim::Optimizer> get() const { return shared_ || !ptr_ ? ptr_ : ptr_->clone(); }
   bool shared() const { return shared_; }
 
  private:
@@ -179,11 +177,31 @@ class Model : public layers::Layer {
   // A functional model from an Input() to a symbolic output.
   Model(const layers::SymbolicTensor& inputs, const layers::SymbolicTensor& outputs,
         ModelOptions options = {});
+  // A functional model of several inputs (each from Input()) and outputs: a graph of layer
+  // calls. It is checked here: every output must be computed from the given inputs, and
+  // every input used; the layers then run in one topological order, computed here.
+  Model(const std::vector<layers::SymbolicTensor>& inputs,
+        const std::vector<layers::SymbolicTensor>& outputs, ModelOptions options = {});
+
+  // One input, one output: model(x) as for any layer. Several inputs or outputs: a vector
+  // of tensors in, the vector of outputs out (in the order given at construction).
+  using Layer::operator();
+  std::vector<Tensor> operator()(const std::vector<Tensor>& inputs, const CallContext& ctx = {});
+  // The model called on symbolic tensors (a model used as a layer of another): every output.
+  std::vector<layers::SymbolicTensor> operator()(const std::vector<layers::SymbolicTensor>& inputs);
 
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs,
+                                 const CallContext& ctx) override;
+  std::optional<std::vector<layers::TensorSpec>> compute_output_spec(
+      const std::vector<layers::TensorSpec>& inputs) const override;
   std::string class_name() const override { return "Functional"; }
 
-  // The layers, in the order they run (the InputLayer first for a functional model).
+  // A functional model's inputs and outputs, as given at construction.
+  const std::vector<layers::SymbolicTensor>& inputs() const { return inputs_; }
+  const std::vector<layers::SymbolicTensor>& outputs() const { return outputs_; }
+
+  // The layers, in the order they run (the InputLayers first for a functional model).
   const std::vector<std::shared_ptr<layers::Layer>>& layers() const { return layers_; }
   // The layer called `name`; throws ValueError listing the names when there is none.
   std::shared_ptr<layers::Layer> get_layer(std::string_view name) const;
@@ -201,9 +219,13 @@ class Model : public layers::Layer {
   // layer casts them to its compute dtype).
   std::optional<DType> integer_input_dtype() const override;
 
-  // Runs a batch of one through the model so that every layer is built (for a Sequential
-  // model before its first call). `input_shape` may carry -1 on the batch axis.
+  // Builds every layer for inputs of `input_shape` (for a Sequential model before its first
+  // call) from the shapes alone: a layer without a shape rule (compute_output_shape) is run
+  // once on a batch of one. `input_shape` may carry -1 on the batch axis. For a functional
+  // model (built when made) it checks that the model takes that shape.
   void build_for(const Shape& input_shape);
+  // Sequential: builds the layers in turn from the input shape (as build_for).
+  void build(const Shape& input_shape) override;
 
   // Writes the weights to a safetensors file (variable names as tensor names), and reads
   // them back into a model of the same architecture (mixtape/layers/checkpoint.h).
@@ -246,6 +268,7 @@ class Model : public layers::Layer {
   // For Sequential: a model whose call() is its own.
   Model(ModelOptions options, const std::string& class_name);
   bool autocast_inputs() const override { return false; }
+  bool checks_input_count() const override { return !nodes_.empty(); }
   void add_layer(std::shared_ptr<layers::Layer> layer);
   // x cast to integer_input_dtype() when it is an integer or boolean tensor.
   Tensor conform_input(const Tensor& x) const;
@@ -255,10 +278,16 @@ class Model : public layers::Layer {
   std::vector<std::shared_ptr<layers::Layer>> layers_;
 
  private:
-  // The functional graph, in execution order: for node i, the index of its input node
-  // (-1 for the Input).
+  // The functional graph. nodes_ in execution order (the inputs' first, in the order given);
+  // for node i, node_inputs_[i] holds (node, output) of each of its inputs; uses_[i][k] how
+  // many inputs read output k of node i (a value is dropped after its last reader), outputs
+  // of the model counting once more.
+  void make_graph();
+  std::vector<layers::SymbolicTensor> inputs_, outputs_;
   std::vector<std::shared_ptr<layers::detail::SymbolicNode>> nodes_;
-  std::vector<int> node_inputs_;
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> node_inputs_;
+  std::vector<std::vector<int>> uses_;
+  std::vector<std::pair<std::size_t, std::size_t>> output_slots_;
   std::optional<DType> warned_output_;
   std::optional<std::string> output_note_;
 

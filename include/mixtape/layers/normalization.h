@@ -39,6 +39,7 @@ class BatchNormalizationLayer : public Layer {
   explicit BatchNormalizationLayer(BatchNormalizationOptions options = {});
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   DType computation_dtype() const override { return param_dtype(); }
 
   const Variable& gamma() const { return gamma_; }
@@ -71,6 +72,7 @@ class LayerNormalizationLayer : public Layer {
   explicit LayerNormalizationLayer(LayerNormalizationOptions options = {});
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   DType computation_dtype() const override { return param_dtype(); }
 
   const Variable& gamma() const { return gamma_; }
