@@ -216,9 +216,11 @@ std::optional<DType> Model::integer_input_dtype() const {
   return layers_.front()->integer_input_dtype();
 }
 
-Tensor Model::conform_input(const Tensor& x) const {
+Tensor Model::conform_input(const Tensor& x, std::size_t index) const {
   if (!x.defined() || x.dtype().is_floating()) return x;
-  const std::optional<DType> dtype = integer_input_dtype();
+  std::optional<DType> dtype = integer_input_dtype();
+  if (index < inputs_.size())
+    dtype = static_cast<const layers::InputLayer*>(nodes_[index]->layer.get())->input_dtype();
   if (!dtype || *dtype == x.dtype()) return x;
   NoGradGuard no_grad;
   return cast(x, *dtype);
@@ -262,13 +264,7 @@ std::vector<Tensor> Model::call_multi(const std::vector<Tensor>& inputs, const C
     std::vector<Tensor> xs;
     if (i < inputs_.size()) {
       // Integer and boolean inputs become the Input's dtype, as in Keras.
-      Tensor x = inputs[i];
-      const auto* input = static_cast<const layers::InputLayer*>(nodes_[i]->layer.get());
-      if (x.defined() && !x.dtype().is_floating() && x.dtype() != input->input_dtype()) {
-        NoGradGuard no_grad;
-        x = cast(x, input->input_dtype());
-      }
-      xs.push_back(std::move(x));
+      xs.push_back(conform_input(inputs[i], i));
     } else {
       for (const auto& [from, k] : node_inputs_[i]) xs.push_back(values[from][k]);
     }

@@ -70,12 +70,93 @@ bool batchable(const Tensor& t) {
 
 // --- compile ------------------------------------------------------------------------------
 
+std::vector<losses::Loss> LossSpec::resolve(const std::string& model,
+                                            const std::vector<std::string>& output_names) const {
+  const std::size_t n = output_names.size();
+  const auto names = [&] {
+    std::string out;
+    for (const auto& o : output_names) out += (out.empty() ? "" : ", ") + o;
+    return out;
+  };
+  if (single_) return std::vector<losses::Loss>(n, *single_);
+  if (!is_map_) {
+    if (list_.size() != n)
+      throw ValueError(
+          fmt::format("model '{}': compile got {} losses for {} output{} ({}); give "
+                      "one per output, in their order, or one for all",
+                      model, list_.size(), n, n == 1 ? "" : "s", names()));
+    return list_;
+  }
+  for (const auto& [k, v] : map_)
+    if (std::find(output_names.begin(), output_names.end(), k) == output_names.end())
+      throw ValueError(
+          fmt::format("model '{}': compile got a loss for '{}', which is not an "
+                      "output; the outputs are {}",
+                      model, k, names()));
+  std::vector<losses::Loss> out;
+  for (const auto& o : output_names) {
+    auto it = map_.find(o);
+    if (it == map_.end())
+      throw ValueError(
+          fmt::format("model '{}': compile got no loss for output '{}'; the outputs "
+                      "are {}",
+                      model, o, names()));
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+std::vector<std::string> Model::output_names() const {
+  if (nodes_.empty()) return {name()};
+  std::vector<std::string> out;
+  for (const auto& o : outputs_) out.push_back(o.name());
+  return out;
+}
+
 void Model::compile(CompileOptions options) {
   if (!options.loss)
     throw ValueError(fmt::format("model '{}': compile needs a loss (.loss = ...)", name()));
+  const std::vector<std::string> outs = output_names();
+  std::vector<losses::Loss> ls = options.loss->resolve(name(), outs);
+  std::vector<double> weights = options.loss_weights;
+  if (weights.empty()) weights.assign(outs.size(), 1.0);
+  if (weights.size() != outs.size())
+    throw ValueError(fmt::format("model '{}': compile got {} loss_weights for {} output{}", name(),
+                                 weights.size(), outs.size(), outs.size() == 1 ? "" : "s"));
+  for (double w : weights)
+    if (!std::isfinite(w))
+      throw ValueError(
+          fmt::format("model '{}': compile: loss_weights must be finite; got {}", name(), w));
   std::shared_ptr<optim::Optimizer> opt = options.optimizer.get();
   if (!opt) throw ValueError(fmt::format("model '{}': compile got an empty optimizer", name()));
   const auto& scale = dtype_policy().loss_scale();
+  std::vector<std::vector<std::shared_ptr<metrics::Metric>>> ms(outs.size());
+  for (const auto& m : options.metrics) {
+    if (m.metric() && outs.size() > 1)
+      throw ValueError(fmt::format(
+          "model '{}': compile: a Metric object cannot serve {} outputs; give metrics by name "
+          "(\"accuracy\", ...) for a model of several outputs",
+          name(), outs.size()));
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      if (m.metric()) {
+        ms[i].push_back(m.metric());
+      } else if (m.name() == "accuracy" || m.name() == "acc") {
+        // The accuracy that matches the output's loss, as Keras chooses it.
+        const std::string& l = ls[i].name();
+        if (l == "sparse_categorical_crossentropy")
+          ms[i].push_back(std::make_shared<metrics::SparseCategoricalAccuracy>("accuracy"));
+        else if (l == "categorical_crossentropy")
+          ms[i].push_back(std::make_shared<metrics::CategoricalAccuracy>("accuracy"));
+        else if (l == "binary_crossentropy")
+          ms[i].push_back(std::make_shared<metrics::BinaryAccuracy>("accuracy"));
+        else
+          ms[i].push_back(std::make_shared<metrics::Accuracy>("accuracy"));
+      } else {
+        ms[i].push_back(metrics::get(m.name()));
+      }
+    }
+  }
+  // Nothing changes before here: a bad option leaves the model as it was.
   if (scale && !dynamic_cast<optim::LossScaleOptimizer*>(opt.get())) {
     opt = std::make_shared<optim::LossScaleOptimizer>(opt, *scale);
     spdlog::info(
@@ -83,94 +164,173 @@ void Model::compile(CompileOptions options) {
         "LossScaleOptimizer ({})",
         name(), dtype_policy().name(), scale->str());
   }
-  std::vector<std::shared_ptr<metrics::Metric>> ms;
-  for (const auto& m : options.metrics) {
-    if (m.metric()) {
-      ms.push_back(m.metric());
-      continue;
-    }
-    if (m.name() == "accuracy" || m.name() == "acc") {
-      // The accuracy that matches the loss, as Keras chooses it.
-      const std::string& l = options.loss->name();
-      if (l == "sparse_categorical_crossentropy")
-        ms.push_back(std::make_shared<metrics::SparseCategoricalAccuracy>("accuracy"));
-      else if (l == "categorical_crossentropy")
-        ms.push_back(std::make_shared<metrics::CategoricalAccuracy>("accuracy"));
-      else if (l == "binary_crossentropy")
-        ms.push_back(std::make_shared<metrics::BinaryAccuracy>("accuracy"));
-      else
-        ms.push_back(std::make_shared<metrics::Accuracy>("accuracy"));
-    } else {
-      ms.push_back(metrics::get(m.name()));
-    }
-  }
-  loss_ = options.loss;
+  losses_ = std::move(ls);
+  loss_weights_ = std::move(weights);
   optimizer_ = std::move(opt);
   metrics_ = std::move(ms);
 }
 
 const losses::Loss& Model::loss() const {
-  if (!loss_) throw ValueError(fmt::format("model '{}' is not compiled (call compile())", name()));
-  return *loss_;
+  if (losses_.empty())
+    throw ValueError(fmt::format("model '{}' is not compiled (call compile())", name()));
+  return losses_.front();
 }
+
+// --- Data and losses ---------------------------------------------------------------------------
+
+namespace {
+std::string describe_all(const std::vector<Tensor>& ts) {
+  std::string out;
+  for (const auto& t : ts)
+    out += (out.empty() ? "" : ", ") + (t.defined() ? describe(t) : "undefined");
+  return out;
+}
+}  // namespace
+
+void Model::conform_data(const std::string& who, std::vector<Tensor>& x,
+                         std::vector<Tensor>& y) const {
+  const std::vector<std::string> outs = output_names();
+  if (x.size() != num_inputs())
+    throw ValueError(fmt::format("{}: the model takes {} input{}; got {} input tensor{}", who,
+                                 num_inputs(), num_inputs() == 1 ? "" : "s", x.size(),
+                                 x.size() == 1 ? "" : "s"));
+  if (y.size() != outs.size()) {
+    std::string names;
+    for (const auto& o : outs) names += (names.empty() ? "" : ", ") + o;
+    throw ValueError(fmt::format("{}: the model has {} output{} ({}); got {} label tensor{}", who,
+                                 outs.size(), outs.size() == 1 ? "" : "s", names, y.size(),
+                                 y.size() == 1 ? "" : "s"));
+  }
+  bool ok = true;
+  for (const auto* ts : {&x, &y})
+    for (const Tensor& t : *ts)
+      ok = ok && t.defined() && t.rank() > 0 && t.dim(0) == x.front().dim(0);
+  if (!ok) {
+    if (x.size() == 1 && y.size() == 1)
+      throw ShapeError(fmt::format("{}: x {} and y {} need the same number of samples (axis 0)",
+                                   who, x[0].defined() ? describe(x[0]) : "undefined",
+                                   y[0].defined() ? describe(y[0]) : "undefined"));
+    throw ShapeError(fmt::format(
+        "{}: every input and label tensor needs the same number of samples (axis 0); got x {} "
+        "and y {}",
+        who, describe_all(x), describe_all(y)));
+  }
+  for (Tensor& t : y) t = as_int64(t);
+}
+
+std::vector<std::string> Model::metric_keys() const {
+  const std::vector<std::string> outs = output_names();
+  std::vector<std::string> keys{"loss"};
+  const bool several = outs.size() > 1;
+  if (several)
+    for (const auto& o : outs) keys.push_back(o + "_loss");
+  for (std::size_t i = 0; i < metrics_.size(); ++i)
+    for (const auto& m : metrics_[i])
+      keys.push_back(several ? outs[i] + "_" + m->name() : m->name());
+  return keys;
+}
+
+Tensor Model::batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
+                         std::vector<double>* per_output) {
+  if (pred.size() != losses_.size())
+    throw ValueError(fmt::format("model '{}': gave {} outputs for {} losses", name(), pred.size(),
+                                 losses_.size()));
+  Tensor total;
+  for (std::size_t i = 0; i < losses_.size(); ++i) {
+    Tensor l = losses_[i](y[i], pred[i]);
+    if (per_output) per_output->push_back(l.item<double>());
+    if (loss_weights_[i] != 1.0) l = l * loss_weights_[i];
+    total = total.defined() ? total + l : l;
+  }
+  return total;
+}
+
+namespace {
+// The logs of a batch or an epoch: the total loss, each output's (several outputs), and the
+// metrics.
+Logs make_logs(double loss, const std::vector<double>& per_output,
+               const std::vector<std::string>& outs,
+               const std::vector<std::vector<std::shared_ptr<metrics::Metric>>>& ms) {
+  Logs logs{{"loss", loss}};
+  const bool several = outs.size() > 1;
+  if (several)
+    for (std::size_t i = 0; i < outs.size() && i < per_output.size(); ++i)
+      logs[outs[i] + "_loss"] = per_output[i];
+  for (std::size_t i = 0; i < ms.size(); ++i)
+    for (const auto& m : ms[i]) logs[several ? outs[i] + "_" + m->name() : m->name()] = m->result();
+  return logs;
+}
+}  // namespace
 
 // --- One step ---------------------------------------------------------------------------------
 
-Logs Model::train_step(const Tensor& x, const Tensor& y_in) {
+Logs Model::train_step(const Tensor& x, const Tensor& y) {
+  return train_step(std::vector<Tensor>{x}, std::vector<Tensor>{y});
+}
+
+Logs Model::train_step(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y_in) {
   if (!compiled())
     throw ValueError(
         fmt::format("model '{}' is not compiled: call compile() before training", name()));
-  const Tensor y = as_int64(y_in);
-  if (x.defined() && x.rank() > 0 && x.dim(0) == 0) {
+  std::vector<Tensor> x = x_in, y = y_in;
+  conform_data(fmt::format("model '{}': train_step", name()), x, y);
+  const std::vector<std::string> outs = output_names();
+  if (x.front().dim(0) == 0) {
     // An empty batch: nothing to learn from. The model (in inference mode, so that no
     // statistic moves) and the loss still run, to check the shapes; the loss of an empty
     // batch is 0 (Keras); no gradient, no optimizer step, no iteration counted.
     NoGradGuard no_grad;
-    const Tensor pred = (*this)(x, CallContext{.training = false});
-    Logs logs{{"loss", (*loss_)(y, pred).item<double>()}};
-    for (const auto& m : metrics_) {
-      m->update_state(y, pred);
-      logs[m->name()] = m->result();
-    }
-    return logs;
+    const std::vector<Tensor> pred = apply(x, CallContext{.training = false});
+    std::vector<double> parts;
+    const double loss = batch_loss(y, pred, &parts).item<double>();
+    for (std::size_t i = 0; i < metrics_.size(); ++i)
+      for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
+    return make_logs(loss, parts, outs, metrics_);
   }
   auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
   const std::vector<Variable> vars = trainable_variables();
-  Tensor loss, pred;
-  std::vector<Tensor> grads;
+  Tensor loss;
+  std::vector<Tensor> pred, grads;
   {
     GradientTape tape;
-    pred = (*this)(x, CallContext{.training = true});
-    loss = (*loss_)(y, pred);
+    pred = apply(x, CallContext{.training = true});
+    loss = batch_loss(y, pred, nullptr);
     grads = tape.gradient(lso ? lso->get_scaled_loss(loss) : loss, vars);
   }
   if (lso) grads = lso->get_unscaled_gradients(grads);
   optimizer_->apply_gradients(grads, vars);
   NoGradGuard no_grad;
-  Logs logs{{"loss", loss.item<double>()}};
-  for (const auto& m : metrics_) {
-    m->update_state(y, pred);
-    logs[m->name()] = m->result();
-  }
-  return logs;
+  std::vector<double> parts;
+  if (outs.size() > 1)
+    for (std::size_t i = 0; i < losses_.size(); ++i)
+      parts.push_back(losses_[i](y[i], pred[i]).item<double>());
+  for (std::size_t i = 0; i < metrics_.size(); ++i)
+    for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
+  return make_logs(loss.item<double>(), parts, outs, metrics_);
 }
 
 // --- fit --------------------------------------------------------------------------------------
 
-History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
+History Model::fit(const Tensor& x, const Tensor& y, FitOptions o) {
+  return fit(std::vector<Tensor>{x}, std::vector<Tensor>{y}, std::move(o));
+}
+
+History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y_in, FitOptions o) {
   const std::string who = fmt::format("model '{}': fit", name());
   if (!compiled()) throw ValueError(who + ": the model is not compiled (call compile() first)");
-  if (!x_in.defined() || !y_in.defined()) throw ValueError(who + ": x and y must be defined");
+  for (const auto* ts : {&x_in, &y_in})
+    for (const Tensor& t : *ts)
+      if (!t.defined()) throw ValueError(who + ": x and y must be defined");
+  std::vector<Tensor> x = x_in, y = y_in;
+  conform_data(who, x, y);
   // Integer data is cast once, here, at the boundary (as Keras casts a model's inputs):
   // uint8 images to the model's input dtype (float32 unless its Input says otherwise), the
   // ids of a model that takes them as they are (an Embedding first) from uint8 or bool to
   // int64, labels to int64.
-  Tensor x = conform_input(x_in);
-  if (!batchable(x)) x = as_int64(x);
-  const Tensor y = as_int64(y_in);
-  if (x.rank() == 0 || y.rank() == 0 || x.dim(0) != y.dim(0))
-    throw ShapeError(fmt::format("{}: x {} and y {} need the same number of samples (axis 0)", who,
-                                 describe(x), describe(y)));
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = conform_input(x[i], i);
+    if (!batchable(x[i])) x[i] = as_int64(x[i]);
+  }
   if (o.batch_size <= 0)
     throw ValueError(fmt::format("{}: batch_size must be positive; got {}", who, o.batch_size));
   if (o.epochs < 0) throw ValueError(fmt::format("{}: epochs must be >= 0; got {}", who, o.epochs));
@@ -181,18 +341,24 @@ History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
         fmt::format("{}: validation_split must be in [0, 1); got {}", who, o.validation_split));
 
   // The held-out validation samples: the last ones, before any shuffling (as Keras).
-  const std::int64_t n = x.dim(0);
+  const std::int64_t n = x.front().dim(0);
   std::int64_t n_train = n;
-  Tensor x_val, y_val;
+  std::vector<Tensor> x_val, y_val;
   if (o.validation_data) {
-    x_val = o.validation_data.x;
-    y_val = o.validation_data.y;
-    if (!x_val.defined() || !y_val.defined() || x_val.rank() == 0 || y_val.rank() == 0 ||
-        x_val.dim(0) != y_val.dim(0))
+    const ValidationData& v = o.validation_data;
+    x_val = v.xs.empty() && v.ys.empty() ? std::vector<Tensor>{v.x} : v.xs;
+    y_val = v.xs.empty() && v.ys.empty() ? std::vector<Tensor>{v.y} : v.ys;
+    bool ok = x_val.size() == x.size() && y_val.size() == y.size();
+    for (const auto* ts : {&x_val, &y_val})
+      for (const Tensor& t : *ts)
+        ok = ok && t.defined() && t.rank() > 0 && x_val.front().defined() &&
+             x_val.front().rank() > 0 && t.dim(0) == x_val.front().dim(0);
+    if (!ok)
       throw ShapeError(
           fmt::format("{}: validation_data needs x and y with the same number of "
-                      "samples",
-                      who));
+                      "samples, as many as the model has inputs ({}) and outputs "
+                      "({}); got x {} and y {}",
+                      who, x.size(), y.size(), describe_all(x_val), describe_all(y_val)));
   } else if (o.validation_split > 0.0) {
     n_train = static_cast<std::int64_t>(static_cast<double>(n) * (1.0 - o.validation_split));
     if (n_train <= 0 || n_train >= n)
@@ -200,10 +366,12 @@ History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
           fmt::format("{}: validation_split {} of {} samples leaves no training or "
                       "no validation samples",
                       who, o.validation_split, n));
-    x_val = rows(x, n_train, n);
-    y_val = rows(y, n_train, n);
+    for (const Tensor& t : x) x_val.push_back(rows(t, n_train, n));
+    for (const Tensor& t : y) y_val.push_back(rows(t, n_train, n));
   }
-  const Tensor x_train = rows(x, 0, n_train), y_train = rows(y, 0, n_train);
+  std::vector<Tensor> x_train, y_train;
+  for (const Tensor& t : x) x_train.push_back(rows(t, 0, n_train));
+  for (const Tensor& t : y) y_train.push_back(rows(t, 0, n_train));
   if (n_train == 0) throw ValueError(who + ": no training samples");
 
   auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
@@ -212,8 +380,8 @@ History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
   const std::uint64_t base_seed = o.seed ? *o.seed : default_generator().next_u64();
   const std::int64_t steps = (n_train + o.batch_size - 1) / o.batch_size;
   const bool tty = o.verbose == 1 && isatty(fileno(stdout));
-  std::vector<std::string> keys{"loss"};
-  for (const auto& m : metrics_) keys.push_back(m->name());
+  const std::vector<std::string> keys = metric_keys();
+  const std::vector<std::string> outs = output_names();
 
   History history;
   stop_training_ = false;
@@ -222,7 +390,8 @@ History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
   std::vector<std::int64_t> order(static_cast<std::size_t>(n_train));
   for (int epoch = o.initial_epoch; epoch < o.epochs && !stop_training_; ++epoch) {
     for (auto& cb : o.callbacks) cb->on_epoch_begin(*this, epoch);
-    for (auto& m : metrics_) m->reset_state();
+    for (auto& ms : metrics_)
+      for (auto& m : ms) m->reset_state();
     std::iota(order.begin(), order.end(), std::int64_t{0});
     Generator gen(base_seed ^ (0x9e3779b97f4a7c15ULL * static_cast<std::uint64_t>(epoch + 1)));
     if (o.shuffle)
@@ -234,27 +403,34 @@ History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
     const auto start = Clock::now();
     auto last_print = start;
     double loss_sum = 0.0;
+    std::vector<double> part_sums(outs.size(), 0.0);
     std::int64_t seen = 0;
     Logs batch_logs;
     for (std::int64_t step = 0; step < steps; ++step) {
       const std::int64_t b0 = step * o.batch_size, b1 = std::min(n_train, b0 + o.batch_size);
-      Tensor xb, yb;
-      if (o.shuffle) {
-        const Tensor idx = from_vector(
-            std::vector<std::int64_t>(order.begin() + b0, order.begin() + b1), Shape{b1 - b0});
+      std::vector<Tensor> xb, yb;
+      {
         NoGradGuard no_grad;
-        xb = take(x_train, idx, 0);
-        yb = take(y_train, idx, 0);
-      } else {
-        xb = rows(x_train, b0, b1);
-        yb = rows(y_train, b0, b1);
+        Tensor idx;
+        if (o.shuffle)
+          idx = from_vector(std::vector<std::int64_t>(order.begin() + b0, order.begin() + b1),
+                            Shape{b1 - b0});
+        for (const auto* src : {&x_train, &y_train}) {
+          auto& dst = src == &x_train ? xb : yb;
+          for (const Tensor& t : *src)
+            dst.push_back((o.shuffle ? take(t, idx, 0) : rows(t, b0, b1)).to(device()));
+        }
       }
-      xb = xb.to(device());
-      yb = yb.to(device());
       batch_logs = train_step(xb, yb);
-      loss_sum += batch_logs["loss"] * static_cast<double>(b1 - b0);
+      const auto rows_in_batch = static_cast<double>(b1 - b0);
+      loss_sum += batch_logs["loss"] * rows_in_batch;
       seen += b1 - b0;
       batch_logs["loss"] = loss_sum / static_cast<double>(seen);  // the epoch's running mean
+      if (outs.size() > 1)
+        for (std::size_t i = 0; i < outs.size(); ++i) {
+          part_sums[i] += batch_logs[outs[i] + "_loss"] * rows_in_batch;
+          batch_logs[outs[i] + "_loss"] = part_sums[i] / static_cast<double>(seen);
+        }
       for (auto& cb : o.callbacks) cb->on_batch_end(*this, step, batch_logs);
       if (tty && (step + 1 == steps ||
                   std::chrono::duration<double>(Clock::now() - last_print).count() >= 0.1)) {
@@ -274,10 +450,12 @@ History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
     }
     const double epoch_s = seconds_since(start);
 
-    logs = Logs{{"loss", loss_sum / static_cast<double>(std::max<std::int64_t>(seen, 1))}};
-    for (const auto& m : metrics_) logs[m->name()] = m->result();
+    const double denom = static_cast<double>(std::max<std::int64_t>(seen, 1));
+    std::vector<double> parts;
+    for (double p : part_sums) parts.push_back(p / denom);
+    logs = make_logs(loss_sum / denom, parts, outs, metrics_);
     std::vector<std::string> line_keys = keys;
-    if (x_val.defined()) {
+    if (!x_val.empty()) {
       const Logs v = evaluate(x_val, y_val, EvaluateOptions{.batch_size = o.batch_size});
       for (const auto& [k, val] : v) logs["val_" + k] = val;
       for (const auto& k : keys) line_keys.push_back("val_" + k);
@@ -305,33 +483,42 @@ History Model::fit(const Tensor& x_in, const Tensor& y_in, FitOptions o) {
 // --- evaluate, predict ------------------------------------------------------------------------
 
 Logs Model::evaluate(const Tensor& x, const Tensor& y, EvaluateOptions o) {
+  return evaluate(std::vector<Tensor>{x}, std::vector<Tensor>{y}, o);
+}
+
+Logs Model::evaluate(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y_in,
+                     EvaluateOptions o) {
   const std::string who = fmt::format("model '{}': evaluate", name());
   if (!compiled()) throw ValueError(who + ": the model is not compiled (call compile() first)");
-  if (!x.defined() || !y.defined() || x.rank() == 0 || y.rank() == 0 || x.dim(0) != y.dim(0))
-    throw ShapeError(fmt::format("{}: x {} and y {} need the same number of samples (axis 0)", who,
-                                 x.defined() ? describe(x) : "undefined",
-                                 y.defined() ? describe(y) : "undefined"));
+  std::vector<Tensor> x = x_in, y = y_in;
+  conform_data(who, x, y);
   if (o.batch_size <= 0)
     throw ValueError(fmt::format("{}: batch_size must be positive; got {}", who, o.batch_size));
   NoGradGuard no_grad;
-  for (auto& m : metrics_) m->reset_state();
-  const std::int64_t n = x.dim(0);
+  for (auto& ms : metrics_)
+    for (auto& m : ms) m->reset_state();
+  const std::vector<std::string> outs = output_names();
+  const std::int64_t n = x.front().dim(0);
   double loss_sum = 0.0;
+  std::vector<double> part_sums(outs.size(), 0.0);
   for (std::int64_t b0 = 0; b0 < n; b0 += o.batch_size) {
     const std::int64_t b1 = std::min(n, b0 + o.batch_size);
-    const Tensor xb = rows(x, b0, b1).to(device());
-    const Tensor yb = as_int64(rows(y, b0, b1)).to(device());
-    const Tensor pred = (*this)(xb, CallContext{.training = false});
-    loss_sum += (*loss_)(yb, pred).item<double>() * static_cast<double>(b1 - b0);
-    for (auto& m : metrics_) m->update_state(yb, pred);
+    std::vector<Tensor> xb, yb;
+    for (const Tensor& t : x) xb.push_back(rows(t, b0, b1).to(device()));
+    for (const Tensor& t : y) yb.push_back(rows(t, b0, b1).to(device()));
+    const std::vector<Tensor> pred = apply(xb, CallContext{.training = false});
+    std::vector<double> parts;
+    loss_sum += batch_loss(yb, pred, &parts).item<double>() * static_cast<double>(b1 - b0);
+    for (std::size_t i = 0; i < parts.size(); ++i)
+      part_sums[i] += parts[i] * static_cast<double>(b1 - b0);
+    for (std::size_t i = 0; i < metrics_.size(); ++i)
+      for (const auto& m : metrics_[i]) m->update_state(yb[i], pred[i]);
   }
-  Logs logs{{"loss", n > 0 ? loss_sum / static_cast<double>(n) : 0.0}};
-  for (const auto& m : metrics_) logs[m->name()] = m->result();
-  if (o.verbose > 0) {
-    std::vector<std::string> keys{"loss"};
-    for (const auto& m : metrics_) keys.push_back(m->name());
-    fmt::print("{} samples - {}\n", n, format_logs(logs, keys));
-  }
+  const double denom = n > 0 ? static_cast<double>(n) : 1.0;
+  std::vector<double> parts;
+  for (double p : part_sums) parts.push_back(p / denom);
+  Logs logs = make_logs(n > 0 ? loss_sum / denom : 0.0, parts, outs, metrics_);
+  if (o.verbose > 0) fmt::print("{} samples - {}\n", n, format_logs(logs, metric_keys()));
   return logs;
 }
 
@@ -339,29 +526,57 @@ Tensor Model::predict(const Tensor& x, PredictOptions o) {
   if (!x.defined() || x.rank() == 0)
     throw ShapeError(fmt::format("model '{}': predict needs a batch of inputs (axis 0); got {}",
                                  name(), x.defined() ? describe(x) : "undefined"));
+  std::vector<Tensor> out = predict(std::vector<Tensor>{x}, o);
+  if (out.size() != 1)
+    throw ValueError(
+        fmt::format("model '{}': has {} outputs; predict on a vector of inputs "
+                    "returns them all",
+                    name(), out.size()));
+  return out.front();
+}
+
+std::vector<Tensor> Model::predict(const std::vector<Tensor>& x, PredictOptions o) {
+  const std::string who = fmt::format("model '{}': predict", name());
+  if (x.size() != num_inputs())
+    throw ValueError(fmt::format("{}: the model takes {} input{}; got {}", who, num_inputs(),
+                                 num_inputs() == 1 ? "" : "s", x.size()));
+  for (const Tensor& t : x)
+    if (!t.defined() || t.rank() == 0 || t.dim(0) != x.front().dim(0))
+      throw ShapeError(
+          fmt::format("{}: needs batches of inputs with one number of samples (axis "
+                      "0); got {}",
+                      who, describe_all(x)));
   if (o.batch_size <= 0)
-    throw ValueError(fmt::format("model '{}': predict: batch_size must be positive; got {}", name(),
-                                 o.batch_size));
+    throw ValueError(fmt::format("{}: batch_size must be positive; got {}", who, o.batch_size));
   NoGradGuard no_grad;
-  const std::int64_t n = x.dim(0);
-  Tensor out;
-  std::size_t row_bytes = 0;
+  const std::int64_t n = x.front().dim(0);
+  std::vector<Tensor> out;
+  std::vector<std::size_t> row_bytes;
   for (std::int64_t b0 = 0; b0 < n; b0 += o.batch_size) {
     const std::int64_t b1 = std::min(n, b0 + o.batch_size);
-    const Tensor pred = (*this)(rows(x, b0, b1).to(device()), CallContext{.training = false});
-    if (!out.defined()) {
-      std::vector<std::int64_t> dims = pred.shape().dims();
-      dims[0] = n;
-      out = Tensor::empty(Shape(dims), pred.dtype());
-      row_bytes = static_cast<std::size_t>(pred.numel() / std::max<std::int64_t>(pred.dim(0), 1)) *
-                  pred.dtype().itemsize();
+    std::vector<Tensor> xb;
+    for (const Tensor& t : x) xb.push_back(rows(t, b0, b1).to(device()));
+    const std::vector<Tensor> pred = apply(xb, CallContext{.training = false});
+    if (out.empty()) {
+      for (const Tensor& p : pred) {
+        std::vector<std::int64_t> dims = p.shape().dims();
+        dims[0] = n;
+        out.push_back(Tensor::empty(Shape(dims), p.dtype()));
+        row_bytes.push_back(
+            static_cast<std::size_t>(p.numel() / std::max<std::int64_t>(p.dim(0), 1)) *
+            p.dtype().itemsize());
+      }
     }
-    const auto bytes = detail::host_bytes(pred);
-    std::memcpy(static_cast<char*>(out.data_ptr()) + static_cast<std::size_t>(b0) * row_bytes,
-                bytes.data(), bytes.size());
+    for (std::size_t k = 0; k < pred.size(); ++k) {
+      const auto bytes = detail::host_bytes(pred[k]);
+      std::memcpy(
+          static_cast<char*>(out[k].data_ptr()) + static_cast<std::size_t>(b0) * row_bytes[k],
+          bytes.data(), bytes.size());
+    }
   }
-  if (!out.defined()) throw ValueError(fmt::format("model '{}': predict on 0 samples", name()));
-  return out.to(device());
+  if (out.empty()) throw ValueError(fmt::format("{} on 0 samples", who));
+  for (Tensor& t : out) t = t.to(device());
+  return out;
 }
 
 // --- History, EarlyStopping ----------------------------------------------------------------------

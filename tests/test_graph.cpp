@@ -423,3 +423,137 @@ TEST_CASE("graph: gradients through fan-out, a shared layer and a residual add (
     }
   }
 }
+
+namespace {
+
+// Two inputs, two outputs: "bigger" (is sum(a) > sum(b)?) and "first" (is a[0] + b[0] > 0?).
+struct TwoTask {
+  mt::Tensor a, b, bigger, first;
+};
+TwoTask two_task(std::int64_t n, std::uint64_t seed) {
+  mt::Generator gen(seed);
+  TwoTask t;
+  t.a = mt::normal({n, 4}, 0.0, 1.0, mt::kFloat32, mt::Device::cpu(), &gen);
+  t.b = mt::normal({n, 4}, 0.0, 1.0, mt::kFloat32, mt::Device::cpu(), &gen);
+  t.bigger = mt::cast(mt::greater(mt::sum(t.a, {1}), mt::sum(t.b, {1})), mt::kInt64);
+  t.first =
+      mt::cast(mt::greater(t.a.slice(1, 0, 1) + t.b.slice(1, 0, 1), mt::zeros({})), mt::kInt64)
+          .reshape({n});
+  return t;
+}
+
+std::unique_ptr<mt::Model> two_head_model() {
+  auto a = ml::Input({4}, {.name = "in_a"});
+  auto b = ml::Input({4}, {.name = "in_b"});
+  auto h = ml::Dense(16, {.activation = "relu", .name = "trunk"})(ml::Concatenate()({a, b}));
+  auto bigger = ml::Dense(2, {.name = "bigger"})(h);
+  auto first = ml::Dense(2, {.name = "first"})(ml::Concatenate()({h, a, b}));
+  return std::make_unique<mt::Model>(std::vector<ml::SymbolicTensor>{a, b},
+                                     std::vector<ml::SymbolicTensor>{bigger, first},
+                                     mt::ModelOptions{.name = "two_task"});
+}
+
+}  // namespace
+
+TEST_CASE("graph: a two-input two-output model trains with fit", "[graph][training]") {
+  mt::manual_seed(21);
+  const TwoTask train = two_task(4096, 1), test = two_task(1024, 2);
+  auto model = two_head_model();
+  const auto ce = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
+  model->compile({.loss = std::vector<mt::losses::Loss>{ce, ce},
+                  .optimizer = mt::optim::Adam({.learning_rate = 0.01}),
+                  .metrics = {"accuracy"},
+                  .loss_weights = {1.0, 0.5}});
+  CHECK(model->output_names() == std::vector<std::string>{"bigger", "first"});
+  const mt::History h =
+      model->fit({train.a, train.b}, {train.bigger, train.first},
+                 {.batch_size = 64,
+                  .epochs = 12,
+                  .validation_data = {{test.a, test.b}, {test.bigger, test.first}},
+                  .seed = 3,
+                  .verbose = 0});
+  for (const char* key : {"loss", "bigger_loss", "first_loss", "bigger_accuracy", "first_accuracy",
+                          "val_bigger_accuracy", "val_first_accuracy"})
+    CHECK(h.history.count(key) == 1);
+  const mt::Logs scores = model->evaluate({test.a, test.b}, {test.bigger, test.first});
+  INFO("bigger " << scores.at("bigger_accuracy") << ", first " << scores.at("first_accuracy"));
+  CHECK(scores.at("bigger_accuracy") > 0.99);
+  CHECK(scores.at("first_accuracy") > 0.99);
+  // The total is the weighted sum of the parts.
+  CHECK(scores.at("loss") ==
+        Approx(scores.at("bigger_loss") + 0.5 * scores.at("first_loss")).epsilon(1e-5));
+  // predict returns both outputs, whole.
+  const std::vector<mt::Tensor> p = model->predict({test.a, test.b}, {.batch_size = 100});
+  REQUIRE(p.size() == 2);
+  CHECK(p[0].shape() == mt::Shape{1024, 2});
+  CHECK(p[1].shape() == mt::Shape{1024, 2});
+  const auto direct = values(model->apply({test.a, test.b})[1]);
+  const auto batched = values(p[1]);
+  for (std::size_t i = 0; i < direct.size(); ++i)
+    CHECK(batched[i] == Approx(direct[i]).margin(1e-5));
+}
+
+TEST_CASE("graph: losses by output name and weights; a zero weight leaves its head alone",
+          "[graph][training]") {
+  mt::manual_seed(22);
+  const TwoTask t = two_task(256, 5);
+  auto model = two_head_model();
+  model->compile({.loss = mt::LossMap{{"first", "sparse_categorical_crossentropy"},
+                                      {"bigger", "sparse_categorical_crossentropy"}},
+                  .optimizer = mt::optim::Adam(),
+                  .loss_weights = {1.0, 0.0}});
+  const auto head = model->get_layer("first")->get_weights();
+  const auto trunk = model->get_layer("trunk")->get_weights();
+  model->fit({t.a, t.b}, {t.bigger, t.first}, {.batch_size = 32, .epochs = 1, .verbose = 0});
+  const auto head_after = model->get_layer("first")->get_weights();
+  for (std::size_t k = 0; k < head.size(); ++k) CHECK(values(head[k]) == values(head_after[k]));
+  CHECK(values(trunk[0]) != values(model->get_layer("trunk")->get_weights()[0]));
+}
+
+TEST_CASE("graph: training a graph model with the wrong lists is refused", "[graph][training]") {
+  const TwoTask t = two_task(64, 6);
+  auto model = two_head_model();
+  const auto ce = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
+  const auto weights = model->get_weights();
+  CHECK_THAT(
+      error_of<mt::ValueError>(
+          [&] { model->compile({.loss = std::vector<mt::losses::Loss>{ce}}); }),
+      Contains("two_task") && Contains("1 losses for 2 outputs") && Contains("bigger, first"));
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               model->compile({.loss = mt::LossMap{{"bigger", ce}, {"second", ce}}});
+             }),
+             Contains("'second'") && Contains("bigger, first"));
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               model->compile({.loss = mt::LossMap{{"bigger", ce}}});
+             }),
+             Contains("no loss for output 'first'"));
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               model->compile({.loss = ce, .loss_weights = {1.0, 2.0, 3.0}});
+             }),
+             Contains("3 loss_weights for 2 outputs"));
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               model->compile({.loss = ce,
+                               .metrics = {std::shared_ptr<mt::metrics::Metric>(
+                                   std::make_shared<mt::metrics::Accuracy>())}});
+             }),
+             Contains("by name"));
+  CHECK_FALSE(model->compiled());  // nothing of a refused compile stays
+  model->compile({.loss = ce, .metrics = {"accuracy"}});
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               model->fit({t.a}, {t.bigger, t.first});
+             }),
+             Contains("takes 2 inputs") && Contains("got 1"));
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               model->fit({t.a, t.b}, {t.bigger});
+             }),
+             Contains("2 outputs (bigger, first)") && Contains("got 1 label"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] {
+               model->fit({t.a, t.b.slice(0, 0, 10)}, {t.bigger, t.first});
+             }),
+             Contains("number of samples"));
+  CHECK_THAT(error_of<mt::ValueError>([&] { model->fit(t.a, t.bigger); }),
+             Contains("takes 2 inputs"));
+  CHECK_THAT(error_of<mt::ValueError>([&] { model->predict(t.a); }), Contains("takes 2 inputs"));
+  const auto after = model->get_weights();
+  for (std::size_t k = 0; k < weights.size(); ++k) CHECK(values(weights[k]) == values(after[k]));
+}

@@ -73,10 +73,37 @@ class MetricRef {
   std::shared_ptr<metrics::Metric> metric_;
 };
 
+// Losses by the name of the output (its layer's name), for compile().
+using LossMap = std::map<std::string, losses::Loss>;
+
+// The loss of compile(): one loss (for every output of the model), one per output in their
+// order ({loss_a, loss_b}), or by output name (mt::LossMap{{"which", ...}, {"total", ...}}).
+class LossSpec {
+ public:
+  LossSpec(losses::Loss loss) : single_(std::move(loss)) {}                         // NOLINT
+  LossSpec(const char* name) : single_(losses::Loss(name)) {}                       // NOLINT
+  LossSpec(std::vector<losses::Loss> per_output) : list_(std::move(per_output)) {}  // NOLINT
+  LossSpec(LossMap by_name) : map_(std::move(by_name)), is_map_(true) {}            // NOLINT
+  // One loss per output: output_names gives their number and names. Throws ValueError for a
+  // list of another length, or a map that misses an output or names one that does not exist.
+  std::vector<losses::Loss> resolve(const std::string& model,
+                                    const std::vector<std::string>& output_names) const;
+
+ private:
+  std::optional<losses::Loss> single_;
+  std::vector<losses::Loss> list_;
+  LossMap map_;
+  bool is_map_ = false;
+};
+
 struct CompileOptions {
-  std::optional<losses::Loss> loss = {};  // required
+  std::optional<LossSpec> loss = {};  // required
   OptimizerRef optimizer = "rmsprop";
+  // Computed for every output (as "<output>_accuracy" when there are several).
   std::vector<MetricRef> metrics = {};
+  // The weight of each output's loss in the total (default 1 each), in the order of the
+  // outputs.
+  std::vector<double> loss_weights = {};
 };
 
 // Values by name: "loss", "accuracy", "val_loss", ...
@@ -118,16 +145,23 @@ class EarlyStopping : public Callback {
 // Validation inputs and labels for fit(), written as Keras users write them:
 // `.validation_data = {x_val, y_val}` (std::make_pair(x_val, y_val) works too). Empty, the
 // default, means none.
+// For a model of several inputs or outputs: `.validation_data = {{xa, xb}, {ya, yb}}`.
 struct ValidationData {
   ValidationData() = default;
   ValidationData(Tensor x_val, Tensor y_val) : x(std::move(x_val)), y(std::move(y_val)) {}
   ValidationData(std::pair<Tensor, Tensor> xy)  // NOLINT: converts like the pair it was
       : x(std::move(xy.first)), y(std::move(xy.second)) {}
-  // True when validation data is given (x or y defined).
-  explicit operator bool() const { return x.defined() || y.defined(); }
+  ValidationData(std::vector<Tensor> x_val, std::vector<Tensor> y_val)
+      : xs(std::move(x_val)), ys(std::move(y_val)) {}
+  // True when validation data is given.
+  explicit operator bool() const {
+    return x.defined() || y.defined() || !xs.empty() || !ys.empty();
+  }
 
   Tensor x = {};
   Tensor y = {};
+  std::vector<Tensor> xs = {};  // several inputs and outputs (x and y undefined)
+  std::vector<Tensor> ys = {};
 };
 
 struct FitOptions {
@@ -242,25 +276,38 @@ class Model : public layers::Layer {
   bool compiled() const { return optimizer_ != nullptr; }
   // The optimizer training uses (a LossScaleOptimizer under mixed_float16).
   const std::shared_ptr<optim::Optimizer>& optimizer() const { return optimizer_; }
+  // The loss (of the first output), and of each output.
   const losses::Loss& loss() const;
+  const std::vector<losses::Loss>& losses() const { return losses_; }
+  // The names of the outputs (their layers' names), as logs and LossMap name them.
+  std::vector<std::string> output_names() const;
 
   // Data of any dtype goes in, as in Keras: integer and boolean inputs (uint8 images) are
   // cast to integer_input_dtype() (fit casts x once, at its start: a copy in that dtype),
   // integer and boolean labels are widened to int64.
+
+  // A model of several inputs or outputs takes a vector of inputs (in the order of its
+  // Inputs) and one of labels (in the order of its outputs): fit({xa, xb}, {ya, yb}); the
+  // logs then hold "loss" (the weighted sum), "<output>_loss" and "<output>_<metric>".
 
   // Trains on (x, y) in batches along axis 0. Prints per epoch (verbose) the loss, the
   // metrics, the validation ones, the time, us/sample, and under loss scaling the scale and
   // the skipped steps. Throws ValueError for no training samples, a batch_size <= 0, epochs
   // or initial_epoch < 0.
   History fit(const Tensor& x, const Tensor& y, FitOptions options = {});
+  History fit(const std::vector<Tensor>& x, const std::vector<Tensor>& y, FitOptions options = {});
   // One training step on a batch: the loss and metric values of the batch. An empty batch
   // (0 rows) takes no step: the model (in inference mode) and the loss run to check the
   // shapes, the loss is 0 and nothing changes (no weight, statistic, slot or iteration).
   Logs train_step(const Tensor& x, const Tensor& y);
+  Logs train_step(const std::vector<Tensor>& x, const std::vector<Tensor>& y);
   // The mean loss and metrics over (x, y), in batches, in inference mode (0 for 0 rows).
   Logs evaluate(const Tensor& x, const Tensor& y, EvaluateOptions options = {});
+  Logs evaluate(const std::vector<Tensor>& x, const std::vector<Tensor>& y,
+                EvaluateOptions options = {});
   // The outputs for x, in batches, in inference mode.
   Tensor predict(const Tensor& x, PredictOptions options = {});
+  std::vector<Tensor> predict(const std::vector<Tensor>& x, PredictOptions options = {});
   // Asks fit() to stop after the current epoch (for callbacks).
   void stop_training() { stop_training_ = true; }
 
@@ -270,8 +317,9 @@ class Model : public layers::Layer {
   bool autocast_inputs() const override { return false; }
   bool checks_input_count() const override { return !nodes_.empty(); }
   void add_layer(std::shared_ptr<layers::Layer> layer);
-  // x cast to integer_input_dtype() when it is an integer or boolean tensor.
-  Tensor conform_input(const Tensor& x) const;
+  // x, given as input `index`, cast to the dtype of that Input (integer_input_dtype() for
+  // the first) when it is an integer or boolean tensor.
+  Tensor conform_input(const Tensor& x, std::size_t index = 0) const;
   // Says once (log) when the output is 16-bit under a mixed policy.
   void check_output_dtype(DType output);
 
@@ -291,10 +339,22 @@ class Model : public layers::Layer {
   std::optional<DType> warned_output_;
   std::optional<std::string> output_note_;
 
-  // compile()
-  std::optional<losses::Loss> loss_;
+  // The number of inputs and outputs a call takes and gives.
+  std::size_t num_inputs() const { return nodes_.empty() ? 1 : inputs_.size(); }
+  std::size_t num_outputs() const { return nodes_.empty() ? 1 : outputs_.size(); }
+  // Checks x and y for fit/evaluate/train_step (`who` names the caller) and casts them as
+  // they come in (integer inputs, int64 labels).
+  void conform_data(const std::string& who, std::vector<Tensor>& x, std::vector<Tensor>& y) const;
+  // The weighted loss of a batch, each output's loss, and the metrics updated.
+  Tensor batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
+                    std::vector<double>* per_output);
+  std::vector<std::string> metric_keys() const;
+
+  // compile(): per output, its loss, its weight and its metrics.
+  std::vector<losses::Loss> losses_;
+  std::vector<double> loss_weights_;
   std::shared_ptr<optim::Optimizer> optimizer_;
-  std::vector<std::shared_ptr<metrics::Metric>> metrics_;
+  std::vector<std::vector<std::shared_ptr<metrics::Metric>>> metrics_;
   bool stop_training_ = false;
 };
 
