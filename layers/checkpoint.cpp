@@ -322,7 +322,8 @@ void ModelCheckpoint::on_epoch_end(Model& model, int epoch, const Logs& logs) {
       throw ValueError(fmt::format(
           "ModelCheckpoint: model '{}' has no optimizer (compile it, or set save_weights_only)",
           model.name()));
-    save_checkpoint(path, model, *model.optimizer(), {.epoch = epoch + 1});
+    // A training checkpoint with the architecture: load_model reads it too.
+    model.save(path, {.epoch = epoch + 1});
   }
   last_saved_ = path;
 }

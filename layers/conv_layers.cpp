@@ -1,6 +1,7 @@
 // Convolution and pooling layers.
 #include "mixtape/layers/conv_layers.h"
 
+#include "layers/config_util.h"
 #include "mixtape/core/compute_mode.h"
 
 namespace mixtape::layers {
@@ -83,6 +84,34 @@ const Variable& Conv2DLayer::bias() const {
   return bias_;
 }
 
+Config Conv2DLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("filters", filters_);
+  c.set("kernel_size", std::vector<std::int64_t>{kernel_size_.h, kernel_size_.w});
+  c.set("strides", std::vector<std::int64_t>{options_.strides.h, options_.strides.w});
+  c.set("padding", options_.padding);
+  c.set("activation", options_.activation);
+  c.set("use_bias", options_.use_bias);
+  c.set("kernel_initializer", options_.kernel_initializer.name());
+  c.set("bias_initializer", options_.bias_initializer.name());
+  return c;
+}
+
+LayerPtr<Conv2DLayer> Conv2DLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  Conv2DOptions d;
+  d.strides = detail::size2_from(c, "strides");
+  d.padding = c.get_string("padding");
+  d.activation = c.get_string("activation");
+  d.use_bias = c.get_bool("use_bias");
+  d.kernel_initializer = detail::initializer_from(c, "kernel_initializer", d.kernel_initializer);
+  d.bias_initializer = detail::initializer_from(c, "bias_initializer", d.bias_initializer);
+  d.dtype = o.dtype;
+  d.name = o.name;
+  d.trainable = o.trainable;
+  return Conv2D(c.get_int("filters"), detail::size2_from(c, "kernel_size"), std::move(d));
+}
+
 LayerPtr<Conv2DLayer> Conv2D(std::int64_t filters, Size2 kernel_size, Conv2DOptions options) {
   return make_layer<Conv2DLayer>(filters, kernel_size, std::move(options));
 }
@@ -116,6 +145,27 @@ std::optional<Shape> Pooling2DLayer::compute_output_shape(const Shape& input_sha
                input_shape[3]};
 }
 
+Config Pooling2DLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("pool_size", std::vector<std::int64_t>{options_.pool_size.h, options_.pool_size.w});
+  if (options_.strides)
+    c.set("strides", std::vector<std::int64_t>{options_.strides->h, options_.strides->w});
+  c.set("padding", options_.padding);
+  return c;
+}
+
+LayerPtr<Pooling2DLayer> Pooling2DLayer::from_config(Kind kind, const Config& c) {
+  const LayerOptions o = c.layer_options();
+  PoolingOptions p;
+  p.pool_size = detail::size2_from(c, "pool_size");
+  if (c.has("strides")) p.strides = detail::size2_from(c, "strides");
+  p.padding = c.get_string("padding");
+  p.dtype = o.dtype;
+  p.name = o.name;
+  p.trainable = o.trainable;
+  return make_layer<Pooling2DLayer>(kind, std::move(p));
+}
+
 LayerPtr<Pooling2DLayer> MaxPooling2D(PoolingOptions options) {
   return make_layer<Pooling2DLayer>(Pooling2DLayer::Kind::Max, std::move(options));
 }
@@ -138,6 +188,12 @@ std::optional<Shape> GlobalAveragePooling2DLayer::compute_output_shape(
   if (input_shape.rank() != 4)
     throw ShapeError(fmt::format("expected an NHWC input of rank 4; got shape {}", input_shape));
   return Shape{input_shape[0], input_shape[3]};
+}
+
+Config GlobalAveragePooling2DLayer::get_config() const { return Layer::get_config(); }
+
+LayerPtr<GlobalAveragePooling2DLayer> GlobalAveragePooling2DLayer::from_config(const Config& c) {
+  return GlobalAveragePooling2D(c.layer_options());
 }
 
 LayerPtr<GlobalAveragePooling2DLayer> GlobalAveragePooling2D(LayerOptions options) {

@@ -2,6 +2,7 @@
 #include "mixtape/layers/core_layers.h"
 
 #include "layers/class_indices.h"
+#include "layers/config_util.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/core/compute_mode.h"
 
@@ -53,6 +54,13 @@ InputLayer::InputLayer(const Shape& shape, InputOptions options)
 }
 
 Tensor InputLayer::call(const Tensor& x, const CallContext&) { return x; }
+
+Config InputLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("shape", shape_.dims());
+  c.set("input_dtype", std::string(dtype_.name()));
+  return c;
+}
 
 std::optional<std::vector<TensorSpec>> InputLayer::compute_output_spec(
     const std::vector<TensorSpec>& inputs) const {
@@ -115,6 +123,29 @@ const Variable& DenseLayer::bias() const {
   return built_weight(*this, bias_, "bias");
 }
 
+Config DenseLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("units", units_);
+  c.set("activation", options_.activation);
+  c.set("use_bias", options_.use_bias);
+  c.set("kernel_initializer", options_.kernel_initializer.name());
+  c.set("bias_initializer", options_.bias_initializer.name());
+  return c;
+}
+
+LayerPtr<DenseLayer> DenseLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  DenseOptions d;
+  d.activation = c.get_string("activation");
+  d.use_bias = c.get_bool("use_bias");
+  d.kernel_initializer = detail::initializer_from(c, "kernel_initializer", d.kernel_initializer);
+  d.bias_initializer = detail::initializer_from(c, "bias_initializer", d.bias_initializer);
+  d.dtype = o.dtype;
+  d.name = o.name;
+  d.trainable = o.trainable;
+  return Dense(c.get_int("units"), std::move(d));
+}
+
 LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options) {
   return make_layer<DenseLayer>(units, std::move(options));
 }
@@ -130,6 +161,16 @@ Tensor ActivationLayer::call(const Tensor& x, const CallContext&) { return activ
 
 std::optional<Shape> ActivationLayer::compute_output_shape(const Shape& input_shape) const {
   return input_shape;
+}
+
+Config ActivationLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("activation", activation_name_);
+  return c;
+}
+
+LayerPtr<ActivationLayer> ActivationLayer::from_config(const Config& c) {
+  return Activation(c.get_string("activation"), c.layer_options());
 }
 
 LayerPtr<ActivationLayer> Activation(const std::string& activation, LayerOptions options) {
@@ -150,6 +191,12 @@ Tensor FlattenLayer::call(const Tensor& x, const CallContext&) {
 std::optional<Shape> FlattenLayer::compute_output_shape(const Shape& input_shape) const {
   if (input_shape.rank() < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
   return Shape{input_shape[0], checked_numel(sample_shape(input_shape), "Flatten")};
+}
+
+Config FlattenLayer::get_config() const { return Layer::get_config(); }
+
+LayerPtr<FlattenLayer> FlattenLayer::from_config(const Config& c) {
+  return Flatten(c.layer_options());
 }
 
 LayerPtr<FlattenLayer> Flatten(LayerOptions options) {
@@ -199,6 +246,16 @@ std::optional<Shape> ReshapeLayer::compute_output_shape(const Shape& input_shape
   return Shape(dims);
 }
 
+Config ReshapeLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("target_shape", target_.dims());
+  return c;
+}
+
+LayerPtr<ReshapeLayer> ReshapeLayer::from_config(const Config& c) {
+  return Reshape(Shape(c.get_ints("target_shape")), c.layer_options());
+}
+
 LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options) {
   return make_layer<ReshapeLayer>(target_shape, std::move(options));
 }
@@ -208,6 +265,7 @@ LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options) 
 DropoutLayer::DropoutLayer(double rate, DropoutOptions options)
     : Layer(common(options), "Dropout"),
       rate_(rate),
+      seed_(options.seed),
       generator_(options.seed ? *options.seed : default_generator().next_u64()) {
   if (!(rate >= 0.0 && rate < 1.0))
     throw ValueError(
@@ -224,6 +282,23 @@ Tensor DropoutLayer::call(const Tensor& x, const CallContext& ctx) {
 
 std::optional<Shape> DropoutLayer::compute_output_shape(const Shape& input_shape) const {
   return input_shape;
+}
+
+Config DropoutLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("rate", rate_);
+  if (seed_) c.set("seed", static_cast<std::int64_t>(*seed_));
+  return c;
+}
+
+LayerPtr<DropoutLayer> DropoutLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  DropoutOptions d;
+  if (c.has("seed")) d.seed = static_cast<std::uint64_t>(c.get_int("seed"));
+  d.dtype = o.dtype;
+  d.name = o.name;
+  d.trainable = o.trainable;
+  return Dropout(c.get_double("rate"), std::move(d));
 }
 
 LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options) {
@@ -267,6 +342,25 @@ std::optional<std::vector<TensorSpec>> EmbeddingLayer::compute_output_spec(
 
 const Variable& EmbeddingLayer::embeddings() const {
   return built_weight(*this, embeddings_, "embeddings");
+}
+
+Config EmbeddingLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("input_dim", input_dim_);
+  c.set("output_dim", output_dim_);
+  c.set("embeddings_initializer", options_.embeddings_initializer.name());
+  return c;
+}
+
+LayerPtr<EmbeddingLayer> EmbeddingLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  EmbeddingOptions e;
+  e.embeddings_initializer =
+      detail::initializer_from(c, "embeddings_initializer", e.embeddings_initializer);
+  e.dtype = o.dtype;
+  e.name = o.name;
+  e.trainable = o.trainable;
+  return Embedding(c.get_int("input_dim"), c.get_int("output_dim"), std::move(e));
 }
 
 LayerPtr<EmbeddingLayer> Embedding(std::int64_t input_dim, std::int64_t output_dim,

@@ -62,15 +62,6 @@ std::string unique_name(const std::string& base) {
   return name;
 }
 
-std::string demangled_class_name(const std::type_info& type) {
-  int status = 0;
-  char* raw = abi::__cxa_demangle(type.name(), nullptr, nullptr, &status);
-  std::string full = status == 0 && raw ? raw : type.name();
-  std::free(raw);
-  const auto colon = full.rfind("::");
-  return colon == std::string::npos ? full : full.substr(colon + 2);
-}
-
 // A copy of `t` with storage of its own.
 Tensor clone(const Tensor& t) {
   Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device());
@@ -346,12 +337,20 @@ const std::string& Layer::name() const {
 }
 
 std::string Layer::class_name() const {
-  return given_class_name_.empty() ? demangled_class_name(typeid(*this)) : given_class_name_;
+  return given_class_name_.empty() ? detail::class_name_of(typeid(*this)) : given_class_name_;
 }
 
 DType Layer::computation_dtype() const {
   const DType c = compute_dtype();
   return c.is_reduced_float() ? kFloat32 : c;
+}
+
+Config Layer::get_config() const {
+  Config c;
+  c.set("name", name());
+  c.set("trainable", trainable_);
+  c.set("dtype", policy_.name());
+  return c;
 }
 
 void Layer::build(const Shape&) {}

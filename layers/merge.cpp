@@ -119,6 +119,10 @@ std::vector<Tensor> ElementwiseMergeLayer::call_multi(const std::vector<Tensor>&
   return {y};
 }
 
+LayerPtr<ElementwiseMergeLayer> ElementwiseMergeLayer::from_config(Kind kind, const Config& c) {
+  return make_layer<ElementwiseMergeLayer>(kind, c.layer_options());
+}
+
 LayerPtr<ElementwiseMergeLayer> Add(LayerOptions options) {
   return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Add, std::move(options));
 }
@@ -188,6 +192,20 @@ std::vector<Tensor> ConcatenateLayer::call_multi(const std::vector<Tensor>& inpu
   for (const Tensor& x : inputs) shapes.push_back(x.shape());
   output_shape_for(shapes);
   return {concat(in_dtype(inputs, compute_dtype()), options_.axis)};
+}
+
+Config ConcatenateLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("axis", options_.axis);
+  return c;
+}
+
+LayerPtr<ConcatenateLayer> ConcatenateLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  return Concatenate(ConcatenateOptions{.axis = static_cast<int>(c.get_int("axis")),
+                                        .dtype = o.dtype,
+                                        .name = o.name,
+                                        .trainable = o.trainable});
 }
 
 LayerPtr<ConcatenateLayer> Concatenate(ConcatenateOptions options) {
@@ -280,6 +298,23 @@ std::vector<Tensor> DotLayer::call_multi(const std::vector<Tensor>& inputs, cons
   if (xs[1].rank() == 2) return {squeeze(y, 2)};
   if (xs[0].rank() == 2) return {squeeze(y, 1)};
   return {y};
+}
+
+Config DotLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("axes", std::vector<std::int64_t>(axes_.begin(), axes_.end()));
+  c.set("normalize", options_.normalize);
+  return c;
+}
+
+LayerPtr<DotLayer> DotLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  const auto& axes = c.get_ints("axes");
+  return Dot(std::vector<int>(axes.begin(), axes.end()),
+             DotOptions{.normalize = c.get_bool("normalize"),
+                        .dtype = o.dtype,
+                        .name = o.name,
+                        .trainable = o.trainable});
 }
 
 LayerPtr<DotLayer> Dot(std::vector<int> axes, DotOptions options) {

@@ -317,6 +317,11 @@ std::optional<std::vector<layers::TensorSpec>> Model::compute_output_spec(
 
 void Model::build(const Shape& input_shape) {
   if (!nodes_.empty()) return;  // a functional model is built when made
+  {
+    std::vector<std::int64_t> dims = input_shape.dims();
+    if (!dims.empty()) dims[0] = -1;
+    build_input_shape_ = Shape(dims);
+  }
   std::vector<layers::TensorSpec> specs{
       layers::TensorSpec{input_shape, integer_input_dtype().value_or(kFloat32)}};
   if (specs.front().shape.rank() > 0 && specs.front().shape[0] >= 0) {

@@ -1,6 +1,7 @@
 // BatchNormalization and LayerNormalization, with float32 statistics.
 #include "mixtape/layers/normalization.h"
 
+#include "layers/config_util.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 
@@ -87,6 +88,40 @@ Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
   return cast(y, compute_dtype());
 }
 
+Config BatchNormalizationLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("axis", options_.axis);
+  c.set("momentum", options_.momentum);
+  c.set("epsilon", options_.epsilon);
+  c.set("center", options_.center);
+  c.set("scale", options_.scale);
+  c.set("beta_initializer", options_.beta_initializer.name());
+  c.set("gamma_initializer", options_.gamma_initializer.name());
+  c.set("moving_mean_initializer", options_.moving_mean_initializer.name());
+  c.set("moving_variance_initializer", options_.moving_variance_initializer.name());
+  return c;
+}
+
+LayerPtr<BatchNormalizationLayer> BatchNormalizationLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  BatchNormalizationOptions b;
+  b.axis = static_cast<int>(c.get_int("axis"));
+  b.momentum = c.get_double("momentum");
+  b.epsilon = c.get_double("epsilon");
+  b.center = c.get_bool("center");
+  b.scale = c.get_bool("scale");
+  b.beta_initializer = detail::initializer_from(c, "beta_initializer", b.beta_initializer);
+  b.gamma_initializer = detail::initializer_from(c, "gamma_initializer", b.gamma_initializer);
+  b.moving_mean_initializer =
+      detail::initializer_from(c, "moving_mean_initializer", b.moving_mean_initializer);
+  b.moving_variance_initializer =
+      detail::initializer_from(c, "moving_variance_initializer", b.moving_variance_initializer);
+  b.dtype = o.dtype;
+  b.name = o.name;
+  b.trainable = o.trainable;
+  return BatchNormalization(std::move(b));
+}
+
 LayerPtr<BatchNormalizationLayer> BatchNormalization(BatchNormalizationOptions options) {
   return make_layer<BatchNormalizationLayer>(std::move(options));
 }
@@ -128,6 +163,30 @@ Tensor LayerNormalizationLayer::call(const Tensor& x, const CallContext&) {
   if (options_.scale) y = y * gamma_;
   if (options_.center) y = y + beta_;
   return cast(y, compute_dtype());
+}
+
+Config LayerNormalizationLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("epsilon", options_.epsilon);
+  c.set("center", options_.center);
+  c.set("scale", options_.scale);
+  c.set("beta_initializer", options_.beta_initializer.name());
+  c.set("gamma_initializer", options_.gamma_initializer.name());
+  return c;
+}
+
+LayerPtr<LayerNormalizationLayer> LayerNormalizationLayer::from_config(const Config& c) {
+  const LayerOptions o = c.layer_options();
+  LayerNormalizationOptions l;
+  l.epsilon = c.get_double("epsilon");
+  l.center = c.get_bool("center");
+  l.scale = c.get_bool("scale");
+  l.beta_initializer = detail::initializer_from(c, "beta_initializer", l.beta_initializer);
+  l.gamma_initializer = detail::initializer_from(c, "gamma_initializer", l.gamma_initializer);
+  l.dtype = o.dtype;
+  l.name = o.name;
+  l.trainable = o.trainable;
+  return LayerNormalization(std::move(l));
 }
 
 LayerPtr<LayerNormalizationLayer> LayerNormalization(LayerNormalizationOptions options) {

@@ -462,8 +462,9 @@ struct EpochSink {
     const double us = train_seconds / static_cast<double>(std::max<std::int64_t>(samples, 1)) * 1e6;
     if (metrics) metrics->write(epoch, logs, train_seconds, us);
     if (!options.save.empty())
-      mt::save_checkpoint(options.save, model, *model.optimizer(),
-                          mt::TrainingCheckpoint{.epoch = epoch + 1, .metadata = metadata});
+      // The whole model (architecture, weights, optimizer state): --resume reads it into a
+      // model made from the options, and mt::load_model reads it without them.
+      model.save(options.save, mt::TrainingCheckpoint{.epoch = epoch + 1, .metadata = metadata});
     curves.epochs.push_back(epoch + 1);
     for (const auto& [k, v] : logs) curves.series[k].push_back(v);
   }

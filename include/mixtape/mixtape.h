@@ -23,6 +23,7 @@
 #include "mixtape/datasets/mnist.h"
 #include "mixtape/layers/activations.h"
 #include "mixtape/layers/checkpoint.h"
+#include "mixtape/layers/config.h"
 #include "mixtape/layers/conv_layers.h"
 #include "mixtape/layers/core_layers.h"
 #include "mixtape/layers/initializers.h"

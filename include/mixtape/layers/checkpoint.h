@@ -43,11 +43,8 @@ void save_weights(const layers::Layer& model, const std::string& path,
 // (save_checkpoint) is accepted too: its weights are read from under "model/".
 void load_weights(layers::Layer& model, const std::string& path);
 
-// What a training checkpoint records besides the model and the optimizer.
-struct TrainingCheckpoint {
-  int epoch = 0;                                     // e.g. the number of epochs done
-  std::map<std::string, std::string> metadata = {};  // the caller's own keys and values
-};
+// TrainingCheckpoint (what a checkpoint records besides the model and the optimizer) is in
+// mixtape/layers/model.h.
 
 // Writes one safetensors file holding the weights of `model` under "model/<variable
 // name>", the optimizer's state for model.trainable_variables() under "optimizer/<variable
@@ -77,9 +74,10 @@ TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model
 //       .save_best_only = true});
 //   model.fit(x, y, {.epochs = 10, .validation_split = 0.1, .callbacks = {ckpt}});
 //
-// By default a training checkpoint (save_checkpoint: weights, optimizer state, and as its
-// epoch the number of epochs done, so that load_checkpoint's epoch is fit's initial_epoch
-// to resume); with save_weights_only, the weights alone (save_weights). `{epoch}` in the
+// By default the whole model (Model::save: a training checkpoint with the architecture, so
+// load_model reads it too; weights, optimizer state, and as its epoch the number of epochs
+// done, so that load_checkpoint's epoch is fit's initial_epoch to resume); with
+// save_weights_only, the weights alone (save_weights). `{epoch}` in the
 // path (with any format spec, e.g. `{epoch:03d}`) is the number of the epoch just done,
 // counting from 1 as Keras does; other braces are refused. Every file is written
 // atomically.
@@ -89,7 +87,7 @@ class ModelCheckpoint : public Callback {
     std::string filepath = {};
     std::string monitor = "val_loss";  // the logged value save_best_only compares
     bool save_best_only = false;       // save only when `monitor` improved
-    bool save_weights_only = false;    // save_weights instead of save_checkpoint
+    bool save_weights_only = false;    // save_weights instead of Model::save
     // true: larger is better; false: smaller; empty: larger for names containing "acc"
     // (accuracies), smaller otherwise (Keras' mode "auto").
     std::optional<bool> maximize = {};

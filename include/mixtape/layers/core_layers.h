@@ -27,6 +27,8 @@ struct InputOptions {
 class InputLayer : public Layer {
  public:
   InputLayer(const Shape& shape, InputOptions options = {});
+  // Adds "shape" (without the batch axis) and "input_dtype".
+  Config get_config() const override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<std::vector<TensorSpec>> compute_output_spec(
       const std::vector<TensorSpec>& inputs) const override;
@@ -62,6 +64,8 @@ struct DenseOptions {
 class DenseLayer : public Layer {
  public:
   explicit DenseLayer(std::int64_t units, DenseOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<DenseLayer> from_config(const Config& config);
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
@@ -87,6 +91,8 @@ LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options = {});
 class ActivationLayer : public Layer {
  public:
   explicit ActivationLayer(const std::string& activation, LayerOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<ActivationLayer> from_config(const Config& config);
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   const std::string& activation() const { return activation_name_; }
@@ -103,6 +109,8 @@ LayerPtr<ActivationLayer> Activation(const std::string& activation, LayerOptions
 class FlattenLayer : public Layer {
  public:
   explicit FlattenLayer(LayerOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<FlattenLayer> from_config(const Config& config);
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 };
@@ -112,6 +120,8 @@ LayerPtr<FlattenLayer> Flatten(LayerOptions options = {});
 class ReshapeLayer : public Layer {
  public:
   explicit ReshapeLayer(const Shape& target_shape, LayerOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<ReshapeLayer> from_config(const Config& config);
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 
@@ -134,12 +144,15 @@ struct DropoutOptions {
 class DropoutLayer : public Layer {
  public:
   explicit DropoutLayer(double rate, DropoutOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<DropoutLayer> from_config(const Config& config);
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   double rate() const { return rate_; }
 
  private:
   double rate_;
+  std::optional<std::uint64_t> seed_;
   Generator generator_;
 };
 LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options = {});
@@ -159,6 +172,8 @@ struct EmbeddingOptions {
 class EmbeddingLayer : public Layer {
  public:
   EmbeddingLayer(std::int64_t input_dim, std::int64_t output_dim, EmbeddingOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<EmbeddingLayer> from_config(const Config& config);
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   // [..., output_dim] in the compute dtype, for ids of any dtype.

@@ -33,6 +33,7 @@
 
 #include "mixtape/autograd/variable.h"
 #include "mixtape/core/tensor.h"
+#include "mixtape/layers/config.h"
 #include "mixtape/layers/initializers.h"
 #include "mixtape/precision/policy.h"
 
@@ -178,6 +179,9 @@ class Layer : public std::enable_shared_from_this<Layer> {
   const std::string& name() const;
   // "Dense", "Conv2D", ...; by default the C++ class name.
   virtual std::string class_name() const;
+  // The arguments that make this layer again (mixtape/layers/config.h): here "name",
+  // "trainable" and "dtype"; each layer adds its own.
+  virtual Config get_config() const;
 
   const Policy& dtype_policy() const { return policy_; }
   DType compute_dtype() const { return policy_.compute_dtype(); }

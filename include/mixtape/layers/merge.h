@@ -26,6 +26,7 @@ class ElementwiseMergeLayer : public Layer {
  public:
   enum class Kind { Add, Subtract, Multiply, Average, Maximum, Minimum };
   ElementwiseMergeLayer(Kind kind, LayerOptions options = {});
+  static LayerPtr<ElementwiseMergeLayer> from_config(Kind kind, const Config& config);
   void build_multi(const std::vector<Shape>& input_shapes) override;
   std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs,
                                  const CallContext& ctx) override;
@@ -55,6 +56,8 @@ struct ConcatenateOptions {
 class ConcatenateLayer : public Layer {
  public:
   explicit ConcatenateLayer(ConcatenateOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<ConcatenateLayer> from_config(const Config& config);
   void build_multi(const std::vector<Shape>& input_shapes) override;
   std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs,
                                  const CallContext& ctx) override;
@@ -85,6 +88,8 @@ struct DotOptions {
 class DotLayer : public Layer {
  public:
   DotLayer(std::vector<int> axes, DotOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<DotLayer> from_config(const Config& config);
   void build_multi(const std::vector<Shape>& input_shapes) override;
   std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs,
                                  const CallContext& ctx) override;

@@ -33,6 +33,24 @@ namespace mixtape {
 
 class Model;
 
+// What a training checkpoint records besides the model and the optimizer.
+struct TrainingCheckpoint {
+  int epoch = 0;                                     // e.g. the number of epochs done
+  std::map<std::string, std::string> metadata = {};  // the caller's own keys and values
+};
+
+// A model made from to_json()'s text (layers of registered classes, mixtape/layers/config.h);
+// ValueError naming what it cannot read: malformed JSON, an unknown layer class (with the
+// registered ones), a graph that names a layer or a call it does not have.
+std::shared_ptr<Model> model_from_json(const std::string& json);
+// The model of a file written by Model::save (or mixtape-mnist --save): made from its
+// architecture, its weights loaded (every weight checked against the file first, as
+// load_weights does). ValueError for a file without an architecture (save_weights wrote it:
+// make the model in code and call load_weights) or one that does not fit it; IOError for a
+// file that cannot be read. The optimizer state of a checkpoint is restored by
+// load_checkpoint(path, model, optimizer) after compile().
+std::shared_ptr<Model> load_model(const std::string& path);
+
 // --- Training configuration ----------------------------------------------------------------
 
 // An optimizer for compile(): by value (RMSprop(...)) or by name ("rmsprop"), each
@@ -266,6 +284,17 @@ class Model : public layers::Layer {
   void save_weights(const std::string& path) const;
   void load_weights(const std::string& path);
 
+  // The architecture as JSON: each layer's class and config (Layer::get_config), the graph
+  // (a functional model's calls in execution order, its inputs and outputs) and nested
+  // models; model_from_json() makes the model again (untrained). docs/checkpoints.md.
+  std::string to_json() const;
+  // The whole model in one safetensors file: the architecture (to_json()) in __metadata__
+  // "architecture", the weights and, when compiled, the optimizer's state with the loss
+  // scale's (a training checkpoint, mixtape/layers/checkpoint.h, with `info`'s epoch and
+  // metadata). mt::load_model() reads it without the code that built the model. Throws
+  // ValueError for a Sequential model that is not built yet.
+  void save(const std::string& path, const TrainingCheckpoint& info = {}) const;
+
   // --- Training (Keras' compile / fit / evaluate / predict) ---------------------------------
 
   // Sets the loss, the optimizer and the metrics. Under a policy with a loss scale
@@ -336,6 +365,7 @@ class Model : public layers::Layer {
   std::vector<std::vector<std::pair<std::size_t, std::size_t>>> node_inputs_;
   std::vector<std::vector<int>> uses_;
   std::vector<std::pair<std::size_t, std::size_t>> output_slots_;
+  std::optional<Shape> build_input_shape_;  // Sequential: the input shape it was built for
   std::optional<DType> warned_output_;
   std::optional<std::string> output_note_;
 

@@ -37,6 +37,8 @@ struct BatchNormalizationOptions {
 class BatchNormalizationLayer : public Layer {
  public:
   explicit BatchNormalizationLayer(BatchNormalizationOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<BatchNormalizationLayer> from_config(const Config& config);
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
@@ -70,6 +72,8 @@ struct LayerNormalizationOptions {
 class LayerNormalizationLayer : public Layer {
  public:
   explicit LayerNormalizationLayer(LayerNormalizationOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<LayerNormalizationLayer> from_config(const Config& config);
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;

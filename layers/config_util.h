@@ -1,0 +1,19 @@
+// Helpers of the layers' get_config / from_config (layers/config.cpp).
+#pragma once
+
+#include <string>
+
+#include "mixtape/layers/config.h"
+#include "mixtape/layers/conv_layers.h"
+#include "mixtape/layers/initializers.h"
+
+namespace mixtape::layers::detail {
+
+// The initializer named at `key`, or `fallback` when there is none or the name is not one
+// init::get knows.
+init::Initializer initializer_from(const Config& c, const std::string& key,
+                                   init::Initializer fallback);
+// A Size2 stored as two integers.
+Size2 size2_from(const Config& c, const std::string& key);
+
+}  // namespace mixtape::layers::detail

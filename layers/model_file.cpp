@@ -1,0 +1,238 @@
+// Whole-model files: the architecture as JSON (Model::to_json, model_from_json), Model::save
+// and load_model.
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "mixtape/core/safetensors.h"
+#include "mixtape/layers/checkpoint.h"
+#include "mixtape/layers/core_layers.h"
+#include "mixtape/layers/model.h"
+
+namespace mixtape {
+
+namespace {
+
+using layers::Config;
+using layers::ConfigValue;
+using layers::SymbolicTensor;
+using nlohmann::json;
+
+// The format of Model::save files (in __metadata__ "model_format").
+constexpr const char* kModelFormat = "mixtape-model-1";
+
+json to_json(const Config& c) {
+  json j = json::object();
+  for (const auto& [k, v] : c.values()) std::visit([&, &k = k](const auto& x) { j[k] = x; }, v);
+  return j;
+}
+
+Config config_from(const json& j, const std::string& where) {
+  if (!j.is_object()) throw ValueError(fmt::format("{}: the config is not a JSON object", where));
+  Config c;
+  for (const auto& [k, v] : j.items()) {
+    if (v.is_boolean()) {
+      c.set(k, v.get<bool>());
+    } else if (v.is_number_integer()) {
+      c.set(k, v.get<std::int64_t>());
+    } else if (v.is_number_float()) {
+      c.set(k, v.get<double>());
+    } else if (v.is_string()) {
+      c.set(k, v.get<std::string>());
+    } else if (v.is_array()) {
+      std::vector<std::int64_t> ints;
+      for (const auto& e : v) {
+        if (!e.is_number_integer())
+          throw ValueError(fmt::format("{}: '{}' must be a list of integers", where, k));
+        ints.push_back(e.get<std::int64_t>());
+      }
+      c.set(k, std::move(ints));
+    } else {
+      throw ValueError(
+          fmt::format("{}: '{}' has a value of an unknown kind ({})", where, k, v.type_name()));
+    }
+  }
+  return c;
+}
+
+json tensor_ref(const SymbolicTensor& t,
+                const std::map<const layers::detail::SymbolicNode*, std::size_t>& call_number) {
+  return json::array({t.layer()->name(), call_number.at(t.node().get()), t.index()});
+}
+
+json layer_to_json(const layers::Layer& l) {
+  if (const auto* m = dynamic_cast<const Model*>(&l)) return json::parse(m->to_json());
+  json j;
+  j["class_name"] = l.class_name();
+  j["config"] = to_json(l.get_config());
+  return j;
+}
+
+std::string text_of(const json& j) { return j.is_string() ? j.get<std::string>() : j.dump(); }
+
+std::shared_ptr<layers::Layer> layer_from_json(const json& j);
+
+std::shared_ptr<Model> functional_from_json(const json& j) {
+  const Config config = config_from(j.at("config"), "model");
+  const std::string model_name = config.has("name") ? config.get_string("name") : "model";
+  const std::string where = fmt::format("model '{}'", model_name);
+  std::map<std::string, json> entries;
+  for (const auto& e : j.at("layers")) {
+    const std::string name = text_of(e.at("config").at("name"));
+    if (!entries.emplace(name, e).second)
+      throw ValueError(fmt::format("{}: two layers are named '{}'", where, name));
+  }
+  std::map<std::string, std::shared_ptr<layers::Layer>> made;
+  std::map<std::string, std::vector<std::vector<SymbolicTensor>>> calls;
+  auto resolve = [&](const json& ref) {
+    if (!ref.is_array() || ref.size() != 3)
+      throw ValueError(fmt::format("{}: a tensor reference must be [layer, call, output]; got {}",
+                                   where, ref.dump()));
+    const std::string name = text_of(ref[0]);
+    const auto call = ref[1].get<std::size_t>();
+    const auto out = ref[2].get<std::size_t>();
+    auto it = calls.find(name);
+    if (it == calls.end() || call >= it->second.size() || out >= it->second[call].size())
+      throw ValueError(fmt::format("{}: the graph reads {}[{}][{}], which is not made before it",
+                                   where, name, call, out));
+    return it->second[call][out];
+  };
+  for (const auto& node : j.at("nodes")) {
+    const std::string name = text_of(node.at("layer"));
+    auto e = entries.find(name);
+    if (e == entries.end())
+      throw ValueError(
+          fmt::format("{}: the graph calls layer '{}', which it does not list", where, name));
+    const std::string cls = text_of(e->second.at("class_name"));
+    if (cls == "InputLayer") {
+      const Config c = config_from(e->second.at("config"), fmt::format("Input '{}'", name));
+      calls[name].push_back({layers::Input(
+          Shape(c.get_ints("shape")),
+          layers::InputOptions{.dtype = DType(c.get_string("input_dtype")), .name = name})});
+      continue;
+    }
+    auto& layer = made[name];
+    if (!layer) layer = layer_from_json(e->second);
+    std::vector<SymbolicTensor> inputs;
+    for (const auto& ref : node.at("inputs")) inputs.push_back(resolve(ref));
+    calls[name].push_back(layer->apply(inputs));
+  }
+  std::vector<SymbolicTensor> inputs, outputs;
+  for (const auto& ref : j.at("inputs")) inputs.push_back(resolve(ref));
+  for (const auto& ref : j.at("outputs")) outputs.push_back(resolve(ref));
+  const layers::LayerOptions o = config.layer_options();
+  return std::make_shared<Model>(
+      inputs, outputs, ModelOptions{.dtype = o.dtype, .name = o.name, .trainable = o.trainable});
+}
+
+std::shared_ptr<Model> sequential_from_json(const json& j) {
+  const Config config = config_from(j.at("config"), "model");
+  std::vector<layers::LayerPtr<layers::Layer>> ls;
+  for (const auto& e : j.at("layers")) ls.emplace_back(layer_from_json(e));
+  const layers::LayerOptions o = config.layer_options();
+  auto model = std::make_shared<Sequential>(
+      std::move(ls), ModelOptions{.dtype = o.dtype, .name = o.name, .trainable = o.trainable});
+  if (j.contains("build_input_shape"))
+    model->build_for(Shape(j.at("build_input_shape").get<std::vector<std::int64_t>>()));
+  return model;
+}
+
+std::shared_ptr<layers::Layer> layer_from_json(const json& j) {
+  const std::string cls = text_of(j.at("class_name"));
+  if (cls == "Functional") return functional_from_json(j);
+  if (cls == "Sequential") return sequential_from_json(j);
+  const json& cj = j.at("config");
+  const std::string name = cj.contains("name") ? text_of(cj.at("name")) : std::string("?");
+  return layers::layer_from_config(cls, config_from(cj, fmt::format("layer '{}' ({})", name, cls)));
+}
+
+}  // namespace
+
+std::string Model::to_json() const {
+  json j;
+  j["class_name"] = class_name();
+  j["config"] = mixtape::to_json(Layer::get_config());
+  j["layers"] = json::array();
+  for (const auto& l : layers_) j["layers"].push_back(layer_to_json(*l));
+  if (nodes_.empty()) {
+    if (build_input_shape_) j["build_input_shape"] = build_input_shape_->dims();
+    return j.dump();
+  }
+  std::map<const layers::detail::SymbolicNode*, std::size_t> call_number;
+  std::map<const layers::Layer*, std::size_t> calls_of;
+  j["nodes"] = json::array();
+  for (const auto& n : nodes_) {
+    call_number[n.get()] = calls_of[n->layer.get()]++;
+    json node;
+    node["layer"] = n->layer->name();
+    node["inputs"] = json::array();
+    for (const auto& x : n->inputs) node["inputs"].push_back(tensor_ref(x, call_number));
+    j["nodes"].push_back(node);
+  }
+  j["inputs"] = json::array();
+  for (const auto& x : inputs_) j["inputs"].push_back(tensor_ref(x, call_number));
+  j["outputs"] = json::array();
+  for (const auto& x : outputs_) j["outputs"].push_back(tensor_ref(x, call_number));
+  return j.dump();
+}
+
+std::shared_ptr<Model> model_from_json(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw ValueError(fmt::format("model_from_json: malformed JSON: {}", e.what()));
+  }
+  try {
+    std::shared_ptr<layers::Layer> layer = layer_from_json(j);
+    auto model = std::dynamic_pointer_cast<Model>(layer);
+    if (!model)
+      throw ValueError(fmt::format("the architecture is a layer of class '{}', not a model",
+                                   layer->class_name()));
+    return model;
+  } catch (const json::exception& e) {
+    throw ValueError(
+        fmt::format("model_from_json: the architecture is not of the expected "
+                    "shape: {}",
+                    e.what()));
+  }
+}
+
+void Model::save(const std::string& path, const TrainingCheckpoint& info) const {
+  if (nodes_.empty() && !build_input_shape_)
+    throw ValueError(
+        fmt::format("model '{}': save: the model is not built; call it once or "
+                    "build_for(input_shape) first",
+                    name()));
+  TrainingCheckpoint with = info;
+  for (const char* key : {"architecture", "model_format"})
+    if (with.metadata.count(key))
+      throw ValueError(
+          fmt::format("model '{}': save '{}': metadata key \"{}\" is reserved", name(), path, key));
+  with.metadata["architecture"] = to_json();
+  with.metadata["model_format"] = kModelFormat;
+  if (compiled()) {
+    save_checkpoint(path, *this, *optimizer_, with);
+  } else {
+    mixtape::save_weights(*this, path, with.metadata);
+  }
+}
+
+std::shared_ptr<Model> load_model(const std::string& path) {
+  const SafetensorsFile file = load_safetensors(path);
+  auto it = file.metadata.find("architecture");
+  if (it == file.metadata.end())
+    throw ValueError(fmt::format(
+        "load_model '{}': the file has no architecture (save_weights or save_checkpoint wrote "
+        "it): make the model in code and call load_weights, or save it with model.save",
+        path));
+  std::shared_ptr<Model> model;
+  try {
+    model = model_from_json(it->second);
+  } catch (const Error& e) {
+    throw ValueError(fmt::format("load_model '{}': {}", path, e.what()));
+  }
+  mixtape::load_weights(*model, path);
+  return model;
+}
+
+}  // namespace mixtape
