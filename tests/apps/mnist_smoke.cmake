@@ -118,6 +118,15 @@ if(fake AND CMAKE_MATCH_1 LESS 0.9)
   message(FATAL_ERROR "test accuracy ${CMAKE_MATCH_1} on the fake data (expected > 0.9)")
 endif()
 
+# --- the saved file is a whole model: load_model reads it without the trainer's code ----------
+execute_process(COMMAND ${LOAD_MODEL} ${WORK_DIR}/straight.safetensors RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message(STATUS "load_model example on straight.safetensors -> exit ${rc}\n${out}${err}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "load_model could not read the trainer's file:\n${out}${err}")
+endif()
+require("${out}" "669,706")  # the mlp's parameters
+
 # --- resume: epoch 2 after a restart equals epoch 2 of the straight run ------------------------
 run_app(0 out ${common} --epochs 1 --save ${WORK_DIR}/half.safetensors)
 run_app(0 out ${common} --epochs 2 --resume ${WORK_DIR}/half.safetensors
