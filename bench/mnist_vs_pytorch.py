@@ -3,7 +3,7 @@
 
 For each workload (model x precision) it runs, alternating, mixtape-mnist and the
 reference (shared/bench/reference_pytorch.py: the same models, optimizers and batch
-sizes), `--rounds` times each, in the same session, and prints the steady-state
+sizes; bench/reference_resnet.py for the resnet), `--rounds` times each, in the same session, and prints the steady-state
 us/sample of both (the median over rounds of each run's median over its epochs after
 the first), their ratio, and the test accuracies. Nothing else should run meanwhile.
 
@@ -27,15 +27,16 @@ WORKLOADS = {
     "mlp": ["float32", "mixed_bfloat16", "mixed_float16"],
     "cnn": ["float32", "mixed_bfloat16"],
     "guide": ["float32", "mixed_float16"],
+    "resnet": ["float32", "mixed_bfloat16"],
 }
 
 
-def run_app(app, data, model, precision, epochs, threads, device):
+def run_app(app, data, dataset, model, precision, epochs, threads, device):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [app, "--model", model, "--policy", precision, "--epochs", str(epochs),
-               "--data-dir", data, "--metrics-out", metrics, "--verbose", "0",
-               "--device", device]
+               "--data-dir", data, "--dataset", dataset, "--metrics-out", metrics,
+               "--verbose", "0", "--device", device]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         rows = [json.loads(line) for line in open(metrics)]
@@ -50,8 +51,10 @@ def run_app(app, data, model, precision, epochs, threads, device):
 
 
 def run_reference(python, reference, data, model, precision, epochs, threads, device):
-    cmd = [python, reference, "--data", data, "--model", model, "--precision", precision,
+    cmd = [python, reference, "--data", data, "--precision", precision,
            "--device", device, "--epochs", str(epochs), "--threads", str(threads)]
+    if model != "resnet":
+        cmd += ["--model", model]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -63,7 +66,9 @@ def main():
     ap.add_argument("--reference", default="../shared/bench/reference_pytorch.py")
     ap.add_argument("--python", default="/usr/bin/python3",
                     help="the interpreter that has torch (Debian's python3-torch)")
+    ap.add_argument("--resnet-reference", default="bench/reference_resnet.py")
     ap.add_argument("--data", default="../shared/datasets/mnist")
+    ap.add_argument("--dataset", default="mnist", help="mnist or fashion (the files in --data)")
     ap.add_argument("--models", default="mlp,cnn")
     ap.add_argument("--precisions", default="",
                     help="comma-separated; default: per model, see WORKLOADS")
@@ -86,11 +91,12 @@ def main():
             for r in range(a.rounds):
                 for peer in a.peers.split(","):
                     if peer == "mixtape":
-                        res = run_app(a.app, a.data, model, precision, a.epochs, a.threads,
-                                      a.device)
+                        res = run_app(a.app, a.data, a.dataset, model, precision, a.epochs,
+                                      a.threads, a.device)
                         ours.append(res)
                     else:
-                        res = run_reference(a.python, a.reference, a.data, model, precision,
+                        reference = a.resnet_reference if model == "resnet" else a.reference
+                        res = run_reference(a.python, reference, a.data, model, precision,
                                             a.epochs, a.threads, a.device)
                         theirs.append(res)
                     res["round"] = r

@@ -104,7 +104,8 @@ class SymbolicTensor {
   const std::shared_ptr<detail::SymbolicNode>& node() const { return node_; }
   // Which output of that layer's call it is (0 but for layers with several outputs).
   int index() const { return index_; }
-  // "dense_1[0][0]" style text: the layer's name and this output's index ([0] when it has one).
+  // The layer's name ("dense_1"), with the output's index for a layer of several outputs
+  // ("split[1]"): how error messages name it.
   std::string name() const;
 
  private:
