@@ -231,14 +231,14 @@ std::vector<std::string> Model::metric_keys() const {
 }
 
 Tensor Model::batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
-                         std::vector<double>* per_output) {
+                         std::vector<Tensor>* per_output) {
   if (pred.size() != losses_.size())
     throw ValueError(fmt::format("model '{}': gave {} outputs for {} losses", name(), pred.size(),
                                  losses_.size()));
   Tensor total;
   for (std::size_t i = 0; i < losses_.size(); ++i) {
     Tensor l = losses_[i](y[i], pred[i]);
-    if (per_output) per_output->push_back(l.item<double>());
+    if (per_output) per_output->push_back(l);
     if (loss_weights_[i] != 1.0) l = l * loss_weights_[i];
     total = total.defined() ? total + l : l;
   }
@@ -251,6 +251,7 @@ namespace {
 Logs make_logs(double loss, const std::vector<double>& per_output,
                const std::vector<std::string>& outs,
                const std::vector<std::vector<std::shared_ptr<metrics::Metric>>>& ms) {
+  // (per_output: each output's loss, for a model of several outputs.)
   Logs logs{{"loss", loss}};
   const bool several = outs.size() > 1;
   if (several)
@@ -259,6 +260,12 @@ Logs make_logs(double loss, const std::vector<double>& per_output,
   for (std::size_t i = 0; i < ms.size(); ++i)
     for (const auto& m : ms[i]) logs[several ? outs[i] + "_" + m->name() : m->name()] = m->result();
   return logs;
+}
+// The values of the per-output losses (read once the step is done).
+std::vector<double> values_of(const std::vector<Tensor>& losses) {
+  std::vector<double> out;
+  for (const Tensor& l : losses) out.push_back(l.item<double>());
+  return out;
 }
 }  // namespace
 
@@ -281,32 +288,28 @@ Logs Model::train_step(const std::vector<Tensor>& x_in, const std::vector<Tensor
     // batch is 0 (Keras); no gradient, no optimizer step, no iteration counted.
     NoGradGuard no_grad;
     const std::vector<Tensor> pred = apply(x, CallContext{.training = false});
-    std::vector<double> parts;
+    std::vector<Tensor> parts;
     const double loss = batch_loss(y, pred, &parts).item<double>();
     for (std::size_t i = 0; i < metrics_.size(); ++i)
       for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
-    return make_logs(loss, parts, outs, metrics_);
+    return make_logs(loss, values_of(parts), outs, metrics_);
   }
   auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
   const std::vector<Variable> vars = trainable_variables();
   Tensor loss;
-  std::vector<Tensor> pred, grads;
+  std::vector<Tensor> pred, grads, parts;
   {
     GradientTape tape;
     pred = apply(x, CallContext{.training = true});
-    loss = batch_loss(y, pred, nullptr);
+    loss = batch_loss(y, pred, outs.size() > 1 ? &parts : nullptr);
     grads = tape.gradient(lso ? lso->get_scaled_loss(loss) : loss, vars);
   }
   if (lso) grads = lso->get_unscaled_gradients(grads);
   optimizer_->apply_gradients(grads, vars);
   NoGradGuard no_grad;
-  std::vector<double> parts;
-  if (outs.size() > 1)
-    for (std::size_t i = 0; i < losses_.size(); ++i)
-      parts.push_back(losses_[i](y[i], pred[i]).item<double>());
   for (std::size_t i = 0; i < metrics_.size(); ++i)
     for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
-  return make_logs(loss.item<double>(), parts, outs, metrics_);
+  return make_logs(loss.item<double>(), values_of(parts), outs, metrics_);
 }
 
 // --- fit --------------------------------------------------------------------------------------
@@ -507,10 +510,10 @@ Logs Model::evaluate(const std::vector<Tensor>& x_in, const std::vector<Tensor>&
     for (const Tensor& t : x) xb.push_back(rows(t, b0, b1).to(device()));
     for (const Tensor& t : y) yb.push_back(rows(t, b0, b1).to(device()));
     const std::vector<Tensor> pred = apply(xb, CallContext{.training = false});
-    std::vector<double> parts;
+    std::vector<Tensor> parts;
     loss_sum += batch_loss(yb, pred, &parts).item<double>() * static_cast<double>(b1 - b0);
     for (std::size_t i = 0; i < parts.size(); ++i)
-      part_sums[i] += parts[i] * static_cast<double>(b1 - b0);
+      part_sums[i] += parts[i].item<double>() * static_cast<double>(b1 - b0);
     for (std::size_t i = 0; i < metrics_.size(); ++i)
       for (const auto& m : metrics_[i]) m->update_state(yb[i], pred[i]);
   }

@@ -375,9 +375,9 @@ class Model : public layers::Layer {
   // Checks x and y for fit/evaluate/train_step (`who` names the caller) and casts them as
   // they come in (integer inputs, int64 labels).
   void conform_data(const std::string& who, std::vector<Tensor>& x, std::vector<Tensor>& y) const;
-  // The weighted loss of a batch, each output's loss, and the metrics updated.
+  // The weighted loss of a batch; each output's (unweighted) loss into `per_output`.
   Tensor batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
-                    std::vector<double>* per_output);
+                    std::vector<Tensor>* per_output);
   std::vector<std::string> metric_keys() const;
 
   // compile(): per output, its loss, its weight and its metrics.
