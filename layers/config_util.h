@@ -6,6 +6,7 @@
 #include "mixtape/layers/config.h"
 #include "mixtape/layers/conv_layers.h"
 #include "mixtape/layers/initializers.h"
+#include "mixtape/layers/layer.h"
 
 namespace mixtape::layers::detail {
 
@@ -13,6 +14,15 @@ namespace mixtape::layers::detail {
 // init::get knows.
 init::Initializer initializer_from(const Config& c, const std::string& key,
                                    init::Initializer fallback);
+// Sets the fields every layer's options struct ends with (dtype, name, trainable) from
+// the config's common values.
+template <typename Options>
+void set_common_options(Options& options, const Config& c) {
+  const LayerOptions common = c.layer_options();
+  options.dtype = common.dtype;
+  options.name = common.name;
+  options.trainable = common.trainable;
+}
 // A Size2 stored as two integers.
 Size2 size2_from(const Config& c, const std::string& key);
 

@@ -98,7 +98,6 @@ Config Conv2DLayer::get_config() const {
 }
 
 LayerPtr<Conv2DLayer> Conv2DLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
   Conv2DOptions d;
   d.strides = detail::size2_from(c, "strides");
   d.padding = c.get_string("padding");
@@ -106,9 +105,7 @@ LayerPtr<Conv2DLayer> Conv2DLayer::from_config(const Config& c) {
   d.use_bias = c.get_bool("use_bias");
   d.kernel_initializer = detail::initializer_from(c, "kernel_initializer", d.kernel_initializer);
   d.bias_initializer = detail::initializer_from(c, "bias_initializer", d.bias_initializer);
-  d.dtype = o.dtype;
-  d.name = o.name;
-  d.trainable = o.trainable;
+  detail::set_common_options(d, c);
   return Conv2D(c.get_int("filters"), detail::size2_from(c, "kernel_size"), std::move(d));
 }
 
@@ -155,14 +152,11 @@ Config Pooling2DLayer::get_config() const {
 }
 
 LayerPtr<Pooling2DLayer> Pooling2DLayer::from_config(Kind kind, const Config& c) {
-  const LayerOptions o = c.layer_options();
   PoolingOptions p;
   p.pool_size = detail::size2_from(c, "pool_size");
   if (c.has("strides")) p.strides = detail::size2_from(c, "strides");
   p.padding = c.get_string("padding");
-  p.dtype = o.dtype;
-  p.name = o.name;
-  p.trainable = o.trainable;
+  detail::set_common_options(p, c);
   return make_layer<Pooling2DLayer>(kind, std::move(p));
 }
 

@@ -134,15 +134,12 @@ Config DenseLayer::get_config() const {
 }
 
 LayerPtr<DenseLayer> DenseLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
   DenseOptions d;
   d.activation = c.get_string("activation");
   d.use_bias = c.get_bool("use_bias");
   d.kernel_initializer = detail::initializer_from(c, "kernel_initializer", d.kernel_initializer);
   d.bias_initializer = detail::initializer_from(c, "bias_initializer", d.bias_initializer);
-  d.dtype = o.dtype;
-  d.name = o.name;
-  d.trainable = o.trainable;
+  detail::set_common_options(d, c);
   return Dense(c.get_int("units"), std::move(d));
 }
 
@@ -292,12 +289,9 @@ Config DropoutLayer::get_config() const {
 }
 
 LayerPtr<DropoutLayer> DropoutLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
   DropoutOptions d;
   if (c.has("seed")) d.seed = static_cast<std::uint64_t>(c.get_int("seed"));
-  d.dtype = o.dtype;
-  d.name = o.name;
-  d.trainable = o.trainable;
+  detail::set_common_options(d, c);
   return Dropout(c.get_double("rate"), std::move(d));
 }
 
@@ -353,13 +347,10 @@ Config EmbeddingLayer::get_config() const {
 }
 
 LayerPtr<EmbeddingLayer> EmbeddingLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
   EmbeddingOptions e;
   e.embeddings_initializer =
       detail::initializer_from(c, "embeddings_initializer", e.embeddings_initializer);
-  e.dtype = o.dtype;
-  e.name = o.name;
-  e.trainable = o.trainable;
+  detail::set_common_options(e, c);
   return Embedding(c.get_int("input_dim"), c.get_int("output_dim"), std::move(e));
 }
 

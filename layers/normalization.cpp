@@ -103,7 +103,6 @@ Config BatchNormalizationLayer::get_config() const {
 }
 
 LayerPtr<BatchNormalizationLayer> BatchNormalizationLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
   BatchNormalizationOptions b;
   b.axis = static_cast<int>(c.get_int("axis"));
   b.momentum = c.get_double("momentum");
@@ -116,9 +115,7 @@ LayerPtr<BatchNormalizationLayer> BatchNormalizationLayer::from_config(const Con
       detail::initializer_from(c, "moving_mean_initializer", b.moving_mean_initializer);
   b.moving_variance_initializer =
       detail::initializer_from(c, "moving_variance_initializer", b.moving_variance_initializer);
-  b.dtype = o.dtype;
-  b.name = o.name;
-  b.trainable = o.trainable;
+  detail::set_common_options(b, c);
   return BatchNormalization(std::move(b));
 }
 
@@ -176,16 +173,13 @@ Config LayerNormalizationLayer::get_config() const {
 }
 
 LayerPtr<LayerNormalizationLayer> LayerNormalizationLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
   LayerNormalizationOptions l;
   l.epsilon = c.get_double("epsilon");
   l.center = c.get_bool("center");
   l.scale = c.get_bool("scale");
   l.beta_initializer = detail::initializer_from(c, "beta_initializer", l.beta_initializer);
   l.gamma_initializer = detail::initializer_from(c, "gamma_initializer", l.gamma_initializer);
-  l.dtype = o.dtype;
-  l.name = o.name;
-  l.trainable = o.trainable;
+  detail::set_common_options(l, c);
   return LayerNormalization(std::move(l));
 }
 
