@@ -7,12 +7,14 @@
 #include <string>
 #include <vector>
 
+#include "error_of.h"
 #include "gradcheck.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
 using Catch::Matchers::Contains;
+using mixtape_test::error_of;
 
 namespace {
 
@@ -20,17 +22,6 @@ std::vector<double> values(const mt::Tensor& t) { return t.to(mt::kFloat64).to_v
 
 mt::Tensor randn(const mt::Shape& shape, mt::DType dtype = mt::kFloat32) {
   return mt::normal(shape, 0.0, 1.0, dtype);
-}
-
-template <typename E, typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  FAIL("no exception of the expected type was thrown");
-  return {};
 }
 
 // Counts its calls; says its output shape only when asked to.

@@ -8,26 +8,17 @@
 #include <string>
 #include <vector>
 
+#include "error_of.h"
 #include "mixtape/mixtape.h"
 #include "temp_dir.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
 using Catch::Matchers::Contains;
+using mixtape_test::error_of;
 using mixtape_test::TempDir;
 
 namespace {
-
-template <typename E, typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  FAIL("no exception of the expected type was thrown");
-  return {};
-}
 
 // A layer of a user's own, loadable from files: y = x * factor.
 class ScaleBy : public ml::Layer {
