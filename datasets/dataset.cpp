@@ -31,7 +31,7 @@ struct Dataset::Stage {
     bool drop_remainder;
   };
   struct Map {
-    MapFn fn;
+    ElementMapFn fn;
   };
   struct Prefetch {
     std::int64_t buffer_size;
@@ -151,11 +151,11 @@ Tensor gather_rows(const Tensor& x, const std::vector<std::int64_t>& indices,
 // Rows to elements: one row each (rank-0 index), or batches of rows.
 class GatherStream final : public ElementStream {
  public:
-  GatherStream(std::unique_ptr<RowStream> up, Tensor x, Tensor y, std::int64_t batch,
-               bool drop_remainder, bool unbatched)
+  GatherStream(std::unique_ptr<RowStream> up, std::vector<Tensor> inputs,
+               std::vector<Tensor> labels, std::int64_t batch, bool drop_remainder, bool unbatched)
       : up_(std::move(up)),
-        x_(std::move(x)),
-        y_(std::move(y)),
+        inputs_(std::move(inputs)),
+        labels_(std::move(labels)),
         batch_(unbatched ? 1 : batch),
         drop_(drop_remainder),
         unbatched_(unbatched) {}
@@ -172,12 +172,15 @@ class GatherStream final : public ElementStream {
       return std::nullopt;
     NoGradGuard no_grad;
     const Shape shape = unbatched_ ? Shape{} : Shape{static_cast<std::int64_t>(rows.size())};
-    return Element{gather_rows(x_, rows, shape), gather_rows(y_, rows, shape)};
+    Element e;
+    for (const Tensor& t : inputs_) e.inputs.push_back(gather_rows(t, rows, shape));
+    for (const Tensor& t : labels_) e.labels.push_back(gather_rows(t, rows, shape));
+    return e;
   }
 
  private:
   std::unique_ptr<RowStream> up_;
-  Tensor x_, y_;
+  std::vector<Tensor> inputs_, labels_;
   std::int64_t batch_;
   bool drop_, unbatched_;
 };
@@ -189,18 +192,35 @@ class StackStream final : public ElementStream {
       : up_(std::move(up)), batch_(batch), drop_(drop_remainder) {}
 
   std::optional<Element> next() override {
-    std::vector<Tensor> xs, ys;
-    while (static_cast<std::int64_t>(xs.size()) < batch_) {
+    std::vector<Element> elements;
+    while (static_cast<std::int64_t>(elements.size()) < batch_) {
       auto e = up_->next();
       if (!e) break;
-      xs.push_back(std::move(e->first));
-      ys.push_back(std::move(e->second));
+      if (!elements.empty() && (e->inputs.size() != elements[0].inputs.size() ||
+                                e->labels.size() != elements[0].labels.size()))
+        throw ValueError(fmt::format(
+            "Dataset::batch: elements of one batch must hold as many tensors; element {} has "
+            "{} inputs and {} labels, the first {} and {}",
+            elements.size(), e->inputs.size(), e->labels.size(), elements[0].inputs.size(),
+            elements[0].labels.size()));
+      elements.push_back(std::move(*e));
     }
-    if (xs.empty() || (drop_ && static_cast<std::int64_t>(xs.size()) < batch_)) return std::nullopt;
+    if (elements.empty() || (drop_ && static_cast<std::int64_t>(elements.size()) < batch_))
+      return std::nullopt;
     NoGradGuard no_grad;
-    for (auto& t : xs) t = unsqueeze(t, 0);
-    for (auto& t : ys) t = unsqueeze(t, 0);
-    return Element{concat(xs, 0), concat(ys, 0)};
+    // Stacks position k of every element along a new axis 0.
+    auto stack = [&](std::vector<Tensor> Element::*part, std::size_t k) {
+      std::vector<Tensor> rows;
+      rows.reserve(elements.size());
+      for (const Element& e : elements) rows.push_back(unsqueeze((e.*part)[k], 0));
+      return concat(rows, 0);
+    };
+    Element out;
+    for (std::size_t k = 0; k < elements[0].inputs.size(); ++k)
+      out.inputs.push_back(stack(&Element::inputs, k));
+    for (std::size_t k = 0; k < elements[0].labels.size(); ++k)
+      out.labels.push_back(stack(&Element::labels, k));
+    return out;
   }
 
  private:
@@ -211,17 +231,18 @@ class StackStream final : public ElementStream {
 
 class MapStream final : public ElementStream {
  public:
-  MapStream(std::unique_ptr<ElementStream> up, MapFn fn) : up_(std::move(up)), fn_(std::move(fn)) {}
+  MapStream(std::unique_ptr<ElementStream> up, ElementMapFn fn)
+      : up_(std::move(up)), fn_(std::move(fn)) {}
   std::optional<Element> next() override {
     auto e = up_->next();
     if (!e) return std::nullopt;
     NoGradGuard no_grad;
-    return fn_(e->first, e->second);
+    return fn_(*e);
   }
 
  private:
   std::unique_ptr<ElementStream> up_;
-  MapFn fn_;
+  ElementMapFn fn_;
 };
 
 class ToStream final : public ElementStream {
@@ -232,7 +253,9 @@ class ToStream final : public ElementStream {
     auto e = up_->next();
     if (!e) return std::nullopt;
     NoGradGuard no_grad;
-    return Element{e->first.to(device_), e->second.to(device_)};
+    for (Tensor& t : e->inputs) t = t.to(device_);
+    for (Tensor& t : e->labels) t = t.to(device_);
+    return e;
   }
 
  private:
@@ -351,18 +374,72 @@ Dataset::Iterator& Dataset::Iterator::operator++() {
   return *this;
 }
 
+Element::Element(Tensor x, Tensor y) : inputs{std::move(x)}, labels{std::move(y)} {}
+
+Element::Element(std::pair<Tensor, Tensor> xy)
+    : inputs{std::move(xy.first)}, labels{std::move(xy.second)} {}
+
+Element::Element(std::vector<Tensor> inputs_, std::vector<Tensor> labels_)
+    : inputs(std::move(inputs_)), labels(std::move(labels_)) {}
+
+namespace {
+
+std::size_t check_single(const Element& e) {
+  if (e.inputs.size() != 1 || e.labels.size() != 1)
+    throw ValueError(fmt::format(
+        "Dataset element: x() and y() need one input and one label; this element holds {} "
+        "inputs and {} labels (read .inputs and .labels)",
+        e.inputs.size(), e.labels.size()));
+  return 0;
+}
+
+}  // namespace
+
+Tensor& Element::x() { return inputs[check_single(*this)]; }
+const Tensor& Element::x() const { return inputs[check_single(*this)]; }
+Tensor& Element::y() { return labels[check_single(*this)]; }
+const Tensor& Element::y() const { return labels[check_single(*this)]; }
+
 Dataset Dataset::from_tensors(const Tensor& x, const Tensor& y) {
   if (!x.defined() || !y.defined())
-    throw ValueError("Dataset::from_tensors: x and y must be defined tensors");
+    throw ValueError(
+        "Dataset::from_tensors: x and y must be defined tensors (a dataset without labels is "
+        "from_tensors(std::vector<Tensor>{x}, {}))");
   if (x.rank() < 1 || y.rank() < 1 || x.dim(0) != y.dim(0))
     throw ShapeError(fmt::format(
         "Dataset::from_tensors: x and y must have the same number of rows (axis 0); got x {} "
         "{} and y {} {}",
         x.dtype().name(), x.shape().str(), y.dtype().name(), y.shape().str()));
+  return from_tensors(std::vector<Tensor>{x}, std::vector<Tensor>{y});
+}
+
+Dataset Dataset::from_tensors(const std::vector<Tensor>& inputs,
+                              const std::vector<Tensor>& labels) {
+  if (inputs.empty())
+    throw ValueError("Dataset::from_tensors: at least one input tensor is needed");
+  auto name = [&](std::size_t i) {
+    return i < inputs.size() ? fmt::format("inputs[{}]", i)
+                             : fmt::format("labels[{}]", i - inputs.size());
+  };
+  auto at = [&](std::size_t i) -> const Tensor& {
+    return i < inputs.size() ? inputs[i] : labels[i - inputs.size()];
+  };
+  const std::size_t n = inputs.size() + labels.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    const Tensor& t = at(i);
+    if (!t.defined())
+      throw ValueError(fmt::format("Dataset::from_tensors: {} is not a defined tensor", name(i)));
+    if (t.rank() < 1 || t.dim(0) != at(0).dim(0))
+      throw ShapeError(fmt::format(
+          "Dataset::from_tensors: every tensor must have the same number of rows (axis 0); {} "
+          "is {} {} and {} is {} {}",
+          name(i), t.dtype().name(), t.shape().str(), name(0), at(0).dtype().name(),
+          at(0).shape().str()));
+  }
   NoGradGuard no_grad;
   Dataset ds;
-  ds.x_ = x.detach().contiguous();
-  ds.y_ = y.detach().contiguous();
+  for (const Tensor& t : inputs) ds.inputs_.push_back(t.detach().contiguous());
+  for (const Tensor& t : labels) ds.labels_.push_back(t.detach().contiguous());
   return ds;
 }
 
@@ -389,6 +466,11 @@ Dataset Dataset::batch(std::int64_t batch_size, bool drop_remainder) const {
 
 Dataset Dataset::map(MapFn fn) const {
   if (!fn) throw ValueError("Dataset::map: the function is empty");
+  return map(ElementMapFn([fn = std::move(fn)](const Element& e) { return fn(e.x(), e.y()); }));
+}
+
+Dataset Dataset::map(ElementMapFn fn) const {
+  if (!fn) throw ValueError("Dataset::map: the function is empty");
   return with(std::make_shared<const Stage>(Stage{Stage::Map{std::move(fn)}}));
 }
 
@@ -403,7 +485,7 @@ Dataset Dataset::to(Device device) const {
   return with(std::make_shared<const Stage>(Stage{Stage::To{device}}));
 }
 
-std::int64_t Dataset::num_rows() const { return x_.defined() ? x_.dim(0) : 0; }
+std::int64_t Dataset::num_rows() const { return inputs_.empty() ? 0 : inputs_[0].dim(0); }
 
 std::int64_t Dataset::size() const {
   std::int64_t n = num_rows();
@@ -414,9 +496,17 @@ std::int64_t Dataset::size() const {
 }
 
 std::string Dataset::str() const {
-  if (!x_.defined()) return "Dataset()";
-  std::string out = fmt::format("from_tensors(x {} {}, y {} {})", x_.dtype().name(),
-                                x_.shape().str(), y_.dtype().name(), y_.shape().str());
+  if (inputs_.empty()) return "Dataset()";
+  auto describe = [](const std::vector<Tensor>& ts) {
+    std::string out;
+    for (const Tensor& t : ts)
+      out += fmt::format("{}{} {}", out.empty() ? "" : ", ", t.dtype().name(), t.shape().str());
+    return out;
+  };
+  std::string out =
+      inputs_.size() == 1 && labels_.size() == 1
+          ? fmt::format("from_tensors(x {}, y {})", describe(inputs_), describe(labels_))
+          : fmt::format("from_tensors({{{}}}, {{{}}})", describe(inputs_), describe(labels_));
   for (const auto& stage : stages_)
     out += std::visit(
         Overloaded{
@@ -433,12 +523,12 @@ std::string Dataset::str() const {
 }
 
 Dataset::Iterator Dataset::start(std::uint64_t epoch) const {
-  if (!x_.defined()) return Iterator();
-  std::unique_ptr<RowStream> rows = std::make_unique<RangeStream>(x_.dim(0));
+  if (inputs_.empty()) return Iterator();
+  std::unique_ptr<RowStream> rows = std::make_unique<RangeStream>(num_rows());
   std::unique_ptr<ElementStream> elements;
   auto materialize = [&] {
     if (!elements)
-      elements = std::make_unique<GatherStream>(std::move(rows), x_, y_, 1, false, true);
+      elements = std::make_unique<GatherStream>(std::move(rows), inputs_, labels_, 1, false, true);
   };
   for (const auto& stage : stages_) {
     std::visit(Overloaded{[&](const Stage::Shuffle& s) {
@@ -456,8 +546,9 @@ Dataset::Iterator Dataset::start(std::uint64_t epoch) const {
                               elements = std::make_unique<StackStream>(std::move(elements), b.size,
                                                                        b.drop_remainder);
                             else
-                              elements = std::make_unique<GatherStream>(
-                                  std::move(rows), x_, y_, b.size, b.drop_remainder, false);
+                              elements =
+                                  std::make_unique<GatherStream>(std::move(rows), inputs_, labels_,
+                                                                 b.size, b.drop_remainder, false);
                           },
                           [&](const Stage::Map& m) {
                             materialize();

@@ -1511,6 +1511,98 @@ TEST_CASE("dataset: from_tensors, rows and batches", "[datasets][dataset]") {
   CHECK(seen == img.to_vector<int>());
 }
 
+TEST_CASE("dataset: tuples of several inputs and labels", "[datasets][dataset]") {
+  // Row i: a = [i, -i], b = [[i], [2i], [3i]] (int32), labels i and -i (float).
+  const std::int64_t n = 11;
+  std::vector<float> av, negv;
+  std::vector<std::int32_t> bv;
+  for (std::int64_t i = 0; i < n; ++i) {
+    av.insert(av.end(), {static_cast<float>(i), static_cast<float>(-i)});
+    bv.insert(bv.end(), {static_cast<std::int32_t>(i), static_cast<std::int32_t>(2 * i),
+                         static_cast<std::int32_t>(3 * i)});
+    negv.push_back(static_cast<float>(-i));
+  }
+  const mt::Tensor a = mt::from_vector(av, {n, 2}), b = mt::from_vector(bv, {n, 3, 1});
+  const mt::Tensor ya = mt::arange(n), yb = mt::from_vector(negv, {n});
+  const Dataset ds = Dataset::from_tensors({a, b}, {ya, yb});
+  CHECK(ds.num_inputs() == 2);
+  CHECK(ds.num_labels() == 2);
+  CHECK(ds.num_rows() == n);
+  CHECK(ds.str() ==
+        "from_tensors({float32 [11, 2], int32 [11, 3, 1]}, {int64 [11], float32 [11]})");
+
+  // Every tensor of a batch holds the same rows, through shuffle, batch, map and prefetch.
+  auto check_rows = [](const mt::data::Element& e, std::vector<std::int64_t>& seen) {
+    REQUIRE(e.inputs.size() == 2);
+    REQUIRE(e.labels.size() == 2);
+    const auto ids = e.labels[0].to_vector<std::int64_t>();
+    const auto x0 = e.inputs[0].to_vector<float>();
+    const auto x1 = e.inputs[1].to_vector<std::int32_t>();
+    const auto neg = e.labels[1].to_vector<float>();
+    CHECK(e.inputs[1].shape() == mt::Shape{static_cast<std::int64_t>(ids.size()), 3, 1});
+    for (std::size_t r = 0; r < ids.size(); ++r) {
+      const auto i = ids[r];
+      CHECK(x0[2 * r] == static_cast<float>(i));
+      CHECK(x0[2 * r + 1] == -static_cast<float>(i));
+      CHECK(x1[3 * r + 2] == 3 * i);
+      CHECK(neg[r] == -static_cast<float>(i));
+      seen.push_back(i);
+    }
+  };
+  std::vector<std::int64_t> seen;
+  for (auto& e : ds.shuffle(100, 7).batch(4).prefetch(2)) check_rows(e, seen);
+  std::sort(seen.begin(), seen.end());
+  CHECK(seen == iota(n));
+  // Rows mapped one at a time, then stacked by batch.
+  seen.clear();
+  const Dataset mapped =
+      ds.map([](const mt::data::Element& e) {
+          return mt::data::Element({e.inputs[0], e.inputs[1]}, {e.labels[0], e.labels[1]});
+        }).batch(3, true);
+  CHECK(mapped.size() == 3);
+  for (auto& e : mapped) check_rows(e, seen);
+  CHECK(seen == std::vector<std::int64_t>(iota(9)));
+
+  // A map may change the tuple: both inputs into one, the labels to the first.
+  for (auto& [x, y] : ds.batch(5).map([](const mt::data::Element& e) {
+         return mt::data::Element(
+             e.inputs[0] + mt::cast(e.inputs[1].reshape({-1, 3}).slice(1, 0, 1), mt::kFloat32),
+             e.labels[0]);
+       })) {
+    const auto xv = x.to_vector<float>();
+    const auto yv = y.to_vector<std::int64_t>();
+    for (std::size_t r = 0; r < yv.size(); ++r) CHECK(xv[2 * r + 1] == 0.0f);
+  }
+
+  // x() and y() are for one input and one label; the message says what to read instead.
+  const mt::data::Element first = *ds.begin();
+  CHECK_THROWS_WITH(first.x(), Contains("2 inputs and 2 labels") && Contains(".inputs"));
+  // The pair map refuses tuple elements when they reach it.
+  const Dataset pair_map =
+      ds.map([](const mt::Tensor& x, const mt::Tensor& y) { return std::make_pair(x, y); });
+  CHECK_THROWS_AS(*pair_map.begin(), mt::ValueError);
+  // Bad sources name the tensor.
+  CHECK_THROWS_WITH(Dataset::from_tensors({a, b}, {ya, mt::zeros({n - 1})}),
+                    Contains("labels[1]") && Contains("[10]") && Contains("inputs[0]"));
+  CHECK_THROWS_AS(Dataset::from_tensors(std::vector<mt::Tensor>{}, {ya}), mt::ValueError);
+  // `{a}, {}` is the pair overload (x = a, y undefined): the message says how to ask for none.
+  CHECK_THROWS_WITH(Dataset::from_tensors({a}, {}), Contains("std::vector<Tensor>{x}, {}"));
+  CHECK_THROWS_WITH(Dataset::from_tensors({a, mt::Tensor()}, {ya}), Contains("inputs[1]"));
+  // Inputs only (for predict): elements without labels.
+  std::int64_t rows_seen = 0;
+  for (auto& e : Dataset::from_tensors(std::vector<mt::Tensor>{a}, {}).batch(4)) {
+    CHECK(e.labels.empty());
+    rows_seen += e.inputs[0].dim(0);
+  }
+  CHECK(rows_seen == n);
+  // Batching elements of different tuple sizes (a map that varies them) is refused.
+  std::int64_t calls = 0;
+  const Dataset ragged = Dataset::from_tensors({a}, {ya}).map([&calls](const mt::data::Element& e) {
+    return calls++ % 2 == 0 ? e : mt::data::Element({e.inputs[0], e.inputs[0]}, e.labels);
+  });
+  CHECK_THROWS_WITH(*ragged.batch(4).begin(), Contains("Dataset::batch") && Contains("2 inputs"));
+}
+
 TEST_CASE("dataset: shuffle is deterministic per seed and epoch", "[datasets][dataset]") {
   auto [x, y] = rows(100);
   const Dataset ds = Dataset::from_tensors(x, y).shuffle(1000, 42).batch(16);
@@ -1563,7 +1655,7 @@ TEST_CASE("dataset: a small shuffle buffer stays local, a full one is uniform",
   const Dataset full = Dataset::from_tensors(x10, y10).shuffle(10, 3);
   std::vector<int> first(10, 0);
   for (std::uint64_t e = 0; e < 2000; ++e)
-    ++first[static_cast<std::size_t>((*full.epoch(e).begin()).second.item<std::int64_t>())];
+    ++first[static_cast<std::size_t>((*full.epoch(e).begin()).y().item<std::int64_t>())];
   for (int count : first) {
     CHECK(count > 120);
     CHECK(count < 280);
@@ -1665,7 +1757,7 @@ TEST_CASE("dataset: leaving a prefetched loop early stops the thread", "[dataset
     auto a = ds.begin();
     auto b = ds.begin();
     CHECK(a != b);
-    CHECK((*a).first.dim(0) == 10);
+    CHECK((*a).x().dim(0) == 10);
   }
   // A slow consumer with a full queue, then destruction.
   {

@@ -484,6 +484,41 @@ TEST_CASE("graph: a two-input two-output model trains with fit", "[graph][traini
     CHECK(batched[i] == Approx(direct[i]).margin(1e-5));
 }
 
+TEST_CASE("graph: a custom loop over a Dataset of tuples trains the two-input model",
+          "[graph][training]") {
+  mt::manual_seed(23);
+  const TwoTask train = two_task(2048, 6), test = two_task(1024, 7);
+  const auto ce = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
+  auto compiled = [&] {
+    auto model = two_head_model();
+    model->compile({.loss = std::vector<mt::losses::Loss>{ce, ce},
+                    .optimizer = mt::optim::Adam({.learning_rate = 0.01}),
+                    .metrics = {"accuracy"}});
+    return model;
+  };
+  auto from_dataset = compiled();
+  auto by_hand = compiled();
+  by_hand->set_weights(from_dataset->get_weights());
+  // The same batches, from a Dataset of tuples (prefetched) and sliced by hand.
+  auto ds = mt::data::Dataset::from_tensors({train.a, train.b}, {train.bigger, train.first})
+                .batch(64)
+                .prefetch();
+  for (int epoch = 0; epoch < 6; ++epoch) {
+    for (auto& e : ds) from_dataset->train_step(e.inputs, e.labels);
+    for (std::int64_t i = 0; i < 2048; i += 64)
+      by_hand->train_step({train.a.slice(0, i, i + 64), train.b.slice(0, i, i + 64)},
+                          {train.bigger.slice(0, i, i + 64), train.first.slice(0, i, i + 64)});
+  }
+  const auto p = from_dataset->predict({test.a, test.b});
+  const auto q = by_hand->predict({test.a, test.b});
+  CHECK(values(p[0]) == values(q[0]));
+  CHECK(values(p[1]) == values(q[1]));
+  const mt::Logs scores = from_dataset->evaluate({test.a, test.b}, {test.bigger, test.first});
+  INFO("bigger " << scores.at("bigger_accuracy") << ", first " << scores.at("first_accuracy"));
+  CHECK(scores.at("bigger_accuracy") > 0.95);
+  CHECK(scores.at("first_accuracy") > 0.95);
+}
+
 TEST_CASE("graph: losses by output name and weights; a zero weight leaves its head alone",
           "[graph][training]") {
   mt::manual_seed(22);

@@ -5,11 +5,16 @@
 //   for (int epoch = 0; epoch < 5; ++epoch)
 //     for (auto& [xb, yb] : ds) { ... }   // each loop is a new epoch, reshuffled
 //
+// A model of several inputs or outputs reads tuples: from_tensors({xa, xb}, {ya, yb})
+// yields elements whose .inputs and .labels hold one tensor each, in that order:
+//
+//   for (auto& e : ds) model.train_step(e.inputs, e.labels);
+//
 // A Dataset is a description with value semantics: every method returns a new Dataset
 // and leaves its receiver unchanged, copies are cheap (the tensors are shared), and each
-// iteration starts a fresh epoch. Elements are (x, y) pairs of rows along axis 0 of the
-// source tensors; after batch() they are batches of rows. Rows are gathered with
-// mixtape::take (one call per batch), and no pipeline step is recorded on a tape.
+// iteration starts a fresh epoch. Elements are rows along axis 0 of the source tensors;
+// after batch() they are batches of rows. Rows are gathered with mixtape::take (one call
+// per tensor and batch), and no pipeline step is recorded on a tape.
 #pragma once
 
 #include <atomic>
@@ -19,6 +24,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,10 +34,50 @@
 
 namespace mixtape::data {
 
-// One element of a dataset: inputs and labels (rows, or batches of rows).
-using Element = std::pair<Tensor, Tensor>;
-// A map() function: takes an element's (x, y), returns the new (x, y).
+// One element of a dataset: its inputs and labels (rows, or batches of rows), in the order
+// given to from_tensors. A dataset of one input and one label tensor binds as a pair,
+// `auto& [x, y] = element` (x() and y()); one of tuples is read through .inputs and .labels.
+struct Element {
+  std::vector<Tensor> inputs;
+  std::vector<Tensor> labels;
+
+  Element() = default;
+  Element(Tensor x, Tensor y);
+  Element(std::pair<Tensor, Tensor> xy);  // NOLINT: a map() function may return a pair
+  Element(std::vector<Tensor> inputs, std::vector<Tensor> labels);
+
+  // The one input and the one label; ValueError naming the counts when an element holds
+  // several (read .inputs / .labels then).
+  Tensor& x();
+  const Tensor& x() const;
+  Tensor& y();
+  const Tensor& y() const;
+
+  // The pair protocol of `auto& [x, y]`.
+  template <std::size_t I>
+  Tensor& get() {
+    static_assert(I < 2);
+    if constexpr (I == 0)
+      return x();
+    else
+      return y();
+  }
+  template <std::size_t I>
+  const Tensor& get() const {
+    static_assert(I < 2);
+    if constexpr (I == 0)
+      return x();
+    else
+      return y();
+  }
+};
+
+// A map() function of a dataset of one input and one label: takes (x, y), returns the new
+// element (an Element or a std::pair of tensors).
 using MapFn = std::function<Element(const Tensor& x, const Tensor& y)>;
+// A map() function of any dataset: takes the element, returns the new one (it may change
+// the number of inputs or labels).
+using ElementMapFn = std::function<Element(const Element& element)>;
 
 // An input pipeline over the rows of two tensors (see the top of this header).
 class Dataset {
@@ -41,6 +88,10 @@ class Dataset {
   // Elements are the rows (axis 0) of x and y, which must agree on axis 0 (ShapeError
   // otherwise; both need rank >= 1).
   static Dataset from_tensors(const Tensor& x, const Tensor& y);
+  // Tuples: elements are (inputs[i] for each input, labels[i] for each label). Every tensor
+  // must have the same number of rows (ShapeError naming the one that differs); at least
+  // one input, labels may be empty (a dataset for predict).
+  static Dataset from_tensors(const std::vector<Tensor>& inputs, const std::vector<Tensor>& labels);
 
   // tf.data's shuffle: a buffer of buffer_size elements, each output drawn uniformly from
   // the buffer and replaced by the next input; buffer_size >= size() is a uniform
@@ -53,7 +104,10 @@ class Dataset {
   // drop_remainder is true.
   Dataset batch(std::int64_t batch_size, bool drop_remainder = false) const;
   // Applies fn to each element (to each batch when it follows batch()), in pipeline order.
+  // MapFn needs elements of one input and one label (ValueError from the element that is
+  // not); ElementMapFn takes any.
   Dataset map(MapFn fn) const;
+  Dataset map(ElementMapFn fn) const;
   // Prepares up to buffer_size elements ahead on a background thread while the consumer
   // works. An exception in the pipeline is re-thrown to the consumer (after the elements
   // produced before it); destroying the iterator stops and joins the thread.
@@ -65,6 +119,9 @@ class Dataset {
   std::int64_t size() const;
   // The number of rows of the source tensors.
   std::int64_t num_rows() const;
+  // How many inputs and labels each element of the source holds (map may change them).
+  std::size_t num_inputs() const { return inputs_.size(); }
+  std::size_t num_labels() const { return labels_.size(); }
   // "from_tensors(x float32 [60000, 784], y int64 [60000]).shuffle(10000).batch(128)".
   std::string str() const;
 
@@ -92,7 +149,7 @@ class Dataset {
   Dataset with(std::shared_ptr<const Stage> stage) const;
   Iterator start(std::uint64_t epoch) const;
 
-  Tensor x_, y_;
+  std::vector<Tensor> inputs_, labels_;
   std::vector<std::shared_ptr<const Stage>> stages_;
   mutable Counter next_epoch_;
 };
@@ -136,3 +193,10 @@ class Dataset::Epoch {
 };
 
 }  // namespace mixtape::data
+
+template <>
+struct std::tuple_size<mixtape::data::Element> : std::integral_constant<std::size_t, 2> {};
+template <std::size_t I>
+struct std::tuple_element<I, mixtape::data::Element> {
+  using type = mixtape::Tensor;
+};
