@@ -1,0 +1,234 @@
+// The image augmentation layers: each draw becomes a table of source pixels, and one take()
+// gathers the batch (the constant fill through an extra row appended to the pixels).
+#include "mixtape/layers/augmentation.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <vector>
+
+#include "layers/config_util.h"
+#include "mixtape/autograd/ops.h"
+
+namespace mixtape::layers {
+
+namespace {
+
+template <typename Options>
+LayerOptions common(const Options& o) {
+  return LayerOptions{o.dtype, o.name, o.trainable};
+}
+
+// [batch, height, width, channels], or a ShapeError naming the layer.
+void check_images(const Layer& layer, const Shape& shape) {
+  if (shape.rank() != 4)
+    throw ShapeError(
+        fmt::format("layer '{}' ({}): expects images [batch, height, width, channels]; got {}",
+                    layer.name(), layer.class_name(), shape.str()));
+}
+
+// The output pixel p of every image (flattened [batch * height * width]) is the input
+// pixel source[p] (flattened the same way); `fill` marks pixels taken from a row of
+// `fill_value` instead.
+Tensor gather_pixels(const Tensor& x, const std::vector<std::int64_t>& source, bool use_fill,
+                     double fill_value) {
+  const std::int64_t n = x.dim(0), h = x.dim(1), w = x.dim(2), c = x.dim(3);
+  Tensor pixels = reshape(x, {n * h * w, c});
+  if (use_fill) pixels = concat({pixels, full({1, c}, fill_value, x.dtype(), x.device())}, 0);
+  const Tensor index =
+      from_vector(source, {static_cast<std::int64_t>(source.size())}, kInt64, x.device());
+  return reshape(take(pixels, index, 0), x.shape());
+}
+
+// Where position i (of an axis of `size`) reads from when it lies outside [0, size), for
+// Keras's fill modes; -1 for the constant fill.
+enum class FillMode { Reflect, Wrap, Nearest, Constant };
+
+FillMode parse_fill_mode(const Layer& layer, const std::string& name) {
+  if (name == "reflect") return FillMode::Reflect;
+  if (name == "wrap") return FillMode::Wrap;
+  if (name == "nearest") return FillMode::Nearest;
+  if (name == "constant") return FillMode::Constant;
+  throw ValueError(fmt::format(
+      "layer '{}' (RandomTranslation): fill_mode must be reflect, wrap, nearest or constant; "
+      "got '{}'",
+      layer.name(), name));
+}
+
+std::int64_t fill_index(std::int64_t i, std::int64_t size, FillMode mode) {
+  if (i >= 0 && i < size) return i;
+  switch (mode) {
+    case FillMode::Reflect: {
+      const std::int64_t period = 2 * size;
+      const std::int64_t m = ((i % period) + period) % period;
+      return m < size ? m : period - 1 - m;
+    }
+    case FillMode::Wrap:
+      return ((i % size) + size) % size;
+    case FillMode::Nearest:
+      return i < 0 ? 0 : size - 1;
+    case FillMode::Constant:
+      return -1;
+  }
+  return -1;
+}
+
+void check_factor(const Layer& layer, const char* which, TranslationFactor f) {
+  if (!(f.lower >= -1.0 && f.upper <= 1.0 && f.lower <= f.upper))
+    throw ValueError(fmt::format(
+        "layer '{}' (RandomTranslation): {}_factor must be a range (lower, upper) within [-1, "
+        "1] with lower <= upper; got ({}, {})",
+        layer.name(), which, f.lower, f.upper));
+}
+
+std::uint64_t seed_or_draw(const std::optional<std::uint64_t>& seed) {
+  return seed ? *seed : default_generator().next_u64();
+}
+
+}  // namespace
+
+// --- RandomTranslation --------------------------------------------------------------------
+
+RandomTranslationLayer::RandomTranslationLayer(TranslationFactor height_factor,
+                                               TranslationFactor width_factor,
+                                               RandomTranslationOptions options)
+    : Layer(common(options), "RandomTranslation"),
+      height_(height_factor),
+      width_(width_factor),
+      options_(std::move(options)),
+      generator_(seed_or_draw(options_.seed)) {
+  check_factor(*this, "height", height_);
+  check_factor(*this, "width", width_);
+  parse_fill_mode(*this, options_.fill_mode);
+  if (options_.interpolation != "nearest")
+    throw ValueError(fmt::format(
+        "layer '{}' (RandomTranslation): interpolation '{}' is not supported; images move by "
+        "whole pixels (\"nearest\")",
+        name(), options_.interpolation));
+}
+
+Tensor RandomTranslationLayer::call(const Tensor& x, const CallContext& ctx) {
+  check_images(*this, x.shape());
+  if (!ctx.training || x.numel() == 0) return x;
+  const std::int64_t n = x.dim(0), h = x.dim(1), w = x.dim(2);
+  const FillMode mode = parse_fill_mode(*this, options_.fill_mode);
+  std::vector<std::int64_t> source(static_cast<std::size_t>(n * h * w));
+  bool any_fill = false;
+  {
+    auto lock = generator_.lock();
+    for (std::int64_t b = 0; b < n; ++b) {
+      const auto draw = [&](TranslationFactor f, std::int64_t size) {
+        return std::llround((f.lower + (f.upper - f.lower) * generator_.next_uniform()) *
+                            static_cast<double>(size));
+      };
+      const std::int64_t dy = draw(height_, h), dx = draw(width_, w);
+      for (std::int64_t i = 0; i < h; ++i) {
+        const std::int64_t si = fill_index(i - dy, h, mode);
+        for (std::int64_t j = 0; j < w; ++j) {
+          const std::int64_t sj = fill_index(j - dx, w, mode);
+          std::int64_t& s = source[static_cast<std::size_t>((b * h + i) * w + j)];
+          if (si < 0 || sj < 0) {
+            s = n * h * w;  // the fill row
+            any_fill = true;
+          } else {
+            s = (b * h + si) * w + sj;
+          }
+        }
+      }
+    }
+  }
+  return gather_pixels(x, source, any_fill, options_.fill_value);
+}
+
+std::optional<Shape> RandomTranslationLayer::compute_output_shape(const Shape& input_shape) const {
+  check_images(*this, input_shape);
+  return input_shape;
+}
+
+Config RandomTranslationLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("height_lower", height_.lower);
+  c.set("height_upper", height_.upper);
+  c.set("width_lower", width_.lower);
+  c.set("width_upper", width_.upper);
+  c.set("fill_mode", options_.fill_mode);
+  c.set("fill_value", options_.fill_value);
+  c.set("interpolation", options_.interpolation);
+  if (options_.seed) c.set("seed", static_cast<std::int64_t>(*options_.seed));
+  return c;
+}
+
+LayerPtr<RandomTranslationLayer> RandomTranslationLayer::from_config(const Config& c) {
+  RandomTranslationOptions o;
+  o.fill_mode = c.get_string("fill_mode");
+  o.fill_value = c.get_double("fill_value");
+  o.interpolation = c.get_string("interpolation");
+  if (c.has("seed")) o.seed = static_cast<std::uint64_t>(c.get_int("seed"));
+  detail::set_common_options(o, c);
+  return RandomTranslation({c.get_double("height_lower"), c.get_double("height_upper")},
+                           {c.get_double("width_lower"), c.get_double("width_upper")},
+                           std::move(o));
+}
+
+LayerPtr<RandomTranslationLayer> RandomTranslation(TranslationFactor height_factor,
+                                                   TranslationFactor width_factor,
+                                                   RandomTranslationOptions options) {
+  return make_layer<RandomTranslationLayer>(height_factor, width_factor, std::move(options));
+}
+
+// --- RandomFlip ---------------------------------------------------------------------------
+
+RandomFlipLayer::RandomFlipLayer(std::string mode, RandomFlipOptions options)
+    : Layer(common(options), "RandomFlip"),
+      mode_(std::move(mode)),
+      options_(std::move(options)),
+      generator_(seed_or_draw(options_.seed)) {
+  if (mode_ != "horizontal" && mode_ != "vertical" && mode_ != "horizontal_and_vertical")
+    throw ValueError(
+        fmt::format("layer '{}' (RandomFlip): mode must be horizontal, vertical or "
+                    "horizontal_and_vertical; got '{}'",
+                    name(), mode_));
+}
+
+Tensor RandomFlipLayer::call(const Tensor& x, const CallContext& ctx) {
+  check_images(*this, x.shape());
+  if (!ctx.training || x.numel() == 0) return x;
+  const std::int64_t n = x.dim(0), h = x.dim(1), w = x.dim(2);
+  const bool horizontal = mode_ != "vertical", vertical = mode_ != "horizontal";
+  std::vector<std::int64_t> source(static_cast<std::size_t>(n * h * w));
+  auto lock = generator_.lock();
+  for (std::int64_t b = 0; b < n; ++b) {
+    const bool flip_w = horizontal && generator_.next_uniform() < 0.5;
+    const bool flip_h = vertical && generator_.next_uniform() < 0.5;
+    for (std::int64_t i = 0; i < h; ++i)
+      for (std::int64_t j = 0; j < w; ++j)
+        source[static_cast<std::size_t>((b * h + i) * w + j)] =
+            (b * h + (flip_h ? h - 1 - i : i)) * w + (flip_w ? w - 1 - j : j);
+  }
+  return gather_pixels(x, source, false, 0.0);
+}
+
+std::optional<Shape> RandomFlipLayer::compute_output_shape(const Shape& input_shape) const {
+  check_images(*this, input_shape);
+  return input_shape;
+}
+
+Config RandomFlipLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("mode", mode_);
+  if (options_.seed) c.set("seed", static_cast<std::int64_t>(*options_.seed));
+  return c;
+}
+
+LayerPtr<RandomFlipLayer> RandomFlipLayer::from_config(const Config& c) {
+  RandomFlipOptions o;
+  if (c.has("seed")) o.seed = static_cast<std::uint64_t>(c.get_int("seed"));
+  detail::set_common_options(o, c);
+  return RandomFlip(c.get_string("mode"), std::move(o));
+}
+
+LayerPtr<RandomFlipLayer> RandomFlip(std::string mode, RandomFlipOptions options) {
+  return make_layer<RandomFlipLayer>(std::move(mode), std::move(options));
+}
+
+}  // namespace mixtape::layers
