@@ -14,11 +14,6 @@ namespace mixtape::layers {
 
 namespace {
 
-template <typename Options>
-LayerOptions common(const Options& o) {
-  return LayerOptions{o.dtype, o.name, o.trainable};
-}
-
 // [batch, height, width, channels], or a ShapeError naming the layer.
 void check_images(const Layer& layer, const Shape& shape) {
   if (shape.rank() != 4)
@@ -92,7 +87,7 @@ std::uint64_t seed_or_draw(const std::optional<std::uint64_t>& seed) {
 RandomTranslationLayer::RandomTranslationLayer(TranslationFactor height_factor,
                                                TranslationFactor width_factor,
                                                RandomTranslationOptions options)
-    : Layer(common(options), "RandomTranslation"),
+    : Layer(detail::common_options(options), "RandomTranslation"),
       height_(height_factor),
       width_(width_factor),
       options_(std::move(options)),
@@ -179,7 +174,7 @@ LayerPtr<RandomTranslationLayer> RandomTranslation(TranslationFactor height_fact
 // --- RandomFlip ---------------------------------------------------------------------------
 
 RandomFlipLayer::RandomFlipLayer(std::string mode, RandomFlipOptions options)
-    : Layer(common(options), "RandomFlip"),
+    : Layer(detail::common_options(options), "RandomFlip"),
       mode_(std::move(mode)),
       options_(std::move(options)),
       generator_(seed_or_draw(options_.seed)) {

@@ -1,4 +1,4 @@
-// Helpers of the layers' get_config / from_config (layers/config.cpp).
+// Helpers of the layers' constructors and their get_config / from_config (layers/config.cpp).
 #pragma once
 
 #include <string>
@@ -14,6 +14,12 @@ namespace mixtape::layers::detail {
 // init::get knows.
 init::Initializer initializer_from(const Config& c, const std::string& key,
                                    init::Initializer fallback);
+// The fields every layer's options struct ends with (dtype, name, trainable), for Layer's
+// constructor.
+template <typename Options>
+LayerOptions common_options(const Options& o) {
+  return LayerOptions{o.dtype, o.name, o.trainable};
+}
 // Sets the fields every layer's options struct ends with (dtype, name, trainable) from
 // the config's common values.
 template <typename Options>

@@ -8,11 +8,6 @@ namespace mixtape::layers {
 
 namespace {
 
-template <typename Options>
-LayerOptions common(const Options& o) {
-  return LayerOptions{o.dtype, o.name, o.trainable};
-}
-
 void check_size(const Layer& layer, const char* what, Size2 s) {
   if (s.h <= 0 || s.w <= 0)
     throw ValueError(fmt::format("layer '{}' ({}): {} must be positive; got ({}, {})", layer.name(),
@@ -24,7 +19,7 @@ void check_size(const Layer& layer, const char* what, Size2 s) {
 // --- Conv2D -------------------------------------------------------------------------------
 
 Conv2DLayer::Conv2DLayer(std::int64_t filters, Size2 kernel_size, Conv2DOptions options)
-    : Layer(common(options), "Conv2D"),
+    : Layer(detail::common_options(options), "Conv2D"),
       filters_(filters),
       kernel_size_(kernel_size),
       options_(std::move(options)),
@@ -116,7 +111,8 @@ LayerPtr<Conv2DLayer> Conv2D(std::int64_t filters, Size2 kernel_size, Conv2DOpti
 // --- Pooling -------------------------------------------------------------------------------
 
 Pooling2DLayer::Pooling2DLayer(Kind kind, PoolingOptions options)
-    : Layer(common(options), kind == Kind::Max ? "MaxPooling2D" : "AveragePooling2D"),
+    : Layer(detail::common_options(options),
+            kind == Kind::Max ? "MaxPooling2D" : "AveragePooling2D"),
       kind_(kind),
       options_(std::move(options)),
       padding_(parse_padding(options_.padding)) {

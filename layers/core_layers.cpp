@@ -10,11 +10,6 @@ namespace mixtape::layers {
 
 namespace {
 
-template <typename Options>
-LayerOptions common(const Options& o) {
-  return LayerOptions{o.dtype, o.name, o.trainable};
-}
-
 const Variable& built_weight(const Layer& layer, const Variable& v, const char* what) {
   if (!v.defined())
     throw ValueError(
@@ -80,7 +75,7 @@ SymbolicTensor Input(const Shape& shape, InputOptions options) {
 // --- Dense ------------------------------------------------------------------------------
 
 DenseLayer::DenseLayer(std::int64_t units, DenseOptions options)
-    : Layer(common(options), "Dense"),
+    : Layer(detail::common_options(options), "Dense"),
       units_(units),
       options_(std::move(options)),
       activation_(activations::get(options_.activation)) {
@@ -260,7 +255,7 @@ LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options) 
 // --- Dropout ------------------------------------------------------------------------------
 
 DropoutLayer::DropoutLayer(double rate, DropoutOptions options)
-    : Layer(common(options), "Dropout"),
+    : Layer(detail::common_options(options), "Dropout"),
       rate_(rate),
       seed_(options.seed),
       generator_(options.seed ? *options.seed : default_generator().next_u64()) {
@@ -303,7 +298,7 @@ LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options) {
 
 EmbeddingLayer::EmbeddingLayer(std::int64_t input_dim, std::int64_t output_dim,
                                EmbeddingOptions options)
-    : Layer(common(options), "Embedding"),
+    : Layer(detail::common_options(options), "Embedding"),
       input_dim_(input_dim),
       output_dim_(output_dim),
       options_(std::move(options)) {

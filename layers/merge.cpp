@@ -3,17 +3,13 @@
 
 #include <fmt/ranges.h>
 
+#include "layers/config_util.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/core/compute_mode.h"
 
 namespace mixtape::layers {
 
 namespace {
-
-template <typename Options>
-LayerOptions common(const Options& o) {
-  return LayerOptions{o.dtype, o.name, o.trainable};
-}
 
 // "[None, 4] and [None, 5]" / "[None, 4], [None, 4] and [None, 5]".
 std::string shapes_text(const std::vector<Shape>& shapes) {
@@ -150,7 +146,7 @@ LayerPtr<ElementwiseMergeLayer> Minimum(LayerOptions options) {
 // --- Concatenate ----------------------------------------------------------------------------
 
 ConcatenateLayer::ConcatenateLayer(ConcatenateOptions options)
-    : Layer(common(options), "Concatenate"), options_(std::move(options)) {}
+    : Layer(detail::common_options(options), "Concatenate"), options_(std::move(options)) {}
 
 Shape ConcatenateLayer::output_shape_for(const std::vector<Shape>& shapes) const {
   if (shapes.size() < 2)
@@ -215,7 +211,9 @@ LayerPtr<ConcatenateLayer> Concatenate(ConcatenateOptions options) {
 // --- Dot --------------------------------------------------------------------------------------
 
 DotLayer::DotLayer(std::vector<int> axes, DotOptions options)
-    : Layer(common(options), "Dot"), axes_(std::move(axes)), options_(std::move(options)) {
+    : Layer(detail::common_options(options), "Dot"),
+      axes_(std::move(axes)),
+      options_(std::move(options)) {
   if (axes_.empty() || axes_.size() > 2)
     throw ValueError(fmt::format(
         "layer '{}' (Dot): axes must be {{a}} (the same axis of both inputs) or {{a, b}}; got {} "

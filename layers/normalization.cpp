@@ -9,11 +9,6 @@ namespace mixtape::layers {
 
 namespace {
 
-template <typename Options>
-LayerOptions common(const Options& o) {
-  return LayerOptions{o.dtype, o.name, o.trainable};
-}
-
 // float32 for the 16-bit policies, the variable dtype (float32 / float64) otherwise.
 DType stats_dtype(DType variable) { return variable.is_reduced_float() ? kFloat32 : variable; }
 
@@ -35,7 +30,7 @@ void check_epsilon(const Layer& layer, double epsilon) {
 // --- BatchNormalization ----------------------------------------------------------------------
 
 BatchNormalizationLayer::BatchNormalizationLayer(BatchNormalizationOptions options)
-    : Layer(common(options), "BatchNormalization"), options_(std::move(options)) {
+    : Layer(detail::common_options(options), "BatchNormalization"), options_(std::move(options)) {
   check_epsilon(*this, options_.epsilon);
   if (!(options_.momentum >= 0.0 && options_.momentum <= 1.0))
     throw ValueError(
@@ -126,7 +121,7 @@ LayerPtr<BatchNormalizationLayer> BatchNormalization(BatchNormalizationOptions o
 // --- LayerNormalization ------------------------------------------------------------------
 
 LayerNormalizationLayer::LayerNormalizationLayer(LayerNormalizationOptions options)
-    : Layer(common(options), "LayerNormalization"), options_(std::move(options)) {
+    : Layer(detail::common_options(options), "LayerNormalization"), options_(std::move(options)) {
   check_epsilon(*this, options_.epsilon);
 }
 
