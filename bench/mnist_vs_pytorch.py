@@ -50,11 +50,13 @@ def run_app(app, data, dataset, model, precision, epochs, threads, device):
             "epochs_us": [r["us_per_sample"] for r in rows]}
 
 
-def run_reference(python, reference, data, model, precision, epochs, threads, device):
+def run_reference(python, reference, data, dataset, model, precision, epochs, threads, device):
     cmd = [python, reference, "--data", data, "--precision", precision,
            "--device", device, "--epochs", str(epochs), "--threads", str(threads)]
     if model != "resnet":
         cmd += ["--model", model]
+    else:
+        cmd += ["--dataset", dataset]  # the same augmentation as the app's --augment auto
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -96,7 +98,7 @@ def main():
                         ours.append(res)
                     else:
                         reference = a.resnet_reference if model == "resnet" else a.reference
-                        res = run_reference(a.python, reference, a.data, model, precision,
+                        res = run_reference(a.python, reference, a.data, a.dataset, model, precision,
                                             a.epochs, a.threads, a.device)
                         theirs.append(res)
                     res["round"] = r

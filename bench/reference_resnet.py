@@ -10,6 +10,11 @@ steps, epsilon 1e-7) and batch size (128). One difference: a strided 'same' 3x3 
 one pixel on both sides here and, as TensorFlow does, only after in mixtape (the output
 sizes agree). The shuffling order differs (another generator).
 
+Augmentation as `--augment` of the trainer (auto: shift on MNIST, flip on Fashion-MNIST):
+shift moves each training image by a whole number of pixels drawn as
+round(U(-0.075, 0.075) * 28) per axis (at most 2), the pixels moved in black; flip mirrors
+it left-right with probability 1/2; the test images are used as they are.
+
   /usr/bin/python3 bench/reference_resnet.py --data ../shared/datasets/mnist \\
       --precision mixed_bfloat16 --epochs 5
 
@@ -54,6 +59,27 @@ def load(data_dir):
     labels = lambda a: torch.from_numpy(a.astype(np.int64))
     return (images(one("train-images-idx3-ubyte")), labels(one("train-labels-idx1-ubyte")),
             images(one("t10k-images-idx3-ubyte")), labels(one("t10k-labels-idx1-ubyte")))
+
+
+def augment(x, kind, gen):
+    """RandomTranslation(0.075, 0.075, fill constant 0) and RandomFlip('horizontal')."""
+    if kind == "none":
+        return x
+    n, _, h, w = x.shape
+    dy = torch.zeros(n, dtype=torch.long)
+    dx = torch.zeros(n, dtype=torch.long)
+    if kind != "flip":
+        dy = torch.round((torch.rand(n, generator=gen) * 0.15 - 0.075) * h).long()
+        dx = torch.round((torch.rand(n, generator=gen) * 0.15 - 0.075) * w).long()
+    rows = torch.arange(h).view(1, h, 1) - dy.view(n, 1, 1)  # output (i, j) reads (i-dy, j-dx)
+    cols = torch.arange(w).view(1, 1, w) - dx.view(n, 1, 1)
+    if kind != "shift":
+        flip = torch.rand(n, generator=gen) < 0.5
+        cols = torch.where(flip.view(n, 1, 1), (w - 1) - cols, cols)
+    inside = (rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)
+    src = torch.arange(n).view(n, 1, 1) * h * w + rows.clamp(0, h - 1) * w + cols.clamp(0, w - 1)
+    out = x.reshape(n * h * w)[src.reshape(-1).to(x.device)].reshape(n, 1, h, w)
+    return out * inside.view(n, 1, h, w).to(x.device, x.dtype)
 
 
 def conv_bn(cin, cout, stride, kernel):
@@ -102,7 +128,13 @@ def main():
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset", default="mnist", choices=["mnist", "fashion"],
+                    help="names the data only to pick --augment auto's kind")
+    ap.add_argument("--augment", default="auto",
+                    choices=["auto", "none", "shift", "flip", "shift+flip"])
     a = ap.parse_args()
+    kind = a.augment if a.augment != "auto" else ("flip" if a.dataset == "fashion" else "shift")
+    gen = torch.Generator().manual_seed(a.seed + 1)
 
     torch.manual_seed(a.seed)
     if a.threads:
@@ -130,7 +162,7 @@ def main():
         for i in range(0, n, bs):
             idx = perm[i:i + bs]
             with autocast():
-                logits = net(xs[idx])
+                logits = net(augment(xs[idx], kind, gen))
             loss = F.cross_entropy(logits.float(), ys[idx])
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()

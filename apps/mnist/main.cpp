@@ -41,6 +41,7 @@ struct Options {
   std::int64_t batch_size = 0;      // 0: 128, or 8192 for the guide model
   double learning_rate = 0.0;       // 0: 0.001 (0.002 for the cnn and the resnet)
   std::string schedule = "cosine";  // or constant
+  std::string augment = "auto";     // auto, none, shift, flip, shift+flip
   std::uint64_t seed = 0;
   std::string data_dir;
   std::string dataset = "mnist";
@@ -179,6 +180,13 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--schedule", o.schedule, "cosine (default: decays to 0 over the run) or constant")
       ->type_name("NAME")
       ->check(one_of("schedule", {"cosine", "constant"}));
+  app.add_option("--augment", o.augment,
+                 "training images moved and mirrored at random (inference sees them\n"
+                 "as they are): none, shift (by up to 2 pixels), flip (mirrored\n"
+                 "left-right), shift+flip, auto (default: shift for the resnet on\n"
+                 "MNIST, flip for it on Fashion-MNIST; none for the other models)")
+      ->type_name("NAME")
+      ->check(one_of("augment", {"auto", "none", "shift", "flip", "shift+flip"}));
   app.add_option("--seed", o.seed, "weights, shuffling (default 0)")
       ->type_name("N")
       ->transform(integer(0, std::numeric_limits<std::int64_t>::max()));
@@ -350,7 +358,7 @@ mt::Device pick_device(const std::string& name) {
 // A small ResNet for 28x28 images, a functional model: a 3x3 conv stem (16 channels), three
 // residual blocks (16 channels; 32 and 64 with stride 2, their shortcuts a strided 1x1 conv),
 // each conv followed by BatchNormalization, then global average pooling and the logits.
-std::unique_ptr<mt::Model> build_resnet() {
+std::unique_ptr<mt::Model> build_resnet(const std::vector<ml::LayerPtr<ml::Layer>>& augmentation) {
   auto conv_bn = [](ml::SymbolicTensor x, std::int64_t filters, std::int64_t stride,
                     std::int64_t kernel) {
     x = ml::Conv2D(filters, kernel, {.strides = stride, .padding = "same", .use_bias = false})(x);
@@ -365,6 +373,7 @@ std::unique_ptr<mt::Model> build_resnet() {
   };
   auto inputs = ml::Input({28, 28}, {.name = "images"});
   auto x = ml::Reshape({28, 28, 1})(inputs);
+  for (const auto& layer : augmentation) x = layer(x);
   x = ml::Activation("relu")(conv_bn(x, 16, 1, 3));
   x = block(x, 16, 1);  // 28x28
   x = block(x, 32, 2);  // 14x14
@@ -375,31 +384,51 @@ std::unique_ptr<mt::Model> build_resnet() {
   return std::make_unique<mt::Model>(inputs, outputs, mt::ModelOptions{.name = "resnet"});
 }
 
+// The augmentation layers --augment asks for, applied to [batch, 28, 28, 1] images. Moves of
+// up to 2 pixels (0.075 of 28 rounds to at most 2) with a black fill, as the digits and
+// clothes sit on black; mirrors left-right only where a mirrored image is still of its
+// class (clothes, not digits).
+std::vector<ml::LayerPtr<ml::Layer>> augmentation_layers(const Options& o) {
+  std::string kind = o.augment;
+  if (kind == "auto")
+    kind = o.model != "resnet" ? "none" : o.dataset == "fashion" ? "flip" : "shift";
+  std::vector<ml::LayerPtr<ml::Layer>> layers;
+  if (kind == "none") return layers;
+  if (kind != "flip")
+    layers.push_back(ml::RandomTranslation(0.075, 0.075, {.fill_mode = "constant"}));
+  if (kind != "shift") layers.push_back(ml::RandomFlip("horizontal"));
+  return layers;
+}
+
 // The four models. Each ends in a float32 layer, as the guide advises under mixed
 // precision: logits through a float32 linear activation (mlp, cnn, resnet: the loss takes
 // logits), or the guide's float32 softmax.
 std::unique_ptr<mt::Model> build_model(const Options& o, std::int64_t units) {
-  if (o.model == "resnet") return build_resnet();
+  const std::vector<ml::LayerPtr<ml::Layer>> augmentation = augmentation_layers(o);
+  if (o.model == "resnet") return build_resnet(augmentation);
   std::vector<ml::LayerPtr<ml::Layer>> layers;
+  if (!augmentation.empty()) {
+    layers.push_back(ml::Reshape({28, 28, 1}));
+    layers.insert(layers.end(), augmentation.begin(), augmentation.end());
+  }
   if (o.model == "mlp") {
-    layers = {ml::Flatten(), ml::Dense(512, {.activation = "relu"}),
-              ml::Dense(512, {.activation = "relu"}), ml::Dense(10, {.name = "logits"}),
-              ml::Activation("linear", {.dtype = "float32", .name = "predictions"})};
+    layers.insert(layers.end(),
+                  {ml::Flatten(), ml::Dense(512, {.activation = "relu"}),
+                   ml::Dense(512, {.activation = "relu"}), ml::Dense(10, {.name = "logits"}),
+                   ml::Activation("linear", {.dtype = "float32", .name = "predictions"})});
   } else if (o.model == "cnn") {
-    layers = {ml::Reshape({28, 28, 1}),
-              ml::Conv2D(32, 3, {.activation = "relu"}),
-              ml::MaxPooling2D(),
-              ml::Conv2D(64, 3, {.activation = "relu"}),
-              ml::MaxPooling2D(),
-              ml::Flatten(),
-              ml::Dense(128, {.activation = "relu"}),
-              ml::Dense(10, {.name = "logits"}),
-              ml::Activation("linear", {.dtype = "float32", .name = "predictions"})};
+    if (augmentation.empty()) layers.push_back(ml::Reshape({28, 28, 1}));
+    layers.insert(layers.end(),
+                  {ml::Conv2D(32, 3, {.activation = "relu"}), ml::MaxPooling2D(),
+                   ml::Conv2D(64, 3, {.activation = "relu"}), ml::MaxPooling2D(), ml::Flatten(),
+                   ml::Dense(128, {.activation = "relu"}), ml::Dense(10, {.name = "logits"}),
+                   ml::Activation("linear", {.dtype = "float32", .name = "predictions"})});
   } else {
-    layers = {ml::Flatten(), ml::Dense(units, {.activation = "relu", .name = "dense_1"}),
-              ml::Dense(units, {.activation = "relu", .name = "dense_2"}),
-              ml::Dense(10, {.name = "dense_logits"}),
-              ml::Activation("softmax", {.dtype = "float32", .name = "predictions"})};
+    layers.insert(layers.end(),
+                  {ml::Flatten(), ml::Dense(units, {.activation = "relu", .name = "dense_1"}),
+                   ml::Dense(units, {.activation = "relu", .name = "dense_2"}),
+                   ml::Dense(10, {.name = "dense_logits"}),
+                   ml::Activation("softmax", {.dtype = "float32", .name = "predictions"})});
   }
   return std::make_unique<mt::Sequential>(std::move(layers), mt::ModelOptions{.name = o.model});
 }

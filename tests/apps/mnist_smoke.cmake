@@ -147,7 +147,15 @@ require("${out}" "Test accuracy:")
 run_app(0 out ${common} --epochs 1 --model resnet --policy mixed_bfloat16 --limit 512)
 require("${out}" "Connected to")
 require("${out}" "(Add)")
+require("${out}" "(RandomTranslation)")  # --augment auto: shift on MNIST
 require("${out}" "Test accuracy:")
+# Augmentation on another model, mirrors too; and none.
+run_app(0 out ${common} --epochs 1 --model cnn --augment shift+flip --limit 512)
+require("${out}" "(RandomFlip)")
+run_app(0 out ${common} --epochs 1 --model resnet --augment none --limit 256)
+if(out MATCHES "RandomTranslation")
+  message(FATAL_ERROR "--augment none still built a RandomTranslation layer:\n${out}")
+endif()
 
 # --- bad input ---------------------------------------------------------------------------------
 run_app(nonzero out --data-dir ${WORK_DIR}/no-such-dir --epochs 1)
@@ -232,13 +240,15 @@ run_app(0 out --help)
 require("${out}" "Usage: mixtape-mnist [OPTIONS]")
 foreach(line "--model NAME" "--policy NAME" "--device NAME" "--epochs N" "epochs to train (default 5)"
         "--batch-size N" "default 128 (8192 for --model guide)" "--learning-rate X"
-        "--schedule NAME" "cosine (default: decays to 0 over the run) or constant" "--seed N"
+        "--schedule NAME" "cosine (default: decays to 0 over the run) or constant" "--augment NAME" "--seed N"
         "--data-dir DIR" "--dataset NAME" "--custom-loop" "--save PATH" "--resume PATH"
         "--metrics-out PATH" "--plot PATH" "--validation-split X" "--limit N" "--units N"
         "--trace-dtypes" "--verbose N" "0 quiet, 1 progress bar (default), 2 one line per epoch"
         "--help" "takes its last value")
   require("${out}" "${line}")
 endforeach()
+run_app(nonzero out ${nodata} --augment rotate)
+require("${out}" "augment")
 run_app(nonzero out ${nodata} --epoch 1)
 require_one_line("${out}")
 require("${out}" "unknown option '--epoch'; did you mean --epochs?")
