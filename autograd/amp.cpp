@@ -7,6 +7,7 @@
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <optional>
 
 #include "autograd/op_util.h"
 #include "core/env.h"
@@ -16,72 +17,38 @@ namespace mixtape {
 
 namespace {
 
-// Every op name the rewrite knows: the ops that call detail::op_inputs with that name (a
-// test runs each op and checks that the rewrite sees every name of this list). to_device
-// is not one of them: it moves tensors and never passes through the rewrite.
-constexpr std::array<std::string_view, 44> kOpNames = {
-    "matmul",  "conv2d",      "add",        "sub",       "mul",     "div",     "maximum", "minimum",
-    "pow",     "neg",         "abs",        "exp",       "log",     "sqrt",    "rsqrt",   "tanh",
-    "sigmoid", "relu",        "gelu",       "erf",       "eq",      "ne",      "lt",      "le",
-    "gt",      "ge",          "where",      "sum",       "mean",    "max",     "min",     "argmax",
-    "softmax", "log_softmax", "gather",     "take",      "reshape", "permute", "slice",   "expand",
-    "concat",  "contiguous",  "max_pool2d", "avg_pool2d"};
+// The op table's AMP column (mixtape/core/op_table.h): each op's default category, or none
+// for the ops the rewrite never sees (hidden).
+constexpr std::optional<AmpCategory> kAmp_allow{AmpCategory::Allow};
+constexpr std::optional<AmpCategory> kAmp_infer{AmpCategory::Infer};
+constexpr std::optional<AmpCategory> kAmp_deny{AmpCategory::Deny};
+constexpr std::optional<AmpCategory> kAmp_clear{AmpCategory::Clear};
+constexpr std::optional<AmpCategory> kAmp_hidden{};
 
-// The built-in lists (after TensorFlow's AutoMixedPrecisionLists).
 struct DefaultEntry {
   std::string_view op;
-  AmpCategory category;
+  std::optional<AmpCategory> category;
 };
-constexpr DefaultEntry kDefaults[] = {
-    // allow: numerically safe, and what tensor cores speed up
-    {"matmul", AmpCategory::Allow},
-    {"conv2d", AmpCategory::Allow},
-    // infer: safe in 16 bits unless fed from float32 (downstream of a deny op)
-    {"add", AmpCategory::Infer},
-    {"sub", AmpCategory::Infer},
-    {"mul", AmpCategory::Infer},
-    {"div", AmpCategory::Infer},
-    {"avg_pool2d", AmpCategory::Infer},
-    {"sigmoid", AmpCategory::Infer},
-    {"tanh", AmpCategory::Infer},
-    {"softmax", AmpCategory::Infer},
-    {"log_softmax", AmpCategory::Infer},
-    {"log", AmpCategory::Infer},
-    {"sqrt", AmpCategory::Infer},
-    {"rsqrt", AmpCategory::Infer},
-    {"gelu", AmpCategory::Infer},
-    {"erf", AmpCategory::Infer},
-    // deny: float32 always (range or accumulation)
-    {"exp", AmpCategory::Deny},
-    {"pow", AmpCategory::Deny},
-    {"sum", AmpCategory::Deny},
-    {"mean", AmpCategory::Deny},
-    // clear: no numeric effect, follow the input
-    {"neg", AmpCategory::Clear},
-    {"abs", AmpCategory::Clear},
-    {"relu", AmpCategory::Clear},
-    {"maximum", AmpCategory::Clear},
-    {"minimum", AmpCategory::Clear},
-    {"max", AmpCategory::Clear},
-    {"min", AmpCategory::Clear},
-    {"argmax", AmpCategory::Clear},
-    {"max_pool2d", AmpCategory::Clear},
-    {"where", AmpCategory::Clear},
-    {"gather", AmpCategory::Clear},
-    {"take", AmpCategory::Clear},
-    {"reshape", AmpCategory::Clear},
-    {"permute", AmpCategory::Clear},
-    {"slice", AmpCategory::Clear},
-    {"expand", AmpCategory::Clear},
-    {"concat", AmpCategory::Clear},
-    {"contiguous", AmpCategory::Clear},
-    {"eq", AmpCategory::Clear},
-    {"ne", AmpCategory::Clear},
-    {"lt", AmpCategory::Clear},
-    {"le", AmpCategory::Clear},
-    {"gt", AmpCategory::Clear},
-    {"ge", AmpCategory::Clear},
+constexpr DefaultEntry kTable[] = {
+#define MIXTAPE_AMP_DEFAULT(name, kernel, dtypes, amp, grad) {#name, kAmp_##amp},
+    MIXTAPE_OP_TABLE(MIXTAPE_AMP_DEFAULT)
+#undef MIXTAPE_AMP_DEFAULT
 };
+
+// Every op name the rewrite knows: the ops of the table that are not hidden, each of which
+// calls detail::op_inputs (a test runs each op and checks that the rewrite sees every name).
+constexpr std::size_t kKnownOps = [] {
+  std::size_t n = 0;
+  for (const auto& e : kTable) n += e.category ? 1 : 0;
+  return n;
+}();
+constexpr std::array<std::string_view, kKnownOps> kOpNames = [] {
+  std::array<std::string_view, kKnownOps> names{};
+  std::size_t i = 0;
+  for (const auto& e : kTable)
+    if (e.category) names[i++] = e.op;
+  return names;
+}();
 
 constexpr std::array<AmpCategory, 4> kCategories = {AmpCategory::Allow, AmpCategory::Infer,
                                                     AmpCategory::Deny, AmpCategory::Clear};
@@ -129,7 +96,8 @@ std::span<const std::string_view> amp_op_names() { return kOpNames; }
 
 AmpLists AmpLists::defaults() {
   AmpLists l;
-  for (const auto& e : kDefaults) l.category_.emplace(std::string(e.op), e.category);
+  for (const auto& e : kTable)
+    if (e.category) l.category_.emplace(std::string(e.op), *e.category);
   return l;
 }
 
@@ -239,7 +207,8 @@ std::string OpTraceScope::table() const {
 
 namespace detail {
 
-std::vector<Tensor> op_inputs(const char* op, std::vector<Tensor> ins) {
+std::vector<Tensor> op_inputs(OpId id, std::vector<Tensor> ins) {
+  const char* op = op_name(id);
   for (auto& t : ins) t = autocast(t);
 
   if (g_enabled && (t_scope || any_tape_recording())) {

@@ -17,10 +17,10 @@ using Grads = std::vector<Tensor>;
 
 // The tensors an op computes with: each input autocast (autocast.h), then rewritten by
 // automatic mixed precision when it applies (amp.h: by the category of `op` in
-// amp_lists()); the op is recorded in an active OpTraceScope. `op` is the op's name as the
-// AMP lists know it. Every differentiable op calls it first.
-std::vector<Tensor> op_inputs(const char* op, std::vector<Tensor> inputs);
-inline std::vector<Tensor> op_inputs(const char* op, std::initializer_list<Tensor> inputs) {
+// amp_lists()); the op is recorded in an active OpTraceScope. Every differentiable op whose
+// AMP category in the op table is not "hidden" calls it first.
+std::vector<Tensor> op_inputs(OpId op, std::vector<Tensor> inputs);
+inline std::vector<Tensor> op_inputs(OpId op, std::initializer_list<Tensor> inputs) {
   return op_inputs(op, std::vector<Tensor>(inputs));
 }
 

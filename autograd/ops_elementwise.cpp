@@ -15,7 +15,7 @@ Tensor binary_forward(OpId op, const Tensor& a_in, const Tensor& b_in, Tensor& a
                       bool comparison = false) {
   const char* name = op_name(op);
   detail::check_inputs(name, {a_in, b_in});
-  const auto in = detail::op_inputs(name, {a_in, b_in});
+  const auto in = detail::op_inputs(op, {a_in, b_in});
   const Tensor &a = in[0], &b = in[1];
   const DType dt = promote_types(a.dtype(), b.dtype());
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), name);
@@ -45,7 +45,7 @@ Tensor unary_forward(OpId op, const Tensor& x) {
 // Records a unary op whose input gradient is grad * factor(x, y).
 template <typename Factor>
 Tensor unary(OpId op, const Tensor& x_in, Factor factor) {
-  const Tensor x = detail::op_inputs(op_name(op), {x_in})[0];
+  const Tensor x = detail::op_inputs(op, {x_in})[0];
   Tensor y = unary_forward(op, x);
   if (should_record({x}))
     record_op(op_name(op), {x}, y, [x, y, factor](const Tensor& g, const std::vector<bool>&) {
@@ -63,7 +63,7 @@ Tensor add(const Tensor& a, const Tensor& b) {
   Tensor y = binary_forward(OpId::add, a, b, ac, bc);
   if (should_record({ac, bc}))
     record_op(
-        "add", {ac, bc}, y,
+        op_name(OpId::add), {ac, bc}, y,
         [sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
           return Grads{needs[0] ? sum_to(g, sa) : Tensor(), needs[1] ? sum_to(g, sb) : Tensor()};
         });
@@ -74,7 +74,7 @@ Tensor sub(const Tensor& a, const Tensor& b) {
   Tensor ac, bc;
   Tensor y = binary_forward(OpId::sub, a, b, ac, bc);
   if (should_record({ac, bc}))
-    record_op("sub", {ac, bc}, y,
+    record_op(op_name(OpId::sub), {ac, bc}, y,
               [sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
                 return Grads{needs[0] ? sum_to(g, sa) : Tensor(),
                              needs[1] ? sum_to(neg(g), sb) : Tensor()};
@@ -86,10 +86,11 @@ Tensor mul(const Tensor& a, const Tensor& b) {
   Tensor ac, bc;
   Tensor y = binary_forward(OpId::mul, a, b, ac, bc);
   if (should_record({ac, bc}))
-    record_op("mul", {ac, bc}, y, [ac, bc](const Tensor& g, const std::vector<bool>& needs) {
-      return Grads{needs[0] ? sum_to(g * bc, ac.shape()) : Tensor(),
-                   needs[1] ? sum_to(g * ac, bc.shape()) : Tensor()};
-    });
+    record_op(op_name(OpId::mul), {ac, bc}, y,
+              [ac, bc](const Tensor& g, const std::vector<bool>& needs) {
+                return Grads{needs[0] ? sum_to(g * bc, ac.shape()) : Tensor(),
+                             needs[1] ? sum_to(g * ac, bc.shape()) : Tensor()};
+              });
   return y;
 }
 
@@ -97,11 +98,12 @@ Tensor div(const Tensor& a, const Tensor& b) {
   Tensor ac, bc;
   Tensor y = binary_forward(OpId::div, a, b, ac, bc);
   if (should_record({ac, bc}))
-    record_op("div", {ac, bc}, y, [ac, bc, y](const Tensor& g, const std::vector<bool>& needs) {
-      Tensor ga = needs[0] || needs[1] ? g / bc : Tensor();
-      return Grads{needs[0] ? sum_to(ga, ac.shape()) : Tensor(),
-                   needs[1] ? sum_to(neg(ga * y), bc.shape()) : Tensor()};
-    });
+    record_op(op_name(OpId::div), {ac, bc}, y,
+              [ac, bc, y](const Tensor& g, const std::vector<bool>& needs) {
+                Tensor ga = needs[0] || needs[1] ? g / bc : Tensor();
+                return Grads{needs[0] ? sum_to(ga, ac.shape()) : Tensor(),
+                             needs[1] ? sum_to(neg(ga * y), bc.shape()) : Tensor()};
+              });
   return y;
 }
 
@@ -129,17 +131,19 @@ Tensor pow(const Tensor& a, const Tensor& b) {
   Tensor ac, bc;
   Tensor y = binary_forward(OpId::pow, a, b, ac, bc);
   if (should_record({ac, bc}))
-    record_op("pow", {ac, bc}, y, [ac, bc, y](const Tensor& g, const std::vector<bool>& needs) {
-      Tensor ga, gb;
-      if (needs[0]) ga = sum_to(g * bc * pow(ac, bc - 1.0), ac.shape());
-      if (needs[1]) {
-        // d/db a^b = a^b log a, taken as 0 where a <= 0 (as TensorFlow does).
-        Tensor positive = greater(ac, detail::scalar_like(0.0, ac));
-        Tensor safe_a = where(positive, ac, detail::scalar_like(1.0, ac));
-        gb = sum_to(where(positive, g * y * log(safe_a), detail::scalar_like(0.0, g)), bc.shape());
-      }
-      return Grads{ga, gb};
-    });
+    record_op(op_name(OpId::pow), {ac, bc}, y,
+              [ac, bc, y](const Tensor& g, const std::vector<bool>& needs) {
+                Tensor ga, gb;
+                if (needs[0]) ga = sum_to(g * bc * pow(ac, bc - 1.0), ac.shape());
+                if (needs[1]) {
+                  // d/db a^b = a^b log a, taken as 0 where a <= 0 (as TensorFlow does).
+                  Tensor positive = greater(ac, detail::scalar_like(0.0, ac));
+                  Tensor safe_a = where(positive, ac, detail::scalar_like(1.0, ac));
+                  gb = sum_to(where(positive, g * y * log(safe_a), detail::scalar_like(0.0, g)),
+                              bc.shape());
+                }
+                return Grads{ga, gb};
+              });
   return y;
 }
 
@@ -211,7 +215,7 @@ Tensor relu_backward(const Tensor& y, const Tensor& g) {
   Tensor yc, gc;
   Tensor out = binary_forward(OpId::relu_backward, y, g, yc, gc);
   if (should_record({gc}))
-    record_op("relu_backward", {yc, gc}, out,
+    record_op(op_name(OpId::relu_backward), {yc, gc}, out,
               [yc](const Tensor& gg, const std::vector<bool>& needs) {
                 return Grads{Tensor(), needs[1] ? relu_backward(yc, gg) : Tensor()};
               });
@@ -244,16 +248,18 @@ Tensor erf(const Tensor& x) {
 
 // --- Comparisons and selection ------------------------------------------------------------
 
-Tensor equal(const Tensor& a, const Tensor& b) { return compare(OpId::eq, a, b); }
-Tensor not_equal(const Tensor& a, const Tensor& b) { return compare(OpId::ne, a, b); }
-Tensor less(const Tensor& a, const Tensor& b) { return compare(OpId::lt, a, b); }
-Tensor less_equal(const Tensor& a, const Tensor& b) { return compare(OpId::le, a, b); }
-Tensor greater(const Tensor& a, const Tensor& b) { return compare(OpId::gt, a, b); }
-Tensor greater_equal(const Tensor& a, const Tensor& b) { return compare(OpId::ge, a, b); }
+Tensor equal(const Tensor& a, const Tensor& b) { return compare(OpId::equal, a, b); }
+Tensor not_equal(const Tensor& a, const Tensor& b) { return compare(OpId::not_equal, a, b); }
+Tensor less(const Tensor& a, const Tensor& b) { return compare(OpId::less, a, b); }
+Tensor less_equal(const Tensor& a, const Tensor& b) { return compare(OpId::less_equal, a, b); }
+Tensor greater(const Tensor& a, const Tensor& b) { return compare(OpId::greater, a, b); }
+Tensor greater_equal(const Tensor& a, const Tensor& b) {
+  return compare(OpId::greater_equal, a, b);
+}
 
 Tensor where(const Tensor& cond, const Tensor& a_in, const Tensor& b_in) {
   detail::check_inputs("where", {cond, a_in, b_in});
-  const auto in = detail::op_inputs("where", {a_in, b_in});
+  const auto in = detail::op_inputs(OpId::where, {a_in, b_in});
   const Tensor &a = in[0], &b = in[1];
   if (cond.dtype() != kBool)
     throw DTypeError(
@@ -269,7 +275,7 @@ Tensor where(const Tensor& cond, const Tensor& a_in, const Tensor& b_in) {
            detail::broadcast_view(bc, shape), out);
   if (should_record({ac, bc}))
     record_op(
-        "where", {ac, bc}, out,
+        op_name(OpId::where), {ac, bc}, out,
         [cond, sa = ac.shape(), sb = bc.shape()](const Tensor& g, const std::vector<bool>& needs) {
           Tensor zero = detail::scalar_like(0.0, g);
           return Grads{needs[0] ? sum_to(where(cond, g, zero), sa) : Tensor(),

@@ -43,9 +43,10 @@ Tensor gather_backward(const Tensor& g, const Tensor& idx, const Shape& shape, i
     detail::kernel_for<kernels::ScatterAddFn>(OpId::scatter_add, g.dtype(), {g, idx})(
         detail::contiguous_raw(g), idx, s.outer, s.n, s.k, s.inner, out);
   if (should_record({g}))
-    record_op("gather_backward", {g}, out, [idx, axis](const Tensor& gg, const std::vector<bool>&) {
-      return Grads{gather(gg, idx, axis)};
-    });
+    record_op(op_name(OpId::scatter_add), {g}, out,
+              [idx, axis](const Tensor& gg, const std::vector<bool>&) {
+                return Grads{gather(gg, idx, axis)};
+              });
   return out;
 }
 
@@ -53,7 +54,7 @@ Tensor gather_backward(const Tensor& g, const Tensor& idx, const Shape& shape, i
 
 Tensor gather(const Tensor& x_in, const Tensor& index, int axis) {
   detail::check_inputs("gather", {x_in, index});
-  const Tensor x = detail::op_inputs("gather", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::gather, {x_in})[0];
   if (x.rank() == 0 || index.rank() != x.rank())
     throw ShapeError(fmt::format("gather: indices need the rank of x (>= 1); got {}",
                                  detail::describe({x, index})));
@@ -68,7 +69,7 @@ Tensor gather(const Tensor& x_in, const Tensor& index, int axis) {
   Tensor out = Tensor::empty(index.shape(), x.dtype(), x.device());
   if (out.numel() > 0) kernel(detail::contiguous_raw(x), idx, s.outer, s.n, s.k, s.inner, out);
   if (should_record({x}))
-    record_op("gather", {x}, out,
+    record_op(op_name(OpId::gather), {x}, out,
               [idx, shape = x.shape(), a](const Tensor& g, const std::vector<bool>&) {
                 return Grads{gather_backward(g, idx, shape, a)};
               });
@@ -88,7 +89,7 @@ Tensor take_backward(const Tensor& g, const Tensor& idx, const Shape& shape, int
     detail::kernel_for<kernels::IndexAddFn>(OpId::index_add, g.dtype(), {g, idx})(
         detail::contiguous_raw(g), idx, outer, shape[a], idx.numel(), inner, out);
   if (should_record({g}))
-    record_op("take_backward", {g}, out,
+    record_op(op_name(OpId::index_add), {g}, out,
               [idx, axis, gshape = g.shape()](const Tensor& gg, const std::vector<bool>&) {
                 return Grads{reshape(take(gg, idx, axis), gshape)};
               });
@@ -99,7 +100,7 @@ Tensor take_backward(const Tensor& g, const Tensor& idx, const Shape& shape, int
 
 Tensor take(const Tensor& x_in, const Tensor& indices, int axis) {
   detail::check_inputs("take", {x_in, indices});
-  const Tensor x = detail::op_inputs("take", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::take, {x_in})[0];
   if (x.rank() == 0)
     throw ShapeError(
         fmt::format("take: needs a tensor of rank >= 1; got {}", detail::describe({x, indices})));
@@ -118,7 +119,7 @@ Tensor take(const Tensor& x_in, const Tensor& indices, int axis) {
   Tensor out = Tensor::empty(Shape(dims), x.dtype(), x.device());
   if (out.numel() > 0) kernel(detail::contiguous_raw(x), idx, outer, n, idx.numel(), inner, out);
   if (should_record({x}))
-    record_op("take", {x}, out,
+    record_op(op_name(OpId::take), {x}, out,
               [idx, shape = x.shape(), a](const Tensor& g, const std::vector<bool>&) {
                 return Grads{take_backward(g, idx, shape, a)};
               });

@@ -77,7 +77,7 @@ GemmOperand prepare(const Tensor& t, const std::vector<std::int64_t>& batch, std
 // forward's decision, like conv2d's.
 Tensor matmul_with(const Tensor& a_in, const Tensor& b_in, std::optional<bool> low_precision) {
   detail::check_inputs("matmul", {a_in, b_in});
-  const auto in = detail::op_inputs("matmul", {a_in, b_in});
+  const auto in = detail::op_inputs(OpId::matmul, {a_in, b_in});
   const Tensor &a = in[0], &b = in[1];
   if (a.rank() < 2 || b.rank() < 2)
     throw ShapeError(
@@ -127,7 +127,7 @@ Tensor matmul_with(const Tensor& a_in, const Tensor& b_in, std::optional<bool> l
     }
   }
   if (should_record({ac, bc}))
-    record_op("matmul", {ac, bc}, out,
+    record_op(op_name(OpId::matmul), {ac, bc}, out,
               [ac, bc, low](const Tensor& g, const std::vector<bool>& needs) {
                 return Grads{
                     needs[0] ? sum_to(matmul_with(g, transpose(bc), low), ac.shape()) : Tensor(),

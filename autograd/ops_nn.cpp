@@ -79,7 +79,7 @@ Tensor conv_forward(const Tensor& x, const Tensor& w, const kernels::Conv2dGeome
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.cout}, xc.dtype(), xc.device());
   if (out.numel() > 0) kernel(xc, wc, out, g);
   if (should_record({xc, wc}))
-    record_op("conv2d", {xc, wc}, out,
+    record_op(op_name(OpId::conv2d), {xc, wc}, out,
               [xc, wc, g](const Tensor& dy, const std::vector<bool>& needs) {
                 return Grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
                              needs[1] ? conv_weight_grad(xc, dy, g) : Tensor()};
@@ -94,7 +94,7 @@ Tensor conv_input_grad(const Tensor& dy, const Tensor& w, const kernels::Conv2dG
   Tensor dx = Tensor::empty(Shape{g.n, g.h, g.w, g.c}, dyc.dtype(), dyc.device());
   if (dx.numel() > 0) kernel(dyc, wc, dx, g);
   if (should_record({dyc, wc}))
-    record_op("conv2d_backward_input", {dyc, wc}, dx,
+    record_op(op_name(OpId::conv2d_backward_input), {dyc, wc}, dx,
               [dyc, wc, g](const Tensor& v, const std::vector<bool>& needs) {
                 return Grads{needs[0] ? conv_forward(v, wc, g) : Tensor(),
                              needs[1] ? conv_weight_grad(v, dyc, g) : Tensor()};
@@ -109,7 +109,7 @@ Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2d
   Tensor dw = Tensor::empty(Shape{g.kh, g.kw, g.c, g.cout}, xc.dtype(), xc.device());
   if (dw.numel() > 0) kernel(xc, dyc, dw, g);
   if (should_record({xc, dyc}))
-    record_op("conv2d_backward_weight", {xc, dyc}, dw,
+    record_op(op_name(OpId::conv2d_backward_weight), {xc, dyc}, dw,
               [xc, dyc, g](const Tensor& v, const std::vector<bool>& needs) {
                 return Grads{needs[0] ? conv_input_grad(dyc, v, g) : Tensor(),
                              needs[1] ? conv_forward(xc, v, g) : Tensor()};
@@ -122,7 +122,7 @@ Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2d
 Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, std::array<std::int64_t, 2> strides,
               Padding padding) {
   detail::check_inputs("conv2d", {x_in, filters_in});
-  const auto in = detail::op_inputs("conv2d", {x_in, filters_in});
+  const auto in = detail::op_inputs(OpId::conv2d, {x_in, filters_in});
   const Tensor &x = in[0], &filters = in[1];
   check_nhwc("conv2d", x, {x, filters});
   if (filters.rank() != 4 || filters.dim(2) != x.dim(3))
@@ -168,9 +168,9 @@ Tensor avg_pool_backward(const Tensor& dy, const kernels::Pool2dGeometry& g) {
   Tensor dx = Tensor::empty(Shape{g.n, g.h, g.w, g.c}, dyc.dtype(), dyc.device());
   if (dx.numel() > 0) kernel(dx, dyc, dx, g);  // x's values are not read
   if (should_record({dyc}))
-    record_op("avg_pool2d_backward", {dyc}, dx, [g](const Tensor& v, const std::vector<bool>&) {
-      return Grads{avg_pool_forward(v, g)};
-    });
+    record_op(
+        op_name(OpId::avg_pool2d_backward), {dyc}, dx,
+        [g](const Tensor& v, const std::vector<bool>&) { return Grads{avg_pool_forward(v, g)}; });
   return dx;
 }
 
@@ -180,9 +180,10 @@ Tensor avg_pool_forward(const Tensor& x, const kernels::Pool2dGeometry& g) {
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.c}, xc.dtype(), xc.device());
   if (out.numel() > 0) kernel(xc, out, g);
   if (should_record({xc}))
-    record_op("avg_pool2d", {xc}, out, [g](const Tensor& dy, const std::vector<bool>&) {
-      return Grads{avg_pool_backward(dy, g)};
-    });
+    record_op(op_name(OpId::avg_pool2d), {xc}, out,
+              [g](const Tensor& dy, const std::vector<bool>&) {
+                return Grads{avg_pool_backward(dy, g)};
+              });
   return out;
 }
 
@@ -222,9 +223,10 @@ Tensor max_pool_backward(const Tensor& x, const Tensor& dy, const kernels::Pool2
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (dx.numel() > 0) kernel(x, dyc, dx, g);
   if (should_record({dyc}))
-    record_op("max_pool2d_backward", {dyc}, dx, [x, g](const Tensor& v, const std::vector<bool>&) {
-      return Grads{gather_window_max(x, v, g)};
-    });
+    record_op(op_name(OpId::max_pool2d_backward), {dyc}, dx,
+              [x, g](const Tensor& v, const std::vector<bool>&) {
+                return Grads{gather_window_max(x, v, g)};
+              });
   return dx;
 }
 
@@ -233,7 +235,7 @@ Tensor max_pool_backward(const Tensor& x, const Tensor& dy, const kernels::Pool2
 Tensor max_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding) {
   detail::check_inputs("max_pool2d", {x_in});
-  const Tensor x = detail::op_inputs("max_pool2d", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::max_pool2d, {x_in})[0];
   check_nhwc("max_pool2d", x, {x});
   auto* kernel = detail::kernel_for<kernels::Pool2dFn>(OpId::max_pool2d, x.dtype(), {x});
   const auto g = pool_geometry("max_pool2d", x, pool_size, strides, padding);
@@ -241,16 +243,17 @@ Tensor max_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.c}, x.dtype(), x.device());
   if (out.numel() > 0) kernel(xc, out, g);
   if (should_record({xc}))
-    record_op("max_pool2d", {xc}, out, [xc, g](const Tensor& dy, const std::vector<bool>&) {
-      return Grads{max_pool_backward(detach(xc), dy, g)};
-    });
+    record_op(op_name(OpId::max_pool2d), {xc}, out,
+              [xc, g](const Tensor& dy, const std::vector<bool>&) {
+                return Grads{max_pool_backward(detach(xc), dy, g)};
+              });
   return out;
 }
 
 Tensor avg_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding) {
   detail::check_inputs("avg_pool2d", {x_in});
-  const Tensor x = detail::op_inputs("avg_pool2d", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::avg_pool2d, {x_in})[0];
   check_nhwc("avg_pool2d", x, {x});
   detail::kernel_for<kernels::Pool2dFn>(OpId::avg_pool2d, x.dtype(), {x});  // fail early
   return avg_pool_forward(x, pool_geometry("avg_pool2d", x, pool_size, strides, padding));

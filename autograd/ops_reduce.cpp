@@ -58,7 +58,7 @@ Tensor reduce(OpId op, const Tensor& x, const std::vector<int>& axes_in, bool ke
 
 // max/min: the gradient is shared equally among the elements equal to the extremum.
 Tensor extremum(OpId op, const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
-  const Tensor x = detail::op_inputs(op_name(op), {x_in})[0];
+  const Tensor x = detail::op_inputs(op, {x_in})[0];
   std::vector<int> axes;
   Tensor y = reduce(op, x, axes_in, keepdims, &axes);
   if (should_record({x}))
@@ -76,27 +76,30 @@ Tensor extremum(OpId op, const Tensor& x_in, const std::vector<int>& axes_in, bo
 }  // namespace
 
 Tensor sum(const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
-  const Tensor x = detail::op_inputs("sum", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::sum, {x_in})[0];
   std::vector<int> axes;
   Tensor y = reduce(OpId::sum, x, axes_in, keepdims, &axes);
   if (should_record({x}))
-    record_op("sum", {x}, y, [shape = x.shape(), axes](const Tensor& g, const std::vector<bool>&) {
-      return Grads{expand(reshape(g, detail::reduced_shape(shape, axes, true)), shape)};
-    });
+    record_op(op_name(OpId::sum), {x}, y,
+              [shape = x.shape(), axes](const Tensor& g, const std::vector<bool>&) {
+                return Grads{expand(reshape(g, detail::reduced_shape(shape, axes, true)), shape)};
+              });
   return y;
 }
 
 Tensor mean(const Tensor& x_in, const std::vector<int>& axes_in, bool keepdims) {
-  const Tensor x = detail::op_inputs("mean", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::mean, {x_in})[0];
   std::vector<int> axes;
   Tensor y = reduce(OpId::mean, x, axes_in, keepdims, &axes);
   if (should_record({x}))
-    record_op("mean", {x}, y, [shape = x.shape(), axes](const Tensor& g, const std::vector<bool>&) {
-      std::int64_t n = 1;
-      for (int a : axes) n *= shape[static_cast<std::size_t>(a)];
-      Tensor scaled = g / static_cast<double>(n);
-      return Grads{expand(reshape(scaled, detail::reduced_shape(shape, axes, true)), shape)};
-    });
+    record_op(
+        op_name(OpId::mean), {x}, y,
+        [shape = x.shape(), axes](const Tensor& g, const std::vector<bool>&) {
+          std::int64_t n = 1;
+          for (int a : axes) n *= shape[static_cast<std::size_t>(a)];
+          Tensor scaled = g / static_cast<double>(n);
+          return Grads{expand(reshape(scaled, detail::reduced_shape(shape, axes, true)), shape)};
+        });
   return y;
 }
 
@@ -110,7 +113,7 @@ Tensor min(const Tensor& x, const std::vector<int>& axes, bool keepdims) {
 
 Tensor argmax(const Tensor& x_in, int axis, bool keepdims) {
   detail::check_inputs("argmax", {x_in});
-  const Tensor x = detail::op_inputs("argmax", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::argmax, {x_in})[0];
   const int a = normalize_axis(axis, x.rank(), "argmax");
   if (x.shape()[static_cast<std::size_t>(a)] == 0)
     throw ValueError(fmt::format("argmax: axis {} of shape {} is empty", axis, x.shape().str()));
@@ -173,22 +176,23 @@ Tensor rows_forward(OpId op, const Tensor& x, int axis) {
 }  // namespace
 
 Tensor softmax(const Tensor& x_in, int axis) {
-  const Tensor x = detail::op_inputs("softmax", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::softmax, {x_in})[0];
   Tensor y = rows_forward(OpId::softmax, x, axis);
   if (should_record({x}))
-    record_op("softmax", {x}, y, [y, axis](const Tensor& g, const std::vector<bool>&) {
+    record_op(op_name(OpId::softmax), {x}, y, [y, axis](const Tensor& g, const std::vector<bool>&) {
       return Grads{y * (g - sum(g * y, {axis}, true))};
     });
   return y;
 }
 
 Tensor log_softmax(const Tensor& x_in, int axis) {
-  const Tensor x = detail::op_inputs("log_softmax", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::log_softmax, {x_in})[0];
   Tensor y = rows_forward(OpId::log_softmax, x, axis);
   if (should_record({x}))
-    record_op("log_softmax", {x}, y, [y, axis](const Tensor& g, const std::vector<bool>&) {
-      return Grads{g - exp(y) * sum(g, {axis}, true)};
-    });
+    record_op(op_name(OpId::log_softmax), {x}, y,
+              [y, axis](const Tensor& g, const std::vector<bool>&) {
+                return Grads{g - exp(y) * sum(g, {axis}, true)};
+              });
   return y;
 }
 

@@ -14,9 +14,10 @@ Tensor cast(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
   Tensor y = detail::cast_raw(x, dtype);
   if (x.dtype().is_floating() && dtype.is_floating() && should_record({x}))
-    record_op("cast", {x}, y, [from = x.dtype()](const Tensor& g, const std::vector<bool>&) {
-      return Grads{cast(g, from)};  // the gradient goes back in the source dtype
-    });
+    record_op(op_name(OpId::cast), {x}, y,
+              [from = x.dtype()](const Tensor& g, const std::vector<bool>&) {
+                return Grads{cast(g, from)};  // the gradient goes back in the source dtype
+              });
   return y;
 }
 
@@ -26,19 +27,20 @@ Tensor to_device(const Tensor& x, Device device) {
   check_device(device);
   Tensor y = detail::to_device_raw(x, device);
   if (should_record({x}))
-    record_op("to_device", {x}, y, [from = x.device()](const Tensor& g, const std::vector<bool>&) {
-      return Grads{to_device(g, from)};
-    });
+    record_op(op_name(OpId::to_device), {x}, y,
+              [from = x.device()](const Tensor& g, const std::vector<bool>&) {
+                return Grads{to_device(g, from)};
+              });
   return y;
 }
 
 Tensor contiguous(const Tensor& x_in) {
   detail::check_inputs("contiguous", {x_in});
-  const Tensor x = detail::op_inputs("contiguous", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::contiguous, {x_in})[0];
   if (x.is_contiguous()) return x;
   Tensor y = detail::contiguous_raw(x);
   if (should_record({x}))
-    record_op("contiguous", {x}, y,
+    record_op(op_name(OpId::contiguous), {x}, y,
               [](const Tensor& g, const std::vector<bool>&) { return Grads{g}; });
   return y;
 }
@@ -50,7 +52,7 @@ Tensor detach(const Tensor& x) {
 
 Tensor reshape(const Tensor& x_in, const Shape& shape_in) {
   detail::check_inputs("reshape", {x_in});
-  const Tensor x = detail::op_inputs("reshape", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::reshape, {x_in})[0];
   std::vector<std::int64_t> dims = shape_in.dims();
   int infer = -1;
   for (std::size_t i = 0; i < dims.size(); ++i) {
@@ -83,15 +85,16 @@ Tensor reshape(const Tensor& x_in, const Shape& shape_in) {
   Tensor base = detail::contiguous_raw(x);
   Tensor y = Tensor::view_of(base, shape, contiguous_strides(shape), base.offset());
   if (should_record({x}))
-    record_op("reshape", {x}, y, [from = x.shape()](const Tensor& g, const std::vector<bool>&) {
-      return Grads{reshape(g, from)};
-    });
+    record_op(op_name(OpId::reshape), {x}, y,
+              [from = x.shape()](const Tensor& g, const std::vector<bool>&) {
+                return Grads{reshape(g, from)};
+              });
   return y;
 }
 
 Tensor permute(const Tensor& x_in, const std::vector<int>& axes) {
   detail::check_inputs("permute", {x_in});
-  const Tensor x = detail::op_inputs("permute", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::permute, {x_in})[0];
   if (axes.size() != x.rank())
     throw ShapeError(fmt::format("permute: {} axes given for a tensor of shape {}", axes.size(),
                                  x.shape().str()));
@@ -115,7 +118,7 @@ Tensor permute(const Tensor& x_in, const std::vector<int>& axes) {
   }
   Tensor y = Tensor::view_of(x, Shape(dims), strides, x.offset());
   if (should_record({x}))
-    record_op("permute", {x}, y, [inverse](const Tensor& g, const std::vector<bool>&) {
+    record_op(op_name(OpId::permute), {x}, y, [inverse](const Tensor& g, const std::vector<bool>&) {
       return Grads{permute(g, inverse)};
     });
   return y;
@@ -153,7 +156,7 @@ Tensor slice_backward(const Tensor& g, const Shape& shape, int axis, std::int64_
     detail::kernel_for<kernels::ScatterAddFn>(OpId::scatter_add, g.dtype(), {g})(src, index, outer,
                                                                                  n, k, inner, out);
   if (should_record({g}))
-    record_op("slice_backward", {g}, out,
+    record_op(op_name(OpId::slice_backward), {g}, out,
               [axis, start, step, k](const Tensor& gg, const std::vector<bool>&) {
                 return Grads{slice(gg, axis, start, start + k * step, step)};
               });
@@ -164,7 +167,7 @@ Tensor slice_backward(const Tensor& g, const Shape& shape, int axis, std::int64_
 Tensor slice(const Tensor& x_in, int axis, std::int64_t start, std::int64_t stop,
              std::int64_t step) {
   detail::check_inputs("slice", {x_in});
-  const Tensor x = detail::op_inputs("slice", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::slice, {x_in})[0];
   if (x.rank() == 0) throw ShapeError("slice: cannot slice a 0-d tensor");
   const int a = normalize_axis(axis, x.rank(), "slice");
   if (step <= 0) throw ValueError(fmt::format("slice: step must be positive, got {}", step));
@@ -185,7 +188,7 @@ Tensor slice(const Tensor& x_in, int axis, std::int64_t start, std::int64_t stop
   if (len > 1) strides[static_cast<std::size_t>(a)] *= step;
   Tensor y = Tensor::view_of(x, Shape(dims), strides, offset);
   if (should_record({x}))
-    record_op("slice", {x}, y,
+    record_op(op_name(OpId::slice), {x}, y,
               [shape = x.shape(), a, b, step](const Tensor& g, const std::vector<bool>&) {
                 return Grads{slice_backward(g, shape, a, b, step)};
               });
@@ -194,7 +197,7 @@ Tensor slice(const Tensor& x_in, int axis, std::int64_t start, std::int64_t stop
 
 Tensor expand(const Tensor& x_in, const Shape& shape) {
   detail::check_inputs("expand", {x_in});
-  const Tensor x = detail::op_inputs("expand", {x_in})[0];
+  const Tensor x = detail::op_inputs(OpId::expand, {x_in})[0];
   if (x.shape() == shape) return x;
   checked_nbytes(shape, x.dtype(), "expand");
   if (shape.rank() < x.rank() || broadcast_shapes(x.shape(), shape, "expand") != shape)
@@ -202,9 +205,10 @@ Tensor expand(const Tensor& x_in, const Shape& shape) {
                                  x.shape().str(), shape.str()));
   Tensor y = detail::broadcast_view(x, shape);
   if (should_record({x}))
-    record_op("expand", {x}, y, [from = x.shape()](const Tensor& g, const std::vector<bool>&) {
-      return Grads{sum_to(g, from)};
-    });
+    record_op(op_name(OpId::expand), {x}, y,
+              [from = x.shape()](const Tensor& g, const std::vector<bool>&) {
+                return Grads{sum_to(g, from)};
+              });
   return y;
 }
 
@@ -241,7 +245,7 @@ Tensor flatten(const Tensor& x, int start_axis) {
 Tensor concat(const std::vector<Tensor>& xs_in, int axis) {
   if (xs_in.empty()) throw ValueError("concat: no tensors given");
   detail::check_inputs("concat", xs_in);
-  const std::vector<Tensor> xs = detail::op_inputs("concat", xs_in);
+  const std::vector<Tensor> xs = detail::op_inputs(OpId::concat, xs_in);
   const Tensor& first = xs.front();
   if (first.rank() == 0) throw ShapeError("concat: cannot concatenate 0-d tensors");
   const int a = normalize_axis(axis, first.rank(), "concat");
@@ -274,15 +278,15 @@ Tensor concat(const std::vector<Tensor>& xs_in, int axis) {
     }
   }
   if (should_record(parts))
-    record_op(
-        "concat", parts, out, [parts, starts, a](const Tensor& g, const std::vector<bool>& needs) {
-          Grads grads(parts.size());
-          for (std::size_t i = 0; i < parts.size(); ++i)
-            if (needs[i])
-              grads[i] =
-                  slice(g, a, starts[i], starts[i] + parts[i].shape()[static_cast<std::size_t>(a)]);
-          return grads;
-        });
+    record_op(op_name(OpId::concat), parts, out,
+              [parts, starts, a](const Tensor& g, const std::vector<bool>& needs) {
+                Grads grads(parts.size());
+                for (std::size_t i = 0; i < parts.size(); ++i)
+                  if (needs[i])
+                    grads[i] = slice(g, a, starts[i],
+                                     starts[i] + parts[i].shape()[static_cast<std::size_t>(a)]);
+                return grads;
+              });
   return out;
 }
 

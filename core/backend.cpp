@@ -19,7 +19,14 @@ std::once_flag g_init;
 }  // namespace
 
 namespace detail {
-void ensure_backends() { std::call_once(g_init, register_builtin_backends); }
+void ensure_backends() {
+  std::call_once(g_init, [] {
+    register_builtin_backends();
+    for (int t = 0; t < kDeviceTypeCount; ++t)
+      if (backends()[static_cast<std::size_t>(t)])
+        check_kernel_coverage(static_cast<DeviceType>(t));
+  });
+}
 }  // namespace detail
 
 void register_backend(std::unique_ptr<Backend> backend) {

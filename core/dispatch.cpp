@@ -6,16 +6,18 @@
 
 #include "core/registry_init.h"
 #include "mixtape/core/error.h"
+#include "mixtape/core/kernels.h"
 
 namespace mixtape {
 namespace {
 
 constexpr std::size_t kOps = static_cast<std::size_t>(OpId::kCount);
 
-constexpr std::array<const char*, kOps> kOpNames{
-#define MIXTAPE_OP_NAME(name) #name,
-    MIXTAPE_FOR_EACH_OP(MIXTAPE_OP_NAME)
-#undef MIXTAPE_OP_NAME
+// The kernel signature of each op, as the table declares it.
+const std::array<const std::type_info*, kOps> kSignatures{
+#define MIXTAPE_OP_SIGNATURE(name, kernel, ...) &typeid(kernels::kernel*),
+    MIXTAPE_OP_TABLE(MIXTAPE_OP_SIGNATURE)
+#undef MIXTAPE_OP_SIGNATURE
 };
 
 struct Entry {
@@ -45,12 +47,26 @@ std::string registered_dtypes(OpId op, DeviceType device) {
 
 }  // namespace
 
-const char* op_name(OpId op) { return kOpNames[static_cast<std::size_t>(op)]; }
+std::optional<OpId> op_by_name(std::string_view name) {
+  for (std::size_t i = 0; i < kOps; ++i)
+    if (name == detail::kOpInfos[i].name) return static_cast<OpId>(i);
+  return std::nullopt;
+}
 
 namespace detail {
 
 void register_kernel(OpId op, DeviceType device, DType dtype, AnyKernel fn,
                      const std::type_info& signature) {
+  if (!op_info(op).has_kernel)
+    throw Error(
+        fmt::format("{}: the op table gives it no kernel (a view or a composition of "
+                    "other ops); {} registered one for {}",
+                    op_name(op), device_type_name(device), dtype.name()));
+  if (std::type_index(signature) != std::type_index(*kSignatures[static_cast<std::size_t>(op)]))
+    throw Error(
+        fmt::format("{}: the kernel {} registered for {} does not have the op table's "
+                    "signature",
+                    op_name(op), device_type_name(device), dtype.name()));
   auto& e = table()[static_cast<std::size_t>(op)][static_cast<std::size_t>(device)][dtype.index()];
   e.fn = fn;
   e.signature = &signature;
@@ -70,6 +86,24 @@ AnyKernel lookup_kernel(OpId op, DeviceType device, DType dtype, const std::type
   return e.fn;
 }
 
+void check_kernel_coverage(DeviceType device) {
+  std::string missing;
+  for (std::size_t i = 0; i < kOps; ++i) {
+    const OpInfo& info = kOpInfos[i];
+    for (int d = 0; d < DType::kCount; ++d) {
+      const DType dtype = DType::all()[d];
+      if (!info.dtypes.contains(dtype) || table()[i][static_cast<std::size_t>(device)][d].fn)
+        continue;
+      missing += fmt::format("{}{} for {}", missing.empty() ? "" : "; ", info.name, dtype.name());
+    }
+  }
+  if (!missing.empty())
+    throw Error(
+        fmt::format("the {} backend lacks kernels the op table (mixtape/core/op_table.h) "
+                    "requires: {}",
+                    device_type_name(device), missing));
+}
+
 }  // namespace detail
 
 bool supports(OpId op, DeviceType device, DType dtype) {
@@ -84,9 +118,11 @@ std::string kernel_table() {
   for (int d = 0; d < kDeviceTypeCount; ++d) {
     const auto dev = static_cast<DeviceType>(d);
     out += fmt::format("{}:\n", device_type_name(dev));
-    for (std::size_t op = 0; op < kOps; ++op)
-      out +=
-          fmt::format("  {:<24} {}\n", kOpNames[op], registered_dtypes(static_cast<OpId>(op), dev));
+    for (std::size_t op = 0; op < kOps; ++op) {
+      if (!detail::kOpInfos[op].has_kernel) continue;
+      out += fmt::format("  {:<24} {}\n", detail::kOpInfos[op].name,
+                         registered_dtypes(static_cast<OpId>(op), dev));
+    }
   }
   return out;
 }

@@ -119,4 +119,14 @@ DType promote_types(DType a, DType b) {
   return int_rank(a) > int_rank(b) ? a : b;
 }
 
+std::string DTypeSet::str() const {
+  std::string out;
+  for (DType d : kAll) {
+    if (!contains(d)) continue;
+    if (!out.empty()) out += ", ";
+    out += d.name();
+  }
+  return out.empty() ? "none" : out;
+}
+
 }  // namespace mixtape

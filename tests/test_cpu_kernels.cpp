@@ -652,12 +652,12 @@ TEST_CASE("binary arithmetic: integer and NaN edge cases", "[cpu_kernels]") {
 
 TEST_CASE("comparisons: every dtype, bool output", "[cpu_kernels]") {
   const std::vector<std::pair<OpId, std::function<bool(double, double)>>> ops = {
-      {OpId::eq, [](double a, double b) { return a == b; }},
-      {OpId::ne, [](double a, double b) { return a != b; }},
-      {OpId::lt, [](double a, double b) { return a < b; }},
-      {OpId::le, [](double a, double b) { return a <= b; }},
-      {OpId::gt, [](double a, double b) { return a > b; }},
-      {OpId::ge, [](double a, double b) { return a >= b; }},
+      {OpId::equal, [](double a, double b) { return a == b; }},
+      {OpId::not_equal, [](double a, double b) { return a != b; }},
+      {OpId::less, [](double a, double b) { return a < b; }},
+      {OpId::less_equal, [](double a, double b) { return a <= b; }},
+      {OpId::greater, [](double a, double b) { return a > b; }},
+      {OpId::greater_equal, [](double a, double b) { return a >= b; }},
   };
   for (const auto& [op, ref] : ops) {
     for (DType dt : kAllTypes) {
@@ -692,14 +692,16 @@ TEST_CASE("comparisons: every dtype, bool output", "[cpu_kernels]") {
     for (DType dt : kFloatTypes) {
       Tensor a = from_values({kNaN, kNaN, 1}, {3}, dt);
       Tensor b = from_values({kNaN, 1, 1}, {3}, dt);
-      for (OpId op : {OpId::eq, OpId::ne, OpId::lt, OpId::le, OpId::gt, OpId::ge}) {
+      for (OpId op : {OpId::equal, OpId::not_equal, OpId::less, OpId::less_equal, OpId::greater,
+                      OpId::greater_equal}) {
         Tensor out = empty_poisoned({3}, kBool);
         kernel<kernels::BinaryFn>(op, dt)(a, b, out);
         const auto* o = static_cast<const std::uint8_t*>(out.data_ptr());
-        const std::uint8_t nan_result = op == OpId::ne ? 1 : 0;
+        const std::uint8_t nan_result = op == OpId::not_equal ? 1 : 0;
         CHECK(o[0] == nan_result);
         CHECK(o[1] == nan_result);
-        CHECK(o[2] == ((op == OpId::eq || op == OpId::le || op == OpId::ge) ? 1 : 0));
+        CHECK(o[2] ==
+              ((op == OpId::equal || op == OpId::less_equal || op == OpId::greater_equal) ? 1 : 0));
       }
     }
   }

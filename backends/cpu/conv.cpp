@@ -1019,30 +1019,21 @@ void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tens
   store<T>(o, grad_x);
 }
 
-template <typename T>
-void register_for() {
-  constexpr DType dt = dtype_of<T>::value;
-  constexpr auto cpu = DeviceType::CPU;
-  register_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt, &conv2d<T>);
-  register_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt,
-                                                  &conv2d_backward_input<T>);
-  register_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt,
-                                                   &conv2d_backward_weight<T>);
-  register_kernel<kernels::Pool2dFn>(OpId::max_pool2d, cpu, dt, &max_pool2d<T>);
-  register_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cpu, dt,
-                                             &max_pool2d_backward<T>);
-  register_kernel<kernels::Pool2dFn>(OpId::avg_pool2d, cpu, dt, &avg_pool2d<T>);
-  register_kernel<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, cpu, dt,
-                                             &avg_pool2d_backward<T>);
-}
-
 }  // namespace
 
 void register_conv_kernels() {
-  register_for<float>();
-  register_for<half>();
-  register_for<bfloat16>();
-  register_for<double>();
+  constexpr auto cpu = DeviceType::CPU;
+  register_op<OpId::conv2d>(cpu, []<DType::Code C>() { return &conv2d<element_t<C>>; });
+  register_op<OpId::conv2d_backward_input>(
+      cpu, []<DType::Code C>() { return &conv2d_backward_input<element_t<C>>; });
+  register_op<OpId::conv2d_backward_weight>(
+      cpu, []<DType::Code C>() { return &conv2d_backward_weight<element_t<C>>; });
+  register_op<OpId::max_pool2d>(cpu, []<DType::Code C>() { return &max_pool2d<element_t<C>>; });
+  register_op<OpId::max_pool2d_backward>(
+      cpu, []<DType::Code C>() { return &max_pool2d_backward<element_t<C>>; });
+  register_op<OpId::avg_pool2d>(cpu, []<DType::Code C>() { return &avg_pool2d<element_t<C>>; });
+  register_op<OpId::avg_pool2d_backward>(
+      cpu, []<DType::Code C>() { return &avg_pool2d_backward<element_t<C>>; });
 }
 
 }  // namespace mixtape::cpu

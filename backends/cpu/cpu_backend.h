@@ -4,8 +4,7 @@
 
 #include <cstdint>
 
-#include "mixtape/core/dispatch.h"
-#include "mixtape/core/kernels.h"
+#include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cpu {
 

@@ -126,6 +126,14 @@ inline float tanh_f32(float x) {
 
 // --- Op functors -------------------------------------------------------------------------
 
+// The functor of each unary and binary elementwise op of the op table: every op whose
+// kernel is a UnaryFn / BinaryFn needs one (registration does not compile without it).
+// Binary functors that return bool are comparisons: their kernels write bool outputs.
+template <OpId op>
+struct UnaryOp;
+template <OpId op>
+struct BinaryOp;
+
 // Integer helpers: wrapping arithmetic through the unsigned type.
 template <typename T>
 T wrap_neg(T x) {
@@ -133,7 +141,8 @@ T wrap_neg(T x) {
   return static_cast<T>(U(0) - static_cast<U>(x));
 }
 
-struct Neg {
+template <>
+struct UnaryOp<OpId::neg> {
   template <typename T>
   T operator()(T x) const {
     if constexpr (std::is_integral_v<T>)
@@ -142,7 +151,8 @@ struct Neg {
       return -x;
   }
 };
-struct Abs {
+template <>
+struct UnaryOp<OpId::abs> {
   template <typename T>
   T operator()(T x) const {
     if constexpr (std::is_integral_v<T>)
@@ -151,31 +161,36 @@ struct Abs {
       return std::fabs(x);
   }
 };
-struct Exp {
+template <>
+struct UnaryOp<OpId::exp> {
   template <typename T>
   T operator()(T x) const {
     return exp_any(x);
   }
 };
-struct Log {
+template <>
+struct UnaryOp<OpId::log> {
   template <typename T>
   T operator()(T x) const {
     return std::log(x);
   }
 };
-struct Sqrt {
+template <>
+struct UnaryOp<OpId::sqrt> {
   template <typename T>
   T operator()(T x) const {
     return std::sqrt(x);
   }
 };
-struct Rsqrt {
+template <>
+struct UnaryOp<OpId::rsqrt> {
   template <typename T>
   T operator()(T x) const {
     return T(1) / std::sqrt(x);
   }
 };
-struct Tanh {
+template <>
+struct UnaryOp<OpId::tanh> {
   template <typename T>
   T operator()(T x) const {
     if constexpr (std::is_same_v<T, float>)
@@ -185,7 +200,8 @@ struct Tanh {
   }
 };
 // 1 / (1 + e^-x) through e = e^-|x| <= 1, so nothing overflows for large |x|.
-struct Sigmoid {
+template <>
+struct UnaryOp<OpId::sigmoid> {
   template <typename T>
   T operator()(T x) const {
     const T e = exp_any(-std::fabs(x));
@@ -194,7 +210,8 @@ struct Sigmoid {
   }
 };
 // max(x, 0); NaN stays NaN.
-struct Relu {
+template <>
+struct UnaryOp<OpId::relu> {
   template <typename T>
   T operator()(T x) const {
     return x < T(0) ? T(0) : x;
@@ -202,13 +219,15 @@ struct Relu {
 };
 // Exact gelu, x * Phi(x) = 0.5 x erfc(-x / sqrt2): erfc keeps the negative tail accurate
 // where 1 + erf(x / sqrt2) would cancel.
-struct Gelu {
+template <>
+struct UnaryOp<OpId::gelu> {
   template <typename T>
   T operator()(T x) const {
     return T(0.5) * x * std::erfc(-x * T(0.70710678118654752440));
   }
 };
-struct Erf {
+template <>
+struct UnaryOp<OpId::erf> {
   template <typename T>
   T operator()(T x) const {
     return std::erf(x);
@@ -216,20 +235,23 @@ struct Erf {
 };
 
 // The gradient through relu: g where the relu's output y is positive, 0 elsewhere.
-struct ReluBackward {
+template <>
+struct BinaryOp<OpId::relu_backward> {
   template <typename T>
   T operator()(T y, T g) const {
     return y > T(0) ? g : T(0);
   }
 };
 
-struct Add {
+template <>
+struct BinaryOp<OpId::add> {
   template <typename T>
   T operator()(T a, T b) const {
     return wrap_add(a, b);
   }
 };
-struct Sub {
+template <>
+struct BinaryOp<OpId::sub> {
   template <typename T>
   T operator()(T a, T b) const {
     if constexpr (std::is_integral_v<T>) {
@@ -240,7 +262,8 @@ struct Sub {
     }
   }
 };
-struct Mul {
+template <>
+struct BinaryOp<OpId::mul> {
   template <typename T>
   T operator()(T a, T b) const {
     if constexpr (std::is_integral_v<T>) {
@@ -252,7 +275,8 @@ struct Mul {
   }
 };
 // Integer division truncates; division by zero gives 0 rather than trapping.
-struct Div {
+template <>
+struct BinaryOp<OpId::div> {
   template <typename T>
   T operator()(T a, T b) const {
     if constexpr (std::is_integral_v<T>) {
@@ -264,7 +288,8 @@ struct Div {
     }
   }
 };
-struct Maximum {
+template <>
+struct BinaryOp<OpId::maximum> {
   template <typename T>
   T operator()(T a, T b) const {
     if constexpr (std::is_integral_v<T>)
@@ -273,7 +298,8 @@ struct Maximum {
       return ((a > b) | std::isnan(a)) ? a : b;  // NaN in either propagates
   }
 };
-struct Minimum {
+template <>
+struct BinaryOp<OpId::minimum> {
   template <typename T>
   T operator()(T a, T b) const {
     if constexpr (std::is_integral_v<T>)
@@ -282,44 +308,51 @@ struct Minimum {
       return ((a < b) | std::isnan(a)) ? a : b;
   }
 };
-struct Pow {
+template <>
+struct BinaryOp<OpId::pow> {
   template <typename T>
   T operator()(T a, T b) const {
     return std::pow(a, b);
   }
 };
 
-struct Eq {
+template <>
+struct BinaryOp<OpId::equal> {
   template <typename T>
   bool operator()(T a, T b) const {
     return a == b;
   }
 };
-struct Ne {
+template <>
+struct BinaryOp<OpId::not_equal> {
   template <typename T>
   bool operator()(T a, T b) const {
     return a != b;
   }
 };
-struct Lt {
+template <>
+struct BinaryOp<OpId::less> {
   template <typename T>
   bool operator()(T a, T b) const {
     return a < b;
   }
 };
-struct Le {
+template <>
+struct BinaryOp<OpId::less_equal> {
   template <typename T>
   bool operator()(T a, T b) const {
     return a <= b;
   }
 };
-struct Gt {
+template <>
+struct BinaryOp<OpId::greater> {
   template <typename T>
   bool operator()(T a, T b) const {
     return a > b;
   }
 };
-struct Ge {
+template <>
+struct BinaryOp<OpId::greater_equal> {
   template <typename T>
   bool operator()(T a, T b) const {
     return a >= b;
@@ -457,89 +490,30 @@ void where_kernel(const Tensor& cond, const Tensor& a, const Tensor& b, const Te
 
 // --- Registration ------------------------------------------------------------------------
 
-template <typename Op, typename... Ts>
-void reg_unary(OpId id) {
-  (register_kernel<kernels::UnaryFn>(id, DeviceType::CPU, dtype_of<Ts>::value,
-                                     &unary_kernel<Ts, Op>),
-   ...);
-}
-
-template <typename Op, typename... Ts>
-void reg_binary(OpId id) {
-  (register_kernel<kernels::BinaryFn>(id, DeviceType::CPU, dtype_of<Ts>::value,
-                                      &binary_kernel<Ts, Ts, Op>),
-   ...);
-}
-
-template <typename Op, typename T>
-void reg_compare_one(OpId id, DType dtype) {
-  register_kernel<kernels::BinaryFn>(id, DeviceType::CPU, dtype,
-                                     &binary_kernel<T, std::uint8_t, Op>);
-}
-
-// Comparisons for all 8 dtypes; bool compares as its byte.
-template <typename Op>
-void reg_compares(OpId id) {
-  reg_compare_one<Op, float>(id, kFloat32);
-  reg_compare_one<Op, half>(id, kFloat16);
-  reg_compare_one<Op, bfloat16>(id, kBFloat16);
-  reg_compare_one<Op, double>(id, kFloat64);
-  reg_compare_one<Op, std::int32_t>(id, kInt32);
-  reg_compare_one<Op, std::int64_t>(id, kInt64);
-  reg_compare_one<Op, std::uint8_t>(id, kUInt8);
-  reg_compare_one<Op, std::uint8_t>(id, kBool);
-}
-
-void reg_where() {
-  auto reg = [](DType d, kernels::WhereFn* fn) {
-    register_kernel<kernels::WhereFn>(OpId::where, DeviceType::CPU, d, fn);
-  };
-  reg(kFloat32, &where_kernel<std::uint32_t>);
-  reg(kFloat16, &where_kernel<std::uint16_t>);
-  reg(kBFloat16, &where_kernel<std::uint16_t>);
-  reg(kFloat64, &where_kernel<std::uint64_t>);
-  reg(kInt32, &where_kernel<std::uint32_t>);
-  reg(kInt64, &where_kernel<std::uint64_t>);
-  reg(kUInt8, &where_kernel<std::uint8_t>);
-  reg(kBool, &where_kernel<std::uint8_t>);
-}
+// The output's storage type of binary op `op` on inputs of type T: T, or a byte for the
+// comparisons (bool).
+template <OpId op, typename T>
+using binary_out_t = std::conditional_t<
+    std::is_same_v<decltype(BinaryOp<op>{}(compute_t<T>{}, compute_t<T>{})), bool>, std::uint8_t,
+    T>;
 
 }  // namespace
 
 void register_elementwise_kernels() {
-  using std::int32_t;
-  using std::int64_t;
-  // Unary: neg and abs also for integers.
-  reg_unary<Neg, float, half, bfloat16, double, int32_t, int64_t>(OpId::neg);
-  reg_unary<Abs, float, half, bfloat16, double, int32_t, int64_t>(OpId::abs);
-  reg_unary<Exp, float, half, bfloat16, double>(OpId::exp);
-  reg_unary<Log, float, half, bfloat16, double>(OpId::log);
-  reg_unary<Sqrt, float, half, bfloat16, double>(OpId::sqrt);
-  reg_unary<Rsqrt, float, half, bfloat16, double>(OpId::rsqrt);
-  reg_unary<Tanh, float, half, bfloat16, double>(OpId::tanh);
-  reg_unary<Sigmoid, float, half, bfloat16, double>(OpId::sigmoid);
-  reg_unary<Relu, float, half, bfloat16, double>(OpId::relu);
-  reg_unary<Gelu, float, half, bfloat16, double>(OpId::gelu);
-  reg_unary<Erf, float, half, bfloat16, double>(OpId::erf);
-
-  // Binary arithmetic (pow only for floating dtypes).
-  reg_binary<Add, float, half, bfloat16, double, int32_t, int64_t>(OpId::add);
-  reg_binary<Sub, float, half, bfloat16, double, int32_t, int64_t>(OpId::sub);
-  reg_binary<Mul, float, half, bfloat16, double, int32_t, int64_t>(OpId::mul);
-  reg_binary<Div, float, half, bfloat16, double, int32_t, int64_t>(OpId::div);
-  reg_binary<Maximum, float, half, bfloat16, double, int32_t, int64_t>(OpId::maximum);
-  reg_binary<Minimum, float, half, bfloat16, double, int32_t, int64_t>(OpId::minimum);
-  reg_binary<Pow, float, half, bfloat16, double>(OpId::pow);
-  reg_binary<ReluBackward, float, half, bfloat16, double>(OpId::relu_backward);
-
-  reg_compares<Eq>(OpId::eq);
-  reg_compares<Ne>(OpId::ne);
-  reg_compares<Lt>(OpId::lt);
-  reg_compares<Le>(OpId::le);
-  reg_compares<Gt>(OpId::gt);
-  reg_compares<Ge>(OpId::ge);
-
-  reg_where();
+  for_each_op([]<OpId op>() {
+    if constexpr (op_info(op).kernel == "UnaryFn") {
+      register_op<op>(DeviceType::CPU,
+                      []<DType::Code C>() { return &unary_kernel<element_t<C>, UnaryOp<op>>; });
+    } else if constexpr (op_info(op).kernel == "BinaryFn") {
+      register_op<op>(DeviceType::CPU, []<DType::Code C>() {
+        using T = element_t<C>;
+        return &binary_kernel<T, binary_out_t<op, T>, BinaryOp<op>>;
+      });
+    }
+  });
+  // where moves bits: one kernel per item size.
+  register_op<OpId::where>(
+      DeviceType::CPU, []<DType::Code C>() { return &where_kernel<bits_t<sizeof(element_t<C>)>>; });
 }
 
 }  // namespace mixtape::cpu

@@ -287,11 +287,14 @@ void gemm_reduced(const GemmArgs& g) {
 }  // namespace
 
 void register_gemm_kernels() {
-  register_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, kFloat32, &gemm_native<float>);
-  register_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, kFloat64, &gemm_native<double>);
-  register_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, kFloat16, &gemm_reduced<half>);
-  register_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, kBFloat16,
-                                   &gemm_reduced<bfloat16>);
+  // float32 / float64 on BLAS; float16 / bfloat16 through gemm_reduced (float32 math).
+  register_op<OpId::matmul>(DeviceType::CPU, []<DType::Code C>() {
+    using T = element_t<C>;
+    if constexpr (DType(C).is_reduced_float())
+      return &gemm_reduced<T>;
+    else
+      return &gemm_native<T>;
+  });
 }
 
 }  // namespace mixtape::cpu

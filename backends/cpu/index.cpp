@@ -153,27 +153,19 @@ void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int
   }
 }
 
-template <typename T>
-void reg(DType dtype) {
-  using Bits = bits_t<sizeof(T)>;
-  static_assert(sizeof(Bits) == sizeof(T));
-  register_kernel<kernels::GatherFn>(OpId::gather, DeviceType::CPU, dtype, &gather_kernel<Bits>);
-  register_kernel<kernels::ScatterAddFn>(OpId::scatter_add, DeviceType::CPU, dtype,
-                                         &scatter_add_kernel<T>);
-  register_kernel<kernels::TakeFn>(OpId::take, DeviceType::CPU, dtype, &take_kernel<Bits>);
-  register_kernel<kernels::IndexAddFn>(OpId::index_add, DeviceType::CPU, dtype,
-                                       &index_add_kernel<T>);
-}
-
 }  // namespace
 
 void register_index_kernels() {
-  reg<float>(kFloat32);
-  reg<half>(kFloat16);
-  reg<bfloat16>(kBFloat16);
-  reg<double>(kFloat64);
-  reg<std::int32_t>(kInt32);
-  reg<std::int64_t>(kInt64);
+  constexpr auto cpu = DeviceType::CPU;
+  // gather and take move elements (one kernel per item size); the adjoints add.
+  register_op<OpId::gather>(
+      cpu, []<DType::Code C>() { return &gather_kernel<bits_t<sizeof(element_t<C>)>>; });
+  register_op<OpId::scatter_add>(cpu,
+                                 []<DType::Code C>() { return &scatter_add_kernel<element_t<C>>; });
+  register_op<OpId::take>(
+      cpu, []<DType::Code C>() { return &take_kernel<bits_t<sizeof(element_t<C>)>>; });
+  register_op<OpId::index_add>(cpu,
+                               []<DType::Code C>() { return &index_add_kernel<element_t<C>>; });
 }
 
 }  // namespace mixtape::cpu

@@ -25,43 +25,9 @@ namespace {
 
 using std::int64_t;
 
-// The storage type of each dtype; bool is handled as its byte.
+// The storage type of each dtype (the host type map); bool is handled as its byte.
 template <DType::Code C>
-struct Elem;
-template <>
-struct Elem<DType::Float32> {
-  using type = float;
-};
-template <>
-struct Elem<DType::Float16> {
-  using type = half;
-};
-template <>
-struct Elem<DType::BFloat16> {
-  using type = bfloat16;
-};
-template <>
-struct Elem<DType::Float64> {
-  using type = double;
-};
-template <>
-struct Elem<DType::Int32> {
-  using type = std::int32_t;
-};
-template <>
-struct Elem<DType::Int64> {
-  using type = std::int64_t;
-};
-template <>
-struct Elem<DType::UInt8> {
-  using type = std::uint8_t;
-};
-template <>
-struct Elem<DType::Bool> {
-  using type = std::uint8_t;
-};
-template <DType::Code C>
-using elem_t = typename Elem<C>::type;
+using elem_t = element_t<C>;
 
 constexpr bool is_reduced(DType::Code c) { return c == DType::Float16 || c == DType::BFloat16; }
 constexpr bool is_float(DType::Code c) {
@@ -344,27 +310,14 @@ void cast_kernel(const Tensor& x, const Tensor& out) {
   }
 }
 
-// Registers copy, fill and cast for dtype C.
-template <DType::Code C>
-void register_dtype() {
-  using Bits = bits_t<sizeof(elem_t<C>)>;
-  static_assert(sizeof(Bits) == sizeof(elem_t<C>));
-  register_kernel<kernels::CopyFn>(OpId::copy, DeviceType::CPU, DType(C), &copy_kernel<Bits>);
-  register_kernel<kernels::FillFn>(OpId::fill, DeviceType::CPU, DType(C), &fill_kernel<C>);
-  register_kernel<kernels::CastFn>(OpId::cast, DeviceType::CPU, DType(C), &cast_kernel<C>);
-}
-
 }  // namespace
 
 void register_memory_kernels() {
-  register_dtype<DType::Float32>();
-  register_dtype<DType::Float16>();
-  register_dtype<DType::BFloat16>();
-  register_dtype<DType::Float64>();
-  register_dtype<DType::Int32>();
-  register_dtype<DType::Int64>();
-  register_dtype<DType::UInt8>();
-  register_dtype<DType::Bool>();
+  register_op<OpId::copy>(DeviceType::CPU, []<DType::Code C>() {
+    return &copy_kernel<bits_t<sizeof(elem_t<C>)>>;  // copies move bits
+  });
+  register_op<OpId::fill>(DeviceType::CPU, []<DType::Code C>() { return &fill_kernel<C>; });
+  register_op<OpId::cast>(DeviceType::CPU, []<DType::Code C>() { return &cast_kernel<C>; });
 }
 
 }  // namespace mixtape::cpu

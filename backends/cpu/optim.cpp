@@ -337,26 +337,16 @@ void adam_kernel(const OptimizerUpdate& u) {
   });
 }
 
-// Registers the four kernels of one dtype.
-template <typename T>
-void reg(DType dtype) {
-  register_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, DeviceType::CPU, dtype,
-                                           &unscale_check_kernel<T>);
-  register_kernel<kernels::OptimizerUpdateFn>(OpId::sgd_update, DeviceType::CPU, dtype,
-                                              &sgd_kernel<T>);
-  register_kernel<kernels::OptimizerUpdateFn>(OpId::rmsprop_update, DeviceType::CPU, dtype,
-                                              &rmsprop_kernel<T>);
-  register_kernel<kernels::OptimizerUpdateFn>(OpId::adam_update, DeviceType::CPU, dtype,
-                                              &adam_kernel<T>);
-}
-
 }  // namespace
 
 void register_optim_kernels() {
-  reg<float>(kFloat32);
-  reg<half>(kFloat16);
-  reg<bfloat16>(kBFloat16);
-  reg<double>(kFloat64);
+  constexpr auto cpu = DeviceType::CPU;
+  register_op<OpId::unscale_check>(
+      cpu, []<DType::Code C>() { return &unscale_check_kernel<element_t<C>>; });
+  register_op<OpId::sgd_update>(cpu, []<DType::Code C>() { return &sgd_kernel<element_t<C>>; });
+  register_op<OpId::rmsprop_update>(cpu,
+                                    []<DType::Code C>() { return &rmsprop_kernel<element_t<C>>; });
+  register_op<OpId::adam_update>(cpu, []<DType::Code C>() { return &adam_kernel<element_t<C>>; });
 }
 
 }  // namespace mixtape::cpu

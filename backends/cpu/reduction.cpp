@@ -272,43 +272,20 @@ void softmax_kernel(const Tensor& x, const Tensor& out) {
   }
 }
 
-// --- Registration --------------------------------------------------------------------
-
-template <template <typename> class RT, typename... Ts>
-void reg_reduce(OpId id) {
-  (register_kernel<kernels::ReduceFn>(id, DeviceType::CPU, dtype_of<Ts>::value,
-                                      &reduce_kernel<Ts, RT>),
-   ...);
-}
-
-template <typename... Ts>
-void reg_argmax() {
-  (register_kernel<kernels::ReduceFn>(OpId::argmax, DeviceType::CPU, dtype_of<Ts>::value,
-                                      &reduce_kernel<Ts, ArgmaxR, std::int64_t>),
-   ...);
-}
-
-template <typename... Ts>
-void reg_softmax() {
-  (register_kernel<kernels::RowFn>(OpId::softmax, DeviceType::CPU, dtype_of<Ts>::value,
-                                   &softmax_kernel<Ts, false>),
-   ...);
-  (register_kernel<kernels::RowFn>(OpId::log_softmax, DeviceType::CPU, dtype_of<Ts>::value,
-                                   &softmax_kernel<Ts, true>),
-   ...);
-}
-
 }  // namespace
 
 void register_reduction_kernels() {
-  using std::int32_t;
-  using std::int64_t;
-  reg_reduce<SumR, float, half, bfloat16, double, int32_t, int64_t>(OpId::sum);
-  reg_reduce<MeanR, float, half, bfloat16, double>(OpId::mean);
-  reg_reduce<MaxR, float, half, bfloat16, double, int32_t, int64_t>(OpId::max);
-  reg_reduce<MinR, float, half, bfloat16, double, int32_t, int64_t>(OpId::min);
-  reg_argmax<float, half, bfloat16, double, int32_t, int64_t>();
-  reg_softmax<float, half, bfloat16, double>();
+  constexpr auto cpu = DeviceType::CPU;
+  register_op<OpId::sum>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, SumR>; });
+  register_op<OpId::mean>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, MeanR>; });
+  register_op<OpId::max>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, MaxR>; });
+  register_op<OpId::min>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, MinR>; });
+  register_op<OpId::argmax>(
+      cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, ArgmaxR, std::int64_t>; });
+  register_op<OpId::softmax>(cpu,
+                             []<DType::Code C>() { return &softmax_kernel<element_t<C>, false>; });
+  register_op<OpId::log_softmax>(
+      cpu, []<DType::Code C>() { return &softmax_kernel<element_t<C>, true>; });
 }
 
 }  // namespace mixtape::cpu

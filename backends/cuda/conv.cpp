@@ -66,9 +66,8 @@
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "mixtape/core/cuda.h"
-#include "mixtape/core/dispatch.h"
 #include "mixtape/core/error.h"
-#include "mixtape/core/kernels.h"
+#include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -650,17 +649,6 @@ void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tenso
   transpose_matrix(dw_krsc.data(), grad_w.data_ptr(), g.cout, kdim, item, st);
 }
 
-template <DType::Code kCode>
-void register_for() {
-  constexpr DType dt{kCode};
-  constexpr auto cuda = DeviceType::CUDA;
-  register_kernel<kernels::Conv2dFn>(OpId::conv2d, cuda, dt, &conv2d_forward<kCode>);
-  register_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cuda, dt,
-                                                  &conv2d_backward_input<kCode>);
-  register_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cuda, dt,
-                                                   &conv2d_backward_weight<kCode>);
-}
-
 }  // namespace
 }  // namespace mixtape::cuda_backend
 
@@ -670,10 +658,13 @@ namespace mixtape::cuda_backend {
 
 void register_conv_kernels() {
 #ifdef MIXTAPE_WITH_CUDNN
-  register_for<DType::Float32>();
-  register_for<DType::Float16>();
-  register_for<DType::BFloat16>();
-  register_for<DType::Float64>();  // direct kernels (float64 accumulation), not cuDNN
+  // float64 runs on the direct kernels (float64 accumulation), not cuDNN.
+  constexpr auto cuda = DeviceType::CUDA;
+  register_op<OpId::conv2d>(cuda, []<DType::Code C>() { return &conv2d_forward<C>; });
+  register_op<OpId::conv2d_backward_input>(
+      cuda, []<DType::Code C>() { return &conv2d_backward_input<C>; });
+  register_op<OpId::conv2d_backward_weight>(
+      cuda, []<DType::Code C>() { return &conv2d_backward_weight<C>; });
 #endif
 }
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <type_traits>
 
-#include "mixtape/core/half.h"
+#include "mixtape/core/element_type.h"
 
 namespace mixtape::cuda_backend {
 
@@ -75,23 +75,28 @@ inline unsigned blocks_for(std::int64_t n, int threads = kThreads) {
 
 // --- Element types ------------------------------------------------------------------------
 
-// mixtape's storage types and CUDA's: half <-> __half, bfloat16 <-> __nv_bfloat16 (the
-// same 16 bits), the rest are themselves. Kernels take device pointers of the CUDA type.
-template <typename T>
-struct cuda_type {
-  using type = T;
+// The CUDA backend's type map: the device storage type of each dtype. The host map
+// (mixtape/core/element_type.h) with CUDA's own 16-bit float types (half -> __half,
+// bfloat16 -> __nv_bfloat16: the same 16 bits); bool is handled as its byte (0 or 1).
+template <DType::Code C>
+struct DevElem {
+  using type = element_t<C>;
 };
 template <>
-struct cuda_type<half> {
+struct DevElem<DType::Float16> {
   using type = __half;
 };
 template <>
-struct cuda_type<bfloat16> {
+struct DevElem<DType::BFloat16> {
   using type = __nv_bfloat16;
 };
+template <DType::Code C>
+using dev_t = typename DevElem<C>::type;
+// The device type of a host storage type (half -> __half, float -> float, ...).
 template <typename T>
-using cuda_t = typename cuda_type<T>::type;
+using cuda_t = dev_t<dtype_of<T>::value.code()>;
 
+// Kernels take device pointers of the CUDA type.
 template <typename T>
 cuda_t<T>* device_ptr(void* p) {
   return static_cast<cuda_t<T>*>(p);

@@ -30,7 +30,16 @@ __device__ __forceinline__ T wrap_neg(T x) {
 
 // --- Op functors (on the compute type C: float for 16-bit floats) --------------------------
 
-struct Neg {
+// The functor of each unary and binary elementwise op of the op table: every op whose
+// kernel is a UnaryFn / BinaryFn needs one (registration does not compile without it).
+// Binary functors that return bool are comparisons: their kernels write bool bytes.
+template <OpId op>
+struct UnaryOp;
+template <OpId op>
+struct BinaryOp;
+
+template <>
+struct UnaryOp<OpId::neg> {
   template <typename C>
   __device__ C operator()(C x) const {
     if constexpr (std::is_integral_v<C>)
@@ -39,7 +48,8 @@ struct Neg {
       return -x;
   }
 };
-struct Abs {
+template <>
+struct UnaryOp<OpId::abs> {
   template <typename C>
   __device__ C operator()(C x) const {
     if constexpr (std::is_integral_v<C>)
@@ -48,38 +58,44 @@ struct Abs {
       return d_fabs(x);
   }
 };
-struct Exp {
+template <>
+struct UnaryOp<OpId::exp> {
   template <typename C>
   __device__ C operator()(C x) const {
     return d_exp(x);
   }
 };
-struct Log {
+template <>
+struct UnaryOp<OpId::log> {
   template <typename C>
   __device__ C operator()(C x) const {
     return d_log(x);
   }
 };
-struct Sqrt {
+template <>
+struct UnaryOp<OpId::sqrt> {
   template <typename C>
   __device__ C operator()(C x) const {
     return d_sqrt(x);
   }
 };
-struct Rsqrt {
+template <>
+struct UnaryOp<OpId::rsqrt> {
   template <typename C>
   __device__ C operator()(C x) const {
     return C(1) / d_sqrt(x);
   }
 };
-struct Tanh {
+template <>
+struct UnaryOp<OpId::tanh> {
   template <typename C>
   __device__ C operator()(C x) const {
     return d_tanh(x);
   }
 };
 // 1 / (1 + e^-x) through e = e^-|x| <= 1 (nothing overflows); NaN stays NaN.
-struct Sigmoid {
+template <>
+struct UnaryOp<OpId::sigmoid> {
   template <typename C>
   __device__ C operator()(C x) const {
     const C e = d_exp(-d_fabs(x));
@@ -88,27 +104,31 @@ struct Sigmoid {
   }
 };
 // max(x, 0); NaN and -0 stay.
-struct Relu {
+template <>
+struct UnaryOp<OpId::relu> {
   template <typename C>
   __device__ C operator()(C x) const {
     return x < C(0) ? C(0) : x;
   }
 };
 // Exact gelu: 0.5 x erfc(-x / sqrt2).
-struct Gelu {
+template <>
+struct UnaryOp<OpId::gelu> {
   template <typename C>
   __device__ C operator()(C x) const {
     return C(0.5) * x * d_erfc(-x * C(0.70710678118654752440));
   }
 };
-struct Erf {
+template <>
+struct UnaryOp<OpId::erf> {
   template <typename C>
   __device__ C operator()(C x) const {
     return d_erf(x);
   }
 };
 
-struct Add {
+template <>
+struct BinaryOp<OpId::add> {
   template <typename C>
   __device__ C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
@@ -119,7 +139,8 @@ struct Add {
     }
   }
 };
-struct Sub {
+template <>
+struct BinaryOp<OpId::sub> {
   template <typename C>
   __device__ C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
@@ -130,7 +151,8 @@ struct Sub {
     }
   }
 };
-struct Mul {
+template <>
+struct BinaryOp<OpId::mul> {
   template <typename C>
   __device__ C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
@@ -142,7 +164,8 @@ struct Mul {
   }
 };
 // Integer division truncates; x / 0 is 0; INT_MIN / -1 wraps.
-struct Div {
+template <>
+struct BinaryOp<OpId::div> {
   template <typename C>
   __device__ C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
@@ -155,7 +178,8 @@ struct Div {
   }
 };
 // NaN in either operand propagates (a NaN a is kept; a NaN b wins the comparison's else).
-struct Maximum {
+template <>
+struct BinaryOp<OpId::maximum> {
   template <typename C>
   __device__ C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>)
@@ -164,7 +188,8 @@ struct Maximum {
       return (a > b || a != a) ? a : b;
   }
 };
-struct Minimum {
+template <>
+struct BinaryOp<OpId::minimum> {
   template <typename C>
   __device__ C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>)
@@ -173,51 +198,59 @@ struct Minimum {
       return (a < b || a != a) ? a : b;
   }
 };
-struct Pow {
+template <>
+struct BinaryOp<OpId::pow> {
   template <typename C>
   __device__ C operator()(C a, C b) const {
     return d_pow(a, b);
   }
 };
 // relu_backward: g where relu's output y is positive, 0 elsewhere.
-struct ReluBackward {
+template <>
+struct BinaryOp<OpId::relu_backward> {
   template <typename C>
   __device__ C operator()(C y, C g) const {
     return y > C(0) ? g : C(0);
   }
 };
 
-struct Eq {
+template <>
+struct BinaryOp<OpId::equal> {
   template <typename C>
   __device__ bool operator()(C a, C b) const {
     return a == b;
   }
 };
-struct Ne {
+template <>
+struct BinaryOp<OpId::not_equal> {
   template <typename C>
   __device__ bool operator()(C a, C b) const {
     return a != b;
   }
 };
-struct Lt {
+template <>
+struct BinaryOp<OpId::less> {
   template <typename C>
   __device__ bool operator()(C a, C b) const {
     return a < b;
   }
 };
-struct Le {
+template <>
+struct BinaryOp<OpId::less_equal> {
   template <typename C>
   __device__ bool operator()(C a, C b) const {
     return a <= b;
   }
 };
-struct Gt {
+template <>
+struct BinaryOp<OpId::greater> {
   template <typename C>
   __device__ bool operator()(C a, C b) const {
     return a > b;
   }
 };
-struct Ge {
+template <>
+struct BinaryOp<OpId::greater_equal> {
   template <typename C>
   __device__ bool operator()(C a, C b) const {
     return a >= b;
@@ -372,108 +405,30 @@ void where_host(const Tensor& cond, const Tensor& a, const Tensor& b, const Tens
 
 // --- Registration --------------------------------------------------------------------------
 
-// Device storage types of the floating and integer dtypes.
-using F32 = float;
-using F16 = __half;
-using BF16 = __nv_bfloat16;
-using F64 = double;
-using I32 = std::int32_t;
-using I64 = std::int64_t;
-using U8 = std::uint8_t;
-
-template <typename T>
-DType dtype_code() {
-  if constexpr (std::is_same_v<T, F32>)
-    return kFloat32;
-  else if constexpr (std::is_same_v<T, F16>)
-    return kFloat16;
-  else if constexpr (std::is_same_v<T, BF16>)
-    return kBFloat16;
-  else if constexpr (std::is_same_v<T, F64>)
-    return kFloat64;
-  else if constexpr (std::is_same_v<T, I32>)
-    return kInt32;
-  else if constexpr (std::is_same_v<T, I64>)
-    return kInt64;
-  else
-    return kUInt8;
-}
-
-template <typename Op, typename... Ts>
-void reg_unary(OpId id) {
-  (register_kernel<kernels::UnaryFn>(id, DeviceType::CUDA, dtype_code<Ts>(), &unary_host<Ts, Op>),
-   ...);
-}
-
-template <typename Op, typename... Ts>
-void reg_binary(OpId id) {
-  (register_kernel<kernels::BinaryFn>(id, DeviceType::CUDA, dtype_code<Ts>(),
-                                      &binary_host<Ts, Ts, Op>),
-   ...);
-}
-
-// Comparisons for all 8 dtypes; bool compares as its byte.
-template <typename Op>
-void reg_compares(OpId id) {
-  auto reg = [id](DType d, kernels::BinaryFn* fn) {
-    register_kernel<kernels::BinaryFn>(id, DeviceType::CUDA, d, fn);
-  };
-  reg(kFloat32, &binary_host<F32, U8, Op>);
-  reg(kFloat16, &binary_host<F16, U8, Op>);
-  reg(kBFloat16, &binary_host<BF16, U8, Op>);
-  reg(kFloat64, &binary_host<F64, U8, Op>);
-  reg(kInt32, &binary_host<I32, U8, Op>);
-  reg(kInt64, &binary_host<I64, U8, Op>);
-  reg(kUInt8, &binary_host<U8, U8, Op>);
-  reg(kBool, &binary_host<U8, U8, Op>);
-}
-
-void reg_where() {
-  auto reg = [](DType d, kernels::WhereFn* fn) {
-    register_kernel<kernels::WhereFn>(OpId::where, DeviceType::CUDA, d, fn);
-  };
-  reg(kFloat32, &where_host<std::uint32_t>);
-  reg(kFloat16, &where_host<std::uint16_t>);
-  reg(kBFloat16, &where_host<std::uint16_t>);
-  reg(kFloat64, &where_host<std::uint64_t>);
-  reg(kInt32, &where_host<std::uint32_t>);
-  reg(kInt64, &where_host<std::uint64_t>);
-  reg(kUInt8, &where_host<std::uint8_t>);
-  reg(kBool, &where_host<std::uint8_t>);
-}
+// The output's storage type of binary op `op` on inputs of storage type T: T, or the bool
+// byte for the comparisons.
+template <OpId op, typename T>
+using binary_out_t = std::conditional_t<
+    std::is_same_v<decltype(BinaryOp<op>{}(compute_of<T>{}, compute_of<T>{})), bool>, std::uint8_t,
+    T>;
 
 }  // namespace
 
 void register_elementwise_kernels() {
-  reg_unary<Neg, F32, F16, BF16, F64, I32, I64>(OpId::neg);
-  reg_unary<Abs, F32, F16, BF16, F64, I32, I64>(OpId::abs);
-  reg_unary<Exp, F32, F16, BF16, F64>(OpId::exp);
-  reg_unary<Log, F32, F16, BF16, F64>(OpId::log);
-  reg_unary<Sqrt, F32, F16, BF16, F64>(OpId::sqrt);
-  reg_unary<Rsqrt, F32, F16, BF16, F64>(OpId::rsqrt);
-  reg_unary<Tanh, F32, F16, BF16, F64>(OpId::tanh);
-  reg_unary<Sigmoid, F32, F16, BF16, F64>(OpId::sigmoid);
-  reg_unary<Relu, F32, F16, BF16, F64>(OpId::relu);
-  reg_unary<Gelu, F32, F16, BF16, F64>(OpId::gelu);
-  reg_unary<Erf, F32, F16, BF16, F64>(OpId::erf);
-
-  reg_binary<Add, F32, F16, BF16, F64, I32, I64>(OpId::add);
-  reg_binary<Sub, F32, F16, BF16, F64, I32, I64>(OpId::sub);
-  reg_binary<Mul, F32, F16, BF16, F64, I32, I64>(OpId::mul);
-  reg_binary<Div, F32, F16, BF16, F64, I32, I64>(OpId::div);
-  reg_binary<Maximum, F32, F16, BF16, F64, I32, I64>(OpId::maximum);
-  reg_binary<Minimum, F32, F16, BF16, F64, I32, I64>(OpId::minimum);
-  reg_binary<Pow, F32, F16, BF16, F64>(OpId::pow);
-  reg_binary<ReluBackward, F32, F16, BF16, F64>(OpId::relu_backward);
-
-  reg_compares<Eq>(OpId::eq);
-  reg_compares<Ne>(OpId::ne);
-  reg_compares<Lt>(OpId::lt);
-  reg_compares<Le>(OpId::le);
-  reg_compares<Gt>(OpId::gt);
-  reg_compares<Ge>(OpId::ge);
-
-  reg_where();
+  for_each_op([]<OpId op>() {
+    if constexpr (op_info(op).kernel == "UnaryFn") {
+      register_op<op>(DeviceType::CUDA,
+                      []<DType::Code C>() { return &unary_host<dev_t<C>, UnaryOp<op>>; });
+    } else if constexpr (op_info(op).kernel == "BinaryFn") {
+      register_op<op>(DeviceType::CUDA, []<DType::Code C>() {
+        using T = dev_t<C>;
+        return &binary_host<T, binary_out_t<op, T>, BinaryOp<op>>;
+      });
+    }
+  });
+  // where moves bits: one kernel per item size.
+  register_op<OpId::where>(DeviceType::CUDA,
+                           []<DType::Code C>() { return &where_host<ubits_t<sizeof(dev_t<C>)>>; });
 }
 
 }  // namespace mixtape::cuda_backend

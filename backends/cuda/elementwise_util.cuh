@@ -11,13 +11,6 @@
 // merging are handled on the host, one launch per index of the leading dimensions.
 #pragma once
 
-// fmt 9 (through mixtape/core/tensor.h) turns its FMT_CONSTEXPR off under nvcc, which leaves
-// constexpr functions calling non-constexpr ones that g++ 12 rejects in C++20; with it on,
-// nvcc and the host compiler accept fmt. Must precede the first fmt include of the .cu file.
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
-
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -27,51 +20,12 @@
 
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
-#include "mixtape/core/dispatch.h"
-#include "mixtape/core/kernels.h"
+#include "mixtape/core/register_kernels.h"
 #include "mixtape/core/tensor.h"
 
 namespace mixtape::cuda_backend {
 
 // --- Element types ------------------------------------------------------------------------
-
-// The device storage type of each dtype; bool is handled as its byte (0 or 1).
-template <DType::Code C>
-struct DevElem;
-template <>
-struct DevElem<DType::Float32> {
-  using type = float;
-};
-template <>
-struct DevElem<DType::Float16> {
-  using type = __half;
-};
-template <>
-struct DevElem<DType::BFloat16> {
-  using type = __nv_bfloat16;
-};
-template <>
-struct DevElem<DType::Float64> {
-  using type = double;
-};
-template <>
-struct DevElem<DType::Int32> {
-  using type = std::int32_t;
-};
-template <>
-struct DevElem<DType::Int64> {
-  using type = std::int64_t;
-};
-template <>
-struct DevElem<DType::UInt8> {
-  using type = std::uint8_t;
-};
-template <>
-struct DevElem<DType::Bool> {
-  using type = std::uint8_t;
-};
-template <DType::Code C>
-using dev_t = typename DevElem<C>::type;
 
 // An unsigned integer of N bytes (N = 1, 2, 4 or 8), for kernels that only move elements.
 template <std::size_t N>

@@ -51,9 +51,8 @@
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "mixtape/core/cuda.h"
-#include "mixtape/core/dispatch.h"
 #include "mixtape/core/error.h"
-#include "mixtape/core/kernels.h"
+#include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -363,11 +362,7 @@ void gemm(const GemmArgs& g) {
 }  // namespace
 
 void register_gemm_kernels() {
-  constexpr auto cuda = DeviceType::CUDA;
-  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kFloat32, &gemm<DType::Float32>);
-  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kFloat16, &gemm<DType::Float16>);
-  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kBFloat16, &gemm<DType::BFloat16>);
-  register_kernel<kernels::GemmFn>(OpId::matmul, cuda, kFloat64, &gemm<DType::Float64>);
+  register_op<OpId::matmul>(DeviceType::CUDA, []<DType::Code C>() { return &gemm<C>; });
 }
 
 }  // namespace mixtape::cuda_backend

@@ -138,27 +138,17 @@ void index_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64
   MIXTAPE_CUDA_CHECK_LAUNCH("index_add kernel");
 }
 
-template <typename T>
-void reg(DType dtype) {
-  using Bits = ubits_t<sizeof(T)>;
-  static_assert(sizeof(Bits) == sizeof(T));
-  register_kernel<kernels::GatherFn>(OpId::gather, DeviceType::CUDA, dtype, &gather_host<Bits>);
-  register_kernel<kernels::ScatterAddFn>(OpId::scatter_add, DeviceType::CUDA, dtype,
-                                         &scatter_add_host<T>);
-  register_kernel<kernels::TakeFn>(OpId::take, DeviceType::CUDA, dtype, &take_host<Bits>);
-  register_kernel<kernels::IndexAddFn>(OpId::index_add, DeviceType::CUDA, dtype,
-                                       &index_add_host<T>);
-}
-
 }  // namespace
 
 void register_index_kernels() {
-  reg<float>(kFloat32);
-  reg<__half>(kFloat16);
-  reg<__nv_bfloat16>(kBFloat16);
-  reg<double>(kFloat64);
-  reg<std::int32_t>(kInt32);
-  reg<std::int64_t>(kInt64);
+  constexpr auto cuda = DeviceType::CUDA;
+  // gather and take move elements (one kernel per item size); the adjoints add.
+  register_op<OpId::gather>(
+      cuda, []<DType::Code C>() { return &gather_host<ubits_t<sizeof(dev_t<C>)>>; });
+  register_op<OpId::scatter_add>(cuda, []<DType::Code C>() { return &scatter_add_host<dev_t<C>>; });
+  register_op<OpId::take>(cuda,
+                          []<DType::Code C>() { return &take_host<ubits_t<sizeof(dev_t<C>)>>; });
+  register_op<OpId::index_add>(cuda, []<DType::Code C>() { return &index_add_host<dev_t<C>>; });
 }
 
 }  // namespace mixtape::cuda_backend

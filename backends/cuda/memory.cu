@@ -193,27 +193,15 @@ void cast_host(const Tensor& x, const Tensor& out) {
   }
 }
 
-// Registers copy, fill and cast for dtype C.
-template <DType::Code C>
-void register_dtype() {
-  using Bits = ubits_t<sizeof(dev_t<C>)>;
-  static_assert(sizeof(Bits) == sizeof(dev_t<C>));
-  register_kernel<kernels::CopyFn>(OpId::copy, DeviceType::CUDA, DType(C), &copy_host<Bits>);
-  register_kernel<kernels::FillFn>(OpId::fill, DeviceType::CUDA, DType(C), &fill_host<Bits>);
-  register_kernel<kernels::CastFn>(OpId::cast, DeviceType::CUDA, DType(C), &cast_host<C>);
-}
-
 }  // namespace
 
 void register_memory_kernels() {
-  register_dtype<DType::Float32>();
-  register_dtype<DType::Float16>();
-  register_dtype<DType::BFloat16>();
-  register_dtype<DType::Float64>();
-  register_dtype<DType::Int32>();
-  register_dtype<DType::Int64>();
-  register_dtype<DType::UInt8>();
-  register_dtype<DType::Bool>();
+  // copy and fill move bits: one kernel per item size.
+  register_op<OpId::copy>(DeviceType::CUDA,
+                          []<DType::Code C>() { return &copy_host<ubits_t<sizeof(dev_t<C>)>>; });
+  register_op<OpId::fill>(DeviceType::CUDA,
+                          []<DType::Code C>() { return &fill_host<ubits_t<sizeof(dev_t<C>)>>; });
+  register_op<OpId::cast>(DeviceType::CUDA, []<DType::Code C>() { return &cast_host<C>; });
 }
 
 }  // namespace mixtape::cuda_backend

@@ -256,25 +256,15 @@ void adam_host(const OptimizerUpdate& u) {
   MIXTAPE_CUDA_CHECK_LAUNCH("adam_update kernel");
 }
 
-template <typename T>
-void reg(DType dtype) {
-  register_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, DeviceType::CUDA, dtype,
-                                           &unscale_check_host<T>);
-  register_kernel<kernels::OptimizerUpdateFn>(OpId::sgd_update, DeviceType::CUDA, dtype,
-                                              &sgd_host<T>);
-  register_kernel<kernels::OptimizerUpdateFn>(OpId::rmsprop_update, DeviceType::CUDA, dtype,
-                                              &rmsprop_host<T>);
-  register_kernel<kernels::OptimizerUpdateFn>(OpId::adam_update, DeviceType::CUDA, dtype,
-                                              &adam_host<T>);
-}
-
 }  // namespace
 
 void register_optim_kernels() {
-  reg<float>(kFloat32);
-  reg<__half>(kFloat16);
-  reg<__nv_bfloat16>(kBFloat16);
-  reg<double>(kFloat64);
+  constexpr auto cuda = DeviceType::CUDA;
+  register_op<OpId::unscale_check>(cuda,
+                                   []<DType::Code C>() { return &unscale_check_host<dev_t<C>>; });
+  register_op<OpId::sgd_update>(cuda, []<DType::Code C>() { return &sgd_host<dev_t<C>>; });
+  register_op<OpId::rmsprop_update>(cuda, []<DType::Code C>() { return &rmsprop_host<dev_t<C>>; });
+  register_op<OpId::adam_update>(cuda, []<DType::Code C>() { return &adam_host<dev_t<C>>; });
 }
 
 }  // namespace mixtape::cuda_backend

@@ -15,13 +15,6 @@
 // Both backward kernels are gathers, one thread per input element, adding the windows that
 // cover it in the CPU's order: no atomics (windows overlap), deterministic results. The
 // max backward recomputes the argmax of each covering window (kh * kw work per window).
-//
-// fmt 9 switches off its constexpr support under nvcc, which GCC 12 then rejects in C++20
-// mode ("call to non-constexpr function" in fmt/core.h); the mixtape headers below include
-// fmt, so turn it back on (nvcc's host pass compiles those functions like GCC alone).
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -31,8 +24,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
-#include "mixtape/core/dispatch.h"
-#include "mixtape/core/kernels.h"
+#include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -267,25 +259,16 @@ void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tens
   MIXTAPE_CUDA_CHECK_LAUNCH("avg_pool_backward_kernel");
 }
 
-template <typename S>
-void register_for() {
-  constexpr DType dt = dtype_of<S>::value;
-  constexpr auto cuda = DeviceType::CUDA;
-  register_kernel<kernels::Pool2dFn>(OpId::max_pool2d, cuda, dt, &max_pool2d<S>);
-  register_kernel<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, cuda, dt,
-                                             &max_pool2d_backward<S>);
-  register_kernel<kernels::Pool2dFn>(OpId::avg_pool2d, cuda, dt, &avg_pool2d<S>);
-  register_kernel<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, cuda, dt,
-                                             &avg_pool2d_backward<S>);
-}
-
 }  // namespace
 
 void register_pool_kernels() {
-  register_for<float>();
-  register_for<half>();
-  register_for<bfloat16>();
-  register_for<double>();
+  constexpr auto cuda = DeviceType::CUDA;
+  register_op<OpId::max_pool2d>(cuda, []<DType::Code C>() { return &max_pool2d<element_t<C>>; });
+  register_op<OpId::max_pool2d_backward>(
+      cuda, []<DType::Code C>() { return &max_pool2d_backward<element_t<C>>; });
+  register_op<OpId::avg_pool2d>(cuda, []<DType::Code C>() { return &avg_pool2d<element_t<C>>; });
+  register_op<OpId::avg_pool2d_backward>(
+      cuda, []<DType::Code C>() { return &avg_pool2d_backward<element_t<C>>; });
 }
 
 }  // namespace mixtape::cuda_backend

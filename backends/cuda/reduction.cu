@@ -372,60 +372,19 @@ void softmax_host(const Tensor& x, const Tensor& out) {
   MIXTAPE_CUDA_CHECK_LAUNCH("softmax kernel");
 }
 
-// --- Registration --------------------------------------------------------------------------
-
-using F32 = float;
-using F16 = __half;
-using BF16 = __nv_bfloat16;
-using F64 = double;
-using I32 = std::int32_t;
-using I64 = std::int64_t;
-
-template <template <typename> class RT, bool kIntegers>
-void reg_reduce(OpId id) {
-  auto reg = [id](DType d, kernels::ReduceFn* fn) {
-    register_kernel<kernels::ReduceFn>(id, DeviceType::CUDA, d, fn);
-  };
-  reg(kFloat32, &reduce_host<F32, RT>);
-  reg(kFloat16, &reduce_host<F16, RT>);
-  reg(kBFloat16, &reduce_host<BF16, RT>);
-  reg(kFloat64, &reduce_host<F64, RT>);
-  if constexpr (kIntegers) {
-    reg(kInt32, &reduce_host<I32, RT>);
-    reg(kInt64, &reduce_host<I64, RT>);
-  }
-}
-
-void reg_argmax() {
-  auto reg = [](DType d, kernels::ReduceFn* fn) {
-    register_kernel<kernels::ReduceFn>(OpId::argmax, DeviceType::CUDA, d, fn);
-  };
-  reg(kFloat32, &reduce_host<F32, ArgmaxR, I64>);
-  reg(kFloat16, &reduce_host<F16, ArgmaxR, I64>);
-  reg(kBFloat16, &reduce_host<BF16, ArgmaxR, I64>);
-  reg(kFloat64, &reduce_host<F64, ArgmaxR, I64>);
-  reg(kInt32, &reduce_host<I32, ArgmaxR, I64>);
-  reg(kInt64, &reduce_host<I64, ArgmaxR, I64>);
-}
-
-template <typename T>
-void reg_softmax(DType d) {
-  register_kernel<kernels::RowFn>(OpId::softmax, DeviceType::CUDA, d, &softmax_host<T, false>);
-  register_kernel<kernels::RowFn>(OpId::log_softmax, DeviceType::CUDA, d, &softmax_host<T, true>);
-}
-
 }  // namespace
 
 void register_reduction_kernels() {
-  reg_reduce<SumR, true>(OpId::sum);
-  reg_reduce<MeanR, false>(OpId::mean);
-  reg_reduce<MaxR, true>(OpId::max);
-  reg_reduce<MinR, true>(OpId::min);
-  reg_argmax();
-  reg_softmax<F32>(kFloat32);
-  reg_softmax<F16>(kFloat16);
-  reg_softmax<BF16>(kBFloat16);
-  reg_softmax<F64>(kFloat64);
+  constexpr auto cuda = DeviceType::CUDA;
+  register_op<OpId::sum>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, SumR>; });
+  register_op<OpId::mean>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, MeanR>; });
+  register_op<OpId::max>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, MaxR>; });
+  register_op<OpId::min>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, MinR>; });
+  register_op<OpId::argmax>(
+      cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, ArgmaxR, std::int64_t>; });
+  register_op<OpId::softmax>(cuda, []<DType::Code C>() { return &softmax_host<dev_t<C>, false>; });
+  register_op<OpId::log_softmax>(cuda,
+                                 []<DType::Code C>() { return &softmax_host<dev_t<C>, true>; });
 }
 
 }  // namespace mixtape::cuda_backend

@@ -559,9 +559,9 @@ TEST_CASE("cuda comparisons: every dtype, bool output", "[cuda]") {
     Tensor (*fn)(const Tensor&, const Tensor&);
   };
   const std::vector<Cmp> cmps = {
-      {"eq", OpId::eq, &mt::equal},   {"ne", OpId::ne, &mt::not_equal},
-      {"lt", OpId::lt, &mt::less},    {"le", OpId::le, &mt::less_equal},
-      {"gt", OpId::gt, &mt::greater}, {"ge", OpId::ge, &mt::greater_equal}};
+      {"eq", OpId::equal, &mt::equal},     {"ne", OpId::not_equal, &mt::not_equal},
+      {"lt", OpId::less, &mt::less},       {"le", OpId::less_equal, &mt::less_equal},
+      {"gt", OpId::greater, &mt::greater}, {"ge", OpId::greater_equal, &mt::greater_equal}};
   std::uint64_t seed = 3000;
   for (DType dt : kAllTypes) {
     // b equals a in about half of the places, so that eq / le / ge see ties.

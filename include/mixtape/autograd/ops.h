@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "mixtape/core/op_table.h"
 #include "mixtape/core/tensor.h"
 
 namespace mixtape {
@@ -42,18 +43,12 @@ Tensor operator/(double a, const Tensor& b);
 Tensor operator-(const Tensor& a);
 
 // --- Unary math ------------------------------------------------------------------------
-Tensor neg(const Tensor& x);
-Tensor abs(const Tensor& x);
-Tensor exp(const Tensor& x);
-Tensor log(const Tensor& x);
-Tensor sqrt(const Tensor& x);
-Tensor rsqrt(const Tensor& x);
-Tensor square(const Tensor& x);
-Tensor tanh(const Tensor& x);
-Tensor sigmoid(const Tensor& x);
-Tensor relu(const Tensor& x);
-Tensor gelu(const Tensor& x);  // exact: x * Phi(x)
-Tensor erf(const Tensor& x);
+// One function per unary elementwise op of the op table (mixtape/core/op_table.h says what
+// each computes): neg, abs, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu (exact), erf.
+#define MIXTAPE_DECLARE_UNARY_OP(name, ...) Tensor name(const Tensor& x);
+MIXTAPE_UNARY_OP_TABLE(MIXTAPE_DECLARE_UNARY_OP)
+#undef MIXTAPE_DECLARE_UNARY_OP
+Tensor square(const Tensor& x);  // x * x
 
 // --- Comparisons and selection (bool results; not differentiable) ---------------------
 Tensor equal(const Tensor& a, const Tensor& b);

@@ -2,46 +2,57 @@
 // into. Ops look their kernel up here; a missing entry is a KernelNotFoundError naming
 // the op, the device and the dtype, and listing the dtypes that do have a kernel.
 //
-// Every op id has one kernel signature (mixtape/core/kernels.h says which), and the
-// table checks it when registering and when looking up.
+// The ops, their kernel signatures and the dtypes each backend must cover are the op
+// table's (mixtape/core/op_table.h). Registration checks a kernel's signature against the
+// table; once the backends have registered, every (op, dtype) the table requires must
+// have a kernel on each of them, or the first use of mixtape throws an Error naming what
+// is missing. Backends register through mixtape/core/register_kernels.h.
 #pragma once
 
 #include <cstdint>
+#include <iterator>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <typeinfo>
 
 #include "mixtape/core/device.h"
 #include "mixtape/core/dtype.h"
+#include "mixtape/core/op_table.h"
 
 namespace mixtape {
 
-// clang-format off
-#define MIXTAPE_FOR_EACH_OP(X)                                                        \
-  /* memory */ X(copy) X(fill) X(cast)                                                \
-  /* unary */ X(neg) X(abs) X(exp) X(log) X(sqrt) X(rsqrt) X(tanh) X(sigmoid) X(relu)  \
-  X(gelu) X(erf)                                                                      \
-  /* binary arithmetic */ X(add) X(sub) X(mul) X(div) X(maximum) X(minimum) X(pow)    \
-  X(relu_backward)                                                                    \
-  /* comparisons (bool output) */ X(eq) X(ne) X(lt) X(le) X(gt) X(ge)                 \
-  /* selection */ X(where) X(gather) X(scatter_add)                                   \
-  /* reductions */ X(sum) X(mean) X(max) X(min) X(argmax)                             \
-  /* rows */ X(softmax) X(log_softmax)                                                \
-  /* linear algebra */ X(matmul)                                                      \
-  /* convolution and pooling (NHWC) */ X(conv2d) X(conv2d_backward_input)             \
-  X(conv2d_backward_weight) X(max_pool2d) X(max_pool2d_backward) X(avg_pool2d)        \
-  X(avg_pool2d_backward)                                                              \
-  /* rows of an axis */ X(take) X(index_add)                                          \
-  /* training */ X(unscale_check) X(sgd_update) X(rmsprop_update) X(adam_update)
-// clang-format on
-
 enum class OpId : std::uint16_t {
-#define MIXTAPE_OP_ENUM(name) name,
-  MIXTAPE_FOR_EACH_OP(MIXTAPE_OP_ENUM)
+#define MIXTAPE_OP_ENUM(name, ...) name,
+  MIXTAPE_OP_TABLE(MIXTAPE_OP_ENUM)
 #undef MIXTAPE_OP_ENUM
       kCount
 };
+inline constexpr int kOpCount = static_cast<int>(OpId::kCount);
 
-const char* op_name(OpId op);
+// What the op table says of an op.
+struct OpInfo {
+  const char* name;
+  std::string_view kernel;  // the name of its kernel signature: "UnaryFn", ..., "NoKernel"
+  bool has_kernel;          // false for views and compositions (NoKernel)
+  DTypeSet dtypes;          // the dtypes every backend must have a kernel for
+  bool differentiable;      // records a backward rule
+};
+
+namespace detail {
+inline constexpr OpInfo kOpInfos[] = {
+#define MIXTAPE_OP_INFO(name, kernel, dtypes, amp, grad) \
+  {#name, #kernel, std::string_view(#kernel) != "NoKernel", dtype_sets::dtypes, grad},
+    MIXTAPE_OP_TABLE(MIXTAPE_OP_INFO)
+#undef MIXTAPE_OP_INFO
+};
+static_assert(std::size(kOpInfos) == kOpCount);
+}  // namespace detail
+
+constexpr const OpInfo& op_info(OpId op) { return detail::kOpInfos[static_cast<std::size_t>(op)]; }
+constexpr const char* op_name(OpId op) { return op_info(op).name; }
+// The op of a name of the table; nullopt when there is none.
+std::optional<OpId> op_by_name(std::string_view name);
 
 namespace detail {
 using AnyKernel = void (*)();
@@ -66,7 +77,8 @@ Fn* find_kernel(OpId op, DeviceType device, DType dtype) {
   return reinterpret_cast<Fn*>(detail::lookup_kernel(op, device, dtype, typeid(Fn*)));
 }
 
-// A printable table of what is registered (op x dtype, per device type).
+// A printable table of what is registered (op x dtype, per device type), for the ops that
+// have kernels.
 std::string kernel_table();
 
 }  // namespace mixtape

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 
@@ -58,6 +59,41 @@ inline constexpr DType kInt32{DType::Int32};
 inline constexpr DType kInt64{DType::Int64};
 inline constexpr DType kUInt8{DType::UInt8};
 inline constexpr DType kBool{DType::Bool};
+
+// A set of dtypes (a bit per code), usable in constant expressions: the dtypes an op's
+// kernels must cover (mixtape/core/op_table.h), the dtypes a backend registered.
+class DTypeSet {
+ public:
+  constexpr DTypeSet() = default;
+  constexpr DTypeSet(std::initializer_list<DType> dtypes) {
+    for (DType d : dtypes) bits_ |= bit(d);
+  }
+  constexpr bool contains(DType d) const { return (bits_ & bit(d)) != 0; }
+  constexpr bool empty() const { return bits_ == 0; }
+  constexpr int size() const { return __builtin_popcount(bits_); }
+  constexpr DTypeSet with(DType d) const {
+    return DTypeSet(static_cast<std::uint16_t>(bits_ | bit(d)));
+  }
+  friend constexpr bool operator==(DTypeSet a, DTypeSet b) { return a.bits_ == b.bits_; }
+  // "float32, float16" in code order; "none" when empty.
+  std::string str() const;
+
+ private:
+  constexpr explicit DTypeSet(std::uint16_t bits) : bits_(bits) {}
+  static constexpr std::uint16_t bit(DType d) {
+    return static_cast<std::uint16_t>(1u << d.index());
+  }
+  std::uint16_t bits_ = 0;
+};
+
+// The dtype sets the op table names.
+namespace dtype_sets {
+inline constexpr DTypeSet None{};
+inline constexpr DTypeSet Floating{kFloat32, kFloat16, kBFloat16, kFloat64};
+inline constexpr DTypeSet Numeric{kFloat32, kFloat16, kBFloat16, kFloat64, kInt32, kInt64};
+inline constexpr DTypeSet All{kFloat32, kFloat16, kBFloat16, kFloat64,
+                              kInt32,   kInt64,   kUInt8,    kBool};
+}  // namespace dtype_sets
 
 // Promotion for binary ops. Equal dtypes stay; two floating dtypes promote to the
 // wider one, and float16 with bfloat16 (neither holds the other) gives float32; an

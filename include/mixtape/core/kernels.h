@@ -16,6 +16,10 @@
 
 namespace mixtape::kernels {
 
+// The "signature" of the op table's ops that have no kernel of their own (views,
+// compositions); nothing is registered with it.
+using NoKernel = void();
+
 // copy: src (any strides) -> dst (contiguous), same shape and dtype. Keyed on the dtype.
 using CopyFn = void(const Tensor& src, const Tensor& dst);
 // fill: every element of out (contiguous) = value. Keyed on out's dtype.

@@ -21,48 +21,13 @@
 
 #include "mixtape/core/device.h"
 #include "mixtape/core/dtype.h"
+#include "mixtape/core/element_type.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/half.h"
 #include "mixtape/core/shape.h"
 #include "mixtape/core/storage.h"
 
 namespace mixtape {
-
-// The C++ type that holds one element of a dtype, and back.
-template <typename T>
-struct dtype_of;
-template <>
-struct dtype_of<float> {
-  static constexpr DType value = kFloat32;
-};
-template <>
-struct dtype_of<half> {
-  static constexpr DType value = kFloat16;
-};
-template <>
-struct dtype_of<bfloat16> {
-  static constexpr DType value = kBFloat16;
-};
-template <>
-struct dtype_of<double> {
-  static constexpr DType value = kFloat64;
-};
-template <>
-struct dtype_of<std::int32_t> {
-  static constexpr DType value = kInt32;
-};
-template <>
-struct dtype_of<std::int64_t> {
-  static constexpr DType value = kInt64;
-};
-template <>
-struct dtype_of<std::uint8_t> {
-  static constexpr DType value = kUInt8;
-};
-template <>
-struct dtype_of<bool> {
-  static constexpr DType value = kBool;
-};
 
 // Named, trainable state attached to a tensor that is a Variable.
 struct VariableInfo {
