@@ -139,13 +139,11 @@ Tensor empty_poisoned(const Shape& shape, DType dt) {
 
 // --- take / index_add ----------------------------------------------------------------------
 
-// a + b as index_add defines it: in the dtype, 16-bit floats through float32 rounded back,
-// integers wrapping.
+// a + b as index_add adds: integers wrapping, floats as they are (16-bit floats are added
+// in float32, their sums rounded once).
 template <typename T>
 T add_in_dtype(T a, T b) {
-  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
-    return T(static_cast<float>(a) + static_cast<float>(b));
-  } else if constexpr (std::is_integral_v<T>) {
+  if constexpr (std::is_integral_v<T>) {
     using U = std::make_unsigned_t<T>;
     return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
   } else {
@@ -225,19 +223,25 @@ TEST_CASE("index_add: rows added in order against a naive loop", "[optim_kernels
                             -1000, 1000);
         Tensor index = random_index(g.k, g.n);
         Tensor out = random({std::max<int64_t>(g.outer, 1), g.n, g.inner}, dt, -1000, 1000);
-        // The reference: the same additions in the same order, in the dtype.
+        // The reference: the same additions in the same order, in the dtype (16-bit floats:
+        // in float32, each sum rounded once at the end).
         std::vector<std::uint8_t> expected = bytes(out);
         const auto* ip = static_cast<const int64_t*>(index.data_ptr());
         with_type(dt, [&](auto tag) {
           using T = decltype(tag);
+          using A =
+              std::conditional_t<std::is_same_v<T, half> || std::is_same_v<T, bfloat16>, float, T>;
           auto* e = reinterpret_cast<T*>(expected.data());
           const auto* s = static_cast<const T*>(src.data_ptr());
+          std::vector<A> acc(static_cast<std::size_t>(out.numel()));
+          for (std::size_t q = 0; q < acc.size(); ++q) acc[q] = static_cast<A>(e[q]);
           for (int64_t o = 0; o < g.outer; ++o)
             for (int64_t j = 0; j < g.k; ++j)
               for (int64_t i = 0; i < g.inner; ++i) {
-                T& d = e[(o * g.n + ip[j]) * g.inner + i];
-                d = add_in_dtype(d, s[(o * g.k + j) * g.inner + i]);
+                A& d = acc[static_cast<std::size_t>((o * g.n + ip[j]) * g.inner + i)];
+                d = add_in_dtype(d, static_cast<A>(s[(o * g.k + j) * g.inner + i]));
               }
+          for (std::size_t q = 0; q < acc.size(); ++q) e[q] = T(acc[q]);
         });
         kernel<kernels::IndexAddFn>(OpId::index_add, dt)(src, index, g.outer, g.n, g.k, g.inner,
                                                          out);

@@ -43,13 +43,18 @@ void gather_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t 
   }
 }
 
-// a + b in the dtype (wrapping for integers, through float32 for 16-bit floats).
-template <typename T>
-T add(T a, T b) {
-  if constexpr (kReduced<T>)
-    return T(static_cast<float>(a) + static_cast<float>(b));
-  else
-    return wrap_add(a, b);
+// For 16-bit floats, scatter_add and index_add run their float32 kernel on float32 copies
+// of src and out, and round each result once: added in 16 bits, an element that receives
+// several rows would be rounded after every add (the reduced-precision kernels compute and
+// accumulate in float32, mixtape/core/kernels.h).
+template <typename T, typename Float32Kernel>
+void accumulate_in_float32(const Tensor& src, const Tensor& out, Float32Kernel&& kernel) {
+  Tensor s = Tensor::empty(src.shape(), kFloat32, src.device());
+  Tensor o = Tensor::empty(out.shape(), kFloat32, out.device());
+  to_float(static_cast<const T*>(src.data_ptr()), s.data<float>(), src.numel());
+  to_float(static_cast<const T*>(out.data_ptr()), o.data<float>(), out.numel());
+  kernel(s, o);
+  from_float(o.data<float>(), static_cast<T*>(out.data_ptr()), out.numel());
 }
 
 template <typename T>
@@ -70,7 +75,7 @@ void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, i
       const int64_t row = (o * k + j) * inner;
       for (int64_t i = c0; i < c1; ++i) {
         T& d = dst[ip[row + i] * inner + i];
-        d = add(d, sp[row + i]);
+        d = wrap_add(d, sp[row + i]);
       }
     }
   }
@@ -106,19 +111,10 @@ void take_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t n,
   }
 }
 
-// dst[i] += src[i] for i < len (len <= kBlock), in the dtype: 16-bit floats through
-// float32 stack buffers, rounded back once per call; integers wrap.
+// dst[i] += src[i] for i < len (integers wrap).
 template <typename T>
 void add_row(T* __restrict dst, const T* __restrict src, int64_t len) {
-  if constexpr (kReduced<T>) {
-    float d[kBlock], s[kBlock];
-    to_float(dst, d, len);
-    to_float(src, s, len);
-    for (int64_t i = 0; i < len; ++i) d[i] += s[i];
-    from_float(d, dst, len);
-  } else {
-    for (int64_t i = 0; i < len; ++i) dst[i] = wrap_add(dst[i], src[i]);
-  }
+  for (int64_t i = 0; i < len; ++i) dst[i] = wrap_add(dst[i], src[i]);
 }
 
 // index_add: out[o, index[j], :] += src[o, j, :] in the order of j. Tasks are (o, column
@@ -153,6 +149,29 @@ void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int
   }
 }
 
+// The kernels registered: T's, or float32's on copies for 16-bit floats.
+template <typename T>
+void scatter_add_any(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                     int64_t inner, const Tensor& out) {
+  if constexpr (kReduced<T>)
+    accumulate_in_float32<T>(src, out, [&](const Tensor& s, const Tensor& o) {
+      scatter_add_kernel<float>(s, index, outer, n, k, inner, o);
+    });
+  else
+    scatter_add_kernel<T>(src, index, outer, n, k, inner, out);
+}
+
+template <typename T>
+void index_add_any(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                   int64_t inner, const Tensor& out) {
+  if constexpr (kReduced<T>)
+    accumulate_in_float32<T>(src, out, [&](const Tensor& s, const Tensor& o) {
+      index_add_kernel<float>(s, index, outer, n, k, inner, o);
+    });
+  else
+    index_add_kernel<T>(src, index, outer, n, k, inner, out);
+}
+
 }  // namespace
 
 void register_index_kernels() {
@@ -161,11 +180,10 @@ void register_index_kernels() {
   register_op<OpId::gather>(
       cpu, []<DType::Code C>() { return &gather_kernel<bits_t<sizeof(element_t<C>)>>; });
   register_op<OpId::scatter_add>(cpu,
-                                 []<DType::Code C>() { return &scatter_add_kernel<element_t<C>>; });
+                                 []<DType::Code C>() { return &scatter_add_any<element_t<C>>; });
   register_op<OpId::take>(
       cpu, []<DType::Code C>() { return &take_kernel<bits_t<sizeof(element_t<C>)>>; });
-  register_op<OpId::index_add>(cpu,
-                               []<DType::Code C>() { return &index_add_kernel<element_t<C>>; });
+  register_op<OpId::index_add>(cpu, []<DType::Code C>() { return &index_add_any<element_t<C>>; });
 }
 
 }  // namespace mixtape::cpu
