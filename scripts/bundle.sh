@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds a relocatable bundle of the CUDA test suite and the MNIST trainer, for a GPU machine that has the NVIDIA driver and the CUDA 13 runtime libraries
+# Builds a relocatable bundle of the conformance sweep, the CUDA test suite and the MNIST
+# trainer, for a GPU machine that has the NVIDIA driver and the CUDA 13 runtime libraries
 # (cudart, cuBLAS, cuBLASLt; cuDNN 9) but no compiler toolchain or Debian packages: the
 # binaries are built here, and the shared libraries they need beyond glibc and CUDA
 # (OpenBLAS, libgfortran, libgomp, fmt, spdlog, zlib) are copied beside them.
@@ -9,7 +10,8 @@
 # Default output: build-bundle/mixtape-bundle.tar.xz. On the GPU machine:
 #
 #   tar -xJf mixtape-bundle.tar.xz && cd mixtape-bundle
-#   ./run.sh mixtape_cuda_tests             # the CUDA conformance suite
+#   ./run.sh mixtape-ops                    # every kernel of every backend against the CPU
+#   ./run.sh mixtape_cuda_tests             # the CUDA test suite
 #   ./run.sh mixtape-mnist --device cuda --data-dir data
 #
 # run.sh puts the bundle's lib/ and the CUDA / cuDNN library folders it finds on
@@ -35,11 +37,11 @@ command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]] || {
 
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DMIXTAPE_CUDA=ON -DMIXTAPE_ONEDNN=OFF \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DMIXTAPE_BUILD_BENCHMARKS=OFF "$@"
-cmake --build "$build_dir" --parallel "$(nproc)" --target mixtape_cuda_tests mixtape-mnist
+cmake --build "$build_dir" --parallel "$(nproc)" --target mixtape-ops mixtape_cuda_tests mixtape-mnist
 
 rm -rf "$stage"
 mkdir -p "$stage/bin" "$stage/lib"
-for target in mixtape_cuda_tests mixtape-mnist; do
+for target in mixtape-ops mixtape_cuda_tests mixtape-mnist; do
   bin="$(find "$build_dir" -type f -name "$target" -perm -u+x -print -quit)"
   [[ -n "$bin" ]] || { echo "bundle.sh: $target was not built" >&2; exit 1; }
   cp "$bin" "$stage/bin/"

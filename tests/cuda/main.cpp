@@ -1,4 +1,4 @@
-// The CUDA test executable (CTest: cuda.conformance). Without a usable GPU it prints why
+// The CUDA test executable (CTest: cuda.suite). Without a usable GPU it prints why
 // and exits 77, which CTest reports as skipped; with one it runs every CUDA test case.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>

@@ -1,0 +1,706 @@
+// The sweep's drivers: one per kernel signature of the op table, each running the kernel of
+// (op, dtype) on the device under test and the CPU's float64 kernel of the op on the same
+// values (tests/conformance/conformance.h). Op-specific knowledge is limited to input
+// domains (positive inputs for log, denominators away from zero, ...): a new op of an
+// existing signature is swept without a line here.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "mixtape/core/kernels.h"
+#include "tests/conformance/conformance.h"
+
+namespace mixtape::conformance {
+namespace {
+
+using std::int64_t;
+using Pair = Context::Pair;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+bool is(const Context& c, const char* kernel) { return op_info(c.op()).kernel == kernel; }
+
+std::string shape_name(const Shape& s) { return s.str(); }
+
+// --- Elementwise ---------------------------------------------------------------------------
+
+// Where the values of a unary op's input come from.
+struct Domain {
+  double lo, hi;
+};
+Domain unary_domain(const Context& c) {
+  if (!c.dtype().is_floating()) return {-20, 20};
+  switch (c.op()) {
+    case OpId::log:
+    case OpId::sqrt:
+    case OpId::rsqrt:
+      return {0.05, 5.0};
+    case OpId::exp:
+      return {-5.0, 5.0};
+    default:
+      return {-3.0, 3.0};
+  }
+}
+
+const std::vector<Shape>& elementwise_shapes() {
+  static const std::vector<Shape> shapes{{}, {0}, {1}, {7}, {3, 5}, {2, 0, 3}, {1031}, {70001}};
+  return shapes;
+}
+
+// Special values: NaN, infinities, signed zeros, and values that overflow 16 bits.
+const std::vector<double>& special_values() {
+  static const std::vector<double> v{kNaN, kInf, -kInf, 0.0, -0.0, 1.0, -2.0, 0.5, 100.0, 7e4};
+  return v;
+}
+
+void unary(Context& c) {
+  auto* fn = tested_kernel<kernels::UnaryFn>(c);
+  auto* ref = reference_kernel<kernels::UnaryFn>(c);
+  const Domain d = unary_domain(c);
+  auto run = [&](const std::string& what, const Pair& x) {
+    const Pair out = c.output(x.tested.shape());
+    if (x.tested.numel() > 0) {
+      fn(x.tested, out.tested);
+      ref(x.ref, out.ref);
+    }
+    c.expect_close(what, out.tested, out.ref);
+  };
+  for (const Shape& s : elementwise_shapes())
+    run("shape " + shape_name(s), c.uniform(s, d.lo, d.hi));
+  if (c.dtype().is_floating()) {
+    const auto& v = special_values();
+    std::size_t i = 0;
+    run("special values", c.make({static_cast<int64_t>(v.size())}, [&] { return v[i++]; }));
+  }
+}
+
+// The inputs of a binary op: a, b and the output's shape.
+struct BinaryShapes {
+  Shape a, b;
+};
+const std::vector<BinaryShapes>& binary_shapes() {
+  static const std::vector<BinaryShapes> shapes{
+      {{3, 5}, {3, 5}},   {{3, 1}, {1, 5}},   {{2, 3, 4}, {4}}, {{7}, {}},
+      {{}, {}},           {{0, 5}, {5}},      {{5, 1}, {5, 0}}, {{1031}, {1031}},
+      {{70001}, {70001}}, {{4, 1, 6}, {3, 1}}};
+  return shapes;
+}
+
+Shape broadcast_shape(const Shape& a, const Shape& b) {
+  const std::size_t rank = std::max(a.rank(), b.rank());
+  std::vector<int64_t> dims(rank, 1);
+  for (std::size_t i = 0; i < rank; ++i) {
+    const int64_t da = i < rank - a.rank() ? 1 : a.dim(static_cast<int>(i - (rank - a.rank())));
+    const int64_t db = i < rank - b.rank() ? 1 : b.dim(static_cast<int>(i - (rank - b.rank())));
+    dims[i] = da == 1 ? db : da;
+  }
+  return Shape(dims);
+}
+
+bool is_comparison(const Context& c) {
+  switch (c.op()) {
+    case OpId::equal:
+    case OpId::not_equal:
+    case OpId::less:
+    case OpId::less_equal:
+    case OpId::greater:
+    case OpId::greater_equal:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void binary(Context& c) {
+  auto* fn = tested_kernel<kernels::BinaryFn>(c);
+  auto* ref = reference_kernel<kernels::BinaryFn>(c);
+  const bool floating = c.dtype().is_floating();
+  const bool comparison = is_comparison(c);
+  const bool divides = c.op() == OpId::div;
+  // Operand values: few distinct ones for comparisons (so that ties happen), bases > 0
+  // and moderate exponents for pow, denominators away from zero.
+  auto draw_a = [&]() -> double {
+    if (comparison) return static_cast<double>(c.integer(-2, 2)) * 0.5;
+    if (c.op() == OpId::pow) return c.uniform(0.1, 3.0);
+    if (c.op() == OpId::relu_backward) return c.integer(0, 3) == 0 ? 0.0 : c.uniform(-1.0, 1.0);
+    return floating ? c.uniform(-3.0, 3.0) : c.uniform(-20, 20);
+  };
+  auto draw_b = [&]() -> double {
+    if (comparison) return static_cast<double>(c.integer(-2, 2)) * 0.5;
+    if (c.op() == OpId::pow) return c.uniform(-2.0, 2.0);
+    if (divides) {
+      const double sign = c.integer(0, 1) ? 1.0 : -1.0;
+      return floating ? sign * c.uniform(0.5, 2.0) : sign * static_cast<double>(c.integer(1, 7));
+    }
+    return floating ? c.uniform(-3.0, 3.0) : c.uniform(-20, 20);
+  };
+  const DType out_dtype = comparison ? kBool : c.dtype();
+  auto run = [&](const std::string& what, const Pair& a, const Pair& b) {
+    const Shape shape = broadcast_shape(a.tested.shape(), b.tested.shape());
+    const Pair out = comparison ? c.output(shape, kBool) : c.output(shape);
+    if (shape.numel() > 0) {
+      const Pair av = Context::broadcast(a, shape), bv = Context::broadcast(b, shape);
+      fn(av.tested, bv.tested, out.tested);
+      ref(av.ref, bv.ref, out.ref);
+    }
+    // Integer quotients truncate toward zero.
+    c.expect_close(what, out.tested, out.ref, {}, divides && !floating);
+  };
+  (void)out_dtype;
+  for (const auto& s : binary_shapes())
+    run(fmt::format("shapes {} and {}", shape_name(s.a), shape_name(s.b)), c.make(s.a, draw_a),
+        c.make(s.b, draw_b));
+  // Strided operands: a transposed view and a view taking every other element.
+  {
+    const Pair base = c.make({5, 3}, draw_a);
+    run("a transposed view", Context::view(base, {3, 5}, Strides({1, 3})), c.make({3, 5}, draw_b));
+    const Pair every_other = c.make({20}, draw_b);
+    run("a view of stride 2", c.make({10}, draw_a),
+        Context::view(every_other, {10}, Strides({2}), 1));
+  }
+  if (floating) {
+    // Every pair of special values.
+    const auto& v = special_values();
+    const auto n = static_cast<int64_t>(v.size());
+    std::size_t i = 0, j = 0;
+    const Pair a = c.make({n, 1}, [&] { return v[i++]; });
+    const Pair b = c.make({1, n}, [&] { return v[j++]; });
+    run("special values", a, b);
+  }
+}
+
+void where(Context& c) {
+  auto* fn = tested_kernel<kernels::WhereFn>(c);
+  auto* ref = reference_kernel<kernels::WhereFn>(c);
+  struct Shapes {
+    Shape cond, a, b;
+  };
+  const std::vector<Shapes> cases{{{7}, {7}, {7}},
+                                  {{3, 1}, {1, 5}, {3, 5}},
+                                  {{}, {4, 2}, {2}},
+                                  {{0, 3}, {3}, {1}},
+                                  {{1031}, {1031}, {}}};
+  for (const auto& s : cases) {
+    const Pair cond = c.make(
+        s.cond, [&] { return static_cast<double>(c.integer(0, 1)); }, kBool);
+    const Pair a = c.uniform(s.a, -3.0, 3.0), b = c.uniform(s.b, -3.0, 3.0);
+    const Shape shape = broadcast_shape(broadcast_shape(s.cond, s.a), s.b);
+    const Pair out = c.output(shape);
+    if (shape.numel() > 0) {
+      const Pair cv = Context::broadcast(cond, shape), av = Context::broadcast(a, shape),
+                 bv = Context::broadcast(b, shape);
+      fn(cv.tested, av.tested, bv.tested, out.tested);
+      ref(cv.ref, av.ref, bv.ref, out.ref);
+    }
+    c.expect_equal(
+        fmt::format("shapes {}, {}, {}", shape_name(s.cond), shape_name(s.a), shape_name(s.b)),
+        out.tested, out.ref);
+  }
+}
+
+// --- Reductions and rows -------------------------------------------------------------------
+
+void reduce(Context& c) {
+  auto* fn = tested_kernel<kernels::ReduceFn>(c);
+  auto* ref = reference_kernel<kernels::ReduceFn>(c);
+  const bool argmax = c.op() == OpId::argmax;
+  // max, min and argmax see few distinct values, so that ties (the first index wins) happen.
+  const bool coarse = argmax || c.op() == OpId::max || c.op() == OpId::min;
+  struct Extents {
+    int64_t outer, n, inner;
+  };
+  const std::vector<Extents> cases{{1, 1, 1},    {1, 7, 1}, {3, 5, 4}, {2, 1000, 3},
+                                   {1, 4099, 1}, {5, 1, 7}, {0, 3, 2}, {4, 33, 0}};
+  for (const auto& e : cases) {
+    const Pair x = c.make({e.outer * e.n * e.inner}, [&] {
+      return coarse ? static_cast<double>(c.integer(-3, 3)) : c.uniform(-1.0, 1.0);
+    });
+    const Shape out_shape{e.outer * e.inner};
+    const Pair out = argmax ? c.output(out_shape, kInt64) : c.output(out_shape);
+    if (out_shape.numel() > 0) {
+      fn(x.tested, e.outer, e.n, e.inner, out.tested);
+      ref(x.ref, e.outer, e.n, e.inner, out.ref);
+    }
+    c.expect_close(fmt::format("[outer {}, n {}, inner {}]", e.outer, e.n, e.inner), out.tested,
+                   out.ref, {static_cast<double>(e.n), 0.0});
+  }
+}
+
+void rows(Context& c) {
+  auto* fn = tested_kernel<kernels::RowFn>(c);
+  auto* ref = reference_kernel<kernels::RowFn>(c);
+  const bool log = c.op() == OpId::log_softmax;
+  const std::vector<Shape> shapes{{3, 5}, {1, 4099}, {0, 5}, {64, 10}, {7, 1}, {2, 3, 33}};
+  for (const Shape& s : shapes) {
+    const Pair x = c.uniform(s, -5.0, 5.0);
+    const Pair out = c.output(s);
+    if (s.numel() > 0) {
+      fn(x.tested, out.tested);
+      ref(x.ref, out.ref);
+    }
+    // Row sums: a relative error for softmax, an absolute one (through the log) for
+    // log_softmax, both growing with the row's length.
+    const auto cols = static_cast<double>(s.dim(-1));
+    c.expect_close("shape " + shape_name(s), out.tested, out.ref,
+                   log ? Scale{cols + 5.0, 0.0} : Scale{0.0, cols});
+  }
+}
+
+// --- Indexing --------------------------------------------------------------------------------
+
+struct IndexExtents {
+  int64_t outer, n, k, inner;
+};
+const std::vector<IndexExtents>& index_cases() {
+  static const std::vector<IndexExtents> cases{{1, 5, 3, 1}, {2, 7, 11, 3}, {3, 1, 4, 2},
+                                               {0, 4, 2, 3}, {2, 3, 0, 5},  {1, 64, 300, 17}};
+  return cases;
+}
+
+void gather(Context& c) {
+  const bool adjoint = is(c, "ScatterAddFn");
+  for (const auto& e : index_cases()) {
+    const Pair index = c.indices({e.outer, e.k, e.inner}, 0, e.n - 1);
+    const std::string what =
+        fmt::format("[outer {}, n {}, k {}, inner {}]", e.outer, e.n, e.k, e.inner);
+    if (!adjoint) {
+      const Pair x = c.uniform({e.outer, e.n, e.inner}, -3.0, 3.0);
+      const Pair out = c.output({e.outer, e.k, e.inner});
+      if (out.tested.numel() > 0) {
+        tested_kernel<kernels::GatherFn>(c)(x.tested, index.tested, e.outer, e.n, e.k, e.inner,
+                                            out.tested);
+        reference_kernel<kernels::GatherFn>(c)(x.ref, index.ref, e.outer, e.n, e.k, e.inner,
+                                               out.ref);
+      }
+      c.expect_equal(what, out.tested, out.ref);
+    } else {
+      // Accumulates into its output: both start from the same values.
+      const Pair src = c.uniform({e.outer, e.k, e.inner}, -3.0, 3.0);
+      const Pair out = c.uniform({e.outer, e.n, e.inner}, -3.0, 3.0);
+      if (src.tested.numel() > 0) {
+        tested_kernel<kernels::ScatterAddFn>(c)(src.tested, index.tested, e.outer, e.n, e.k,
+                                                e.inner, out.tested);
+        reference_kernel<kernels::ScatterAddFn>(c)(src.ref, index.ref, e.outer, e.n, e.k, e.inner,
+                                                   out.ref);
+      }
+      c.expect_close(what, out.tested, out.ref, {3.0 * static_cast<double>(e.k + 1), 0.0});
+    }
+  }
+}
+
+void take(Context& c) {
+  const bool adjoint = is(c, "IndexAddFn");
+  for (const auto& e : index_cases()) {
+    const Pair index = c.indices({e.k}, 0, e.n - 1);
+    const std::string what =
+        fmt::format("[outer {}, n {}, k {}, inner {}]", e.outer, e.n, e.k, e.inner);
+    if (!adjoint) {
+      const Pair x = c.uniform({e.outer, e.n, e.inner}, -3.0, 3.0);
+      const Pair out = c.output({e.outer, e.k, e.inner});
+      if (out.tested.numel() > 0) {
+        tested_kernel<kernels::TakeFn>(c)(x.tested, index.tested, e.outer, e.n, e.k, e.inner,
+                                          out.tested);
+        reference_kernel<kernels::TakeFn>(c)(x.ref, index.ref, e.outer, e.n, e.k, e.inner, out.ref);
+      }
+      c.expect_equal(what, out.tested, out.ref);
+    } else {
+      const Pair src = c.uniform({e.outer, e.k, e.inner}, -3.0, 3.0);
+      const Pair out = c.uniform({e.outer, e.n, e.inner}, -3.0, 3.0);
+      if (src.tested.numel() > 0) {
+        tested_kernel<kernels::IndexAddFn>(c)(src.tested, index.tested, e.outer, e.n, e.k, e.inner,
+                                              out.tested);
+        reference_kernel<kernels::IndexAddFn>(c)(src.ref, index.ref, e.outer, e.n, e.k, e.inner,
+                                                 out.ref);
+      }
+      c.expect_close(what, out.tested, out.ref, {3.0 * static_cast<double>(e.k + 1), 0.0});
+    }
+  }
+}
+
+// --- Matmul ------------------------------------------------------------------------------------
+
+void gemm(Context& c) {
+  struct Case {
+    int64_t batch, m, n, k;
+    bool ta, tb;
+    int64_t pad;   // extra elements in every leading dimension
+    bool share_b;  // one B for every batch item (batch stride 0)
+  };
+  const std::vector<Case> cases{
+      {1, 1, 1, 1, false, false, 0, false},     {1, 7, 5, 3, false, false, 0, false},
+      {1, 33, 17, 65, true, false, 2, false},   {1, 16, 24, 8, false, true, 0, false},
+      {3, 9, 10, 11, true, true, 1, false},     {4, 5, 6, 7, false, false, 3, true},
+      {1, 64, 64, 300, false, false, 0, false}, {2, 0, 5, 3, false, false, 0, false},
+      {1, 1, 300, 1, true, true, 0, false},     {1, 128, 1, 50, false, true, 0, false}};
+  for (const auto& cs : cases) {
+    kernels::GemmArgs g, r;
+    g.batch = cs.batch, g.m = cs.m, g.n = cs.n, g.k = cs.k;
+    g.trans_a = cs.ta, g.trans_b = cs.tb;
+    const int64_t rows_a = cs.ta ? cs.k : cs.m, cols_a = cs.ta ? cs.m : cs.k;
+    const int64_t rows_b = cs.tb ? cs.n : cs.k, cols_b = cs.tb ? cs.k : cs.n;
+    g.lda = cols_a + cs.pad, g.ldb = cols_b + cs.pad, g.ldc = cs.n + cs.pad;
+    g.stride_a = rows_a * g.lda, g.stride_b = cs.share_b ? 0 : rows_b * g.ldb;
+    g.stride_c = cs.m * g.ldc;
+    auto count = [](int64_t n) { return std::max<int64_t>(n, 1); };
+    const Pair a = c.uniform({count(cs.batch * g.stride_a)}, -1.0, 1.0);
+    const Pair b = c.uniform({count((cs.share_b ? 1 : cs.batch) * rows_b * g.ldb)}, -1.0, 1.0);
+    const Pair out = c.output({count(cs.batch * g.stride_c)});
+    r = g;
+    g.a = a.tested, g.b = b.tested, g.out = out.tested;
+    r.a = a.ref, r.b = b.ref, r.out = out.ref;
+    if (cs.m > 0 && cs.n > 0) {
+      tested_kernel<kernels::GemmFn>(c)(g);
+      reference_kernel<kernels::GemmFn>(c)(r);
+    }
+    // Compare the m x n matrices only (the gaps of ldc are not the kernel's).
+    const Pair result = Context::view(out, {cs.batch, cs.m, cs.n}, Strides({g.stride_c, g.ldc, 1}));
+    c.expect_close(
+        fmt::format("batch {} [{}x{}] x [{}x{}]{}{}{}{}", cs.batch, cs.m, cs.k, cs.k, cs.n,
+                    cs.ta ? " A^T" : "", cs.tb ? " B^T" : "",
+                    cs.pad ? " (leading-dimension gaps)" : "", cs.share_b ? " (B shared)" : ""),
+        result.tested.contiguous(), result.ref.contiguous(), {static_cast<double>(cs.k), 0.0});
+  }
+}
+
+// --- Convolution and pooling ------------------------------------------------------------------
+
+struct Window {
+  int64_t n, h, w, c, kh, kw, cout, sh, sw, pad_top, pad_left;
+};
+const std::vector<Window>& windows() {
+  // (n, h, w, c, kh, kw, cout, strides, top/left padding): 'same' and 'valid', strides 1 to 3,
+  // asymmetric padding, 1x1 and windows as large as the input.
+  static const std::vector<Window> w{
+      {2, 7, 6, 3, 3, 3, 4, 1, 1, 1, 1}, {1, 8, 8, 2, 3, 3, 5, 2, 2, 0, 0},
+      {3, 5, 9, 4, 1, 1, 6, 1, 1, 0, 0}, {1, 9, 7, 3, 2, 3, 2, 3, 2, 0, 1},
+      {2, 4, 4, 1, 4, 4, 3, 1, 1, 0, 0}, {1, 11, 10, 8, 5, 5, 16, 2, 2, 2, 2},
+      {0, 5, 5, 2, 3, 3, 2, 1, 1, 1, 1}};
+  return w;
+}
+int64_t extent(int64_t in, int64_t k, int64_t stride, int64_t pad) {
+  // The output extent with `pad` on the leading side and as much as 'same' puts on the
+  // trailing one (what TensorFlow's padding rules give for these geometries).
+  const int64_t same = (in + stride - 1) / stride;
+  return pad > 0 ? same : (in - k) / stride + 1;
+}
+
+kernels::Conv2dGeometry conv_geometry(const Window& w) {
+  kernels::Conv2dGeometry g;
+  g.n = w.n, g.h = w.h, g.w = w.w, g.c = w.c, g.kh = w.kh, g.kw = w.kw, g.cout = w.cout;
+  g.oh = extent(w.h, w.kh, w.sh, w.pad_top), g.ow = extent(w.w, w.kw, w.sw, w.pad_left);
+  g.stride_h = w.sh, g.stride_w = w.sw, g.pad_top = w.pad_top, g.pad_left = w.pad_left;
+  return g;
+}
+
+std::string describe(const Window& w) {
+  return fmt::format("x [{}, {}, {}, {}], window {}x{}, stride {}x{}, padding {}/{}", w.n, w.h, w.w,
+                     w.c, w.kh, w.kw, w.sh, w.sw, w.pad_top, w.pad_left);
+}
+
+void conv(Context& c) {
+  for (const Window& w : windows()) {
+    const kernels::Conv2dGeometry g = conv_geometry(w);
+    const Shape xs{g.n, g.h, g.w, g.c}, ws{g.kh, g.kw, g.c, g.cout}, ys{g.n, g.oh, g.ow, g.cout};
+    const std::string what = describe(w) + fmt::format(", {} filters", g.cout);
+    if (is(c, "Conv2dFn")) {
+      const Pair x = c.uniform(xs, -1.0, 1.0), f = c.uniform(ws, -1.0, 1.0);
+      const Pair out = c.output(ys);
+      if (out.tested.numel() > 0) {  // the ops call kernels for non-empty outputs only
+        tested_kernel<kernels::Conv2dFn>(c)(x.tested, f.tested, out.tested, g);
+        reference_kernel<kernels::Conv2dFn>(c)(x.ref, f.ref, out.ref, g);
+      }
+      c.expect_close(what, out.tested, out.ref, {static_cast<double>(g.kh * g.kw * g.c), 0.0});
+    } else if (is(c, "Conv2dBackwardInputFn")) {
+      const Pair dy = c.uniform(ys, -1.0, 1.0), f = c.uniform(ws, -1.0, 1.0);
+      const Pair dx = c.output(xs);
+      if (dx.tested.numel() > 0) {
+        tested_kernel<kernels::Conv2dBackwardInputFn>(c)(dy.tested, f.tested, dx.tested, g);
+        reference_kernel<kernels::Conv2dBackwardInputFn>(c)(dy.ref, f.ref, dx.ref, g);
+      }
+      c.expect_close(what, dx.tested, dx.ref, {static_cast<double>(g.kh * g.kw * g.cout), 0.0});
+    } else {
+      const Pair x = c.uniform(xs, -1.0, 1.0), dy = c.uniform(ys, -1.0, 1.0);
+      const Pair dw = c.output(ws);  // written even for an empty batch (zeros)
+      tested_kernel<kernels::Conv2dBackwardWeightFn>(c)(x.tested, dy.tested, dw.tested, g);
+      reference_kernel<kernels::Conv2dBackwardWeightFn>(c)(x.ref, dy.ref, dw.ref, g);
+      c.expect_close(what, dw.tested, dw.ref, {static_cast<double>(g.n * g.oh * g.ow), 0.0});
+    }
+  }
+}
+
+void pool(Context& c) {
+  const bool backward = is(c, "Pool2dBackwardFn");
+  for (const Window& w : windows()) {
+    if (w.kh > w.h || w.kw > w.w) continue;
+    kernels::Pool2dGeometry g;
+    g.n = w.n, g.h = w.h, g.w = w.w, g.c = w.c, g.kh = w.kh, g.kw = w.kw;
+    g.oh = extent(w.h, w.kh, w.sh, w.pad_top), g.ow = extent(w.w, w.kw, w.sw, w.pad_left);
+    g.stride_h = w.sh, g.stride_w = w.sw, g.pad_top = w.pad_top, g.pad_left = w.pad_left;
+    const Shape xs{g.n, g.h, g.w, g.c}, ys{g.n, g.oh, g.ow, g.c};
+    // Few distinct values, so that a window's maximum is often tied (the first one wins).
+    const Pair x = c.make(xs, [&] { return static_cast<double>(c.integer(-4, 4)) * 0.25; });
+    const auto taps = static_cast<double>(g.kh * g.kw);
+    if (!backward) {
+      const Pair out = c.output(ys);
+      if (out.tested.numel() > 0) {
+        tested_kernel<kernels::Pool2dFn>(c)(x.tested, out.tested, g);
+        reference_kernel<kernels::Pool2dFn>(c)(x.ref, out.ref, g);
+      }
+      c.expect_close(describe(w), out.tested, out.ref, {taps, 0.0});
+    } else {
+      const Pair dy = c.uniform(ys, -1.0, 1.0);
+      const Pair dx = c.output(xs);
+      if (dx.tested.numel() > 0) {
+        tested_kernel<kernels::Pool2dBackwardFn>(c)(x.tested, dy.tested, dx.tested, g);
+        reference_kernel<kernels::Pool2dBackwardFn>(c)(x.ref, dy.ref, dx.ref, g);
+      }
+      c.expect_close(describe(w), dx.tested, dx.ref, {taps, 0.0});
+    }
+  }
+}
+
+// --- Training --------------------------------------------------------------------------------
+
+void unscale_check(Context& c) {
+  auto* fn = tested_kernel<kernels::UnscaleCheckFn>(c);
+  auto* ref = reference_kernel<kernels::UnscaleCheckFn>(c);
+  struct Case {
+    std::vector<Shape> shapes;
+    double special;  // 0: all finite; NaN or inf: one element of the last gradient
+  };
+  const std::vector<Case> cases{{{{7}, {3, 5}, {0}, {1031}}, 0.0},
+                                {{{4}, {70001}}, kInf},
+                                {{{2, 3}, {9}}, kNaN},
+                                {{{5}}, -kInf}};
+  int number = 0;
+  for (const auto& cs : cases) {
+    std::vector<Tensor> grads, outs, ref_grads, ref_outs;
+    std::vector<Pair> separate;
+    for (std::size_t i = 0; i < cs.shapes.size(); ++i) {
+      Pair g = c.uniform(cs.shapes[i], -100.0, 100.0);
+      if (cs.special != 0.0 && i + 1 == cs.shapes.size()) {
+        std::vector<double> v = g.ref.to_vector<double>();
+        v[v.size() / 2] = cs.special;
+        std::size_t j = 0;
+        g = c.make(cs.shapes[i], [&] { return v[j++]; });
+      }
+      grads.push_back(g.tested);
+      ref_grads.push_back(g.ref);
+      // Outputs: in place, into a separate tensor, or none.
+      switch (i % 3) {
+        case 0:
+          outs.push_back(g.tested), ref_outs.push_back(g.ref);
+          break;
+        case 1:
+          separate.push_back(c.output(cs.shapes[i]));
+          outs.push_back(separate.back().tested), ref_outs.push_back(separate.back().ref);
+          break;
+        default:
+          outs.emplace_back(), ref_outs.emplace_back();
+      }
+    }
+    const Pair flag = c.make(
+        {}, [] { return 0.0; }, kFloat32);
+    const Tensor ref_flag = zeros({}, kFloat32);
+    fn(grads, outs, 1.0 / 128.0, flag.tested);
+    ref(ref_grads, ref_outs, 1.0 / 128.0, ref_flag);
+    const std::string what = fmt::format("case {} ({} gradients)", number++, cs.shapes.size());
+    for (std::size_t i = 0; i < outs.size(); ++i)
+      if (outs[i].defined())
+        c.expect_close(what + fmt::format(", output {}", i), outs[i], ref_outs[i]);
+    c.expect_equal(what + ", the non-finite flag", flag.tested, ref_flag);
+  }
+}
+
+void optimizer(Context& c) {
+  auto* fn = tested_kernel<kernels::OptimizerUpdateFn>(c);
+  auto* ref = reference_kernel<kernels::OptimizerUpdateFn>(c);
+  // Slots are float64 for float64 variables, float32 for every other.
+  const DType slot = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  struct Variant {
+    std::string name;
+    double momentum, weight_decay;
+    bool nesterov, centered, amsgrad;
+  };
+  std::vector<Variant> variants;
+  if (c.op() == OpId::sgd_update)
+    variants = {{"plain", 0.0, 0.0, false, false, false},
+                {"momentum", 0.9, 0.0, false, false, false},
+                {"nesterov", 0.9, 0.0, true, false, false}};
+  else if (c.op() == OpId::rmsprop_update)
+    variants = {{"plain", 0.0, 0.0, false, false, false},
+                {"momentum", 0.5, 0.0, false, false, false},
+                {"centered", 0.0, 0.0, false, true, false},
+                {"centered momentum", 0.5, 0.0, false, true, false}};
+  else
+    variants = {{"adam", 0.0, 0.0, false, false, false},
+                {"amsgrad", 0.0, 0.0, false, false, true},
+                {"adamw", 0.0, 0.004, false, false, false}};
+  for (const Shape& shape : std::vector<Shape>{{7}, {3, 5}, {0}, {4099}}) {
+    for (const auto& v : variants) {
+      const Pair var = c.uniform(shape, -1.0, 1.0), grad = c.uniform(shape, -1.0, 1.0);
+      // Slots that hold what a few steps would: mean squares >= 0, max >= the mean square.
+      const Pair s1 = c.make(
+          shape, [&] { return c.uniform(-0.1, 0.1); }, slot);
+      const Pair s2 = c.make(
+          shape, [&] { return c.uniform(0.0, 0.01); }, slot);
+      const Pair s3 = c.make(
+          shape, [&] { return c.uniform(0.01, 0.02); }, slot);
+      kernels::OptimizerUpdate u, r;
+      u.lr = 0.01, u.beta1 = 0.9, u.beta2 = 0.999, u.epsilon = 1e-7;
+      if (c.op() == OpId::rmsprop_update) u.beta2 = 0.9;
+      u.momentum = v.momentum, u.weight_decay = v.weight_decay, u.step = 3;
+      u.nesterov = v.nesterov, u.centered = v.centered, u.amsgrad = v.amsgrad;
+      r = u;
+      u.var = var.tested, u.grad = grad.tested, r.var = var.ref, r.grad = grad.ref;
+      const bool rms = c.op() == OpId::rmsprop_update, adam = c.op() == OpId::adam_update;
+      // Which slots the variant uses (kernels.h): sgd's velocity with momentum; rmsprop's
+      // mean square, momentum buffer and mean gradient; adam's m, v and max v.
+      const bool use1 = adam || rms || v.momentum > 0.0;
+      const bool use2 = adam || (rms && v.momentum > 0.0);
+      const bool use3 = (adam && v.amsgrad) || (rms && v.centered);
+      const Pair ms = rms ? c.make(
+                                shape, [&] { return c.uniform(0.02, 0.04); }, slot)
+                          : s1;
+      if (use1) u.slot1 = (rms ? ms : s1).tested, r.slot1 = (rms ? ms : s1).ref;
+      if (use2) u.slot2 = (adam ? s2 : s1).tested, r.slot2 = (adam ? s2 : s1).ref;
+      if (use3) u.slot3 = (rms ? s1 : s3).tested, r.slot3 = (rms ? s1 : s3).ref;
+      if (shape.numel() > 0) {
+        fn(u);
+        ref(r);
+      }
+      const std::string what = fmt::format("{}, shape {}", v.name, shape_name(shape));
+      c.expect_close(what + ", the variable", var.tested, var.ref);
+      if (use1) c.expect_close(what + ", slot 1", u.slot1, r.slot1);
+      if (use2) c.expect_close(what + ", slot 2", u.slot2, r.slot2);
+      if (use3) c.expect_close(what + ", slot 3", u.slot3, r.slot3);
+    }
+  }
+}
+
+// --- Memory ------------------------------------------------------------------------------------
+
+void copy(Context& c) {
+  auto* fn = tested_kernel<kernels::CopyFn>(c);
+  auto* ref = reference_kernel<kernels::CopyFn>(c);
+  auto draw = [&] { return c.dtype() == kBool ? c.integer(0, 1) : c.uniform(-100.0, 100.0); };
+  const Pair base = c.make({6, 5, 4}, draw);
+  struct View {
+    std::string name;
+    Shape shape;
+    Strides strides;
+    int64_t offset;
+  };
+  const std::vector<View> views{{"contiguous", {6, 5, 4}, Strides({20, 4, 1}), 0},
+                                {"transposed", {4, 5, 6}, Strides({1, 4, 20}), 0},
+                                {"every other row", {3, 5, 4}, Strides({40, 4, 1}), 20},
+                                {"broadcast", {6, 3, 4}, Strides({20, 0, 1}), 4},
+                                {"empty", {0, 4}, Strides({4, 1}), 0},
+                                {"scalar", {}, Strides(std::vector<int64_t>{}), 7}};
+  for (const auto& v : views) {
+    const Pair src = Context::view(base, v.shape, v.strides, v.offset);
+    const Pair out = c.output(v.shape);
+    if (v.shape.numel() > 0) {
+      fn(src.tested, out.tested);
+      ref(src.ref, out.ref);
+    }
+    c.expect_equal(v.name, out.tested, out.ref);
+  }
+}
+
+void fill(Context& c) {
+  auto* fn = tested_kernel<kernels::FillFn>(c);
+  auto* ref = reference_kernel<kernels::FillFn>(c);
+  std::vector<double> values{0.0, 1.0};
+  if (c.dtype().is_floating()) values.insert(values.end(), {-2.5, 65504.0, 1e10, kInf, kNaN});
+  if (c.dtype().is_integral()) values.insert(values.end(), {-3.0, 100.0});
+  for (double v : values) {
+    for (const Shape& s : std::vector<Shape>{{}, {0}, {1031}, {3, 7}}) {
+      const Pair out = c.output(s);
+      if (s.numel() > 0) {
+        fn(out.tested, v);
+        ref(out.ref, v);
+      }
+      c.expect_equal(fmt::format("value {}, shape {}", v, shape_name(s)), out.tested, out.ref);
+    }
+  }
+}
+
+void cast(Context& c) {
+  auto* fn = tested_kernel<kernels::CastFn>(c);
+  // Floating sources are compared with the cast from float64; integer and bool sources with
+  // the cast from int64 (docs/dtypes.md: integers narrow by wrapping, floats saturate, so
+  // float64 is not their reference).
+  const DType ref_source = c.dtype().is_floating() ? kFloat64 : kInt64;
+  auto* ref = find_kernel<kernels::CastFn>(OpId::cast, DeviceType::CPU, ref_source);
+  // Values of the source dtype: ordinary ones, halves (rounding ties), the integer types'
+  // limits, and for floats special values and magnitudes beyond 16 bits.
+  std::vector<double> special;
+  switch (c.dtype().code()) {
+    case DType::Bool:
+      special = {0, 1};
+      break;
+    case DType::UInt8:
+      special = {0, 1, 127, 128, 255};
+      break;
+    case DType::Int32:
+      special = {0, -1, 255, 256, -129, 2147483647.0, -2147483648.0, 65505, 16777217};
+      break;
+    case DType::Int64:
+      special = {0, -1, 255, 256, 2147483648.0, -2147483649.0, 9007199254740991.0, 16777217};
+      break;
+    default:
+      special = {kNaN,  kInf,   -kInf,   0.0,     -0.0, 0.5, -0.5, 1.5,  2.5, 255.5,
+                 256.0, -129.0, 65504.0, 65520.0, 7e4,  3e9, -3e9, 1e-8, 3e38};
+  }
+  const bool small = c.dtype() == kBool || c.dtype() == kUInt8;
+  for (int target = 0; target < DType::kCount; ++target) {
+    const DType to = DType::all()[target];
+    std::size_t i = 0;
+    const auto n = static_cast<int64_t>(special.size()) + 1031;
+    const Pair x = c.make({n}, [&]() -> double {
+      if (i < special.size()) return special[i++];
+      return small ? static_cast<double>(c.integer(0, c.dtype() == kBool ? 1 : 255))
+                   : c.uniform(-300.0, 300.0);
+    });
+    // The reference's output is `to` too.
+    const Tensor out = full({n}, 0.0, to, c.device());
+    const Tensor ref_out = zeros({n}, to);
+    fn(x.tested, out);
+    ref(x.ref.dtype() == ref_source ? x.ref : x.ref.to(ref_source), ref_out);
+    c.expect_equal(fmt::format("to {}", to.name()), out, ref_out);
+  }
+}
+
+using Driver = void (*)(Context&);
+
+Driver driver_for(OpId op) {
+  const std::string_view k = op_info(op).kernel;
+  if (k == "UnaryFn") return unary;
+  if (k == "BinaryFn") return binary;
+  if (k == "WhereFn") return where;
+  if (k == "ReduceFn") return reduce;
+  if (k == "RowFn") return rows;
+  if (k == "GatherFn" || k == "ScatterAddFn") return gather;
+  if (k == "TakeFn" || k == "IndexAddFn") return take;
+  if (k == "GemmFn") return gemm;
+  if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;
+  if (k == "Pool2dFn" || k == "Pool2dBackwardFn") return pool;
+  if (k == "UnscaleCheckFn") return unscale_check;
+  if (k == "OptimizerUpdateFn") return optimizer;
+  if (k == "CopyFn") return copy;
+  if (k == "FillFn") return fill;
+  if (k == "CastFn") return cast;
+  return nullptr;
+}
+
+}  // namespace
+
+bool has_driver(OpId op) { return driver_for(op) != nullptr; }
+
+void run_cases(Context& c) { driver_for(c.op())(c); }
+
+}  // namespace mixtape::conformance
