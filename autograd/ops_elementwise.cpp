@@ -239,6 +239,18 @@ Tensor gelu(const Tensor& x) {
   });
 }
 
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = c (x + 0.044715 x^3), c = sqrt(2/pi)
+// (the kernels compute the sigmoid form, which keeps the negative tail accurate).
+Tensor gelu_tanh(const Tensor& x) {
+  return unary(OpId::gelu_tanh, x, [](const Tensor& g, const Tensor& x, const Tensor&) {
+    // d/dx x s(2u) = s + x s (1 - s) 2 u', u' = c (1 + 3 * 0.044715 x^2)
+    constexpr double kC = 0.79788456080286535588, kA = 0.044715;
+    const Tensor x2 = x * x;
+    const Tensor s = sigmoid(2.0 * kC * (x + kA * x2 * x));
+    return g * (s + x * s * (1.0 - s) * (2.0 * kC) * (1.0 + 3.0 * kA * x2));
+  });
+}
+
 Tensor erf(const Tensor& x) {
   return unary(OpId::erf, x, [](const Tensor& g, const Tensor& x, const Tensor&) {
     constexpr double kTwoOverSqrtPi = 1.12837916709551257390;

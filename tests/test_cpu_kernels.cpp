@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numbers>
 #include <random>
 #include <string>
 #include <tuple>
@@ -458,6 +459,12 @@ std::vector<UnaryCase> unary_cases() {
       {OpId::sigmoid, [](double x) { return 1 / (1 + std::exp(-x)); }, -8, 8},
       {OpId::relu, [](double x) { return x < 0 ? 0.0 : x; }, -3, 3},
       {OpId::gelu, [](double x) { return 0.5 * x * std::erfc(-x / std::sqrt(2.0)); }, -3, 3},
+      {OpId::gelu_tanh,
+       [](double x) {
+         return 0.5 * x *
+                (1 + std::tanh(std::sqrt(2 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
+       },
+       -3, 3},
       {OpId::erf, [](double x) { return std::erf(x); }, -3, 3},
   };
 }

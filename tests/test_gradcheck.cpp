@@ -119,6 +119,7 @@ TEST_CASE("gradcheck: unary math", "[grad]") {
   CHECK_GRADCHECK("sigmoid", [](const Inputs& v) { return mt::sigmoid(v[0]); }, {small});
   CHECK_GRADCHECK("relu", [](const Inputs& v) { return mt::relu(v[0]); }, {nz});
   CHECK_GRADCHECK("gelu", [](const Inputs& v) { return mt::gelu(v[0]); }, {small});
+  CHECK_GRADCHECK("gelu_tanh", [](const Inputs& v) { return mt::gelu_tanh(v[0]); }, {small});
   CHECK_GRADCHECK("erf", [](const Inputs& v) { return mt::erf(v[0]); }, {small});
   // On non-contiguous operands.
   const auto y = randn64({4, 3}, 504);
@@ -564,6 +565,7 @@ TEST_CASE("gradcheck: second order (backward rules are differentiable)", "[grad]
   CHECK_GRADGRADCHECK("sigmoid", [](const Inputs& v) { return mt::sigmoid(v[0]); }, {small});
   CHECK_GRADGRADCHECK("relu(x)*x", [](const Inputs& v) { return mt::relu(v[0]) * v[0]; }, {nz});
   CHECK_GRADGRADCHECK("gelu", [](const Inputs& v) { return mt::gelu(v[0]); }, {small});
+  CHECK_GRADGRADCHECK("gelu_tanh", [](const Inputs& v) { return mt::gelu_tanh(v[0]); }, {small});
   CHECK_GRADGRADCHECK("erf", [](const Inputs& v) { return mt::erf(v[0]); }, {small});
   CHECK_GRADGRADCHECK("mean(x^2, axis 1)",
                       [](const Inputs& v) { return mt::mean(v[0] * v[0], {1}, true); }, {a});

@@ -177,9 +177,10 @@ TEST_CASE("the op names of the AMP lists are the ops that pass through the rewri
     (void)mt::conv2d(img, filt);
     (void)mt::add(a, b), (void)mt::sub(a, b), (void)mt::mul(a, b), (void)mt::div(a, b);
     (void)mt::maximum(a, b), (void)mt::minimum(a, b), (void)mt::pow(a, b);
-    (void)mt::neg(a), (void)mt::abs(a), (void)mt::exp(a), (void)mt::log(a);
-    (void)mt::sqrt(a), (void)mt::rsqrt(a), (void)mt::tanh(a), (void)mt::sigmoid(a);
-    (void)mt::relu(a), (void)mt::gelu(a), (void)mt::erf(a);
+    // Every unary op of the op table (neg, abs, exp, ..., its public function each).
+#define MIXTAPE_TEST_CALL_UNARY(name, ...) (void)mt::name(a);
+    MIXTAPE_UNARY_OP_TABLE(MIXTAPE_TEST_CALL_UNARY)
+#undef MIXTAPE_TEST_CALL_UNARY
     (void)mt::equal(a, b), (void)mt::not_equal(a, b), (void)mt::less(a, b);
     (void)mt::less_equal(a, b), (void)mt::greater(a, b), (void)mt::greater_equal(a, b);
     (void)mt::where(mt::less(a, b), a, b);

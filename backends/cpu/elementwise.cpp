@@ -226,6 +226,17 @@ struct UnaryOp<OpId::gelu> {
     return T(0.5) * x * std::erfc(-x * T(0.70710678118654752440));
   }
 };
+// gelu's tanh form 0.5 x (1 + tanh(u)) as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3):
+// the same function, without 1 + tanh(u)'s cancellation in the negative tail; vectorises
+// (sigmoid's exp is the vectorising one).
+template <>
+struct UnaryOp<OpId::gelu_tanh> {
+  template <typename T>
+  T operator()(T x) const {
+    const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
+    return x * UnaryOp<OpId::sigmoid>{}(T(2) * u);
+  }
+};
 template <>
 struct UnaryOp<OpId::erf> {
   template <typename T>

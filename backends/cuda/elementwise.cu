@@ -119,6 +119,15 @@ struct UnaryOp<OpId::gelu> {
     return C(0.5) * x * d_erfc(-x * C(0.70710678118654752440));
   }
 };
+// gelu's tanh form as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3) (the CPU's form).
+template <>
+struct UnaryOp<OpId::gelu_tanh> {
+  template <typename C>
+  __device__ C operator()(C x) const {
+    const C u = C(0.79788456080286535588) * (x + C(0.044715) * x * x * x);
+    return x * UnaryOp<OpId::sigmoid>{}(C(2) * u);
+  }
+};
 template <>
 struct UnaryOp<OpId::erf> {
   template <typename C>

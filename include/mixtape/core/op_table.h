@@ -29,7 +29,9 @@
 
 // The unary elementwise ops (kernel UnaryFn): each is also a public function
 // Tensor name(const Tensor& x) of mixtape/autograd/ops.h, declared from this list.
-//   gelu is the exact form x * Phi(x) (Keras' default, approximate=False).
+//   gelu is the exact form x * Phi(x) (Keras' default, approximate=False); gelu_tanh its tanh
+//   approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Keras' approximate=True,
+//   PyTorch's approximate='tanh').
 // clang-format off
 #define MIXTAPE_UNARY_OP_TABLE(X)                                                               \
   X(neg,                      UnaryFn,                 Numeric,  clear,  true)                  \
@@ -42,6 +44,7 @@
   X(sigmoid,                  UnaryFn,                 Floating, infer,  true)                  \
   X(relu,                     UnaryFn,                 Floating, clear,  true)                  \
   X(gelu,                     UnaryFn,                 Floating, infer,  true)                  \
+  X(gelu_tanh,                UnaryFn,                 Floating, infer,  true)                  \
   X(erf,                      UnaryFn,                 Floating, infer,  true)
 // clang-format on
 
