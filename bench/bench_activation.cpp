@@ -1,6 +1,6 @@
 // The cost of an activation written as a composition of ops against a primitive one:
-// forward and backward of y = f(x) through a GradientTape over a [256, 512] batch, for relu
-// and gelu (primitive ops: one kernel forward, one or two backward) and for the tanh
+// forward and backward of y = f(x) through a GradientTape over a [256, 512] batch, for relu,
+// gelu and gelu_tanh (primitive ops: one kernel forward, a few ops backward) and for the tanh
 // approximation of GELU written from nine ops (each one a pass over the tensor and a new
 // tensor, forward, and its backward rule more of them). docs/extending.md quotes the ratio.
 #include <benchmark/benchmark.h>
@@ -32,8 +32,8 @@ mt::DType dtype_from_index(std::int64_t i) {
   }
 }
 
-// args: activation (0 relu, 1 gelu, 2 the nine-op composite), dtype index (0 float32,
-// 1 float16, 2 bfloat16), backward (0 forward only, 1 forward and backward).
+// args: activation (0 relu, 1 gelu, 2 the nine-op composite, 3 the gelu_tanh op), dtype index (0
+// float32, 1 float16, 2 bfloat16), backward (0 forward only, 1 forward and backward).
 void BM_Activation(benchmark::State& state) {
   const std::int64_t which = state.range(0);
   const mt::DType dt = dtype_from_index(state.range(1));
@@ -41,7 +41,16 @@ void BM_Activation(benchmark::State& state) {
   const mt::Tensor x = mt::uniform({256, 512}, -3.0, 3.0, dt);
   const mt::Tensor seed = mt::uniform({256, 512}, -1.0, 1.0, dt);
   auto f = [&](const mt::Tensor& v) {
-    return which == 0 ? mt::relu(v) : which == 1 ? mt::gelu(v) : gelu_tanh_composite(v);
+    switch (which) {
+      case 0:
+        return mt::relu(v);
+      case 1:
+        return mt::gelu(v);
+      case 2:
+        return gelu_tanh_composite(v);
+      default:
+        return mt::gelu_tanh(v);
+    }
   };
   for (auto _ : state) {
     if (backward) {
@@ -54,14 +63,14 @@ void BM_Activation(benchmark::State& state) {
     }
   }
   state.SetItemsProcessed(state.iterations() * x.numel());
-  const char* names[] = {"relu", "gelu", "gelu_tanh_9_ops"};
+  const char* names[] = {"relu", "gelu", "gelu_tanh_9_ops", "gelu_tanh"};
   state.SetLabel(std::string(names[which]) + " " + std::string(dt.name()));
 }
 
 void ActivationArgs(benchmark::internal::Benchmark* b) {
   for (std::int64_t backward = 0; backward < 2; ++backward)
     for (std::int64_t dt : {0, 2, 1})
-      for (std::int64_t which = 0; which < 3; ++which) b->Args({which, dt, backward});
+      for (std::int64_t which = 0; which < 4; ++which) b->Args({which, dt, backward});
 }
 BENCHMARK(BM_Activation)
     ->Apply(ActivationArgs)

@@ -20,6 +20,7 @@ const Named kActivations[] = {
     {"softmax", [](const Tensor& x) { return softmax(x, -1); }},
     {"log_softmax", [](const Tensor& x) { return log_softmax(x, -1); }},
     {"gelu", [](const Tensor& x) { return gelu(x); }},
+    {"gelu_tanh", [](const Tensor& x) { return gelu_tanh(x); }},  // gelu(approximate=True)
 };
 
 }  // namespace

@@ -413,6 +413,7 @@ std::vector<LayerCase> layer_cases() {
   return {
       {"Dense", [] { return ml::Dense(4, {.activation = "tanh"}); }, {3, 5}},
       {"Activation(gelu)", [] { return ml::Activation("gelu"); }, {3, 5}},
+      {"Activation(gelu_tanh)", [] { return ml::Activation("gelu_tanh"); }, {3, 5}},
       {"Activation(softmax)", [] { return ml::Activation("softmax"); }, {3, 5}},
       {"Activation(log_softmax)", [] { return ml::Activation("log_softmax"); }, {3, 5}},
       {"Activation(sigmoid)", [] { return ml::Activation("sigmoid"); }, {3, 5}},
