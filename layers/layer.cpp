@@ -69,36 +69,6 @@ Tensor clone(const Tensor& t) {
   return c;
 }
 
-// Re-throws the exception in flight with `prefix` in front of its message, keeping its
-// type (every mixtape error type has the same constructor).
-[[noreturn]] void rethrow_with_prefix(const std::string& prefix) {
-  try {
-    throw;
-  } catch (const ShapeError& e) {
-    throw ShapeError(prefix + e.what());
-  } catch (const DTypeError& e) {
-    throw DTypeError(prefix + e.what());
-  } catch (const IndexError& e) {
-    throw IndexError(prefix + e.what());
-  } catch (const ValueError& e) {
-    throw ValueError(prefix + e.what());
-  } catch (const KernelNotFoundError& e) {
-    throw KernelNotFoundError(prefix + e.what());
-  } catch (const AutogradError& e) {
-    throw AutogradError(prefix + e.what());
-  } catch (const DeviceError& e) {
-    throw DeviceError(prefix + e.what());
-  } catch (const NumericError& e) {
-    throw NumericError(prefix + e.what());
-  } catch (const IOError& e) {
-    throw IOError(prefix + e.what());
-  } catch (const OutOfMemoryError& e) {
-    throw OutOfMemoryError(prefix + e.what());
-  } catch (const Error& e) {
-    throw Error(prefix + e.what());
-  }
-}
-
 // The shape an InputSpec describes, with None where any extent goes: "[None, 28, 28]" for
 // an exact rank, "[..., 784]" for required trailing extents; empty when it says nothing of
 // the extents.
@@ -254,7 +224,7 @@ std::vector<TensorSpec> build_for_specs(const std::shared_ptr<Layer>& layer,
     if (out && out->empty()) throw ValueError("compute_output_spec() returned no outputs");
   } catch (const Error& e) {
     if (starts_with(e.what(), prefix)) throw;
-    rethrow_with_prefix(prefix);
+    e.rethrow_with_prefix(prefix);
   }
   if (out) {
     // The shape rule said what comes out: the layer is built from the shapes (nothing runs).
@@ -460,7 +430,7 @@ std::vector<Tensor> Layer::apply(const std::vector<Tensor>& inputs, const CallCo
     // Errors of inner layers carry their own name; ours goes in front (a path).
     const std::string prefix = fmt::format("layer '{}' ({}): ", name(), class_name());
     if (starts_with(e.what(), prefix)) throw;
-    rethrow_with_prefix(prefix);
+    e.rethrow_with_prefix(prefix);
   }
 }
 
@@ -508,7 +478,7 @@ void Layer::build_symbolic(const std::vector<TensorSpec>& inputs) {
   } catch (const Error& e) {
     const std::string prefix = fmt::format("layer '{}' ({}): ", name(), class_name());
     if (starts_with(e.what(), prefix)) throw;
-    rethrow_with_prefix(prefix);
+    e.rethrow_with_prefix(prefix);
   }
 }
 
@@ -580,9 +550,9 @@ Variable Layer::add_weight(const std::string& name, const Shape& shape,
   Tensor value;
   try {
     value = init(shape, dtype, device_);
-  } catch (const Error&) {
+  } catch (const Error& e) {
     // "add_weight 'kernel': glorot_uniform: out of memory: ...": which weight failed.
-    rethrow_with_prefix(fmt::format("add_weight '{}': ", name));
+    e.rethrow_with_prefix(fmt::format("add_weight '{}': ", name));
   }
   if (value.shape() != shape || value.dtype() != dtype)
     throw ValueError(fmt::format("add_weight '{}': initializer '{}' gave {}, expected {}{}", name,

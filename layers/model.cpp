@@ -342,10 +342,8 @@ void Model::build_for(const Shape& input_shape) {
   }
   try {
     compute_output_spec({layers::TensorSpec{Shape(dims), inputs_.front().dtype()}});
-  } catch (const ShapeError& e) {
-    throw ShapeError(fmt::format("model '{}': {}", name(), e.what()));
-  } catch (const ValueError& e) {
-    throw ValueError(fmt::format("model '{}': {}", name(), e.what()));
+  } catch (const Error& e) {
+    e.rethrow_with_prefix(fmt::format("model '{}': ", name()));
   }
 }
 

@@ -322,3 +322,54 @@ TEST_CASE("dtype: promote_types", "[errors]") {
   CHECK((h * mt::ones({2}, mt::kFloat64)).dtype() == mt::kFloat64);
   CHECK((mt::ones({2}, mt::kInt32) + h).dtype() == mt::kFloat16);
 }
+
+namespace {
+// Throws E("inner"), catches it as an Error and re-throws it with a prefix.
+template <typename E>
+void check_rethrow_keeps_type() {
+  INFO(typeid(E).name());
+  try {
+    try {
+      throw E("inner");
+    } catch (const mt::Error& e) {
+      e.rethrow_with_prefix("layer 'x' (Dense): ");
+    }
+  } catch (const E& e) {
+    CHECK(typeid(e) == typeid(E));
+    CHECK(std::string(e.what()) == "layer 'x' (Dense): inner");
+    return;
+  } catch (...) {
+  }
+  FAIL("re-thrown as another type");
+}
+}  // namespace
+
+TEST_CASE("errors: re-thrown with a prefix, every error type keeps its type", "[errors]") {
+  check_rethrow_keeps_type<mt::Error>();
+  check_rethrow_keeps_type<mt::ShapeError>();
+  check_rethrow_keeps_type<mt::DTypeError>();
+  check_rethrow_keeps_type<mt::IndexError>();
+  check_rethrow_keeps_type<mt::ValueError>();
+  check_rethrow_keeps_type<mt::IOError>();
+  check_rethrow_keeps_type<mt::KernelNotFoundError>();
+  check_rethrow_keeps_type<mt::AutogradError>();
+  check_rethrow_keeps_type<mt::NumericError>();
+  check_rethrow_keeps_type<mt::DeviceError>();
+  check_rethrow_keeps_type<mt::OutOfMemoryError>();
+}
+
+TEST_CASE("errors: a layer names itself in front of an IOError and keeps its type", "[errors]") {
+  // A layer whose call fails with an IOError (say, a file it reads): the error that comes
+  // out of the model is still an IOError, with the layer's name in front.
+  struct Reader : mt::layers::Layer {
+    Reader() : Layer(mt::layers::LayerOptions{.name = "reader"}) {}
+    std::string class_name() const override { return "Reader"; }
+    mt::Tensor call(const mt::Tensor&, const mt::CallContext&) override {
+      throw mt::IOError("cannot read 'weights.bin'");
+    }
+  };
+  auto layer = std::make_shared<Reader>();
+  CHECK_THROWS_AS((*layer)(mt::ones({2, 3})), mt::IOError);
+  CHECK_THROWS_WITH((*layer)(mt::ones({2, 3})),
+                    Contains("layer 'reader' (Reader): cannot read 'weights.bin'"));
+}
