@@ -445,6 +445,10 @@ struct UnaryCase {
   OpId op;
   std::function<double(double)> ref;
   double lo, hi;
+  // Times the dtype's tolerance: for functions whose float32 evaluation amplifies the
+  // rounding of an intermediate (gelu_tanh's tail: the error of u = c (x + 0.044715 x^3)
+  // grows by |2u|, up to 6 over [-3, 3]).
+  double tol_scale = 1.0;
 };
 
 std::vector<UnaryCase> unary_cases() {
@@ -464,7 +468,7 @@ std::vector<UnaryCase> unary_cases() {
          return 0.5 * x *
                 (1 + std::tanh(std::sqrt(2 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
        },
-       -3, 3},
+       -3, 3, 6.0},
       {OpId::erf, [](double x) { return std::erf(x); }, -3, 3},
   };
 }
@@ -483,7 +487,8 @@ TEST_CASE("unary ops: every floating dtype", "[cpu_kernels]") {
           for (double v : values(x)) expected.push_back(c.ref(v));
           INFO("n = " << n);
           // 16-bit outputs of tiny values are subnormal: compare those absolutely.
-          check_close(values(out), expected, tolerance(dt), dt.is_reduced_float() ? 1e-2 : 1e-6);
+          check_close(values(out), expected, c.tol_scale * tolerance(dt),
+                      dt.is_reduced_float() ? 1e-2 : 1e-6);
         }
       }
     }
