@@ -122,6 +122,7 @@ void register_backend_and_kernels() {
   register_index_kernels();
   register_gemm_kernels();
   register_conv_kernels();
+  register_pool_kernels();
   register_optim_kernels();
 }
 
