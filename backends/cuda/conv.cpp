@@ -1,7 +1,9 @@
 // CUDA conv2d kernels (kernels::Conv2dFn, Conv2dBackwardInputFn, Conv2dBackwardWeightFn),
 // through cuDNN 9's convolution API (cudnnConvolutionForward / BackwardData /
-// BackwardFilter, in libcudnn_cnn, reached through libcudnn's loader). Built only with
-// cuDNN (MIXTAPE_WITH_CUDNN); without it the CUDA backend registers no conv2d kernel.
+// BackwardFilter, in libcudnn_cnn, reached through libcudnn's loader) when the library is
+// built with cuDNN (MIXTAPE_WITH_CUDNN), on the direct kernels of conv_kernels.cu otherwise.
+// The three passes are one routine (conv_pass): the same preamble, layout, plan, call and
+// fallback, with the pass's own buffers.
 //
 // Layouts. Activations are NHWC, which cuDNN takes as is (CUDNN_TENSOR_NHWC descriptors).
 // Filters are HWIO [kh, kw, cin, cout]; cuDNN's NHWC filter layout is KRSC [cout, kh, kw,
@@ -44,12 +46,12 @@
 // cudnnFind*AlgorithmEx measured fastest on the first call (a host-blocking benchmark, once
 // per plan), with its math type and workspace size. Workspaces come from the caching
 // allocator for each call.
-#include "backends/cuda/cuda_backend.h"
-
-#ifdef MIXTAPE_WITH_CUDNN
-
+//
+// The passes, as kernels::Conv2d*Fn take their tensors (a, b -> out):
+//   Forward         x,  w  -> y
+//   BackwardData    dy, w  -> dx
+//   BackwardFilter  x,  dy -> dw
 #include <cuda_runtime.h>
-#include <cudnn.h>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -63,6 +65,11 @@
 #include <unordered_map>
 #include <vector>
 
+#ifdef MIXTAPE_WITH_CUDNN
+#include <cudnn.h>
+#endif
+
+#include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "mixtape/core/cuda.h"
@@ -75,35 +82,10 @@ namespace {
 using kernels::Conv2dGeometry;
 using std::int64_t;
 
-// --- Errors ------------------------------------------------------------------------------
+// --- The passes ------------------------------------------------------------------------------
 
-std::string cudnn_message(cudnnStatus_t status) {
-  char detail[1024] = {};
-  cudnnGetLastErrorString(detail, sizeof(detail));
-  if (detail[0] == '\0') return cudnnGetErrorString(status);
-  return fmt::format("{} ({})", cudnnGetErrorString(status), detail);
-}
+enum class Direction { Forward = 0, BackwardData = 1, BackwardFilter = 2 };
 
-[[noreturn]] void throw_cudnn_error(cudnnStatus_t status, const char* what, const char* file,
-                                    int line) {
-  throw DeviceError(fmt::format("{} failed at {}:{}: {}", what, file, line, cudnn_message(status)));
-}
-inline void check_cudnn(cudnnStatus_t status, const char* what, const char* file, int line) {
-  if (status != CUDNN_STATUS_SUCCESS) throw_cudnn_error(status, what, file, line);
-}
-
-// Every cuDNN call goes through this: MIXTAPE_CUDNN_CHECK(cudnnCreate(&handle)).
-#define MIXTAPE_CUDNN_CHECK(call) check_cudnn((call), #call, __FILE__, __LINE__)
-
-// A status by which cuDNN declines a problem (rather than failing at it).
-bool is_refusal(cudnnStatus_t status) {
-  return CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_NOT_SUPPORTED;
-}
-
-// --- Constants and small helpers -----------------------------------------------------------
-
-// Workspace offered to cudnnFind*AlgorithmEx (and so the most a chosen algorithm may use).
-constexpr std::size_t kMaxConvWorkspace = std::size_t{256} << 20;
 constexpr int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 
 Elem elem_of(DType dt) {
@@ -119,12 +101,6 @@ Elem elem_of(DType dt) {
   }
 }
 
-cudnnDataType_t cudnn_type(DType dt) {
-  if (dt == kFloat16) return CUDNN_DATA_HALF;
-  if (dt == kBFloat16) return CUDNN_DATA_BFLOAT16;
-  return CUDNN_DATA_FLOAT;
-}
-
 ConvShape shape_of(const Conv2dGeometry& g) {
   ConvShape s;
   s.n = g.n, s.h = g.h, s.w = g.w, s.c = g.c;
@@ -137,26 +113,6 @@ ConvShape shape_of(const Conv2dGeometry& g) {
 
 void zero_fill(const Tensor& t, cudaStream_t st) {
   MIXTAPE_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(), st));
-}
-
-enum class Direction { Forward = 0, BackwardData = 1, BackwardFilter = 2 };
-
-const char* direction_name(Direction d) {
-  switch (d) {
-    case Direction::Forward:
-      return "conv2d";
-    case Direction::BackwardData:
-      return "conv2d_backward_input";
-    case Direction::BackwardFilter:
-      return "conv2d_backward_weight";
-  }
-  return "conv2d";
-}
-
-std::string describe(const Conv2dGeometry& g) {
-  return fmt::format("n {} h {} w {} c {} window {}x{} cout {} stride {}x{} pad {},{} out {}x{}",
-                     g.n, g.h, g.w, g.c, g.kh, g.kw, g.cout, g.stride_h, g.stride_w, g.pad_top,
-                     g.pad_left, g.oh, g.ow);
 }
 
 // --- How cuDNN sees the geometry (see "Padding" at the top) --------------------------------
@@ -197,6 +153,84 @@ bool fits_cudnn(const Conv2dGeometry& g, const CudnnLayout& l) {
   const double y = double(g.n) * double(g.oh) * double(g.ow) * double(g.cout);
   const double w = double(g.kh) * double(g.kw) * double(g.c) * double(g.cout);
   return x <= double(kInt32Max) && y <= double(kInt32Max) && w <= double(kInt32Max);
+}
+
+// How a call runs when cuDNN does not: the 16-bit emulation, float64, or a problem cuDNN
+// cannot take.
+bool direct_only(DType dt, const Conv2dGeometry& g, Accumulation* acc) {
+  if (dt.is_reduced_float() && g.low_precision_accumulation) {
+    *acc = Accumulation::Round16;
+    return true;
+  }
+  *acc = Accumulation::Wide;
+  return dt == kFloat64 || !fits_cudnn(g, cudnn_layout(g));
+}
+
+// The direct kernel of a pass.
+void run_direct(Direction dir, DType dt, Accumulation acc, const ConvShape& s, const void* a,
+                const void* b, void* out, cudaStream_t st) {
+  switch (dir) {
+    case Direction::Forward:
+      return conv_direct_forward(elem_of(dt), acc, s, a, b, out, st);
+    case Direction::BackwardData:
+      return conv_direct_backward_input(elem_of(dt), acc, s, a, b, out, st);
+    case Direction::BackwardFilter:
+      return conv_direct_backward_weight(elem_of(dt), acc, s, a, b, out, st);
+  }
+}
+
+#ifdef MIXTAPE_WITH_CUDNN
+
+const char* direction_name(Direction d) {
+  switch (d) {
+    case Direction::Forward:
+      return "conv2d";
+    case Direction::BackwardData:
+      return "conv2d_backward_input";
+    case Direction::BackwardFilter:
+      return "conv2d_backward_weight";
+  }
+  return "conv2d";
+}
+
+std::string describe(const Conv2dGeometry& g) {
+  return fmt::format("n {} h {} w {} c {} window {}x{} cout {} stride {}x{} pad {},{} out {}x{}",
+                     g.n, g.h, g.w, g.c, g.kh, g.kw, g.cout, g.stride_h, g.stride_w, g.pad_top,
+                     g.pad_left, g.oh, g.ow);
+}
+
+// --- Errors ------------------------------------------------------------------------------
+
+std::string cudnn_message(cudnnStatus_t status) {
+  char detail[1024] = {};
+  cudnnGetLastErrorString(detail, sizeof(detail));
+  if (detail[0] == '\0') return cudnnGetErrorString(status);
+  return fmt::format("{} ({})", cudnnGetErrorString(status), detail);
+}
+
+[[noreturn]] void throw_cudnn_error(cudnnStatus_t status, const char* what, const char* file,
+                                    int line) {
+  throw DeviceError(fmt::format("{} failed at {}:{}: {}", what, file, line, cudnn_message(status)));
+}
+inline void check_cudnn(cudnnStatus_t status, const char* what, const char* file, int line) {
+  if (status != CUDNN_STATUS_SUCCESS) throw_cudnn_error(status, what, file, line);
+}
+
+// Every cuDNN call goes through this: MIXTAPE_CUDNN_CHECK(cudnnCreate(&handle)).
+#define MIXTAPE_CUDNN_CHECK(call) check_cudnn((call), #call, __FILE__, __LINE__)
+
+// A status by which cuDNN declines a problem (rather than failing at it).
+bool is_refusal(cudnnStatus_t status) {
+  return CUDNN_STATUS_CATEGORY(status) == CUDNN_STATUS_NOT_SUPPORTED;
+}
+
+// Workspace offered to cudnnFind*AlgorithmEx (and so the most a chosen algorithm may use).
+constexpr std::size_t kMaxConvWorkspace = std::size_t{256} << 20;
+
+cudnnDataType_t cudnn_type(DType dt) {
+  if (dt == kFloat16) return CUDNN_DATA_HALF;
+  if (dt == kBFloat16) return CUDNN_DATA_BFLOAT16;
+  return CUDNN_DATA_FLOAT;
 }
 
 // --- Handles and plans -------------------------------------------------------------------------
@@ -502,170 +536,125 @@ bool refused(cudnnStatus_t status, const ConvPlan& plan, const char* call, Direc
   return true;
 }
 
-// How a call runs when cuDNN does not: the 16-bit emulation, float64, or a problem cuDNN
-// cannot take.
-bool direct_only(DType dt, const Conv2dGeometry& g, Accumulation* acc) {
-  if (dt.is_reduced_float() && g.low_precision_accumulation) {
-    *acc = Accumulation::Round16;
-    return true;
+// Runs a pass on cuDNN; false when it did not (cuDNN has no usable algorithm for it, or
+// refused the execution): the caller runs the direct kernels.
+bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const Tensor& out,
+                const Conv2dGeometry& g, int device, cudaStream_t st) {
+  const std::size_t item = dt.itemsize();
+  const CudnnLayout l = cudnn_layout(g);
+  CudnnContext& ctx = cudnn_context(device);
+  std::lock_guard<std::mutex> lock(ctx.mutex);
+  const int64_t kdim = g.kh * g.kw * g.c;
+  // The filter in cuDNN's KRSC layout: transposed from HWIO for forward and backward-data
+  // (whose b is w), computed there by backward-filter and transposed back after.
+  Workspace krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
+  if (dir != Direction::BackwardFilter)
+    transpose_matrix(b.data_ptr(), krsc.data(), kdim, g.cout, item, st);
+  // The image as cuDNN sees it: explicitly padded when the layout says so. Forward and
+  // backward-filter read it (their a is x); backward-data writes its gradient there, cropped
+  // after.
+  Workspace padded(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
+                   device);
+  if (l.padded && dir != Direction::BackwardData)
+    pad_nhwc(a.data_ptr(), padded.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left,
+             item, st);
+  void* image = l.padded ? padded.data() : (dir == Direction::BackwardData ? out : a).data_ptr();
+  Buffers buf{};
+  switch (dir) {
+    case Direction::Forward:
+      buf = {image, krsc.data(), out.data_ptr()};
+      break;
+    case Direction::BackwardData:
+      buf = {krsc.data(), a.data_ptr(), image};
+      break;
+    case Direction::BackwardFilter:
+      buf = {image, b.data_ptr(), krsc.data()};
+      break;
   }
-  *acc = Accumulation::Wide;
-  return dt == kFloat64 || !fits_cudnn(g, cudnn_layout(g));
+  const ConvPlan& plan = plan_for(ctx, device, dir, dt, g, l, buf);
+  if (!plan.use_cudnn) return false;
+  Workspace workspace(plan.workspace, device);
+  const float one = 1.0f, zero = 0.0f;
+  cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
+  const char* call = "";
+  switch (dir) {
+    case Direction::Forward:
+      call = "cudnnConvolutionForward";
+      status = cudnnConvolutionForward(ctx.handle, &one, plan.x, buf.in0, plan.w, buf.in1,
+                                       plan.conv, static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo),
+                                       workspace.data(), plan.workspace, &zero, plan.y, buf.out);
+      break;
+    case Direction::BackwardData:
+      call = "cudnnConvolutionBackwardData";
+      status = cudnnConvolutionBackwardData(
+          ctx.handle, &one, plan.w, buf.in0, plan.y, buf.in1, plan.conv,
+          static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo), workspace.data(), plan.workspace,
+          &zero, plan.x, buf.out);
+      break;
+    case Direction::BackwardFilter:
+      call = "cudnnConvolutionBackwardFilter";
+      status = cudnnConvolutionBackwardFilter(
+          ctx.handle, &one, plan.x, buf.in0, plan.y, buf.in1, plan.conv,
+          static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), workspace.data(), plan.workspace,
+          &zero, plan.w, buf.out);
+      break;
+  }
+  if (refused(status, plan, call, dir, dt, g, __FILE__, __LINE__)) return false;
+  if (dir == Direction::BackwardData && l.padded)
+    crop_nhwc(padded.data(), out.data_ptr(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top,
+              g.pad_left, item, st);
+  if (dir == Direction::BackwardFilter)  // KRSC [cout, kh*kw*cin] -> HWIO [kh*kw*cin, cout]
+    transpose_matrix(krsc.data(), out.data_ptr(), g.cout, kdim, item, st);
+  return true;
 }
+
+#endif  // MIXTAPE_WITH_CUDNN
 
 // --- The kernels -------------------------------------------------------------------------------
 
-template <DType::Code kCode>
-void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
-  constexpr DType dt{kCode};
+// One pass: empty tensors, then the direct kernels where cuDNN does not go (16-bit
+// accumulation, float64, extents beyond int32), cuDNN, and the direct kernels again where
+// cuDNN declines.
+void conv_pass(Direction dir, const Tensor& a, const Tensor& b, const Tensor& out,
+               const Conv2dGeometry& g) {
+  const DType dt = out.dtype();
   if (out.numel() == 0) return;
   const int device = out.device().index();
   DeviceGuard guard(device);
   const cudaStream_t st = stream(device);
-  if (x.numel() == 0 || w.numel() == 0) return zero_fill(out, st);
+  if (a.numel() == 0 || b.numel() == 0) return zero_fill(out, st);
   const ConvShape s = shape_of(g);
   Accumulation acc;
   if (direct_only(dt, g, &acc))
-    return conv_direct_forward(elem_of(dt), acc, s, x.data_ptr(), w.data_ptr(), out.data_ptr(), st);
-
-  const std::size_t item = dt.itemsize();
-  const CudnnLayout l = cudnn_layout(g);
-  CudnnContext& ctx = cudnn_context(device);
-  std::lock_guard<std::mutex> lock(ctx.mutex);
-  const int64_t kdim = g.kh * g.kw * g.c;
-  Workspace w_krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
-  transpose_matrix(w.data_ptr(), w_krsc.data(), kdim, g.cout, item, st);
-  Workspace x_pad(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
-                  device);
-  if (l.padded)
-    pad_nhwc(x.data_ptr(), x_pad.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left,
-             item, st);
-  const void* xin = l.padded ? x_pad.data() : x.data_ptr();
-  const ConvPlan& plan =
-      plan_for(ctx, device, Direction::Forward, dt, g, l, {xin, w_krsc.data(), out.data_ptr()});
-  if (!plan.use_cudnn)
-    return conv_direct_forward(elem_of(dt), Accumulation::Wide, s, x.data_ptr(), w.data_ptr(),
-                               out.data_ptr(), st);
-  Workspace workspace(plan.workspace, device);
-  const float one = 1.0f, zero = 0.0f;
-  const cudnnStatus_t status =
-      cudnnConvolutionForward(ctx.handle, &one, plan.x, xin, plan.w, w_krsc.data(), plan.conv,
-                              static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo), workspace.data(),
-                              plan.workspace, &zero, plan.y, out.data_ptr());
-  if (refused(status, plan, "cudnnConvolutionForward", Direction::Forward, dt, g, __FILE__,
-              __LINE__))
-    conv_direct_forward(elem_of(dt), Accumulation::Wide, s, x.data_ptr(), w.data_ptr(),
-                        out.data_ptr(), st);
+    return run_direct(dir, dt, acc, s, a.data_ptr(), b.data_ptr(), out.data_ptr(), st);
+#ifdef MIXTAPE_WITH_CUDNN
+  if (cudnn_pass(dir, dt, a, b, out, g, device, st)) return;
+#endif
+  run_direct(dir, dt, Accumulation::Wide, s, a.data_ptr(), b.data_ptr(), out.data_ptr(), st);
 }
 
-template <DType::Code kCode>
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
+  conv_pass(Direction::Forward, x, w, out, g);
+}
 void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                            const Conv2dGeometry& g) {
-  constexpr DType dt{kCode};
-  if (grad_x.numel() == 0) return;
-  const int device = grad_x.device().index();
-  DeviceGuard guard(device);
-  const cudaStream_t st = stream(device);
-  if (grad_out.numel() == 0 || w.numel() == 0) return zero_fill(grad_x, st);
-  const ConvShape s = shape_of(g);
-  Accumulation acc;
-  if (direct_only(dt, g, &acc))
-    return conv_direct_backward_input(elem_of(dt), acc, s, grad_out.data_ptr(), w.data_ptr(),
-                                      grad_x.data_ptr(), st);
-
-  const std::size_t item = dt.itemsize();
-  const CudnnLayout l = cudnn_layout(g);
-  CudnnContext& ctx = cudnn_context(device);
-  std::lock_guard<std::mutex> lock(ctx.mutex);
-  const int64_t kdim = g.kh * g.kw * g.c;
-  Workspace w_krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
-  transpose_matrix(w.data_ptr(), w_krsc.data(), kdim, g.cout, item, st);
-  Workspace dx_pad(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
-                   device);
-  void* dx = l.padded ? dx_pad.data() : grad_x.data_ptr();
-  const ConvPlan& plan = plan_for(ctx, device, Direction::BackwardData, dt, g, l,
-                                  {w_krsc.data(), grad_out.data_ptr(), dx});
-  if (!plan.use_cudnn)
-    return conv_direct_backward_input(elem_of(dt), Accumulation::Wide, s, grad_out.data_ptr(),
-                                      w.data_ptr(), grad_x.data_ptr(), st);
-  Workspace workspace(plan.workspace, device);
-  const float one = 1.0f, zero = 0.0f;
-  const cudnnStatus_t status = cudnnConvolutionBackwardData(
-      ctx.handle, &one, plan.w, w_krsc.data(), plan.y, grad_out.data_ptr(), plan.conv,
-      static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo), workspace.data(), plan.workspace,
-      &zero, plan.x, dx);
-  if (refused(status, plan, "cudnnConvolutionBackwardData", Direction::BackwardData, dt, g,
-              __FILE__, __LINE__))
-    return conv_direct_backward_input(elem_of(dt), Accumulation::Wide, s, grad_out.data_ptr(),
-                                      w.data_ptr(), grad_x.data_ptr(), st);
-  if (l.padded)
-    crop_nhwc(dx, grad_x.data_ptr(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left, item,
-              st);
+  conv_pass(Direction::BackwardData, grad_out, w, grad_x, g);
 }
-
-template <DType::Code kCode>
 void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
                             const Conv2dGeometry& g) {
-  constexpr DType dt{kCode};
-  if (grad_w.numel() == 0) return;
-  const int device = grad_w.device().index();
-  DeviceGuard guard(device);
-  const cudaStream_t st = stream(device);
-  if (x.numel() == 0 || grad_out.numel() == 0) return zero_fill(grad_w, st);
-  const ConvShape s = shape_of(g);
-  Accumulation acc;
-  if (direct_only(dt, g, &acc))
-    return conv_direct_backward_weight(elem_of(dt), acc, s, x.data_ptr(), grad_out.data_ptr(),
-                                       grad_w.data_ptr(), st);
-
-  const std::size_t item = dt.itemsize();
-  const CudnnLayout l = cudnn_layout(g);
-  CudnnContext& ctx = cudnn_context(device);
-  std::lock_guard<std::mutex> lock(ctx.mutex);
-  const int64_t kdim = g.kh * g.kw * g.c;
-  Workspace x_pad(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
-                  device);
-  if (l.padded)
-    pad_nhwc(x.data_ptr(), x_pad.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left,
-             item, st);
-  const void* xin = l.padded ? x_pad.data() : x.data_ptr();
-  Workspace dw_krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
-  const ConvPlan& plan = plan_for(ctx, device, Direction::BackwardFilter, dt, g, l,
-                                  {xin, grad_out.data_ptr(), dw_krsc.data()});
-  if (!plan.use_cudnn)
-    return conv_direct_backward_weight(elem_of(dt), Accumulation::Wide, s, x.data_ptr(),
-                                       grad_out.data_ptr(), grad_w.data_ptr(), st);
-  Workspace workspace(plan.workspace, device);
-  const float one = 1.0f, zero = 0.0f;
-  const cudnnStatus_t status = cudnnConvolutionBackwardFilter(
-      ctx.handle, &one, plan.x, xin, plan.y, grad_out.data_ptr(), plan.conv,
-      static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), workspace.data(), plan.workspace,
-      &zero, plan.w, dw_krsc.data());
-  if (refused(status, plan, "cudnnConvolutionBackwardFilter", Direction::BackwardFilter, dt, g,
-              __FILE__, __LINE__))
-    return conv_direct_backward_weight(elem_of(dt), Accumulation::Wide, s, x.data_ptr(),
-                                       grad_out.data_ptr(), grad_w.data_ptr(), st);
-  // KRSC [cout, kh*kw*cin] -> HWIO [kh*kw*cin, cout].
-  transpose_matrix(dw_krsc.data(), grad_w.data_ptr(), g.cout, kdim, item, st);
+  conv_pass(Direction::BackwardFilter, x, grad_out, grad_w, g);
 }
 
 }  // namespace
-}  // namespace mixtape::cuda_backend
-
-#endif  // MIXTAPE_WITH_CUDNN
-
-namespace mixtape::cuda_backend {
 
 void register_conv_kernels() {
-#ifdef MIXTAPE_WITH_CUDNN
-  // float64 runs on the direct kernels (float64 accumulation), not cuDNN.
+  // One kernel per pass for every floating dtype (it reads the dtype off its tensors).
   constexpr auto cuda = DeviceType::CUDA;
-  register_op<OpId::conv2d>(cuda, []<DType::Code C>() { return &conv2d_forward<C>; });
-  register_op<OpId::conv2d_backward_input>(
-      cuda, []<DType::Code C>() { return &conv2d_backward_input<C>; });
-  register_op<OpId::conv2d_backward_weight>(
-      cuda, []<DType::Code C>() { return &conv2d_backward_weight<C>; });
-#endif
+  register_op<OpId::conv2d>(cuda, []<DType::Code>() { return &conv2d_forward; });
+  register_op<OpId::conv2d_backward_input>(cuda,
+                                           []<DType::Code>() { return &conv2d_backward_input; });
+  register_op<OpId::conv2d_backward_weight>(cuda,
+                                            []<DType::Code>() { return &conv2d_backward_weight; });
 }
 
 }  // namespace mixtape::cuda_backend
