@@ -290,20 +290,4 @@ Tensor concat(const std::vector<Tensor>& xs_in, int axis) {
   return out;
 }
 
-// --- Tensor method sugar -------------------------------------------------------------
-
-Tensor Tensor::to(DType dtype) const { return cast(*this, dtype); }
-Tensor Tensor::to(Device device) const { return to_device(*this, device); }
-Tensor Tensor::contiguous() const { return mixtape::contiguous(*this); }
-Tensor Tensor::reshape(const Shape& shape) const { return mixtape::reshape(*this, shape); }
-Tensor Tensor::permute(const std::vector<int>& axes) const { return mixtape::permute(*this, axes); }
-Tensor Tensor::transpose(int axis0, int axis1) const {
-  return mixtape::transpose(*this, axis0, axis1);
-}
-Tensor Tensor::slice(int axis, std::int64_t start, std::int64_t stop, std::int64_t step) const {
-  return mixtape::slice(*this, axis, start, stop, step);
-}
-Tensor Tensor::expand(const Shape& shape) const { return mixtape::expand(*this, shape); }
-Tensor Tensor::detach() const { return mixtape::detach(*this); }
-
 }  // namespace mixtape

@@ -1,39 +1,80 @@
-// The registry of device backends.
+// The registry of device backends, and the initializers backend libraries announce.
 #include "mixtape/core/backend.h"
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <mutex>
+#include <vector>
 
 #include "core/registry_init.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape {
 namespace {
+
 std::array<std::unique_ptr<Backend>, kDeviceTypeCount>& backends() {
   static std::array<std::unique_ptr<Backend>, kDeviceTypeCount> table;
   return table;
 }
-std::once_flag g_init;
+
+struct Initializers {
+  std::mutex mutex;
+  std::vector<void (*)()> pending, done;
+  std::atomic<bool> any_pending{false};
+};
+Initializers& initializers() {
+  static Initializers i;
+  return i;
+}
+
+// While an initializer runs on this thread: the device types it registers (so that they
+// are checked), and a guard against look-ups it makes re-entering ensure_backends.
+thread_local std::vector<DeviceType>* t_registered = nullptr;
+
 }  // namespace
+
+void add_backend_initializer(void (*initialize)()) {
+  Initializers& in = initializers();
+  std::lock_guard<std::mutex> lock(in.mutex);
+  if (std::find(in.done.begin(), in.done.end(), initialize) != in.done.end() ||
+      std::find(in.pending.begin(), in.pending.end(), initialize) != in.pending.end())
+    return;
+  in.pending.push_back(initialize);
+  in.any_pending.store(true, std::memory_order_release);
+}
 
 namespace detail {
 void ensure_backends() {
-  std::call_once(g_init, [] {
-    register_builtin_backends();
-    for (int t = 0; t < kDeviceTypeCount; ++t)
-      if (backends()[static_cast<std::size_t>(t)])
-        check_kernel_coverage(static_cast<DeviceType>(t));
-  });
+  Initializers& in = initializers();
+  if (!in.any_pending.load(std::memory_order_acquire) || t_registered) return;
+  std::lock_guard<std::mutex> lock(in.mutex);
+  while (!in.pending.empty()) {
+    std::vector<DeviceType> registered;
+    t_registered = &registered;
+    try {
+      in.pending.front()();
+      for (DeviceType t : registered) check_kernel_coverage(t);
+    } catch (...) {
+      t_registered = nullptr;  // stays pending: tried again at the next use
+      throw;
+    }
+    t_registered = nullptr;
+    in.done.push_back(in.pending.front());
+    in.pending.erase(in.pending.begin());
+  }
+  in.any_pending.store(false, std::memory_order_release);
 }
 }  // namespace detail
 
 void register_backend(std::unique_ptr<Backend> backend) {
-  const auto t = static_cast<std::size_t>(backend->type());
+  const DeviceType type = backend->type();
   spdlog::debug("mixtape: {} backend registered ({} device(s))", backend->name(),
                 backend->device_count());
-  backends()[t] = std::move(backend);
+  backends()[static_cast<std::size_t>(type)] = std::move(backend);
+  if (t_registered) t_registered->push_back(type);
 }
 
 bool has_backend(DeviceType type) {
@@ -45,8 +86,11 @@ Backend& backend_for(DeviceType type) {
   detail::ensure_backends();
   auto& b = backends()[static_cast<std::size_t>(type)];
   if (!b)
-    throw DeviceError(fmt::format("no {} backend: this build of mixtape has no support for it",
-                                  type == DeviceType::CUDA ? "CUDA" : "CPU"));
+    throw DeviceError(fmt::format(
+        "no {} backend: this program registers none (a backend registers when its header is "
+        "included: mixtape/mixtape.h includes the CPU backend's, and the CUDA backend's when "
+        "the program links mixtape::cuda)",
+        device_type_name(type)));
   return *b;
 }
 

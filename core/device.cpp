@@ -16,8 +16,10 @@ Device Device::parse(const std::string& name) {
   throw ValueError(fmt::format("unknown device '{}'; valid: cpu, cuda, cuda:N", name));
 }
 
+const char* device_type_name(DeviceType type) { return type == DeviceType::CPU ? "cpu" : "cuda"; }
+
 std::string Device::str() const {
-  return is_cpu() ? std::string("cpu") : fmt::format("cuda:{}", index_);
+  return is_cpu() ? std::string("cpu") : fmt::format("{}:{}", device_type_name(type_), index_);
 }
 
 }  // namespace mixtape

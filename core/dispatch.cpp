@@ -32,8 +32,6 @@ Table& table() {
   return t;
 }
 
-const char* device_type_name(DeviceType d) { return d == DeviceType::CPU ? "cpu" : "cuda"; }
-
 std::string registered_dtypes(OpId op, DeviceType device) {
   std::string out;
   for (int i = 0; i < DType::kCount; ++i) {

@@ -1,13 +1,13 @@
-// Private to core: one-time registration of the built-in backends.
+// Private to core: the registration of backends at first use.
 #pragma once
 
 #include "mixtape/core/device.h"
 
 namespace mixtape::detail {
-// Defined in backends/builtin.cpp; registers the CPU (and CUDA) backend and kernels.
-void register_builtin_backends();
-// Runs register_builtin_backends() once per process, before any look-up, then checks
-// each registered backend with check_kernel_coverage.
+// Runs the backend initializers added so far (add_backend_initializer, backend.h) that have
+// not run yet, each once, then checks each backend they registered with
+// check_kernel_coverage. Called before every backend or kernel look-up; cheap when nothing
+// is pending. An initializer that throws stays pending and runs again at the next use.
 void ensure_backends();
 // Throws Error naming every (op, dtype) the op table requires that `device` has no kernel
 // for (defined in dispatch.cpp).

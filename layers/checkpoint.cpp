@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/safetensors.h"
 #include "mixtape/optim/loss_scale_optimizer.h"

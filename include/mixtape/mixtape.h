@@ -1,4 +1,5 @@
-// The one header a mixtape user includes.
+// The one header a mixtape user includes. It registers the CPU backend, and the CUDA
+// backend when the program links mixtape::cuda (mixtape/backends/cpu.h, cuda.h).
 #pragma once
 
 #include "mixtape/autograd/amp.h"
@@ -6,6 +7,10 @@
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/autograd/variable.h"
+#include "mixtape/backends/cpu.h"
+#ifdef MIXTAPE_CUDA_BACKEND
+#include "mixtape/backends/cuda.h"
+#endif
 #include "mixtape/core/backend.h"
 #include "mixtape/core/compute_mode.h"
 #include "mixtape/core/cuda.h"

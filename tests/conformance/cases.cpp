@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "mixtape/autograd/ops.h"
 #include "mixtape/core/kernels.h"
 #include "tests/conformance/conformance.h"
 

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "mixtape/core/backend.h"
 #include "mixtape/core/register_kernels.h"
+#include "mixtape/mixtape.h"  // the CPU backend, and the CUDA one when linked
 #include "tests/conformance/conformance.h"
 
 namespace mt = mixtape;

@@ -124,4 +124,26 @@ Tensor max_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
 Tensor avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding = Padding::Valid);
 
+// --- Tensor's methods ------------------------------------------------------------------------
+// x.to(dtype), x.reshape(shape), ...: the ops above (mixtape/core/tensor.h, TensorOps).
+template <>
+struct TensorOps<void> {
+  static Tensor cast(const Tensor& x, DType dtype) { return mixtape::cast(x, dtype); }
+  static Tensor to_device(const Tensor& x, Device device) { return mixtape::to_device(x, device); }
+  static Tensor contiguous(const Tensor& x) { return mixtape::contiguous(x); }
+  static Tensor reshape(const Tensor& x, const Shape& shape) { return mixtape::reshape(x, shape); }
+  static Tensor permute(const Tensor& x, const std::vector<int>& axes) {
+    return mixtape::permute(x, axes);
+  }
+  static Tensor transpose(const Tensor& x, int axis0, int axis1) {
+    return mixtape::transpose(x, axis0, axis1);
+  }
+  static Tensor slice(const Tensor& x, int axis, std::int64_t start, std::int64_t stop,
+                      std::int64_t step) {
+    return mixtape::slice(x, axis, start, stop, step);
+  }
+  static Tensor expand(const Tensor& x, const Shape& shape) { return mixtape::expand(x, shape); }
+  static Tensor detach(const Tensor& x) { return mixtape::detach(x); }
+};
+
 }  // namespace mixtape

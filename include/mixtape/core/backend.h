@@ -1,7 +1,12 @@
 // Backend: what a device type provides to core (memory, copies, synchronisation).
 // Kernels are registered separately, per (op, dtype), in the dispatch table
-// (mixtape/core/dispatch.h). The CPU backend is always registered; the CUDA backend is
-// registered when the library is built with it.
+// (mixtape/core/dispatch.h).
+//
+// Core names no backend: each backend library announces itself with
+// add_backend_initializer, from its header (mixtape/backends/cpu.h, mixtape/backends/cuda.h):
+// a program that includes the header (mixtape/mixtape.h includes the CPU one, and the CUDA
+// one when the program links mixtape::cuda) has the backend registered, with its kernels,
+// before its first tensor. A program that registers none gets a DeviceError saying so.
 #pragma once
 
 #include <cstddef>
@@ -43,6 +48,11 @@ class Backend {
 
 // Installs a backend (replacing one of the same type).
 void register_backend(std::unique_ptr<Backend> backend);
+// Adds a function that registers a backend and its kernels (register_backend,
+// register_kernel); core runs it once, before the first backend or kernel look-up after it
+// was added, then checks that the backend has every kernel the op table requires (an Error
+// naming what is missing). The same function added twice runs once.
+void add_backend_initializer(void (*initialize)());
 // The backend of a device type; throws DeviceError when it is not built in.
 Backend& backend_for(DeviceType type);
 bool has_backend(DeviceType type);

@@ -10,6 +10,8 @@ namespace mixtape {
 
 enum class DeviceType : std::uint8_t { CPU = 0, CUDA = 1 };
 inline constexpr int kDeviceTypeCount = 2;
+// "cpu", "cuda": the name of a device type in device strings and messages.
+const char* device_type_name(DeviceType type);
 
 class Device {
  public:

@@ -5,7 +5,8 @@
 // refers to the same tensor (same storage, same identity for GradientTape). View ops
 // (reshape, permute, slice, expand) make new tensors that share the storage.
 // The differentiable methods (to, reshape, permute, ...) are thin sugar over the ops in
-// mixtape/autograd/ops.h and are recorded on active GradientTapes.
+// mixtape/autograd/ops.h (through TensorOps, below) and are recorded on active
+// GradientTapes.
 #pragma once
 
 #include <fmt/format.h>
@@ -45,6 +46,13 @@ struct TensorImpl {
   std::uint64_t id = 0;                    // unique per TensorImpl, for tapes
   std::shared_ptr<VariableInfo> variable;  // set for Variables only
 };
+
+// The differentiable ops behind Tensor's methods to(), reshape(), permute(), ... They are
+// the autograd layer's (mixtape/autograd/ops.h defines TensorOps<> with them, so that the
+// methods record on tapes), and core depends on nothing above it: calling one of the methods
+// without that header is a compile error naming TensorOps.
+template <typename = void>
+struct TensorOps;
 
 class Tensor {
  public:
@@ -98,16 +106,45 @@ class Tensor {
   template <typename T>
   std::vector<T> to_vector() const;
 
-  // --- Differentiable sugar (see mixtape/autograd/ops.h) ---------------------------
-  Tensor to(DType dtype) const;              // cast; a no-op returning *this when equal
-  Tensor to(Device device) const;            // copy to another device; *this when equal
-  Tensor contiguous() const;                 // *this when already contiguous
-  Tensor reshape(const Shape& shape) const;  // one extent may be -1
-  Tensor permute(const std::vector<int>& axes) const;
-  Tensor transpose(int axis0 = -2, int axis1 = -1) const;
-  Tensor slice(int axis, std::int64_t start, std::int64_t stop, std::int64_t step = 1) const;
-  Tensor expand(const Shape& shape) const;  // broadcast view
-  Tensor detach() const;                    // same data, never recorded
+  // --- Differentiable sugar over the ops of mixtape/autograd/ops.h ---------------------
+  // Recorded on tapes like the ops themselves. They are the autograd layer's: see TensorOps
+  // above (the template parameter is only that hook; leave it out).
+  template <typename Ops = TensorOps<>>
+  Tensor to(DType dtype) const {  // cast; a no-op returning *this when equal
+    return Ops::cast(*this, dtype);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor to(Device device) const {  // copy to another device; *this when equal
+    return Ops::to_device(*this, device);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor contiguous() const {  // *this when already contiguous
+    return Ops::contiguous(*this);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor reshape(const Shape& shape) const {  // one extent may be -1
+    return Ops::reshape(*this, shape);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor permute(const std::vector<int>& axes) const {
+    return Ops::permute(*this, axes);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor transpose(int axis0 = -2, int axis1 = -1) const {
+    return Ops::transpose(*this, axis0, axis1);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor slice(int axis, std::int64_t start, std::int64_t stop, std::int64_t step = 1) const {
+    return Ops::slice(*this, axis, start, stop, step);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor expand(const Shape& shape) const {  // broadcast view
+    return Ops::expand(*this, shape);
+  }
+  template <typename Ops = TensorOps<>>
+  Tensor detach() const {  // same data, never recorded
+    return Ops::detach(*this);
+  }
 
   // Variables: named trainable tensors (see mixtape/autograd/variable.h).
   bool is_variable() const { return defined() && impl().variable != nullptr; }
