@@ -37,7 +37,7 @@ struct Options {
   std::string model = "mlp";
   std::string policy = "float32";
   std::string device = "auto";
-  int epochs = 5;
+  int epochs = 0;  // 0: 5, or 15 for the resnet on Fashion-MNIST (default_epochs)
   std::int64_t batch_size = 0;      // 0: 128, or 8192 for the guide model
   double learning_rate = 0.0;       // 0: 0.001 (0.002 for the cnn and the resnet)
   std::string schedule = "cosine";  // or constant
@@ -166,7 +166,8 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--device", o.device,
                  "auto (default: cuda when a GPU is present), cpu, cuda, cuda:N")
       ->type_name("NAME");
-  app.add_option("--epochs", o.epochs, "epochs to train (default 5)")
+  app.add_option("--epochs", o.epochs,
+                 "epochs to train (default 5; 15 for the resnet on Fashion-MNIST)")
       ->type_name("N")
       ->transform(integer(0));
   app.add_option("--batch-size", o.batch_size, "default 128 (8192 for --model guide)")
@@ -353,6 +354,13 @@ mt::Device pick_device(const std::string& name) {
   const mt::Device d = mt::Device::parse(name);
   mt::check_device(d);  // a clear DeviceError when it is not there
   return d;
+}
+
+// The epochs a run takes when --epochs is not given: 5, and 15 for the resnet on
+// Fashion-MNIST, which needs them to pass 92.5% (docs/mnist.md: 0.9279 and 0.9258 for
+// seeds 0 and 1 under mixed_bfloat16, against 0.9182 after 5).
+int default_epochs(const Options& o) {
+  return o.model == "resnet" && o.dataset == "fashion" ? 15 : 5;
 }
 
 // A small ResNet for 28x28 images, a functional model: a 3x3 conv stem (16 channels), three
@@ -732,6 +740,7 @@ int main(int argc, char** argv) {
     add_options(app, options);
     app.parse(argc, argv);
     refuse_extras(app);
+    if (app.count("--epochs") == 0) options.epochs = default_epochs(options);
   } catch (const CLI::Success& e) {  // --help: the help text on stdout, exit status 0
     return app.exit(e);
   } catch (const CLI::ParseError& e) {  // a bad command line: one line, exit status 2
