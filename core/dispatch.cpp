@@ -115,6 +115,12 @@ std::string kernel_table() {
   std::string out;
   for (int d = 0; d < kDeviceTypeCount; ++d) {
     const auto dev = static_cast<DeviceType>(d);
+    // Device types with no kernel at all (no backend, or one that registered none) are left
+    // out, but the CPU and CUDA ones.
+    bool any = d <= static_cast<int>(DeviceType::CUDA);
+    for (std::size_t op = 0; op < kOps && !any; ++op)
+      for (const Entry& e : table()[op][static_cast<std::size_t>(d)]) any = any || e.fn;
+    if (!any) continue;
     out += fmt::format("{}:\n", device_type_name(dev));
     for (std::size_t op = 0; op < kOps; ++op) {
       if (!detail::kOpInfos[op].has_kernel) continue;
