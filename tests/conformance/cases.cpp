@@ -138,7 +138,6 @@ void binary(Context& c) {
     }
     return floating ? c.uniform(-3.0, 3.0) : c.uniform(-20, 20);
   };
-  const DType out_dtype = comparison ? kBool : c.dtype();
   auto run = [&](const std::string& what, const Pair& a, const Pair& b) {
     const Shape shape = broadcast_shape(a.tested.shape(), b.tested.shape());
     const Pair out = comparison ? c.output(shape, kBool) : c.output(shape);
@@ -150,7 +149,6 @@ void binary(Context& c) {
     // Integer quotients truncate toward zero.
     c.expect_close(what, out.tested, out.ref, {}, divides && !floating);
   };
-  (void)out_dtype;
   for (const auto& s : binary_shapes())
     run(fmt::format("shapes {} and {}", shape_name(s.a), shape_name(s.b)), c.make(s.a, draw_a),
         c.make(s.b, draw_b));

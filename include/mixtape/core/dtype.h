@@ -61,7 +61,7 @@ inline constexpr DType kUInt8{DType::UInt8};
 inline constexpr DType kBool{DType::Bool};
 
 // A set of dtypes (a bit per code), usable in constant expressions: the dtypes an op's
-// kernels must cover (mixtape/core/op_table.h), the dtypes a backend registered.
+// kernels must cover (mixtape/core/op_table.h).
 class DTypeSet {
  public:
   constexpr DTypeSet() = default;
@@ -70,16 +70,11 @@ class DTypeSet {
   }
   constexpr bool contains(DType d) const { return (bits_ & bit(d)) != 0; }
   constexpr bool empty() const { return bits_ == 0; }
-  constexpr int size() const { return __builtin_popcount(bits_); }
-  constexpr DTypeSet with(DType d) const {
-    return DTypeSet(static_cast<std::uint16_t>(bits_ | bit(d)));
-  }
   friend constexpr bool operator==(DTypeSet a, DTypeSet b) { return a.bits_ == b.bits_; }
   // "float32, float16" in code order; "none" when empty.
   std::string str() const;
 
  private:
-  constexpr explicit DTypeSet(std::uint16_t bits) : bits_(bits) {}
   static constexpr std::uint16_t bit(DType d) {
     return static_cast<std::uint16_t>(1u << d.index());
   }
