@@ -43,20 +43,6 @@ void gather_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t 
   }
 }
 
-// For 16-bit floats, scatter_add and index_add run their float32 kernel on float32 copies
-// of src and out, and round each result once: added in 16 bits, an element that receives
-// several rows would be rounded after every add (the reduced-precision kernels compute and
-// accumulate in float32, mixtape/core/kernels.h).
-template <typename T, typename Float32Kernel>
-void accumulate_in_float32(const Tensor& src, const Tensor& out, Float32Kernel&& kernel) {
-  Tensor s = Tensor::empty(src.shape(), kFloat32, src.device());
-  Tensor o = Tensor::empty(out.shape(), kFloat32, out.device());
-  to_float(static_cast<const T*>(src.data_ptr()), s.data<float>(), src.numel());
-  to_float(static_cast<const T*>(out.data_ptr()), o.data<float>(), out.numel());
-  kernel(s, o);
-  from_float(o.data<float>(), static_cast<T*>(out.data_ptr()), out.numel());
-}
-
 template <typename T>
 void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                         int64_t inner, const Tensor& out) {
@@ -149,41 +135,45 @@ void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int
   }
 }
 
-// The kernels registered: T's, or float32's on copies for 16-bit floats.
-template <typename T>
-void scatter_add_any(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
-                     int64_t inner, const Tensor& out) {
-  if constexpr (kReduced<T>)
-    accumulate_in_float32<T>(src, out, [&](const Tensor& s, const Tensor& o) {
-      scatter_add_kernel<float>(s, index, outer, n, k, inner, o);
-    });
-  else
-    scatter_add_kernel<T>(src, index, outer, n, k, inner, out);
-}
-
-template <typename T>
-void index_add_any(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
-                   int64_t inner, const Tensor& out) {
-  if constexpr (kReduced<T>)
-    accumulate_in_float32<T>(src, out, [&](const Tensor& s, const Tensor& o) {
-      index_add_kernel<float>(s, index, outer, n, k, inner, o);
-    });
-  else
-    index_add_kernel<T>(src, index, outer, n, k, inner, out);
+// For 16-bit floats, scatter_add and index_add are their float32 kernel run on float32
+// copies of src and out, each result rounded once: added in 16 bits, an element that
+// receives several rows would be rounded after every add (the reduced-precision kernels
+// compute and accumulate in float32, mixtape/core/kernels.h). The two share a signature.
+template <typename T, kernels::ScatterAddFn* kFloat32Kernel>
+void accumulate_in_float32(const Tensor& src, const Tensor& index, int64_t outer, int64_t n,
+                           int64_t k, int64_t inner, const Tensor& out) {
+  Tensor s = Tensor::empty(src.shape(), kFloat32, src.device());
+  Tensor o = Tensor::empty(out.shape(), kFloat32, out.device());
+  to_float(static_cast<const T*>(src.data_ptr()), s.data<float>(), src.numel());
+  to_float(static_cast<const T*>(out.data_ptr()), o.data<float>(), out.numel());
+  kFloat32Kernel(s, index, outer, n, k, inner, o);
+  from_float(o.data<float>(), static_cast<T*>(out.data_ptr()), out.numel());
 }
 
 }  // namespace
 
 void register_index_kernels() {
   constexpr auto cpu = DeviceType::CPU;
-  // gather and take move elements (one kernel per item size); the adjoints add.
+  // gather and take move elements (one kernel per item size); the adjoints add (16-bit
+  // floats through float32, accumulate_in_float32).
   register_op<OpId::gather>(
       cpu, []<DType::Code C>() { return &gather_kernel<bits_t<sizeof(element_t<C>)>>; });
-  register_op<OpId::scatter_add>(cpu,
-                                 []<DType::Code C>() { return &scatter_add_any<element_t<C>>; });
+  register_op<OpId::scatter_add>(cpu, []<DType::Code C>() -> kernels::ScatterAddFn* {
+    using T = element_t<C>;
+    if constexpr (kReduced<T>)
+      return &accumulate_in_float32<T, &scatter_add_kernel<float>>;
+    else
+      return &scatter_add_kernel<T>;
+  });
   register_op<OpId::take>(
       cpu, []<DType::Code C>() { return &take_kernel<bits_t<sizeof(element_t<C>)>>; });
-  register_op<OpId::index_add>(cpu, []<DType::Code C>() { return &index_add_any<element_t<C>>; });
+  register_op<OpId::index_add>(cpu, []<DType::Code C>() -> kernels::IndexAddFn* {
+    using T = element_t<C>;
+    if constexpr (kReduced<T>)
+      return &accumulate_in_float32<T, &index_add_kernel<float>>;
+    else
+      return &index_add_kernel<T>;
+  });
 }
 
 }  // namespace mixtape::cpu

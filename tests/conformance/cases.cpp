@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "mixtape/autograd/ops.h"
@@ -259,13 +260,20 @@ const std::vector<IndexExtents>& index_cases() {
   return cases;
 }
 
-void gather(Context& c) {
-  const bool adjoint = is(c, "ScatterAddFn");
+// gather / scatter_add (an index per element, [outer, k, inner]) and take / index_add (an
+// index per row, [k]): the first of each pair moves elements (exact), the second adds them
+// into its output (repeated indices add up). The four share one C++ signature.
+void indexing(Context& c) {
+  static_assert(std::is_same_v<kernels::GatherFn, kernels::TakeFn> &&
+                std::is_same_v<kernels::ScatterAddFn, kernels::IndexAddFn>);
+  const bool per_row = is(c, "TakeFn") || is(c, "IndexAddFn");
+  const bool adds = is(c, "ScatterAddFn") || is(c, "IndexAddFn");
   for (const auto& e : index_cases()) {
-    const Pair index = c.indices({e.outer, e.k, e.inner}, 0, e.n - 1);
+    const Pair index =
+        per_row ? c.indices({e.k}, 0, e.n - 1) : c.indices({e.outer, e.k, e.inner}, 0, e.n - 1);
     const std::string what =
         fmt::format("[outer {}, n {}, k {}, inner {}]", e.outer, e.n, e.k, e.inner);
-    if (!adjoint) {
+    if (!adds) {
       const Pair x = c.uniform({e.outer, e.n, e.inner}, -3.0, 3.0);
       const Pair out = c.output({e.outer, e.k, e.inner});
       if (out.tested.numel() > 0) {
@@ -284,35 +292,6 @@ void gather(Context& c) {
                                                 e.inner, out.tested);
         reference_kernel<kernels::ScatterAddFn>(c)(src.ref, index.ref, e.outer, e.n, e.k, e.inner,
                                                    out.ref);
-      }
-      c.expect_close(what, out.tested, out.ref, {3.0 * static_cast<double>(e.k + 1), 0.0});
-    }
-  }
-}
-
-void take(Context& c) {
-  const bool adjoint = is(c, "IndexAddFn");
-  for (const auto& e : index_cases()) {
-    const Pair index = c.indices({e.k}, 0, e.n - 1);
-    const std::string what =
-        fmt::format("[outer {}, n {}, k {}, inner {}]", e.outer, e.n, e.k, e.inner);
-    if (!adjoint) {
-      const Pair x = c.uniform({e.outer, e.n, e.inner}, -3.0, 3.0);
-      const Pair out = c.output({e.outer, e.k, e.inner});
-      if (out.tested.numel() > 0) {
-        tested_kernel<kernels::TakeFn>(c)(x.tested, index.tested, e.outer, e.n, e.k, e.inner,
-                                          out.tested);
-        reference_kernel<kernels::TakeFn>(c)(x.ref, index.ref, e.outer, e.n, e.k, e.inner, out.ref);
-      }
-      c.expect_equal(what, out.tested, out.ref);
-    } else {
-      const Pair src = c.uniform({e.outer, e.k, e.inner}, -3.0, 3.0);
-      const Pair out = c.uniform({e.outer, e.n, e.inner}, -3.0, 3.0);
-      if (src.tested.numel() > 0) {
-        tested_kernel<kernels::IndexAddFn>(c)(src.tested, index.tested, e.outer, e.n, e.k, e.inner,
-                                              out.tested);
-        reference_kernel<kernels::IndexAddFn>(c)(src.ref, index.ref, e.outer, e.n, e.k, e.inner,
-                                                 out.ref);
       }
       c.expect_close(what, out.tested, out.ref, {3.0 * static_cast<double>(e.k + 1), 0.0});
     }
@@ -683,8 +662,7 @@ Driver driver_for(OpId op) {
   if (k == "WhereFn") return where;
   if (k == "ReduceFn") return reduce;
   if (k == "RowFn") return rows;
-  if (k == "GatherFn" || k == "ScatterAddFn") return gather;
-  if (k == "TakeFn" || k == "IndexAddFn") return take;
+  if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;
   if (k == "Pool2dFn" || k == "Pool2dBackwardFn") return pool;
