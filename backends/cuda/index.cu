@@ -4,11 +4,12 @@
 //
 // gather and take only move elements (an unsigned integer of the item size; take moves
 // 16-byte units when the rows and pointers allow it), one thread per output element.
-// scatter_add and index_add run one thread per source element and add with atomicAdd in the
-// dtype: float32 / float64 natively, float16 (sm_70+) and bfloat16 (sm_80+) with CUDA's
-// 16-bit atomics (each addition rounded to the dtype, as the CPU does), int32 / int64 as
-// wrapping two's-complement additions (32-bit int and 64-bit unsigned atomics). The order of
-// the additions into one element is not the CPU's (j order): integer results are identical,
+// scatter_add and index_add run one thread per source element and add with atomicAdd:
+// float32 / float64 natively, float16 and bfloat16 into a float32 copy of the output that is
+// rounded once at the end (as the CPU backend does: 16-bit atomics would round after every
+// addition, off by up to 0.06 in bfloat16 where many rows meet), int32 / int64 as wrapping
+// two's-complement additions (32-bit int and 64-bit unsigned atomics). The order of the
+// additions into one element is not the CPU's (j order): integer results are identical,
 // floating results may differ by rounding.
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
@@ -21,8 +22,6 @@ using std::int64_t;
 // *p += v in the dtype, atomically.
 __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
-__device__ __forceinline__ void atomic_add(__half* p, __half v) { atomicAdd(p, v); }
-__device__ __forceinline__ void atomic_add(__nv_bfloat16* p, __nv_bfloat16 v) { atomicAdd(p, v); }
 __device__ __forceinline__ void atomic_add(std::int32_t* p, std::int32_t v) {
   atomicAdd(reinterpret_cast<int*>(p), static_cast<int>(v));
 }
@@ -42,13 +41,14 @@ __global__ void gather_kernel(const T* __restrict__ x, const int64_t* __restrict
   }
 }
 
-// out[o, index[o, j, i], i] += src[o, j, i].
+// out[o, index[o, j, i], i] += src[o, j, i]; out in the compute type of T.
 template <typename T>
 __global__ void scatter_add_kernel(const T* __restrict__ src, const int64_t* __restrict__ index,
-                                   T* out, int64_t total, int64_t n, int64_t k, int64_t inner) {
+                                   compute_of<T>* out, int64_t total, int64_t n, int64_t k,
+                                   int64_t inner) {
   MIXTAPE_GRID_LOOP(q, total) {
     const int64_t i = q % inner, o = q / inner / k;
-    atomic_add(out + (o * n + index[q]) * inner + i, src[q]);
+    atomic_add(out + (o * n + index[q]) * inner + i, load(src[q]));
   }
 }
 
@@ -64,14 +64,47 @@ __global__ void take_kernel(const T* __restrict__ x, const int64_t* __restrict__
   }
 }
 
-// out[o, index[j], i] += src[o, j, i].
+// out[o, index[j], i] += src[o, j, i]; out in the compute type of T.
 template <typename T>
 __global__ void index_add_kernel(const T* __restrict__ src, const int64_t* __restrict__ index,
-                                 T* out, int64_t total, int64_t n, int64_t k, int64_t inner) {
+                                 compute_of<T>* out, int64_t total, int64_t n, int64_t k,
+                                 int64_t inner) {
   MIXTAPE_GRID_LOOP(q, total) {
     const int64_t i = q % inner, r = q / inner;
     const int64_t j = r % k, o = r / k;
-    atomic_add(out + (o * n + index[j]) * inner + i, src[q]);
+    atomic_add(out + (o * n + index[j]) * inner + i, load(src[q]));
+  }
+}
+
+// to[q] = from[q] converted (storage <-> compute type).
+template <typename From, typename To>
+__global__ void convert_kernel(const From* __restrict__ from, To* __restrict__ to, int64_t total) {
+  MIXTAPE_GRID_LOOP(q, total) {
+    if constexpr (std::is_same_v<To, compute_of<From>>)
+      to[q] = load(from[q]);
+    else
+      to[q] = store<To>(from[q]);
+  }
+}
+
+// Runs add(acc) with acc: the output in its compute type. For the 16-bit floats a float32
+// copy of out in a workspace, rounded back into out once all additions are done.
+template <typename T, typename Add>
+void with_accumulator(const Tensor& out, cudaStream_t s, Add add) {
+  using Acc = compute_of<T>;
+  T* o = static_cast<T*>(out.data_ptr());
+  if constexpr (std::is_same_v<Acc, T>) {
+    add(o);
+  } else {
+    const int64_t m = out.numel();
+    if (m == 0) return;
+    Workspace ws(static_cast<std::size_t>(m) * sizeof(Acc), out.device().index());
+    Acc* acc = static_cast<Acc*>(ws.data());
+    convert_kernel<T, Acc><<<blocks_for(m), kThreads, 0, s>>>(o, acc, m);
+    MIXTAPE_CUDA_CHECK_LAUNCH("accumulator widening kernel");
+    add(acc);
+    convert_kernel<Acc, T><<<blocks_for(m), kThreads, 0, s>>>(acc, o, m);
+    MIXTAPE_CUDA_CHECK_LAUNCH("accumulator rounding kernel");
   }
 }
 
@@ -95,10 +128,12 @@ void scatter_add_host(const Tensor& src, const Tensor& index, int64_t outer, int
   const int64_t total = outer * k * inner;
   if (total == 0) return;
   OnDevice on(out);
-  scatter_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-      static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()),
-      static_cast<T*>(out.data_ptr()), total, n, k, inner);
-  MIXTAPE_CUDA_CHECK_LAUNCH("scatter_add kernel");
+  with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
+    scatter_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
+        static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()), acc,
+        total, n, k, inner);
+    MIXTAPE_CUDA_CHECK_LAUNCH("scatter_add kernel");
+  });
 }
 
 // T: an unsigned integer of the item size. Rows of a multiple of 16 bytes between 16-byte
@@ -132,10 +167,12 @@ void index_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64
   const int64_t total = outer * k * inner;
   if (total == 0) return;
   OnDevice on(out);
-  index_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-      static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()),
-      static_cast<T*>(out.data_ptr()), total, n, k, inner);
-  MIXTAPE_CUDA_CHECK_LAUNCH("index_add kernel");
+  with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
+    index_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
+        static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()), acc,
+        total, n, k, inner);
+    MIXTAPE_CUDA_CHECK_LAUNCH("index_add kernel");
+  });
 }
 
 }  // namespace
