@@ -1,4 +1,4 @@
-// Metrics: device-side comparisons, host-side float64 totals.
+// Metrics: device-side comparisons and float64 totals, read back by result().
 #include "mixtape/layers/metrics.h"
 
 #include "layers/class_indices.h"
@@ -47,20 +47,41 @@ void Metric::update_state(const Tensor&, const Tensor&, const Tensor&) {
   throw ValueError(fmt::format("metric '{}' is not updated from (y_true, y_pred)", name_));
 }
 
+namespace {
+// sum += value, on value's device (the running sum moves there the first time it differs).
+void add_to(Tensor& sum, const Tensor& value) {
+  if (!sum.defined())
+    sum = value;
+  else
+    sum = add(sum.device() == value.device() ? sum : sum.to(value.device()), value);
+}
+}  // namespace
+
 void Metric::accumulate(const Tensor& values, const Tensor& weights) {
   NoGradGuard no_grad;
   Tensor v = cast(values, kFloat64);
   if (!weights.defined()) {
-    total_ += sum(v).item<double>();
+    add_to(total_, sum(v));
     count_ += static_cast<double>(v.numel());
     return;
   }
   if (weights.numel() != v.numel())
     throw ShapeError(fmt::format("metric '{}': sample_weight {} does not match values {}", name_,
                                  describe(weights), describe(values)));
-  Tensor w = reshape(cast(weights, kFloat64), v.shape());
-  total_ += sum(v * w).item<double>();
-  count_ += sum(w).item<double>();
+  Tensor w = reshape(cast(weights, kFloat64), v.shape()).to(v.device());
+  add_to(total_, sum(v * w));
+  add_to(weights_, sum(w));
+}
+
+double Metric::result() const {
+  const double count = count_ + (weights_.defined() ? weights_.item<double>() : 0.0);
+  return count > 0 ? (total_.defined() ? total_.item<double>() : 0.0) / count : 0.0;
+}
+
+void Metric::reset_state() {
+  total_ = Tensor();
+  weights_ = Tensor();
+  count_ = 0.0;
 }
 
 void Mean::update_state(const Tensor& values, const Tensor& sample_weight) {

@@ -275,7 +275,13 @@ Logs Model::train_step(const Tensor& x, const Tensor& y) {
   return train_step(std::vector<Tensor>{x}, std::vector<Tensor>{y});
 }
 
-Logs Model::train_step(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y_in) {
+Logs Model::train_step(const std::vector<Tensor>& x, const std::vector<Tensor>& y) {
+  const StepLosses step = run_train_step(x, y);
+  return make_logs(step.loss.item<double>(), values_of(step.parts), output_names(), metrics_);
+}
+
+Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
+                                        const std::vector<Tensor>& y_in) {
   if (!compiled())
     throw ValueError(
         fmt::format("model '{}' is not compiled: call compile() before training", name()));
@@ -288,28 +294,28 @@ Logs Model::train_step(const std::vector<Tensor>& x_in, const std::vector<Tensor
     // batch is 0 (Keras); no gradient, no optimizer step, no iteration counted.
     NoGradGuard no_grad;
     const std::vector<Tensor> pred = apply(x, CallContext{.training = false});
-    std::vector<Tensor> parts;
-    const double loss = batch_loss(y, pred, &parts).item<double>();
+    StepLosses out;
+    out.loss = batch_loss(y, pred, &out.parts);
     for (std::size_t i = 0; i < metrics_.size(); ++i)
       for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
-    return make_logs(loss, values_of(parts), outs, metrics_);
+    return out;
   }
   auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
   const std::vector<Variable> vars = trainable_variables();
-  Tensor loss;
-  std::vector<Tensor> pred, grads, parts;
+  StepLosses out;
+  std::vector<Tensor> pred, grads;
   {
     GradientTape tape;
     pred = apply(x, CallContext{.training = true});
-    loss = batch_loss(y, pred, outs.size() > 1 ? &parts : nullptr);
-    grads = tape.gradient(lso ? lso->get_scaled_loss(loss) : loss, vars);
+    out.loss = batch_loss(y, pred, outs.size() > 1 ? &out.parts : nullptr);
+    grads = tape.gradient(lso ? lso->get_scaled_loss(out.loss) : out.loss, vars);
   }
   if (lso) grads = lso->get_unscaled_gradients(grads);
   optimizer_->apply_gradients(grads, vars);
   NoGradGuard no_grad;
   for (std::size_t i = 0; i < metrics_.size(); ++i)
     for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
-  return make_logs(loss.item<double>(), values_of(parts), outs, metrics_);
+  return out;
 }
 
 // --- fit --------------------------------------------------------------------------------------
@@ -383,6 +389,8 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
   const std::uint64_t base_seed = o.seed ? *o.seed : default_generator().next_u64();
   const std::int64_t steps = (n_train + o.batch_size - 1) / o.batch_size;
   const bool tty = o.verbose == 1 && isatty(fileno(stdout));
+  const bool wants_batch_logs = std::any_of(o.callbacks.begin(), o.callbacks.end(),
+                                            [](const auto& cb) { return cb->wants_batch_logs(); });
   const std::vector<std::string> keys = metric_keys();
   const std::vector<std::string> outs = output_names();
 
@@ -405,9 +413,19 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
 
     const auto start = Clock::now();
     auto last_print = start;
-    double loss_sum = 0.0;
-    std::vector<double> part_sums(outs.size(), 0.0);
+    // The epoch's loss sums (loss x rows, in float64) stay on the model's device and are read
+    // only when logs are wanted: at the end of the epoch, for a progress bar, for a callback
+    // that reads batch logs. On a GPU a read is a host synchronisation.
     std::int64_t seen = 0;
+    Tensor loss_sum;
+    std::vector<Tensor> part_sums(outs.size());
+    const auto add_rows = [](Tensor& total, const Tensor& mean, double rows) {
+      Tensor v = cast(mean, kFloat64) * rows;
+      total = total.defined() ? total + v : v;
+    };
+    const auto mean_of = [&](const Tensor& total) {
+      return total.defined() ? total.item<double>() / static_cast<double>(seen) : 0.0;
+    };
     Logs batch_logs;
     for (std::int64_t step = 0; step < steps; ++step) {
       const std::int64_t b0 = step * o.batch_size, b1 = std::min(n_train, b0 + o.batch_size);
@@ -418,25 +436,44 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
         if (o.shuffle)
           idx = from_vector(std::vector<std::int64_t>(order.begin() + b0, order.begin() + b1),
                             Shape{b1 - b0});
+        // Data already on the model's device (a GPU) is gathered there: the index goes to
+        // the data, not the data to the host.
+        Tensor idx_on_device;
         for (const auto* src : {&x_train, &y_train}) {
           auto& dst = src == &x_train ? xb : yb;
-          for (const Tensor& t : *src)
-            dst.push_back((o.shuffle ? take(t, idx, 0) : rows(t, b0, b1)).to(device()));
+          for (const Tensor& t : *src) {
+            if (!o.shuffle) {
+              dst.push_back(rows(t, b0, b1).to(device()));
+              continue;
+            }
+            const bool remote = t.device() != idx.device();
+            if (remote && (!idx_on_device.defined() || idx_on_device.device() != t.device()))
+              idx_on_device = idx.to(t.device());
+            dst.push_back(take(t, remote ? idx_on_device : idx, 0).to(device()));
+          }
         }
       }
-      batch_logs = train_step(xb, yb);
-      const auto rows_in_batch = static_cast<double>(b1 - b0);
-      loss_sum += batch_logs["loss"] * rows_in_batch;
+      const StepLosses losses = run_train_step(xb, yb);
+      {
+        NoGradGuard no_grad;
+        const auto rows_in_batch = static_cast<double>(b1 - b0);
+        add_rows(loss_sum, losses.loss, rows_in_batch);
+        if (outs.size() > 1)
+          for (std::size_t i = 0; i < outs.size(); ++i)
+            add_rows(part_sums[i], losses.parts[i], rows_in_batch);
+      }
       seen += b1 - b0;
-      batch_logs["loss"] = loss_sum / static_cast<double>(seen);  // the epoch's running mean
-      if (outs.size() > 1)
-        for (std::size_t i = 0; i < outs.size(); ++i) {
-          part_sums[i] += batch_logs[outs[i] + "_loss"] * rows_in_batch;
-          batch_logs[outs[i] + "_loss"] = part_sums[i] / static_cast<double>(seen);
-        }
+      const bool print =
+          tty && (step + 1 == steps ||
+                  std::chrono::duration<double>(Clock::now() - last_print).count() >= 0.1);
+      if (print || wants_batch_logs || step + 1 == steps) {  // (the last: one read an epoch)
+        std::vector<double> parts;
+        if (outs.size() > 1)
+          for (const Tensor& p : part_sums) parts.push_back(mean_of(p));
+        batch_logs = make_logs(mean_of(loss_sum), parts, outs, metrics_);  // running means
+      }
       for (auto& cb : o.callbacks) cb->on_batch_end(*this, step, batch_logs);
-      if (tty && (step + 1 == steps ||
-                  std::chrono::duration<double>(Clock::now() - last_print).count() >= 0.1)) {
+      if (print) {
         last_print = Clock::now();
         constexpr int kWidth = 30;
         const int done = static_cast<int>(kWidth * (step + 1) / steps);
@@ -453,10 +490,9 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
     }
     const double epoch_s = seconds_since(start);
 
-    const double denom = static_cast<double>(std::max<std::int64_t>(seen, 1));
     std::vector<double> parts;
-    for (double p : part_sums) parts.push_back(p / denom);
-    logs = make_logs(loss_sum / denom, parts, outs, metrics_);
+    for (const Tensor& p : part_sums) parts.push_back(mean_of(p));
+    logs = make_logs(mean_of(loss_sum), parts, outs, metrics_);
     std::vector<std::string> line_keys = keys;
     if (!x_val.empty()) {
       const Logs v = evaluate(x_val, y_val, EvaluateOptions{.batch_size = o.batch_size});

@@ -144,6 +144,58 @@ TEST_CASE("fit: callbacks and early stopping", "[training]") {
   CHECK(stop->stopped_epoch() == 2);
 }
 
+TEST_CASE("fit: batch logs are read only for callbacks that want them", "[training]") {
+  // Records the batch logs it gets; `wants` is what it answers to wants_batch_logs().
+  struct Recorder : mt::Callback {
+    explicit Recorder(bool w) : wants(w) {}
+    bool wants;
+    std::vector<mt::Logs> seen;
+    std::vector<mt::Logs> epochs;
+    bool wants_batch_logs() const override { return wants; }
+    void on_batch_end(mt::Model&, std::int64_t, const mt::Logs& logs) override {
+      seen.push_back(logs);
+    }
+    void on_epoch_end(mt::Model&, int, const mt::Logs& logs) override { epochs.push_back(logs); }
+  };
+  const Blobs data = blobs(100, 3, 2, 6);
+  auto run = [&](std::vector<std::shared_ptr<mt::Callback>> callbacks) {
+    mt::manual_seed(5);
+    mt::Model model = classifier(3, 2);
+    model.compile({.loss = "sparse_categorical_crossentropy",
+                   .optimizer = mo::SGD({.learning_rate = 0.1}),
+                   .metrics = {"accuracy"}});
+    return model.fit(data.x, data.y,
+                     {.batch_size = 25,
+                      .epochs = 2,
+                      .seed = 3,
+                      .verbose = 0,
+                      .callbacks = std::move(callbacks)});
+  };
+  auto quiet = std::make_shared<Recorder>(false);
+  const mt::History h_quiet = run({quiet});
+  auto eager = std::make_shared<Recorder>(true);
+  const mt::History h_eager = run({eager});
+  // The same training either way.
+  CHECK(h_quiet.history.at("loss") == h_eager.history.at("loss"));
+  CHECK(h_quiet.history.at("accuracy") == h_eager.history.at("accuracy"));
+  REQUIRE(quiet->seen.size() == 8);
+  REQUIRE(eager->seen.size() == 8);
+  for (std::size_t b = 0; b < 8; ++b) {
+    const bool last_of_epoch = b % 4 == 3;
+    CHECK(eager->seen[b].count("loss") == 1);
+    CHECK(eager->seen[b].count("accuracy") == 1);
+    // Empty unless it is an epoch's last batch, which carries the running means too.
+    CHECK(quiet->seen[b].empty() == !last_of_epoch);
+    if (last_of_epoch) CHECK(quiet->seen[b] == eager->seen[b]);
+  }
+  // The last batch's running means are the epoch's training values.
+  CHECK(eager->seen[3].at("loss") == eager->epochs[0].at("loss"));
+  CHECK(eager->seen[7].at("accuracy") == eager->epochs[1].at("accuracy"));
+  // The built-in callbacks read only epoch logs.
+  CHECK_FALSE(mt::EarlyStopping({}).wants_batch_logs());
+  CHECK_FALSE(mt::ModelCheckpoint({.filepath = "unused.safetensors"}).wants_batch_logs());
+}
+
 // --- The guide's custom training loop ----------------------------------------------------------
 
 TEST_CASE("custom loop: GradientTape + LossScaleOptimizer as in the guide", "[training][guide]") {

@@ -94,12 +94,17 @@ DeviceCache& cache() {
   return *c;
 }
 
-// A grow-only pinned host buffer per device for copies between pageable host memory and
-// the device (guarded by a mutex; copies through it are synchronous).
-struct Staging {
-  std::mutex mutex;
+// Pinned host buffers per device for copies between pageable host memory and the device
+// (guarded by a mutex). Device -> host copies go through `down` and wait for the device.
+// Host -> device copies go through a ring of buffers, each with an event recorded after its
+// copy: a copy waits only for the copy that last used its buffer (kRing copies ago), not for
+// the device, so a training step's batch indices go up without draining the stream, and a
+// large copy overlaps its memcpy into one buffer with the transfer of the previous one.
+struct PinnedBuffer {
   void* ptr = nullptr;
   std::size_t size = 0;
+  cudaEvent_t done = nullptr;  // recorded after the last copy out of this buffer
+  // At least n bytes (the contents are not kept when it grows).
   void* get(std::size_t n) {
     if (n > size) {
       if (ptr) MIXTAPE_CUDA_CHECK(cudaFreeHost(ptr));
@@ -110,6 +115,13 @@ struct Staging {
     }
     return ptr;
   }
+};
+struct Staging {
+  static constexpr std::size_t kRing = 4;
+  std::mutex mutex;
+  PinnedBuffer down;
+  PinnedBuffer up[kRing];
+  std::size_t next_up = 0;
 };
 Staging& staging(int device) {
   static std::mutex m;
@@ -123,7 +135,7 @@ Staging& staging(int device) {
 }
 
 // Copies of more than this many bytes between pageable host memory and a device go in
-// pieces through the staging buffer.
+// pieces through the staging buffers.
 constexpr std::size_t kStagingPiece = std::size_t{32} << 20;
 
 class CudaBackend final : public Backend {
@@ -192,21 +204,26 @@ class CudaBackend final : public Backend {
       }
       return;
     }
-    if (dst_device.is_cuda()) {  // host -> device, through pinned memory
+    if (dst_device.is_cuda()) {  // host -> device, through the ring of pinned buffers
       const int d = dst_device.index();
       DeviceGuard guard(d);
       Staging& st = staging(d);
       std::lock_guard<std::mutex> lock(st.mutex);
       for (std::size_t off = 0; off < nbytes; off += kStagingPiece) {
         const std::size_t n = std::min(kStagingPiece, nbytes - off);
-        void* pinned = st.get(std::min(nbytes, kStagingPiece));
-        // The previous piece's copy must be done before the buffer is refilled.
-        MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(d)));
+        PinnedBuffer& buf = st.up[st.next_up];
+        st.next_up = (st.next_up + 1) % Staging::kRing;
+        if (buf.done) {
+          MIXTAPE_CUDA_CHECK(cudaEventSynchronize(buf.done));  // its last copy has finished
+        } else {
+          MIXTAPE_CUDA_CHECK(cudaEventCreateWithFlags(&buf.done, cudaEventDisableTiming));
+        }
+        void* pinned = buf.get(n);
         std::memcpy(pinned, static_cast<const char*>(src) + off, n);
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, pinned, n,
                                            cudaMemcpyHostToDevice, stream(d)));
+        MIXTAPE_CUDA_CHECK(cudaEventRecord(buf.done, stream(d)));
       }
-      MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(d)));
       return;
     }
     if (src_device.is_cuda()) {  // device -> host: waits for the device's pending work
@@ -216,7 +233,7 @@ class CudaBackend final : public Backend {
       std::lock_guard<std::mutex> lock(st.mutex);
       for (std::size_t off = 0; off < nbytes; off += kStagingPiece) {
         const std::size_t n = std::min(kStagingPiece, nbytes - off);
-        void* pinned = st.get(std::min(nbytes, kStagingPiece));
+        void* pinned = st.down.get(std::min(nbytes, kStagingPiece));
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(pinned, static_cast<const char*>(src) + off, n,
                                            cudaMemcpyDeviceToHost, stream(d)));
         MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(d)));

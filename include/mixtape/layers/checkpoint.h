@@ -95,6 +95,7 @@ class ModelCheckpoint : public Callback {
   // Throws ValueError for an empty filepath, or braces other than {epoch...} in it.
   explicit ModelCheckpoint(Options options);
   void on_train_begin(Model& model) override;
+  bool wants_batch_logs() const override { return false; }
   // Saves (when due). With save_best_only, a monitor that is not logged throws ValueError
   // naming it and the logged names; a NaN value is never an improvement.
   void on_epoch_end(Model& model, int epoch, const Logs& logs) override;

@@ -4,7 +4,8 @@
 //   mt::metrics::SparseCategoricalAccuracy acc;       acc.update_state(labels, probabilities);
 //   fmt::print("{} {}", epoch_loss.result(), acc.result());
 //
-// Totals are kept on the host in float64; reset_state() starts over. An empty batch changes
+// Totals are float64 tensors on the device of the values (a GPU's totals stay there: an update
+// reads nothing back, result() does, once); reset_state() starts over. An empty batch changes
 // nothing (the result stays 0 before anything is seen).
 #pragma once
 
@@ -22,8 +23,8 @@ class Metric {
   virtual ~Metric() = default;
   const std::string& name() const { return name_; }
   // The weighted mean of everything seen since the last reset (0 before anything).
-  double result() const { return count_ > 0 ? total_ / count_ : 0.0; }
-  void reset_state() { total_ = count_ = 0.0; }
+  double result() const;
+  void reset_state();
   // For a metric computed from labels and predictions (all but Mean).
   virtual void update_state(const Tensor& y_true, const Tensor& y_pred,
                             const Tensor& sample_weight = Tensor());
@@ -34,7 +35,10 @@ class Metric {
 
  private:
   std::string name_;
-  double total_ = 0.0, count_ = 0.0;
+  // sum(values * weights) and sum(weights), float64 scalars on the values' device (undefined
+  // before the first update); count_: the unweighted updates' values, counted on the host.
+  Tensor total_, weights_;
+  double count_ = 0.0;
 };
 
 // The mean of the values given (a loss per batch, say).

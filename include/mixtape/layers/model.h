@@ -134,6 +134,11 @@ class Callback {
   virtual void on_train_begin(Model&) {}
   virtual void on_epoch_begin(Model&, int /*epoch*/) {}
   virtual void on_batch_end(Model&, std::int64_t /*batch*/, const Logs& /*logs*/) {}
+  // Whether on_batch_end reads its logs. The batch's loss and metrics live on the model's
+  // device; reading them is a host synchronisation per step on a GPU, which fit skips when
+  // no callback wants them and no progress bar is drawn: on_batch_end then gets empty logs,
+  // except at the epoch's last batch (read, so the device has finished the epoch's work).
+  virtual bool wants_batch_logs() const { return true; }
   virtual void on_epoch_end(Model&, int /*epoch*/, const Logs& /*logs*/) {}
   virtual void on_train_end(Model&, const Logs& /*logs*/) {}
 };
@@ -149,6 +154,7 @@ class EarlyStopping : public Callback {
   };
   explicit EarlyStopping(Options options);
   void on_train_begin(Model&) override;
+  bool wants_batch_logs() const override { return false; }
   void on_epoch_end(Model& model, int epoch, const Logs& logs) override;
   int stopped_epoch() const { return stopped_epoch_; }
 
@@ -375,6 +381,13 @@ class Model : public layers::Layer {
   // Checks x and y for fit/evaluate/train_step (`who` names the caller) and casts them as
   // they come in (integer inputs, int64 labels).
   void conform_data(const std::string& who, std::vector<Tensor>& x, std::vector<Tensor>& y) const;
+  // train_step without reading anything back: the batch's loss and each output's (several
+  // outputs) stay on the device; the metrics are updated.
+  struct StepLosses {
+    Tensor loss;
+    std::vector<Tensor> parts;
+  };
+  StepLosses run_train_step(const std::vector<Tensor>& x, const std::vector<Tensor>& y);
   // The weighted loss of a batch; each output's (unweighted) loss into `per_output`.
   Tensor batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
                     std::vector<Tensor>* per_output);
