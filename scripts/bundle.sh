@@ -107,6 +107,12 @@ if [[ -z "$cudnn" ]]; then  # anywhere else a cuDNN 9 is installed (a wheel, a t
 fi
 [[ -n "$cudnn" ]] && dirs+=("$cudnn")
 export LD_LIBRARY_PATH="$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# A CUDA library still missing (cuBLAS or the runtime from Python wheels, say): its folder
+# under /usr/local, /opt or /usr.
+for lib in $(ldd "$here/bin/$1" 2>/dev/null | awk '/not found/ { print $1 }'); do
+  found="$(find /usr/local /opt /usr -name "$lib" -print -quit 2>/dev/null || true)"
+  [[ -n "$found" ]] && LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+done
 program="$1"
 shift
 exec "$here/bin/$program" "$@"

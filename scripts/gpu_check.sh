@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA backend in one pass, for a GPU machine with the bundle of
+# scripts/bundle.sh unpacked (docs/cuda.md, "On a GPU machine"), each step under its own
+# time limit so that one hang or crash does not cost the rest:
+#   ops      the conformance sweep (mixtape-ops --backend cuda)
+#   tests    the CUDA test suite (mixtape_cuda_tests)
+#   mnist    the trainer on mlp and cnn under float32, mixed_float16 and mixed_bfloat16
+#   guide    the trainer on the guide workload under the three policies, and
+#   torch    the PyTorch reference of it (torch.autocast + GradScaler), alternated with
+#            guide in ROUNDS rounds (default 2)
+#   custom   the trainer's custom GradientTape loop (guide mixed_float16, mlp mixed_bfloat16)
+#   profile  per-kernel GPU times of two guide steps through Nsight Compute (ncu)
+#   gemm     the cuBLAS rate of the guide's GEMM shapes, through PyTorch
+#
+#   bash scripts/gpu_check.sh BUNDLE_DIR LOG_DIR [reference_pytorch.py] [STEPS]
+#
+# STEPS: a comma-separated subset of the steps above (default: all). Logs go to LOG_DIR, at
+# most seven files; summary.txt has a line per run. Needs nvidia-smi (peak memory), and
+# python3 with PyTorch and ncu for torch, profile and gemm.
+set -uo pipefail
+bundle="$(cd "$1" && pwd)"
+logs="$2"
+ref="${3:-}"
+steps=",${4:-ops,tests,mnist,guide,torch,custom,profile,gemm},"
+mkdir -p "$logs"
+summary="$logs/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+want() { [[ "$steps" == *",$1,"* ]]; }
+
+# Peak GPU memory in use (MiB, the whole device, as nvidia-smi reports it) while CMD runs.
+with_peak_memory() {
+  local samples
+  samples="$(mktemp)"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$samples" 2>/dev/null &
+  local smi=$!
+  "$@"
+  local rc=$?
+  kill "$smi" 2>/dev/null
+  wait "$smi" 2>/dev/null
+  peak_mib="$(sort -n "$samples" | tail -1)"
+  rm -f "$samples"
+  return $rc
+}
+
+note "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
+LD_LIBRARY_PATH="$bundle/lib" ldd "$bundle"/bin/* | grep -i "not found" | sort -u | tee -a "$summary"
+
+if want ops; then
+  t0=$SECONDS
+  timeout 90 "$bundle/run.sh" mixtape-ops --backend cuda >"$logs/ops.log" 2>&1
+  note "ops: rc=$? $((SECONDS - t0)) s: $(tail -1 "$logs/ops.log")"
+fi
+
+if want tests; then
+  t0=$SECONDS
+  timeout 120 "$bundle/run.sh" mixtape_cuda_tests --durations yes >"$logs/cuda_tests.log" 2>&1
+  note "tests: rc=$? $((SECONDS - t0)) s: $(grep -E '^(test cases|All tests)' "$logs/cuda_tests.log" | tail -1)"
+fi
+
+# One trainer run: MODEL POLICY EPOCHS [extra arguments]; its epoch lines go to mnist.log.
+mnist() {
+  local model=$1 policy=$2 epochs=$3
+  shift 3
+  local metrics="$logs/metrics_${model}_${policy}.jsonl"
+  echo "--- $model $policy $epochs epochs $*" >>"$logs/mnist.log"
+  t0=$SECONDS
+  with_peak_memory timeout "${MNIST_TIMEOUT:-30}" "$bundle/run.sh" mixtape-mnist --device cuda \
+    --data-dir "$bundle/data" --model "$model" --policy "$policy" --epochs "$epochs" \
+    --verbose 2 --metrics-out "$metrics" "$@" >>"$logs/mnist.log" 2>&1
+  local rc=$?
+  note "mnist $model $policy: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB: $(grep -iE 'epoch|test acc' "$logs/mnist.log" | tail -1)"
+  cat "$metrics" >>"$logs/mnist.log" 2>/dev/null
+  rm -f "$metrics"
+}
+
+if want mnist; then
+  for policy in float32 mixed_float16 mixed_bfloat16; do
+    mnist mlp "$policy" 3
+    mnist cnn "$policy" 2
+  done
+fi
+# The guide workload side by side with the PyTorch reference (torch.autocast + GradScaler
+# for mixed_float16), alternated in ROUNDS rounds (default 2) so that both see the same card.
+torch_guide() {
+  local policy=$1
+  t0=$SECONDS
+  with_peak_memory timeout 45 python3 "$ref" --data "$bundle/data" --model guide \
+    --precision "$policy" --device cuda --epochs 5 >>"$logs/torch.log" 2>&1
+  note "torch guide $policy: rc=$? $((SECONDS - t0)) s, peak ${peak_mib} MiB: $(tail -1 "$logs/torch.log")"
+}
+for round in $(seq "${ROUNDS:-2}"); do
+  for policy in float32 mixed_float16 mixed_bfloat16; do
+    want guide && mnist guide "$policy" 5
+    want torch && [[ -n "$ref" ]] && torch_guide "$policy"
+  done
+done
+if want custom; then
+  mnist guide mixed_float16 5 --custom-loop
+  mnist mlp mixed_bfloat16 2 --custom-loop
+fi
+
+# Per-kernel GPU times of two guide steps (16384 images, one epoch) through Nsight Compute,
+# for mixtape under mixed_float16 and float32 and for the PyTorch reference under
+# mixed_float16 (a window of its steady-state kernels): which kernels the step time goes to.
+# Needs ncu and a runtime that lets it read the GPU's counters.
+if want profile && command -v ncu >/dev/null; then
+  ncu_times() {  # NAME [ncu options] PROGRAM [ARGS...]
+    local name=$1
+    shift
+    local csv
+    csv="$(mktemp)"
+    timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --log-file "$csv" "$@" >/dev/null 2>&1
+    note "ncu $name: rc=$? $(grep -c gpu__time_duration "$csv") kernels"
+    { echo "# $name"; cat "$csv"; } >>"$logs/ncu.csv"  # one file for all runs
+    rm -f "$csv"
+  }
+  for policy in mixed_float16 float32; do
+    ncu_times "mixtape_$policy" "$bundle/run.sh" mixtape-mnist --device cuda \
+      --data-dir "$bundle/data" --model guide --policy "$policy" --epochs 1 --limit 16384 --verbose 0
+  done
+  [[ -n "$ref" ]] && ncu_times torch_mixed_float16 --launch-skip 300 --launch-count 150 \
+    python3 "$ref" --data "$bundle/data" --model guide --precision mixed_float16 --device cuda --epochs 1
+fi
+
+# The cuBLAS rate of the guide's largest GEMM (8192x4096 @ 4096x4096) and of its first
+# layer (8192x784 @ 784x4096), median of 20 after 5 warm-ups, through PyTorch (which calls
+# cuBLASLt for these), on random data; TF32 off for float32.
+if want gemm; then
+  timeout 40 python3 - >>"$logs/gemm.log" 2>&1 <<'PY'
+import torch, statistics
+torch.backends.cuda.matmul.allow_tf32 = False
+for (m, k, n) in [(8192, 4096, 4096), (8192, 784, 4096), (4096, 8192, 4096)]:
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        a = torch.randn(m, k, device="cuda", dtype=dt)
+        b = torch.randn(k, n, device="cuda", dtype=dt)
+        for _ in range(5):
+            a @ b
+        ts = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); a @ b; e.record(); e.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        t = statistics.median(ts)
+        print(f"gemm {m}x{k}x{n} {str(dt).split('.')[1]}: {2*m*k*n/t/1e12:.1f} TFLOP/s ({t*1e6:.1f} us)")
+PY
+  note "$(cat "$logs/gemm.log")"
+fi
+note "== done $(date -u +%FT%TZ)"
