@@ -185,6 +185,39 @@ Tensor softmax(const Tensor& x_in, int axis) {
   return y;
 }
 
+Tensor masked_softmax(const Tensor& x_in, const Tensor& mask_in, double scale) {
+  const char* name = op_name(OpId::masked_softmax);
+  const Tensor x = detail::op_inputs(OpId::masked_softmax, {x_in})[0];
+  detail::check_inputs(
+      name, mask_in.defined() ? std::vector<Tensor>{x, mask_in} : std::vector<Tensor>{x});
+  if (x.rank() == 0)
+    throw ShapeError(
+        fmt::format("{}: needs a tensor of rank >= 1; got {}", name, detail::describe({x})));
+  if (!std::isfinite(scale))
+    throw ValueError(fmt::format("{}: scale must be finite; got {}", name, scale));
+  Tensor mask;
+  if (mask_in.defined()) {
+    if (mask_in.dtype() != kBool)
+      throw DTypeError(fmt::format("{}: the mask must be bool; got {} (for x {})", name,
+                                   detail::describe({mask_in}), detail::describe({x})));
+    if (mask_in.rank() > x.rank() ||
+        broadcast_shapes(mask_in.shape(), x.shape(), name) != x.shape())
+      throw ShapeError(fmt::format("{}: a mask of shape {} does not broadcast to x's shape {}",
+                                   name, mask_in.shape(), x.shape()));
+    mask = detail::contiguous_raw(detail::broadcast_view(mask_in, x.shape()));
+  }
+  auto* kernel = detail::kernel_for<kernels::MaskedSoftmaxFn>(OpId::masked_softmax, x.dtype(), {x});
+  Tensor xin = detail::contiguous_raw(x);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (y.numel() > 0) kernel(xin, mask, scale, y);
+  if (should_record({x}))
+    record_op(name, {x}, y, [y, scale](const Tensor& g, const std::vector<bool>&) {
+      // d/dx of softmax(s x): s y (g - sum(g y)); masked positions have y = 0.
+      return Grads{(y * (g - sum(g * y, {-1}, true))) * scale};
+    });
+  return y;
+}
+
 Tensor log_softmax(const Tensor& x_in, int axis) {
   const Tensor x = detail::op_inputs(OpId::log_softmax, {x_in})[0];
   Tensor y = rows_forward(OpId::log_softmax, x, axis);

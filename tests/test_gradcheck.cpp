@@ -219,6 +219,39 @@ TEST_CASE("gradcheck: softmax / log_softmax", "[grad]") {
                   [](const Inputs& v) { return mt::log_softmax(v[0], -1); }, {big});
 }
 
+TEST_CASE("gradcheck: masked_softmax (no mask, a padding mask, a causal mask)", "[grad]") {
+  const auto x = randn64({2, 3, 4, 5}, 1003);
+  CHECK_GRADCHECK("masked_softmax no mask, scale 0.7",
+                  [](const Inputs& v) { return mt::masked_softmax(v[0], mt::Tensor(), 0.7); }, {x});
+  // [batch, 1, 1, keys]: the last two keys of batch 1 padded; broadcast over heads, queries.
+  std::vector<std::uint8_t> pad(10, 1);
+  pad[8] = pad[9] = 0;
+  const mt::Tensor padding = mt::from_vector(pad, {2, 1, 1, 5}).to(mt::kBool);
+  CHECK_GRADCHECK("masked_softmax padding mask",
+                  [padding](const Inputs& v) { return mt::masked_softmax(v[0], padding, 0.5); },
+                  {x});
+  // Causal over [queries 4, keys 5] (query i sees keys <= i + 1), broadcast over batch and
+  // heads; and a mask with a wholly masked row (its gradient is 0).
+  std::vector<std::uint8_t> causal(20), holes(20);
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 5; ++j) {
+      causal[static_cast<std::size_t>(i * 5 + j)] = j <= i + 1;
+      holes[static_cast<std::size_t>(i * 5 + j)] = i != 2 && (i + j) % 3 != 0;
+    }
+  const mt::Tensor causal_mask = mt::from_vector(causal, {4, 5}).to(mt::kBool);
+  const mt::Tensor hole_mask = mt::from_vector(holes, {4, 5}).to(mt::kBool);
+  CHECK_GRADCHECK(
+      "masked_softmax causal mask",
+      [causal_mask](const Inputs& v) { return mt::masked_softmax(v[0], causal_mask, 1.3); }, {x});
+  CHECK_GRADCHECK("masked_softmax a wholly masked row",
+                  [hole_mask](const Inputs& v) { return mt::masked_softmax(v[0], hole_mask); },
+                  {x});
+  CHECK_GRADGRADCHECK(
+      "masked_softmax causal mask",
+      [causal_mask](const Inputs& v) { return mt::masked_softmax(v[0], causal_mask, 1.3); },
+      {randn64({2, 4, 5}, 1004)});
+}
+
 TEST_CASE("gradcheck: cast float64 -> float32 -> float64", "[grad]") {
   // Numeric differences through float32 are too coarse for eps = 1e-6, so this checks the
   // analytic gradient directly: d/dx sum(cast(cast(x)) * R) = R (to float32 precision).

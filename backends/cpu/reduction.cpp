@@ -272,6 +272,63 @@ void softmax_kernel(const Tensor& x, const Tensor& out) {
   }
 }
 
+// masked_softmax: one row of n in compute type C, m (0/1 bytes) the mask or null. The
+// unmasked values times `scale` go to a row buffer (masked ones are never read); then the
+// softmax of the unmasked ones, 0 at the masked positions and everywhere in a row with none.
+template <typename C>
+void masked_softmax_row(const C* x, const std::uint8_t* m, C scale, C* buf, C* y, int64_t n) {
+  C mx = -std::numeric_limits<C>::infinity();
+  bool any = false;
+  for (int64_t j = 0; j < n; ++j) {
+    if (m && !m[j]) continue;
+    buf[j] = x[j] * scale;
+    // NaN wins the maximum, so that a NaN input gives a NaN row (as softmax does).
+    if (!std::isnan(mx) && !(buf[j] <= mx)) mx = buf[j];
+    any = true;
+  }
+  if (!any) {
+    std::fill(y, y + n, C(0));
+    return;
+  }
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (m && !m[j]) continue;
+    buf[j] = exp_any(buf[j] - mx);
+    sum += static_cast<double>(buf[j]);
+  }
+  const C inv = static_cast<C>(1.0 / sum);
+  for (int64_t j = 0; j < n; ++j) y[j] = (m && !m[j]) ? C(0) : buf[j] * inv;
+}
+
+template <typename T>
+void masked_softmax_kernel(const Tensor& x, const Tensor& mask, double scale, const Tensor& out) {
+  const int64_t numel = x.numel();
+  if (numel == 0) return;
+  const int64_t cols = x.shape().back();
+  const int64_t rows = numel / cols;
+  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  const auto* mp = mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr;
+  T* yp = static_cast<T*>(out.data_ptr());
+#pragma omp parallel if (numel > kParallelGrain)
+  {
+    std::vector<C> in(kReduced<T> ? static_cast<std::size_t>(cols) : 0);
+    std::vector<C> buf(static_cast<std::size_t>(cols)), res(static_cast<std::size_t>(cols));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::uint8_t* mr = mp ? mp + r * cols : nullptr;
+      if constexpr (kReduced<T>) {
+        to_float(xp + r * cols, in.data(), cols);
+        masked_softmax_row<C>(in.data(), mr, static_cast<C>(scale), buf.data(), res.data(), cols);
+        from_float(res.data(), yp + r * cols, cols);
+      } else {
+        masked_softmax_row<C>(xp + r * cols, mr, static_cast<C>(scale), buf.data(), yp + r * cols,
+                              cols);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void register_reduction_kernels() {
@@ -286,6 +343,8 @@ void register_reduction_kernels() {
                              []<DType::Code C>() { return &softmax_kernel<element_t<C>, false>; });
   register_op<OpId::log_softmax>(
       cpu, []<DType::Code C>() { return &softmax_kernel<element_t<C>, true>; });
+  register_op<OpId::masked_softmax>(
+      cpu, []<DType::Code C>() { return &masked_softmax_kernel<element_t<C>>; });
 }
 
 }  // namespace mixtape::cpu

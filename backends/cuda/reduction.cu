@@ -372,6 +372,63 @@ void softmax_host(const Tensor& x, const Tensor& out) {
   MIXTAPE_CUDA_CHECK_LAUNCH("softmax kernel");
 }
 
+// masked_softmax: one group of G threads per row, as softmax_kernel, over the positions
+// whose mask byte is set (mask null: all), of scale * x. s = 0 only when no position is
+// set (the maximum's term is 1 otherwise): the row is then 0.
+template <typename T, int G>
+__global__ void masked_softmax_kernel(const T* __restrict__ x,
+                                      const std::uint8_t* __restrict__ mask, compute_of<T> scale,
+                                      T* __restrict__ y, int64_t rows, int64_t cols) {
+  using C = compute_of<T>;
+  __shared__ C buf[kThreads];
+  constexpr int kGroups = kThreads / G;
+  const int lane = static_cast<int>(threadIdx.x) % G;
+  const int grp = static_cast<int>(threadIdx.x) / G;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * kGroups; r0 < rows;
+       r0 += static_cast<int64_t>(gridDim.x) * kGroups) {
+    const int64_t r = r0 + grp;
+    const bool active = r < rows;
+    const T* xr = x + (active ? r : 0) * cols;
+    const std::uint8_t* mr = mask ? mask + (active ? r : 0) * cols : nullptr;
+    T* yr = y + (active ? r : 0) * cols;
+    C m = -static_cast<C>(INFINITY);
+    if (active)
+      for (int64_t j = lane; j < cols; j += G)
+        if (!mr || mr[j]) m = MaxNan{}(m, load(xr[j]) * scale);
+    m = group_reduce<G>(m, buf, MaxNan{});
+    C s = C(0);
+    if (active)
+      for (int64_t j = lane; j < cols; j += G)
+        if (!mr || mr[j]) s += d_exp(load(xr[j]) * scale - m);
+    s = group_reduce<G>(s, buf, Plus{});
+    if (active) {
+      const C inv = s == C(0) ? C(0) : C(1) / s;
+      for (int64_t j = lane; j < cols; j += G)
+        yr[j] = store<T>((!mr || mr[j]) && s != C(0) ? d_exp(load(xr[j]) * scale - m) * inv : C(0));
+    }
+  }
+}
+
+template <typename T>
+void masked_softmax_host(const Tensor& x, const Tensor& mask, double scale, const Tensor& out) {
+  const int64_t numel = x.numel();
+  if (numel == 0) return;
+  OnDevice on(out);
+  const int64_t cols = x.shape().back();
+  const int64_t rows = numel / cols;
+  const T* xp = static_cast<const T*>(x.data_ptr());
+  const auto* mp = mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr;
+  T* yp = static_cast<T*>(out.data_ptr());
+  const auto sc = static_cast<compute_of<T>>(scale);
+  if (cols <= 256)
+    masked_softmax_kernel<T, 32>
+        <<<blocks_for(rows * 32), kThreads, 0, on.s>>>(xp, mp, sc, yp, rows, cols);
+  else
+    masked_softmax_kernel<T, kThreads>
+        <<<blocks_for(rows * kThreads), kThreads, 0, on.s>>>(xp, mp, sc, yp, rows, cols);
+  MIXTAPE_CUDA_CHECK_LAUNCH("masked_softmax kernel");
+}
+
 }  // namespace
 
 void register_reduction_kernels() {
@@ -385,6 +442,8 @@ void register_reduction_kernels() {
   register_op<OpId::softmax>(cuda, []<DType::Code C>() { return &softmax_host<dev_t<C>, false>; });
   register_op<OpId::log_softmax>(cuda,
                                  []<DType::Code C>() { return &softmax_host<dev_t<C>, true>; });
+  register_op<OpId::masked_softmax>(cuda,
+                                    []<DType::Code C>() { return &masked_softmax_host<dev_t<C>>; });
 }
 
 }  // namespace mixtape::cuda_backend

@@ -250,6 +250,36 @@ void rows(Context& c) {
   }
 }
 
+// masked_softmax: with no mask and with masks that drop about a third of each row and all of
+// the first row; the masked inputs are NaN (a kernel that reads them fails).
+void masked_rows(Context& c) {
+  auto* fn = tested_kernel<kernels::MaskedSoftmaxFn>(c);
+  auto* ref = reference_kernel<kernels::MaskedSoftmaxFn>(c);
+  const std::vector<Shape> shapes{{3, 5}, {1, 4099}, {0, 5}, {64, 10}, {7, 1}, {2, 3, 33}};
+  for (const Shape& s : shapes)
+    for (const bool masked : {false, true}) {
+      const int64_t cols = s.dim(-1), n = s.numel();
+      std::vector<bool> keep(static_cast<std::size_t>(n), true);
+      if (masked)
+        for (int64_t i = 0; i < n; ++i)
+          keep[static_cast<std::size_t>(i)] = i >= cols && c.integer(0, 2) != 0;
+      std::size_t at = 0, at_x = 0;
+      const Pair mask = c.make(
+          s, [&] { return keep[at++] ? 1.0 : 0.0; }, kBool);
+      const Pair x = c.make(s, [&] {
+        return keep[at_x++] ? c.uniform(-5.0, 5.0) : std::numeric_limits<double>::quiet_NaN();
+      });
+      const double scale = masked ? 0.125 : 1.7;
+      const Pair out = c.output(s);
+      if (n > 0) {
+        fn(x.tested, masked ? mask.tested : Tensor(), scale, out.tested);
+        ref(x.ref, masked ? mask.ref : Tensor(), scale, out.ref);
+      }
+      c.expect_close(fmt::format("shape {}{}", shape_name(s), masked ? ", masked" : ""), out.tested,
+                     out.ref, Scale{0.0, static_cast<double>(cols)});
+    }
+}
+
 // --- Indexing --------------------------------------------------------------------------------
 
 struct IndexExtents {
@@ -663,6 +693,7 @@ Driver driver_for(OpId op) {
   if (k == "WhereFn") return where;
   if (k == "ReduceFn") return reduce;
   if (k == "RowFn") return rows;
+  if (k == "MaskedSoftmaxFn") return masked_rows;
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;

@@ -73,6 +73,13 @@ Tensor sum_to(const Tensor& x, const Shape& shape);
 // --- Rows -------------------------------------------------------------------------------
 Tensor softmax(const Tensor& x, int axis = -1);
 Tensor log_softmax(const Tensor& x, int axis = -1);
+// Attention weights in one kernel: softmax(scale * x) over the last axis, taken over the
+// positions where `mask` is true and 0 where it is false (a row with none true is all 0).
+// mask: bool, broadcastable to x's shape (e.g. [batch, 1, queries, keys] against
+// [batch, heads, queries, keys]), on x's device; undefined: nothing masked. Computed in
+// float32 (float64 for float64) whatever x's dtype; the result has x's dtype. Automatic
+// mixed precision keeps it in float32 (its default list: deny). Differentiable in x.
+Tensor masked_softmax(const Tensor& x, const Tensor& mask = Tensor(), double scale = 1.0);
 
 // --- Dtype, device, shape ----------------------------------------------------------------
 // The gradient of a cast is cast back to the source dtype.

@@ -56,6 +56,13 @@ using ReduceFn = void(const Tensor& x, std::int64_t outer, std::int64_t n, std::
 // numerically stable (the row maximum is subtracted first).
 using RowFn = void(const Tensor& x, const Tensor& out);
 
+// masked_softmax over the last axis (attention weights): out = softmax(scale * x) over the
+// positions where mask is true, 0 where it is false; a row with no true position is all 0.
+// x and out contiguous, same shape and dtype; mask contiguous bool of x's shape, or
+// undefined (nothing masked). Computed in float32 (float64 for float64), the row maximum
+// subtracted first; masked values are never read (a NaN there changes nothing).
+using MaskedSoftmaxFn = void(const Tensor& x, const Tensor& mask, double scale, const Tensor& out);
+
 // gather: x viewed as [outer, n, inner] (contiguous); index (int64, contiguous) and out
 // (contiguous, x's dtype) viewed as [outer, k, inner]:
 //   out[o, j, i] = x[o, index[o, j, i], i].

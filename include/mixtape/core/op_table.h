@@ -88,6 +88,7 @@
   /* rows of the last axis */                                                                   \
   X(softmax,                  RowFn,                   Floating, infer,  true)                  \
   X(log_softmax,              RowFn,                   Floating, infer,  true)                  \
+  X(masked_softmax,           MaskedSoftmaxFn,         Floating, deny,   true)                  \
   /* linear algebra */                                                                          \
   X(matmul,                   GemmFn,                  Floating, allow,  true)                  \
   /* convolution and pooling (NHWC) */                                                          \
