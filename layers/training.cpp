@@ -471,6 +471,8 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
         if (outs.size() > 1)
           for (const Tensor& p : part_sums) parts.push_back(mean_of(p));
         batch_logs = make_logs(mean_of(loss_sum), parts, outs, metrics_);  // running means
+      } else {
+        batch_logs.clear();  // not read this step: empty, never an older step's
       }
       for (auto& cb : o.callbacks) cb->on_batch_end(*this, step, batch_logs);
       if (print) {
