@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "layers/config_util.h"
+#include "mixtape/layers/attention.h"
 #include "mixtape/layers/augmentation.h"
 #include "mixtape/layers/conv_layers.h"
 #include "mixtape/layers/core_layers.h"
@@ -111,6 +112,8 @@ std::map<std::string, LayerFactory>& registry() {
       };
     m["Concatenate"] = &ConcatenateLayer::from_config;
     m["Dot"] = &DotLayer::from_config;
+    m["MultiHeadAttention"] = &MultiHeadAttentionLayer::from_config;
+    m["PositionEmbedding"] = &PositionEmbeddingLayer::from_config;
     m["RandomTranslation"] = &RandomTranslationLayer::from_config;
     m["RandomFlip"] = &RandomFlipLayer::from_config;
     return m;

@@ -407,6 +407,9 @@ struct LayerCase {
   std::function<ml::LayerPtr<ml::Layer>()> make;
   mt::Shape input;
   bool integer_input = false;
+  bool reads_shape_only = false;  // the output does not depend on the input's values
+  // Whether the input is differentiated (floating and read).
+  bool input_is_source() const { return !integer_input && !reads_shape_only; }
 };
 
 std::vector<LayerCase> layer_cases() {
@@ -440,6 +443,13 @@ std::vector<LayerCase> layer_cases() {
       {"BatchNormalization(NHWC)", [] { return ml::BatchNormalization(); }, {2, 3, 3, 2}},
       {"LayerNormalization", [] { return ml::LayerNormalization(); }, {3, 6}},
       {"Embedding", [] { return ml::Embedding(7, 3); }, {2, 4}, true},
+      {"PositionEmbedding", [] { return ml::PositionEmbedding(6); }, {2, 4, 3}, false, true},
+      {"MultiHeadAttention(self)",
+       [] { return ml::MultiHeadAttention(2, 3, {.value_dim = 2}); },
+       {2, 4, 5}},
+      {"MultiHeadAttention(causal)",
+       [] { return ml::MultiHeadAttention(3, 2, {.output_shape = {4}, .use_causal_mask = true}); },
+       {2, 5, 3}},
   };
 }
 
@@ -479,12 +489,12 @@ void check_layer_gradients(const LayerCase& c, bool training) {
   };
 
   std::vector<mt::Tensor> sources;
-  if (!c.integer_input) sources.push_back(x);
+  if (c.input_is_source()) sources.push_back(x);
   for (const auto& v : layer->trainable_variables()) sources.push_back(v);
   std::vector<mt::Tensor> grads;
   {
     mt::GradientTape tape;
-    if (!c.integer_input) tape.watch(x);
+    if (c.input_is_source()) tape.watch(x);
     grads = tape.gradient(mt::sum(layer(x, ctx) * r), sources);
   }
   const double eps = 1e-6;
@@ -494,14 +504,14 @@ void check_layer_gradients(const LayerCase& c, bool training) {
     CHECK(grads[s].dtype() == mt::kFloat64);
     const auto analytic = grads[s].to_vector<double>();
     std::vector<double> values = sources[s].to_vector<double>();
-    const bool is_input = !c.integer_input && s == 0;
+    const bool is_input = c.input_is_source() && s == 0;
     for (std::size_t i = 0; i < values.size(); ++i) {
       auto eval = [&](double delta) {
         std::vector<double> p = values;
         p[i] += delta;
         const mt::Tensor t = mt::from_vector(p, sources[s].shape(), mt::kFloat64);
         if (is_input) return loss(t);
-        mt::Variable v = layer->trainable_variables()[s - (c.integer_input ? 0 : 1)];
+        mt::Variable v = layer->trainable_variables()[s - (c.input_is_source() ? 1 : 0)];
         v.assign(t);
         const double l = loss(x);
         v.assign(mt::from_vector(values, sources[s].shape(), mt::kFloat64));
@@ -543,7 +553,7 @@ TEST_CASE("layers: every layer runs under float32, mixed_float16 and mixed_bfloa
       layer(x);
       layer->set_weights(weights);  // float32 variables under every policy here
       mt::GradientTape tape;
-      if (!c.integer_input) tape.watch(x);
+      if (c.input_is_source()) tape.watch(x);
       const mt::Tensor y = layer(x, {.training = true});
       CHECK(y.dtype() == mt::Policy(policy).compute_dtype());
       const double tol = std::string(policy) == "float32"         ? 1e-6
@@ -553,7 +563,7 @@ TEST_CASE("layers: every layer runs under float32, mixed_float16 and mixed_bfloa
       for (double v : ref.to_vector<double>()) scale = std::max(scale, std::abs(v));
       CHECK(max_abs_diff(y.to(mt::kFloat32), ref) <= tol * scale);
       std::vector<mt::Tensor> sources;
-      if (!c.integer_input) sources.push_back(x);
+      if (c.input_is_source()) sources.push_back(x);
       for (const auto& v : layer->trainable_variables()) sources.push_back(v);
       const auto grads = tape.gradient(mt::sum(y.to(mt::kFloat32)), sources);
       for (std::size_t s = 0; s < grads.size(); ++s) {

@@ -1,6 +1,7 @@
-// CPU matmul kernels: float32 / float64 through OpenBLAS sgemm / dgemm; float16 and
-// bfloat16 operands are converted in bulk to float32 scratch, multiplied with sgemm and
-// rounded back (nearest-even) in bulk. With GemmArgs::low_precision_accumulation
+// CPU matmul kernels: float32 / float64 through OpenBLAS sgemm / dgemm, a float32 batch in
+// one oneDNN matmul call (onednn.cpp); float16 and bfloat16 operands are converted in bulk
+// to float32 scratch, multiplied (sgemm, or oneDNN for a batch) and rounded back
+// (nearest-even) in bulk. With GemmArgs::low_precision_accumulation
 // (MIXTAPE_FP16_USE_FP32_COMPUTE=0) float16 / bfloat16 products instead emulate a GEMM
 // that accumulates in the 16-bit type (gemm_acc16, acc16.cpp). bfloat16 products run on
 // oneDNN's native bf16 matmul where the CPU has AVX512-BF16 (onednn.cpp).
@@ -12,7 +13,9 @@
 namespace mixtape::cpu {
 namespace {
 
-// float32 / float64: straight to BLAS, one call per batch item.
+// float32 / float64: straight to BLAS. A float32 batch goes to oneDNN's matmul in one call
+// (OpenBLAS 0.3.21 has no batched GEMM); float64 (which oneDNN does not multiply), or
+// float32 without oneDNN, loops over the batch items with one BLAS call each.
 template <typename T>
 void gemm_native(const GemmArgs& g) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
@@ -21,6 +24,9 @@ void gemm_native(const GemmArgs& g) {
   const T* b = static_cast<const T*>(g.b.data_ptr());
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
+  if constexpr (std::is_same_v<T, float>) {
+    if (p.batch > 1 && onednn_matmul_batched_f32(p, a, b, c)) return;
+  }
   for (std::int64_t bi = 0; bi < p.batch; ++bi)
     blas_gemm(p.ta, p.tb, p.m, p.n, p.k, a + bi * p.sa, p.lda, b + bi * p.sb, p.ldb, T(0),
               c + bi * p.sc, p.ldc);
@@ -47,9 +53,33 @@ void gemm_reduced(const GemmArgs& g) {
   const std::int64_t count_a = p.sa == 0 ? 1 : p.batch, count_b = p.sb == 0 ? 1 : p.batch;
   float* fa = scratch_a.get(count_a * size_a);
   float* fb = scratch_b.get(count_b * size_b);
-  float* fc = scratch_c.get(p.m * p.n);
   pack_to_float(a, count_a, p.sa, p.rows_a(), p.cols_a(), p.lda, fa);
   pack_to_float(b, count_b, p.sb, p.rows_b(), p.cols_b(), p.ldb, fb);
+
+  // A batch: one oneDNN float32 call over the packed copies, then one conversion pass.
+  if (p.batch > 1) {
+    Plan packed = p;
+    packed.lda = p.cols_a();
+    packed.ldb = p.cols_b();
+    packed.ldc = p.n;
+    packed.sa = p.sa == 0 ? 0 : size_a;
+    packed.sb = p.sb == 0 ? 0 : size_b;
+    packed.sc = p.m * p.n;
+    float* all = scratch_c.get(p.batch * p.m * p.n);
+    if (onednn_matmul_batched_f32(packed, fa, fb, all)) {
+      for (std::int64_t bi = 0; bi < p.batch; ++bi) {
+        const float* from = all + bi * p.m * p.n;
+        T* out = c + bi * p.sc;
+        if (p.ldc == p.n) {
+          convert(from, out, p.m * p.n);
+        } else {
+          for (std::int64_t r = 0; r < p.m; ++r) convert(from + r * p.n, out + r * p.ldc, p.n);
+        }
+      }
+      return;
+    }
+  }
+  float* fc = scratch_c.get(p.m * p.n);
 
   for (std::int64_t bi = 0; bi < p.batch; ++bi) {
     const float* ma = fa + (p.sa == 0 ? 0 : bi * size_a);

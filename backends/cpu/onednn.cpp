@@ -144,6 +144,9 @@ bool onednn_avg_pool2d_backward(const Tensor&, const Tensor&, const kernels::Poo
   return false;
 }
 bool onednn_matmul_bf16(const GemmShape&, const void*, const void*, void*) { return false; }
+bool onednn_matmul_batched_f32(const GemmShape&, const float*, const float*, float*) {
+  return false;
+}
 bool onednn_native_bf16() { return false; }
 
 #else
@@ -624,9 +627,9 @@ bool max_pool_unsafe(const Tensor& x) {
 
 // --- Matmul plans ----------------------------------------------------------------------
 
-Key gemm_key(const GemmShape& g) {
+Key gemm_key(const GemmShape& g, DnType type) {
   return Key{Kind::matmul,
-             DnType::bf16,
+             type,
              {g.batch, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.sa, g.sb, g.sc,
               (g.ta ? 1 : 0) | (g.tb ? 2 : 0), 0, 0}};
 }
@@ -634,26 +637,25 @@ Key gemm_key(const GemmShape& g) {
 // The memory descriptor of a row-major [batch, rows, cols] operand stored with leading
 // dimension ld (transposed: stored [cols, rows]) and batch stride bs (0: shared, which
 // oneDNN takes as a batch dimension of 1 broadcast over the other operand's batch).
-Md matrix_md(std::int64_t batch, std::int64_t rows, std::int64_t cols, bool transposed,
+Md matrix_md(DnType type, std::int64_t batch, std::int64_t rows, std::int64_t cols, bool transposed,
              std::int64_t ld, std::int64_t bs) {
   const bool shared = bs == 0;
   const std::int64_t span = (transposed ? cols : rows) * ld;  // one matrix, in elements
   const Dims dims{shared ? 1 : batch, rows, cols};
   const Dims strides{shared ? span : bs, transposed ? 1 : ld, transposed ? ld : 1};
-  return Md(dims, DnType::bf16, strides);
+  return Md(dims, type, strides);
 }
 
-// The bf16 matmul primitive for g (nullptr when oneDNN has only a reference
+// The matmul primitive of `type` for g (nullptr when oneDNN has only a reference
 // implementation for these layouts, or cannot take them).
-std::shared_ptr<const Plan> make_gemm_plan(const GemmShape& g) {
+std::shared_ptr<const Plan> make_gemm_plan(const GemmShape& g, DnType type) {
   // Both operands shared by a batch > 1: every item is the same product; gemm.cpp's loop
   // takes that rare case.
   if (g.batch > 1 && g.sa == 0 && g.sb == 0) return nullptr;
   const std::int64_t sa = g.batch > 1 ? g.sa : 0, sb = g.batch > 1 ? g.sb : 0;
-  const Md a = matrix_md(g.batch, g.m, g.k, g.ta, g.lda, sa);
-  const Md b = matrix_md(g.batch, g.k, g.n, g.tb, g.ldb, sb);
-  const Md c(Dims{g.batch, g.m, g.n}, DnType::bf16,
-             Dims{g.batch > 1 ? g.sc : g.m * g.ldc, g.ldc, 1});
+  const Md a = matrix_md(type, g.batch, g.m, g.k, g.ta, g.lda, sa);
+  const Md b = matrix_md(type, g.batch, g.k, g.n, g.tb, g.ldb, sb);
+  const Md c(Dims{g.batch, g.m, g.n}, type, Dims{g.batch > 1 ? g.sc : g.m * g.ldc, g.ldc, 1});
   dn::primitive_attr attr;
   attr.set_scratchpad_mode(dn::scratchpad_mode::user);
   try {
@@ -680,9 +682,19 @@ bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* 
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
   if (!onednn_enabled() || !native_bf16()) return false;
   const std::shared_ptr<const Plan> plan =
-      cache().get(gemm_key(g), [&] { return make_gemm_plan(g); });
+      cache().get(gemm_key(g, DnType::bf16), [&] { return make_gemm_plan(g, DnType::bf16); });
   if (!plan) return false;
   execute(*plan, {const_cast<void*>(a), const_cast<void*>(b), c});
+  return true;
+}
+
+bool onednn_matmul_batched_f32(const GemmShape& g, const float* a, const float* b, float* c) {
+  if (g.batch <= 1 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
+  if (!onednn_enabled()) return false;
+  const std::shared_ptr<const Plan> plan =
+      cache().get(gemm_key(g, DnType::f32), [&] { return make_gemm_plan(g, DnType::f32); });
+  if (!plan) return false;
+  execute(*plan, {const_cast<float*>(a), const_cast<float*>(b), c});
   return true;
 }
 

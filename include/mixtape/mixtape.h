@@ -27,6 +27,7 @@
 #include "mixtape/datasets/idx.h"
 #include "mixtape/datasets/mnist.h"
 #include "mixtape/layers/activations.h"
+#include "mixtape/layers/attention.h"
 #include "mixtape/layers/augmentation.h"
 #include "mixtape/layers/checkpoint.h"
 #include "mixtape/layers/config.h"

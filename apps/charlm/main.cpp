@@ -1,0 +1,509 @@
+// mixtape-charlm: trains a character-level GPT (a decoder-only transformer over the bytes
+// of a text) with mixtape and reports the validation loss in bits per character, the
+// training throughput in tokens per second, and a sample of generated text.
+//
+// The model: token embedding + learned position embedding, N pre-LayerNorm blocks of
+// causal multi-head self-attention and a GELU MLP (4x wide), each with a residual add, a
+// final LayerNorm and float32 logits over the vocabulary. AdamW with decoupled weight
+// decay, gradient clipping by global norm, a linear warm-up then cosine decay of the
+// learning rate, and under mixed_float16 a dynamic loss scale. Batches are windows of the
+// training text at offsets drawn by SplitMix64 from --seed, so that bench/charlm_reference.py
+// (the same model in PyTorch) sees the same data in the same order.
+//
+// Characters are bytes: a UTF-8 text's multi-byte characters become several tokens. With
+// no --text the corpus is Debian's fortunes (package `fortunes`): every fortune file of
+// /usr/share/games/fortunes, in name order.
+#include <mixtape/mixtape.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace mt = mixtape;
+namespace ml = mixtape::layers;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
+constexpr const char* kDefaultCorpusPackage = "fortunes";
+
+struct Options {
+  std::string text;  // empty: the fortunes corpus
+  int layers = 4;
+  int heads = 4;
+  std::int64_t width = 128;
+  std::int64_t context = 64;
+  std::int64_t batch = 32;
+  std::int64_t steps = 4000;
+  std::string policy = "float32";
+  double learning_rate = 3e-3;
+  std::int64_t warmup = 100;
+  double min_lr_ratio = 0.1;  // the cosine decays to learning_rate * this
+  double weight_decay = 0.1;
+  double beta_2 = 0.99;
+  double clip = 1.0;  // global norm; 0: none
+  double dropout = 0.0;
+  std::uint64_t seed = 1;
+  std::int64_t eval_every = 500;
+  std::int64_t eval_windows = 64;  // validation windows at the periodic evaluations
+  std::int64_t log_every = 100;
+  std::int64_t sample_chars = 300;
+  double temperature = 0.8;
+  std::int64_t top_k = 20;
+  std::string save, resume;
+};
+
+// --- The text ---------------------------------------------------------------------------------
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw mt::IOError(fmt::format("cannot open '{}'", path.string()));
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw mt::IOError(fmt::format("cannot read '{}'", path.string()));
+  return s;
+}
+
+// The fortunes files (no extension: the .dat indexes and .u8 links are left out).
+std::string default_corpus() {
+  const fs::path dir(kDefaultCorpus);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw mt::IOError(fmt::format(
+        "no --text given and the default corpus {} is not there: install the Debian package "
+        "'{}' (sudo apt-get install {}) or pass --text FILE",
+        kDefaultCorpus, kDefaultCorpusPackage, kDefaultCorpusPackage));
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && !e.is_symlink() && !e.path().has_extension())
+      files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  std::string text;
+  for (const auto& f : files) text += read_file(f);
+  if (text.empty())
+    throw mt::IOError(fmt::format("the default corpus {} holds no fortune files", kDefaultCorpus));
+  return text;
+}
+
+// Refuses what is not text: NUL bytes, or bytes that are not UTF-8.
+void check_text(const std::string& s, const std::string& what) {
+  if (s.empty()) throw mt::ValueError(fmt::format("{} is empty", what));
+  for (std::size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    std::size_t len = c < 0x80           ? 1
+                      : (c >> 5) == 0x6  ? 2
+                      : (c >> 4) == 0xE  ? 3
+                      : (c >> 3) == 0x1E ? 4
+                                         : 0;
+    bool ok = c != 0 && len > 0 && i + len <= s.size();
+    for (std::size_t j = 1; ok && j < len; ++j)
+      ok = (static_cast<unsigned char>(s[i + j]) & 0xC0) == 0x80;
+    if (!ok)
+      throw mt::ValueError(
+          fmt::format("{} is not a text file (UTF-8 or ASCII): byte {} (0x{:02x}) at offset {} {}",
+                      what, static_cast<int>(c), static_cast<int>(c), i,
+                      c == 0 ? "is NUL" : "does not start or continue a UTF-8 character"));
+    i += len;
+  }
+}
+
+struct Corpus {
+  std::vector<unsigned char> vocab;      // id -> byte
+  std::vector<std::int64_t> id_of_byte;  // byte -> id, -1 when absent
+  std::vector<std::int64_t> train, val;  // ids
+};
+
+Corpus make_corpus(const std::string& text, std::int64_t context, const std::string& what) {
+  check_text(text, what);
+  Corpus c;
+  c.id_of_byte.assign(256, -1);
+  std::vector<bool> seen(256, false);
+  for (unsigned char ch : text) seen[ch] = true;
+  for (int b = 0; b < 256; ++b)
+    if (seen[static_cast<std::size_t>(b)]) {
+      c.id_of_byte[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(c.vocab.size());
+      c.vocab.push_back(static_cast<unsigned char>(b));
+    }
+  if (c.vocab.size() < 2)
+    throw mt::ValueError(
+        fmt::format("{} has a vocabulary of one character ('{}'): there is nothing to predict",
+                    what, static_cast<char>(c.vocab.front())));
+  const auto n = static_cast<std::int64_t>(text.size());
+  const std::int64_t split = n * 9 / 10;
+  if (split < context + 2 || n - split < context + 2)
+    throw mt::ValueError(fmt::format(
+        "{} is too short: {} bytes give {} training and {} validation bytes, each of which "
+        "must exceed the context ({}) + 1",
+        what, n, split, n - split, context));
+  for (std::int64_t i = 0; i < n; ++i)
+    (i < split ? c.train : c.val)
+        .push_back(c.id_of_byte[static_cast<unsigned char>(text[static_cast<std::size_t>(i)])]);
+  return c;
+}
+
+// The vocabulary as a metadata value (hex bytes) and back.
+std::string vocab_hex(const std::vector<unsigned char>& v) {
+  std::string s;
+  for (unsigned char b : v) s += fmt::format("{:02x}", static_cast<int>(b));
+  return s;
+}
+
+// --- Batches ---------------------------------------------------------------------------------
+
+// SplitMix64: the offsets of the training windows (bench/charlm_reference.py draws the same).
+struct SplitMix64 {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+};
+
+// Inputs [batch, context] and targets (the next byte of each) from windows at `offsets`.
+std::pair<mt::Tensor, mt::Tensor> windows(const std::vector<std::int64_t>& data,
+                                          const std::vector<std::int64_t>& offsets,
+                                          std::int64_t context) {
+  const auto b = static_cast<std::int64_t>(offsets.size());
+  std::vector<std::int64_t> x(static_cast<std::size_t>(b * context)),
+      y(static_cast<std::size_t>(b * context));
+  for (std::int64_t i = 0; i < b; ++i)
+    for (std::int64_t t = 0; t < context; ++t) {
+      const auto at = static_cast<std::size_t>(offsets[static_cast<std::size_t>(i)] + t);
+      x[static_cast<std::size_t>(i * context + t)] = data[at];
+      y[static_cast<std::size_t>(i * context + t)] = data[at + 1];
+    }
+  return {mt::from_vector(x, {b, context}), mt::from_vector(y, {b, context})};
+}
+
+// --- The model -------------------------------------------------------------------------------
+
+std::shared_ptr<mt::Model> make_model(const Options& o, std::int64_t vocab) {
+  const auto normal = mt::init::random_normal(0.0, 0.02);
+  auto ids = ml::Input({o.context}, {.dtype = mt::kInt64, .name = "ids"});
+  auto tokens = ml::Embedding(vocab, o.width,
+                              {.embeddings_initializer = normal, .name = "token_embedding"})(ids);
+  auto positions = ml::PositionEmbedding(
+      o.context, {.initializer = normal, .name = "position_embedding"})(tokens);
+  auto h = ml::Add({.name = "embed"})({tokens, positions});
+  for (int i = 0; i < o.layers; ++i) {
+    const std::string p = fmt::format("block{}_", i);
+    auto a = ml::LayerNormalization({.epsilon = 1e-5, .name = p + "ln1"})(h);
+    a = ml::MultiHeadAttention(o.heads, o.width / o.heads,
+                               {.dropout = o.dropout,
+                                .use_causal_mask = true,
+                                .kernel_initializer = normal,
+                                .name = p + "attention"})({a, a});
+    h = ml::Add({.name = p + "residual1"})({h, a});
+    auto m = ml::LayerNormalization({.epsilon = 1e-5, .name = p + "ln2"})(h);
+    m = ml::Dense(4 * o.width,
+                  {.activation = "gelu", .kernel_initializer = normal, .name = p + "mlp_in"})(m);
+    m = ml::Dense(o.width, {.kernel_initializer = normal, .name = p + "mlp_out"})(m);
+    h = ml::Add({.name = p + "residual2"})({h, m});
+  }
+  h = ml::LayerNormalization({.epsilon = 1e-5, .name = "ln_final"})(h);
+  // float32 logits under every policy (the softmax cross-entropy reads them).
+  auto logits =
+      ml::Dense(vocab, {.kernel_initializer = normal, .dtype = "float32", .name = "logits"})(h);
+  return std::make_shared<mt::Model>(ids, logits, mt::ModelOptions{.name = "charlm"});
+}
+
+// Warm-up from lr/warmup to lr over `warmup` steps, then cosine decay to lr * min_ratio at
+// `steps` (the same schedule as the PyTorch reference; step counts applied updates).
+mt::optim::LearningRate schedule(const Options& o) {
+  const double lr = o.learning_rate, floor = o.learning_rate * o.min_lr_ratio;
+  const std::int64_t warmup = o.warmup, steps = o.steps;
+  return mt::optim::LearningRate("warmup_cosine", [=](std::int64_t step) {
+    if (step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+    const double span = static_cast<double>(std::max<std::int64_t>(steps - warmup, 1));
+    const double t = std::min(1.0, static_cast<double>(step - warmup) / span);
+    return floor + (lr - floor) * 0.5 * (1.0 + std::cos(M_PI * t));
+  });
+}
+
+// --- Evaluation and sampling ------------------------------------------------------------------
+
+// The mean cross-entropy in bits per character over up to `max_windows` non-overlapping
+// windows of `data` (all of them when max_windows is 0).
+double bits_per_char(mt::Model& model, const std::vector<std::int64_t>& data, std::int64_t context,
+                     std::int64_t batch, std::int64_t max_windows) {
+  std::vector<std::int64_t> offsets;
+  for (std::int64_t o = 0; o + context + 1 <= static_cast<std::int64_t>(data.size()); o += context)
+    offsets.push_back(o);
+  if (max_windows > 0 && static_cast<std::int64_t>(offsets.size()) > max_windows)
+    offsets.resize(static_cast<std::size_t>(max_windows));
+  const auto loss = mt::losses::SparseCategoricalCrossentropy(
+      {.from_logits = true, .reduction = mt::losses::Reduction::Sum});
+  double total = 0;
+  for (std::size_t i = 0; i < offsets.size(); i += static_cast<std::size_t>(batch)) {
+    const std::vector<std::int64_t> part(
+        offsets.begin() + static_cast<std::ptrdiff_t>(i),
+        offsets.begin() + static_cast<std::ptrdiff_t>(
+                              std::min(offsets.size(), i + static_cast<std::size_t>(batch))));
+    auto [x, y] = windows(data, part, context);
+    const mt::Tensor logits = model(x);
+    const std::int64_t v = logits.dim(2);
+    total += loss(mt::reshape(y, {-1}), mt::reshape(logits, {-1, v})).item<double>();
+  }
+  return total / static_cast<double>(offsets.size() * static_cast<std::size_t>(context)) /
+         std::log(2.0);
+}
+
+// `count` bytes generated after the first `context` bytes of `prompt`, each from the last
+// context bytes (temperature, then the top_k most likely).
+std::string sample(mt::Model& model, const Corpus& c, const std::vector<std::int64_t>& prompt,
+                   std::int64_t context, std::int64_t count, double temperature, std::int64_t top_k,
+                   std::uint64_t seed) {
+  std::vector<std::int64_t> window(prompt.begin(), prompt.begin() + context);
+  std::mt19937_64 rng(seed);
+  std::string out;
+  for (std::int64_t i = 0; i < count; ++i) {
+    const mt::Tensor logits = model(mt::from_vector(window, {1, context}));
+    const auto v = logits.dim(2);
+    std::vector<double> row = mt::slice(logits, 1, context - 1, context).to_vector<double>();
+    std::vector<std::int64_t> order(static_cast<std::size_t>(v));
+    for (std::int64_t j = 0; j < v; ++j) order[static_cast<std::size_t>(j)] = j;
+    const std::int64_t k = top_k > 0 ? std::min(top_k, v) : v;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](auto a, auto b) {
+      return row[static_cast<std::size_t>(a)] > row[static_cast<std::size_t>(b)];
+    });
+    std::vector<double> w(static_cast<std::size_t>(k));
+    const double top = row[static_cast<std::size_t>(order[0])];
+    for (std::int64_t j = 0; j < k; ++j)
+      w[static_cast<std::size_t>(j)] = std::exp(
+          (row[static_cast<std::size_t>(order[static_cast<std::size_t>(j)])] - top) / temperature);
+    std::discrete_distribution<std::int64_t> pick(w.begin(), w.end());
+    const std::int64_t id = order[static_cast<std::size_t>(pick(rng))];
+    out.push_back(static_cast<char>(c.vocab[static_cast<std::size_t>(id)]));
+    window.erase(window.begin());
+    window.push_back(id);
+  }
+  return out;
+}
+
+// --- Training ---------------------------------------------------------------------------------
+
+int run(const Options& o) {
+  if (o.width % o.heads != 0)
+    throw mt::ValueError(
+        fmt::format("--width {} is not a multiple of --heads {}", o.width, o.heads));
+  const std::string what = o.text.empty() ? std::string(kDefaultCorpus) : "'" + o.text + "'";
+  const Corpus corpus =
+      make_corpus(o.text.empty() ? default_corpus() : read_file(o.text), o.context, what);
+  const auto vocab = static_cast<std::int64_t>(corpus.vocab.size());
+  fmt::print("corpus {}: {} training and {} validation bytes, vocabulary {}\n", what,
+             corpus.train.size(), corpus.val.size(), vocab);
+
+  mt::set_global_policy(o.policy);
+  mt::manual_seed(o.seed);
+  std::shared_ptr<mt::Model> model;
+  std::int64_t first_step = 0;
+  if (!o.resume.empty()) {
+    model = mt::load_model(o.resume);
+  } else {
+    model = make_model(o, vocab);
+  }
+  std::shared_ptr<mt::optim::Optimizer> optimizer =
+      std::make_shared<mt::optim::AdamW>(mt::optim::AdamWOptions{
+          .learning_rate = schedule(o),
+          .weight_decay = o.weight_decay,
+          .beta_1 = 0.9,
+          .beta_2 = o.beta_2,
+          .epsilon = 1e-8,
+          .clipping =
+              o.clip > 0 ? mt::optim::Clipping{.global_clipnorm = o.clip} : mt::optim::Clipping{}});
+  if (mt::Policy(o.policy).loss_scale())
+    optimizer = std::make_shared<mt::optim::LossScaleOptimizer>(optimizer,
+                                                                *mt::Policy(o.policy).loss_scale());
+  model->compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
+                  .optimizer = optimizer});
+  if (!o.resume.empty()) {
+    // The file's model must be the one the options describe, and its vocabulary this text's.
+    const auto meta = mt::load_checkpoint(o.resume, *model, *model->optimizer()).metadata;
+    const auto want = [&](const char* key, const std::string& value) {
+      const auto it = meta.find(key);
+      if (it == meta.end())
+        throw mt::ValueError(
+            fmt::format("'{}' was not written by mixtape-charlm (no '{}')", o.resume, key));
+      if (it->second != value)
+        throw mt::ValueError(fmt::format(
+            "'{}' holds a model with {} {}, but this run has {} {} (give the same options, or "
+            "the same --text, as the run that saved it)",
+            o.resume, key, it->second, key, value));
+    };
+    want("layers", std::to_string(o.layers));
+    want("heads", std::to_string(o.heads));
+    want("width", std::to_string(o.width));
+    want("context", std::to_string(o.context));
+    want("vocabulary", vocab_hex(corpus.vocab));
+    first_step = std::stoll(meta.at("step"));
+    fmt::print("resumed from {} at step {}\n", o.resume, first_step);
+  }
+  auto* lso = dynamic_cast<mt::optim::LossScaleOptimizer*>(model->optimizer().get());
+  fmt::print("model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}\n",
+             o.layers, o.heads, o.width, o.context, model->count_params(), o.policy);
+
+  const auto loss_object = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
+  const auto vars = model->trainable_variables();
+  SplitMix64 rng{o.seed};
+  // Draws of the steps already done (resume): the data order continues where it stopped.
+  const auto span =
+      static_cast<std::uint64_t>(corpus.train.size()) - static_cast<std::uint64_t>(o.context);
+  for (std::int64_t s = 0; s < first_step * o.batch; ++s) rng.next();
+  double train_seconds = 0, window_loss = 0;
+  std::int64_t trained_tokens = 0, window_steps = 0, skipped_after_100 = 0;
+  for (std::int64_t step = first_step; step < o.steps; ++step) {
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(o.batch));
+    for (auto& off : offsets) off = static_cast<std::int64_t>(rng.next() % span);
+    const auto start = std::chrono::steady_clock::now();
+    auto [x, y] = windows(corpus.train, offsets, o.context);
+    mt::Tensor loss;
+    {
+      mt::GradientTape tape;
+      const mt::Tensor logits = (*model)(x, {.training = true});
+      loss = loss_object(mt::reshape(y, {-1}), mt::reshape(logits, {-1, vocab}));
+      if (lso) {
+        auto grads = tape.gradient(lso->get_scaled_loss(loss), vars);
+        lso->apply_gradients(lso->get_unscaled_gradients(grads), vars);
+        if (lso->last_step_skipped() && step >= 100) ++skipped_after_100;
+      } else {
+        model->optimizer()->apply_gradients(tape.gradient(loss, vars), vars);
+      }
+    }
+    const double l = loss.item<double>();
+    if (step > first_step) {  // the first step builds and warms up: not timed
+      train_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      trained_tokens += o.batch * o.context;
+    }
+    window_loss += l;
+    ++window_steps;
+    if ((step + 1) % o.log_every == 0 || step + 1 == o.steps) {
+      fmt::print("step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {:.0f} tokens/s{}\n", step + 1,
+                 window_loss / window_steps / std::log(2.0),
+                 model->optimizer()->current_learning_rate(),
+                 train_seconds > 0 ? static_cast<double>(trained_tokens) / train_seconds : 0.0,
+                 lso ? fmt::format("  loss scale {:g} (skipped {})", lso->loss_scale(),
+                                   lso->skipped_steps())
+                     : "");
+      std::fflush(stdout);
+      window_loss = 0;
+      window_steps = 0;
+    }
+    if (o.eval_every > 0 && (step + 1) % o.eval_every == 0 && step + 1 != o.steps) {
+      fmt::print("step {:>6}  validation {:.4f} bits/char ({} windows)\n", step + 1,
+                 bits_per_char(*model, corpus.val, o.context, o.batch, o.eval_windows),
+                 o.eval_windows);
+      std::fflush(stdout);
+    }
+    // Without loss scaling a non-finite loss means the model diverged (with it, the step
+    // was skipped and the scale lowered).
+    if (!std::isfinite(l) && !lso)
+      throw mt::NumericError(
+          fmt::format("the loss is {} at step {}: the model diverged", l, step + 1));
+  }
+
+  const double val = bits_per_char(*model, corpus.val, o.context, o.batch, 0);
+  fmt::print("validation loss {:.4f} bits/char after {} steps ({} tokens)\n", val, o.steps,
+             corpus.val.size());
+  if (trained_tokens > 0)
+    fmt::print("training throughput {:.0f} tokens/s ({:.1f} s of steps)\n",
+               static_cast<double>(trained_tokens) / train_seconds, train_seconds);
+  if (lso)
+    fmt::print("loss scale {:g}; skipped steps {} ({} after step 100)\n", lso->loss_scale(),
+               lso->skipped_steps(), skipped_after_100);
+  if (o.sample_chars > 0)
+    fmt::print("sample (temperature {}, top-k {}):\n{}\n", o.temperature, o.top_k,
+               sample(*model, corpus, corpus.val, o.context, o.sample_chars, o.temperature, o.top_k,
+                      o.seed));
+  if (!o.save.empty()) {
+    model->save(o.save, {.metadata = {{"layers", std::to_string(o.layers)},
+                                      {"heads", std::to_string(o.heads)},
+                                      {"width", std::to_string(o.width)},
+                                      {"context", std::to_string(o.context)},
+                                      {"vocabulary", vocab_hex(corpus.vocab)},
+                                      {"step", std::to_string(o.steps)}}});
+    fmt::print("saved to {}\n", o.save);
+  }
+  return 0;
+}
+
+void add_options(CLI::App& app, Options& o) {
+  app.add_option("--text", o.text, "UTF-8 or ASCII text to train on (default: the fortunes)");
+  app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(1, 64));
+  app.add_option("--heads", o.heads, "attention heads")->check(CLI::Range(1, 64));
+  app.add_option("--width", o.width, "model width")->check(CLI::Range(1, 8192));
+  app.add_option("--context", o.context, "context length (bytes)")->check(CLI::Range(1, 8192));
+  app.add_option("--batch", o.batch, "windows per step")->check(CLI::Range(1, 65536));
+  app.add_option("--steps", o.steps, "training steps")->check(CLI::Range(1, 100000000));
+  app.add_option("--policy", o.policy, "dtype policy: float32, mixed_bfloat16, mixed_float16, ...")
+      ->check([](const std::string& v) -> std::string {
+        try {
+          mt::Policy check(v);
+        } catch (const mt::ValueError& e) {
+          return e.what();
+        }
+        return {};
+      });
+  app.add_option("--lr", o.learning_rate, "peak learning rate")->check(CLI::Range(0.0, 10.0));
+  app.add_option("--warmup", o.warmup, "linear warm-up steps")->check(CLI::Range(0, 100000000));
+  app.add_option("--min-lr-ratio", o.min_lr_ratio, "the cosine's final learning rate / peak")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--weight-decay", o.weight_decay, "AdamW's decoupled weight decay")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--beta2", o.beta_2, "AdamW's beta_2")->check(CLI::Range(0.0, 0.999999));
+  app.add_option("--clip", o.clip, "clip the gradients to this global norm (0: no clipping)")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--dropout", o.dropout, "dropout on the attention weights")
+      ->check(CLI::Range(0.0, 0.99));
+  app.add_option("--seed", o.seed, "initial weights, data order and sampling");
+  app.add_option("--eval-every", o.eval_every, "steps between validation estimates (0: none)")
+      ->check(CLI::Range(0, 100000000));
+  app.add_option("--eval-windows", o.eval_windows, "validation windows of those estimates")
+      ->check(CLI::Range(1, 100000000));
+  app.add_option("--log-every", o.log_every, "steps between progress lines")
+      ->check(CLI::Range(1, 100000000));
+  app.add_option("--sample", o.sample_chars, "bytes of text to generate at the end")
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("--temperature", o.temperature, "sampling temperature")
+      ->check(CLI::Range(0.01, 100.0));
+  app.add_option("--top-k", o.top_k, "sample among the k most likely (0: all)")
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("--save", o.save, "write the model and optimizer state here at the end");
+  app.add_option("--resume", o.resume, "continue from a file written by --save");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  CLI::App app("Trains a character-level GPT on a text with mixtape.", "mixtape-charlm");
+  try {
+    add_options(app, options);
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "mixtape-charlm: %s (see --help)\n", e.what());
+    return 2;
+  }
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mixtape-charlm: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""The character-level GPT of `mixtape-charlm` in PyTorch, trained the same way.
+
+The same corpus and split (the bytes of --text, or of Debian's fortunes files in name
+order; vocabulary: the distinct bytes, sorted; the first 90% trains, the rest validates),
+the same model (token embedding + learned position embedding, pre-LayerNorm blocks of
+causal multi-head self-attention and a 4x GELU MLP (exact GELU) with residual adds, a
+final LayerNorm, logits over the vocabulary; LayerNorm epsilon 1e-5; weights drawn from
+N(0, 0.02), biases 0), the same optimizer (AdamW, betas 0.9 / --beta2, epsilon 1e-8,
+decoupled weight decay on every parameter, the gradients clipped to a global norm), the
+same schedule (linear warm-up to --lr, then a cosine to --lr * --min-lr-ratio), and the
+same data order: window offsets drawn by SplitMix64 seeded with --seed, offset =
+next() % (training bytes - context), batch by batch. The initial weights differ (another
+generator). Adam's epsilon enters as PyTorch has it (added to sqrt(v_hat)); mixtape adds it
+as Keras does (to sqrt(v)); with 1e-8 the difference is below anything measured here.
+
+  /usr/bin/python3 bench/charlm_reference.py --precision mixed_bfloat16 --steps 4000
+
+Precisions: float32 | mixed_bfloat16 (torch.autocast on the CPU, bfloat16). Prints progress
+lines and, last, one JSON line: validation bits per character over every non-overlapping
+window of the validation text, training tokens per second (steps after the first), steps.
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FORTUNES = "/usr/share/games/fortunes"
+MASK64 = (1 << 64) - 1
+
+
+class SplitMix64:
+    def __init__(self, seed):
+        self.state = seed & MASK64
+
+    def next(self):
+        self.state = (self.state + 0x9E3779B97F4A7C15) & MASK64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        return z ^ (z >> 31)
+
+
+def read_corpus(path):
+    if path:
+        with open(path, "rb") as f:
+            return f.read()
+    names = sorted(
+        n for n in os.listdir(FORTUNES)
+        if "." not in n and os.path.isfile(os.path.join(FORTUNES, n))
+        and not os.path.islink(os.path.join(FORTUNES, n)))
+    data = b""
+    for n in names:
+        with open(os.path.join(FORTUNES, n), "rb") as f:
+            data += f.read()
+    return data
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width, eps=1e-5)
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
+        self.o = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width, eps=1e-5)
+        self.mlp_in = nn.Linear(width, 4 * width)
+        self.mlp_out = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        # The logits and softmax in float32, as mixtape's MultiHeadAttention does.
+        logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        weights = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        a = (weights.to(v.dtype) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.o(a)
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.ln2(x))))
+
+
+class CharLM(nn.Module):
+    def __init__(self, vocab, width, heads, layers, context):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.zeros(context, width))
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width, eps=1e-5)
+        self.logits = nn.Linear(width, vocab)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+        nn.init.normal_(self.pos, 0.0, 0.02)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos[: ids.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.logits(self.ln(x)).float()
+
+
+def windows(data, offsets, context):
+    idx = torch.tensor(offsets).unsqueeze(1) + torch.arange(context + 1).unsqueeze(0)
+    w = data[idx]
+    return w[:, :-1], w[:, 1:]
+
+
+def bits_per_char(model, data, context, batch, autocast):
+    offsets = list(range(0, len(data) - context, context))
+    total = 0.0
+    model.eval()
+    with torch.no_grad(), autocast():
+        for i in range(0, len(offsets), batch):
+            x, y = windows(data, offsets[i:i + batch], context)
+            logits = model(x)
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                     reduction="sum").item()
+    model.train()
+    return total / (len(offsets) * context) / math.log(2.0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--text", default="")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--precision", default="float32", choices=["float32", "mixed_bfloat16"])
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--beta2", type=float, default=0.99)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=250)
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="intra-op threads (mixtape uses every core, as OpenMP does)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+
+    text = read_corpus(a.text)
+    vocab = sorted(set(text))
+    table = torch.full((256,), -1, dtype=torch.long)
+    for i, b in enumerate(vocab):
+        table[b] = i
+    ids = table[torch.tensor(list(text), dtype=torch.long)]
+    split = len(ids) * 9 // 10
+    train, val = ids[:split], ids[split:]
+
+    torch.manual_seed(a.seed)
+    model = CharLM(len(vocab), a.width, a.heads, a.layers, a.context)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, a.beta2), eps=1e-8,
+                            weight_decay=a.weight_decay)
+    floor = a.lr * a.min_lr_ratio
+
+    def lr_at(step):
+        if step < a.warmup:
+            return a.lr * (step + 1) / a.warmup
+        t = min(1.0, (step - a.warmup) / max(a.steps - a.warmup, 1))
+        return floor + (a.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16,
+                              enabled=a.precision == "mixed_bfloat16")
+
+    rng = SplitMix64(a.seed)
+    span = len(train) - a.context
+    seconds, tokens, window = 0.0, 0, []
+    for step in range(a.steps):
+        offsets = [rng.next() % span for _ in range(a.batch)]
+        start = time.perf_counter()
+        x, y = windows(train, offsets, a.context)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if a.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        opt.step()
+        window.append(loss.item())
+        if step > 0:
+            seconds += time.perf_counter() - start
+            tokens += a.batch * a.context
+        if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
+            print(f"step {step + 1:>6}  loss {sum(window) / len(window) / math.log(2):.4f} "
+                  f"bits/char  lr {lr_at(step):.3g}  {tokens / max(seconds, 1e-9):.0f} tokens/s",
+                  flush=True)
+            window = []
+    val_bpc = bits_per_char(model, val, a.context, a.batch, autocast)
+    print(json.dumps({"framework": "pytorch", "torch": torch.__version__,
+                      "precision": a.precision, "steps": a.steps, "val_bits_per_char": val_bpc,
+                      "tokens_per_s": tokens / max(seconds, 1e-9),
+                      "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()

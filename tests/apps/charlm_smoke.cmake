@@ -1,0 +1,96 @@
+# The smoke test of mixtape-charlm (CTest: apps.charlm): a tiny model for a few steps on a
+# small text written here, checking the app end to end:
+#   - training prints the loss, the tokens per second, the validation loss in bits per
+#     character and a sample; --save writes a model file;
+#   - mixed_float16 runs with its loss scale; --resume continues at the saved step;
+#   - bad input, each a one-line error and a non-zero exit that leaves the saved file as it
+#     was: a missing file, an empty file, a binary file, a one-character vocabulary, a text
+#     shorter than the context, a checkpoint of another width or context, an option out of
+#     range.
+# Usage: cmake -DAPP=... -DWORK_DIR=... -P charlm_smoke.cmake
+cmake_minimum_required(VERSION 3.25)
+
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+function(run_app expect out_var)
+  execute_process(COMMAND ${APP} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err)
+  message(STATUS "mixtape-charlm ${ARGN}\n  -> exit ${rc}\n${out}${err}")
+  if(expect STREQUAL "0" AND NOT rc EQUAL 0)
+    message(FATAL_ERROR "mixtape-charlm ${ARGN} failed with ${rc}:\n${out}${err}")
+  elseif(expect STREQUAL "nonzero" AND (rc EQUAL 0 OR NOT rc MATCHES "^[0-9]+$"))
+    message(FATAL_ERROR "mixtape-charlm ${ARGN} should have failed with an exit status:\n${out}${err}")
+  endif()
+  set(${out_var} "${out}${err}" PARENT_SCOPE)
+endfunction()
+
+function(require text what)
+  string(FIND "${text}" "${what}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "expected '${what}' in:\n${text}")
+  endif()
+endfunction()
+
+# A small text: a few sentences repeated with variations (about 6 KB).
+set(text "")
+foreach(i RANGE 1 60)
+  string(APPEND text "The quick brown fox ${i} jumps over the lazy dog.\nA stitch in time saves nine; ${i} cats.\n")
+endforeach()
+file(WRITE ${WORK_DIR}/small.txt "${text}")
+set(tiny_common --text ${WORK_DIR}/small.txt --layers 1 --heads 2 --batch 4 --warmup 5
+    --log-every 10 --eval-every 10 --eval-windows 4 --temperature 0.9 --top-k 5)
+set(tiny ${tiny_common} --width 16 --context 16)
+
+run_app(0 out ${tiny} --steps 20 --sample 40 --save ${WORK_DIR}/model.safetensors)
+require("${out}" "vocabulary")
+require("${out}" "step     20  loss")
+require("${out}" "step     10  validation")
+require("${out}" "tokens/s")
+require("${out}" "validation loss")
+require("${out}" "bits/char after 20 steps")
+require("${out}" "sample (temperature 0.9, top-k 5):")
+if(NOT EXISTS ${WORK_DIR}/model.safetensors)
+  message(FATAL_ERROR "--save wrote no file")
+endif()
+file(SHA256 ${WORK_DIR}/model.safetensors saved_hash)
+
+run_app(0 out ${tiny} --steps 12 --sample 0 --policy mixed_float16)
+require("${out}" "loss scale")
+require("${out}" "skipped steps")
+run_app(0 out ${tiny} --steps 20 --sample 0 --policy mixed_bfloat16)
+
+run_app(0 out ${tiny} --steps 30 --sample 0 --resume ${WORK_DIR}/model.safetensors)
+require("${out}" "resumed from")
+require("${out}" "at step 20")
+require("${out}" "bits/char after 30 steps")
+
+# Bad input: one line, non-zero, the saved model untouched.
+set(save_again --save ${WORK_DIR}/model.safetensors --steps 5 --sample 0)
+run_app(nonzero out --text ${WORK_DIR}/missing.txt ${save_again})
+require("${out}" "cannot open")
+file(WRITE ${WORK_DIR}/empty.txt "")
+run_app(nonzero out --text ${WORK_DIR}/empty.txt ${save_again})
+require("${out}" "is empty")
+run_app(nonzero out --text ${APP} ${save_again})
+require("${out}" "is not a text file")
+string(REPEAT "a" 500 aaa)
+file(WRITE ${WORK_DIR}/one.txt "${aaa}")
+run_app(nonzero out --text ${WORK_DIR}/one.txt ${save_again})
+require("${out}" "vocabulary of one character")
+file(WRITE ${WORK_DIR}/short.txt "abcdefghijklmnopqrstuvwxyz")
+run_app(nonzero out --text ${WORK_DIR}/short.txt --context 16 ${save_again})
+require("${out}" "too short")
+run_app(nonzero out ${tiny_common} --width 32 --context 16 --resume ${WORK_DIR}/model.safetensors ${save_again})
+require("${out}" "width 16")
+run_app(nonzero out ${tiny_common} --width 16 --context 32 --resume ${WORK_DIR}/model.safetensors ${save_again})
+require("${out}" "context 16")
+run_app(nonzero out ${tiny_common} --width 17 ${save_again})
+require("${out}" "not a multiple of --heads")
+run_app(nonzero out ${tiny} --steps 0)
+require("${out}" "--steps")
+file(SHA256 ${WORK_DIR}/model.safetensors after_hash)
+if(NOT saved_hash STREQUAL after_hash)
+  message(FATAL_ERROR "a failed run changed the saved model file")
+endif()
+message(STATUS "charlm smoke test passed")
