@@ -349,6 +349,7 @@ int run(const Options& o) {
     want("width", std::to_string(o.width));
     want("context", std::to_string(o.context));
     want("vocabulary", vocab_hex(corpus.vocab));
+    want("policy", o.policy);
     first_step = std::stoll(meta.at("step"));
     fmt::print("resumed from {} at step {}\n", o.resume, first_step);
   }
@@ -435,6 +436,7 @@ int run(const Options& o) {
                                       {"width", std::to_string(o.width)},
                                       {"context", std::to_string(o.context)},
                                       {"vocabulary", vocab_hex(corpus.vocab)},
+                                      {"policy", o.policy},
                                       {"step", std::to_string(o.steps)}}});
     fmt::print("saved to {}\n", o.save);
   }

@@ -5,7 +5,7 @@
 #   - mixed_float16 runs with its loss scale; --resume continues at the saved step;
 #   - bad input, each a one-line error and a non-zero exit that leaves the saved file as it
 #     was: a missing file, an empty file, a binary file, a one-character vocabulary, a text
-#     shorter than the context, a checkpoint of another width or context, an option out of
+#     shorter than the context, a checkpoint of another width, context or policy, an option out of
 #     range.
 # Usage: cmake -DAPP=... -DWORK_DIR=... -P charlm_smoke.cmake
 cmake_minimum_required(VERSION 3.25)
@@ -85,6 +85,8 @@ run_app(nonzero out ${tiny_common} --width 32 --context 16 --resume ${WORK_DIR}/
 require("${out}" "width 16")
 run_app(nonzero out ${tiny_common} --width 16 --context 32 --resume ${WORK_DIR}/model.safetensors ${save_again})
 require("${out}" "context 16")
+run_app(nonzero out ${tiny} --policy mixed_bfloat16 --resume ${WORK_DIR}/model.safetensors ${save_again})
+require("${out}" "policy float32")
 run_app(nonzero out ${tiny_common} --width 17 ${save_again})
 require("${out}" "not a multiple of --heads")
 run_app(nonzero out ${tiny} --steps 0)
