@@ -8,9 +8,10 @@
 // loops, other strides are gathered into a buffer first.
 //
 // float32 exp, tanh and sigmoid use the branch-free exp_f32 (cpu_util.h) / tanh_f32 below
-// (<= 1.6 ulp) so that their loops vectorise; log, erf, gelu (erfc), pow and all float64
-// math call the C library per element; sqrt / rsqrt vectorise as the library is built with
-// -fno-math-errno.
+// (<= 1.6 ulp) so that their loops vectorise; float32 erf and gelu (erfc) call glibc's
+// vector math library (libmvec: erff / erfcf four lanes at a time, where CMake finds it);
+// log, pow and all float64 math call the C library per element; sqrt / rsqrt vectorise as
+// the library is built with -fno-math-errno.
 //
 // Integer semantics: add/sub/mul/neg/abs wrap modulo 2^bits (no UB on overflow); div
 // truncates toward zero, and x / 0 is defined as 0 (no trap); INT_MIN / -1 wraps to
@@ -25,10 +26,29 @@
 
 #include "backends/cpu/cpu_util.h"
 
+#ifdef MIXTAPE_WITH_LIBMVEC
+// glibc (2.35 and later) ships SIMD variants of erff and erfcf in libmvec (_ZGVbN4v_erff,
+// ...; as accurate as the scalar functions on the gelu range, measured). Declared as
+// SIMD functions here, a `#pragma omp simd` loop over them calls those variants; math.h
+// declares them so only under -ffast-math, which the library does not use.
+extern "C" {
+#pragma omp declare simd notinbranch
+float erff(float) noexcept;
+#pragma omp declare simd notinbranch
+float erfcf(float) noexcept;
+}
+#endif
+
 namespace mixtape::cpu {
 namespace {
 
 using std::int64_t;
+
+// erf / erfc of float through erff / erfcf (the SIMD ones above in `omp simd` loops).
+inline float erf_of(float x) { return ::erff(x); }
+inline float erfc_of(float x) { return ::erfcf(x); }
+inline double erf_of(double x) { return std::erf(x); }
+inline double erfc_of(double x) { return std::erfc(x); }
 
 // --- Strided iteration -----------------------------------------------------------------
 
@@ -223,7 +243,7 @@ template <>
 struct UnaryOp<OpId::gelu> {
   template <typename T>
   T operator()(T x) const {
-    return T(0.5) * x * std::erfc(-x * T(0.70710678118654752440));
+    return T(0.5) * x * erfc_of(-x * T(0.70710678118654752440));
   }
 };
 // gelu's tanh form 0.5 x (1 + tanh(u)) as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3):
@@ -241,9 +261,15 @@ template <>
 struct UnaryOp<OpId::erf> {
   template <typename T>
   T operator()(T x) const {
-    return std::erf(x);
+    return erf_of(x);
   }
 };
+
+// The ops whose float loops call libmvec's SIMD functions: those loops carry
+// `#pragma omp simd`, without which the compiler calls the scalar function per element.
+template <typename Op>
+constexpr bool kSimdCalls =
+    std::is_same_v<Op, UnaryOp<OpId::gelu>> || std::is_same_v<Op, UnaryOp<OpId::erf>>;
 
 // The gradient through relu: g where the relu's output y is positive, 0 elsewhere.
 template <>
@@ -382,12 +408,22 @@ void unary_kernel(const Tensor& x, const Tensor& out) {
     if constexpr (kReduced<T>) {
       float buf[kBlock];
       to_float(xp + b, buf, n);
-      for (int64_t i = 0; i < n; ++i) buf[i] = op(buf[i]);
+      if constexpr (kSimdCalls<Op>) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) buf[i] = op(buf[i]);
+      } else {
+        for (int64_t i = 0; i < n; ++i) buf[i] = op(buf[i]);
+      }
       from_float(buf, yp + b, n);
     } else {
       const T* x0 = xp + b;
       T* y0 = yp + b;
-      for (int64_t i = 0; i < n; ++i) y0[i] = op(x0[i]);
+      if constexpr (kSimdCalls<Op> && std::is_same_v<T, float>) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) y0[i] = op(x0[i]);
+      } else {
+        for (int64_t i = 0; i < n; ++i) y0[i] = op(x0[i]);
+      }
     }
   });
 }
