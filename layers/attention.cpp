@@ -15,15 +15,6 @@ namespace mixtape::layers {
 
 namespace {
 
-const Variable& built_weight(const Layer& layer, const Variable& v, const char* what) {
-  if (!v.defined())
-    throw ValueError(
-        fmt::format("layer '{}' ({}): {} does not exist before the layer is built "
-                    "(call the layer on an input first)",
-                    layer.name(), layer.class_name(), what));
-  return v;
-}
-
 // The options of the attend() call running on this thread, for call_multi (a layer's call
 // goes through Layer::apply, which has no room for them).
 struct PendingCall {
@@ -33,7 +24,7 @@ struct PendingCall {
 thread_local PendingCall t_pending;
 
 // [T, S] bool: query position i may see key position j when j <= i (Keras' causal mask).
-Tensor causal_mask(std::int64_t t, std::int64_t s, Device device) {
+Tensor make_causal_mask(std::int64_t t, std::int64_t s, Device device) {
   std::vector<bool> keep(static_cast<std::size_t>(t * s));
   for (std::int64_t i = 0; i < t; ++i)
     for (std::int64_t j = 0; j < s; ++j) keep[static_cast<std::size_t>(i * s + j)] = j <= i;
@@ -243,7 +234,11 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
     if (mask.rank() == 3) mask = unsqueeze(mask, 1);  // [B, 1, T, S] against [B, H, T, S]
   }
   if (causal) {
-    const Tensor c = causal_mask(in.t, in.s, device);
+    // Made once per (T, S, device) and kept: no host work or host-to-device copy per step.
+    if (!causal_mask_.defined() || causal_mask_.dim(0) != in.t || causal_mask_.dim(1) != in.s ||
+        causal_mask_.device() != device)
+      causal_mask_ = make_causal_mask(in.t, in.s, device);
+    const Tensor c = causal_mask_;
     mask = mask.defined() ? where(c, mask, c) : c;  // mask AND causal
   }
   const Tensor scores =
@@ -379,7 +374,7 @@ std::optional<Shape> PositionEmbeddingLayer::compute_output_shape(const Shape& i
 }
 
 const Variable& PositionEmbeddingLayer::embeddings() const {
-  return built_weight(*this, embeddings_, "embeddings");
+  return detail::built_weight(*this, embeddings_, "embeddings");
 }
 
 Config PositionEmbeddingLayer::get_config() const {

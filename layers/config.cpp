@@ -200,6 +200,15 @@ Size2 size2_from(const Config& c, const std::string& key) {
   return Size2(v[0], v[1]);
 }
 
+const Variable& built_weight(const Layer& layer, const Variable& v, const char* what) {
+  if (!v.defined())
+    throw ValueError(
+        fmt::format("layer '{}' ({}): {} does not exist before the layer is built "
+                    "(call the layer on an input first)",
+                    layer.name(), layer.class_name(), what));
+  return v;
+}
+
 }  // namespace detail
 
 }  // namespace mixtape::layers

@@ -1,4 +1,5 @@
-// Helpers of the layers' constructors and their get_config / from_config (layers/config.cpp).
+// Helpers of the layers' constructors, weight accessors and get_config / from_config
+// (layers/config.cpp).
 #pragma once
 
 #include <string>
@@ -31,5 +32,8 @@ void set_common_options(Options& options, const Config& c) {
 }
 // A Size2 stored as two integers.
 Size2 size2_from(const Config& c, const std::string& key);
+// `v`, or ValueError naming the layer and `what` when the layer is not built yet (the
+// accessors of built layers' weights: DenseLayer::kernel(), ...).
+const Variable& built_weight(const Layer& layer, const Variable& v, const char* what);
 
 }  // namespace mixtape::layers::detail

@@ -10,15 +10,6 @@ namespace mixtape::layers {
 
 namespace {
 
-const Variable& built_weight(const Layer& layer, const Variable& v, const char* what) {
-  if (!v.defined())
-    throw ValueError(
-        fmt::format("layer '{}' ({}): {} does not exist before the layer is built "
-                    "(call the layer on an input first)",
-                    layer.name(), layer.class_name(), what));
-  return v;
-}
-
 // The shape of one sample: without the batch axis.
 Shape sample_shape(const Shape& s) {
   return Shape(std::vector<std::int64_t>(s.begin() + 1, s.end()));
@@ -111,11 +102,13 @@ Tensor DenseLayer::call(const Tensor& x, const CallContext&) {
 
 DType DenseLayer::computation_dtype() const { return gemm_accumulation_dtype(compute_dtype()); }
 
-const Variable& DenseLayer::kernel() const { return built_weight(*this, kernel_, "kernel"); }
+const Variable& DenseLayer::kernel() const {
+  return detail::built_weight(*this, kernel_, "kernel");
+}
 const Variable& DenseLayer::bias() const {
   if (!options_.use_bias)
     throw ValueError(fmt::format("layer '{}' (Dense): has no bias (use_bias is false)", name()));
-  return built_weight(*this, bias_, "bias");
+  return detail::built_weight(*this, bias_, "bias");
 }
 
 Config DenseLayer::get_config() const {
@@ -330,7 +323,7 @@ std::optional<std::vector<TensorSpec>> EmbeddingLayer::compute_output_spec(
 }
 
 const Variable& EmbeddingLayer::embeddings() const {
-  return built_weight(*this, embeddings_, "embeddings");
+  return detail::built_weight(*this, embeddings_, "embeddings");
 }
 
 Config EmbeddingLayer::get_config() const {

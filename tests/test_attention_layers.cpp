@@ -198,6 +198,15 @@ TEST_CASE("MultiHeadAttention: forward against float64 loops (masks, causal, key
       {T, S});
   CHECK(max_abs_diff(mha->attend(query, value, {.attention_mask = causal_2d}, key).output,
                      mha->attend(query, value, {.use_causal_mask = true}, key).output) == 0.0);
+  // The causal mask is kept between calls: a shorter query gets one of its own length.
+  const mt::Tensor q3 = mt::contiguous(mt::slice(query, 1, 0, 3));
+  const mt::Tensor causal_3 = mt::contiguous(mt::slice(causal_2d, 0, 0, 3));
+  CHECK(max_abs_diff(mha->attend(q3, value, {.attention_mask = causal_3}, key).output,
+                     mha->attend(q3, value, {.use_causal_mask = true}, key).output) == 0.0);
+  const Reference ref3 = attention_reference(*mha, q3, value, key, {}, /*causal=*/true);
+  const auto out3 =
+      mha->attend(q3, value, {.use_causal_mask = true}, key).output.to_vector<double>();
+  for (std::size_t i = 0; i < out3.size(); ++i) CHECK(std::abs(out3[i] - ref3.output[i]) < 1e-12);
 }
 
 TEST_CASE("gradcheck: MultiHeadAttention inputs (no mask, padding mask, causal)",

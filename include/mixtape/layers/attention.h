@@ -115,6 +115,7 @@ class MultiHeadAttentionLayer : public Layer {
   Variable query_kernel_, query_bias_, key_kernel_, key_bias_, value_kernel_, value_bias_,
       output_kernel_, output_bias_;
   Shape output_features_;  // output_shape, or the query's features once built
+  Tensor causal_mask_;     // the latest causal mask [T, S], on the device it was used on
 };
 LayerPtr<MultiHeadAttentionLayer> MultiHeadAttention(std::int64_t num_heads, std::int64_t key_dim,
                                                      MultiHeadAttentionOptions options = {});
