@@ -13,24 +13,7 @@ cmake_minimum_required(VERSION 3.25)
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
-function(run_app expect out_var)
-  execute_process(COMMAND ${APP} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
-                  ERROR_VARIABLE err)
-  message(STATUS "mixtape-charlm ${ARGN}\n  -> exit ${rc}\n${out}${err}")
-  if(expect STREQUAL "0" AND NOT rc EQUAL 0)
-    message(FATAL_ERROR "mixtape-charlm ${ARGN} failed with ${rc}:\n${out}${err}")
-  elseif(expect STREQUAL "nonzero" AND (rc EQUAL 0 OR NOT rc MATCHES "^[0-9]+$"))
-    message(FATAL_ERROR "mixtape-charlm ${ARGN} should have failed with an exit status:\n${out}${err}")
-  endif()
-  set(${out_var} "${out}${err}" PARENT_SCOPE)
-endfunction()
-
-function(require text what)
-  string(FIND "${text}" "${what}" at)
-  if(at EQUAL -1)
-    message(FATAL_ERROR "expected '${what}' in:\n${text}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require
 
 # A small text: a few sentences repeated with variations (about 6 KB).
 set(text "")

@@ -33,30 +33,7 @@ if(NOT DATA_DIR OR NOT EXISTS "${DATA_DIR}")
 endif()
 message(STATUS "mnist smoke test: data in ${DATA_DIR} (fake: ${fake})")
 
-# Runs the app; fails the test unless the exit status is `expect` ("0" or "nonzero").
-# With `run_env` set (NAME=VALUE ...), the app runs in that environment.
-function(run_app expect out_var)
-  set(launcher)
-  if(run_env)
-    set(launcher ${CMAKE_COMMAND} -E env ${run_env})
-  endif()
-  execute_process(COMMAND ${launcher} ${APP} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
-                  ERROR_VARIABLE err)
-  message(STATUS "mixtape-mnist ${ARGN}\n  -> exit ${rc}\n${out}${err}")
-  if(expect STREQUAL "0" AND NOT rc EQUAL 0)
-    message(FATAL_ERROR "mixtape-mnist ${ARGN} failed with ${rc}:\n${out}${err}")
-  elseif(expect STREQUAL "nonzero" AND rc EQUAL 0)
-    message(FATAL_ERROR "mixtape-mnist ${ARGN} should have failed:\n${out}${err}")
-  endif()
-  set(${out_var} "${out}${err}" PARENT_SCOPE)
-endfunction()
-
-function(require text what)
-  string(FIND "${text}" "${what}" at)
-  if(at EQUAL -1)
-    message(FATAL_ERROR "expected '${what}' in:\n${text}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require
 
 # A run refused before training: nothing of the model or an epoch was printed.
 function(require_before_training text)
