@@ -102,8 +102,20 @@ Tensor GradientTape::gradient(const Tensor& target, const Tensor& source,
   return gradient(target, std::vector<Tensor>{source}, output_gradient).front();
 }
 
+std::vector<Tensor> GradientTape::gradient(const Tensor& target,
+                                           const std::vector<Variable>& sources,
+                                           const GradientReadyFn& on_ready) {
+  return walk(target, std::vector<Tensor>(sources.begin(), sources.end()), Tensor(), &on_ready);
+}
+
 std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vector<Tensor>& sources,
                                            const Tensor& output_gradient) {
+  return walk(target, sources, output_gradient, nullptr);
+}
+
+std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<Tensor>& sources,
+                                       const Tensor& output_gradient,
+                                       const GradientReadyFn* on_ready) {
   Impl& tape = *impl_;
   if (tape.consumed)
     throw AutogradError(
@@ -145,6 +157,22 @@ std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vect
   }
   std::unordered_set<std::uint64_t> source_ids;
   for (const auto& s : sources) source_ids.insert(s.id());
+  // For on_ready: the sources whose last use (the lowest relevant node that reads them,
+  // the last to add to their gradient) is each node.
+  std::unordered_map<std::size_t, std::vector<std::size_t>> final_after;
+  std::vector<bool> reported(sources.size(), false);
+  if (on_ready) {
+    std::unordered_map<std::uint64_t, std::size_t> last_use;
+    for (std::size_t n = tape.nodes.size(); n-- > 0;) {
+      if (!relevant[n]) continue;
+      for (auto id : tape.nodes[n].input_ids)
+        if (source_ids.count(id)) last_use[id] = n;
+    }
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      auto it = last_use.find(sources[i].id());
+      if (it != last_use.end()) final_after[it->second].push_back(i);
+    }
+  }
 
   std::unordered_map<std::uint64_t, Tensor> grads;
   grads.emplace(target.id(), seed);
@@ -176,8 +204,23 @@ std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vect
         auto [slot, inserted] = grads.try_emplace(node.input_ids[i], g);
         if (!inserted) slot->second = add(slot->second, g);
       }
+      if (on_ready) {
+        auto fin = final_after.find(n);
+        if (fin != final_after.end())
+          for (std::size_t i : fin->second) {
+            auto g = grads.find(sources[i].id());
+            reported[i] = true;
+            (*on_ready)(i, g == grads.end() ? Tensor() : g->second);
+          }
+      }
     }
   }
+  if (on_ready)
+    for (std::size_t i = 0; i < sources.size(); ++i)
+      if (!reported[i]) {
+        auto g = grads.find(sources[i].id());
+        (*on_ready)(i, g == grads.end() ? Tensor() : g->second);
+      }
 
   std::vector<Tensor> result;
   result.reserve(sources.size());

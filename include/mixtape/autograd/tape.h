@@ -51,6 +51,14 @@ class GradientTape {
                                const Tensor& output_gradient = Tensor());
   Tensor gradient(const Tensor& target, const Tensor& source,
                   const Tensor& output_gradient = Tensor());
+  // Called with a source's index and its gradient as soon as the walk has passed the
+  // source's last use (the gradient is final), while the walk goes on: what lets a
+  // data-parallel step start reducing the last layers' gradients during the backward pass
+  // of the first ones. Sources not connected to the target are reported, undefined, at
+  // the end; every source is reported once.
+  using GradientReadyFn = std::function<void(std::size_t source, const Tensor& gradient)>;
+  std::vector<Tensor> gradient(const Tensor& target, const std::vector<Variable>& sources,
+                               const GradientReadyFn& on_ready);
 
   bool persistent() const;
   // Number of ops recorded so far.
@@ -61,6 +69,8 @@ class GradientTape {
   struct Impl;
 
  private:
+  std::vector<Tensor> walk(const Tensor& target, const std::vector<Tensor>& sources,
+                           const Tensor& output_gradient, const GradientReadyFn* on_ready);
   std::shared_ptr<Impl> impl_;
 };
 
