@@ -24,6 +24,8 @@ packages=(
   libopenblas-openmp-dev  # OpenBLAS sharing OpenMP's threads with mixtape's kernels
   libdnnl-dev    # oneDNN (OpenMP build): the CPU convolutions and pooling
   libbenchmark-dev
+  libopenmpi-dev  # Open MPI: data-parallel training across processes (mixtape/distributed)
+  openmpi-bin    # mpirun, for the distributed tests and multi-process training
 )
 # Extra packages a caller needs.
 packages+=("$@")

@@ -314,6 +314,10 @@ void register_backend_and_kernels() {
   // The kernels register without a GPU too (registering touches no device): supports()
   // then tells what this build can run on a GPU.
   cuda_backend::register_all_kernels();
+#if MIXTAPE_WITH_NCCL
+  // CUDA tensors' collectives in mixtape::distributed (backends/cuda/nccl.cpp).
+  cuda_backend::register_nccl_collectives();
+#endif
 }
 }  // namespace cuda
 

@@ -5,6 +5,8 @@ namespace mixtape::cuda_backend {
 
 // Registers every CUDA kernel into the dispatch table (backends/cuda/register.cpp).
 void register_all_kernels();
+// NCCL's collectives for mixtape::distributed (builds with NCCL: backends/cuda/nccl.cpp).
+void register_nccl_collectives();
 
 // One per kernel file.
 void register_memory_kernels();       // copy, fill, cast (memory.cu)
