@@ -15,6 +15,8 @@
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/safetensors.h"
+#include "mixtape/distributed/distributed.h"
+#include "mixtape/optim/distributed_optimizer.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
 
 namespace mixtape {
@@ -147,6 +149,18 @@ void check_bools(const SafetensorsFile& file, const std::string& path) {
   }
 }
 
+// What a checkpoint holds the state of: a DistributedOptimizer only carries gradients
+// between ranks, so its file is the wrapped optimizer's (read back with or without it).
+const optim::Optimizer& saved_optimizer(const optim::Optimizer& optimizer) {
+  if (const auto* d = dynamic_cast<const optim::DistributedOptimizer*>(&optimizer))
+    return d->inner_optimizer();
+  return optimizer;
+}
+optim::Optimizer& saved_optimizer(optim::Optimizer& optimizer) {
+  if (auto* d = dynamic_cast<optim::DistributedOptimizer*>(&optimizer)) return d->inner_optimizer();
+  return optimizer;
+}
+
 // The name of the optimizer a LossScaleOptimizer wraps (empty for other optimizers).
 std::string inner_name(const optim::Optimizer& optimizer) {
   if (const auto* lso = dynamic_cast<const optim::LossScaleOptimizer*>(&optimizer))
@@ -173,7 +187,8 @@ void load_weights(layers::Layer& model, const std::string& path) {
 }
 
 void save_checkpoint(const std::string& path, const layers::Layer& model,
-                     const optim::Optimizer& optimizer, const TrainingCheckpoint& info) {
+                     const optim::Optimizer& given, const TrainingCheckpoint& info) {
+  const optim::Optimizer& optimizer = saved_optimizer(given);
   if (info.epoch < 0)
     throw ValueError(
         fmt::format("save_checkpoint '{}': epoch is {}; it must be >= 0", path, info.epoch));
@@ -207,7 +222,8 @@ void save_checkpoint(const std::string& path, const layers::Layer& model,
 }
 
 TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model,
-                                   optim::Optimizer& optimizer) {
+                                   optim::Optimizer& given) {
+  optim::Optimizer& optimizer = saved_optimizer(given);
   const SafetensorsFile file = load_safetensors(path);
   check_bools(file, path);
 
@@ -316,6 +332,12 @@ void ModelCheckpoint::on_epoch_end(Model& model, int epoch, const Logs& logs) {
     best_ = v;
   }
   const std::string path = path_for(epoch);
+  // In a data-parallel job every rank holds the same model: rank 0 alone writes the file
+  // (the others never write half of it beside it).
+  if (distributed::rank() != 0) {
+    last_saved_ = path;
+    return;
+  }
   if (options_.save_weights_only) {
     save_weights(model, path);
   } else {

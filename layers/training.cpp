@@ -13,7 +13,9 @@
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
+#include "mixtape/distributed/distributed.h"
 #include "mixtape/layers/model.h"
+#include "mixtape/optim/distributed_optimizer.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
 
 namespace mixtape {
@@ -64,6 +66,30 @@ Tensor as_int64(const Tensor& y) {
 // Whether fit can gather batches of t (with take): floating, int32 and int64 data.
 bool batchable(const Tensor& t) {
   return t.dtype().is_floating() || t.dtype() == kInt32 || t.dtype() == kInt64;
+}
+
+// Rank r's part [begin, end) of `rows` rows split evenly over the ranks.
+std::pair<std::int64_t, std::int64_t> rank_share(std::int64_t rows) {
+  const auto r = static_cast<std::int64_t>(distributed::rank());
+  const auto n = static_cast<std::int64_t>(distributed::world_size());
+  return {rows * r / n, rows * (r + 1) / n};
+}
+
+// Logs averaged over the ranks, each rank's values weighted by the rows they come from
+// (a rank without rows adds nothing): the numbers one process would log over all rows.
+// Every rank calls it at the same point, with the same keys (std::map: the same order).
+Logs average_over_ranks(const Logs& logs, std::int64_t rows) {
+  if (distributed::world_size() == 1) return logs;
+  std::vector<double> v;
+  for (const auto& [key, value] : logs)
+    v.push_back(rows > 0 ? value * static_cast<double>(rows) : 0.0);
+  v.push_back(static_cast<double>(rows));
+  v = distributed::all_reduce_values(std::move(v));
+  const double total = v.back();
+  Logs out;
+  std::size_t i = 0;
+  for (const auto& [key, value] : logs) out[key] = total > 0 ? v[i++] / total : (++i, 0.0);
+  return out;
 }
 
 }  // namespace
@@ -157,12 +183,27 @@ void Model::compile(CompileOptions options) {
     }
   }
   // Nothing changes before here: a bad option leaves the model as it was.
+  // Data-parallel (world size > 1, or a DistributedOptimizer given): the DistributedOptimizer
+  // goes outside, so that gradients are averaged before a loss scale optimizer checks them.
+  std::optional<optim::DistributedOptimizerOptions> distributed_options;
+  if (auto* d = dynamic_cast<optim::DistributedOptimizer*>(opt.get())) {
+    distributed_options = d->options();
+    opt = d->inner_optimizer().clone();
+  } else if (distributed::world_size() > 1) {
+    distributed_options = optim::DistributedOptimizerOptions{};
+  }
   if (scale && !dynamic_cast<optim::LossScaleOptimizer*>(opt.get())) {
     opt = std::make_shared<optim::LossScaleOptimizer>(opt, *scale);
     spdlog::info(
         "model '{}': policy {} has a loss scale; the optimizer is wrapped in a "
         "LossScaleOptimizer ({})",
         name(), dtype_policy().name(), scale->str());
+  }
+  if (distributed_options) {
+    opt = std::make_shared<optim::DistributedOptimizer>(opt, *distributed_options);
+    if (distributed::world_size() > 1 && distributed::rank() == 0)
+      spdlog::info("model '{}': {} ranks; gradients averaged across them (DistributedOptimizer)",
+                   name(), distributed::world_size());
   }
   losses_ = std::move(ls);
   loss_weights_ = std::move(weights);
@@ -288,6 +329,24 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
   std::vector<Tensor> x = x_in, y = y_in;
   conform_data(fmt::format("model '{}': train_step", name()), x, y);
   const std::vector<std::string> outs = output_names();
+  auto* dopt = dynamic_cast<optim::DistributedOptimizer*>(optimizer_.get());
+  auto* lso = dopt ? dopt->loss_scale_optimizer()
+                   : dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
+  if (x.front().dim(0) == 0 && dopt && distributed::world_size() > 1) {
+    // This rank's share of the global batch is empty: it still joins the step's reduction,
+    // adding nothing (weight 0), and steps with the others.
+    const std::vector<Variable> vars = trainable_variables();
+    std::vector<Tensor> grads;
+    for (const Variable& v : vars) grads.push_back(zeros_like(v));
+    dopt->set_gradient_weight(0.0);
+    if (lso) grads = dopt->get_unscaled_gradients(grads);
+    dopt->apply_gradients(grads, vars);
+    NoGradGuard no_grad;
+    const std::vector<Tensor> pred = apply(x, CallContext{.training = false});
+    StepLosses out;
+    out.loss = batch_loss(y, pred, &out.parts);
+    return out;
+  }
   if (x.front().dim(0) == 0) {
     // An empty batch: nothing to learn from. The model (in inference mode, so that no
     // statistic moves) and the loss still run, to check the shapes; the loss of an empty
@@ -300,7 +359,6 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
       for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
     return out;
   }
-  auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
   const std::vector<Variable> vars = trainable_variables();
   StepLosses out;
   std::vector<Tensor> pred, grads;
@@ -308,9 +366,12 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
     GradientTape tape;
     pred = apply(x, CallContext{.training = true});
     out.loss = batch_loss(y, pred, outs.size() > 1 ? &out.parts : nullptr);
-    grads = tape.gradient(lso ? lso->get_scaled_loss(out.loss) : out.loss, vars);
+    const Tensor target = lso ? lso->get_scaled_loss(out.loss) : out.loss;
+    // Data-parallel: each bucket of gradients is summed across ranks as soon as the
+    // backward pass has it.
+    grads = dopt ? dopt->gradient(tape, target, vars) : tape.gradient(target, vars);
   }
-  if (lso) grads = lso->get_unscaled_gradients(grads);
+  if (lso) grads = dopt ? dopt->get_unscaled_gradients(grads) : lso->get_unscaled_gradients(grads);
   optimizer_->apply_gradients(grads, vars);
   NoGradGuard no_grad;
   for (std::size_t i = 0; i < metrics_.size(); ++i)
@@ -383,10 +444,42 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
   for (const Tensor& t : y) y_train.push_back(rows(t, 0, n_train));
   if (n_train == 0) throw ValueError(who + ": no training samples");
 
-  auto* lso = dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
+  auto* dopt = dynamic_cast<optim::DistributedOptimizer*>(optimizer_.get());
+  auto* lso = dopt ? dopt->loss_scale_optimizer()
+                   : dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
   // Each epoch shuffles with a generator of its own, seeded from the base seed and the
   // epoch number: resuming at epoch k (initial_epoch) replays the same order.
-  const std::uint64_t base_seed = o.seed ? *o.seed : default_generator().next_u64();
+  std::uint64_t base_seed = o.seed ? *o.seed : default_generator().next_u64();
+  // Data-parallel: every rank starts from rank 0's weights and shuffles with rank 0's seed;
+  // each takes its share of every global batch; rank 0 alone prints.
+  const int world = distributed::world_size();
+  if (world > 1) {
+    if (o.batch_size < world)
+      throw ValueError(fmt::format(
+          "{}: batch_size {} is smaller than the world size {}: every rank needs a share of "
+          "each batch (batch_size is the global batch, split across the ranks)",
+          who, o.batch_size, world));
+    if (!dopt)
+      throw ValueError(fmt::format(
+          "{}: {} ranks, but the model was compiled before distributed::init() (its optimizer "
+          "does not average gradients across ranks); compile after init()",
+          who, world));
+    std::string layout = fmt::format("{} weights:", weights().size());
+    for (const Variable& w : weights()) layout += fmt::format(" {}{}", w.dtype().name(), w.shape());
+    distributed::check_same_on_all_ranks(
+        fmt::format("{}: the ranks hold different models (every rank must build the same one)",
+                    who),
+        layout);
+    for (const Variable& w : weights()) {
+      Tensor t = w;
+      distributed::broadcast(t, 0);
+    }
+    Tensor seed =
+        from_vector(std::vector<std::int64_t>{static_cast<std::int64_t>(base_seed)}, Shape{1});
+    distributed::broadcast(seed, 0);
+    base_seed = static_cast<std::uint64_t>(seed.item<std::int64_t>());
+    if (distributed::rank() != 0) o.verbose = 0;
+  }
   const std::int64_t steps = (n_train + o.batch_size - 1) / o.batch_size;
   const bool tty = o.verbose == 1 && isatty(fileno(stdout));
   const bool wants_batch_logs = std::any_of(o.callbacks.begin(), o.callbacks.end(),
@@ -428,7 +521,15 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
     };
     Logs batch_logs;
     for (std::int64_t step = 0; step < steps; ++step) {
-      const std::int64_t b0 = step * o.batch_size, b1 = std::min(n_train, b0 + o.batch_size);
+      std::int64_t b0 = step * o.batch_size, b1 = std::min(n_train, b0 + o.batch_size);
+      if (world > 1) {
+        // This rank's share of the global batch; its gradient weighs by the share's rows.
+        const std::int64_t global_rows = b1 - b0;
+        const auto [s0, s1] = rank_share(global_rows);
+        b1 = b0 + s1;
+        b0 += s0;
+        dopt->set_gradient_weight(static_cast<double>(b1 - b0) / static_cast<double>(global_rows));
+      }
       std::vector<Tensor> xb, yb;
       {
         NoGradGuard no_grad;
@@ -494,7 +595,7 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
 
     std::vector<double> parts;
     for (const Tensor& p : part_sums) parts.push_back(mean_of(p));
-    logs = make_logs(mean_of(loss_sum), parts, outs, metrics_);
+    logs = average_over_ranks(make_logs(mean_of(loss_sum), parts, outs, metrics_), seen);
     std::vector<std::string> line_keys = keys;
     if (!x_val.empty()) {
       const Logs v = evaluate(x_val, y_val, EvaluateOptions{.batch_size = o.batch_size});
@@ -539,11 +640,13 @@ Logs Model::evaluate(const std::vector<Tensor>& x_in, const std::vector<Tensor>&
   for (auto& ms : metrics_)
     for (auto& m : ms) m->reset_state();
   const std::vector<std::string> outs = output_names();
-  const std::int64_t n = x.front().dim(0);
+  // Data-parallel: each rank evaluates its share of the samples; the logs are averaged.
+  const auto [first, last] = rank_share(x.front().dim(0));
+  const std::int64_t n = last - first;
   double loss_sum = 0.0;
   std::vector<double> part_sums(outs.size(), 0.0);
-  for (std::int64_t b0 = 0; b0 < n; b0 += o.batch_size) {
-    const std::int64_t b1 = std::min(n, b0 + o.batch_size);
+  for (std::int64_t b0 = first; b0 < last; b0 += o.batch_size) {
+    const std::int64_t b1 = std::min(last, b0 + o.batch_size);
     std::vector<Tensor> xb, yb;
     for (const Tensor& t : x) xb.push_back(rows(t, b0, b1).to(device()));
     for (const Tensor& t : y) yb.push_back(rows(t, b0, b1).to(device()));
@@ -558,8 +661,10 @@ Logs Model::evaluate(const std::vector<Tensor>& x_in, const std::vector<Tensor>&
   const double denom = n > 0 ? static_cast<double>(n) : 1.0;
   std::vector<double> parts;
   for (double p : part_sums) parts.push_back(p / denom);
-  Logs logs = make_logs(n > 0 ? loss_sum / denom : 0.0, parts, outs, metrics_);
-  if (o.verbose > 0) fmt::print("{} samples - {}\n", n, format_logs(logs, metric_keys()));
+  Logs logs =
+      average_over_ranks(make_logs(n > 0 ? loss_sum / denom : 0.0, parts, outs, metrics_), n);
+  if (o.verbose > 0 && distributed::rank() == 0)
+    fmt::print("{} samples - {}\n", x.front().dim(0), format_logs(logs, metric_keys()));
   return logs;
 }
 

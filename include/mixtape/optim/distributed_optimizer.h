@@ -1,0 +1,121 @@
+// DistributedOptimizer: data-parallel training. Wraps any optimizer (a LossScaleOptimizer
+// too) and averages the gradients across the ranks of the job (mixtape/distributed/
+// distributed.h) before the wrapped optimizer steps, so that every rank applies the same
+// update to the same weights.
+//
+//   mt::distributed::init();
+//   mt::optim::DistributedOptimizer opt(mt::optim::Adam());   // the one line more
+//   ... the training loop as on one process ...
+//   opt.apply_gradients(grads, model.trainable_variables());   // averaged, then Adam
+//
+// Gradients travel in buckets of about bucket_bytes (float32 on the gradients' device;
+// float16 and bfloat16 gradients widened, float64 ones in float64 buckets), the last
+// variables' first. gradient() reduces each bucket as soon as the tape has finished its
+// gradients, while the backward pass has the rest to compute (Model::fit uses it): on a GPU
+// the NCCL call is queued behind the kernels that made the bucket, on the CPU the sum runs
+// then (MPI's blocking all-reduce: see distributed::start_sum).
+//
+// With a LossScaleOptimizer inside, the scaled gradients are averaged before they are
+// unscaled and checked, so an overflow on one rank is an overflow on every rank: all skip
+// the step and change the scale the same way (the scales never diverge).
+//
+// The average is a weighted sum: each rank's gradient times its weight, 1 / world_size()
+// by default. set_gradient_weight changes this rank's weight for the next reduction (fit
+// gives each rank its share of the global batch, so a last batch split unevenly still
+// averages exactly as one process would).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <memory>
+#include <unordered_set>
+#include <vector>
+
+#include "mixtape/autograd/tape.h"
+#include "mixtape/optim/loss_scale_optimizer.h"
+#include "mixtape/optim/optimizer.h"
+
+namespace mixtape::optim {
+
+struct DistributedOptimizerOptions {
+  // The bytes of reduced values per bucket; 0: 4 MiB for CPU gradients (MPI's ring ran at
+  // 9 GB/s on 1-4 MB here and at 2-3 GB/s on 16-64 MB, docs/distributed.md) and 25 MiB
+  // for GPU ones (Horovod's and PyTorch DDP's default for NCCL).
+  std::size_t bucket_bytes = 0;
+};
+
+class DistributedOptimizer : public Optimizer {
+ public:
+  explicit DistributedOptimizer(std::shared_ptr<Optimizer> inner,
+                                DistributedOptimizerOptions options = {});
+  // Wraps a copy of an optimizer given by value: DistributedOptimizer(Adam()).
+  template <typename O>
+  requires(std::derived_from<O, Optimizer> &&
+           !std::same_as<
+               O, DistributedOptimizer>) explicit DistributedOptimizer(const O& inner,
+                                                                       DistributedOptimizerOptions
+                                                                           options = {})
+      : DistributedOptimizer(inner.clone(), options) {}
+  DistributedOptimizer(const DistributedOptimizer& other);
+
+  // Averages the gradients across ranks (unless they come from gradient() or
+  // get_unscaled_gradients, which averaged them already), then the wrapped optimizer steps.
+  void apply_gradients(const std::vector<Tensor>& grads,
+                       const std::vector<Variable>& variables) override;
+  // The weighted sum across ranks of each gradient; every gradient must be defined (the
+  // other calls take undefined ones: they know the variables).
+  std::vector<Tensor> all_reduce_gradients(const std::vector<Tensor>& grads);
+  // tape.gradient(target, variables), averaged across ranks, each bucket's sum started as
+  // soon as the tape has its gradients.
+  std::vector<Tensor> gradient(GradientTape& tape, const Tensor& target,
+                               const std::vector<Variable>& variables);
+
+  // A wrapped LossScaleOptimizer's (ValueError when there is none): get_unscaled_gradients
+  // averages first (when not done yet), then unscales and checks.
+  Tensor get_scaled_loss(const Tensor& loss) const;
+  std::vector<Tensor> get_unscaled_gradients(const std::vector<Tensor>& grads);
+  // The wrapped LossScaleOptimizer, or nullptr.
+  LossScaleOptimizer* loss_scale_optimizer() const;
+
+  // This rank's weight in the next reduction (default 1 / world_size()); reset after it.
+  void set_gradient_weight(double weight);
+
+  Optimizer& inner_optimizer() { return *inner_; }
+  const Optimizer& inner_optimizer() const { return *inner_; }
+  const DistributedOptimizerOptions& options() const { return options_; }
+  // Buckets in the latest reduction, and their sizes in bytes.
+  const std::vector<std::size_t>& last_bucket_bytes() const { return last_buckets_; }
+  // Which gradient goes to which bucket (defined in the source file).
+  struct Plan;
+
+  std::int64_t iterations() const override { return inner_->iterations(); }
+  double current_learning_rate() const override { return inner_->current_learning_rate(); }
+  std::string name() const override { return "DistributedOptimizer"; }
+  std::shared_ptr<Optimizer> clone() const override {
+    return std::make_shared<DistributedOptimizer>(*this);
+  }
+  // The wrapped optimizer's state (the same on every rank).
+  OptimizerState state(const std::vector<Variable>& variables) const override {
+    return inner_->state(variables);
+  }
+  void load_state(const OptimizerState& state, const std::vector<Variable>& variables) override {
+    inner_->load_state(state, variables);
+  }
+
+ protected:
+  std::vector<std::string> slot_names() const override { return {}; }
+  void update(const Variable&, const Tensor&, const std::vector<Variable>&, double,
+              std::int64_t) override {}
+
+ private:
+  Plan plan(const std::vector<Tensor>& like) const;
+  double take_weight();
+  std::shared_ptr<Optimizer> inner_;
+  DistributedOptimizerOptions options_;
+  double weight_ = -1.0;  // < 0: 1 / world_size()
+  std::vector<std::size_t> last_buckets_;
+  // The gradients gradient() / get_unscaled_gradients returned, averaged already.
+  std::unordered_set<std::uint64_t> reduced_ids_;
+};
+
+}  // namespace mixtape::optim

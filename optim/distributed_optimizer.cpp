@@ -1,0 +1,342 @@
+// DistributedOptimizer: gradients averaged across ranks in buckets, started as soon as the
+// tape has them (gradient()) or pipelined with the packing (apply_gradients).
+#include "mixtape/optim/distributed_optimizer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "mixtape/autograd/ops.h"
+#include "mixtape/core/backend.h"
+#include "mixtape/distributed/distributed.h"
+
+namespace mixtape::optim {
+
+// Which gradient goes to which bucket: buckets of one reduce dtype (float32, or float64 for
+// float64 variables), filled from the last variable to the first (the order in which the
+// backward pass finishes them), at most bucket_bytes each (a larger variable alone). Each
+// bucket ends with one flag per gradient (1 where this rank has it), so that a gradient no
+// rank has stays undefined.
+struct DistributedOptimizer::Plan {
+  struct Entry {
+    std::size_t index;    // into the gradients
+    std::int64_t offset;  // into the bucket
+    std::int64_t count;
+  };
+  struct Bucket {
+    DType dtype;
+    std::vector<Entry> entries;
+    std::int64_t values = 0;  // before the flags
+  };
+  std::vector<Bucket> buckets;
+  std::vector<std::size_t> bucket_of;  // per gradient
+};
+
+namespace {
+
+// The default bucket sizes (DistributedOptimizerOptions::bucket_bytes == 0).
+constexpr std::size_t kCpuBucketBytes = std::size_t{4} << 20;
+constexpr std::size_t kDeviceBucketBytes = std::size_t{25} << 20;
+
+DType reduce_dtype(DType d) { return d == kFloat64 ? kFloat64 : kFloat32; }
+
+// Whether every defined gradient is in `ids` (and at least one is).
+bool all_in(const std::vector<Tensor>& grads, const std::unordered_set<std::uint64_t>& ids) {
+  bool any = false;
+  for (const auto& g : grads) {
+    if (!g.defined()) continue;
+    if (!ids.count(g.id())) return false;
+    any = true;
+  }
+  return any;
+}
+
+}  // namespace
+
+DistributedOptimizer::DistributedOptimizer(std::shared_ptr<Optimizer> inner,
+                                           DistributedOptimizerOptions options)
+    : Optimizer(0.0, Clipping{}), inner_(std::move(inner)), options_(options) {
+  if (!inner_) throw ValueError("DistributedOptimizer: the wrapped optimizer is empty");
+  if (dynamic_cast<DistributedOptimizer*>(inner_.get()))
+    throw ValueError("DistributedOptimizer: cannot wrap another DistributedOptimizer");
+}
+
+DistributedOptimizer::DistributedOptimizer(const DistributedOptimizer& other)
+    : Optimizer(other),
+      inner_(other.inner_->clone()),
+      options_(other.options_),
+      weight_(other.weight_) {}
+
+LossScaleOptimizer* DistributedOptimizer::loss_scale_optimizer() const {
+  return dynamic_cast<LossScaleOptimizer*>(inner_.get());
+}
+
+void DistributedOptimizer::set_gradient_weight(double weight) {
+  if (!(weight >= 0.0) || !std::isfinite(weight))
+    throw ValueError(fmt::format(
+        "DistributedOptimizer::set_gradient_weight: the weight must be finite and >= 0; got {}",
+        weight));
+  weight_ = weight;
+}
+
+double DistributedOptimizer::take_weight() {
+  const double w = weight_ >= 0.0 ? weight_ : 1.0 / distributed::world_size();
+  weight_ = -1.0;
+  return w;
+}
+
+DistributedOptimizer::Plan DistributedOptimizer::plan(const std::vector<Tensor>& like) const {
+  Plan p;
+  p.bucket_of.assign(like.size(), 0);
+  // The open bucket of each reduce dtype (index into p.buckets), -1 when none.
+  std::ptrdiff_t open[2] = {-1, -1};
+  for (std::size_t k = like.size(); k-- > 0;) {
+    const DType rd = reduce_dtype(like[k].dtype());
+    std::ptrdiff_t& b = open[rd == kFloat64 ? 1 : 0];
+    const std::int64_t count = like[k].numel();
+    const auto bytes = static_cast<std::size_t>(count) * rd.itemsize();
+    const std::size_t limit = options_.bucket_bytes > 0                    ? options_.bucket_bytes
+                              : like[k].device().type() == DeviceType::CPU ? kCpuBucketBytes
+                                                                           : kDeviceBucketBytes;
+    if (b >= 0) {
+      const auto& cur = p.buckets[static_cast<std::size_t>(b)];
+      if (static_cast<std::size_t>(cur.values) * rd.itemsize() + bytes > limit) b = -1;
+    }
+    if (b < 0) {
+      p.buckets.push_back({rd, {}, 0});
+      b = static_cast<std::ptrdiff_t>(p.buckets.size() - 1);
+    }
+    auto& bucket = p.buckets[static_cast<std::size_t>(b)];
+    bucket.entries.push_back({k, bucket.values, count});
+    bucket.values += count;
+    p.bucket_of[k] = static_cast<std::size_t>(b);
+  }
+  return p;
+}
+
+namespace {
+
+// One bucket in flight: its values (with the flags) on the gradients' device, summed in
+// place; on the CPU a non-blocking sum, elsewhere the blocking all_reduce (NCCL, or through
+// the host).
+struct Flight {
+  Tensor buffer;
+  distributed::PendingReduction pending;
+};
+
+// The bucket's values (each gradient times this rank's weight, zeros for an undefined one)
+// and its flags, copied into one buffer on the gradients' device.
+Tensor pack(const DistributedOptimizer::Plan::Bucket& bucket, const std::vector<Tensor>& grads,
+            const std::vector<Tensor>& like, double weight) {
+  NoGradGuard no_grad;
+  const Device device = like[bucket.entries.front().index].device();
+  const std::size_t item = bucket.dtype.itemsize();
+  const auto n = static_cast<std::int64_t>(bucket.entries.size());
+  Tensor out = Tensor::empty(Shape{bucket.values + n}, bucket.dtype, device);
+  auto* base = static_cast<char*>(out.data_ptr());
+  Backend& backend = backend_for(device.type());
+  std::vector<float> flags_f32;
+  std::vector<double> flags_f64;
+  for (const auto& e : bucket.entries) {
+    const Tensor& g = grads[e.index];
+    Tensor src;
+    if (g.defined()) {
+      src = cast(g, bucket.dtype);
+      if (weight != 1.0) src = src * weight;
+      src = src.contiguous();
+    } else {
+      src = zeros(Shape{e.count}, bucket.dtype, device);
+    }
+    backend.copy(base + static_cast<std::size_t>(e.offset) * item, device, src.data_ptr(), device,
+                 static_cast<std::size_t>(e.count) * item);
+    flags_f32.push_back(g.defined() ? 1.0f : 0.0f);
+    flags_f64.push_back(g.defined() ? 1.0 : 0.0);
+  }
+  const void* flags = bucket.dtype == kFloat64 ? static_cast<const void*>(flags_f64.data())
+                                               : static_cast<const void*>(flags_f32.data());
+  backend.copy(base + static_cast<std::size_t>(bucket.values) * item, device, flags, Device::cpu(),
+               static_cast<std::size_t>(n) * item);
+  return out;
+}
+
+Flight launch(Tensor buffer) {
+  Flight f{std::move(buffer), {}};
+  if (f.buffer.device().type() == DeviceType::CPU)
+    f.pending = distributed::start_sum(
+        f.buffer.data_ptr(), static_cast<std::size_t>(f.buffer.numel()), f.buffer.dtype());
+  else
+    distributed::all_reduce(f.buffer, distributed::ReduceOp::Sum);
+  return f;
+}
+
+void unpack(const DistributedOptimizer::Plan::Bucket& bucket, const Tensor& buffer,
+            const std::vector<Tensor>& like, std::vector<Tensor>& out) {
+  NoGradGuard no_grad;
+  const std::vector<double> flags =
+      slice(buffer, 0, bucket.values, buffer.numel()).to_vector<double>();
+  for (std::size_t j = 0; j < bucket.entries.size(); ++j) {
+    const auto& e = bucket.entries[j];
+    if (flags[j] == 0.0) {
+      out[e.index] = Tensor();
+      continue;
+    }
+    const Tensor& v = like[e.index];
+    out[e.index] =
+        cast(reshape(slice(buffer, 0, e.offset, e.offset + e.count), v.shape()), v.dtype())
+            .contiguous();
+  }
+}
+
+}  // namespace
+
+std::vector<Tensor> DistributedOptimizer::all_reduce_gradients(const std::vector<Tensor>& grads) {
+  const double weight = take_weight();
+  if (distributed::world_size() == 1) {
+    if (weight == 1.0) return grads;
+    NoGradGuard no_grad;
+    std::vector<Tensor> out;
+    for (const auto& g : grads) out.push_back(g.defined() ? g * weight : g);
+    return out;
+  }
+  // Every rank needs the same plan: it is made from the gradients' shapes and dtypes, which
+  // an undefined gradient lacks; the wrapped variables are not known here, so each
+  // undefined gradient must be undefined on every rank (as when the model's graph is the
+  // same) or have a defined gradient of the same shape elsewhere. fit and gradient() pass
+  // the variables themselves.
+  std::vector<Tensor> like;
+  for (const auto& g : grads) {
+    if (!g.defined())
+      throw ValueError(
+          "DistributedOptimizer::all_reduce_gradients: an undefined gradient; use "
+          "apply_gradients or gradient(), which know the variables");
+    like.push_back(g);
+  }
+  const Plan p = plan(like);
+  std::vector<Flight> flights;
+  last_buckets_.clear();
+  for (const auto& b : p.buckets) {
+    flights.push_back(launch(pack(b, grads, like, weight)));
+    last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
+    for (auto& f : flights) f.pending.test();  // lets the earlier buckets progress
+  }
+  std::vector<Tensor> out(grads.size());
+  for (std::size_t b = 0; b < p.buckets.size(); ++b) {
+    flights[b].pending.wait();
+    unpack(p.buckets[b], flights[b].buffer, like, out);
+  }
+  return out;
+}
+
+namespace {
+std::vector<Tensor> as_tensors(const std::vector<Variable>& vars) {
+  return std::vector<Tensor>(vars.begin(), vars.end());
+}
+}  // namespace
+
+std::vector<Tensor> DistributedOptimizer::gradient(GradientTape& tape, const Tensor& target,
+                                                   const std::vector<Variable>& variables) {
+  const std::vector<Tensor> like = as_tensors(variables);
+  const double weight = take_weight();
+  const Plan p = plan(like);
+  // The weight multiplies the target (the tape records the product): the gradients come out
+  // weighted, with no pass over them.
+  const Tensor weighted = weight == 1.0 ? target : target * weight;
+  std::vector<Tensor> grads(like.size());
+  std::vector<std::int64_t> missing(p.buckets.size());
+  for (std::size_t b = 0; b < p.buckets.size(); ++b)
+    missing[b] = static_cast<std::int64_t>(p.buckets[b].entries.size());
+  std::vector<Flight> flights;
+  last_buckets_.clear();
+  // Buckets start in their order on every rank (MPI needs the same order everywhere): a
+  // bucket complete before an earlier one waits for it.
+  auto launch_ready = [&] {
+    while (flights.size() < p.buckets.size() && missing[flights.size()] == 0) {
+      const auto& b = p.buckets[flights.size()];
+      flights.push_back(launch(pack(b, grads, like, 1.0)));
+      last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
+    }
+  };
+  tape.gradient(weighted, variables, [&](std::size_t i, const Tensor& g) {
+    grads[i] = g;
+    --missing[p.bucket_of[i]];
+    launch_ready();
+    for (auto& f : flights) f.pending.test();
+  });
+  launch_ready();
+  std::vector<Tensor> out(like.size());
+  reduced_ids_.clear();
+  for (std::size_t b = 0; b < p.buckets.size(); ++b) {
+    flights[b].pending.wait();
+    unpack(p.buckets[b], flights[b].buffer, like, out);
+  }
+  for (const auto& g : out)
+    if (g.defined()) reduced_ids_.insert(g.id());
+  return out;
+}
+
+Tensor DistributedOptimizer::get_scaled_loss(const Tensor& loss) const {
+  LossScaleOptimizer* lso = loss_scale_optimizer();
+  if (!lso)
+    throw ValueError(
+        fmt::format("DistributedOptimizer::get_scaled_loss: the wrapped optimizer is {}, not a "
+                    "LossScaleOptimizer",
+                    inner_->name()));
+  return lso->get_scaled_loss(loss);
+}
+
+std::vector<Tensor> DistributedOptimizer::get_unscaled_gradients(const std::vector<Tensor>& grads) {
+  LossScaleOptimizer* lso = loss_scale_optimizer();
+  if (!lso)
+    throw ValueError(fmt::format(
+        "DistributedOptimizer::get_unscaled_gradients: the wrapped optimizer is {}, not a "
+        "LossScaleOptimizer",
+        inner_->name()));
+  std::vector<Tensor> reduced = all_in(grads, reduced_ids_) ? grads : all_reduce_gradients(grads);
+  std::vector<Tensor> out = lso->get_unscaled_gradients(reduced);
+  reduced_ids_.clear();
+  for (const auto& g : out)
+    if (g.defined()) reduced_ids_.insert(g.id());
+  return out;
+}
+
+void DistributedOptimizer::apply_gradients(const std::vector<Tensor>& grads,
+                                           const std::vector<Variable>& variables) {
+  if (grads.size() != variables.size())
+    throw ValueError(
+        fmt::format("DistributedOptimizer::apply_gradients: {} gradients for {} "
+                    "variables",
+                    grads.size(), variables.size()));
+  std::vector<Tensor> reduced;
+  if (all_in(grads, reduced_ids_)) {
+    reduced = grads;
+  } else {
+    // The plan comes from the variables, so an undefined gradient has its place too.
+    const std::vector<Tensor> like = as_tensors(variables);
+    const double weight = take_weight();
+    if (distributed::world_size() == 1) {
+      NoGradGuard no_grad;
+      reduced = grads;
+      for (auto& g : reduced)
+        if (g.defined() && weight != 1.0) g = g * weight;
+    } else {
+      const Plan p = plan(like);
+      std::vector<Flight> flights;
+      last_buckets_.clear();
+      for (const auto& b : p.buckets) {
+        flights.push_back(launch(pack(b, grads, like, weight)));
+        last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
+        for (auto& f : flights) f.pending.test();
+      }
+      reduced.assign(grads.size(), Tensor());
+      for (std::size_t b = 0; b < p.buckets.size(); ++b) {
+        flights[b].pending.wait();
+        unpack(p.buckets[b], flights[b].buffer, like, reduced);
+      }
+    }
+  }
+  reduced_ids_.clear();
+  inner_->apply_gradients(reduced, variables);
+}
+
+}  // namespace mixtape::optim
