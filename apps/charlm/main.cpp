@@ -247,17 +247,23 @@ double bits_per_char(mt::Model& model, const std::vector<std::int64_t>& data, st
     offsets.resize(static_cast<std::size_t>(max_windows));
   const auto loss = mt::losses::SparseCategoricalCrossentropy(
       {.from_logits = true, .reduction = mt::losses::Reduction::Sum});
+  // Data-parallel: each rank scores its share of the windows; the sums are added up.
+  const std::size_t n = offsets.size();
+  const auto world = static_cast<std::size_t>(mt::distributed::world_size());
+  const auto rank = static_cast<std::size_t>(mt::distributed::rank());
+  const std::size_t first = n * rank / world, last = n * (rank + 1) / world;
   double total = 0;
-  for (std::size_t i = 0; i < offsets.size(); i += static_cast<std::size_t>(batch)) {
+  for (std::size_t i = first; i < last; i += static_cast<std::size_t>(batch)) {
     const std::vector<std::int64_t> part(
         offsets.begin() + static_cast<std::ptrdiff_t>(i),
-        offsets.begin() + static_cast<std::ptrdiff_t>(
-                              std::min(offsets.size(), i + static_cast<std::size_t>(batch))));
+        offsets.begin() +
+            static_cast<std::ptrdiff_t>(std::min(last, i + static_cast<std::size_t>(batch))));
     auto [x, y] = windows(data, part, context);
     const mt::Tensor logits = model(x);
     const std::int64_t v = logits.dim(2);
     total += loss(mt::reshape(y, {-1}), mt::reshape(logits, {-1, v})).item<double>();
   }
+  total = mt::distributed::all_reduce_value(total);
   return total / static_cast<double>(offsets.size() * static_cast<std::size_t>(context)) /
          std::log(2.0);
 }
@@ -297,6 +303,16 @@ std::string sample(mt::Model& model, const Corpus& c, const std::vector<std::int
 // --- Training ---------------------------------------------------------------------------------
 
 int run(const Options& o) {
+  // Data-parallel under mpirun: every rank draws the same windows and trains on its share
+  // of each batch; rank 0 alone prints and writes.
+  mt::distributed::init();
+  const bool root = mt::distributed::is_root();
+  const int world = mt::distributed::world_size();
+  if (o.batch < world)
+    throw mt::ValueError(fmt::format(
+        "--batch {} is smaller than the {} ranks: the batch is the global one, split across "
+        "the ranks",
+        o.batch, world));
   if (o.width % o.heads != 0)
     throw mt::ValueError(
         fmt::format("--width {} is not a multiple of --heads {}", o.width, o.heads));
@@ -304,8 +320,9 @@ int run(const Options& o) {
   const Corpus corpus =
       make_corpus(o.text.empty() ? default_corpus() : read_file(o.text), o.context, what);
   const auto vocab = static_cast<std::int64_t>(corpus.vocab.size());
-  fmt::print("corpus {}: {} training and {} validation bytes, vocabulary {}\n", what,
-             corpus.train.size(), corpus.val.size(), vocab);
+  if (root)
+    fmt::print("corpus {}: {} training and {} validation bytes, vocabulary {}\n", what,
+               corpus.train.size(), corpus.val.size(), vocab);
 
   mt::set_global_policy(o.policy);
   mt::manual_seed(o.seed);
@@ -351,11 +368,16 @@ int run(const Options& o) {
     want("vocabulary", vocab_hex(corpus.vocab));
     want("policy", o.policy);
     first_step = std::stoll(meta.at("step"));
-    fmt::print("resumed from {} at step {}\n", o.resume, first_step);
+    if (root) fmt::print("resumed from {} at step {}\n", o.resume, first_step);
   }
-  auto* lso = dynamic_cast<mt::optim::LossScaleOptimizer*>(model->optimizer().get());
-  fmt::print("model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}\n",
-             o.layers, o.heads, o.width, o.context, model->count_params(), o.policy);
+  // Under mpirun compile() put the optimizer in a DistributedOptimizer (gradients averaged
+  // across the ranks before the loss scale check, the clipping and AdamW).
+  auto* dopt = dynamic_cast<mt::optim::DistributedOptimizer*>(model->optimizer().get());
+  auto* lso = dopt ? dopt->loss_scale_optimizer()
+                   : dynamic_cast<mt::optim::LossScaleOptimizer*>(model->optimizer().get());
+  if (root)
+    fmt::print("model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}\n",
+               o.layers, o.heads, o.width, o.context, model->count_params(), o.policy);
 
   const auto loss_object = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
   const auto vars = model->trainable_variables();
@@ -370,21 +392,33 @@ int run(const Options& o) {
     std::vector<std::int64_t> offsets(static_cast<std::size_t>(o.batch));
     for (auto& off : offsets) off = static_cast<std::int64_t>(rng.next() % span);
     const auto start = std::chrono::steady_clock::now();
-    auto [x, y] = windows(corpus.train, offsets, o.context);
+    // This rank's share of the batch's windows (all of them on one process).
+    const std::int64_t w0 = o.batch * mt::distributed::rank() / world,
+                       w1 = o.batch * (mt::distributed::rank() + 1) / world;
+    const std::vector<std::int64_t> mine(offsets.begin() + w0, offsets.begin() + w1);
+    auto [x, y] = windows(corpus.train, mine, o.context);
+    const double share = static_cast<double>(w1 - w0) / static_cast<double>(o.batch);
     mt::Tensor loss;
     {
       mt::GradientTape tape;
       const mt::Tensor logits = (*model)(x, {.training = true});
       loss = loss_object(mt::reshape(y, {-1}), mt::reshape(logits, {-1, vocab}));
-      if (lso) {
-        auto grads = tape.gradient(lso->get_scaled_loss(loss), vars);
-        lso->apply_gradients(lso->get_unscaled_gradients(grads), vars);
-        if (lso->last_step_skipped() && step >= 100) ++skipped_after_100;
+      const mt::Tensor target = lso ? lso->get_scaled_loss(loss) : loss;
+      std::vector<mt::Tensor> grads;
+      if (dopt) {  // each bucket summed across ranks as soon as the backward pass has it
+        dopt->set_gradient_weight(share);
+        grads = dopt->gradient(tape, target, vars);
       } else {
-        model->optimizer()->apply_gradients(tape.gradient(loss, vars), vars);
+        grads = tape.gradient(target, vars);
       }
+      if (lso)
+        grads = dopt ? dopt->get_unscaled_gradients(grads) : lso->get_unscaled_gradients(grads);
+      model->optimizer()->apply_gradients(grads, vars);
+      if (lso && lso->last_step_skipped() && step >= 100) ++skipped_after_100;
     }
-    const double l = loss.item<double>();
+    // The batch's loss: every rank's share, weighted.
+    const double l = world > 1 ? mt::distributed::all_reduce_value(loss.item<double>() * share)
+                               : loss.item<double>();
     if (step > first_step) {  // the first step builds and warms up: not timed
       train_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -392,7 +426,7 @@ int run(const Options& o) {
     }
     window_loss += l;
     ++window_steps;
-    if ((step + 1) % o.log_every == 0 || step + 1 == o.steps) {
+    if (root && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) {
       fmt::print("step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {:.0f} tokens/s{}\n", step + 1,
                  window_loss / window_steps / std::log(2.0),
                  model->optimizer()->current_learning_rate(),
@@ -405,9 +439,10 @@ int run(const Options& o) {
       window_steps = 0;
     }
     if (o.eval_every > 0 && (step + 1) % o.eval_every == 0 && step + 1 != o.steps) {
-      fmt::print("step {:>6}  validation {:.4f} bits/char ({} windows)\n", step + 1,
-                 bits_per_char(*model, corpus.val, o.context, o.batch, o.eval_windows),
-                 o.eval_windows);
+      const double v = bits_per_char(*model, corpus.val, o.context, o.batch, o.eval_windows);
+      if (root)
+        fmt::print("step {:>6}  validation {:.4f} bits/char ({} windows)\n", step + 1, v,
+                   o.eval_windows);
       std::fflush(stdout);
     }
     // Without loss scaling a non-finite loss means the model diverged (with it, the step
@@ -418,6 +453,7 @@ int run(const Options& o) {
   }
 
   const double val = bits_per_char(*model, corpus.val, o.context, o.batch, 0);
+  if (!root) return 0;
   fmt::print("validation loss {:.4f} bits/char after {} steps ({} tokens)\n", val, o.steps,
              corpus.val.size());
   if (trained_tokens > 0)
@@ -505,6 +541,10 @@ int main(int argc, char** argv) {
   try {
     return run(options);
   } catch (const std::exception& e) {
+    // Under mpirun the other ranks may be waiting for this one: end them all.
+    if (mt::distributed::world_size() > 1)
+      mt::distributed::abort(1, fmt::format("mixtape-charlm: error on rank {}: {}",
+                                            mt::distributed::rank(), e.what()));
     std::fprintf(stderr, "mixtape-charlm: error: %s\n", e.what());
     return 1;
   }

@@ -496,6 +496,8 @@ struct EpochSink {
 
   void end_epoch(mt::Model& model, int epoch, const mt::Logs& logs, double train_seconds,
                  std::int64_t samples) {
+    // Data-parallel: every rank has the same model and logs; rank 0 alone writes files.
+    if (!mt::distributed::is_root()) return;
     const double us = train_seconds / static_cast<double>(std::max<std::int64_t>(samples, 1)) * 1e6;
     if (metrics) metrics->write(epoch, logs, train_seconds, us);
     if (!options.save.empty())
@@ -532,10 +534,16 @@ class SinkCallback : public mt::Callback {
 void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const mt::Tensor& y,
                  const mt::Tensor& x_val, const mt::Tensor& y_val, std::int64_t batch_size,
                  int start_epoch, EpochSink& sink) {
+  // Under mpirun, compile() wrapped the optimizer in a DistributedOptimizer (the custom
+  // loop of one process needs exactly that line more: mt::optim::DistributedOptimizer
+  // opt(...)); the loss scale optimizer, if any, is inside it.
   auto optimizer = model.optimizer();
-  auto* lso = dynamic_cast<mt::optim::LossScaleOptimizer*>(optimizer.get());
+  auto* dopt = dynamic_cast<mt::optim::DistributedOptimizer*>(optimizer.get());
+  auto* lso = dopt ? dopt->loss_scale_optimizer()
+                   : dynamic_cast<mt::optim::LossScaleOptimizer*>(optimizer.get());
   const mt::losses::Loss& loss_object = model.loss();
   const std::int64_t n = x.dim(0);
+  const int world = mt::distributed::world_size(), rank = mt::distributed::rank();
   for (int epoch = start_epoch; epoch < o.epochs; ++epoch) {
     // A shuffle seeded by (seed, epoch): a resumed run replays the same batches.
     auto train_ds = mt::data::Dataset::from_tensors(x, y)
@@ -548,8 +556,15 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
     mt::metrics::SparseCategoricalAccuracy train_accuracy("accuracy");
     const std::int64_t skipped_before = lso ? lso->skipped_steps() : 0;
     const auto start = std::chrono::steady_clock::now();
-    for (auto& [xb_host, yb_host] : train_ds) {
-      const mt::Tensor xb = xb_host.to(model.device()), yb = yb_host.to(model.device());
+    std::int64_t local_rows = 0;
+    for (auto& [xb_global, yb_global] : train_ds) {
+      // This rank's share of the global batch (all of it on one process).
+      const std::int64_t rows = xb_global.dim(0);
+      const std::int64_t r0 = rows * rank / world, r1 = rows * (rank + 1) / world;
+      if (dopt) dopt->set_gradient_weight(static_cast<double>(r1 - r0) / static_cast<double>(rows));
+      const mt::Tensor xb = xb_global.slice(0, r0, r1).to(model.device()),
+                       yb = yb_global.slice(0, r0, r1).to(model.device());
+      local_rows += r1 - r0;
       mt::GradientTape tape;
       auto predictions = model(xb, {.training = true});
       auto loss = loss_object(yb, predictions);
@@ -557,7 +572,8 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
       if (lso) {
         auto scaled_loss = lso->get_scaled_loss(loss);
         auto scaled_grads = tape.gradient(scaled_loss, model.trainable_variables());
-        grads = lso->get_unscaled_gradients(scaled_grads);
+        grads = dopt ? dopt->get_unscaled_gradients(scaled_grads)
+                     : lso->get_unscaled_gradients(scaled_grads);
       } else {
         grads = tape.gradient(loss, model.trainable_variables());
       }
@@ -568,6 +584,13 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
     // result() reads the totals back from the model's device: on a GPU that waits for the
     // epoch's last step, so the time is taken after it.
     mt::Logs logs{{"loss", epoch_loss.result()}, {"accuracy", train_accuracy.result()}};
+    if (world > 1) {  // every rank's means, weighted by its samples
+      const double mine = static_cast<double>(local_rows);
+      const std::vector<double> sums =
+          mt::distributed::all_reduce_values({logs["loss"] * mine, logs["accuracy"] * mine, mine});
+      logs["loss"] = sums[0] / sums[2];
+      logs["accuracy"] = sums[1] / sums[2];
+    }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (const auto& [k, v] : model.evaluate(x_val, y_val, {.batch_size = 1000}))
@@ -592,12 +615,21 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
   }
 }
 
-int run(const Options& o) {
+int run(Options o) {
+  // Data-parallel under mpirun (world size 1 otherwise): every rank runs this program on
+  // its share of each batch; rank 0 alone prints and writes files.
+  mt::distributed::init();
+  if (!mt::distributed::is_root()) o.verbose = 0;
   mt::manual_seed(o.seed);
   mt::set_global_policy(o.policy);
   const mt::Device device = pick_device(o.device);
   const std::int64_t units = o.units ? o.units : (device.is_cuda() ? 4096 : 64);
   const std::int64_t batch_size = o.batch_size ? o.batch_size : (o.model == "guide" ? 8192 : 128);
+  if (batch_size < mt::distributed::world_size())
+    throw mt::ValueError(fmt::format(
+        "--batch-size {} is smaller than the {} ranks: the batch is the global one, split "
+        "across the ranks",
+        batch_size, mt::distributed::world_size()));
 
   // Files to write and to read are checked before the data is loaded (a download, maybe)
   // and anything is trained. The metrics file itself is created only when training starts:
@@ -623,8 +655,16 @@ int run(const Options& o) {
     load.data_dir = o.data_dir;
   }
   load.verbose = o.verbose > 0;
-  const mt::datasets::Mnist data = o.dataset == "fashion" ? mt::datasets::fashion_mnist::load(load)
-                                                          : mt::datasets::mnist::load(load);
+  // Rank 0 reads (or downloads into the cache) first; the others then read the cache.
+  const auto load_data = [&] {
+    return o.dataset == "fashion" ? mt::datasets::fashion_mnist::load(load)
+                                  : mt::datasets::mnist::load(load);
+  };
+  std::optional<mt::datasets::Mnist> loaded;
+  if (mt::distributed::is_root()) loaded = load_data();
+  mt::distributed::barrier();
+  if (!loaded) loaded = load_data();
+  const mt::datasets::Mnist& data = *loaded;
   mt::Tensor x = data.train.x, y = data.train.y;
   if (o.limit > 0 && o.limit < x.dim(0)) {
     x = x.slice(0, 0, o.limit);
@@ -733,6 +773,7 @@ int run(const Options& o) {
 
   // --- Test accuracy -------------------------------------------------------------------------
   const mt::Logs scores = model->evaluate(data.test.x, data.test.y, {.batch_size = 1000});
+  if (!mt::distributed::is_root()) return 0;
   fmt::print("Test loss: {:.4f}\nTest accuracy: {:.4f}\n", scores.at("loss"),
              scores.at("accuracy"));
   if (!o.plot.empty()) {
@@ -764,6 +805,10 @@ int main(int argc, char** argv) {
   try {
     return run(options);
   } catch (const std::exception& e) {
+    // Under mpirun the other ranks may be waiting for this one: end them all.
+    if (mt::distributed::world_size() > 1)
+      mt::distributed::abort(
+          1, fmt::format("mixtape-mnist: error on rank {}: {}", mt::distributed::rank(), e.what()));
     std::fprintf(stderr, "mixtape-mnist: error: %s\n", e.what());
     return 1;
   }
