@@ -191,14 +191,6 @@ void init() {
     int already = 0;
     MPI_Initialized(&already);
     if (!already) {
-      // Open MPI's all-reduce: the ring algorithm unless the user chose one. Its default
-      // choice for 2 ranks ran 3-5x slower on 1-4 MB buffers here (docs/distributed.md,
-      // "All-reduce bandwidth"); the ring is also the algorithm of the cost model.
-      if (std::getenv("OMPI_COMM_WORLD_SIZE") &&
-          !std::getenv("OMPI_MCA_coll_tuned_allreduce_algorithm")) {
-        setenv("OMPI_MCA_coll_tuned_use_dynamic_rules", "1", 0);
-        setenv("OMPI_MCA_coll_tuned_allreduce_algorithm", "4", 0);  // 4: ring
-      }
       int provided = 0;
       check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
     }
@@ -430,7 +422,7 @@ PendingReduction start_sum(void* data, std::size_t count, DType dtype) {
     throw DTypeError(fmt::format("distributed::start_sum: sums float32 or float64 buffers; got {}",
                                  dtype.name()));
   auto impl = std::make_unique<PendingReduction::Impl>();
-  // The blocking all-reduce, run now: Open MPI's non-blocking one (libnbc) took 1.6-2.4x as
+  // The blocking all-reduce, run now: Open MPI's non-blocking one (libnbc) took about 2x as
   // long for 1-64 MB here and moves only while this thread is inside an MPI call, so it
   // hides nothing behind the backward pass of a CPU step. The request stays for a
   // non-blocking path (a progress thread, another MPI).

@@ -3,7 +3,10 @@
 # trainer, for a GPU machine that has the NVIDIA driver and the CUDA 13 runtime libraries
 # (cudart, cuBLAS, cuBLASLt; cuDNN 9) but no compiler toolchain or Debian packages: the
 # binaries are built here, and the shared libraries they need beyond glibc and CUDA
-# (OpenBLAS, libgfortran, libgomp, fmt, spdlog, zlib) are copied beside them.
+# (OpenBLAS, libgfortran, libgomp, fmt, spdlog, zlib, Open MPI's libmpi) are copied beside
+# them. The bundle's programs run as one process there (world size 1: MPI is linked but
+# never started, so Open MPI's plug-ins, which are not bundled, are not needed); NCCL is not
+# bundled either (run.sh finds the machine's).
 #
 #   bash scripts/bundle.sh [OUT.tar.xz] [extra CMake arguments]
 #
@@ -56,6 +59,7 @@ is_system_or_cuda() {
     ld-linux*|libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|libresolv.so*) return 0 ;;
     libstdc++.so*|libgcc_s.so*|libz.so*) return 0 ;;
     libcuda.so*|libcudart.so*|libcublas.so*|libcublasLt.so*|libcudnn*.so*|libnvrtc*.so*) return 0 ;;
+    libnccl.so*) return 0 ;;  # 200+ MB; run.sh finds the machine's (its CUDA, a wheel)
   esac
   return 1
 }

@@ -164,7 +164,8 @@ void add_options(CLI::App& app, Options& o) {
       ->type_name("NAME")
       ->check(policy_name());
   app.add_option("--device", o.device,
-                 "auto (default: cuda when a GPU is present), cpu, cuda, cuda:N")
+                 "auto (default: cuda when a GPU is present), cpu, cuda (under mpirun: the\n"
+                 "GPU of the rank's place on its machine), cuda:N")
       ->type_name("NAME");
   app.add_option("--epochs", o.epochs,
                  "epochs to train (default 5; 15 for the resnet on Fashion-MNIST)")
@@ -350,7 +351,15 @@ void check_readable(const std::string& flag, const std::string& path) {
 mt::Device pick_device(const std::string& name) {
   const bool have_cuda = mt::has_backend(mt::DeviceType::CUDA) &&
                          mt::backend_for(mt::DeviceType::CUDA).device_count() > 0;
-  if (name == "auto") return have_cuda ? mt::Device::cuda(0) : mt::Device::cpu();
+  // Data-parallel: one GPU per rank on a machine, by the rank's place on the machine.
+  const int gpu = have_cuda ? mt::distributed::local_rank() %
+                                  mt::backend_for(mt::DeviceType::CUDA).device_count()
+                            : 0;
+  if (name == "auto") return have_cuda ? mt::Device::cuda(gpu) : mt::Device::cpu();
+  if (name == "cuda") {
+    mt::check_device(mt::Device::cuda(gpu));
+    return mt::Device::cuda(gpu);
+  }
   const mt::Device d = mt::Device::parse(name);
   mt::check_device(d);  // a clear DeviceError when it is not there
   return d;
