@@ -334,11 +334,9 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
                    : dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
   if (x.front().dim(0) == 0 && dopt && distributed::world_size() > 1) {
     // This rank's share of the global batch is empty: it still joins the step's reduction,
-    // adding nothing (weight 0), and steps with the others.
+    // adding nothing (undefined gradients), and steps with the others.
     const std::vector<Variable> vars = trainable_variables();
-    std::vector<Tensor> grads;
-    for (const Variable& v : vars) grads.push_back(zeros_like(v));
-    dopt->set_gradient_weight(0.0);
+    std::vector<Tensor> grads = dopt->all_reduce_gradients(std::vector<Tensor>(vars.size()), vars);
     if (lso) grads = dopt->get_unscaled_gradients(grads);
     dopt->apply_gradients(grads, vars);
     NoGradGuard no_grad;

@@ -190,27 +190,14 @@ void unpack(const DistributedOptimizer::Plan::Bucket& bucket, const Tensor& buff
 
 }  // namespace
 
-std::vector<Tensor> DistributedOptimizer::all_reduce_gradients(const std::vector<Tensor>& grads) {
-  const double weight = take_weight();
+std::vector<Tensor> DistributedOptimizer::reduce(const std::vector<Tensor>& grads,
+                                                 const std::vector<Tensor>& like, double weight) {
   if (distributed::world_size() == 1) {
     if (weight == 1.0) return grads;
     NoGradGuard no_grad;
     std::vector<Tensor> out;
     for (const auto& g : grads) out.push_back(g.defined() ? g * weight : g);
     return out;
-  }
-  // Every rank needs the same plan: it is made from the gradients' shapes and dtypes, which
-  // an undefined gradient lacks; the wrapped variables are not known here, so each
-  // undefined gradient must be undefined on every rank (as when the model's graph is the
-  // same) or have a defined gradient of the same shape elsewhere. fit and gradient() pass
-  // the variables themselves.
-  std::vector<Tensor> like;
-  for (const auto& g : grads) {
-    if (!g.defined())
-      throw ValueError(
-          "DistributedOptimizer::all_reduce_gradients: an undefined gradient; use "
-          "apply_gradients or gradient(), which know the variables");
-    like.push_back(g);
   }
   const Plan p = plan(like);
   std::vector<Flight> flights;
@@ -225,6 +212,32 @@ std::vector<Tensor> DistributedOptimizer::all_reduce_gradients(const std::vector
     flights[b].pending.wait();
     unpack(p.buckets[b], flights[b].buffer, like, out);
   }
+  return out;
+}
+
+std::vector<Tensor> DistributedOptimizer::all_reduce_gradients(
+    const std::vector<Tensor>& grads, const std::vector<Variable>& variables) {
+  // Every rank needs the same plan, made from shapes and dtypes: the variables', or the
+  // gradients' when the variables are not given (then every gradient must be defined).
+  std::vector<Tensor> like(variables.begin(), variables.end());
+  if (variables.empty()) {
+    for (const auto& g : grads) {
+      if (!g.defined())
+        throw ValueError(
+            "DistributedOptimizer::all_reduce_gradients: an undefined gradient; pass the "
+            "variables too (all_reduce_gradients(grads, variables)) so that its place in the "
+            "buckets is known");
+      like.push_back(g);
+    }
+  } else if (variables.size() != grads.size()) {
+    throw ValueError(
+        fmt::format("DistributedOptimizer::all_reduce_gradients: {} gradients for {} variables",
+                    grads.size(), variables.size()));
+  }
+  std::vector<Tensor> out = reduce(grads, like, take_weight());
+  reduced_ids_.clear();
+  for (const auto& g : out)
+    if (g.defined()) reduced_ids_.insert(g.id());
   return out;
 }
 
@@ -292,7 +305,8 @@ std::vector<Tensor> DistributedOptimizer::get_unscaled_gradients(const std::vect
         "DistributedOptimizer::get_unscaled_gradients: the wrapped optimizer is {}, not a "
         "LossScaleOptimizer",
         inner_->name()));
-  std::vector<Tensor> reduced = all_in(grads, reduced_ids_) ? grads : all_reduce_gradients(grads);
+  const std::vector<Tensor> reduced =
+      all_in(grads, reduced_ids_) ? grads : all_reduce_gradients(grads);
   std::vector<Tensor> out = lso->get_unscaled_gradients(reduced);
   reduced_ids_.clear();
   for (const auto& g : out)
@@ -312,28 +326,7 @@ void DistributedOptimizer::apply_gradients(const std::vector<Tensor>& grads,
     reduced = grads;
   } else {
     // The plan comes from the variables, so an undefined gradient has its place too.
-    const std::vector<Tensor> like = as_tensors(variables);
-    const double weight = take_weight();
-    if (distributed::world_size() == 1) {
-      NoGradGuard no_grad;
-      reduced = grads;
-      for (auto& g : reduced)
-        if (g.defined() && weight != 1.0) g = g * weight;
-    } else {
-      const Plan p = plan(like);
-      std::vector<Flight> flights;
-      last_buckets_.clear();
-      for (const auto& b : p.buckets) {
-        flights.push_back(launch(pack(b, grads, like, weight)));
-        last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
-        for (auto& f : flights) f.pending.test();
-      }
-      reduced.assign(grads.size(), Tensor());
-      for (std::size_t b = 0; b < p.buckets.size(); ++b) {
-        flights[b].pending.wait();
-        unpack(p.buckets[b], flights[b].buffer, like, reduced);
-      }
-    }
+    reduced = reduce(grads, as_tensors(variables), take_weight());
   }
   reduced_ids_.clear();
   inner_->apply_gradients(reduced, variables);

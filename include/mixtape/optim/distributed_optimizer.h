@@ -62,9 +62,11 @@ class DistributedOptimizer : public Optimizer {
   // get_unscaled_gradients, which averaged them already), then the wrapped optimizer steps.
   void apply_gradients(const std::vector<Tensor>& grads,
                        const std::vector<Variable>& variables) override;
-  // The weighted sum across ranks of each gradient; every gradient must be defined (the
-  // other calls take undefined ones: they know the variables).
-  std::vector<Tensor> all_reduce_gradients(const std::vector<Tensor>& grads);
+  // The weighted sum across ranks of each gradient (what apply_gradients then takes as it
+  // is). With the variables, a gradient may be undefined (it adds nothing; it stays
+  // undefined where no rank has one); without them every gradient must be defined.
+  std::vector<Tensor> all_reduce_gradients(const std::vector<Tensor>& grads,
+                                           const std::vector<Variable>& variables = {});
   // tape.gradient(target, variables), averaged across ranks, each bucket's sum started as
   // soon as the tape has its gradients.
   std::vector<Tensor> gradient(GradientTape& tape, const Tensor& target,
@@ -109,6 +111,9 @@ class DistributedOptimizer : public Optimizer {
 
  private:
   Plan plan(const std::vector<Tensor>& like) const;
+  // The weighted sum across ranks, in buckets planned from `like` (shapes and dtypes).
+  std::vector<Tensor> reduce(const std::vector<Tensor>& grads, const std::vector<Tensor>& like,
+                             double weight);
   double take_weight();
   std::shared_ptr<Optimizer> inner_;
   DistributedOptimizerOptions options_;
