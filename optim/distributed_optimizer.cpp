@@ -1,5 +1,6 @@
-// DistributedOptimizer: gradients averaged across ranks in buckets, started as soon as the
-// tape has them (gradient()) or pipelined with the packing (apply_gradients).
+// DistributedOptimizer: gradients averaged across ranks in buckets, each reduced as soon as
+// the tape has its gradients (gradient()) or all after the backward pass (apply_gradients,
+// all_reduce_gradients).
 #include "mixtape/optim/distributed_optimizer.h"
 
 #include <fmt/format.h>
