@@ -261,20 +261,39 @@ Tensor concat(const std::vector<Tensor>& xs_in, int axis) {
                                    detail::describe(xs)));
     total += t.shape()[static_cast<std::size_t>(a)];
   }
-  std::vector<std::int64_t> dims = first.shape().dims();
-  dims[static_cast<std::size_t>(a)] = total;
-  Tensor out = zeros(Shape(dims), dt, first.device());
   std::vector<Tensor> parts;
   for (const auto& t : xs) parts.push_back(cast(t, dt));  // recorded when promoting
+  // Each part is copied once, into a block of the output along its first axis (a block of a
+  // contiguous tensor along axis 0 is contiguous, what the copy kernel writes): the parts
+  // go there as they are for axis 0, moved to the front (a view) for another axis, and the
+  // output is moved back (one more copy). O(output), whatever the number of parts.
+  const auto rank = static_cast<int>(first.rank());
+  std::vector<int> to_front{a};
+  for (int i = 0; i < rank; ++i)
+    if (i != a) to_front.push_back(i);
+  std::vector<std::int64_t> front_dims;
+  for (int i : to_front) front_dims.push_back(first.shape()[static_cast<std::size_t>(i)]);
+  front_dims[0] = total;
   std::vector<std::int64_t> starts;
-  std::int64_t at = 0;
+  Tensor out;
   {
     NoGradGuard no_grad;
+    Tensor front = Tensor::empty(Shape(front_dims), dt, first.device());
+    auto* copy = find_kernel<kernels::CopyFn>(OpId::copy, first.device().type(), dt);
+    std::int64_t at = 0;
     for (const auto& t : parts) {
       starts.push_back(at);
-      Tensor placed = slice_backward(t, out.shape(), a, at, 1);
-      out = add(out, placed);
-      at += t.shape()[static_cast<std::size_t>(a)];
+      const std::int64_t k = t.shape()[static_cast<std::size_t>(a)];
+      if (t.numel() > 0) copy(a == 0 ? t : permute(t, to_front), slice(front, 0, at, at + k));
+      at += k;
+    }
+    if (a == 0) {
+      out = front;
+    } else {
+      std::vector<int> back(static_cast<std::size_t>(rank));
+      for (int i = 0; i < rank; ++i)
+        back[static_cast<std::size_t>(to_front[static_cast<std::size_t>(i)])] = i;
+      out = permute(front, back).contiguous();
     }
   }
   if (should_record(parts))
