@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -77,6 +78,30 @@ void check_mpi(int rc, const char* what) {
                                      std::string(text.data(), static_cast<std::size_t>(len))));
 }
 
+// MPI counts are ints: larger buffers go in pieces of at most INT_MAX elements.
+constexpr std::size_t kMaxCount = static_cast<std::size_t>(std::numeric_limits<int>::max());
+
+void allreduce_in_pieces(void* data, std::size_t count, MPI_Datatype type, std::size_t item,
+                         MPI_Op op, const char* what) {
+  auto* p = static_cast<char*>(data);
+  for (std::size_t done = 0; done < count;) {
+    const std::size_t n = std::min(kMaxCount, count - done);
+    check_mpi(
+        MPI_Allreduce(MPI_IN_PLACE, p + done * item, static_cast<int>(n), type, op, state().comm),
+        what);
+    done += n;
+  }
+}
+
+void bcast_in_pieces(void* data, std::size_t nbytes, int root, const char* what) {
+  auto* p = static_cast<char*>(data);
+  for (std::size_t done = 0; done < nbytes;) {
+    const std::size_t n = std::min(kMaxCount, nbytes - done);
+    check_mpi(MPI_Bcast(p + done, static_cast<int>(n), MPI_BYTE, root, state().comm), what);
+    done += n;
+  }
+}
+
 void finalize_at_exit() {
   State& s = state();
   if (!s.mpi) return;
@@ -125,6 +150,7 @@ void check_same_layout(const char* who, const Tensor& t) {
   std::vector<std::int64_t> v;
   v.push_back(static_cast<std::int64_t>(t.rank()));
   v.push_back(static_cast<std::int64_t>(t.dtype().code()));
+  v.push_back(t.numel());
   for (std::size_t i = 0; i < 8; ++i) v.push_back(i < t.rank() ? t.dim(static_cast<int>(i)) : -1);
   std::vector<std::int64_t> both(v);
   for (auto x : v) both.push_back(-x);
@@ -276,9 +302,8 @@ void all_reduce(Tensor& t, ReduceOp op) {
       convert_bfloat16_to_float(reinterpret_cast<const bfloat16*>(bytes.data()), wide.data(), n);
     buf = wide.data();
   }
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(n), reduce_type(t.dtype()),
-                          mpi_op(op), state().comm),
-            "all_reduce");
+  allreduce_in_pieces(buf, n, reduce_type(t.dtype()), widen ? sizeof(float) : t.dtype().itemsize(),
+                      mpi_op(op), "all_reduce");
   if (op == ReduceOp::Average) {
     const double inv = 1.0 / static_cast<double>(world_size());
     if (t.dtype() == kFloat64) {
@@ -311,8 +336,7 @@ void broadcast(Tensor& t, int root) {
     return;
   }
   std::vector<std::uint8_t> bytes = read_bytes(t);
-  check_mpi(MPI_Bcast(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, root, state().comm),
-            "broadcast");
+  bcast_in_pieces(bytes.data(), bytes.size(), root, "broadcast");
   if (rank() != root) write_bytes(t, bytes.data());
 }
 
@@ -325,7 +349,7 @@ Tensor all_gather(const Tensor& t) {
   dims[0] *= world_size();
   Tensor out = Tensor::empty(Shape(dims), in.dtype(), in.device());
   if (world_size() == 1) {
-    write_bytes(out, read_bytes(in).data());
+    if (in.nbytes() > 0) write_bytes(out, read_bytes(in).data());
     return out;
   }
   check_same_layout("all_gather", in);
@@ -334,6 +358,10 @@ Tensor all_gather(const Tensor& t) {
     dc->all_gather(in.data_ptr(), out.data_ptr(), in.nbytes(), in.device());
     return out;
   }
+  if (in.nbytes() > kMaxCount)
+    throw DistributedError(fmt::format(
+        "distributed::all_gather: {}{} is {} bytes; MPI gathers at most {} bytes per rank",
+        in.dtype().name(), in.shape().str(), in.nbytes(), kMaxCount));
   std::vector<std::uint8_t> mine = read_bytes(in), all(out.nbytes());
   check_mpi(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, all.data(),
                           static_cast<int>(mine.size()), MPI_BYTE, state().comm),
@@ -427,9 +455,8 @@ PendingReduction start_sum(void* data, std::size_t count, DType dtype) {
   // hides nothing behind the backward pass of a CPU step. The request stays for a
   // non-blocking path (a progress thread, another MPI).
   if (world_size() > 1 && count > 0)
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), reduce_type(dtype),
-                            MPI_SUM, state().comm),
-              "all_reduce (bucket)");
+    allreduce_in_pieces(data, count, reduce_type(dtype), dtype.itemsize(), MPI_SUM,
+                        "all_reduce (bucket)");
   return PendingReduction(std::move(impl));
 }
 
@@ -441,8 +468,7 @@ void register_device_collectives(DeviceType type, std::unique_ptr<DeviceCollecti
 
 void broadcast_host_bytes(void* data, std::size_t nbytes, int root) {
   if (world_size() == 1) return;
-  check_mpi(MPI_Bcast(data, static_cast<int>(nbytes), MPI_BYTE, root, state().comm),
-            "broadcast_host_bytes");
+  bcast_in_pieces(data, nbytes, root, "broadcast_host_bytes");
 }
 
 }  // namespace mixtape::distributed
