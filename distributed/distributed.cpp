@@ -268,6 +268,13 @@ int world_size() {
 
 int local_rank() { return state().local_rank; }
 
+std::pair<std::int64_t, std::int64_t> shard(std::int64_t count) {
+  if (count < 0)
+    throw ValueError(fmt::format("distributed::shard: count must be >= 0; got {}", count));
+  const auto r = static_cast<std::int64_t>(rank()), n = static_cast<std::int64_t>(world_size());
+  return {count * r / n, count * (r + 1) / n};
+}
+
 void barrier() {
   if (world_size() == 1) return;
   check_mpi(MPI_Barrier(state().comm), "barrier");

@@ -68,13 +68,6 @@ bool batchable(const Tensor& t) {
   return t.dtype().is_floating() || t.dtype() == kInt32 || t.dtype() == kInt64;
 }
 
-// Rank r's part [begin, end) of `rows` rows split evenly over the ranks.
-std::pair<std::int64_t, std::int64_t> rank_share(std::int64_t rows) {
-  const auto r = static_cast<std::int64_t>(distributed::rank());
-  const auto n = static_cast<std::int64_t>(distributed::world_size());
-  return {rows * r / n, rows * (r + 1) / n};
-}
-
 // Logs averaged over the ranks, each rank's values weighted by the rows they come from
 // (a rank without rows adds nothing): the numbers one process would log over all rows.
 // Every rank calls it at the same point, with the same keys (std::map: the same order).
@@ -523,7 +516,7 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
       if (world > 1) {
         // This rank's share of the global batch; its gradient weighs by the share's rows.
         const std::int64_t global_rows = b1 - b0;
-        const auto [s0, s1] = rank_share(global_rows);
+        const auto [s0, s1] = distributed::shard(global_rows);
         b1 = b0 + s1;
         b0 += s0;
         dopt->set_gradient_weight(static_cast<double>(b1 - b0) / static_cast<double>(global_rows));
@@ -639,7 +632,7 @@ Logs Model::evaluate(const std::vector<Tensor>& x_in, const std::vector<Tensor>&
     for (auto& m : ms) m->reset_state();
   const std::vector<std::string> outs = output_names();
   // Data-parallel: each rank evaluates its share of the samples; the logs are averaged.
-  const auto [first, last] = rank_share(x.front().dim(0));
+  const auto [first, last] = distributed::shard(x.front().dim(0));
   const std::int64_t n = last - first;
   double loss_sum = 0.0;
   std::vector<double> part_sums(outs.size(), 0.0);

@@ -249,9 +249,8 @@ double bits_per_char(mt::Model& model, const std::vector<std::int64_t>& data, st
       {.from_logits = true, .reduction = mt::losses::Reduction::Sum});
   // Data-parallel: each rank scores its share of the windows; the sums are added up.
   const std::size_t n = offsets.size();
-  const auto world = static_cast<std::size_t>(mt::distributed::world_size());
-  const auto rank = static_cast<std::size_t>(mt::distributed::rank());
-  const std::size_t first = n * rank / world, last = n * (rank + 1) / world;
+  const auto [begin, end] = mt::distributed::shard(static_cast<std::int64_t>(n));
+  const auto first = static_cast<std::size_t>(begin), last = static_cast<std::size_t>(end);
   double total = 0;
   for (std::size_t i = first; i < last; i += static_cast<std::size_t>(batch)) {
     const std::vector<std::int64_t> part(
@@ -393,8 +392,7 @@ int run(const Options& o) {
     for (auto& off : offsets) off = static_cast<std::int64_t>(rng.next() % span);
     const auto start = std::chrono::steady_clock::now();
     // This rank's share of the batch's windows (all of them on one process).
-    const std::int64_t w0 = o.batch * mt::distributed::rank() / world,
-                       w1 = o.batch * (mt::distributed::rank() + 1) / world;
+    const auto [w0, w1] = mt::distributed::shard(o.batch);
     const std::vector<std::int64_t> mine(offsets.begin() + w0, offsets.begin() + w1);
     auto [x, y] = windows(corpus.train, mine, o.context);
     const double share = static_cast<double>(w1 - w0) / static_cast<double>(o.batch);

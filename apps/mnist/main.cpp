@@ -552,7 +552,7 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
                    : dynamic_cast<mt::optim::LossScaleOptimizer*>(optimizer.get());
   const mt::losses::Loss& loss_object = model.loss();
   const std::int64_t n = x.dim(0);
-  const int world = mt::distributed::world_size(), rank = mt::distributed::rank();
+  const int world = mt::distributed::world_size();
   for (int epoch = start_epoch; epoch < o.epochs; ++epoch) {
     // A shuffle seeded by (seed, epoch): a resumed run replays the same batches.
     auto train_ds = mt::data::Dataset::from_tensors(x, y)
@@ -569,7 +569,7 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
     for (auto& [xb_global, yb_global] : train_ds) {
       // This rank's share of the global batch (all of it on one process).
       const std::int64_t rows = xb_global.dim(0);
-      const std::int64_t r0 = rows * rank / world, r1 = rows * (rank + 1) / world;
+      const auto [r0, r1] = mt::distributed::shard(rows);
       if (dopt) dopt->set_gradient_weight(static_cast<double>(r1 - r0) / static_cast<double>(rows));
       const mt::Tensor xb = xb_global.slice(0, r0, r1).to(model.device()),
                        yb = yb_global.slice(0, r0, r1).to(model.device());

@@ -28,12 +28,10 @@ int main() {
   for (int epoch = 0; epoch < 20; ++epoch) {
     double epoch_loss = 0;
     for (std::int64_t b0 = 0; b0 < x.dim(0); b0 += batch) {
-      // This rank's share of the batch.
-      const std::int64_t r0 = b0 + batch * md::rank() / md::world_size();
-      const std::int64_t r1 = b0 + batch * (md::rank() + 1) / md::world_size();
+      const auto [r0, r1] = md::shard(batch);  // this rank's rows of the batch
       mt::GradientTape tape;
-      auto predictions = model(x.slice(0, r0, r1), {.training = true});
-      auto loss = loss_object(y.slice(0, r0, r1), predictions);
+      auto predictions = model(x.slice(0, b0 + r0, b0 + r1), {.training = true});
+      auto loss = loss_object(y.slice(0, b0 + r0, b0 + r1), predictions);
       auto scaled_grads =
           tape.gradient(optimizer.get_scaled_loss(loss), model.trainable_variables());
       auto grads = optimizer.get_unscaled_gradients(scaled_grads);  // averaged over the ranks

@@ -23,8 +23,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mixtape/core/error.h"
@@ -69,6 +71,9 @@ int local_rank();
 inline bool is_root() { return rank() == 0; }
 // Waits until every rank has called it.
 void barrier();
+// This rank's part [first, second) of `count` items split as evenly as possible over the
+// ranks, in rank order (rank r: [count r / N, count (r + 1) / N)): its share of a batch.
+std::pair<std::int64_t, std::int64_t> shard(std::int64_t count);
 
 // Reduces `t` in place across ranks: every rank ends with the same values. Floating
 // dtypes (Average too) and int32/int64 (Sum, Max, Min).
