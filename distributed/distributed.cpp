@@ -1,6 +1,6 @@
 // mixtape::distributed on MPI: joining the job, the collectives on CPU tensors (and on other
 // devices' tensors through the host or a registered DeviceCollectives), reductions of host
-// numbers, and the non-blocking sums DistributedOptimizer's buckets use.
+// numbers and buffers (DistributedOptimizer's CPU buckets).
 #include "mixtape/distributed/distributed.h"
 
 #include <fmt/format.h>
@@ -420,51 +420,15 @@ void check_same_on_all_ranks(const std::string& who, const std::string& descript
                       who, r, root, r, of(r)));
 }
 
-// --- Non-blocking sums ------------------------------------------------------------------------
+// --- Host buffers --------------------------------------------------------------------------
 
-struct PendingReduction::Impl {
-  MPI_Request request = MPI_REQUEST_NULL;
-};
-
-PendingReduction::PendingReduction() = default;
-PendingReduction::PendingReduction(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-PendingReduction::PendingReduction(PendingReduction&&) noexcept = default;
-PendingReduction& PendingReduction::operator=(PendingReduction&& other) noexcept {
-  if (this != &other) {
-    if (impl_ && impl_->request != MPI_REQUEST_NULL) MPI_Wait(&impl_->request, MPI_STATUS_IGNORE);
-    impl_ = std::move(other.impl_);
-  }
-  return *this;
-}
-PendingReduction::~PendingReduction() {
-  if (impl_ && impl_->request != MPI_REQUEST_NULL) MPI_Wait(&impl_->request, MPI_STATUS_IGNORE);
-}
-
-bool PendingReduction::test() {
-  if (!impl_ || impl_->request == MPI_REQUEST_NULL) return true;
-  int done = 0;
-  check_mpi(MPI_Test(&impl_->request, &done, MPI_STATUS_IGNORE), "all_reduce (bucket)");
-  return done != 0;
-}
-
-void PendingReduction::wait() {
-  if (!impl_ || impl_->request == MPI_REQUEST_NULL) return;
-  check_mpi(MPI_Wait(&impl_->request, MPI_STATUS_IGNORE), "all_reduce (bucket)");
-}
-
-PendingReduction start_sum(void* data, std::size_t count, DType dtype) {
+void sum_host_buffer(void* data, std::size_t count, DType dtype) {
   if (dtype != kFloat32 && dtype != kFloat64)
-    throw DTypeError(fmt::format("distributed::start_sum: sums float32 or float64 buffers; got {}",
-                                 dtype.name()));
-  auto impl = std::make_unique<PendingReduction::Impl>();
-  // The blocking all-reduce, run now: Open MPI's non-blocking one (libnbc) took about 2x as
-  // long for 1-64 MB here and moves only while this thread is inside an MPI call, so it
-  // hides nothing behind the backward pass of a CPU step. The request stays for a
-  // non-blocking path (a progress thread, another MPI).
+    throw DTypeError(fmt::format(
+        "distributed::sum_host_buffer: sums float32 or float64 buffers; got {}", dtype.name()));
   if (world_size() > 1 && count > 0)
     allreduce_in_pieces(data, count, reduce_type(dtype), dtype.itemsize(), MPI_SUM,
                         "all_reduce (bucket)");
-  return PendingReduction(std::move(impl));
 }
 
 // --- For backends -----------------------------------------------------------------------------

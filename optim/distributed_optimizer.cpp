@@ -118,16 +118,6 @@ DistributedOptimizer::Plan DistributedOptimizer::plan(const std::vector<Tensor>&
 
 namespace {
 
-// One bucket in flight: its values (with the flags) on the gradients' device, summed in
-// place; on the CPU a non-blocking sum, elsewhere the blocking all_reduce (NCCL, or through
-// the host).
-struct Flight {
-  Tensor buffer;
-  distributed::PendingReduction pending;
-};
-
-// The bucket's values (each gradient times this rank's weight, zeros for an undefined one)
-// and its flags, copied into one buffer on the gradients' device.
 Tensor pack(const DistributedOptimizer::Plan::Bucket& bucket, const std::vector<Tensor>& grads,
             const std::vector<Tensor>& like, double weight) {
   NoGradGuard no_grad;
@@ -161,14 +151,15 @@ Tensor pack(const DistributedOptimizer::Plan::Bucket& bucket, const std::vector<
   return out;
 }
 
-Flight launch(Tensor buffer) {
-  Flight f{std::move(buffer), {}};
-  if (f.buffer.device().type() == DeviceType::CPU)
-    f.pending = distributed::start_sum(
-        f.buffer.data_ptr(), static_cast<std::size_t>(f.buffer.numel()), f.buffer.dtype());
+// Sums a packed bucket across ranks in place: on the CPU over MPI on its memory, elsewhere
+// through distributed::all_reduce (NCCL, or the host).
+Tensor reduce_bucket(Tensor buffer) {
+  if (buffer.device().type() == DeviceType::CPU)
+    distributed::sum_host_buffer(buffer.data_ptr(), static_cast<std::size_t>(buffer.numel()),
+                                 buffer.dtype());
   else
-    distributed::all_reduce(f.buffer, distributed::ReduceOp::Sum);
-  return f;
+    distributed::all_reduce(buffer, distributed::ReduceOp::Sum);
+  return buffer;
 }
 
 void unpack(const DistributedOptimizer::Plan::Bucket& bucket, const Tensor& buffer,
@@ -201,17 +192,11 @@ std::vector<Tensor> DistributedOptimizer::reduce(const std::vector<Tensor>& grad
     return out;
   }
   const Plan p = plan(like);
-  std::vector<Flight> flights;
   last_buckets_.clear();
-  for (const auto& b : p.buckets) {
-    flights.push_back(launch(pack(b, grads, like, weight)));
-    last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
-    for (auto& f : flights) f.pending.test();  // lets the earlier buckets progress
-  }
   std::vector<Tensor> out(grads.size());
-  for (std::size_t b = 0; b < p.buckets.size(); ++b) {
-    flights[b].pending.wait();
-    unpack(p.buckets[b], flights[b].buffer, like, out);
+  for (const auto& b : p.buckets) {
+    unpack(b, reduce_bucket(pack(b, grads, like, weight)), like, out);
+    last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
   }
   return out;
 }
@@ -260,30 +245,25 @@ std::vector<Tensor> DistributedOptimizer::gradient(GradientTape& tape, const Ten
   std::vector<std::int64_t> missing(p.buckets.size());
   for (std::size_t b = 0; b < p.buckets.size(); ++b)
     missing[b] = static_cast<std::int64_t>(p.buckets[b].entries.size());
-  std::vector<Flight> flights;
+  std::vector<Tensor> out(like.size());
   last_buckets_.clear();
-  // Buckets start in their order on every rank (MPI needs the same order everywhere): a
-  // bucket complete before an earlier one waits for it.
-  auto launch_ready = [&] {
-    while (flights.size() < p.buckets.size() && missing[flights.size()] == 0) {
-      const auto& b = p.buckets[flights.size()];
-      flights.push_back(launch(pack(b, grads, like, 1.0)));
+  // Buckets are reduced in their order on every rank (MPI needs the same order everywhere):
+  // a bucket complete before an earlier one waits for it.
+  std::size_t next = 0;
+  auto reduce_ready = [&] {
+    for (; next < p.buckets.size() && missing[next] == 0; ++next) {
+      const auto& b = p.buckets[next];
+      unpack(b, reduce_bucket(pack(b, grads, like, 1.0)), like, out);
       last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
     }
   };
   tape.gradient(weighted, variables, [&](std::size_t i, const Tensor& g) {
     grads[i] = g;
     --missing[p.bucket_of[i]];
-    launch_ready();
-    for (auto& f : flights) f.pending.test();
+    reduce_ready();
   });
-  launch_ready();
-  std::vector<Tensor> out(like.size());
+  reduce_ready();
   reduced_ids_.clear();
-  for (std::size_t b = 0; b < p.buckets.size(); ++b) {
-    flights[b].pending.wait();
-    unpack(p.buckets[b], flights[b].buffer, like, out);
-  }
   for (const auto& g : out)
     if (g.defined()) reduced_ids_.insert(g.id());
   return out;

@@ -60,8 +60,8 @@ int main() {
     const std::int64_t count = bytes / 4;
     const int reps = bytes <= (1 << 20) ? 200 : bytes <= (16 << 20) ? 40 : 10;
     std::vector<float> buffer(static_cast<std::size_t>(count), 1.0f);
-    const double t_host = time_median(
-        reps, [&] { md::start_sum(buffer.data(), buffer.size(), mt::kFloat32).wait(); });
+    const double t_host =
+        time_median(reps, [&] { md::sum_host_buffer(buffer.data(), buffer.size(), mt::kFloat32); });
     mt::Tensor t = mt::ones({count});
     const double t_tensor = time_median(reps, [&] { md::all_reduce(t); });
     const double t_nonblocking = time_median(reps, [&] {

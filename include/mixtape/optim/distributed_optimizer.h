@@ -13,7 +13,7 @@
 // variables' first. gradient() reduces each bucket as soon as the tape has finished its
 // gradients, while the backward pass has the rest to compute (Model::fit uses it): on a GPU
 // the NCCL call is queued behind the kernels that made the bucket, on the CPU the sum runs
-// then (MPI's blocking all-reduce: see distributed::start_sum).
+// then (MPI's blocking all-reduce: see distributed::sum_host_buffer).
 //
 // With a LossScaleOptimizer inside, the scaled gradients are averaged before they are
 // unscaled and checked, so an overflow on one rank is an overflow on every rank: all skip
