@@ -19,21 +19,11 @@
 # Usage: cmake -DAPP=... -DFAKE=... -DWORK_DIR=... [-DDATA_DIR=...] -P mnist_smoke.cmake
 cmake_minimum_required(VERSION 3.25)
 
+include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require, mnist_smoke_data
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
-set(fake FALSE)
-if(NOT DATA_DIR OR NOT EXISTS "${DATA_DIR}")
-  set(DATA_DIR ${WORK_DIR}/data)
-  file(MAKE_DIRECTORY ${DATA_DIR})
-  execute_process(COMMAND ${FAKE} ${DATA_DIR} 2048 512 RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "fake_mnist failed (${rc})")
-  endif()
-  set(fake TRUE)
-endif()
+mnist_smoke_data(fake)
 message(STATUS "mnist smoke test: data in ${DATA_DIR} (fake: ${fake})")
-
-include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require
 
 # A run refused before training: nothing of the model or an epoch was printed.
 function(require_before_training text)

@@ -1,5 +1,5 @@
-# Helpers of the apps' smoke tests (mnist_smoke.cmake, charlm_smoke.cmake), included by
-# both. APP is the program under test.
+# Helpers of the apps' smoke tests (mnist_smoke.cmake, charlm_smoke.cmake and
+# tests/distributed/mnist_mpi.cmake), included by them. APP is the program under test.
 
 # Runs APP with the arguments; fails the test unless the exit status is `expect` ("0", or
 # "nonzero": an exit status other than 0, not a crash). With `run_env` set (NAME=VALUE ...),
@@ -27,3 +27,19 @@ function(require text what)
     message(FATAL_ERROR "expected '${what}' in:\n${text}")
   endif()
 endfunction()
+
+# MNIST for a trainer's smoke test: DATA_DIR when it exists, otherwise a small fake dataset
+# (2048 training and 512 test images) that FAKE (fake_mnist) writes under WORK_DIR. Sets
+# DATA_DIR, and `fake_var` to TRUE or FALSE.
+macro(mnist_smoke_data fake_var)
+  set(${fake_var} FALSE)
+  if(NOT DATA_DIR OR NOT EXISTS "${DATA_DIR}")
+    set(DATA_DIR ${WORK_DIR}/data)
+    file(MAKE_DIRECTORY ${DATA_DIR})
+    execute_process(COMMAND ${FAKE} ${DATA_DIR} 2048 512 RESULT_VARIABLE _mnist_smoke_rc)
+    if(NOT _mnist_smoke_rc EQUAL 0)
+      message(FATAL_ERROR "fake_mnist failed (${_mnist_smoke_rc})")
+    endif()
+    set(${fake_var} TRUE)
+  endif()
+endmacro()
