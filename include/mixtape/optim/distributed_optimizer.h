@@ -38,9 +38,9 @@
 namespace mixtape::optim {
 
 struct DistributedOptimizerOptions {
-  // The bytes of reduced values per bucket; 0: 4 MiB for CPU gradients (MPI's all-reduce ran at
-  // 9 GB/s on 1-4 MB here and at 2-3 GB/s on 16-64 MB, docs/distributed.md) and 25 MiB
-  // for GPU ones (Horovod's and PyTorch DDP's default for NCCL).
+  // The bytes of reduced values per bucket; 0: 4 MiB for CPU gradients (MPI's all-reduce
+  // ran at 8.4-8.7 GB/s on 1-4 MiB here and at 1.8-3.6 GB/s on 16-64 MiB,
+  // docs/distributed.md) and 25 MiB for GPU ones (Horovod's and PyTorch DDP's default).
   std::size_t bucket_bytes = 0;
 };
 
