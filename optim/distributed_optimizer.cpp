@@ -16,9 +16,7 @@ namespace mixtape::optim {
 
 // Which gradient goes to which bucket: buckets of one reduce dtype (float32, or float64 for
 // float64 variables), filled from the last variable to the first (the order in which the
-// backward pass finishes them), at most bucket_bytes each (a larger variable alone). Each
-// bucket ends with one flag per gradient (1 where this rank has it), so that a gradient no
-// rank has stays undefined.
+// backward pass finishes them), at most bucket_bytes each (a larger variable alone).
 struct DistributedOptimizer::Plan {
   struct Entry {
     std::size_t index;    // into the gradients
@@ -28,7 +26,7 @@ struct DistributedOptimizer::Plan {
   struct Bucket {
     DType dtype;
     std::vector<Entry> entries;
-    std::int64_t values = 0;  // before the flags
+    std::int64_t values = 0;
   };
   std::vector<Bucket> buckets;
   std::vector<std::size_t> bucket_of;  // per gradient
@@ -118,17 +116,16 @@ DistributedOptimizer::Plan DistributedOptimizer::plan(const std::vector<Tensor>&
 
 namespace {
 
+// The bucket's values (each gradient times this rank's weight, zeros for an undefined one),
+// copied into one buffer on the gradients' device.
 Tensor pack(const DistributedOptimizer::Plan::Bucket& bucket, const std::vector<Tensor>& grads,
             const std::vector<Tensor>& like, double weight) {
   NoGradGuard no_grad;
   const Device device = like[bucket.entries.front().index].device();
   const std::size_t item = bucket.dtype.itemsize();
-  const auto n = static_cast<std::int64_t>(bucket.entries.size());
-  Tensor out = Tensor::empty(Shape{bucket.values + n}, bucket.dtype, device);
+  Tensor out = Tensor::empty(Shape{bucket.values}, bucket.dtype, device);
   auto* base = static_cast<char*>(out.data_ptr());
   Backend& backend = backend_for(device.type());
-  std::vector<float> flags_f32;
-  std::vector<double> flags_f64;
   for (const auto& e : bucket.entries) {
     const Tensor& g = grads[e.index];
     Tensor src;
@@ -141,13 +138,7 @@ Tensor pack(const DistributedOptimizer::Plan::Bucket& bucket, const std::vector<
     }
     backend.copy(base + static_cast<std::size_t>(e.offset) * item, device, src.data_ptr(), device,
                  static_cast<std::size_t>(e.count) * item);
-    flags_f32.push_back(g.defined() ? 1.0f : 0.0f);
-    flags_f64.push_back(g.defined() ? 1.0 : 0.0);
   }
-  const void* flags = bucket.dtype == kFloat64 ? static_cast<const void*>(flags_f64.data())
-                                               : static_cast<const void*>(flags_f32.data());
-  backend.copy(base + static_cast<std::size_t>(bucket.values) * item, device, flags, Device::cpu(),
-               static_cast<std::size_t>(n) * item);
   return out;
 }
 
@@ -165,19 +156,23 @@ Tensor reduce_bucket(Tensor buffer) {
 void unpack(const DistributedOptimizer::Plan::Bucket& bucket, const Tensor& buffer,
             const std::vector<Tensor>& like, std::vector<Tensor>& out) {
   NoGradGuard no_grad;
-  const std::vector<double> flags =
-      slice(buffer, 0, bucket.values, buffer.numel()).to_vector<double>();
-  for (std::size_t j = 0; j < bucket.entries.size(); ++j) {
-    const auto& e = bucket.entries[j];
-    if (flags[j] == 0.0) {
-      out[e.index] = Tensor();
-      continue;
-    }
+  for (const auto& e : bucket.entries) {
     const Tensor& v = like[e.index];
     out[e.index] =
         cast(reshape(slice(buffer, 0, e.offset, e.offset + e.count), v.shape()), v.dtype())
             .contiguous();
   }
+}
+
+// A gradient that no rank has stays undefined: which gradients each rank has is summed on
+// the host, in one small all-reduce per step (reading flags back from a GPU's buckets would
+// be a host synchronisation per bucket).
+void undefine_where_no_rank_has(const std::vector<Tensor>& grads, std::vector<Tensor>& out) {
+  std::vector<double> have;
+  for (const auto& g : grads) have.push_back(g.defined() ? 1.0 : 0.0);
+  have = distributed::all_reduce_values(std::move(have));
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (have[i] == 0.0) out[i] = Tensor();
 }
 
 }  // namespace
@@ -198,6 +193,7 @@ std::vector<Tensor> DistributedOptimizer::reduce(const std::vector<Tensor>& grad
     unpack(b, reduce_bucket(pack(b, grads, like, weight)), like, out);
     last_buckets_.push_back(static_cast<std::size_t>(b.values) * b.dtype.itemsize());
   }
+  undefine_where_no_rank_has(grads, out);
   return out;
 }
 
@@ -263,6 +259,7 @@ std::vector<Tensor> DistributedOptimizer::gradient(GradientTape& tape, const Ten
     reduce_ready();
   });
   reduce_ready();
+  undefine_where_no_rank_has(grads, out);
   reduced_ids_.clear();
   for (const auto& g : out)
     if (g.defined()) reduced_ids_.insert(g.id());

@@ -206,6 +206,26 @@ TEST_CASE("distributed: an overflow on one rank makes every rank skip and halve 
   CHECK(vars.front().to_vector<float>() != before);
 }
 
+TEST_CASE("distributed: a gradient no rank has stays undefined; one some ranks have is summed",
+          "[distributed]") {
+  mt::Variable a(mt::ones({3}), "a"), b(mt::ones({2}), "b"), c(mt::ones({4}), "c");
+  mo::DistributedOptimizer dist(mo::SGD({.learning_rate = 1.0}));
+  // a: every rank has a gradient; b: none; c: the last rank alone.
+  std::vector<mt::Tensor> grads{mt::full({3}, 1.0), mt::Tensor(),
+                                me() == world() - 1 ? mt::full({4}, 2.0) : mt::Tensor()};
+  dist.set_gradient_weight(1.0);  // sums
+  const std::vector<mt::Tensor> out = dist.all_reduce_gradients(grads, {a, b, c});
+  REQUIRE(out[0].defined());
+  CHECK(out[0].to_vector<double>() == std::vector<double>(3, world()));
+  CHECK_FALSE(out[1].defined());
+  REQUIRE(out[2].defined());
+  CHECK(out[2].to_vector<double>() == std::vector<double>(4, 2.0));
+  dist.apply_gradients(out, {a, b, c});  // reduced already: SGD steps on the sums
+  CHECK(a.to_vector<double>() == std::vector<double>(3, 1.0 - world()));
+  CHECK(b.to_vector<double>() == std::vector<double>(2, 1.0));  // no gradient: unchanged
+  CHECK(c.to_vector<double>() == std::vector<double>(4, -1.0));
+}
+
 TEST_CASE("distributed: fit on N ranks trains like one process; rank 0 writes the checkpoint",
           "[distributed]") {
   mt::PolicyScope policy(mt::Policy("float64"));
