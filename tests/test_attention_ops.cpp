@@ -120,6 +120,47 @@ TEST_CASE("masked_softmax: masked values are never read, empty rows are 0", "[at
   CHECK(std::isnan(y[0]));
 }
 
+TEST_CASE("masked_softmax: NaN and infinities in rows longer than a vector", "[attention]") {
+  // Rows of 70 (the vector loops and their tails), every other position masked. Row 0: NaN
+  // at every masked position, finite values elsewhere. Row 1: one unmasked NaN. Row 2: the
+  // unmasked values all -inf. Row 3: one unmasked +inf. Rows 1 to 3 are NaN where unmasked
+  // (as softmax of such a row is); every masked position is 0.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::int64_t cols = 70;
+  std::vector<double> xv(static_cast<std::size_t>(4 * cols));
+  std::vector<bool> keep(static_cast<std::size_t>(4 * cols));
+  for (std::int64_t r = 0; r < 4; ++r)
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const auto i = static_cast<std::size_t>(r * cols + j);
+      keep[i] = j % 2 == 0;
+      xv[i] = keep[i] ? (r == 2 ? -inf : 0.1 * static_cast<double>(j % 9)) : nan;
+    }
+  xv[static_cast<std::size_t>(1 * cols + 10)] = nan;
+  xv[static_cast<std::size_t>(3 * cols + 20)] = inf;
+  const std::vector<double> ref =
+      reference(std::vector<double>(xv.begin(), xv.begin() + cols),
+                std::vector<bool>(keep.begin(), keep.begin() + cols), cols, 1.0);
+  for (mt::DType dt : {mt::kFloat64, mt::kFloat32, mt::kBFloat16}) {
+    INFO(dt.name());
+    const std::vector<double> y =
+        mt::masked_softmax(mt::from_vector(xv, {4, cols}).to(dt), bool_tensor(keep, {4, cols}))
+            .to(mt::kFloat64)
+            .to_vector<double>();
+    for (std::int64_t r = 0; r < 4; ++r)
+      for (std::int64_t j = 0; j < cols; ++j) {
+        INFO("row " << r << " column " << j);
+        const auto i = static_cast<std::size_t>(r * cols + j);
+        if (!keep[i])
+          REQUIRE(y[i] == 0.0);
+        else if (r > 0)
+          REQUIRE(std::isnan(y[i]));
+        else
+          REQUIRE(y[i] == Approx(ref[static_cast<std::size_t>(j)]).epsilon(1e-2));
+      }
+  }
+}
+
 TEST_CASE("masked_softmax: float16 logits up to 1e4 give no NaN or overflow", "[attention]") {
   // Attention logits of a float16 model: large, close together, computed in float32 inside.
   const std::vector<double> xv{10000.0, 9990.0, -10000.0, 9999.0, 0.0, 65504.0, 65000.0, -65504.0};

@@ -118,8 +118,6 @@ std::int64_t chunk_rows(const Conv2dGeometry& g) {
 constexpr std::int64_t kDirectMaxTaps = 48;  // kh*kw*c at or below which conv is direct
 constexpr std::int64_t kOutBlock = 32;       // output channels kept in registers
 
-#define MIXTAPE_ALWAYS_INLINE inline __attribute__((always_inline))
-
 // 32-byte vectors (one AVX register; two SSE registers in the baseline build): V for
 // values, U for unaligned, aliasing views of memory (loads and stores).
 template <typename C>
@@ -271,7 +269,7 @@ void direct_weight_rows(const C* x, const C* grad_out, C* acc, const Conv2dGeome
   direct_weight_rows_impl(x, grad_out, acc, g, r0, r1);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
 template <typename C>
 __attribute__((target("avx2,fma"))) void direct_forward_rows_avx2(const C* x, const C* w, C* out,
                                                                   const Conv2dGeometry& g,
@@ -285,10 +283,6 @@ __attribute__((target("avx2,fma"))) void direct_weight_rows_avx2(const C* x, con
                                                                  std::int64_t r0, std::int64_t r1) {
   direct_weight_rows_impl(x, grad_out, acc, g, r0, r1);
 }
-inline bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 template <typename C>
@@ -300,15 +294,15 @@ using WeightRowsFn = void (*)(const C*, const C*, C*, const Conv2dGeometry&, std
 
 template <typename C>
 ForwardRowsFn<C> forward_rows_fn() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2()) return &direct_forward_rows_avx2<C>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (has_avx2_fma()) return &direct_forward_rows_avx2<C>;
 #endif
   return &direct_forward_rows<C>;
 }
 template <typename C>
 WeightRowsFn<C> weight_rows_fn() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2()) return &direct_weight_rows_avx2<C>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (has_avx2_fma()) return &direct_weight_rows_avx2<C>;
 #endif
   return &direct_weight_rows<C>;
 }

@@ -17,6 +17,21 @@
 
 namespace mixtape::cpu {
 
+// --- Instruction sets ---------------------------------------------------------------------
+
+// The build targets baseline x86-64 (SSE2) so that it runs on any x86-64; a hot loop comes
+// also compiled for AVX2 + FMA (__attribute__((target("avx2,fma"))) on a wrapper around an
+// always-inlined body), picked at run time with has_avx2_fma().
+#define MIXTAPE_ALWAYS_INLINE inline __attribute__((always_inline))
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MIXTAPE_HAVE_AVX2_VARIANTS 1
+inline bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
 // --- Element types -----------------------------------------------------------------------
 
 // Elements per block of the blockwise kernels; also the size of their float32 stack
@@ -101,7 +116,7 @@ T wrap_add(T a, T b) {
 
 // c ? a : b through bit masks (both a and b are computed).
 template <typename T>
-T blend(bool c, T a, T b) {
+MIXTAPE_ALWAYS_INLINE T blend(bool c, T a, T b) {
   using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
   const U m = U(0) - static_cast<U>(c);
   return std::bit_cast<T>((std::bit_cast<U>(a) & m) | (std::bit_cast<U>(b) & ~m));
@@ -113,7 +128,7 @@ T blend(bool c, T a, T b) {
 // ln2 / 2: truncation < 1e-8 relative); 2^k applied in two halves so that subnormal
 // results round once. Measured over a sweep of all floats: <= 1.22 ulp. Overflows to inf
 // above ~88.72, underflows to 0 below ~-103.97; NaN stays NaN.
-inline float exp_f32(float x) {
+MIXTAPE_ALWAYS_INLINE float exp_f32(float x) {
   const float t = x * 1.44269504088896341f;
   const std::int32_t k =
       static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(t + 12582912.0f)) - 0x4B400000;
@@ -137,7 +152,7 @@ inline float exp_f32(float x) {
 
 // exp in T: exp_f32 for float32 (vectorises), the C library otherwise.
 template <typename T>
-T exp_any(T x) {
+MIXTAPE_ALWAYS_INLINE T exp_any(T x) {
   if constexpr (std::is_same_v<T, float>)
     return exp_f32(x);
   else
