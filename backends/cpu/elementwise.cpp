@@ -398,19 +398,48 @@ struct BinaryOp<OpId::greater_equal> {
 
 // --- Unary -------------------------------------------------------------------------------
 
+// y = op(x) over float32 for the kSimdCalls ops: an omp simd loop, which calls libmvec's
+// SSE variants (_ZGVbN4v_erfcf, four lanes) in the baseline build and its AVX2 ones
+// (_ZGVdN8v_erfcf, eight lanes) in the AVX2 build, picked at run time.
+template <typename Op>
+MIXTAPE_ALWAYS_INLINE void simd_call_loop_impl(const float* x, float* y, int64_t n) {
+  const Op op;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = op(x[i]);
+}
+template <typename Op>
+void simd_call_loop(const float* x, float* y, int64_t n) {
+  simd_call_loop_impl<Op>(x, y, n);
+}
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+template <typename Op>
+__attribute__((target("avx2,fma"))) void simd_call_loop_avx2(const float* x, float* y, int64_t n) {
+  simd_call_loop_impl<Op>(x, y, n);
+}
+#endif
+template <typename Op>
+auto simd_call_loop_fn() {
+  auto* fn = &simd_call_loop<Op>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (has_avx2_fma()) fn = &simd_call_loop_avx2<Op>;
+#endif
+  return fn;
+}
+
 template <typename T, typename Op>
 void unary_kernel(const Tensor& x, const Tensor& out) {
   const T* xp = static_cast<const T*>(x.data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const Op op;
+  [[maybe_unused]] void (*simd_loop)(const float*, float*, int64_t) = nullptr;
+  if constexpr (kSimdCalls<Op>) simd_loop = simd_call_loop_fn<Op>();
   parallel_blocks(x.numel(), [&](int64_t b, int64_t e) {
     const int64_t n = e - b;
     if constexpr (kReduced<T>) {
       float buf[kBlock];
       to_float(xp + b, buf, n);
       if constexpr (kSimdCalls<Op>) {
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) buf[i] = op(buf[i]);
+        simd_loop(buf, buf, n);
       } else {
         for (int64_t i = 0; i < n; ++i) buf[i] = op(buf[i]);
       }
@@ -419,8 +448,7 @@ void unary_kernel(const Tensor& x, const Tensor& out) {
       const T* x0 = xp + b;
       T* y0 = yp + b;
       if constexpr (kSimdCalls<Op> && std::is_same_v<T, float>) {
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) y0[i] = op(x0[i]);
+        simd_loop(x0, y0, n);
       } else {
         for (int64_t i = 0; i < n; ++i) y0[i] = op(x0[i]);
       }
