@@ -68,6 +68,11 @@ inline constexpr BoolVar kCpuOneDnn{"MIXTAPE_CPU_ONEDNN", true,
                                     "CPU convolutions and pooling without oneDNN",
                                     "with oneDNN where it is faster"};
 
+// backends/cpu/threads.cpp: fewer OpenMP threads while other processes keep cores busy.
+inline constexpr BoolVar kCpuThreadsAdapt{
+    "MIXTAPE_CPU_THREADS_ADAPT", true, "the CPU kernels always run on the OpenMP default count",
+    "fewer threads while other processes keep cores busy, unless OMP_NUM_THREADS is set"};
+
 // backends/cpu/backend.cpp: the megabytes of freed blocks the CPU allocator keeps.
 inline constexpr UIntVar kCpuCacheMb{"MIXTAPE_CPU_CACHE_MB", 1024, std::uint64_t{1} << 20,
                                      "megabytes of freed CPU memory kept for reuse"};

@@ -97,6 +97,13 @@ TEST_CASE("sweep: environment variables", "[sweep][env]") {
                          {"MIXTAPE_CPU_ONEDNN", "'off'", "\"0\"", "\"1\"", "oneDNN"}),
       expect<ValueError>("MIXTAPE_CPU_ONEDNN=''", [] { env::kCpuOneDnn.parse(""); },
                          {"MIXTAPE_CPU_ONEDNN", "''", "\"0\"", "\"1\""}),
+      // --- MIXTAPE_CPU_THREADS_ADAPT: "0" or "1" ---------------------------------------
+      expect<ValueError>("MIXTAPE_CPU_THREADS_ADAPT=yes",
+                         [] { env::kCpuThreadsAdapt.parse("yes"); },
+                         {"MIXTAPE_CPU_THREADS_ADAPT", "'yes'", "\"0\"", "\"1\"", "threads"}),
+      expect<ValueError>("MIXTAPE_CPU_THREADS_ADAPT=' 1'",
+                         [] { env::kCpuThreadsAdapt.parse(" 1"); },
+                         {"MIXTAPE_CPU_THREADS_ADAPT", "' 1'"}),
       // --- MIXTAPE_FP16_USE_FP32_COMPUTE: "0" or "1" (the model the others follow) ------
       expect<ValueError>("MIXTAPE_FP16_USE_FP32_COMPUTE=yes",
                          [] { mt::detail::parse_fp16_use_fp32_compute("yes"); },
@@ -138,6 +145,9 @@ TEST_CASE("environment parsers: the accepted values", "[env]") {
   CHECK(env::kTraceDtypes.parse("1") == true);
   CHECK(env::kCpuOneDnn.parse(nullptr) == true);
   CHECK(env::kCpuOneDnn.parse("0") == false);
+  CHECK(env::kCpuThreadsAdapt.parse(nullptr) == true);
+  CHECK(env::kCpuThreadsAdapt.parse("0") == false);
+  CHECK(env::kCpuThreadsAdapt.parse("1") == true);
   CHECK(env::kFp16UseFp32Compute.parse(nullptr) == true);
   CHECK(env::kCpuCacheMb.parse(nullptr) == 1024);
   CHECK(env::kCpuCacheMb.parse("0") == 0);
@@ -257,6 +267,11 @@ TEST_CASE("a bad MIXTAPE_CPU_ONEDNN: the first convolution throws ValueError",
   }
   const mt::Tensor x = mt::ones({1, 4, 4, 2}), w = mt::ones({3, 3, 2, 2});
   throws_twice("MIXTAPE_CPU_ONEDNN", [&] { (void)mt::conv2d(x, w); });
+}
+
+TEST_CASE("a bad MIXTAPE_CPU_THREADS_ADAPT: the first tensor throws ValueError",
+          "[.env_cpu_threads_adapt]") {
+  throws_twice("MIXTAPE_CPU_THREADS_ADAPT", [] { (void)mt::zeros({2, 2}); });
 }
 
 TEST_CASE("a bad MIXTAPE_AMP_ALLOWLIST_ADD: enabling the rewrite throws ValueError",

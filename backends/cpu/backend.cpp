@@ -80,6 +80,9 @@ class CpuBackend final : public Backend {
   int device_count() const override { return 1; }
 
   void* allocate(std::size_t nbytes, int /*device_index*/) override {
+    // Every op allocates its output on the thread that runs its kernel: the point where
+    // that thread's OpenMP count follows the load (threads.cpp).
+    apply_thread_count();
     // Aligned for 512-bit vector loads; a size of 0 still gets a unique pointer.
     const std::size_t cls = BlockCache::size_class(nbytes);
     if (void* p = cache_.take(cls)) return p;

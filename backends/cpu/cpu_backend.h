@@ -2,7 +2,12 @@
 // helpers shared by them, and the oneDNN hooks of the conv2d / pooling kernels.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
+#include <optional>
+#include <string_view>
+#include <vector>
 
 #include "mixtape/core/register_kernels.h"
 
@@ -23,6 +28,70 @@ void register_optim_kernels();        // unscale_check, sgd/rmsprop/adam updates
 
 // Below this many elements a kernel runs on one thread.
 inline constexpr std::int64_t kParallelGrain = 32768;
+
+// --- Threads under load (threads.cpp) ----------------------------------------------------
+// While other processes keep some of the CPUs this process may run on busy, the kernels
+// run on the cores left over (at least one thread, at most the OpenMP default), and on
+// all of them again when the others stop: OpenMP teams that wait for a thread sharing its
+// core with another program trained 2.7 to 5.5 times slower than on a quiet machine, one
+// thread less 1.4 to 1.9 times (docs/benchmarks.md, "Training under load"). On unless
+// MIXTAPE_CPU_THREADS_ADAPT=0, OMP_NUM_THREADS is set (a fixed count, and results that
+// repeat bit for bit: sums split over threads change with the count), the process may run
+// on one CPU only, or /proc/stat cannot be read. A thread on which the program called
+// omp_set_num_threads() keeps its own count.
+
+// One reading of the machine: a monotonic clock, the busy time (seconds) of the CPUs this
+// process may run on since boot, and this process's own CPU time.
+struct LoadReading {
+  double wall_seconds = 0, busy_seconds = 0, own_seconds = 0;
+};
+// A core stays in use while at least this share of it is free of other processes' work,
+// and is used again once this larger share is (the band keeps noise from flipping counts).
+inline constexpr double kThreadKeepCore = 0.6;
+inline constexpr double kThreadRegainCore = 0.9;
+// The governor takes a reading at most this often.
+inline constexpr std::int64_t kThreadReadingPeriodNs = 250'000'000;
+
+// The thread count for `others` cores kept busy by other processes (smoothed), from
+// `current`: down to the cores at least kThreadKeepCore free, up to those at least
+// kThreadRegainCore free; within [1, ceiling].
+int adapt_thread_count(int current, int ceiling, double others);
+// The busy seconds (user, nice, system, irq, softirq, steal) of `cpus` in the text of
+// /proc/stat; nullopt when a CPU's line is missing or not in the known format.
+std::optional<double> parse_busy_seconds(std::string_view stat, const std::vector<int>& cpus,
+                                         long ticks_per_second);
+
+// Turns readings into a thread count: the busy time of the CPUs less the process's own is
+// the other processes' load, smoothed over two readings (half-life one reading).
+class ThreadGovernor {
+ public:
+  using Sampler = std::function<std::optional<LoadReading>()>;
+  ThreadGovernor(int ceiling, Sampler sampler);
+  // Takes a reading and returns the (new) target. Not thread-safe: one caller at a time.
+  int observe();
+  int target() const { return target_.load(std::memory_order_relaxed); }
+  int ceiling() const { return ceiling_; }
+
+ private:
+  int ceiling_;
+  Sampler sampler_;
+  std::atomic<int> target_;
+  std::optional<LoadReading> last_;
+  double smoothed_ = 0;
+  bool have_smoothed_ = false;
+};
+
+// Called by the CPU allocator on the allocating thread: takes a reading when one is due and
+// brings this thread's OpenMP count to the target. Reads MIXTAPE_CPU_THREADS_ADAPT on the
+// first call (ValueError for a bad value).
+void apply_thread_count();
+// The count the kernels are to run on now (the OpenMP default when the count does not adapt).
+int thread_count_target();
+// Whether the count adapts to the load in this process.
+bool threads_adapt();
+// Tests: every thread brings its OpenMP count to `threads` at its next CPU allocation, until
+// called with 0 (after which a count that does not adapt stays where it was left).
+void force_thread_count_for_testing(int threads);
 
 // --- oneDNN (onednn.cpp) ---------------------------------------------------------------
 // conv.cpp's conv2d and pooling kernels and gemm.cpp's bfloat16 matmul call these hooks

@@ -53,6 +53,8 @@
 #include "mixtape/core/error.h"
 
 #ifdef MIXTAPE_WITH_ONEDNN
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -233,12 +235,19 @@ enum class Kind : std::uint8_t {
   matmul,
 };
 
-// A plan's cache key: what it computes, the data type, and every geometry field.
+// A plan's cache key: what it computes, the data type, every geometry field, and the
+// OpenMP thread count it was made for (PlanCache::get fills it in): oneDNN divides a
+// primitive's work for the thread count of its creation (its own primitive cache keys on
+// that count too), so a count that changes under load (threads.cpp) needs primitives of its
+// own.
 struct Key {
   Kind kind;
   DnType type;
   std::array<std::int64_t, 13> dims;
-  bool operator==(const Key& o) const { return kind == o.kind && type == o.type && dims == o.dims; }
+  int threads = 0;
+  bool operator==(const Key& o) const {
+    return kind == o.kind && type == o.type && dims == o.dims && threads == o.threads;
+  }
 };
 
 // FNV-1a over the key's fields.
@@ -252,6 +261,7 @@ struct KeyHash {
     mix(static_cast<std::uint64_t>(k.kind));
     mix(static_cast<std::uint64_t>(k.type));
     for (std::int64_t d : k.dims) mix(static_cast<std::uint64_t>(d));
+    mix(static_cast<std::uint64_t>(k.threads));
     return static_cast<std::size_t>(h);
   }
 };
@@ -283,10 +293,11 @@ struct Plan {
 // An LRU cache of plans (nullptr: oneDNN declined that case).
 class PlanCache {
  public:
-  // The plan for key, made by make() on a miss (under the lock: concurrent first calls of
-  // one geometry make it once).
+  // The plan for key at the calling thread's OpenMP count, made by make() on a miss (under
+  // the lock: concurrent first calls of one geometry make it once).
   template <typename Make>
-  std::shared_ptr<const Plan> get(const Key& key, Make&& make) {
+  std::shared_ptr<const Plan> get(Key key, Make&& make) {
+    key.threads = omp_get_max_threads();
     std::lock_guard<std::mutex> lock(mutex_);
     if (auto it = index_.find(key); it != index_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second);
