@@ -15,6 +15,7 @@
 // /usr/share/games/fortunes, in name order, each split 90/10 at a fortune's start (--text:
 // the file split 90/10).
 #include <mixtape/mixtape.h>
+#include <spdlog/cfg/env.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -558,6 +559,7 @@ void add_options(CLI::App& app, Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug: the library's debug log too
   Options options;
   CLI::App app("Trains a character-level GPT on a text with mixtape.", "mixtape-charlm");
   try {

@@ -6,6 +6,7 @@
 // Run with no options it fetches MNIST if needed, picks the GPU when there is one, and
 // trains the 784-512-512-10 MLP. `mixtape-mnist --help` lists the options.
 #include <mixtape/mixtape.h>
+#include <spdlog/cfg/env.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -797,6 +798,7 @@ int run(Options o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  spdlog::cfg::load_env_levels();  // SPDLOG_LEVEL=debug: the library's debug log too
   Options options;
   CLI::App app("Trains a classifier on MNIST with mixtape and reports the test accuracy.",
                "mixtape-mnist");
