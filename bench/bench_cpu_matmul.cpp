@@ -257,20 +257,19 @@ BENCHMARK(BM_CpuConv2dPath)
     ->Repetitions(5)
     ->ReportAggregatesOnly(true);
 
-// bfloat16 matmul on gemm.cpp's bulk conversion + sgemm path (onednn:0) and on oneDNN's
-// native bf16 matmul (onednn:1; the same path again on CPUs without AVX512-BF16). args: m,
+// One matmul kernel call of dtype dt on oneDNN off (onednn:0) and on (onednn:1). args: m,
 // k, n, trans_a (A stored [k, m]: the weight gradient of a Dense layer), onednn.
-void BM_CpuMatmulBf16Path(benchmark::State& state) {
+void matmul_path(benchmark::State& state, DType dt) {
   const std::int64_t m = state.range(0), k = state.range(1), n = state.range(2);
   const bool ta = state.range(3) != 0;
   const cpu::OneDnnScope scope(state.range(4) != 0);
   kernels::GemmArgs g;
-  g.a = ta ? uniform({k, m}, -1.0, 1.0, kBFloat16) : uniform({m, k}, -1.0, 1.0, kBFloat16);
-  g.b = uniform({k, n}, -1.0, 1.0, kBFloat16);
-  g.out = Tensor::empty({m, n}, kBFloat16);
+  g.a = ta ? uniform({k, m}, -1.0, 1.0, dt) : uniform({m, k}, -1.0, 1.0, dt);
+  g.b = uniform({k, n}, -1.0, 1.0, dt);
+  g.out = Tensor::empty({m, n}, dt);
   g.m = m, g.n = n, g.k = k, g.trans_a = ta;
   g.lda = ta ? m : k, g.ldb = n, g.ldc = n;
-  auto* fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, kBFloat16);
+  auto* fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt);
   fn(g);  // warm-up: primitive creation, scratch buffers
   for (auto _ : state) {
     fn(g);
@@ -281,15 +280,31 @@ void BM_CpuMatmulBf16Path(benchmark::State& state) {
       benchmark::Counter::kIsRate);
 }
 
+// bfloat16 matmul on gemm.cpp's bulk conversion + sgemm path (onednn:0) and on oneDNN's
+// native bf16 matmul (onednn:1; the same path again on CPUs without AVX512-BF16).
+void BM_CpuMatmulBf16Path(benchmark::State& state) { matmul_path(state, kBFloat16); }
+// float32 matmul on OpenBLAS's sgemm (onednn:0) and on oneDNN's matmul (onednn:1).
+void BM_CpuMatmulF32Path(benchmark::State& state) { matmul_path(state, kFloat32); }
+
 void MatmulPathArgs(benchmark::internal::Benchmark* b) {
   // The MLP's products at batch 128 (forward, input gradient, weight gradient), then a
-  // large square one.
-  const std::int64_t shapes[][4] = {{128, 784, 512, 0}, {128, 512, 784, 0}, {784, 128, 512, 1},
-                                    {128, 512, 512, 0}, {512, 128, 512, 1}, {2048, 2048, 2048, 0}};
+  // large square one, then mixtape-charlm's (2048 tokens of width 128: the query / key /
+  // value projection, the MLP's two products, the MLP's first weight gradient).
+  const std::int64_t shapes[][4] = {{128, 784, 512, 0},  {128, 512, 784, 0},  {784, 128, 512, 1},
+                                    {128, 512, 512, 0},  {512, 128, 512, 1},  {2048, 2048, 2048, 0},
+                                    {2048, 128, 384, 0}, {2048, 128, 512, 0}, {2048, 512, 128, 0},
+                                    {128, 2048, 512, 1}};
   for (const auto& s : shapes)
     for (std::int64_t on = 0; on < 2; ++on) b->Args({s[0], s[1], s[2], s[3], on});
 }
 BENCHMARK(BM_CpuMatmulBf16Path)
+    ->Apply(MatmulPathArgs)
+    ->ArgNames({"M", "K", "N", "ta", "onednn"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Repetitions(5)
+    ->ReportAggregatesOnly(true);
+BENCHMARK(BM_CpuMatmulF32Path)
     ->Apply(MatmulPathArgs)
     ->ArgNames({"M", "K", "N", "ta", "onednn"})
     ->Unit(benchmark::kMillisecond)

@@ -156,10 +156,11 @@ struct GemmShape {
 // AVX512-BF16 or AMX, where it multiplies bfloat16 at twice float32's rate. Elsewhere, and
 // for layouts oneDNN only has a reference implementation of, false. m, n, k > 0.
 bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* c);
-// A batch of float32 products (batch > 1) in one oneDNN matmul call instead of a loop of
-// sgemm calls (OpenBLAS has no batched GEMM): the attention products, many small matrices.
-// False (the caller loops) when oneDNN is off or absent, for batch 1, or for layouts it
-// only has a reference implementation of. m, n, k > 0.
-bool onednn_matmul_batched_f32(const GemmShape& g, const float* a, const float* b, float* c);
+// float32 products on oneDNN's matmul: a batch in one call instead of a loop of sgemm
+// calls (OpenBLAS has no batched GEMM; the attention products are many small matrices), and
+// single products where oneDNN has AVX-512 kernels (faster than sgemm there). False (the
+// caller goes to OpenBLAS) when oneDNN is off or absent, for a single product without
+// AVX-512, or for layouts it only has a reference implementation of. m, n, k > 0.
+bool onednn_matmul_f32(const GemmShape& g, const float* a, const float* b, float* c);
 
 }  // namespace mixtape::cpu

@@ -1,10 +1,10 @@
-// CPU matmul kernels: float32 / float64 through OpenBLAS sgemm / dgemm, a float32 batch in
-// one oneDNN matmul call (onednn.cpp); float16 and bfloat16 operands are converted in bulk
-// to float32 scratch, multiplied (sgemm, or oneDNN for a batch) and rounded back
-// (nearest-even) in bulk. With GemmArgs::low_precision_accumulation
-// (MIXTAPE_FP16_USE_FP32_COMPUTE=0) float16 / bfloat16 products instead emulate a GEMM
-// that accumulates in the 16-bit type (gemm_acc16, acc16.cpp). bfloat16 products run on
-// oneDNN's native bf16 matmul where the CPU has AVX512-BF16 (onednn.cpp).
+// CPU matmul kernels: float32 on oneDNN's matmul (onednn.cpp; a batch in one call; a single
+// product only on CPUs with AVX-512), float64 and the rest of float32 through OpenBLAS
+// dgemm / sgemm; float16 and bfloat16 operands are converted in bulk to float32 scratch,
+// multiplied (the same way) and rounded back (nearest-even) in bulk. With
+// GemmArgs::low_precision_accumulation (MIXTAPE_FP16_USE_FP32_COMPUTE=0) float16 / bfloat16
+// products instead emulate a GEMM that accumulates in the 16-bit type (gemm_acc16, acc16.cpp).
+// bfloat16 products run on oneDNN's native bf16 matmul where the CPU has AVX512-BF16 (onednn.cpp).
 #include <cstdint>
 #include <type_traits>
 
@@ -13,9 +13,11 @@
 namespace mixtape::cpu {
 namespace {
 
-// float32 / float64: straight to BLAS. A float32 batch goes to oneDNN's matmul in one call
-// (OpenBLAS 0.3.21 has no batched GEMM); float64 (which oneDNN does not multiply), or
-// float32 without oneDNN, loops over the batch items with one BLAS call each.
+// float32 / float64: float32 goes to oneDNN's matmul, a batch in one call (OpenBLAS 0.3.21
+// has no batched GEMM), a single product where oneDNN has AVX-512 kernels (1.1x to 1.6x
+// faster than OpenBLAS's sgemm there: BM_CpuMatmulF32Path, docs/benchmarks.md). float64
+// (which oneDNN does not multiply), float32 without oneDNN, and a single float32 product
+// without AVX-512 loop over the batch items with one BLAS call each.
 template <typename T>
 void gemm_native(const GemmArgs& g) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
@@ -25,7 +27,7 @@ void gemm_native(const GemmArgs& g) {
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
   if constexpr (std::is_same_v<T, float>) {
-    if (p.batch > 1 && onednn_matmul_batched_f32(p, a, b, c)) return;
+    if (onednn_matmul_f32(p, a, b, c)) return;
   }
   for (std::int64_t bi = 0; bi < p.batch; ++bi)
     blas_gemm(p.ta, p.tb, p.m, p.n, p.k, a + bi * p.sa, p.lda, b + bi * p.sb, p.ldb, T(0),
@@ -56,17 +58,18 @@ void gemm_reduced(const GemmArgs& g) {
   pack_to_float(a, count_a, p.sa, p.rows_a(), p.cols_a(), p.lda, fa);
   pack_to_float(b, count_b, p.sb, p.rows_b(), p.cols_b(), p.ldb, fb);
 
-  // A batch: one oneDNN float32 call over the packed copies, then one conversion pass.
-  if (p.batch > 1) {
+  // One oneDNN float32 call over the packed copies (the whole batch), then one conversion
+  // pass; without oneDNN, one sgemm per batch item below.
+  {
     Plan packed = p;
     packed.lda = p.cols_a();
     packed.ldb = p.cols_b();
     packed.ldc = p.n;
     packed.sa = p.sa == 0 ? 0 : size_a;
     packed.sb = p.sb == 0 ? 0 : size_b;
-    packed.sc = p.m * p.n;
+    packed.sc = p.batch > 1 ? p.m * p.n : 0;
     float* all = scratch_c.get(p.batch * p.m * p.n);
-    if (onednn_matmul_batched_f32(packed, fa, fb, all)) {
+    if (onednn_matmul_f32(packed, fa, fb, all)) {
       for (std::int64_t bi = 0; bi < p.batch; ++bi) {
         const float* from = all + bi * p.m * p.n;
         T* out = c + bi * p.sc;

@@ -146,9 +146,7 @@ bool onednn_avg_pool2d_backward(const Tensor&, const Tensor&, const kernels::Poo
   return false;
 }
 bool onednn_matmul_bf16(const GemmShape&, const void*, const void*, void*) { return false; }
-bool onednn_matmul_batched_f32(const GemmShape&, const float*, const float*, float*) {
-  return false;
-}
+bool onednn_matmul_f32(const GemmShape&, const float*, const float*, float*) { return false; }
 bool onednn_native_bf16() { return false; }
 
 #else
@@ -381,6 +379,20 @@ bool native_bf16() {
   static const bool yes = [] {
     const dn::cpu_isa isa = dn::get_effective_cpu_isa();
     return isa == dn::cpu_isa::avx512_core_bf16 || isa == dn::cpu_isa::avx512_core_amx;
+  }();
+  return yes;
+}
+
+// Whether oneDNN runs AVX-512 kernels here. Its float32 matmul measured faster than
+// OpenBLAS's sgemm on every product of BM_CpuMatmulF32Path with them (1.1x to 1.6x), but
+// with AVX2 alone (DNNL_MAX_CPU_ISA=AVX2, OPENBLAS_CORETYPE=Haswell) up to 1.5x slower on
+// some of the MLP's (128 x 784 x 512, the weight gradient 128 x 2048 x 512): there a single
+// float32 product stays on OpenBLAS (docs/benchmarks.md).
+bool avx512() {
+  static const bool yes = [] {
+    const dn::cpu_isa isa = dn::get_effective_cpu_isa();
+    return isa == dn::cpu_isa::avx512_core || isa == dn::cpu_isa::avx512_core_vnni ||
+           isa == dn::cpu_isa::avx512_core_bf16 || isa == dn::cpu_isa::avx512_core_amx;
   }();
   return yes;
 }
@@ -699,9 +711,9 @@ bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* 
   return true;
 }
 
-bool onednn_matmul_batched_f32(const GemmShape& g, const float* a, const float* b, float* c) {
-  if (g.batch <= 1 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
-  if (!onednn_enabled()) return false;
+bool onednn_matmul_f32(const GemmShape& g, const float* a, const float* b, float* c) {
+  if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
+  if (!onednn_enabled() || (g.batch == 1 && !avx512())) return false;
   const std::shared_ptr<const Plan> plan =
       cache().get(gemm_key(g, DnType::f32), [&] { return make_gemm_plan(g, DnType::f32); });
   if (!plan) return false;
