@@ -575,7 +575,9 @@ void optimizer(Context& c) {
                                 shape, [&] { return c.uniform(0.02, 0.04); }, slot)
                           : s1;
       if (use1) u.slot1 = (rms ? ms : s1).tested, r.slot1 = (rms ? ms : s1).ref;
-      if (use2) u.slot2 = (adam ? s2 : s1).tested, r.slot2 = (adam ? s2 : s1).ref;
+      // Every slot its own tensor, as an optimizer's are (the kernels may assume they do not
+      // overlap): rmsprop's momentum buffer s2, its mean gradient s1.
+      if (use2) u.slot2 = s2.tested, r.slot2 = s2.ref;
       if (use3) u.slot3 = (rms ? s1 : s3).tested, r.slot3 = (rms ? s1 : s3).ref;
       if (shape.numel() > 0) {
         fn(u);

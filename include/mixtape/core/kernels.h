@@ -149,9 +149,10 @@ using UnscaleCheckFn = void(const std::vector<Tensor>& grads, const std::vector<
 // Optimizer updates, in place, for one variable. var and grad are contiguous, same shape
 // and dtype (the dtype the kernel is keyed on); the slots are contiguous tensors of var's
 // shape in the slot dtype: float64 for float64 variables, float32 for every other
-// (float16 / bfloat16 variables keep float32 state). The math runs in the slot dtype and
-// the variable is rounded once when stored. step is the 1-based count of applied steps
-// including this one.
+// (float16 / bfloat16 variables keep float32 state). var, grad and the slots are distinct
+// tensors whose memory does not overlap (the CPU kernels' loops assume it). The math runs in
+// the slot dtype and the variable is rounded once when stored. step is the 1-based count of
+// applied steps including this one.
 //   sgd_update (Keras SGD): momentum == 0: var -= lr * g. Otherwise, slot1 the velocity:
 //     v = momentum * v - lr * g; var += v, or with nesterov var += momentum * v - lr * g.
 //   rmsprop_update (Keras RMSprop): slot1 = mean square, slot2 = momentum buffer (when
