@@ -31,7 +31,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -169,7 +168,6 @@ struct ProcessThreads {
   std::unique_ptr<ThreadGovernor> governor;
   std::mutex observing;  // one thread takes a reading at a time (try_lock: others go on)
   std::atomic<std::int64_t> next_reading_ns{0};
-  std::atomic<std::uint64_t> generation{0};  // bumped by the tests' override
 
   // Reads MIXTAPE_CPU_THREADS_ADAPT (a bad value throws ValueError from the first CPU
   // allocation, and again from the next one).
