@@ -177,9 +177,10 @@ struct ProcessThreads {
     const std::vector<int> cpus = allowed_cpus();
     if (!cpus.empty()) ceiling = std::min(ceiling, static_cast<int>(cpus.size()));
     // OMP_NUM_THREADS asks for a fixed count (and runs that repeat bit for bit): kept.
-    adapts = wanted && std::getenv("OMP_NUM_THREADS") == nullptr && ceiling > 1 &&
-             system_sampler(cpus)().has_value();
-    if (adapts) governor = std::make_unique<ThreadGovernor>(ceiling, system_sampler(cpus));
+    ThreadGovernor::Sampler sampler = system_sampler(cpus);
+    adapts =
+        wanted && std::getenv("OMP_NUM_THREADS") == nullptr && ceiling > 1 && sampler().has_value();
+    if (adapts) governor = std::make_unique<ThreadGovernor>(ceiling, std::move(sampler));
     spdlog::debug("cpu: {} OpenMP thread(s){}", ceiling,
                   adapts ? ", fewer while other processes keep cores busy" : "");
   }
