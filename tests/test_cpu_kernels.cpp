@@ -662,6 +662,52 @@ TEST_CASE("binary arithmetic: integer and NaN edge cases", "[cpu_kernels]") {
   }
 }
 
+// float16 / bfloat16 relu and relu_backward work on the bits (no float32 round trip): every
+// one of the 65536 patterns (NaNs, infinities, signed zeros, subnormals) against the float32
+// definition, bit for bit (a signalling NaN comes out quiet, as through float32),
+// contiguous and through a strided (transposed) view.
+template <typename H>
+void check_relu_bits(DType dt) {
+  constexpr int64_t kAll = 65536;
+  Tensor x = Tensor::empty({256, 256}, dt), g = Tensor::empty({256, 256}, dt);
+  std::mt19937 rng(77);
+  for (int64_t i = 0; i < kAll; ++i) {
+    x.data<H>()[i] = H::from_bits(static_cast<std::uint16_t>(i));
+    g.data<H>()[i] = H::from_bits(static_cast<std::uint16_t>(rng()));
+  }
+  auto relu_ref = [](H v) {
+    const float f = v;
+    return H(f < 0.0f ? 0.0f : f).bits;
+  };
+  auto back_ref = [](H y, H gv) {
+    return H(static_cast<float>(y) > 0.0f ? static_cast<float>(gv) : 0.0f).bits;
+  };
+  for (bool strided : {false, true}) {
+    INFO((strided ? "strided" : "contiguous"));
+    const Tensor xv = strided ? Tensor::view_of(x, Shape{256, 256}, Strides{1, 256}, 0) : x;
+    const Tensor gv = strided ? Tensor::view_of(g, Shape{256, 256}, Strides{1, 256}, 0) : g;
+    Tensor r = Tensor::empty({256, 256}, dt), b = Tensor::empty({256, 256}, dt);
+    if (!strided) kernel<kernels::UnaryFn>(OpId::relu, dt)(xv, r);
+    kernel<kernels::BinaryFn>(OpId::relu_backward, dt)(xv, gv, b);
+    std::int64_t bad_relu = 0, bad_back = 0;
+    for (int64_t i = 0; i < 256; ++i)
+      for (int64_t j = 0; j < 256; ++j) {
+        const int64_t src = strided ? j * 256 + i : i * 256 + j;  // the view's (i, j)
+        const H xs = x.data<H>()[src], gs = g.data<H>()[src];
+        if (!strided && r.data<H>()[i * 256 + j].bits != relu_ref(xs)) ++bad_relu;
+        if (b.data<H>()[i * 256 + j].bits != back_ref(xs, gs)) ++bad_back;
+      }
+    CHECK(bad_relu == 0);
+    CHECK(bad_back == 0);
+  }
+}
+
+TEST_CASE("relu and relu_backward on float16 / bfloat16 bits: all 65536 patterns",
+          "[cpu_kernels]") {
+  check_relu_bits<half>(kFloat16);
+  check_relu_bits<bfloat16>(kBFloat16);
+}
+
 TEST_CASE("comparisons: every dtype, bool output", "[cpu_kernels]") {
   const std::vector<std::pair<OpId, std::function<bool(double, double)>>> ops = {
       {OpId::equal, [](double a, double b) { return a == b; }},

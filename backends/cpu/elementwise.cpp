@@ -229,12 +229,31 @@ struct UnaryOp<OpId::sigmoid> {
     return blend(x >= T(0), s, e * s);
   }
 };
-// max(x, 0); NaN stays NaN.
+// For the ops that work on float16 / bfloat16 bits directly (bits16 below): the bits of
+// +inf (magnitudes above are NaNs) and the quiet bit of a NaN. A NaN that goes through
+// float32 and back comes out quiet, so bits16 forms set that bit on the NaNs they pass.
+struct Bits16 {
+  std::uint16_t inf, quiet;
+  std::uint16_t quieted(std::uint16_t x) const {
+    return (x & 0x7FFF) > inf ? static_cast<std::uint16_t>(x | quiet) : x;
+  }
+};
+template <typename T>
+constexpr Bits16 kBits16Of =
+    std::is_same_v<T, half> ? Bits16{0x7C00, 0x0200} : Bits16{0x7F80, 0x0040};
+
+// max(x, 0); NaN stays NaN, -0 stays -0.
 template <>
 struct UnaryOp<OpId::relu> {
   template <typename T>
   T operator()(T x) const {
     return x < T(0) ? T(0) : x;
+  }
+  // The same on float16 / bfloat16 bits (it only selects x or +0, so no float32 round trip
+  // is needed): x < 0 exactly when the sign is set and the magnitude is in [1, inf].
+  static std::uint16_t bits16(std::uint16_t x, Bits16 k) {
+    const bool below = static_cast<std::uint16_t>((x & 0x7FFF) - 1) < k.inf;
+    return (x & 0x8000) && below ? std::uint16_t{0} : k.quieted(x);
   }
 };
 // Exact gelu, x * Phi(x) = 0.5 x erfc(-x / sqrt2): erfc keeps the negative tail accurate
@@ -278,7 +297,18 @@ struct BinaryOp<OpId::relu_backward> {
   T operator()(T y, T g) const {
     return y > T(0) ? g : T(0);
   }
+  // On float16 / bfloat16 bits: y > 0 exactly when y's bits, unsigned, are in [1, inf].
+  static std::uint16_t bits16(std::uint16_t y, std::uint16_t g, Bits16 k) {
+    return static_cast<std::uint16_t>(y - 1) < k.inf ? k.quieted(g) : std::uint16_t{0};
+  }
 };
+
+// Whether an op has a bits16 form (above), which its float16 / bfloat16 kernels use instead
+// of converting to float32 and back: those ops select an input or zero, so the result is
+// the same bits, and the pass costs what a copy does.
+template <typename Op>
+constexpr bool kBits16 =
+    std::is_same_v<Op, UnaryOp<OpId::relu>> || std::is_same_v<Op, BinaryOp<OpId::relu_backward>>;
 
 template <>
 struct BinaryOp<OpId::add> {
@@ -435,7 +465,11 @@ void unary_kernel(const Tensor& x, const Tensor& out) {
   if constexpr (kSimdCalls<Op>) simd_loop = simd_call_loop_fn<Op>();
   parallel_blocks(x.numel(), [&](int64_t b, int64_t e) {
     const int64_t n = e - b;
-    if constexpr (kReduced<T>) {
+    if constexpr (kReduced<T> && kBits16<Op>) {
+      const auto* xb = reinterpret_cast<const std::uint16_t*>(xp + b);
+      auto* yb = reinterpret_cast<std::uint16_t*>(yp + b);
+      for (int64_t i = 0; i < n; ++i) yb[i] = Op::bits16(xb[i], kBits16Of<T>);
+    } else if constexpr (kReduced<T>) {
       float buf[kBlock];
       to_float(xp + b, buf, n);
       if constexpr (kSimdCalls<Op>) {
@@ -457,6 +491,17 @@ void unary_kernel(const Tensor& x, const Tensor& out) {
 }
 
 // --- Binary ------------------------------------------------------------------------------
+
+// One chunk of a strided operand as a contiguous pointer (gathered into buf if needed).
+template <typename T>
+const T* gather(const T* p, int64_t stride, int64_t n, T* buf) {
+  if (stride == 1) return p;
+  if (stride == 0)
+    std::fill_n(buf, n, *p);
+  else
+    for (int64_t i = 0; i < n; ++i) buf[i] = p[i * stride];
+  return buf;
+}
 
 // out[i] = op(a[i * sa], b[i * sb]) with sa, sb in {0, 1}: one loop per case so that each
 // vectorises.
@@ -513,6 +558,18 @@ void binary_kernel(const Tensor& a, const Tensor& b, const Tensor& out) {
   O* op_ = static_cast<O*>(out.data_ptr());
   const Op op;
   const auto l = coalesce<3>(out.shape(), {&out.strides(), &a.strides(), &b.strides()});
+  if constexpr (kReduced<T> && kBits16<Op>) {
+    using U = std::uint16_t;
+    for_each_chunk(
+        l, [&](const std::array<int64_t, 3>& off, const std::array<int64_t, 3>& is, int64_t n) {
+          U abuf[kBlock], bbuf[kBlock];
+          const U* x = gather(reinterpret_cast<const U*>(ap + off[1]), is[1], n, abuf);
+          const U* y = gather(reinterpret_cast<const U*>(bp + off[2]), is[2], n, bbuf);
+          U* o = reinterpret_cast<U*>(op_ + off[0]);
+          for (int64_t i = 0; i < n; ++i) o[i] = Op::bits16(x[i], y[i], kBits16Of<T>);
+        });
+    return;
+  }
   for_each_chunk(
       l, [&](const std::array<int64_t, 3>& off, const std::array<int64_t, 3>& is, int64_t n) {
         C abuf[kBlock], bbuf[kBlock];
@@ -530,17 +587,6 @@ void binary_kernel(const Tensor& a, const Tensor& b, const Tensor& out) {
 }
 
 // --- where -------------------------------------------------------------------------------
-
-// One chunk of a strided operand as a contiguous pointer (gathered into buf if needed).
-template <typename T>
-const T* gather(const T* p, int64_t stride, int64_t n, T* buf) {
-  if (stride == 1) return p;
-  if (stride == 0)
-    std::fill_n(buf, n, *p);
-  else
-    for (int64_t i = 0; i < n; ++i) buf[i] = p[i * stride];
-  return buf;
-}
 
 // T: an unsigned integer of the item size (where moves bits, no arithmetic).
 template <typename T>
