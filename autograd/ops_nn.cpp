@@ -70,19 +70,34 @@ namespace {
 // other two, so that gradients of any order work. With geometry g fixed, conv(x, w),
 // input_grad(dy, w) and weight_grad(x, dy) are bilinear and adjoint to one another:
 //   <conv(x, w), dy> = <x, input_grad(dy, w)> = <w, weight_grad(x, dy)>.
+// The forward product may add a bias in the same kernel (Conv2D's bias): its gradient is
+// dy summed over the batch and the pixels, as for the add it replaces.
 Tensor conv_input_grad(const Tensor& dy, const Tensor& w, const kernels::Conv2dGeometry& g);
 Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2dGeometry& g);
 
-Tensor conv_forward(const Tensor& x, const Tensor& w, const kernels::Conv2dGeometry& g) {
+Tensor conv_forward(const Tensor& x, const Tensor& w, const kernels::Conv2dGeometry& g,
+                    const Tensor& bias = Tensor()) {
   Tensor xc = contiguous(x), wc = contiguous(w);
   auto* kernel = detail::kernel_for<kernels::Conv2dFn>(OpId::conv2d, xc.dtype(), {xc, wc});
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.cout}, xc.dtype(), xc.device());
-  if (out.numel() > 0) kernel(xc, wc, out, g);
-  if (should_record({xc, wc}))
-    record_op(op_name(OpId::conv2d), {xc, wc}, out,
-              [xc, wc, g](const Tensor& dy, const std::vector<bool>& needs) {
+  if (!bias.defined()) {
+    if (out.numel() > 0) kernel(xc, wc, Tensor(), out, g);
+    if (should_record({xc, wc}))
+      record_op(op_name(OpId::conv2d), {xc, wc}, out,
+                [xc, wc, g](const Tensor& dy, const std::vector<bool>& needs) {
+                  return Grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
+                               needs[1] ? conv_weight_grad(xc, dy, g) : Tensor()};
+                });
+    return out;
+  }
+  Tensor bc = contiguous(bias);
+  if (out.numel() > 0) kernel(xc, wc, bc, out, g);
+  if (should_record({xc, wc, bc}))
+    record_op(op_name(OpId::conv2d), {xc, wc, bc}, out,
+              [xc, wc, g, sb = bc.shape()](const Tensor& dy, const std::vector<bool>& needs) {
                 return Grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
-                             needs[1] ? conv_weight_grad(xc, dy, g) : Tensor()};
+                             needs[1] ? conv_weight_grad(xc, dy, g) : Tensor(),
+                             needs[2] ? sum_to(dy, sb) : Tensor()};
               });
   return out;
 }
@@ -121,16 +136,31 @@ Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2d
 
 Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, std::array<std::int64_t, 2> strides,
               Padding padding) {
-  detail::check_inputs("conv2d", {x_in, filters_in});
-  const auto in = detail::op_inputs(OpId::conv2d, {x_in, filters_in});
+  return conv2d(x_in, filters_in, Tensor(), strides, padding);
+}
+
+Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, const Tensor& bias_in,
+              std::array<std::int64_t, 2> strides, Padding padding) {
+  const bool has_bias = bias_in.defined();
+  if (has_bias)
+    detail::check_inputs("conv2d", {x_in, filters_in, bias_in});
+  else
+    detail::check_inputs("conv2d", {x_in, filters_in});
+  const auto in = has_bias ? detail::op_inputs(OpId::conv2d, {x_in, filters_in, bias_in})
+                           : detail::op_inputs(OpId::conv2d, {x_in, filters_in});
   const Tensor &x = in[0], &filters = in[1];
+  const Tensor bias = has_bias ? in[2] : Tensor();
   check_nhwc("conv2d", x, {x, filters});
   if (filters.rank() != 4 || filters.dim(2) != x.dim(3))
     throw ShapeError(
         fmt::format("conv2d: filters must be [kh, kw, {}, cout] for input channels {}; "
                     "got {}",
                     x.dim(3), x.dim(3), detail::describe({x, filters})));
-  const DType dt = promote_types(x.dtype(), filters.dtype());
+  if (has_bias && (bias.rank() != 1 || bias.dim(0) != filters.dim(3)))
+    throw ShapeError(fmt::format("conv2d: bias must be [{}] (the filters' output channels); got {}",
+                                 filters.dim(3), detail::describe({x, filters, bias})));
+  DType dt = promote_types(x.dtype(), filters.dtype());
+  if (has_bias) dt = promote_types(dt, bias.dtype());
   detail::kernel_for<kernels::Conv2dFn>(OpId::conv2d, dt, {x, filters});  // fail early
   kernels::Conv2dGeometry g;
   g.n = x.dim(0), g.h = x.dim(1), g.w = x.dim(2), g.c = x.dim(3);
@@ -141,7 +171,7 @@ Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, std::array<std::int6
   g.oh = wh.out, g.ow = ww.out, g.pad_top = wh.pad_before, g.pad_left = ww.pad_before;
   // Decided once here: the backward products reuse g, so they accumulate alike.
   g.low_precision_accumulation = gemm_accumulation_dtype(dt) == dt && dt.is_reduced_float();
-  return conv_forward(cast(x, dt), cast(filters, dt), g);
+  return conv_forward(cast(x, dt), cast(filters, dt), g, has_bias ? cast(bias, dt) : Tensor());
 }
 
 namespace {

@@ -145,9 +145,9 @@ void BM_CpuConv2dForward(benchmark::State& state) {
   const Tensor w = uniform({g.kh, g.kw, g.c, g.cout}, -1.0, 1.0, dt);
   const Tensor out = Tensor::empty({g.n, g.oh, g.ow, g.cout}, dt);
   auto* fn = find_kernel<kernels::Conv2dFn>(OpId::conv2d, DeviceType::CPU, dt);
-  fn(x, w, out, g);  // warm-up
+  fn(x, w, Tensor(), out, g);  // warm-up
   for (auto _ : state) {
-    fn(x, w, out, g);
+    fn(x, w, Tensor(), out, g);
     benchmark::DoNotOptimize(out.data_ptr());
     benchmark::ClobberMemory();
   }
@@ -227,7 +227,7 @@ void BM_CpuConv2dPath(benchmark::State& state) {
   const auto cpu = DeviceType::CPU;
   auto run = [&] {
     if (pass == 0)
-      find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, y, g);
+      find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, Tensor(), y, g);
     else if (pass == 1)
       find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(y, w, gx,
                                                                                         g);

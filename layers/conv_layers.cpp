@@ -52,8 +52,9 @@ std::optional<Shape> Conv2DLayer::compute_output_shape(const Shape& input_shape)
 }
 
 Tensor Conv2DLayer::call(const Tensor& x, const CallContext&) {
-  Tensor y = conv2d(x, kernel_, options_.strides.array(), padding_);
-  if (options_.use_bias) y = y + bias_;
+  // The bias goes into the convolution's kernel (one pass over the output, not two).
+  Tensor y = options_.use_bias ? conv2d(x, kernel_, bias_, options_.strides.array(), padding_)
+                               : conv2d(x, kernel_, options_.strides.array(), padding_);
   return activation_(y);
 }
 

@@ -242,7 +242,7 @@ void run_conv_acc16_case(const Conv2dGeometry& g) {
   const Tensor gx = mtest::empty_poisoned({g.n, g.h, g.w, g.c}, dtype_of<S>::value);
   const Tensor gw = mtest::empty_poisoned({g.kh, g.kw, g.c, g.cout}, dtype_of<S>::value);
   const auto cpu = DeviceType::CPU;
-  find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, out, g);
+  find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, Tensor(), out, g);
   find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(gout, w, gx, g);
   find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt)(x, gout, gw,
                                                                                       g);

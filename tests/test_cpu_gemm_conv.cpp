@@ -174,7 +174,7 @@ void run_conv_case(const Conv2dGeometry& g, DType dt, bool check_naive = true) {
   const Tensor gx = empty_poisoned({g.n, g.h, g.w, g.c}, dt);
   const Tensor gw = empty_poisoned({g.kh, g.kw, g.c, g.cout}, dt);
   const auto cpu = DeviceType::CPU;
-  find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, out, g);
+  find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, Tensor(), out, g);
   find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, dt)(gout, w, gx, g);
   find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt)(x, gout, gw,
                                                                                       g);
@@ -195,6 +195,34 @@ void run_conv_case(const Conv2dGeometry& g, DType dt, bool check_naive = true) {
   check_close(ov, ref.out, dt, "conv2d");
   check_close(gxv, ref.grad_x, dt, "conv2d_backward_input");
   check_close(gwv, ref.grad_w, dt, "conv2d_backward_weight");
+
+  // With a bias, added to the accumulator: a 16-bit result is rounded once, so it lies
+  // within half an ulp of the exact value (plus float32's summation error, 1e-5 of the
+  // largest output); rounding the convolution first and adding the bias after would be up
+  // to a whole ulp off.
+  const Tensor bias = random({g.cout}, dt);
+  const Tensor out_b = empty_poisoned({g.n, g.oh, g.ow, g.cout}, dt);
+  find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt)(x, w, bias, out_b, g);
+  const auto bv = values(bias), obv = values(out_b);
+  std::vector<double> want(ref.out.size());
+  double largest = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    want[i] = ref.out[i] + bv[i % static_cast<std::size_t>(g.cout)];
+    largest = std::max(largest, std::abs(want[i]));
+  }
+  check_close(obv, want, dt, "conv2d with a bias");
+  if (dt == kFloat16 || dt == kBFloat16) {
+    const int bits = dt == kFloat16 ? 10 : 7;
+    const double smallest = dt == kFloat16 ? std::ldexp(1.0, -24) : 0.0;
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      const double ulp = want[i] == 0.0
+                             ? smallest
+                             : std::max(std::ldexp(1.0, std::ilogb(want[i]) - bits), smallest);
+      if (!(std::abs(obv[i] - want[i]) <= 0.5 * ulp + 1e-5 * largest)) ++bad;
+    }
+    CHECK(bad == 0);
+  }
 }
 
 // --- pooling ---------------------------------------------------------------------------
@@ -447,7 +475,7 @@ TEST_CASE("cpu bfloat16 conv2d and matmul on oneDNN round like the float32 path"
       const Tensor out = empty_poisoned({g.n, g.oh, g.ow, g.cout}, kBFloat16);
       const Tensor gx = empty_poisoned({g.n, g.h, g.w, g.c}, kBFloat16);
       const Tensor gw = empty_poisoned({g.kh, g.kw, g.c, g.cout}, kBFloat16);
-      find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, kBFloat16)(x, w, out, g);
+      find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, kBFloat16)(x, w, Tensor(), out, g);
       find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, cpu, kBFloat16)(
           gout, w, gx, g);
       find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, kBFloat16)(
@@ -583,7 +611,8 @@ TEST_CASE(
     const bool takes = dt == kFloat32 || dt == kBFloat16;
     {
       const cpu::OneDnnScope on(true);
-      CHECK(cpu::onednn_conv2d(x, w, y, g) == takes);
+      CHECK(cpu::onednn_conv2d(x, w, Tensor(), y, g) == takes);
+      CHECK(cpu::onednn_conv2d(x, w, random({g.cout}, dt), y, g) == takes);  // with a bias
       CHECK(cpu::onednn_conv2d_backward_input(y, w, gx, g) == takes);
       CHECK(cpu::onednn_conv2d_backward_weight(x, y, gw, g) == takes);
       // bfloat16 pooling: oneDNN has it for AVX-512 CPUs only (elsewhere a reference
@@ -596,7 +625,7 @@ TEST_CASE(
       }
       Conv2dGeometry acc16 = g;  // the 16-bit accumulation emulation stays on conv.cpp
       acc16.low_precision_accumulation = true;
-      CHECK(cpu::onednn_conv2d(x, w, y, acc16) == (dt == kFloat32));
+      CHECK(cpu::onednn_conv2d(x, w, Tensor(), y, acc16) == (dt == kFloat32));
     }
     if (dt == kFloat32) {  // measured faster on conv.cpp: the input gradient of c <= 4
       const cpu::OneDnnScope on(true);
@@ -619,7 +648,7 @@ TEST_CASE(
       CHECK_FALSE(cpu::onednn_matmul_bf16(mg, a.data_ptr(), b.data_ptr(), c.data_ptr()));
     }
     const cpu::OneDnnScope off(false);
-    CHECK_FALSE(cpu::onednn_conv2d(x, w, y, g));
+    CHECK_FALSE(cpu::onednn_conv2d(x, w, Tensor(), y, g));
     CHECK_FALSE(cpu::onednn_conv2d_backward_input(y, w, gx, g));
     CHECK_FALSE(cpu::onednn_conv2d_backward_weight(x, y, gw, g));
     CHECK_FALSE(cpu::onednn_max_pool2d(px, py, pg));
@@ -649,7 +678,7 @@ TEST_CASE("cpu conv2d from several threads at once gives the single-threaded res
         ys.push_back(random({g.n, g.oh, g.ow, g.cout}, dt));
         const Tensor out = Tensor::empty({g.n, g.oh, g.ow, g.cout}, dt);
         const Tensor gw = Tensor::empty({g.kh, g.kw, g.c, g.cout}, dt);
-        fwd(xs.back(), ws.back(), out, g);
+        fwd(xs.back(), ws.back(), Tensor(), out, g);
         bwd_w(xs.back(), ys.back(), gw, g);
         want_out.push_back(values(out));
         want_gw.push_back(values(gw));
@@ -668,7 +697,7 @@ TEST_CASE("cpu conv2d from several threads at once gives the single-threaded res
               const Conv2dGeometry& g = geoms[k];
               const Tensor out = Tensor::empty({g.n, g.oh, g.ow, g.cout}, dt);
               const Tensor gw = Tensor::empty({g.kh, g.kw, g.c, g.cout}, dt);
-              fwd(xs[k], ws[k], out, g);
+              fwd(xs[k], ws[k], Tensor(), out, g);
               bwd_w(xs[k], ys[k], gw, g);
               const std::size_t at = static_cast<std::size_t>(t) * per_thread +
                                      static_cast<std::size_t>(r) * geoms.size() + k;

@@ -475,6 +475,12 @@ TEST_CASE("gradcheck: conv2d", "[grad]") {
     CHECK_GRADCHECK(name,
                     [c](const Inputs& v) { return mt::conv2d(v[0], v[1], c.strides, c.padding); },
                     {x, w});
+    // The bias added in the convolution's kernel.
+    const auto b = randn64({c.w[3]}, ++seed);
+    CHECK_GRADCHECK(
+        name + " with a bias",
+        [c](const Inputs& v) { return mt::conv2d(v[0], v[1], v[2], c.strides, c.padding); },
+        {x, w, b});
   }
 }
 
@@ -649,6 +655,12 @@ TEST_CASE("gradcheck: second order through conv2d and pooling", "[grad]") {
                         return mt::conv2d(v[0], v[1], {2, 2}, mt::Padding::Same);
                       },
                       {randn64({1, 5, 5, 2}, 2012), randn64({3, 3, 2, 2}, 2013)});
+  CHECK_GRADGRADCHECK(
+      "square(conv2d with a bias)",
+      [](const Inputs& v) {
+        return mt::square(mt::conv2d(v[0], v[1], v[2], {1, 1}, mt::Padding::Same));
+      },
+      {randn64({1, 4, 4, 2}, 2015), randn64({3, 3, 2, 2}, 2016), randn64({2}, 2017)});
   CHECK_GRADGRADCHECK("square(max_pool2d)",
                       [](const Inputs& v) {
                         return mt::square(mt::max_pool2d(v[0], {2, 2}, {2, 2}, mt::Padding::Same));

@@ -138,7 +138,8 @@ void gemm_acc16(const GemmArgs& g) {
 // rows of dw (backward weight).
 
 template <typename T>
-void conv_forward_acc16(const float* x, const float* w, T* out, const Conv2dGeometry& g) {
+void conv_forward_acc16(const float* x, const float* w, const float* bias, T* out,
+                        const Conv2dGeometry& g) {
   const std::int64_t c = g.c, cout = g.cout, rows = g.n * g.oh, row_len = g.ow * cout;
   if (rows * row_len == 0) return;
   const bool par = rows * row_len * g.kh * g.kw * c > kParallelGrain && rows > 1;
@@ -163,6 +164,8 @@ void conv_forward_acc16(const float* x, const float* w, T* out, const Conv2dGeom
         }
       }
     }
+    if (bias)  // the last term of each sum, rounded like the others
+      for (std::int64_t q = 0; q < g.ow; ++q) axpy(acc + q * cout, 1.0f, bias, cout);
     convert(acc, o, row_len);
   }
 }
@@ -249,8 +252,9 @@ void conv_backward_weight_acc16(const float* x, const float* grad_out, T* grad_w
 
 template void gemm_acc16<half>(const GemmArgs&);
 template void gemm_acc16<bfloat16>(const GemmArgs&);
-template void conv_forward_acc16<half>(const float*, const float*, half*, const Conv2dGeometry&);
-template void conv_forward_acc16<bfloat16>(const float*, const float*, bfloat16*,
+template void conv_forward_acc16<half>(const float*, const float*, const float*, half*,
+                                       const Conv2dGeometry&);
+template void conv_forward_acc16<bfloat16>(const float*, const float*, const float*, bfloat16*,
                                            const Conv2dGeometry&);
 template void conv_backward_input_acc16<half>(const float*, const float*, half*,
                                               const Conv2dGeometry&);

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "backends/cpu/gemm_util.h"
 
@@ -330,10 +331,22 @@ inline int team_size() {
 #endif
 }
 
+// p[r * cout + j] += bias[j] for `pixels` rows of cout values (nothing when bias is null):
+// the forward pass's bias, added to the compute-type result before it is stored.
+template <typename C>
+void add_bias(C* p, const C* bias, std::int64_t pixels, std::int64_t cout) {
+  if (!bias) return;
+  for (std::int64_t r = 0; r < pixels; ++r) {
+    C* q = p + r * cout;
+#pragma omp simd
+    for (std::int64_t j = 0; j < cout; ++j) q[j] += bias[j];
+  }
+}
+
 // O is the output's storage type: C, or float16 / bfloat16 for a float32 computation, in
 // which case each thread converts its rows a few at a time while they are in cache.
 template <typename C, typename O>
-void direct_forward(const C* x, const C* w, O* out, const Conv2dGeometry& g) {
+void direct_forward(const C* x, const C* w, const C* bias, O* out, const Conv2dGeometry& g) {
   const ForwardRowsFn<C> fn = forward_rows_fn<C>();
   const std::int64_t rows = g.n * g.oh, row_len = g.ow * g.cout;
   const int nt = threads_for(rows * g.ow * g.cout * g.kh * g.kw * g.c);
@@ -343,6 +356,7 @@ void direct_forward(const C* x, const C* w, O* out, const Conv2dGeometry& g) {
     split_rows(rows, thread_num(), team_size(), lo, hi);
     if constexpr (std::is_same_v<O, C>) {
       fn(x, w, out + lo * row_len, g, lo, hi);
+      add_bias(out + lo * row_len, bias, (hi - lo) * g.ow, g.cout);
     } else {
       thread_local Scratch<C> buf;
       // Rows per conversion: about 8192 elements, within L1/L2.
@@ -352,6 +366,7 @@ void direct_forward(const C* x, const C* w, O* out, const Conv2dGeometry& g) {
       for (std::int64_t r = lo; r < hi; r += block) {
         const std::int64_t re = std::min(hi, r + block);
         fn(x, w, b, g, r, re);
+        add_bias(b, bias, (re - r) * g.ow, g.cout);
         convert(b, out + r * row_len, (re - r) * row_len);
       }
     }
@@ -387,18 +402,29 @@ void direct_backward_weight(const C* x, const C* grad_out, C* grad_w, const Conv
 
 // O is the output's storage type (C, or a 16-bit type converted to chunk by chunk).
 template <typename C, typename O>
-void conv_forward(const C* x, const C* w, O* out, const Conv2dGeometry& g) {
+void conv_forward(const C* x, const C* w, const C* bias, O* out, const Conv2dGeometry& g) {
   constexpr bool kSame = std::is_same_v<O, C>;
   const std::int64_t pixels = g.oh * g.ow, kdim = g.kh * g.kw * g.c;
   const std::int64_t out_n = g.n * pixels * g.cout;
   if (out_n == 0) return;
-  if (kdim == 0) return std::fill(out, out + out_n, O(0.0f));
-  if (use_direct(g)) return direct_forward(x, w, out, g);
+  if (kdim == 0) {  // no terms: the bias alone
+    std::vector<O> row(static_cast<std::size_t>(g.cout), O(0.0f));
+    if constexpr (kSame) {
+      if (bias) std::copy(bias, bias + g.cout, row.begin());
+    } else {
+      if (bias) convert(bias, row.data(), g.cout);
+    }
+    for (std::int64_t p = 0; p < g.n * pixels; ++p)
+      std::copy(row.begin(), row.end(), out + p * g.cout);
+    return;
+  }
+  if (use_direct(g)) return direct_forward(x, w, bias, out, g);
   const bool pointwise = is_pointwise(g);
   if constexpr (kSame) {
-    if (pointwise)
-      return blas_gemm(false, false, g.n * pixels, g.cout, kdim, x, kdim, w, g.cout, C(0), out,
-                       g.cout);
+    if (pointwise) {
+      blas_gemm(false, false, g.n * pixels, g.cout, kdim, x, kdim, w, g.cout, C(0), out, g.cout);
+      return add_bias(out, bias, g.n * pixels, g.cout);
+    }
   }
   const std::int64_t rows = g.n * g.oh, chunk = chunk_rows<C>(g);
   C* col = pointwise ? nullptr : scratch<C>(kColSlot).get(chunk * g.ow * kdim);
@@ -414,9 +440,11 @@ void conv_forward(const C* x, const C* w, O* out, const Conv2dGeometry& g) {
     if constexpr (kSame) {
       blas_gemm(false, false, (r1 - r0) * g.ow, g.cout, kdim, a, kdim, w, g.cout, C(0), dst,
                 g.cout);
+      add_bias(dst, bias, (r1 - r0) * g.ow, g.cout);
     } else {
       blas_gemm(false, false, (r1 - r0) * g.ow, g.cout, kdim, a, kdim, w, g.cout, C(0), tmp,
                 g.cout);
+      add_bias(tmp, bias, (r1 - r0) * g.ow, g.cout);
       convert(tmp, dst, (r1 - r0) * g.ow * g.cout);
     }
   }
@@ -465,13 +493,17 @@ void conv_backward_weight(const C* x, const C* grad_out, C* grad_w, const Conv2d
 // --- Kernels keyed on the storage dtype -------------------------------------------------
 
 template <typename T>
-void conv2d(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
+void conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& out,
+            const Conv2dGeometry& g) {
   if constexpr (!kNative<T>) {
     if (g.low_precision_accumulation)
-      return conv_forward_acc16(input<T>(x, 1), input<T>(w, 2), static_cast<T*>(out.data_ptr()), g);
+      return conv_forward_acc16(input<T>(x, 1), input<T>(w, 2),
+                                bias.defined() ? input<T>(bias, 3) : nullptr,
+                                static_cast<T*>(out.data_ptr()), g);
   }
-  if (onednn_conv2d(x, w, out, g)) return;
-  conv_forward(input<T>(x, 1), input<T>(w, 2), static_cast<T*>(out.data_ptr()), g);
+  if (onednn_conv2d(x, w, bias, out, g)) return;
+  conv_forward(input<T>(x, 1), input<T>(w, 2), bias.defined() ? input<T>(bias, 3) : nullptr,
+               static_cast<T*>(out.data_ptr()), g);
 }
 
 template <typename T>

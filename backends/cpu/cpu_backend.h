@@ -124,7 +124,8 @@ class OneDnnScope {
 // kernels are used only then. False in builds without oneDNN.
 bool onednn_native_bf16();
 
-bool onednn_conv2d(const Tensor& x, const Tensor& w, const Tensor& out,
+// conv2d's forward pass; bias (undefined for none) is added in the primitive.
+bool onednn_conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& out,
                    const kernels::Conv2dGeometry& g);
 bool onednn_conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                                   const kernels::Conv2dGeometry& g);

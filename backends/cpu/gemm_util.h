@@ -233,7 +233,8 @@ void pack_to_float(const T* src, std::int64_t count, std::int64_t stride, std::i
 template <typename T>
 void gemm_acc16(const GemmArgs& g);
 template <typename T>
-void conv_forward_acc16(const float* x, const float* w, T* out, const Conv2dGeometry& g);
+void conv_forward_acc16(const float* x, const float* w, const float* bias, T* out,
+                        const Conv2dGeometry& g);
 template <typename T>
 void conv_backward_input_acc16(const float* grad_out, const float* w, T* grad_x,
                                const Conv2dGeometry& g);

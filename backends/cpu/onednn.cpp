@@ -121,7 +121,8 @@ void set_onednn_enabled(bool on) { g_onednn.store(on ? 1 : 0, std::memory_order_
 #ifndef MIXTAPE_WITH_ONEDNN
 
 // Without oneDNN every call stays on conv.cpp's kernels.
-bool onednn_conv2d(const Tensor&, const Tensor&, const Tensor&, const kernels::Conv2dGeometry&) {
+bool onednn_conv2d(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                   const kernels::Conv2dGeometry&) {
   return false;
 }
 bool onednn_conv2d_backward_input(const Tensor&, const Tensor&, const Tensor&,
@@ -209,11 +210,11 @@ class Buffer {
 // Buffer slots of the calling thread.
 enum Slot : int {
   kScratchpad = 0,
-  kInner0 = 1,  // kInner0 + i: argument i in the primitive's layout (3 arguments)
-  kWide0 = 4,   // kWide0 + i: argument i converted to float32 (bfloat16 without AVX512-BF16)
-  kWorkspace = 7,
-  kPoolDst = 8,
-  kSlots = 9,
+  kInner0 = 1,  // kInner0 + i: argument i in the primitive's layout (up to 4 arguments)
+  kWide0 = 5,   // kWide0 + i: argument i converted to float32 (bfloat16 without AVX512-BF16)
+  kWorkspace = 9,
+  kPoolDst = 10,
+  kSlots = 11,
 };
 void* buffer(int slot, std::size_t bytes) {
   thread_local Buffer slots[kSlots];
@@ -233,7 +234,8 @@ enum class Kind : std::uint8_t {
   matmul,
 };
 
-// A plan's cache key: what it computes, the data type, every geometry field, and the
+// A plan's cache key: what it computes, the data type, every geometry field, whether a
+// convolution adds a bias, and the
 // OpenMP thread count it was made for (PlanCache::get fills it in): oneDNN divides a
 // primitive's work for the thread count of its creation (its own primitive cache keys on
 // that count too), so a count that changes under load (threads.cpp) needs primitives of its
@@ -242,9 +244,11 @@ struct Key {
   Kind kind;
   DnType type;
   std::array<std::int64_t, 13> dims;
+  bool bias = false;
   int threads = 0;
   bool operator==(const Key& o) const {
-    return kind == o.kind && type == o.type && dims == o.dims && threads == o.threads;
+    return kind == o.kind && type == o.type && dims == o.dims && bias == o.bias &&
+           threads == o.threads;
   }
 };
 
@@ -259,6 +263,7 @@ struct KeyHash {
     mix(static_cast<std::uint64_t>(k.kind));
     mix(static_cast<std::uint64_t>(k.type));
     for (std::int64_t d : k.dims) mix(static_cast<std::uint64_t>(d));
+    mix(static_cast<std::uint64_t>(k.bias));
     mix(static_cast<std::uint64_t>(k.threads));
     return static_cast<std::size_t>(h);
   }
@@ -345,11 +350,11 @@ bool is_reference(const char* impl) { return std::string_view(impl).starts_with(
 
 // Runs p.prim on the tensors' buffers (ptrs in the order of p.args), reordering where
 // the layouts differ.
-void execute(const Plan& p, const std::array<void*, 3>& ptrs) {
+void execute(const Plan& p, const std::array<void*, 4>& ptrs) {
   dn::engine& eng = engine();
   dn::stream& s = stream();
   std::unordered_map<int, dn::memory> args;
-  std::array<dn::memory, 3> user_mem, inner_mem;
+  std::array<dn::memory, 4> user_mem, inner_mem;
   for (std::size_t i = 0; i < p.args.size(); ++i) {
     const Arg& a = p.args[i];
     user_mem[i] = dn::memory(a.user, eng, ptrs[i]);
@@ -420,17 +425,20 @@ bool implied_pad(std::int64_t in, std::int64_t k, std::int64_t stride, std::int6
   return span >= 0 && span / stride + 1 == out;
 }
 
-Key conv_key(Kind kind, DnType type, const Conv2dGeometry& g) {
+Key conv_key(Kind kind, DnType type, const Conv2dGeometry& g, bool bias) {
   return Key{kind,
              type,
              {g.n, g.h, g.w, g.c, g.kh, g.kw, g.cout, g.oh, g.ow, g.stride_h, g.stride_w, g.pad_top,
-              g.pad_left}};
+              g.pad_left},
+             bias};
 }
 
 // The convolution primitive of `kind` for g in `type` (nullptr when oneDNN cannot do it
-// well). Arguments: forward (x, w -> out), backward input (grad_out, w -> grad_x),
-// backward weight (x, grad_out -> grad_w).
-std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dGeometry& g) {
+// well). Arguments: forward (x, w[, bias] -> out; the bias, of `type`, added to the float32
+// accumulator), backward input (grad_out, w -> grad_x), backward weight (x, grad_out ->
+// grad_w).
+std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dGeometry& g,
+                                           bool bias) {
   std::int64_t pad_bottom = 0, pad_right = 0;
   if (!implied_pad(g.h, g.kh, g.stride_h, g.pad_top, g.oh, pad_bottom) ||
       !implied_pad(g.w, g.kw, g.stride_w, g.pad_left, g.ow, pad_right))
@@ -441,13 +449,18 @@ std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dG
   const Md src_user(src, type, Tag::nhwc), wei_user(wei, type, Tag::hwio),
       dst_user(dst, type, Tag::nhwc);
   const Md wei_any(wei, type, Tag::any);
+  const Md bias_user(Dims{g.cout}, type, Tag::x);
   dn::primitive_attr attr;
   attr.set_scratchpad_mode(dn::scratchpad_mode::user);
   const auto alg = dn::algorithm::convolution_direct;
+  const bool with_bias = bias && kind == Kind::conv_forward;
   try {
     const dn::convolution_forward::primitive_desc fwd(
-        dn::convolution_forward::desc(dn::prop_kind::forward_training, alg, src_user, wei_any,
-                                      dst_user, strides, pad_l, pad_r),
+        with_bias
+            ? dn::convolution_forward::desc(dn::prop_kind::forward_training, alg, src_user, wei_any,
+                                            bias_user, dst_user, strides, pad_l, pad_r)
+            : dn::convolution_forward::desc(dn::prop_kind::forward_training, alg, src_user, wei_any,
+                                            dst_user, strides, pad_l, pad_r),
         attr, engine());
     auto plan = std::make_shared<Plan>();
     if (kind == Kind::conv_forward) {
@@ -455,8 +468,10 @@ std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dG
       plan->prim = dn::convolution_forward(fwd);
       plan->scratchpad = fwd.scratchpad_desc();
       plan->args = {make_arg(DNNL_ARG_SRC, src_user, fwd.src_desc(), false),
-                    make_arg(DNNL_ARG_WEIGHTS, wei_user, fwd.weights_desc(), false),
-                    make_arg(DNNL_ARG_DST, dst_user, fwd.dst_desc(), true)};
+                    make_arg(DNNL_ARG_WEIGHTS, wei_user, fwd.weights_desc(), false)};
+      if (with_bias)
+        plan->args.push_back(make_arg(DNNL_ARG_BIAS, bias_user, fwd.bias_desc(), false));
+      plan->args.push_back(make_arg(DNNL_ARG_DST, dst_user, fwd.dst_desc(), true));
     } else if (kind == Kind::conv_backward_input) {
       const dn::convolution_backward_data::primitive_desc bwd(
           dn::convolution_backward_data::desc(alg, src_user, wei_any, dst_user, strides, pad_l,
@@ -486,9 +501,10 @@ std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dG
   }
 }
 
-// Runs a convolution of `kind` on (in0, in1 -> out); false when it stays on conv.cpp.
-bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& out,
-              const Conv2dGeometry& g) {
+// Runs a convolution of `kind` on (in0, in1[, bias] -> out; bias undefined for none, and
+// only for the forward pass); false when it stays on conv.cpp.
+bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& bias,
+              const Tensor& out, const Conv2dGeometry& g) {
   const DType dt = out.dtype();
   if (dt != kFloat32 && dt != kBFloat16) return false;
   if (g.low_precision_accumulation && dt != kFloat32) return false;
@@ -501,25 +517,32 @@ bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& out
   const bool widen = dt == kBFloat16 && !native_bf16();
   const DnType type = dt == kFloat32 || widen ? DnType::f32 : DnType::bf16;
   if (prefer_existing(kind, type, g)) return false;
-  const Key key = conv_key(kind, type, g);
+  const bool with_bias = bias.defined();
+  const Key key = conv_key(kind, type, g, with_bias);
   const std::shared_ptr<const Plan> plan =
-      cache().get(key, [&] { return make_conv_plan(kind, type, g); });
+      cache().get(key, [&] { return make_conv_plan(kind, type, g, with_bias); });
   if (!plan) return false;
-  std::array<void*, 3> ptrs{in0.data_ptr(), in1.data_ptr(), out.data_ptr()};
+  // The tensors in the order of the plan's arguments: inputs, then the output.
+  std::array<const Tensor*, 4> tensors{&in0, &in1, &out, nullptr};
+  if (with_bias) tensors = {&in0, &in1, &bias, &out};
+  const std::size_t n_args = with_bias ? 4 : 3;
+  std::array<void*, 4> ptrs{};
+  for (std::size_t i = 0; i < n_args; ++i) ptrs[i] = tensors[i]->data_ptr();
   if (!widen) {
     execute(*plan, ptrs);
     return true;
   }
-  for (int i = 0; i < 2; ++i) {
-    const Tensor& t = i == 0 ? in0 : in1;
+  for (std::size_t i = 0; i + 1 < n_args; ++i) {
+    const Tensor& t = *tensors[i];
     const auto n = static_cast<std::size_t>(t.numel());
-    auto* f = static_cast<float*>(buffer(kWide0 + i, n * sizeof(float)));
+    auto* f = static_cast<float*>(buffer(kWide0 + static_cast<int>(i), n * sizeof(float)));
     convert_bfloat16_to_float(static_cast<const bfloat16*>(t.data_ptr()), f, n);
-    ptrs[static_cast<std::size_t>(i)] = f;
+    ptrs[i] = f;
   }
   const auto n_out = static_cast<std::size_t>(out.numel());
-  auto* f_out = static_cast<float*>(buffer(kWide0 + 2, n_out * sizeof(float)));
-  ptrs[2] = f_out;
+  auto* f_out =
+      static_cast<float*>(buffer(kWide0 + static_cast<int>(n_args - 1), n_out * sizeof(float)));
+  ptrs[n_args - 1] = f_out;
   execute(*plan, ptrs);
   convert_float_to_bfloat16(f_out, static_cast<bfloat16*>(out.data_ptr()), n_out);
   return true;
@@ -721,18 +744,19 @@ bool onednn_matmul_f32(const GemmShape& g, const float* a, const float* b, float
   return true;
 }
 
-bool onednn_conv2d(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
-  return run_conv(Kind::conv_forward, x, w, out, g);
+bool onednn_conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& out,
+                   const Conv2dGeometry& g) {
+  return run_conv(Kind::conv_forward, x, w, bias, out, g);
 }
 
 bool onednn_conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                                   const Conv2dGeometry& g) {
-  return run_conv(Kind::conv_backward_input, grad_out, w, grad_x, g);
+  return run_conv(Kind::conv_backward_input, grad_out, w, Tensor(), grad_x, g);
 }
 
 bool onednn_conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
                                    const Conv2dGeometry& g) {
-  return run_conv(Kind::conv_backward_weight, x, grad_out, grad_w, g);
+  return run_conv(Kind::conv_backward_weight, x, grad_out, Tensor(), grad_w, g);
 }
 
 bool onednn_max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {

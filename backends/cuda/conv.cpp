@@ -633,8 +633,16 @@ void conv_pass(Direction dir, const Tensor& a, const Tensor& b, const Tensor& ou
   run_direct(dir, dt, Accumulation::Wide, s, a.data_ptr(), b.data_ptr(), out.data_ptr(), st);
 }
 
-void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& out, const Conv2dGeometry& g) {
+void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& out,
+                    const Conv2dGeometry& g) {
   conv_pass(Direction::Forward, x, w, out, g);
+  if (!bias.defined() || out.numel() == 0) return;
+  // A pass of its own, on the stored result (kernels.h: one more rounding for the 16-bit
+  // types than cuDNN's fused convolution would give).
+  const int device = out.device().index();
+  DeviceGuard guard(device);
+  add_bias_rows(elem_of(out.dtype()), out.data_ptr(), bias.data_ptr(), out.numel() / g.cout, g.cout,
+                stream(device));
 }
 void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                            const Conv2dGeometry& g) {

@@ -302,7 +302,36 @@ void pad_or_crop(bool crop, const void* src, void* dst, int64_t n, int64_t h, in
   }
 }
 
+template <typename T>
+__global__ void add_bias_kernel(T* __restrict__ out, const T* __restrict__ bias, int64_t total,
+                                int64_t cols) {
+  MIXTAPE_GRID_LOOP(idx, total) { out[idx] = store<T>(load(out[idx]) + load(bias[idx % cols])); }
+}
+
+template <typename T>
+void launch_add_bias(void* out, const void* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
+  const int64_t total = rows * cols;
+  if (total <= 0) return;
+  add_bias_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+      static_cast<T*>(out), static_cast<const T*>(bias), total, cols);
+  MIXTAPE_CUDA_CHECK_LAUNCH("add_bias_kernel");
+}
+
 }  // namespace
+
+void add_bias_rows(Elem type, void* out, const void* bias, int64_t rows, int64_t cols,
+                   cudaStream_t stream) {
+  switch (type) {
+    case Elem::Float16:
+      return launch_add_bias<__half>(out, bias, rows, cols, stream);
+    case Elem::BFloat16:
+      return launch_add_bias<__nv_bfloat16>(out, bias, rows, cols, stream);
+    case Elem::Float64:
+      return launch_add_bias<double>(out, bias, rows, cols, stream);
+    default:
+      return launch_add_bias<float>(out, bias, rows, cols, stream);
+  }
+}
 
 void conv_direct_forward(Elem type, Accumulation acc, const ConvShape& g, const void* x,
                          const void* w, void* out, cudaStream_t stream) {

@@ -80,6 +80,11 @@ void conv_direct_backward_weight(Elem type, Accumulation acc, const ConvShape& g
 void transpose_matrix(const void* src, void* dst, std::int64_t rows, std::int64_t cols,
                       std::size_t elem_bytes, cudaStream_t stream);
 
+// out[r, j] = out[r, j] + bias[j] for `rows` rows of `cols` elements, in the compute type
+// (float32 for float16 / bfloat16), rounded back to the storage type: conv2d's bias.
+void add_bias_rows(Elem type, void* out, const void* bias, std::int64_t rows, std::int64_t cols,
+                   cudaStream_t stream);
+
 // Zero padding of an NHWC tensor: src [n, h, w, c] -> dst [n, hp, wp, c] with
 //   dst[i, y, x, ch] = src[i, y - top, x - left, ch] inside the image, 0 elsewhere
 // (hp may be smaller than top + h: rows past hp are dropped).

@@ -410,18 +410,24 @@ std::string describe(const Window& w) {
 }
 
 void conv(Context& c) {
+  bool with_bias = false;  // every other geometry's forward pass adds a bias
   for (const Window& w : windows()) {
     const kernels::Conv2dGeometry g = conv_geometry(w);
     const Shape xs{g.n, g.h, g.w, g.c}, ws{g.kh, g.kw, g.c, g.cout}, ys{g.n, g.oh, g.ow, g.cout};
-    const std::string what = describe(w) + fmt::format(", {} filters", g.cout);
+    std::string what = describe(w) + fmt::format(", {} filters", g.cout);
     if (is(c, "Conv2dFn")) {
+      with_bias = !with_bias;
       const Pair x = c.uniform(xs, -1.0, 1.0), f = c.uniform(ws, -1.0, 1.0);
+      const Pair b = with_bias ? c.uniform(Shape{g.cout}, -1.0, 1.0) : Pair{};
+      if (with_bias) what += ", with a bias";
       const Pair out = c.output(ys);
       if (out.tested.numel() > 0) {  // the ops call kernels for non-empty outputs only
-        tested_kernel<kernels::Conv2dFn>(c)(x.tested, f.tested, out.tested, g);
-        reference_kernel<kernels::Conv2dFn>(c)(x.ref, f.ref, out.ref, g);
+        tested_kernel<kernels::Conv2dFn>(c)(x.tested, f.tested, b.tested, out.tested, g);
+        reference_kernel<kernels::Conv2dFn>(c)(x.ref, f.ref, b.ref, out.ref, g);
       }
-      c.expect_close(what, out.tested, out.ref, {static_cast<double>(g.kh * g.kw * g.c), 0.0});
+      // The bias is one more term of each sum.
+      c.expect_close(what, out.tested, out.ref,
+                     {static_cast<double>(g.kh * g.kw * g.c + (with_bias ? 1 : 0)), 0.0});
     } else if (is(c, "Conv2dBackwardInputFn")) {
       const Pair dy = c.uniform(ys, -1.0, 1.0), f = c.uniform(ws, -1.0, 1.0);
       const Pair dx = c.output(xs);

@@ -232,7 +232,7 @@ void run_conv_case(const Conv2dGeometry& g, DType dt, std::uint64_t seed) {
   const Tensor out = mtest::empty_poisoned({g.n, g.oh, g.ow, g.cout}, dt);
   const Tensor gx = mtest::empty_poisoned({g.n, g.h, g.w, g.c}, dt);
   const Tensor gw = mtest::empty_poisoned({g.kh, g.kw, g.c, g.cout}, dt);
-  mt::find_kernel<mt::kernels::Conv2dFn>(mt::OpId::conv2d, kCpu, dt)(x, w, out, g);
+  mt::find_kernel<mt::kernels::Conv2dFn>(mt::OpId::conv2d, kCpu, dt)(x, w, mt::Tensor(), out, g);
   mt::find_kernel<mt::kernels::Conv2dBackwardInputFn>(mt::OpId::conv2d_backward_input, kCpu, dt)(
       gout, w, gx, g);
   mt::find_kernel<mt::kernels::Conv2dBackwardWeightFn>(mt::OpId::conv2d_backward_weight, kCpu, dt)(
@@ -246,7 +246,8 @@ void run_conv_case(const Conv2dGeometry& g, DType dt, std::uint64_t seed) {
     const Tensor outd = ctest_util::poisoned(out.shape(), dt);
     const Tensor gxd = ctest_util::poisoned(gx.shape(), dt);
     const Tensor gwd = ctest_util::poisoned(gw.shape(), dt);
-    mt::find_kernel<mt::kernels::Conv2dFn>(mt::OpId::conv2d, kCuda, dt)(xd, wd, outd, g);
+    mt::find_kernel<mt::kernels::Conv2dFn>(mt::OpId::conv2d, kCuda, dt)(xd, wd, mt::Tensor(), outd,
+                                                                        g);
     mt::find_kernel<mt::kernels::Conv2dBackwardInputFn>(mt::OpId::conv2d_backward_input, kCuda, dt)(
         goutd, wd, gxd, g);
     mt::find_kernel<mt::kernels::Conv2dBackwardWeightFn>(mt::OpId::conv2d_backward_weight, kCuda,

@@ -126,6 +126,11 @@ std::int64_t window_output_extent(std::int64_t in, std::int64_t window, std::int
 
 Tensor conv2d(const Tensor& x, const Tensor& filters, std::array<std::int64_t, 2> strides = {1, 1},
               Padding padding = Padding::Valid);
+// conv2d(x, filters) + bias (bias [cout]) in one kernel: the bias is added to the
+// convolution's accumulator, so a float16 / bfloat16 result is rounded once instead of twice
+// (and the output is written once). Conv2D calls this when it has a bias.
+Tensor conv2d(const Tensor& x, const Tensor& filters, const Tensor& bias,
+              std::array<std::int64_t, 2> strides = {1, 1}, Padding padding = Padding::Valid);
 Tensor max_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
                   std::array<std::int64_t, 2> strides, Padding padding = Padding::Valid);
 Tensor avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> pool_size,
