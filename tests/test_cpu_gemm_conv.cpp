@@ -590,7 +590,7 @@ TEST_CASE("cpu max pool propagates NaN and keeps -inf on every path", "[pool]") 
 }
 
 TEST_CASE(
-    "cpu oneDNN hooks take float32 / bfloat16 conv and pooling, bfloat16 matmul, and "
+    "cpu oneDNN hooks take float32 / bfloat16 / float16 conv and pooling, bfloat16 matmul, and "
     "nothing else",
     "[conv][onednn]") {
   if (!cpu::onednn_available()) {
@@ -609,19 +609,21 @@ TEST_CASE(
     const Tensor py = random({pg.n, pg.oh, pg.ow, pg.c}, dt);
     const Tensor pgx = empty_poisoned({pg.n, pg.h, pg.w, pg.c}, dt);
     const bool takes = dt == kFloat32 || dt == kBFloat16;
+    // float16 through float32 primitives (converted around them)
+    const bool conv_takes = takes || dt == kFloat16;
     {
       const cpu::OneDnnScope on(true);
-      CHECK(cpu::onednn_conv2d(x, w, Tensor(), y, g) == takes);
-      CHECK(cpu::onednn_conv2d(x, w, random({g.cout}, dt), y, g) == takes);  // with a bias
-      CHECK(cpu::onednn_conv2d_backward_input(y, w, gx, g) == takes);
-      CHECK(cpu::onednn_conv2d_backward_weight(x, y, gw, g) == takes);
+      CHECK(cpu::onednn_conv2d(x, w, Tensor(), y, g) == conv_takes);
+      CHECK(cpu::onednn_conv2d(x, w, random({g.cout}, dt), y, g) == conv_takes);  // with a bias
+      CHECK(cpu::onednn_conv2d_backward_input(y, w, gx, g) == conv_takes);
+      CHECK(cpu::onednn_conv2d_backward_weight(x, y, gw, g) == conv_takes);
       // bfloat16 pooling: oneDNN has it for AVX-512 CPUs only (elsewhere a reference
       // implementation, which the hooks decline), so it is not checked here.
       if (dt != kBFloat16) {
-        CHECK(cpu::onednn_max_pool2d(px, py, pg) == takes);
-        CHECK(cpu::onednn_max_pool2d_backward(px, py, pgx, pg) == takes);
-        CHECK(cpu::onednn_avg_pool2d(px, py, pg) == takes);
-        CHECK(cpu::onednn_avg_pool2d_backward(py, pgx, pg) == takes);
+        CHECK(cpu::onednn_max_pool2d(px, py, pg) == conv_takes);
+        CHECK(cpu::onednn_max_pool2d_backward(px, py, pgx, pg) == conv_takes);
+        CHECK(cpu::onednn_avg_pool2d(px, py, pg) == conv_takes);
+        CHECK(cpu::onednn_avg_pool2d_backward(py, pgx, pg) == conv_takes);
       }
       Conv2dGeometry acc16 = g;  // the 16-bit accumulation emulation stays on conv.cpp
       acc16.low_precision_accumulation = true;

@@ -506,15 +506,17 @@ std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dG
 bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& bias,
               const Tensor& out, const Conv2dGeometry& g) {
   const DType dt = out.dtype();
-  if (dt != kFloat32 && dt != kBFloat16) return false;
+  if (dt != kFloat32 && dt != kBFloat16 && dt != kFloat16) return false;
   if (g.low_precision_accumulation && dt != kFloat32) return false;
   if (g.n <= 0 || g.h <= 0 || g.w <= 0 || g.c <= 0 || g.kh <= 0 || g.kw <= 0 || g.cout <= 0 ||
       g.oh <= 0 || g.ow <= 0 || g.stride_h <= 0 || g.stride_w <= 0 || g.pad_top < 0 ||
       g.pad_left < 0)
     return false;
   if (!onednn_enabled()) return false;
-  // bfloat16 tensors go through float32 primitives on CPUs without AVX512-BF16.
-  const bool widen = dt == kBFloat16 && !native_bf16();
+  // float16 tensors, and bfloat16 ones on CPUs without AVX512-BF16, go through float32
+  // primitives, converted in bulk around the call (float32 accumulation and one rounding,
+  // as conv.cpp's float16 path, whose im2col + sgemm measured about 2x slower).
+  const bool widen = dt == kFloat16 || (dt == kBFloat16 && !native_bf16());
   const DnType type = dt == kFloat32 || widen ? DnType::f32 : DnType::bf16;
   if (prefer_existing(kind, type, g)) return false;
   const bool with_bias = bias.defined();
@@ -536,7 +538,10 @@ bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& bia
     const Tensor& t = *tensors[i];
     const auto n = static_cast<std::size_t>(t.numel());
     auto* f = static_cast<float*>(buffer(kWide0 + static_cast<int>(i), n * sizeof(float)));
-    convert_bfloat16_to_float(static_cast<const bfloat16*>(t.data_ptr()), f, n);
+    if (dt == kFloat16)
+      convert_half_to_float(static_cast<const half*>(t.data_ptr()), f, n);
+    else
+      convert_bfloat16_to_float(static_cast<const bfloat16*>(t.data_ptr()), f, n);
     ptrs[i] = f;
   }
   const auto n_out = static_cast<std::size_t>(out.numel());
@@ -544,7 +549,10 @@ bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& bia
       static_cast<float*>(buffer(kWide0 + static_cast<int>(n_args - 1), n_out * sizeof(float)));
   ptrs[n_args - 1] = f_out;
   execute(*plan, ptrs);
-  convert_float_to_bfloat16(f_out, static_cast<bfloat16*>(out.data_ptr()), n_out);
+  if (dt == kFloat16)
+    convert_float_to_half(f_out, static_cast<half*>(out.data_ptr()), n_out);
+  else
+    convert_float_to_bfloat16(f_out, static_cast<bfloat16*>(out.data_ptr()), n_out);
   return true;
 }
 
@@ -649,14 +657,15 @@ bool has_nan_or_minus_inf(const T* p, std::int64_t n) {
 }
 
 // The plan for a pooling call, or nullptr when it stays on conv.cpp.
+// float16 goes through float32 primitives (widened below).
 std::shared_ptr<const Plan> pool_plan(Kind kind, const Tensor& t, const Pool2dGeometry& g) {
   const DType dt = t.dtype();
-  if (dt != kFloat32 && dt != kBFloat16) return nullptr;
+  if (dt != kFloat32 && dt != kBFloat16 && dt != kFloat16) return nullptr;
   if (g.n <= 0 || g.h <= 0 || g.w <= 0 || g.c <= 0 || g.kh <= 0 || g.kw <= 0 || g.oh <= 0 ||
       g.ow <= 0 || g.stride_h <= 0 || g.stride_w <= 0 || g.pad_top < 0 || g.pad_left < 0)
     return nullptr;
   if (!onednn_enabled()) return nullptr;
-  const DnType type = dt == kFloat32 ? DnType::f32 : DnType::bf16;
+  const DnType type = dt == kBFloat16 ? DnType::bf16 : DnType::f32;
   // Overlapping windows add several contributions into one input gradient. mixtape sums
   // them in float32 and rounds once; oneDNN's bf16 pooling backward measured errors of
   // several bf16 ulps there (3x3 / 1), as if it rounded after each contribution.
@@ -665,11 +674,51 @@ std::shared_ptr<const Plan> pool_plan(Kind kind, const Tensor& t, const Pool2dGe
   return cache().get(pool_key(kind, type, g), [&] { return make_pool_plan(kind, type, g); });
 }
 
-// Whether x holds a value where oneDNN's max differs from mixtape's.
-bool max_pool_unsafe(const Tensor& x) {
-  if (x.dtype() == kFloat32) return has_nan_or_minus_inf(x.data<float>(), x.numel());
-  return has_nan_or_minus_inf(static_cast<const std::uint16_t*>(x.data_ptr()), x.numel());
+// Whether x holds a value where oneDNN's max differs from mixtape's (x: float32 or
+// bfloat16 data).
+bool max_pool_unsafe(const void* x, DType dt, std::int64_t n) {
+  if (dt == kBFloat16) return has_nan_or_minus_inf(static_cast<const std::uint16_t*>(x), n);
+  return has_nan_or_minus_inf(static_cast<const float*>(x), n);
 }
+
+// A pooling argument as the primitive sees it: the tensor's data, or for float16 a float32
+// copy in buffer slot kWide0 + i (inputs converted here, outputs by `store`).
+// (The pooling hooks have one output, their last argument.)
+class PoolData {
+ public:
+  explicit PoolData(std::initializer_list<const Tensor*> ts)
+      : wide_((*ts.begin())->dtype() == kFloat16), count_(ts.size()) {
+    dtype = wide_ ? kFloat32 : (*ts.begin())->dtype();
+    std::size_t i = 0;
+    for (const Tensor* t : ts) {
+      tensors_[i] = t;
+      ptrs[i] = t->data_ptr();
+      if (wide_) {
+        const auto n = static_cast<std::size_t>(t->numel());
+        auto* f = static_cast<float*>(buffer(kWide0 + static_cast<int>(i), n * sizeof(float)));
+        if (i + 1 < count_) convert_half_to_float(static_cast<const half*>(t->data_ptr()), f, n);
+        ptrs[i] = f;
+      }
+      ++i;
+    }
+  }
+  // Converts the output back to float16 (after the primitive ran).
+  void store() const {
+    if (!wide_) return;
+    const Tensor& out = *tensors_[count_ - 1];
+    convert_float_to_half(static_cast<const float*>(ptrs[count_ - 1]),
+                          static_cast<half*>(out.data_ptr()),
+                          static_cast<std::size_t>(out.numel()));
+  }
+
+  DType dtype;  // the primitive's: float32 for float16 tensors
+  std::array<void*, 3> ptrs{};
+
+ private:
+  bool wide_;
+  std::size_t count_;
+  std::array<const Tensor*, 3> tensors_{};
+};
 
 // --- Matmul plans ----------------------------------------------------------------------
 
@@ -761,15 +810,20 @@ bool onednn_conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, cons
 
 bool onednn_max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   const auto plan = pool_plan(Kind::max_pool, x, g);
-  if (!plan || max_pool_unsafe(x)) return false;
-  execute(*plan, {x.data_ptr(), out.data_ptr(), nullptr});
+  if (!plan) return false;
+  const PoolData d({&x, &out});
+  if (max_pool_unsafe(d.ptrs[0], d.dtype, x.numel())) return false;
+  execute(*plan, {d.ptrs[0], d.ptrs[1], nullptr});
+  d.store();
   return true;
 }
 
 bool onednn_max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                                 const Pool2dGeometry& g) {
   const auto plan = pool_plan(Kind::max_pool_backward, x, g);
-  if (!plan || max_pool_unsafe(x)) return false;
+  if (!plan) return false;
+  const PoolData d({&x, &grad_out, &grad_x});
+  if (max_pool_unsafe(d.ptrs[0], d.dtype, x.numel())) return false;
   // The forward pass again, for the workspace (each window's argmax), then the scatter.
   dn::engine& eng = engine();
   dn::stream& s = stream();
@@ -780,27 +834,30 @@ bool onednn_max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const T
   void* scratch = buffer(kScratchpad, scratch_bytes);
   dn::memory ws(plan->workspace, eng, buffer(kWorkspace, ws_bytes));
   std::unordered_map<int, dn::memory> fwd_args{
-      {DNNL_ARG_SRC, dn::memory(plan->args[1].user, eng, x.data_ptr())},
+      {DNNL_ARG_SRC, dn::memory(plan->args[1].user, eng, d.ptrs[0])},
       {DNNL_ARG_DST, dn::memory(plan->forward_dst, eng, buffer(kPoolDst, dst_bytes))},
       {DNNL_ARG_WORKSPACE, ws}};
   if (plan->forward_scratchpad.get_size() > 0)
     fwd_args.emplace(DNNL_ARG_SCRATCHPAD, dn::memory(plan->forward_scratchpad, eng, scratch));
   plan->forward.execute(s, fwd_args);
   std::unordered_map<int, dn::memory> bwd_args{
-      {DNNL_ARG_DIFF_DST, dn::memory(plan->args[0].user, eng, grad_out.data_ptr())},
-      {DNNL_ARG_DIFF_SRC, dn::memory(plan->args[1].user, eng, grad_x.data_ptr())},
+      {DNNL_ARG_DIFF_DST, dn::memory(plan->args[0].user, eng, d.ptrs[1])},
+      {DNNL_ARG_DIFF_SRC, dn::memory(plan->args[1].user, eng, d.ptrs[2])},
       {DNNL_ARG_WORKSPACE, ws}};
   if (plan->scratchpad.get_size() > 0)
     bwd_args.emplace(DNNL_ARG_SCRATCHPAD, dn::memory(plan->scratchpad, eng, scratch));
   plan->prim.execute(s, bwd_args);
   s.wait();
+  d.store();
   return true;
 }
 
 bool onednn_avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   const auto plan = pool_plan(Kind::avg_pool, x, g);
   if (!plan) return false;
-  execute(*plan, {x.data_ptr(), out.data_ptr(), nullptr});
+  const PoolData d({&x, &out});
+  execute(*plan, {d.ptrs[0], d.ptrs[1], nullptr});
+  d.store();
   return true;
 }
 
@@ -808,7 +865,9 @@ bool onednn_avg_pool2d_backward(const Tensor& grad_out, const Tensor& grad_x,
                                 const Pool2dGeometry& g) {
   const auto plan = pool_plan(Kind::avg_pool_backward, grad_out, g);
   if (!plan) return false;
-  execute(*plan, {grad_out.data_ptr(), grad_x.data_ptr(), nullptr});
+  const PoolData d({&grad_out, &grad_x});
+  execute(*plan, {d.ptrs[0], d.ptrs[1], nullptr});
+  d.store();
   return true;
 }
 
