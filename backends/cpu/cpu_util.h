@@ -30,6 +30,13 @@ inline bool has_avx2_fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 }
+// AVX-512 with byte and word instructions (and their 128/256-bit forms): 16-bit integer
+// loops compare into mask registers, 32 lanes at a time.
+inline bool has_avx512bw() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
 #endif
 
 // --- Element types -----------------------------------------------------------------------
