@@ -78,6 +78,15 @@ TEST_CASE("errors: matmul inner-dimension mismatch", "[errors]") {
   CHECK_THROWS_WITH(mt::matmul(f32({2, 3, 4}), f32({3, 4, 5})), Contains("matmul"));
 }
 
+TEST_CASE("errors: conv2d bias of the wrong shape", "[errors]") {
+  const auto x = f32({1, 5, 5, 2}), w = f32({3, 3, 2, 4});
+  CHECK_THROWS_AS(mt::conv2d(x, w, f32({3})), mt::ShapeError);
+  CHECK_THROWS_WITH(mt::conv2d(x, w, f32({3})),
+                    Contains("conv2d") && Contains("bias must be [4]") && Contains("[3]"));
+  CHECK_THROWS_AS(mt::conv2d(x, w, f32({1, 4})), mt::ShapeError);
+  CHECK_NOTHROW(mt::conv2d(x, w, f32({4})));
+}
+
 TEST_CASE("errors: ops without a kernel for the dtype", "[errors]") {
   std::string msg;
   const auto b = mt::from_vector(std::vector<bool>{true, false, true, true}, {2, 2});

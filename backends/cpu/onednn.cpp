@@ -211,7 +211,8 @@ class Buffer {
 enum Slot : int {
   kScratchpad = 0,
   kInner0 = 1,  // kInner0 + i: argument i in the primitive's layout (up to 4 arguments)
-  kWide0 = 5,   // kWide0 + i: argument i converted to float32 (bfloat16 without AVX512-BF16)
+  kWide0 = 5,   // kWide0 + i: argument i converted to float32 (float16; bfloat16 without
+                // AVX512-BF16)
   kWorkspace = 9,
   kPoolDst = 10,
   kSlots = 11,
@@ -235,11 +236,10 @@ enum class Kind : std::uint8_t {
 };
 
 // A plan's cache key: what it computes, the data type, every geometry field, whether a
-// convolution adds a bias, and the
-// OpenMP thread count it was made for (PlanCache::get fills it in): oneDNN divides a
-// primitive's work for the thread count of its creation (its own primitive cache keys on
-// that count too), so a count that changes under load (threads.cpp) needs primitives of its
-// own.
+// convolution adds a bias, and the OpenMP thread count it was made for (PlanCache::get
+// fills it in): oneDNN divides a primitive's work for the thread count of its creation (its
+// own primitive cache keys on that count too), so a count that changes under load
+// (threads.cpp) needs primitives of its own.
 struct Key {
   Kind kind;
   DnType type;
