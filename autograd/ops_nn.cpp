@@ -78,26 +78,19 @@ Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2d
 Tensor conv_forward(const Tensor& x, const Tensor& w, const kernels::Conv2dGeometry& g,
                     const Tensor& bias = Tensor()) {
   Tensor xc = contiguous(x), wc = contiguous(w);
+  const Tensor bc = bias.defined() ? contiguous(bias) : Tensor();
   auto* kernel = detail::kernel_for<kernels::Conv2dFn>(OpId::conv2d, xc.dtype(), {xc, wc});
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.cout}, xc.dtype(), xc.device());
-  if (!bias.defined()) {
-    if (out.numel() > 0) kernel(xc, wc, Tensor(), out, g);
-    if (should_record({xc, wc}))
-      record_op(op_name(OpId::conv2d), {xc, wc}, out,
-                [xc, wc, g](const Tensor& dy, const std::vector<bool>& needs) {
-                  return Grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
-                               needs[1] ? conv_weight_grad(xc, dy, g) : Tensor()};
-                });
-    return out;
-  }
-  Tensor bc = contiguous(bias);
   if (out.numel() > 0) kernel(xc, wc, bc, out, g);
-  if (should_record({xc, wc, bc}))
-    record_op(op_name(OpId::conv2d), {xc, wc, bc}, out,
-              [xc, wc, g, sb = bc.shape()](const Tensor& dy, const std::vector<bool>& needs) {
-                return Grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
-                             needs[1] ? conv_weight_grad(xc, dy, g) : Tensor(),
-                             needs[2] ? sum_to(dy, sb) : Tensor()};
+  std::vector<Tensor> inputs{xc, wc};
+  if (bc.defined()) inputs.push_back(bc);
+  if (should_record(inputs))
+    record_op(op_name(OpId::conv2d), inputs, out,
+              [xc, wc, g, bc](const Tensor& dy, const std::vector<bool>& needs) {
+                Grads grads{needs[0] ? conv_input_grad(dy, wc, g) : Tensor(),
+                            needs[1] ? conv_weight_grad(xc, dy, g) : Tensor()};
+                if (bc.defined()) grads.push_back(needs[2] ? sum_to(dy, bc.shape()) : Tensor());
+                return grads;
               });
   return out;
 }
@@ -142,12 +135,10 @@ Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, std::array<std::int6
 Tensor conv2d(const Tensor& x_in, const Tensor& filters_in, const Tensor& bias_in,
               std::array<std::int64_t, 2> strides, Padding padding) {
   const bool has_bias = bias_in.defined();
-  if (has_bias)
-    detail::check_inputs("conv2d", {x_in, filters_in, bias_in});
-  else
-    detail::check_inputs("conv2d", {x_in, filters_in});
-  const auto in = has_bias ? detail::op_inputs(OpId::conv2d, {x_in, filters_in, bias_in})
-                           : detail::op_inputs(OpId::conv2d, {x_in, filters_in});
+  std::vector<Tensor> given{x_in, filters_in};
+  if (has_bias) given.push_back(bias_in);
+  detail::check_inputs("conv2d", given);
+  const auto in = detail::op_inputs(OpId::conv2d, given);
   const Tensor &x = in[0], &filters = in[1];
   const Tensor bias = has_bias ? in[2] : Tensor();
   check_nhwc("conv2d", x, {x, filters});
