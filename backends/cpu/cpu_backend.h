@@ -131,7 +131,6 @@ bool onednn_conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const
                                   const kernels::Conv2dGeometry& g);
 bool onednn_conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
                                    const kernels::Conv2dGeometry& g);
-bool onednn_max_pool2d(const Tensor& x, const Tensor& out, const kernels::Pool2dGeometry& g);
 bool onednn_max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                                 const kernels::Pool2dGeometry& g);
 bool onednn_avg_pool2d(const Tensor& x, const Tensor& out, const kernels::Pool2dGeometry& g);

@@ -60,6 +60,22 @@ using bits_t = std::conditional_t<
     std::conditional_t<N == 2, std::uint16_t,
                        std::conditional_t<N == 4, std::uint32_t, std::uint64_t>>>;
 
+// For the kernels that work on float16 / bfloat16 bits directly (relu, relu_backward, max
+// pooling): the bits of +inf (magnitudes above are NaNs) and the quiet bit of a NaN. A NaN
+// that goes through float32 and back comes out quiet, so those kernels set that bit on the
+// NaNs they pass. They compare as signed 16-bit integers (magnitudes are below 0x8000),
+// which SSE2 and AVX2 have instructions for (unsigned 16-bit compares they have not).
+struct Bits16 {
+  std::int16_t inf, quiet;
+  std::int16_t quieted(std::int16_t x) const {
+    const auto m = static_cast<std::int16_t>(x & 0x7FFF);
+    return m > inf ? static_cast<std::int16_t>(x | quiet) : x;
+  }
+};
+template <typename T>
+constexpr Bits16 kBits16Of =
+    std::is_same_v<T, half> ? Bits16{0x7C00, 0x0200} : Bits16{0x7F80, 0x0040};
+
 // --- Bulk float16 / bfloat16 <-> float32 conversion (n elements, the half.h converters) --
 
 inline void to_float(const half* s, float* d, std::int64_t n) {

@@ -229,22 +229,6 @@ struct UnaryOp<OpId::sigmoid> {
     return blend(x >= T(0), s, e * s);
   }
 };
-// For the ops that work on float16 / bfloat16 bits directly (bits16 below): the bits of
-// +inf (magnitudes above are NaNs) and the quiet bit of a NaN. A NaN that goes through
-// float32 and back comes out quiet, so bits16 forms set that bit on the NaNs they pass.
-// The forms compare as signed 16-bit integers (magnitudes are below 0x8000), which SSE2 and
-// AVX2 have instructions for (unsigned 16-bit compares they have not).
-struct Bits16 {
-  std::int16_t inf, quiet;
-  std::int16_t quieted(std::int16_t x) const {
-    const auto m = static_cast<std::int16_t>(x & 0x7FFF);
-    return m > inf ? static_cast<std::int16_t>(x | quiet) : x;
-  }
-};
-template <typename T>
-constexpr Bits16 kBits16Of =
-    std::is_same_v<T, half> ? Bits16{0x7C00, 0x0200} : Bits16{0x7F80, 0x0040};
-
 // max(x, 0); NaN stays NaN, -0 stays -0.
 template <>
 struct UnaryOp<OpId::relu> {

@@ -13,9 +13,11 @@
 //   - bfloat16 pooling backward with overlapping windows (stride < window): mixtape sums an
 //     input's contributions in float32 and rounds once; oneDNN was measured several bf16
 //     ulps off there;
-//   - max pooling sees a NaN or -inf in its input: oneDNN's max skips NaNs (mixtape's
-//     propagates them) and starts from -FLT_MAX (a window of -inf would give -FLT_MAX).
-//     Ties go to the first maximum of the window in row-major order in both.
+//   - max pooling's backward pass sees a NaN or -inf in its input: oneDNN's max skips NaNs
+//     (mixtape's propagates them) and starts from -FLT_MAX (a window of -inf would give
+//     -FLT_MAX). Ties go to the first maximum of the window in row-major order in both.
+//     (Max pooling's forward pass is always pool.cpp's, as is its backward pass for
+//     float16 and float64 where windows do not overlap: see pool.cpp.)
 //
 // gemm.cpp's bfloat16 matmul calls onednn_matmul_bf16 first: on CPUs with AVX512-BF16 (or
 // AMX) oneDNN's matmul multiplies the bfloat16 operands natively, accumulates in float32
@@ -133,9 +135,6 @@ bool onednn_conv2d_backward_weight(const Tensor&, const Tensor&, const Tensor&,
                                    const kernels::Conv2dGeometry&) {
   return false;
 }
-bool onednn_max_pool2d(const Tensor&, const Tensor&, const kernels::Pool2dGeometry&) {
-  return false;
-}
 bool onednn_max_pool2d_backward(const Tensor&, const Tensor&, const Tensor&,
                                 const kernels::Pool2dGeometry&) {
   return false;
@@ -228,7 +227,6 @@ enum class Kind : std::uint8_t {
   conv_forward,
   conv_backward_input,
   conv_backward_weight,
-  max_pool,
   max_pool_backward,
   avg_pool,
   avg_pool_backward,
@@ -566,7 +564,7 @@ Key pool_key(Kind kind, DnType type, const Pool2dGeometry& g) {
 }
 
 // The pooling primitive(s) of `kind` for g (nullptr when oneDNN cannot match mixtape's
-// semantics or has only a reference implementation). Arguments: forward (x -> out),
+// semantics or has only a reference implementation). Arguments: avg forward (x -> out),
 // max backward (x, grad_out -> grad_x), avg backward (grad_out -> grad_x).
 std::shared_ptr<const Plan> make_pool_plan(Kind kind, DnType type, const Pool2dGeometry& g) {
   std::int64_t pad_bottom = 0, pad_right = 0;
@@ -580,7 +578,7 @@ std::shared_ptr<const Plan> make_pool_plan(Kind kind, DnType type, const Pool2dG
   const Dims strides{g.stride_h, g.stride_w}, kernel{g.kh, g.kw}, pad_l{g.pad_top, g.pad_left},
       pad_r{pad_bottom, pad_right};
   const Md src_md(src, type, Tag::nhwc), dst_md(dst, type, Tag::nhwc);
-  const bool is_max = kind == Kind::max_pool || kind == Kind::max_pool_backward;
+  const bool is_max = kind == Kind::max_pool_backward;
   const auto alg = is_max ? dn::algorithm::pooling_max : dn::algorithm::pooling_avg_exclude_padding;
   const bool backward = kind == Kind::max_pool_backward || kind == Kind::avg_pool_backward;
   dn::primitive_attr attr;
@@ -806,16 +804,6 @@ bool onednn_conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const
 bool onednn_conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
                                    const Conv2dGeometry& g) {
   return run_conv(Kind::conv_backward_weight, x, grad_out, Tensor(), grad_w, g);
-}
-
-bool onednn_max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
-  const auto plan = pool_plan(Kind::max_pool, x, g);
-  if (!plan) return false;
-  const PoolData d({&x, &out});
-  if (max_pool_unsafe(d.ptrs[0], d.dtype, x.numel())) return false;
-  execute(*plan, {d.ptrs[0], d.ptrs[1], nullptr});
-  d.store();
-  return true;
 }
 
 bool onednn_max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
