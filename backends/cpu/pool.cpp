@@ -3,8 +3,7 @@
 // are not counted in an average. Max pooling's forward pass, and its backward pass where
 // windows do not overlap, run on the stored elements (below: no float32 copies). The
 // others run float16 and bfloat16 on float32 copies (rounded once), and go to oneDNN first
-// when it takes them (onednn.cpp); so does max pooling's backward pass for float32 and
-// bfloat16 (see max_pool2d_backward).
+// when it takes them (onednn.cpp).
 #include <algorithm>
 #include <cstdint>
 
@@ -89,12 +88,14 @@ void max_pool_backward(const C* x, const C* grad_out, C* grad_x, const Pool2dGeo
 // with no float32 copies. They vectorise across the channels (NHWC) and come also compiled
 // for AVX2 and AVX-512BW. The backward pass here is for windows that do not overlap (stride
 // >= window along both axes): each input then gets the gradient of at most one window,
-// a copy or a zero. Overlapping windows sum several gradients and take the loops above.
+// a copy or a zero. Overlapping windows sum several gradients and take oneDNN or the loops
+// above.
 //
 // Written here rather than taken from oneDNN: oneDNN's max skips NaNs and starts from
 // -FLT_MAX, so its results differ where a window holds a NaN or only -inf, and calling it
 // needed a scan of the input for those first (and a rerun of its forward pass in the
-// backward, for the argmax workspace); float16 it has only on AVX512-FP16 CPUs.
+// backward, for the argmax workspace); float16 it has only on AVX512-FP16 CPUs. Measured
+// (docs/benchmarks.md): faster than oneDNN with its scan for every dtype.
 
 // How max pooling compares and passes on elements stored as T.
 template <typename T>
@@ -180,6 +181,13 @@ MIXTAPE_ALWAYS_INLINE void max_backward_row(const typename MaxOrder<T>::S* x,
   using O = MaxOrder<T>;
   using S = typename O::S;
   using Index = typename O::Index;
+  // A known channel count: the window's running maximum and argmax on the stack.
+  alignas(64) S best_here[kC ? kC : 1];
+  alignas(64) Index arg_here[kC ? kC : 1];
+  if constexpr (kC != 0) {
+    best = best_here;
+    arg = arg_here;
+  }
   const std::int64_t c = kC ? kC : g.c, i = r / g.oh, oy = r % g.oh;
   const S* img = x + i * g.h * g.w * c;
   S* gimg = grad_x + i * g.h * g.w * c;
@@ -228,9 +236,11 @@ MIXTAPE_ALWAYS_INLINE void max_backward_row(const typename MaxOrder<T>::S* x,
         const S* s = base + (ky * g.w + kx) * c;
 #pragma omp simd
         for (std::int64_t ch = 0; ch < c; ++ch) {
-          const bool take = O::beats(s[ch], best[ch]);
-          best[ch] = take ? s[ch] : best[ch];
-          arg[ch] = take ? t : arg[ch];
+          const S v = s[ch], b = best[ch];
+          const Index a = arg[ch];
+          const bool take = O::beats(v, b);
+          best[ch] = take ? v : b;
+          arg[ch] = take ? t : a;
         }
       }
     t = 0;
@@ -409,17 +419,14 @@ void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   max_pool_forward_stored<T>(x, out, g);
 }
 
-// Windows that do not overlap: the loops on the stored elements, except that for float32
-// and bfloat16 oneDNN's backward pass goes first (measured faster there, its scan for NaN
-// and -inf included; for float16 it needs float32 copies and was slower). Overlapping
-// windows: oneDNN where it takes them, else the float32 loops above.
+// Windows that do not overlap: the loops on the stored elements (measured faster than
+// oneDNN's backward pass with its scan, float32 and bfloat16 too). Overlapping windows sum
+// several gradients per input: oneDNN where it takes them, else the float32 loops above.
 template <typename T>
 void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
-  constexpr bool onednn_first = std::is_same_v<T, float> || std::is_same_v<T, bfloat16>;
-  const bool separate = separate_windows(g);
-  if ((onednn_first || !separate) && onednn_max_pool2d_backward(x, grad_out, grad_x, g)) return;
-  if (separate) return max_pool_backward_stored<T>(x, grad_out, grad_x, g);
+  if (separate_windows(g)) return max_pool_backward_stored<T>(x, grad_out, grad_x, g);
+  if (onednn_max_pool2d_backward(x, grad_out, grad_x, g)) return;
   auto* o = output<T>(grad_x, 3);
   max_pool_backward(input<T>(x, 1), input<T>(grad_out, 2), o, g);
   store<T>(o, grad_x);
