@@ -16,8 +16,8 @@
 //   - max pooling's backward pass sees a NaN or -inf in its input: oneDNN's max skips NaNs
 //     (mixtape's propagates them) and starts from -FLT_MAX (a window of -inf would give
 //     -FLT_MAX). Ties go to the first maximum of the window in row-major order in both.
-//     (Max pooling's forward pass is always pool.cpp's, as is its backward pass for
-//     float16 and float64 where windows do not overlap: see pool.cpp.)
+//     (Max pooling's forward pass is always pool.cpp's, as is its backward pass where
+//     windows do not overlap: see pool.cpp.)
 //
 // gemm.cpp's bfloat16 matmul calls onednn_matmul_bf16 first: on CPUs with AVX512-BF16 (or
 // AMX) oneDNN's matmul multiplies the bfloat16 operands natively, accumulates in float32
