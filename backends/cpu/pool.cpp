@@ -94,8 +94,9 @@ void max_pool_backward(const C* x, const C* grad_out, C* grad_x, const Pool2dGeo
 // Written here rather than taken from oneDNN: oneDNN's max skips NaNs and starts from
 // -FLT_MAX, so its results differ where a window holds a NaN or only -inf, and calling it
 // needed a scan of the input for those first (and a rerun of its forward pass in the
-// backward, for the argmax workspace); float16 it has only on AVX512-FP16 CPUs. Measured
-// (docs/benchmarks.md): faster than oneDNN with its scan for every dtype.
+// backward, for the argmax workspace); float16 it has only on AVX512-FP16 CPUs. Measured on
+// the MNIST cnn's pools (docs/benchmarks.md): as fast as oneDNN with its scan or faster,
+// every dtype.
 
 // How max pooling compares and passes on elements stored as T.
 template <typename T>
@@ -132,12 +133,17 @@ struct MaxOrder<T> {  // float16, bfloat16: their bits as signed 16-bit integers
   }
 };
 
+// What the loops below load and store for T, and their tap index.
+template <typename T>
+using Stored = typename MaxOrder<T>::S;
+template <typename T>
+using Tap = typename MaxOrder<T>::Index;
+
 // Output row r (image r / oh, output row r % oh) of the forward pass. kC: the channel count
 // when known at compile time (0: g.c).
 template <typename T, std::int64_t kC>
-MIXTAPE_ALWAYS_INLINE void max_forward_row(const typename MaxOrder<T>::S* x,
-                                           typename MaxOrder<T>::S* out, const Pool2dGeometry& g,
-                                           std::int64_t r) {
+MIXTAPE_ALWAYS_INLINE void max_forward_row(const Stored<T>* x, Stored<T>* out,
+                                           const Pool2dGeometry& g, std::int64_t r) {
   using O = MaxOrder<T>;
   using S = typename O::S;
   const std::int64_t c = kC ? kC : g.c, i = r / g.oh, oy = r % g.oh;
@@ -172,12 +178,9 @@ MIXTAPE_ALWAYS_INLINE void max_forward_row(const typename MaxOrder<T>::S* x,
 // columns this output row owns that no window covers (its rows: from its window's first
 // row to the next one's, the last taking the rest). best / arg: c elements of scratch.
 template <typename T, std::int64_t kC>
-MIXTAPE_ALWAYS_INLINE void max_backward_row(const typename MaxOrder<T>::S* x,
-                                            const typename MaxOrder<T>::S* grad_out,
-                                            typename MaxOrder<T>::S* grad_x,
-                                            const Pool2dGeometry& g, std::int64_t r,
-                                            typename MaxOrder<T>::S* best,
-                                            typename MaxOrder<T>::Index* arg) {
+MIXTAPE_ALWAYS_INLINE void max_backward_row(const Stored<T>* x, const Stored<T>* grad_out,
+                                            Stored<T>* grad_x, const Pool2dGeometry& g,
+                                            std::int64_t r, Stored<T>* best, Tap<T>* arg) {
   using O = MaxOrder<T>;
   using S = typename O::S;
   using Index = typename O::Index;
@@ -256,10 +259,6 @@ MIXTAPE_ALWAYS_INLINE void max_backward_row(const typename MaxOrder<T>::S* x,
 // The rows above for the baseline, AVX2 and AVX-512BW, and the pick for this CPU. The
 // common channel counts get loops of a known length (16, 32 or 64 channels are one to a
 // few vectors: the loop set-up for a runtime count cost more than the work).
-template <typename T>
-using Stored = typename MaxOrder<T>::S;
-template <typename T>
-using Tap = typename MaxOrder<T>::Index;
 #define MIXTAPE_MAX_POOL_ROWS(suffix, attributes)                                       \
   template <typename T>                                                                 \
   attributes void max_forward_##suffix(const Stored<T>* x, Stored<T>* out,              \
@@ -419,9 +418,9 @@ void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   max_pool_forward_stored<T>(x, out, g);
 }
 
-// Windows that do not overlap: the loops on the stored elements (measured faster than
-// oneDNN's backward pass with its scan, float32 and bfloat16 too). Overlapping windows sum
-// several gradients per input: oneDNN where it takes them, else the float32 loops above.
+// Windows that do not overlap: the loops on the stored elements (see above). Overlapping
+// windows sum several gradients per input: oneDNN where it takes them, else the float32
+// loops above.
 template <typename T>
 void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
