@@ -67,9 +67,9 @@ using bits_t = std::conditional_t<
 // which SSE2 and AVX2 have instructions for (unsigned 16-bit compares they have not).
 struct Bits16 {
   std::int16_t inf, quiet;
+  bool is_nan(std::int16_t x) const { return static_cast<std::int16_t>(x & 0x7FFF) > inf; }
   std::int16_t quieted(std::int16_t x) const {
-    const auto m = static_cast<std::int16_t>(x & 0x7FFF);
-    return m > inf ? static_cast<std::int16_t>(x | quiet) : x;
+    return is_nan(x) ? static_cast<std::int16_t>(x | quiet) : x;
   }
 };
 template <typename T>

@@ -120,11 +120,8 @@ struct MaxOrder<T> {  // float16, bfloat16: their bits as signed 16-bit integers
     const auto m = static_cast<std::int16_t>(v & 0x7FFF);
     return v < 0 ? static_cast<std::int16_t>(-m) : m;
   }
-  MIXTAPE_ALWAYS_INLINE static bool is_nan(S v) {
-    return static_cast<std::int16_t>(v & 0x7FFF) > k.inf;
-  }
   MIXTAPE_ALWAYS_INLINE static bool beats(S v, S best) {
-    return (is_nan(v) | (key(v) > key(best))) & !is_nan(best);
+    return (k.is_nan(v) | (key(v) > key(best))) & !k.is_nan(best);
   }
   // What the float32 loops gave: NaNs come back quiet, -0 + gradient is +0.
   MIXTAPE_ALWAYS_INLINE static S result(S v) { return k.quieted(v); }
