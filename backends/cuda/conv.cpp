@@ -494,8 +494,9 @@ bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15
 // The plan of (direction, dtype, geometry) on ctx's device, made on first use (ctx.mutex
 // held). Plans are never destroyed, so the reference stays valid.
 const ConvPlan& plan_for(CudnnContext& ctx, int device, Direction dir, DType dt,
-                         const Conv2dGeometry& g, const CudnnLayout& l, const Buffers& buf) {
-  const bool tf32 = dt == kFloat32 && cuda::allow_tf32();
+                         const Conv2dGeometry& g, const CudnnLayout& l, const Buffers& buf,
+                         bool exact_tf32) {
+  const bool tf32 = dt == kFloat32 && (exact_tf32 || cuda::allow_tf32());
   const bool aligned = aligned16(buf.in0) && aligned16(buf.in1) && aligned16(buf.out);
   PlanKey key;
   key.v = {static_cast<int64_t>(dir),
@@ -539,7 +540,7 @@ bool refused(cudnnStatus_t status, const ConvPlan& plan, const char* call, Direc
 // Runs a pass on cuDNN; false when it did not (cuDNN has no usable algorithm for it, or
 // refused the execution): the caller runs the direct kernels.
 bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const Tensor& out,
-                const Conv2dGeometry& g, int device, cudaStream_t st) {
+                const Conv2dGeometry& g, int device, cudaStream_t st, bool exact_tf32) {
   const std::size_t item = dt.itemsize();
   const CudnnLayout l = cudnn_layout(g);
   CudnnContext& ctx = cudnn_context(device);
@@ -571,7 +572,7 @@ bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const
       buf = {image, b.data_ptr(), krsc.data()};
       break;
   }
-  const ConvPlan& plan = plan_for(ctx, device, dir, dt, g, l, buf);
+  const ConvPlan& plan = plan_for(ctx, device, dir, dt, g, l, buf, exact_tf32);
   if (!plan.use_cudnn) return false;
   Workspace workspace(plan.workspace, device);
   const float one = 1.0f, zero = 0.0f;
@@ -614,9 +615,10 @@ bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const
 
 // One pass: empty tensors, then the direct kernels where cuDNN does not go (16-bit
 // accumulation, float64, extents beyond int32), cuDNN, and the direct kernels again where
-// cuDNN declines.
+// cuDNN declines. exact_tf32: float32 operands that hold float16 / bfloat16 values (TF32
+// represents those exactly, so TF32 math is allowed whatever allow_tf32() says).
 void conv_pass(Direction dir, const Tensor& a, const Tensor& b, const Tensor& out,
-               const Conv2dGeometry& g) {
+               const Conv2dGeometry& g, bool exact_tf32 = false) {
   const DType dt = out.dtype();
   if (out.numel() == 0) return;
   const int device = out.device().index();
@@ -628,17 +630,45 @@ void conv_pass(Direction dir, const Tensor& a, const Tensor& b, const Tensor& ou
   if (direct_only(dt, g, &acc))
     return run_direct(dir, dt, acc, s, a.data_ptr(), b.data_ptr(), out.data_ptr(), st);
 #ifdef MIXTAPE_WITH_CUDNN
-  if (cudnn_pass(dir, dt, a, b, out, g, device, st)) return;
+  if (cudnn_pass(dir, dt, a, b, out, g, device, st, exact_tf32)) return;
 #endif
   run_direct(dir, dt, Accumulation::Wide, s, a.data_ptr(), b.data_ptr(), out.data_ptr(), st);
 }
 
+Tensor as_float32(const Tensor& t) {
+  Tensor out = Tensor::empty(t.shape(), kFloat32, t.device());
+  find_kernel<kernels::CastFn>(OpId::cast, DeviceType::CUDA, t.dtype())(t, out);
+  return out;
+}
+
+// The forward pass. The bias is added to the float32 accumulator and the sum rounded once
+// (kernels.h), which neither cuDNN's plain forward (it stores a rounded 16-bit result) nor
+// a bias added to that result gives: rounding twice loses the absolute precision of the
+// convolution where the bias cancels most of it (the conformance sweep's first run on a GPU
+// found such elements 14 float16 units apart). So a float16 / bfloat16 convolution with a
+// bias runs on float32 copies of x and w, with TF32 math allowed (exact on these values:
+// the same products and float32 sums as the 16-bit tensor-core configuration), into a
+// float32 result that one kernel adds the bias to and rounds. The cost is the two casts and
+// TF32's half rate against float16's. Under low_precision_accumulation the bias is the last
+// term, rounded like the others: a pass on the stored result is exactly that.
 void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& out,
                     const Conv2dGeometry& g) {
+  const DType dt = out.dtype();
+  const bool round_once =
+      bias.defined() && dt.is_reduced_float() && !g.low_precision_accumulation && out.numel() > 0;
+  if (round_once) {
+    const int device = out.device().index();
+    DeviceGuard guard(device);
+    Tensor acc = Tensor::empty(out.shape(), kFloat32, out.device());
+    conv_pass(Direction::Forward, as_float32(x), as_float32(w), acc, g, /*exact_tf32=*/true);
+    add_bias_rows_rounded(elem_of(dt), acc.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                          out.numel() / g.cout, g.cout, stream(device));
+    return;
+  }
   conv_pass(Direction::Forward, x, w, out, g);
   if (!bias.defined() || out.numel() == 0) return;
-  // A pass of its own, on the stored result (kernels.h: one more rounding for the 16-bit
-  // types than cuDNN's fused convolution would give).
+  // float32 / float64 (the sum rounded once: the result was not rounded before), or the
+  // 16-bit accumulation's last term.
   const int device = out.device().index();
   DeviceGuard guard(device);
   add_bias_rows(elem_of(out.dtype()), out.data_ptr(), bias.data_ptr(), out.numel() / g.cout, g.cout,

@@ -317,7 +317,31 @@ void launch_add_bias(void* out, const void* bias, int64_t rows, int64_t cols, cu
   MIXTAPE_CUDA_CHECK_LAUNCH("add_bias_kernel");
 }
 
+template <typename T>
+__global__ void add_bias_rounded_kernel(const float* __restrict__ acc, const T* __restrict__ bias,
+                                        T* __restrict__ out, int64_t total, int64_t cols) {
+  MIXTAPE_GRID_LOOP(idx, total) { out[idx] = store<T>(acc[idx] + load(bias[idx % cols])); }
+}
+
+template <typename T>
+void launch_add_bias_rounded(const void* acc, const void* bias, void* out, int64_t rows,
+                             int64_t cols, cudaStream_t stream) {
+  const int64_t total = rows * cols;
+  if (total <= 0) return;
+  add_bias_rounded_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
+      static_cast<const float*>(acc), static_cast<const T*>(bias), static_cast<T*>(out), total,
+      cols);
+  MIXTAPE_CUDA_CHECK_LAUNCH("add_bias_rounded_kernel");
+}
+
 }  // namespace
+
+void add_bias_rows_rounded(Elem type, const void* acc, const void* bias, void* out, int64_t rows,
+                           int64_t cols, cudaStream_t stream) {
+  if (type == Elem::BFloat16)
+    return launch_add_bias_rounded<__nv_bfloat16>(acc, bias, out, rows, cols, stream);
+  return launch_add_bias_rounded<__half>(acc, bias, out, rows, cols, stream);
+}
 
 void add_bias_rows(Elem type, void* out, const void* bias, int64_t rows, int64_t cols,
                    cudaStream_t stream) {

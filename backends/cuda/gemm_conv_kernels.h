@@ -84,6 +84,10 @@ void transpose_matrix(const void* src, void* dst, std::int64_t rows, std::int64_
 // (float32 for float16 / bfloat16), rounded back to the storage type: conv2d's bias.
 void add_bias_rows(Elem type, void* out, const void* bias, std::int64_t rows, std::int64_t cols,
                    cudaStream_t stream);
+// out[r, j] = acc[r, j] + bias[j], the float32 sum rounded once to `type` (float16 or
+// bfloat16; bias and out of that type, acc float32): conv2d's bias on a float32 result.
+void add_bias_rows_rounded(Elem type, const void* acc, const void* bias, void* out,
+                           std::int64_t rows, std::int64_t cols, cudaStream_t stream);
 
 // Zero padding of an NHWC tensor: src [n, h, w, c] -> dst [n, hp, wp, c] with
 //   dst[i, y, x, ch] = src[i, y - top, x - left, ch] inside the image, 0 elsewhere

@@ -110,8 +110,7 @@ struct Conv2dGeometry {
 // Tensor for none): out = conv(x, w) + bias, the bias added to the accumulator before the
 // result is stored (float32 for float16 / bfloat16: rounded once, as oneDNN and cuDNN's
 // fused forms do), or under low_precision_accumulation as the last term, rounded like the
-// others. The CUDA backend adds it to the stored result (one more rounding for the 16-bit
-// types) until it uses cuDNN's fused convolution.
+// others.
 using Conv2dFn = void(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& out,
                       const Conv2dGeometry& g);
 using Conv2dBackwardInputFn = void(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
