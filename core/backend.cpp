@@ -1,11 +1,13 @@
 // The registry of device backends, and the initializers backend libraries announce.
 #include "mixtape/core/backend.h"
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -68,6 +70,30 @@ void ensure_backends() {
   in.any_pending.store(false, std::memory_order_release);
 }
 }  // namespace detail
+
+namespace {
+// Backend::read_back's default: the bytes read at once.
+class ReadNow final : public PendingRead {
+ public:
+  ReadNow(Backend& backend, const void* src, int device_index, std::size_t nbytes) : size_(nbytes) {
+    backend.copy(bytes_.data(), Device::cpu(), src, Device(backend.type(), device_index), nbytes);
+  }
+  void wait(void* dst) override { std::memcpy(dst, bytes_.data(), size_); }
+  bool ready() override { return true; }
+
+ private:
+  std::array<unsigned char, Backend::kMaxReadBack> bytes_{};
+  std::size_t size_;
+};
+}  // namespace
+
+std::unique_ptr<PendingRead> Backend::read_back(const void* src, int device_index,
+                                                std::size_t nbytes) {
+  if (nbytes > kMaxReadBack)
+    throw ValueError(fmt::format("{} backend: read_back of {} bytes (at most {})", name(), nbytes,
+                                 kMaxReadBack));
+  return std::make_unique<ReadNow>(*this, src, device_index, nbytes);
+}
 
 void register_backend(std::unique_ptr<Backend> backend) {
   const DeviceType type = backend->type();

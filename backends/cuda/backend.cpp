@@ -134,6 +134,69 @@ Staging& staging(int device) {
   return *s;
 }
 
+// Backend::read_back: a few pinned bytes and an event per read, from a free list per device
+// (never freed: kernels may run during static destruction). The copy and the event are
+// queued on the device's stream; wait() waits for that event only.
+struct ReadSlot {
+  unsigned char* pinned = nullptr;
+  cudaEvent_t done = nullptr;
+};
+std::mutex g_read_slots_mutex;
+std::vector<std::vector<ReadSlot>> g_free_read_slots;  // by device
+
+class CudaPendingRead final : public PendingRead {
+ public:
+  CudaPendingRead(const void* src, int device, std::size_t nbytes)
+      : device_(device), size_(nbytes) {
+    {
+      std::lock_guard<std::mutex> lock(g_read_slots_mutex);
+      if (g_free_read_slots.size() <= static_cast<std::size_t>(device))
+        g_free_read_slots.resize(static_cast<std::size_t>(device) + 1);
+      auto& free = g_free_read_slots[static_cast<std::size_t>(device)];
+      if (!free.empty()) {
+        slot_ = free.back();
+        free.pop_back();
+      }
+    }
+    DeviceGuard guard(device);
+    if (!slot_.pinned) {
+      void* p = nullptr;
+      MIXTAPE_CUDA_CHECK(cudaMallocHost(&p, Backend::kMaxReadBack));
+      slot_.pinned = static_cast<unsigned char*>(p);
+      MIXTAPE_CUDA_CHECK(cudaEventCreateWithFlags(&slot_.done, cudaEventDisableTiming));
+    }
+    MIXTAPE_CUDA_CHECK(
+        cudaMemcpyAsync(slot_.pinned, src, nbytes, cudaMemcpyDeviceToHost, stream(device)));
+    MIXTAPE_CUDA_CHECK(cudaEventRecord(slot_.done, stream(device)));
+  }
+  CudaPendingRead(const CudaPendingRead&) = delete;
+  CudaPendingRead& operator=(const CudaPendingRead&) = delete;
+  ~CudaPendingRead() override {
+    if (!slot_.pinned) return;
+    cudaEventSynchronize(slot_.done);  // a read nobody waited for: its copy may be in flight
+    std::lock_guard<std::mutex> lock(g_read_slots_mutex);
+    g_free_read_slots[static_cast<std::size_t>(device_)].push_back(slot_);
+  }
+  void wait(void* dst) override {
+    MIXTAPE_CUDA_CHECK(cudaEventSynchronize(slot_.done));
+    std::memcpy(dst, slot_.pinned, size_);
+  }
+  bool ready() override {
+    const cudaError_t status = cudaEventQuery(slot_.done);
+    if (status == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error: clear it, or the next launch check would see it
+      return false;
+    }
+    MIXTAPE_CUDA_CHECK(status);
+    return true;
+  }
+
+ private:
+  ReadSlot slot_;
+  int device_;
+  std::size_t size_;
+};
+
 // Copies of more than this many bytes between pageable host memory and a device go in
 // pieces through the staging buffers.
 constexpr std::size_t kStagingPiece = std::size_t{32} << 20;
@@ -243,6 +306,13 @@ class CudaBackend final : public Backend {
     }
     throw DeviceError(
         fmt::format("CUDA backend: cannot copy from {} to {}", src_device.str(), dst_device.str()));
+  }
+
+  std::unique_ptr<PendingRead> read_back(const void* src, int device_index,
+                                         std::size_t nbytes) override {
+    check_index(device_index);
+    if (nbytes > kMaxReadBack) return Backend::read_back(src, device_index, nbytes);  // throws
+    return std::make_unique<CudaPendingRead>(src, device_index, nbytes);
   }
 
   void synchronize(int device_index) override {

@@ -26,6 +26,17 @@ struct DeviceProperties {
   int multiprocessors = 0;       // CUDA streaming multiprocessors (0 for the CPU)
 };
 
+// A small read from a device, queued behind the work queued before it (Backend::read_back).
+class PendingRead {
+ public:
+  virtual ~PendingRead() = default;
+  // Waits until the read is done (the work queued before it, not what was queued after)
+  // and copies its bytes to dst.
+  virtual void wait(void* dst) = 0;
+  // Whether wait() would return at once.
+  virtual bool ready() = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -42,6 +53,12 @@ class Backend {
                     std::size_t nbytes) = 0;
   // Waits until the work queued on the device is done.
   virtual void synchronize(int device_index) = 0;
+  // Starts reading nbytes (at most kMaxReadBack) from the device once the work queued so far
+  // is done, without waiting for it: a flag the host needs later, while the device goes on
+  // with what is queued after. The default reads at once (copy()).
+  static constexpr std::size_t kMaxReadBack = 64;
+  virtual std::unique_ptr<PendingRead> read_back(const void* src, int device_index,
+                                                 std::size_t nbytes);
   // The device's name and capabilities.
   virtual DeviceProperties properties(int device_index) const = 0;
 };
