@@ -12,6 +12,7 @@
 #include "mixtape/autograd/amp.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
+#include "mixtape/core/backend.h"
 #include "optim/optim_util.h"
 
 namespace mixtape::optim {
@@ -21,6 +22,12 @@ namespace {
 const double kMaxLossScale = std::ldexp(1.0, 127);
 // The largest count a checkpoint's double holds exactly: 2^53.
 const double kMaxExactCount = std::ldexp(1.0, 53);
+
+// `o` with a step decided on the device recorded (a copy starts from settled counts).
+const LossScaleOptimizer& synced(const LossScaleOptimizer& o) {
+  o.sync_step();
+  return o;
+}
 }  // namespace
 
 LossScaleOptimizer::LossScaleOptimizer(std::shared_ptr<Optimizer> inner, LossScale loss_scale,
@@ -41,7 +48,7 @@ LossScaleOptimizer::LossScaleOptimizer(std::shared_ptr<Optimizer> inner, LossSca
 }
 
 LossScaleOptimizer::LossScaleOptimizer(const LossScaleOptimizer& other)
-    : Optimizer(other),
+    : Optimizer(synced(other)),
       inner_(other.inner_->clone()),
       config_(other.config_),
       options_(other.options_),
@@ -54,19 +61,21 @@ LossScaleOptimizer::LossScaleOptimizer(const LossScaleOptimizer& other)
 
 Tensor LossScaleOptimizer::get_scaled_loss(const Tensor& loss) const {
   if (!loss.defined()) throw ValueError("LossScaleOptimizer::get_scaled_loss: undefined loss");
+  sync_step();
   return loss * scale_;
 }
 
 std::vector<Tensor> LossScaleOptimizer::get_unscaled_gradients(const std::vector<Tensor>& grads) {
-  auto [out, nonfinite] = scale_and_check(grads, 1.0 / scale_, /*multiply=*/true);
+  sync_step();
+  Checked checked = scale_and_flag(grads, 1.0 / scale_, /*multiply=*/true);
   unscaled_ids_.clear();
-  for (const auto& g : out)
+  for (const auto& g : checked.out)
     if (g.defined()) unscaled_ids_.insert(g.id());
-  unscaled_nonfinite_ = nonfinite;
-  return out;
+  unscaled_flags_ = std::move(checked.flags);
+  return std::move(checked.out);
 }
 
-bool LossScaleOptimizer::any_nonfinite(const std::vector<Tensor>& grads) const {
+std::vector<Tensor> LossScaleOptimizer::flags_for(const std::vector<Tensor>& grads) const {
   // The gradients of the latest get_unscaled_gradients were checked in its pass.
   bool all_checked = !unscaled_ids_.empty();
   std::size_t defined = 0;
@@ -75,8 +84,20 @@ bool LossScaleOptimizer::any_nonfinite(const std::vector<Tensor>& grads) const {
     ++defined;
     all_checked = all_checked && unscaled_ids_.count(g.id()) > 0;
   }
-  if (all_checked && defined == unscaled_ids_.size()) return unscaled_nonfinite_;
-  return scale_and_check(grads, 1.0, /*multiply=*/false).second;
+  if (all_checked && defined == unscaled_ids_.size()) return unscaled_flags_;
+  return scale_and_flag(grads, 1.0, /*multiply=*/false).flags;
+}
+
+bool LossScaleOptimizer::decide_on_device(const std::vector<Tensor>& flags,
+                                          const std::vector<Variable>& variables) const {
+  if (options_.decision == StepDecision::Host || flags.size() != 1 ||
+      !inner_->supports_device_skip())
+    return false;
+  const Device d = flags.front().device();
+  if (options_.decision == StepDecision::Auto && d.is_cpu()) return false;
+  // The kernels read the flag on the variables' device: all of them on the flag's.
+  return std::all_of(variables.begin(), variables.end(),
+                     [&](const Variable& v) { return !v.defined() || v.device() == d; });
 }
 
 void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
@@ -86,8 +107,35 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
         fmt::format("LossScaleOptimizer::apply_gradients: {} gradients for {} "
                     "variables",
                     grads.size(), variables.size()));
-  const bool nonfinite = any_nonfinite(grads);
+  sync_step();
+  const std::vector<Tensor> flags = flags_for(grads);
   unscaled_ids_.clear();
+  unscaled_flags_.clear();
+  if (decide_on_device(flags, variables)) {
+    // The update kernels skip on the flag; the step is counted now and taken back by
+    // sync_step if the flag turns out set.
+    inner_->step(grads, variables, flags.front());
+    const Tensor& flag = flags.front();
+    pending_ = backend_for(flag.device().type())
+                   .read_back(flag.data_ptr(), flag.device().index(), sizeof(float));
+    return;
+  }
+  const bool nonfinite = any_set(flags);
+  if (!nonfinite) inner_->apply_gradients(grads, variables);
+  record(nonfinite);
+}
+
+void LossScaleOptimizer::sync_step() const {
+  if (!pending_) return;
+  float flag = 0.0f;
+  const std::unique_ptr<PendingRead> read = std::move(pending_);
+  read->wait(&flag);
+  const bool nonfinite = flag != 0.0f;
+  if (nonfinite) inner_->uncount_step();
+  record(nonfinite);
+}
+
+void LossScaleOptimizer::record(bool nonfinite) const {
   if (nonfinite) {
     ++skipped_;
     ++consecutive_skips_;
@@ -105,7 +153,6 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
           config_.is_dynamic() && scale_ <= config_.min_scale() ? "at its floor" : config_.str()));
     return;
   }
-  inner_->apply_gradients(grads, variables);
   ++applied_;
   consecutive_skips_ = 0;
   last_skipped_ = false;
@@ -118,7 +165,37 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
   }
 }
 
+double LossScaleOptimizer::loss_scale() const {
+  sync_step();
+  return scale_;
+}
+std::int64_t LossScaleOptimizer::applied_steps() const {
+  sync_step();
+  return applied_;
+}
+std::int64_t LossScaleOptimizer::skipped_steps() const {
+  sync_step();
+  return skipped_;
+}
+std::int64_t LossScaleOptimizer::good_steps() const {
+  sync_step();
+  return good_steps_;
+}
+bool LossScaleOptimizer::last_step_skipped() const {
+  sync_step();
+  return last_skipped_;
+}
+std::int64_t LossScaleOptimizer::iterations() const {
+  sync_step();
+  return inner_->iterations();
+}
+double LossScaleOptimizer::current_learning_rate() const {
+  sync_step();
+  return inner_->current_learning_rate();
+}
+
 OptimizerState LossScaleOptimizer::state(const std::vector<Variable>& variables) const {
+  sync_step();
   OptimizerState s = inner_->state(variables);
   s.scalars["loss_scale"] = scale_;
   s.scalars["good_steps"] = static_cast<double>(good_steps_);
@@ -129,6 +206,7 @@ OptimizerState LossScaleOptimizer::state(const std::vector<Variable>& variables)
 
 void LossScaleOptimizer::load_state(const OptimizerState& state,
                                     const std::vector<Variable>& variables) {
+  sync_step();
   // Every number is checked before anything changes (and before any cast: a NaN or 1e300
   // has no int64 value).
   constexpr const char* kWho = "LossScaleOptimizer::load_state";

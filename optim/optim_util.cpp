@@ -16,11 +16,11 @@ Tensor copy_of(const Tensor& t) {
   return c;
 }
 
-std::pair<std::vector<Tensor>, bool> scale_and_check(const std::vector<Tensor>& grads, double scale,
-                                                     bool multiply) {
+Checked scale_and_flag(const std::vector<Tensor>& grads, double scale, bool multiply) {
   NoGradGuard no_grad;
-  std::vector<Tensor> out(grads.size());
-  // One kernel call per (device, dtype) group; one flag per device, read once at the end.
+  Checked result;
+  result.out.resize(grads.size());
+  // One kernel call per (device, dtype) group; one flag per device.
   struct Group {
     std::vector<Tensor> in, out;
   };
@@ -36,8 +36,8 @@ std::pair<std::vector<Tensor>, bool> scale_and_check(const std::vector<Tensor>& 
     Group& grp = groups[{dkey, g.dtype().index()}];
     grp.in.push_back(g);
     if (multiply) {
-      out[i] = Tensor::empty(g.shape(), g.dtype(), d);
-      grp.out.push_back(out[i]);
+      result.out[i] = Tensor::empty(g.shape(), g.dtype(), d);
+      grp.out.push_back(result.out[i]);
     } else {
       grp.out.emplace_back();
     }
@@ -50,9 +50,20 @@ std::pair<std::vector<Tensor>, bool> scale_and_check(const std::vector<Tensor>& 
     find_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, d.type(), dt)(grp.in, grp.out, scale,
                                                                             it->second);
   }
-  bool nonfinite = false;
-  for (const auto& [key, flag] : flags) nonfinite = nonfinite || flag.item<float>() != 0.0f;
-  return {std::move(out), nonfinite};
+  for (auto& [key, flag] : flags) result.flags.push_back(std::move(flag));
+  return result;
+}
+
+bool any_set(const std::vector<Tensor>& flags) {
+  bool set = false;
+  for (const auto& flag : flags) set = set || flag.item<float>() != 0.0f;
+  return set;
+}
+
+std::pair<std::vector<Tensor>, bool> scale_and_check(const std::vector<Tensor>& grads, double scale,
+                                                     bool multiply) {
+  Checked c = scale_and_flag(grads, scale, multiply);
+  return {std::move(c.out), any_set(c.flags)};
 }
 
 std::optional<std::size_t> first_nonfinite(const std::vector<Tensor>& grads) {

@@ -2,6 +2,7 @@
 // the optimizers and the loss scale optimizer.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -22,6 +23,17 @@ Tensor copy_of(const Tensor& t);
 // flag read. With `multiply` false nothing is written and only the flag is computed.
 std::pair<std::vector<Tensor>, bool> scale_and_check(const std::vector<Tensor>& grads, double scale,
                                                      bool multiply);
+
+// The same pass without the read: the results and the flags (a float32 scalar per device
+// that holds gradients, non-zero where one is not finite), to be read later (any_set) or
+// handed to the update kernels (kernels::OptimizerUpdate::skip_if).
+struct Checked {
+  std::vector<Tensor> out;
+  std::vector<Tensor> flags;
+};
+Checked scale_and_flag(const std::vector<Tensor>& grads, double scale, bool multiply);
+// Whether any flag is set (one read per flag).
+bool any_set(const std::vector<Tensor>& flags);
 
 // The index of the first gradient holding a NaN or an infinity, if any (one pass when all
 // are finite).

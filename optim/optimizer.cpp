@@ -174,6 +174,11 @@ std::vector<Variable> Optimizer::slots(const Variable& var) const {
 
 void Optimizer::apply_gradients(const std::vector<Tensor>& grads,
                                 const std::vector<Variable>& variables) {
+  step(grads, variables, Tensor());
+}
+
+void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variable>& variables,
+                     const Tensor& skip_if) {
   NoGradGuard no_grad;
   std::vector<Tensor> g = prepare(grads, variables);
   if (check_finite_) {
@@ -187,6 +192,11 @@ void Optimizer::apply_gradients(const std::vector<Tensor>& grads,
   clip(g, clipping_);
   const double lr = learning_rate_(iterations_);
   const std::int64_t step = iterations_ + 1;
+  struct Flag {  // skip_if_ for the updates of this step only, also when one throws
+    Tensor& slot;
+    ~Flag() { slot = Tensor(); }
+  } flag{skip_if_};
+  skip_if_ = skip_if;
   for (std::size_t i = 0; i < g.size(); ++i)
     if (g[i].defined()) update(variables[i], g[i], slots_for(variables[i]), lr, step);
   ++iterations_;
@@ -308,6 +318,7 @@ std::vector<std::string> SGD::slot_names() const {
 void SGD::update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
                  double lr, std::int64_t step) {
   auto u = update_args(var, grad, slots, lr, step);
+  u.skip_if = skip_flag();
   u.momentum = options_.momentum;
   u.nesterov = options_.nesterov;
   run(OpId::sgd_update, u);
@@ -334,6 +345,7 @@ std::vector<std::string> RMSprop::slot_names() const {
 void RMSprop::update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
                      double lr, std::int64_t step) {
   auto u = update_args(var, grad, slots, lr, step);
+  u.skip_if = skip_flag();
   u.beta2 = options_.rho;
   u.momentum = options_.momentum;
   u.epsilon = options_.epsilon;
@@ -366,6 +378,7 @@ std::vector<std::string> Adam::slot_names() const {
 void Adam::update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
                   double lr, std::int64_t step) {
   auto u = update_args(var, grad, slots, lr, step);
+  u.skip_if = skip_flag();
   u.beta1 = options_.beta_1;
   u.beta2 = options_.beta_2;
   u.epsilon = options_.epsilon;

@@ -415,3 +415,64 @@ TEST_CASE("loss scale optimizer: state with the scale and counters", "[optim][lo
   CHECK(values(wb) == values(wa));
   CHECK(b.loss_scale() == a.loss_scale());
 }
+
+TEST_CASE("loss scale optimizer: steps decided on the device end as steps decided on the host",
+          "[optim][loss_scale]") {
+  // StepDecision::Device on the CPU: the update kernels read the flag, and the counts, the
+  // scale and the iteration count are recorded by the next call. A learning rate schedule
+  // (it reads the iteration count), Adam's bias correction (the step number), the first
+  // step skipped, skips in a row, and accessors read only now and then: bit for bit the
+  // same weights, slots and numbers as the flag read before each update.
+  auto make = [](mo::StepDecision decision) {
+    return mo::LossScaleOptimizer(
+        mo::Adam({.learning_rate = mo::schedules::cosine_decay(0.1, 10)}),
+        mt::LossScale::dynamic({.initial_scale = 256, .growth_interval = 2}),
+        {.max_consecutive_skips = 3, .decision = decision});
+  };
+  mo::LossScaleOptimizer host = make(mo::StepDecision::Host);
+  mo::LossScaleOptimizer device = make(mo::StepDecision::Device);
+  mt::Variable wh(vec({0.5, -1.0, 2.0}), "w"), wd(vec({0.5, -1.0, 2.0}), "w");
+  const double inf = INFINITY, nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> first = {inf, 0.3, 0.2, nan, -0.4, inf, 0.1, 0.7, -0.2, 0.05, 0.3};
+  for (std::size_t s = 0; s < first.size(); ++s) {
+    INFO("step " << s);
+    const std::vector<double> g = {first[s], -0.25, 0.125};
+    const auto gh = host.get_unscaled_gradients({vec({g[0] * 256, g[1] * 256, g[2] * 256})});
+    const auto gd = device.get_unscaled_gradients({vec({g[0] * 256, g[1] * 256, g[2] * 256})});
+    host.apply_gradients(gh, {wh});
+    device.apply_gradients(gd, {wd});
+    CHECK(values(wd) == values(wh));  // the kernels skipped or applied already
+    if (s % 3 == 2) {                 // accessors now and then (each records the last step)
+      CHECK(device.loss_scale() == host.loss_scale());
+      CHECK(device.iterations() == host.iterations());
+      CHECK(device.last_step_skipped() == host.last_step_skipped());
+    }
+  }
+  CHECK(host.skipped_steps() == 3);
+  CHECK(device.skipped_steps() == host.skipped_steps());
+  CHECK(device.applied_steps() == host.applied_steps());
+  CHECK(device.good_steps() == host.good_steps());
+  CHECK(device.loss_scale() == host.loss_scale());
+  CHECK(device.iterations() == host.iterations());
+  CHECK(device.current_learning_rate() == host.current_learning_rate());
+  const auto sh = host.inner_optimizer().slots(wh), sd = device.inner_optimizer().slots(wd);
+  REQUIRE(sh.size() == sd.size());
+  for (std::size_t i = 0; i < sh.size(); ++i) CHECK(values(sd[i]) == values(sh[i]));
+  const auto state_h = host.state({wh}), state_d = device.state({wd});
+  CHECK(state_d.scalars == state_h.scalars);
+  CHECK(state_d.iterations == state_h.iterations);
+
+  // The stuck-scale guard: the third skip in a row throws from the call after it.
+  mo::LossScaleOptimizer stuck = make(mo::StepDecision::Device);
+  mt::Variable w(vec({1.0}), "w");
+  for (int i = 0; i < 3; ++i) stuck.apply_gradients({vec({NAN})}, {w});
+  CHECK_THROWS_WITH(stuck.sync_step(), Catch::Contains("diverged"));
+  CHECK(stuck.skipped_steps() == 3);
+  CHECK(stuck.iterations() == 0);
+  CHECK(w.item<double>() == 1.0);
+  // A copy starts from recorded numbers.
+  stuck.apply_gradients({vec({0.5})}, {w});
+  const mo::LossScaleOptimizer copy = stuck;
+  CHECK(copy.applied_steps() == 1);
+  CHECK(copy.iterations() == 1);
+}

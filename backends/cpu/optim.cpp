@@ -172,8 +172,10 @@ S* slot_ptr(const Tensor& t) {
 // variables. v and g are the block's variable and gradient in the slot type: the tensors
 // themselves, or float32 stack copies of 16-bit ones (the variable's copy is converted
 // back after the block, its one rounding per step).
+// Nothing runs when u.skip_if is set (kernels.h).
 template <typename T, typename Block>
 void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
+  if (u.skip_if.defined() && *static_cast<const float*>(u.skip_if.data_ptr()) != 0.0f) return;
   T* var = static_cast<T*>(u.var.data_ptr());
   const T* grad = static_cast<const T*>(u.grad.data_ptr());
   parallel_blocks(u.var.numel(), [&](int64_t b, int64_t e) {

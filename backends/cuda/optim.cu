@@ -117,6 +117,11 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
 template <typename T>
 using slot_of = compute_of<T>;  // float64 for float64, float32 otherwise
 
+// The device flag of a step decided on the device, or null (kernels.h, skip_if).
+const float* skip_ptr(const OptimizerUpdate& u) {
+  return u.skip_if.defined() ? static_cast<const float*>(u.skip_if.data_ptr()) : nullptr;
+}
+
 template <typename S>
 S* slot_ptr(const Tensor& t) {
   return t.defined() ? static_cast<S*>(t.data_ptr()) : nullptr;
@@ -125,10 +130,11 @@ S* slot_ptr(const Tensor& t) {
 // sgd: mode 0: var -= lr g; 1: vel = momentum vel - lr g, var += vel; 2 (Nesterov): the same
 // velocity, var += momentum vel - lr g.
 template <typename T>
-__global__ void sgd_kernel(T* __restrict__ var, const T* __restrict__ grad,
-                           slot_of<T>* __restrict__ vel, int64_t n, slot_of<T> lr,
-                           slot_of<T> momentum, int mode) {
+__global__ void sgd_kernel(const float* __restrict__ skip, T* __restrict__ var,
+                           const T* __restrict__ grad, slot_of<T>* __restrict__ vel, int64_t n,
+                           slot_of<T> lr, slot_of<T> momentum, int mode) {
   using S = slot_of<T>;
+  if (skip != nullptr && *skip != 0.0f) return;  // a step skipped on the device
   MIXTAPE_GRID_LOOP(i, n) {
     S v = load(var[i]);
     const S g = load(grad[i]);
@@ -154,7 +160,7 @@ void sgd_host(const OptimizerUpdate& u) {
   OnDevice on(u.var);
   const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
   sgd_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
+      skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
       mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n, static_cast<S>(u.lr),
       static_cast<S>(u.momentum), mode);
   MIXTAPE_CUDA_CHECK_LAUNCH("sgd_update kernel");
@@ -164,12 +170,14 @@ void sgd_host(const OptimizerUpdate& u) {
 // mg^2, 0), else d = ms; step = lr g / sqrt(d + eps); momentum: mom = momentum mom + step,
 // var -= mom; otherwise var -= step.
 template <typename T>
-__global__ void rmsprop_kernel(T* __restrict__ var, const T* __restrict__ grad,
-                               slot_of<T>* __restrict__ ms, slot_of<T>* __restrict__ mom,
-                               slot_of<T>* __restrict__ mg, int64_t n, slot_of<T> lr,
-                               slot_of<T> rho, slot_of<T> one_minus_rho, slot_of<T> eps,
-                               slot_of<T> momentum, bool centered, bool use_momentum) {
+__global__ void rmsprop_kernel(const float* __restrict__ skip, T* __restrict__ var,
+                               const T* __restrict__ grad, slot_of<T>* __restrict__ ms,
+                               slot_of<T>* __restrict__ mom, slot_of<T>* __restrict__ mg, int64_t n,
+                               slot_of<T> lr, slot_of<T> rho, slot_of<T> one_minus_rho,
+                               slot_of<T> eps, slot_of<T> momentum, bool centered,
+                               bool use_momentum) {
   using S = slot_of<T>;
+  if (skip != nullptr && *skip != 0.0f) return;  // a step skipped on the device
   MIXTAPE_GRID_LOOP(i, n) {
     S v = load(var[i]);
     const S g = load(grad[i]);
@@ -202,7 +210,7 @@ void rmsprop_host(const OptimizerUpdate& u) {
   OnDevice on(u.var);
   const bool use_momentum = u.momentum > 0.0;
   rmsprop_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
+      skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
       slot_ptr<S>(u.slot1), use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
       u.centered ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(u.lr), static_cast<S>(u.beta2),
       static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon), static_cast<S>(u.momentum),
@@ -213,12 +221,14 @@ void rmsprop_host(const OptimizerUpdate& u) {
 // adam: var -= lr_wd var (AdamW); m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2);
 // amsgrad: vmax = max(vmax, v); var -= alpha m / (sqrt(v | vmax) + eps).
 template <typename T>
-__global__ void adam_kernel(T* __restrict__ var, const T* __restrict__ grad,
-                            slot_of<T>* __restrict__ m, slot_of<T>* __restrict__ v,
-                            slot_of<T>* __restrict__ vmax, int64_t n, slot_of<T> alpha,
-                            slot_of<T> one_minus_beta1, slot_of<T> one_minus_beta2, slot_of<T> eps,
-                            slot_of<T> lr_wd, bool amsgrad, bool decay) {
+__global__ void adam_kernel(const float* __restrict__ skip, T* __restrict__ var,
+                            const T* __restrict__ grad, slot_of<T>* __restrict__ m,
+                            slot_of<T>* __restrict__ v, slot_of<T>* __restrict__ vmax, int64_t n,
+                            slot_of<T> alpha, slot_of<T> one_minus_beta1,
+                            slot_of<T> one_minus_beta2, slot_of<T> eps, slot_of<T> lr_wd,
+                            bool amsgrad, bool decay) {
   using S = slot_of<T>;
+  if (skip != nullptr && *skip != 0.0f) return;  // a step skipped on the device
   MIXTAPE_GRID_LOOP(i, n) {
     S x = load(var[i]);
     if (decay) x = sub_rn(x, mul_rn(lr_wd, x));
@@ -249,7 +259,7 @@ void adam_host(const OptimizerUpdate& u) {
       u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
   const bool decay = u.weight_decay != 0.0;
   adam_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
+      skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
       slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2), u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr, n,
       static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2),
       static_cast<S>(u.epsilon), static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay);

@@ -2,6 +2,7 @@
 // direction (large ones through the pinned staging buffer in pieces), tensors moved to the
 // GPU and back, layers and optimizers on the GPU, and clear errors for bad devices.
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -107,4 +108,48 @@ TEST_CASE("cuda backend: a model trains on the GPU like on the CPU", "[cuda]") {
       ctest_util::check_close(wg[i].to(mt::Device::cpu()), wc[i],
                               std::string(policy) == "float32" ? 1e-3 : 5e-2, "weights");
   }
+}
+
+TEST_CASE("cuda backend: a loss scale optimizer decides its steps on the device", "[cuda]") {
+  // The same script of finite and overflowing gradients on the CPU (the flag read before
+  // each update) and on the GPU (StepDecision::Auto: decided on the device, read a call
+  // later): the same weights, slots, scale and counts after every step.
+  auto make = [](mt::optim::StepDecision decision) {
+    return mt::optim::LossScaleOptimizer(
+        mt::optim::Adam({.learning_rate = mt::optim::schedules::cosine_decay(0.1, 12)}),
+        mt::LossScale::dynamic({.initial_scale = 64, .growth_interval = 3}),
+        {.decision = decision});
+  };
+  mt::optim::LossScaleOptimizer on_cpu = make(mt::optim::StepDecision::Host);
+  mt::optim::LossScaleOptimizer on_gpu = make(mt::optim::StepDecision::Auto);
+  const mt::Tensor w0 = ctest_util::random({300}, mt::kFloat32, 7);
+  mt::Variable wc(w0.to(mt::Device::cpu()), "w"), wg(w0.to(kGpu), "w");
+  const double inf = INFINITY;
+  const std::vector<double> poison = {inf, 0, inf, 0, 0, 0, -inf, 0, 0, NAN, 0, 0};
+  for (std::size_t s = 0; s < poison.size(); ++s) {
+    INFO("step " << s);
+    mt::Tensor g = ctest_util::random({300}, mt::kFloat32, 100 + s);
+    if (poison[s] != 0) {
+      auto v = g.to_vector<double>();
+      v[17] = poison[s];
+      g = mt::from_vector(v, {300}, mt::kFloat32, mt::Device::cpu());
+    }
+    const double scale = on_cpu.loss_scale();
+    const mt::Tensor scaled = g * scale;
+    on_cpu.apply_gradients(on_cpu.get_unscaled_gradients({scaled}), {wc});
+    // The GPU's step: no accessor between the calls, so its decision stays on the device
+    // until the next step's get_unscaled_gradients.
+    on_gpu.apply_gradients(on_gpu.get_unscaled_gradients({scaled.to(kGpu)}), {wg});
+  }
+  CHECK(on_gpu.loss_scale() == on_cpu.loss_scale());
+  CHECK(on_gpu.skipped_steps() == on_cpu.skipped_steps());
+  CHECK(on_gpu.applied_steps() == on_cpu.applied_steps());
+  CHECK(on_gpu.iterations() == on_cpu.iterations());
+  CHECK(on_gpu.good_steps() == on_cpu.good_steps());
+  CHECK(on_cpu.skipped_steps() == 4);
+  ctest_util::check_close(wg.to(mt::Device::cpu()), wc, 1e-6, "weights");
+  const auto sc = on_cpu.inner_optimizer().slots(wc), sg = on_gpu.inner_optimizer().slots(wg);
+  REQUIRE(sc.size() == sg.size());
+  for (std::size_t i = 0; i < sc.size(); ++i)
+    ctest_util::check_close(sg[i].to(mt::Device::cpu()), sc[i], 1e-6, "slot");
 }

@@ -172,9 +172,13 @@ using UnscaleCheckFn = void(const std::vector<Tensor>& grads, const std::vector<
 //     m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2); [vmax = max(vmax, v)]
 //     alpha = lr sqrt(1 - beta2^step) / (1 - beta1^step);
 //     var -= alpha * m / (sqrt(v | vmax) + epsilon).
+// skip_if, when defined, is a float32 scalar on the variable's device (unscale_check's
+// flag): when it is non-zero the kernel changes nothing (no variable, no slot). The step is
+// then decided on the device, without a host read of the flag before the update.
 struct OptimizerUpdate {
   Tensor var, grad;
   Tensor slot1, slot2, slot3;  // undefined when the optimizer does not use them
+  Tensor skip_if;
   double lr = 0.0;
   double beta1 = 0.0, beta2 = 0.0, epsilon = 0.0;
   double momentum = 0.0, weight_decay = 0.0;

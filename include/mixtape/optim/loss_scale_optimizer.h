@@ -19,6 +19,14 @@
 // When max_consecutive_skips steps in a row are skipped (the scale sits at its floor and
 // the gradients still overflow: the model diverged), apply_gradients throws NumericError
 // instead of skipping silently forever.
+//
+// On a GPU the decision is made on the device (StepDecision::Auto): the flag of the
+// finiteness check goes to the update kernels, which change nothing when it is set, and the
+// host reads it one step later, without waiting for the device (a copy queued behind the
+// check). The counts, the scale and the iteration count are then brought up to date by the
+// next call that needs them: get_scaled_loss, get_unscaled_gradients, apply_gradients, any
+// accessor, state, or sync_step(). They end up as with a read per step, bit for bit; only a
+// NumericError for max_consecutive_skips comes from that next call.
 #pragma once
 
 #include <concepts>
@@ -26,14 +34,23 @@
 #include <memory>
 #include <unordered_set>
 
+#include "mixtape/core/backend.h"
 #include "mixtape/optim/optimizer.h"
 #include "mixtape/precision/loss_scale.h"
 
 namespace mixtape::optim {
 
+// Where a step's skip decision is made.
+enum class StepDecision {
+  Auto,    // on the device when the variables live on a GPU, on the host otherwise
+  Device,  // on the device wherever the variables are (the CPU too: a read one call later)
+  Host,    // the flag read before every update (one host synchronisation per step on a GPU)
+};
+
 struct LossScaleOptimizerOptions {
   // Steps skipped in a row before apply_gradients throws NumericError (0: never).
   std::int64_t max_consecutive_skips = 100;
+  StepDecision decision = StepDecision::Auto;
 };
 
 class LossScaleOptimizer : public Optimizer {
@@ -58,19 +75,25 @@ class LossScaleOptimizer : public Optimizer {
                        const std::vector<Variable>& variables) override;
 
   // The current scale.
-  double loss_scale() const { return scale_; }
+  double loss_scale() const;
   const LossScale& loss_scale_config() const { return config_; }
-  std::int64_t applied_steps() const { return applied_; }
-  std::int64_t skipped_steps() const { return skipped_; }
+  std::int64_t applied_steps() const;
+  std::int64_t skipped_steps() const;
   // Finite steps since the scale last changed (dynamic scales).
-  std::int64_t good_steps() const { return good_steps_; }
+  std::int64_t good_steps() const;
   // Whether the latest apply_gradients was skipped.
-  bool last_step_skipped() const { return last_skipped_; }
+  bool last_step_skipped() const;
+  // Reads the outcome of a step decided on the device and not read yet, if any, and updates
+  // the counts and the scale (the calls above do this first; it waits for the device only
+  // up to that step's check). Throws NumericError when that step was the
+  // max_consecutive_skips-th skipped in a row.
+  void sync_step() const;
 
+  // The wrapped optimizer (its iteration count is up to date after sync_step()).
   Optimizer& inner_optimizer() { return *inner_; }
   const Optimizer& inner_optimizer() const { return *inner_; }
-  std::int64_t iterations() const override { return inner_->iterations(); }
-  double current_learning_rate() const override { return inner_->current_learning_rate(); }
+  std::int64_t iterations() const override;
+  double current_learning_rate() const override;
   std::string name() const override { return "LossScaleOptimizer"; }
   std::shared_ptr<Optimizer> clone() const override {
     return std::make_shared<LossScaleOptimizer>(*this);
@@ -88,18 +111,28 @@ class LossScaleOptimizer : public Optimizer {
               std::int64_t) override {}
 
  private:
-  // Whether any of `grads` is not finite (one pass, one flag read).
-  bool any_nonfinite(const std::vector<Tensor>& grads) const;
+  // The non-finite flags of `grads` (one per device; the pass of get_unscaled_gradients
+  // when they are its results).
+  std::vector<Tensor> flags_for(const std::vector<Tensor>& grads) const;
+  // Whether a step with these flags is decided on the device.
+  bool decide_on_device(const std::vector<Tensor>& flags,
+                        const std::vector<Variable>& variables) const;
+  // The counts and the scale after a step that was skipped (nonfinite) or applied.
+  void record(bool nonfinite) const;
 
   std::shared_ptr<Optimizer> inner_;
   LossScale config_;
   LossScaleOptimizerOptions options_;
-  double scale_;
-  std::int64_t good_steps_ = 0, applied_ = 0, skipped_ = 0, consecutive_skips_ = 0;
-  bool last_skipped_ = false;
+  // Mutable: a step decided on the device is recorded by the next call that reads them
+  // (sync_step), const ones included.
+  mutable double scale_;
+  mutable std::int64_t good_steps_ = 0, applied_ = 0, skipped_ = 0, consecutive_skips_ = 0;
+  mutable bool last_skipped_ = false;
+  // The flag of the step decided on the device and not read yet.
+  mutable std::unique_ptr<PendingRead> pending_;
   // The result of the latest get_unscaled_gradients, for the apply_gradients that follows.
   std::unordered_set<std::uint64_t> unscaled_ids_;
-  bool unscaled_nonfinite_ = false;
+  std::vector<Tensor> unscaled_flags_;
 };
 
 // --- Automatic mixed precision ---------------------------------------------------------------

@@ -26,6 +26,8 @@
 
 namespace mixtape::optim {
 
+class LossScaleOptimizer;
+
 // A learning rate: a number, or a schedule of the step (the count of applied steps
 // before the current one, Keras' `iterations`).
 class LearningRate {
@@ -115,8 +117,23 @@ class Optimizer {
   // Updates `var` in place from `grad` (var's shape and dtype, contiguous, clipped).
   virtual void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
                       double lr, std::int64_t step) = 0;
+  // Whether update() hands skip_flag() to its kernels (kernels::OptimizerUpdate::skip_if),
+  // so that a LossScaleOptimizer around it may decide a step on the device (SGD, RMSprop and
+  // Adam do; an optimizer of one's own says so once its update honours the flag).
+  virtual bool supports_device_skip() const { return false; }
+  // During a step decided on the device: the flag (a float32 scalar on the variables'
+  // device) whose non-zero value makes the update change nothing; undefined otherwise.
+  const Tensor& skip_flag() const { return skip_if_; }
 
  private:
+  friend class LossScaleOptimizer;
+  // apply_gradients with update() given skip_flag() = skip_if (undefined: an ordinary step).
+  // The step is counted; the caller takes the count back (uncount_step) when it later reads
+  // a set flag.
+  void step(const std::vector<Tensor>& grads, const std::vector<Variable>& variables,
+            const Tensor& skip_if);
+  void uncount_step() { --iterations_; }
+
   std::vector<Tensor> prepare(const std::vector<Tensor>& grads,
                               const std::vector<Variable>& variables);
   const std::vector<Variable>& slots_for(const Variable& var);
@@ -125,6 +142,7 @@ class Optimizer {
   Clipping clipping_;
   std::int64_t iterations_ = 0;
   bool check_finite_ = true;
+  Tensor skip_if_;
   std::unordered_map<std::uint64_t, std::vector<Variable>> slots_;
   std::unordered_map<std::uint64_t, bool> warned_missing_;
 };
@@ -151,6 +169,7 @@ class SGD : public Optimizer {
   std::vector<std::string> slot_names() const override;
   void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
               double lr, std::int64_t step) override;
+  bool supports_device_skip() const override { return true; }
 
  private:
   SGDOptions options_;
@@ -178,6 +197,7 @@ class RMSprop : public Optimizer {
   std::vector<std::string> slot_names() const override;
   void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
               double lr, std::int64_t step) override;
+  bool supports_device_skip() const override { return true; }
 
  private:
   RMSpropOptions options_;
@@ -205,6 +225,7 @@ class Adam : public Optimizer {
   std::vector<std::string> slot_names() const override;
   void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
               double lr, std::int64_t step) override;
+  bool supports_device_skip() const override { return true; }
   Adam(AdamOptions options, double weight_decay);
 
  private:
