@@ -1,5 +1,9 @@
 // Indexing: gather along an axis (take_along_axis) and one_hot.
+#include <memory>
+#include <string>
+
 #include "autograd/op_util.h"
+#include "mixtape/core/backend.h"
 
 namespace mixtape {
 
@@ -7,19 +11,49 @@ using detail::Grads;
 
 namespace {
 
-// Checks that every index lies in [0, n); returns the indices as contiguous int64.
+// Checks that every index lies in [0, n); returns the indices as contiguous int64. Indices
+// on the host are checked at once. Indices on a device are checked there: their minimum and
+// maximum are read back later (core/raw.h, defer_check), so that an indexing op does not
+// stop the host until the device has computed them (a training step's labels, every step).
+// An index out of range then throws IndexError from the next indexing op or the next read
+// of a device tensor, and the kernels meanwhile read 0 for it and add nothing for it (the
+// CUDA backend's index kernels).
 Tensor checked_indices(const char* op, const Tensor& index, std::int64_t n, const Tensor& x) {
   if (!index.dtype().is_integral())
     throw DTypeError(fmt::format("{}: indices must be int32 or int64; got {}", op,
                                  detail::describe({x, index})));
   Tensor idx = detail::cast_raw(index, kInt64);
-  Tensor host = detail::to_device_raw(idx, Device::cpu());
-  const auto* p = host.data<std::int64_t>();
-  for (std::int64_t i = 0; i < host.numel(); ++i)
+  if (!idx.device().is_cpu()) {
+    detail::run_deferred_checks(/*only_ready=*/true);  // the earlier ops' that have arrived
+    if (idx.numel() == 0) return idx;
+    NoGradGuard no_grad;
+    const Tensor lo = min(idx), hi = max(idx);
+    Backend& backend = backend_for(idx.device().type());
+    const int dev = idx.device().index();
+    std::shared_ptr<PendingRead> read_lo =
+        backend.read_back(lo.data_ptr(), dev, sizeof(std::int64_t));
+    std::shared_ptr<PendingRead> read_hi =
+        backend.read_back(hi.data_ptr(), dev, sizeof(std::int64_t));
+    detail::defer_check(
+        [read_lo, read_hi] { return read_lo->ready() && read_hi->ready(); },
+        [read_lo, read_hi, n, op = std::string(op), what = detail::describe({x, index})] {
+          std::int64_t low = 0, high = 0;
+          read_lo->wait(&low);
+          read_hi->wait(&high);
+          if (low < 0 || high >= n)
+            throw IndexError(fmt::format(
+                "{}: index {} is out of range [0, {}) ({}; checked on the device and reported at "
+                "the next indexing op or read)",
+                op, low < 0 ? low : high, n, what));
+        });
+    return idx;
+  }
+  const auto* p = idx.data<std::int64_t>();
+  for (std::int64_t i = 0; i < idx.numel(); ++i)
     if (p[i] < 0 || p[i] >= n)
       throw IndexError(fmt::format("{}: index {} is out of range [0, {}) (at flat position {}; {})",
                                    op, p[i], n, i, detail::describe({x, index})));
-  return idx;
+  return x.device().is_cpu() ? idx : detail::to_device_raw(idx, x.device());
 }
 
 struct AxisSplit {
@@ -99,7 +133,10 @@ Tensor take_backward(const Tensor& g, const Tensor& idx, const Shape& shape, int
 }  // namespace
 
 Tensor take(const Tensor& x_in, const Tensor& indices, int axis) {
-  detail::check_inputs("take", {x_in, indices});
+  // Indices may also come from the host (checked there, then copied to x's device).
+  detail::check_inputs("take", indices.defined() && indices.device().is_cpu()
+                                   ? std::vector<Tensor>{x_in}
+                                   : std::vector<Tensor>{x_in, indices});
   const Tensor x = detail::op_inputs(OpId::take, {x_in})[0];
   if (x.rank() == 0)
     throw ShapeError(

@@ -4,9 +4,13 @@
 
 #include <atomic>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
 #include <new>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/raw.h"
 #include "mixtape/core/backend.h"
@@ -150,7 +154,58 @@ Tensor to_device_raw(const Tensor& t, Device device) {
     throw DeviceError(
         fmt::format("to({}): no direct copy from {}", device.str(), t.device().str()));
   backend_for(other.type()).copy(out.data_ptr(), device, src.data_ptr(), t.device(), t.nbytes());
+  if (device.is_cpu()) run_deferred_checks();  // the device got here: their reads are done
   return out;
+}
+
+namespace {
+struct DeferredCheck {
+  std::function<bool()> ready;
+  std::function<void()> check;
+};
+struct DeferredChecks {
+  std::mutex mutex;
+  std::vector<DeferredCheck> checks;
+};
+DeferredChecks& deferred_checks() {
+  static auto* d = new DeferredChecks();  // never destroyed (checks may run at exit)
+  return *d;
+}
+thread_local bool t_running_checks = false;
+}  // namespace
+
+void defer_check(std::function<bool()> ready, std::function<void()> check) {
+  DeferredChecks& d = deferred_checks();
+  std::lock_guard<std::mutex> lock(d.mutex);
+  d.checks.push_back({std::move(ready), std::move(check)});
+}
+
+void run_deferred_checks(bool only_ready) {
+  if (t_running_checks) return;
+  std::vector<DeferredCheck> checks;
+  {
+    DeferredChecks& d = deferred_checks();
+    std::lock_guard<std::mutex> lock(d.mutex);
+    if (d.checks.empty()) return;
+    if (only_ready) {  // the ready ones, in order; the rest stay queued
+      std::vector<DeferredCheck> later;
+      for (auto& c : d.checks) (c.ready() ? checks : later).push_back(std::move(c));
+      d.checks.swap(later);
+    } else {
+      checks.swap(d.checks);
+    }
+  }
+  t_running_checks = true;
+  std::exception_ptr first;
+  for (auto& c : checks) {
+    try {
+      c.check();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  t_running_checks = false;
+  if (first) std::rethrow_exception(first);
 }
 
 void fill_raw(const Tensor& t, double value) {

@@ -130,7 +130,7 @@ class ShuffleStream final : public Stream<T> {
 Tensor gather_rows(const Tensor& x, const std::vector<std::int64_t>& indices,
                    const Shape& index_shape) {
   if (supports(OpId::take, x.device().type(), x.dtype()) || !x.device().is_cpu())
-    return take(x, from_vector(indices, index_shape, kInt64, x.device()), 0);
+    return take(x, from_vector(indices, index_shape, kInt64), 0);  // checked on the host
   std::vector<std::int64_t> dims(index_shape.begin(), index_shape.end());
   dims.insert(dims.end(), x.shape().begin() + 1, x.shape().end());
   Tensor out = Tensor::empty(Shape(dims), x.dtype(), x.device());

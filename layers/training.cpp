@@ -529,8 +529,8 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
           idx = from_vector(std::vector<std::int64_t>(order.begin() + b0, order.begin() + b1),
                             Shape{b1 - b0});
         // Data already on the model's device (a GPU) is gathered there: the index goes to
-        // the data, not the data to the host.
-        Tensor idx_on_device;
+        // the data (take checks the host's indices on the host and copies them over, with
+        // no read back from the device), not the data to the host.
         for (const auto* src : {&x_train, &y_train}) {
           auto& dst = src == &x_train ? xb : yb;
           for (const Tensor& t : *src) {
@@ -538,10 +538,7 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
               dst.push_back(rows(t, b0, b1).to(device()));
               continue;
             }
-            const bool remote = t.device() != idx.device();
-            if (remote && (!idx_on_device.defined() || idx_on_device.device() != t.device()))
-              idx_on_device = idx.to(t.device());
-            dst.push_back(take(t, remote ? idx_on_device : idx, 0).to(device()));
+            dst.push_back(take(t, idx, 0).to(device()));
           }
         }
       }

@@ -10,7 +10,9 @@
 // addition, off by up to 0.06 in bfloat16 where many rows meet), int32 / int64 as wrapping
 // two's-complement additions (32-bit int and 64-bit unsigned atomics). The order of the
 // additions into one element is not the CPU's (j order): integer results are identical,
-// floating results may differ by rounding.
+// floating results may differ by rounding. An index out of [0, n) reads 0 and adds nothing:
+// the range is checked on the device and reported later (checked_indices, ops_index.cpp),
+// so the kernels must stay inside the tensors until then.
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
 
@@ -36,8 +38,8 @@ __global__ void gather_kernel(const T* __restrict__ x, const int64_t* __restrict
                               T* __restrict__ out, int64_t total, int64_t n, int64_t k,
                               int64_t inner) {
   MIXTAPE_GRID_LOOP(q, total) {
-    const int64_t i = q % inner, o = q / inner / k;
-    out[q] = x[(o * n + index[q]) * inner + i];
+    const int64_t i = q % inner, o = q / inner / k, j = index[q];
+    out[q] = j >= 0 && j < n ? x[(o * n + j) * inner + i] : T{};  // range: checked_indices
   }
 }
 
@@ -47,8 +49,8 @@ __global__ void scatter_add_kernel(const T* __restrict__ src, const int64_t* __r
                                    compute_of<T>* out, int64_t total, int64_t n, int64_t k,
                                    int64_t inner) {
   MIXTAPE_GRID_LOOP(q, total) {
-    const int64_t i = q % inner, o = q / inner / k;
-    atomic_add(out + (o * n + index[q]) * inner + i, load(src[q]));
+    const int64_t i = q % inner, o = q / inner / k, j = index[q];
+    if (j >= 0 && j < n) atomic_add(out + (o * n + j) * inner + i, load(src[q]));
   }
 }
 
@@ -59,8 +61,8 @@ __global__ void take_kernel(const T* __restrict__ x, const int64_t* __restrict__
                             int64_t inner) {
   MIXTAPE_GRID_LOOP(q, total) {
     const int64_t i = q % inner, r = q / inner;
-    const int64_t j = r % k, o = r / k;
-    out[q] = x[(o * n + index[j]) * inner + i];
+    const int64_t j = r % k, o = r / k, m = index[j];
+    out[q] = m >= 0 && m < n ? x[(o * n + m) * inner + i] : T{};
   }
 }
 
@@ -71,8 +73,8 @@ __global__ void index_add_kernel(const T* __restrict__ src, const int64_t* __res
                                  int64_t inner) {
   MIXTAPE_GRID_LOOP(q, total) {
     const int64_t i = q % inner, r = q / inner;
-    const int64_t j = r % k, o = r / k;
-    atomic_add(out + (o * n + index[j]) * inner + i, load(src[q]));
+    const int64_t j = r % k, o = r / k, m = index[j];
+    if (m >= 0 && m < n) atomic_add(out + (o * n + m) * inner + i, load(src[q]));
   }
 }
 

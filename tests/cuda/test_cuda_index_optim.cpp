@@ -181,6 +181,33 @@ TEST_CASE("cuda gather: the public op and its gradient", "[cuda]") {
   }
 }
 
+TEST_CASE("cuda gather and take: an index out of range is reported by the next read", "[cuda]") {
+  // Indices on the GPU are checked there and read back later (no host wait per op): the op
+  // returns, the kernels read 0 for the bad index, and the next read of a device tensor
+  // throws IndexError naming the op (or an indexing op, once the check's data has arrived).
+  const Tensor x = gpu(random_of({4, 5}, mt::kFloat32, 77, 1.0, 2.0));
+  const Tensor bad = gpu(mt::from_vector(std::vector<int64_t>{0, 5, 1, 2}, {4, 1}));
+  Tensor out;
+  CHECK_NOTHROW(out = mt::gather(x, bad, 1));
+  CHECK_THROWS_WITH(out.to(mt::Device::cpu()),
+                    Catch::Contains("gather: index 5 is out of range [0, 5)"));
+  const auto v = out.to(mt::Device::cpu()).to_vector<double>();  // reported once
+  CHECK(v[1] == 0.0);
+  CHECK(v[0] >= 1.0);
+  const Tensor rows = mt::take(x, gpu(mt::from_vector(std::vector<int64_t>{2, -1}, {2})), 0);
+  CHECK_THROWS_WITH(mt::sum(rows).item<double>(),
+                    Catch::Contains("take: index -1 is out of range [0, 4)"));
+  const auto r = rows.to(mt::Device::cpu()).to_vector<double>();
+  CHECK(r[5] == 0.0);  // the second row, index -1
+  CHECK(r[0] >= 1.0);
+  // take's indices may come from the host: checked there, at once, then copied over.
+  const Tensor host_idx = mt::from_vector(std::vector<int64_t>{3, 0, 3}, {3});
+  CHECK(mt::take(x, host_idx, 0).to(mt::Device::cpu()).to_vector<double>() ==
+        mt::take(x.to(mt::Device::cpu()), host_idx, 0).to_vector<double>());
+  CHECK_THROWS_WITH(mt::take(x, mt::from_vector(std::vector<int64_t>{4}, {1}), 0),
+                    Catch::Contains("take: index 4 is out of range [0, 4) (at flat position 0"));
+}
+
 // --- take / index_add -------------------------------------------------------------------------
 
 TEST_CASE("cuda take and index_add: every geometry and registered dtype", "[cuda]") {
@@ -447,8 +474,19 @@ TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU"
           uc.slot2 = slots_cpu[1], ug.slot2 = slots_gpu[1];
           uc.slot3 = slots_cpu[2], ug.slot3 = slots_gpu[2];
           uc.step = ug.step = step;
+          // Step 2 is skipped on the device (its flag set), step 3 has a flag that is clear.
+          if (step >= 2) {
+            uc.skip_if = mt::full({}, step == 2 ? 1.0 : 0.0, mt::kFloat32);
+            ug.skip_if = gpu(uc.skip_if);
+          }
+          const Tensor var_before = var_gpu.to(mt::Device::cpu());
           cpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(uc);
           gpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(ug);
+          if (step == 2) {  // nothing changed, bit for bit
+            const Tensor after = var_gpu.to(mt::Device::cpu());
+            CHECK(std::memcmp(after.data_ptr(), var_before.data_ptr(),
+                              static_cast<std::size_t>(numel) * dt.itemsize()) == 0);
+          }
           cu::check_close(var_gpu, var_cpu, optim_tolerance(dt), "variable");
           for (int s = 0; s < 3; ++s)
             if (slots_cpu[s].defined())

@@ -104,13 +104,18 @@ Tensor concat(const std::vector<Tensor>& xs, int axis);
 Tensor matmul(const Tensor& a, const Tensor& b);
 
 // --- Indexing ------------------------------------------------------------------------------
+// Out-of-range indices throw IndexError: at once for indices on the CPU; for indices on
+// a GPU the range is checked there and the error comes from the next read of a device
+// tensor (or a later indexing op), the host not waiting for the indices to exist.
+//
 // Along `axis`: out[..., j, ...] = x[..., index[..., j, ...], ...] (take_along_axis);
-// index is int32/int64 with x's rank; differentiable in x. Out-of-range indices throw.
+// index is int32/int64 with x's rank, on x's device; differentiable in x.
 Tensor gather(const Tensor& x, const Tensor& index, int axis);
 // Whole slices along `axis` (numpy's take, index_select): the output has shape
 // x.shape[:axis] + indices.shape + x.shape[axis + 1:], and takes the slice indices[i...]
-// of x at each position. indices is int32/int64; out-of-range indices throw IndexError.
-// Differentiable in x (the gradient adds up where an index repeats).
+// of x at each position. indices is int32/int64, on x's device or on the CPU (checked
+// there, then copied to x's device: a batch of rows picked on the host). Differentiable in
+// x (the gradient adds up where an index repeats).
 Tensor take(const Tensor& x, const Tensor& indices, int axis = 0);
 // Labels (integer tensor) -> one-hot vectors in a new last axis of size depth.
 Tensor one_hot(const Tensor& labels, std::int64_t depth, DType dtype = kFloat32);
