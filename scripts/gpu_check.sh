@@ -8,6 +8,8 @@
 #   guide    the trainer on the guide workload under the three policies, and
 #   torch    the PyTorch reference of it (torch.autocast + GradScaler), alternated with
 #            guide in ROUNDS rounds (default 2)
+#   base     the guide again with bin/mixtape-mnist-base (an earlier build copied into the
+#            bundle, for a before / after on the same card), in the same rounds
 #   custom   the trainer's custom GradientTape loop (guide mixed_float16, mlp mixed_bfloat16)
 #   profile  per-kernel GPU times of two guide steps through Nsight Compute (ncu)
 #   gemm     the cuBLAS rate of the guide's GEMM shapes, through PyTorch
@@ -59,17 +61,18 @@ if want tests; then
 fi
 
 # One trainer run: MODEL POLICY EPOCHS [extra arguments]; its epoch lines go to mnist.log.
+# MNIST_BIN names the program (default mixtape-mnist).
 mnist() {
-  local model=$1 policy=$2 epochs=$3
+  local model=$1 policy=$2 epochs=$3 bin=${MNIST_BIN:-mixtape-mnist}
   shift 3
   local metrics="$logs/metrics_${model}_${policy}.jsonl"
-  echo "--- $model $policy $epochs epochs $*" >>"$logs/mnist.log"
+  echo "--- $bin $model $policy $epochs epochs $*" >>"$logs/mnist.log"
   t0=$SECONDS
-  with_peak_memory timeout "${MNIST_TIMEOUT:-30}" "$bundle/run.sh" mixtape-mnist --device cuda \
+  with_peak_memory timeout "${MNIST_TIMEOUT:-30}" "$bundle/run.sh" "$bin" --device cuda \
     --data-dir "$bundle/data" --model "$model" --policy "$policy" --epochs "$epochs" \
     --verbose 2 --metrics-out "$metrics" "$@" >>"$logs/mnist.log" 2>&1
   local rc=$?
-  note "mnist $model $policy: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB: $(grep -iE 'epoch|test acc' "$logs/mnist.log" | tail -1)"
+  note "$bin $model $policy: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB: $(grep -iE 'epoch|test acc' "$logs/mnist.log" | tail -1)"
   cat "$metrics" >>"$logs/mnist.log" 2>/dev/null
   rm -f "$metrics"
 }
@@ -92,6 +95,7 @@ torch_guide() {
 for round in $(seq "${ROUNDS:-2}"); do
   for policy in float32 mixed_float16 mixed_bfloat16; do
     want guide && mnist guide "$policy" 5
+    want base && [[ -x "$bundle/bin/mixtape-mnist-base" ]] && MNIST_BIN=mixtape-mnist-base mnist guide "$policy" 5
     want torch && [[ -n "$ref" ]] && torch_guide "$policy"
   done
 done
