@@ -227,6 +227,32 @@ TEST_CASE("CPU threads: a thread takes the target at its next CPU allocation", "
   CHECK(followed == 1);
 }
 
+// With OpenMP's dynamic adjustment on (OMP_DYNAMIC=true or omp_set_dynamic), libgomp may
+// start fewer threads than a region asks for (how many follows the load average), and
+// oneDNN then left part of a batched float32 matmul uncomputed and hung in a convolution.
+// The CPU backend turns the adjustment off on a thread before it runs a kernel there.
+TEST_CASE("CPU threads: OpenMP's dynamic adjustment is off before a kernel runs", "[cpu_threads]") {
+  struct Restore {
+    ~Restore() { omp_set_dynamic(0); }
+  } restore;
+  const auto check_ones = [] {
+    const mt::Tensor y = mt::matmul(mt::ones({3, 1, 4096}), mt::ones({3, 4096, 2}));
+    CHECK(y.to_vector<double>() == std::vector<double>(6, 4096.0));
+  };
+  omp_set_dynamic(1);
+  REQUIRE(omp_get_dynamic() != 0);
+  check_ones();
+  CHECK(omp_get_dynamic() == 0);
+  // On another thread too (a new thread starts from the program's setting).
+  int dynamic_after = -1;
+  std::thread([&] {
+    omp_set_dynamic(1);
+    check_ones();
+    dynamic_after = omp_get_dynamic();
+  }).join();
+  CHECK(dynamic_after == 0);
+}
+
 // The real governor (run alone by CTest, OMP_NUM_THREADS unset): a child process spins on
 // one of this process's CPUs; the count drops by one within a few seconds of readings, and
 // comes back when the child is gone.

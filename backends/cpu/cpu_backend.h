@@ -39,6 +39,13 @@ inline constexpr std::int64_t kParallelGrain = 32768;
 // repeat bit for bit: sums split over threads change with the count), the process may run
 // on one CPU only, or /proc/stat cannot be read. A thread on which the program called
 // omp_set_num_threads() keeps its own count.
+//
+// OpenMP's dynamic adjustment (OMP_DYNAMIC=true, omp_set_dynamic) is turned off on every
+// thread that runs CPU kernels, with a warning the first time: it lets a parallel region
+// start fewer threads than it asked for, and oneDNN splits its work for the count asked for:
+// part of a result was never computed (a batched float32 matmul gave garbage rows, the
+// trainer's first gradient was NaN) or a convolution waited without end for the missing
+// threads. The adaptive count above is what adjusts to the load instead.
 
 // One reading of the machine: a monotonic clock, the busy time (seconds) of the CPUs this
 // process may run on since boot, and this process's own CPU time.

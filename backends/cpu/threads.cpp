@@ -193,6 +193,21 @@ ProcessThreads& process_threads() {
 
 std::atomic<int> forced_target{0};  // the tests' override (0: none)
 
+// OpenMP's dynamic adjustment off on this thread (cpu_backend.h says why); the warning
+// once per process. Checked at every allocation: a program may turn it on at any time.
+void keep_team_sizes_fixed() {
+  if (!omp_get_dynamic()) return;
+  omp_set_dynamic(0);
+  static std::once_flag warned;
+  std::call_once(warned, [] {
+    spdlog::warn(
+        "cpu: OpenMP dynamic thread adjustment (OMP_DYNAMIC / omp_set_dynamic) is turned off "
+        "for mixtape's CPU kernels: oneDNN needs every thread a parallel region asks for, and "
+        "with fewer it returns wrong results or hangs. The kernels' thread count follows the "
+        "load by itself (MIXTAPE_CPU_THREADS_ADAPT).");
+  });
+}
+
 std::int64_t monotonic_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -202,6 +217,7 @@ std::int64_t monotonic_ns() {
 }  // namespace
 
 void apply_thread_count() {
+  keep_team_sizes_fixed();
   ProcessThreads& p = process_threads();
   const int forced = forced_target.load(std::memory_order_relaxed);
   if (!p.adapts && forced == 0) return;
