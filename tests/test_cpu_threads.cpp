@@ -227,30 +227,71 @@ TEST_CASE("CPU threads: a thread takes the target at its next CPU allocation", "
   CHECK(followed == 1);
 }
 
-// With OpenMP's dynamic adjustment on (OMP_DYNAMIC=true or omp_set_dynamic), libgomp may
-// start fewer threads than a region asks for (how many follows the load average), and
-// oneDNN then left part of a batched float32 matmul uncomputed and hung in a convolution.
-// The CPU backend turns the adjustment off on a thread before it runs a kernel there.
+// A parallel region may get fewer threads than omp_get_max_threads() says: with OpenMP's
+// dynamic adjustment on (OMP_DYNAMIC=true or omp_set_dynamic; libgomp then follows the
+// load average), under OMP_THREAD_LIMIT, or where regions are inactive
+// (omp_set_max_active_levels). oneDNN, which splits its work for the count it asks for,
+// then left part of a batched float32 matmul uncomputed and hung in a convolution. The CPU
+// backend makes the count asked for the count a region gets before a kernel runs.
+namespace {
+
+// A batched float32 matmul (oneDNN's) and a convolution, against values known exactly.
+void check_ones_and_conv() {
+  const mt::Tensor y = mt::matmul(mt::ones({3, 1, 4096}), mt::ones({3, 4096, 2}));
+  CHECK(y.to_vector<double>() == std::vector<double>(6, 4096.0));
+  // All-ones 3x3x3 filters over all-ones input, valid padding: every output is 27.
+  const mt::Tensor c = mt::conv2d(mt::ones({8, 12, 12, 3}), mt::ones({3, 3, 3, 16}));
+  CHECK(c.to_vector<double>() == std::vector<double>(8 * 10 * 10 * 16, 27.0));
+}
+
+}  // namespace
+
 TEST_CASE("CPU threads: OpenMP's dynamic adjustment is off before a kernel runs", "[cpu_threads]") {
   struct Restore {
     ~Restore() { omp_set_dynamic(0); }
   } restore;
-  const auto check_ones = [] {
-    const mt::Tensor y = mt::matmul(mt::ones({3, 1, 4096}), mt::ones({3, 4096, 2}));
-    CHECK(y.to_vector<double>() == std::vector<double>(6, 4096.0));
-  };
   omp_set_dynamic(1);
   REQUIRE(omp_get_dynamic() != 0);
-  check_ones();
+  check_ones_and_conv();
   CHECK(omp_get_dynamic() == 0);
   // On another thread too (a new thread starts from the program's setting).
   int dynamic_after = -1;
   std::thread([&] {
     omp_set_dynamic(1);
-    check_ones();
+    check_ones_and_conv();
     dynamic_after = omp_get_dynamic();
   }).join();
   CHECK(dynamic_after == 0);
+}
+
+TEST_CASE("CPU threads: kernels where parallel regions are inactive", "[cpu_threads]") {
+  // No parallel region at all (max active levels 0), on a thread of its own so that the
+  // one count it gets does not stay on the main thread.
+  std::thread([] {
+    omp_set_max_active_levels(0);
+    check_ones_and_conv();
+    CHECK(omp_get_max_threads() == 1);
+  }).join();
+  // Called from inside a parallel region of the program's own (nested regions inactive, by
+  // default): each thread's kernels run on one thread and agree.
+  const int before = omp_get_max_active_levels();
+  omp_set_max_active_levels(1);
+  std::vector<int> ok(2, 0);
+#pragma omp parallel num_threads(2)
+  {
+    const mt::Tensor y = mt::matmul(mt::ones({3, 1, 4096}), mt::ones({3, 4096, 2}));
+    ok[omp_get_thread_num()] = y.to_vector<double>() == std::vector<double>(6, 4096.0);
+  }
+  omp_set_max_active_levels(before);
+  CHECK(ok == std::vector<int>(2, 1));
+}
+
+// Run by CTest with OMP_THREAD_LIMIT=1 (cpu_threads.omp_thread_limit): teams of one thread
+// whatever omp_get_max_threads() said.
+TEST_CASE("CPU threads: kernels under OMP_THREAD_LIMIT", "[.omp_thread_limit]") {
+  REQUIRE(omp_get_thread_limit() == 1);
+  check_ones_and_conv();
+  CHECK(omp_get_max_threads() == 1);
 }
 
 // The real governor (run alone by CTest, OMP_NUM_THREADS unset): a child process spins on

@@ -40,12 +40,14 @@ inline constexpr std::int64_t kParallelGrain = 32768;
 // on one CPU only, or /proc/stat cannot be read. A thread on which the program called
 // omp_set_num_threads() keeps its own count.
 //
-// OpenMP's dynamic adjustment (OMP_DYNAMIC=true, omp_set_dynamic) is turned off on every
-// thread that runs CPU kernels, with a warning the first time: it lets a parallel region
-// start fewer threads than it asked for, and oneDNN splits its work for the count asked for:
-// part of a result was never computed (a batched float32 matmul gave garbage rows, the
-// trainer's first gradient was NaN) or a convolution waited without end for the missing
-// threads. The adaptive count above is what adjusts to the load instead.
+// On every thread that runs CPU kernels, the count a parallel region asks for is made the
+// count it gets: OpenMP's dynamic adjustment (OMP_DYNAMIC=true, omp_set_dynamic) is turned
+// off, with a warning the first time, and the count is lowered to what OMP_THREAD_LIMIT
+// allows, or to one where regions are inactive (omp_set_max_active_levels(0), or inside a
+// parallel region of the program's own). oneDNN splits its work for the count it asks for:
+// with fewer threads part of a result was never computed (a batched float32 matmul gave
+// garbage rows, the trainer's first gradient was NaN) or a convolution waited without end
+// for the missing threads. The adaptive count above is what adjusts to the load instead.
 
 // One reading of the machine: a monotonic clock, the busy time (seconds) of the CPUs this
 // process may run on since boot, and this process's own CPU time.

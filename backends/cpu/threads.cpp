@@ -161,6 +161,30 @@ ThreadGovernor::Sampler system_sampler(std::vector<int> cpus) {
   };
 }
 
+// Makes the team size a parallel region started on this thread asks for the one it gets
+// (cpu_backend.h says why): OpenMP's dynamic adjustment off (with a warning once per
+// process), and the count asked for no larger than what OMP_THREAD_LIMIT or inactive
+// regions (omp_set_max_active_levels; inside a region of the program's own, one level
+// deep by default) allow. Checked at every allocation: a program may change these at any
+// time, and they are cheap to read.
+void match_team_size() {
+  if (omp_get_dynamic()) {
+    omp_set_dynamic(0);
+    static std::once_flag warned;
+    std::call_once(warned, [] {
+      spdlog::warn(
+          "cpu: OpenMP dynamic thread adjustment (OMP_DYNAMIC / omp_set_dynamic) is turned off "
+          "for mixtape's CPU kernels: oneDNN needs every thread a parallel region asks for, "
+          "and with fewer it returns wrong results or hangs. The kernels' thread count "
+          "follows the load by itself (MIXTAPE_CPU_THREADS_ADAPT).");
+    });
+  }
+  const int team = omp_get_active_level() >= omp_get_max_active_levels()
+                       ? 1
+                       : std::min(omp_get_max_threads(), omp_get_thread_limit());
+  if (omp_get_max_threads() > team) omp_set_num_threads(team);
+}
+
 // What the process runs: the governor when it adapts, and how often it looks.
 struct ProcessThreads {
   bool adapts = false;
@@ -173,6 +197,7 @@ struct ProcessThreads {
   // allocation, and again from the next one).
   ProcessThreads() {
     const bool wanted = detail::env::kCpuThreadsAdapt.read();
+    match_team_size();  // OMP_THREAD_LIMIT, OMP_MAX_ACTIVE_LEVELS=0 lower the ceiling
     ceiling = omp_get_max_threads();
     const std::vector<int> cpus = allowed_cpus();
     if (!cpus.empty()) ceiling = std::min(ceiling, static_cast<int>(cpus.size()));
@@ -193,21 +218,6 @@ ProcessThreads& process_threads() {
 
 std::atomic<int> forced_target{0};  // the tests' override (0: none)
 
-// OpenMP's dynamic adjustment off on this thread (cpu_backend.h says why); the warning
-// once per process. Checked at every allocation: a program may turn it on at any time.
-void keep_team_sizes_fixed() {
-  if (!omp_get_dynamic()) return;
-  omp_set_dynamic(0);
-  static std::once_flag warned;
-  std::call_once(warned, [] {
-    spdlog::warn(
-        "cpu: OpenMP dynamic thread adjustment (OMP_DYNAMIC / omp_set_dynamic) is turned off "
-        "for mixtape's CPU kernels: oneDNN needs every thread a parallel region asks for, and "
-        "with fewer it returns wrong results or hangs. The kernels' thread count follows the "
-        "load by itself (MIXTAPE_CPU_THREADS_ADAPT).");
-  });
-}
-
 std::int64_t monotonic_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -217,7 +227,7 @@ std::int64_t monotonic_ns() {
 }  // namespace
 
 void apply_thread_count() {
-  keep_team_sizes_fixed();
+  match_team_size();
   ProcessThreads& p = process_threads();
   const int forced = forced_target.load(std::memory_order_relaxed);
   if (!p.adapts && forced == 0) return;
