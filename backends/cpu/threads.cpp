@@ -189,6 +189,7 @@ void match_team_size() {
 struct ProcessThreads {
   bool adapts = false;
   int ceiling = 1;
+  int initial = 1;  // the OpenMP count every thread starts with (may exceed the CPUs)
   std::unique_ptr<ThreadGovernor> governor;
   std::mutex observing;  // one thread takes a reading at a time (try_lock: others go on)
   std::atomic<std::int64_t> next_reading_ns{0};
@@ -198,7 +199,7 @@ struct ProcessThreads {
   ProcessThreads() {
     const bool wanted = detail::env::kCpuThreadsAdapt.read();
     match_team_size();  // OMP_THREAD_LIMIT, OMP_MAX_ACTIVE_LEVELS=0 lower the ceiling
-    ceiling = omp_get_max_threads();
+    initial = ceiling = omp_get_max_threads();
     const std::vector<int> cpus = allowed_cpus();
     if (!cpus.empty()) ceiling = std::min(ceiling, static_cast<int>(cpus.size()));
     // OMP_NUM_THREADS asks for a fixed count (and runs that repeat bit for bit): kept.
@@ -254,7 +255,7 @@ void apply_thread_count() {
   const int target = forced != 0 ? forced : p.governor->target();
   if (target == applied) return;
   const int current = omp_get_max_threads();
-  if (current != (applied == -1 ? p.ceiling : applied)) {
+  if (current != (applied == -1 ? p.initial : applied)) {
     program_owned = true;
     return;
   }
