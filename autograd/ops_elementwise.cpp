@@ -228,15 +228,31 @@ Tensor relu(const Tensor& x) {
                [](const Tensor& g, const Tensor&, const Tensor& y) { return relu_backward(y, g); });
 }
 
+namespace {
+// g * gelu'(x) = g (Phi(x) + x phi(x)) in one kernel pass, rounded once. Its own gradient
+// (for higher orders): in g, gelu'(x) again; in x, g gelu''(x) = g phi(x) (2 - x^2).
+Tensor gelu_backward(const Tensor& x, const Tensor& g) {
+  Tensor xc, gc;
+  Tensor out = binary_forward(OpId::gelu_backward, x, g, xc, gc);
+  if (should_record({xc, gc}))
+    record_op(op_name(OpId::gelu_backward), {xc, gc}, out,
+              [xc, gc](const Tensor& gg, const std::vector<bool>& needs) {
+                constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+                Tensor dx, dg;
+                if (needs[0]) {
+                  const Tensor pdf = exp(xc * xc * (-0.5)) * kInvSqrt2Pi;
+                  dx = gg * gc * pdf * (2.0 - xc * xc);
+                }
+                if (needs[1]) dg = gelu_backward(xc, gg);
+                return Grads{dx, dg};
+              });
+  return out;
+}
+}  // namespace
+
 Tensor gelu(const Tensor& x) {
-  return unary(OpId::gelu, x, [](const Tensor& g, const Tensor& x, const Tensor&) {
-    // d/dx x*Phi(x) = Phi(x) + x*phi(x)
-    constexpr double kInvSqrt2 = 0.70710678118654752440;
-    constexpr double kInvSqrt2Pi = 0.39894228040143267794;
-    Tensor cdf = 0.5 * (1.0 + erf(x * kInvSqrt2));
-    Tensor pdf = exp(x * x * (-0.5)) * kInvSqrt2Pi;
-    return g * (cdf + x * pdf);
-  });
+  return unary(OpId::gelu, x,
+               [](const Tensor& g, const Tensor& x, const Tensor&) { return gelu_backward(x, g); });
 }
 
 // gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = c (x + 0.044715 x^3), c = sqrt(2/pi)

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -671,4 +672,46 @@ TEST_CASE("gradcheck: second order through conv2d and pooling", "[grad]") {
                         return mt::square(mt::avg_pool2d(v[0], {3, 3}, {2, 2}, mt::Padding::Same));
                       },
                       {randn64({1, 5, 5, 2}, 2015)});
+}
+
+// gelu's gradient is one kernel pass (gelu_backward) computed in float32 and rounded once:
+// in float16 and bfloat16 nearly always the float64 gradient correctly rounded and never more
+// than one unit away; in float32 within a few units except where Phi(x) + x phi(x) cancels.
+// (The composition of a dozen ops it replaced rounded after each of them.)
+TEST_CASE("gradient of gelu in float32 / float16 / bfloat16: rounded once", "[grad]") {
+  const mt::Tensor x64 = mt::uniform({4096}, -6.0, 6.0, mt::kFloat64);
+  const mt::Tensor g64 = mt::uniform({4096}, -2.0, 2.0, mt::kFloat64);
+  for (const mt::DType dt : {mt::kFloat32, mt::kFloat16, mt::kBFloat16}) {
+    INFO("dtype " << dt.name());
+    // The inputs in dt; their float64 copies are exact.
+    const mt::Tensor x = mt::cast(x64, dt), g = mt::cast(g64, dt);
+    mt::Variable xv(x, "x");
+    mt::GradientTape tape;
+    const mt::Tensor loss = mt::sum(mt::gelu(xv) * g);  // d loss / d gelu = g, exactly
+    const mt::Tensor dx = tape.gradient(loss, std::vector<mt::Variable>{xv})[0];
+    REQUIRE(dx.dtype() == dt);
+    const auto xs = mt::cast(x, mt::kFloat64).to_vector<double>();
+    const auto gs = mt::cast(g, mt::kFloat64).to_vector<double>();
+    std::vector<double> exact(xs.size());
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      const double cdf = 0.5 * std::erfc(-xs[i] / std::sqrt(2.0));
+      const double pdf = std::exp(-0.5 * xs[i] * xs[i]) / std::sqrt(2.0 * 3.14159265358979323846);
+      exact[i] = gs[i] * (cdf + xs[i] * pdf);
+    }
+    const auto rounded =
+        mt::cast(mt::cast(mt::from_vector(exact, {4096}), dt), mt::kFloat64).to_vector<double>();
+    const auto got = mt::cast(dx, mt::kFloat64).to_vector<double>();
+    const double eps = dt == mt::kBFloat16 ? 0x1p-7 : dt == mt::kFloat16 ? 0x1p-10 : 0x1p-21;
+    const double tiny = dt == mt::kFloat16 ? 0x1p-24 : 0.0;  // float16's smallest subnormal
+    std::size_t same = 0, outside = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      same += got[i] == rounded[i];
+      // float32: Phi + x phi cancels near x = -0.75, where float32's own error in the two
+      // terms (about 1e-7 of g) is what is left.
+      const double allowed = eps * std::abs(exact[i]) + tiny + (dt == mt::kFloat32 ? 1e-7 : 0.0);
+      outside += std::abs(got[i] - exact[i]) > allowed;
+    }
+    CHECK(outside == 0);
+    if (dt != mt::kFloat32) CHECK(same >= got.size() * 99 / 100);
+  }
 }

@@ -276,7 +276,8 @@ struct UnaryOp<OpId::erf> {
 // `#pragma omp simd`, without which the compiler calls the scalar function per element.
 template <typename Op>
 constexpr bool kSimdCalls =
-    std::is_same_v<Op, UnaryOp<OpId::gelu>> || std::is_same_v<Op, UnaryOp<OpId::erf>>;
+    std::is_same_v<Op, UnaryOp<OpId::gelu>> || std::is_same_v<Op, UnaryOp<OpId::erf>> ||
+    std::is_same_v<Op, BinaryOp<OpId::gelu_backward>>;
 
 // The gradient through relu: g where the relu's output y is positive, 0 elsewhere.
 template <>
@@ -288,6 +289,24 @@ struct BinaryOp<OpId::relu_backward> {
   // On float16 / bfloat16 bits: y > 0 exactly when y's bits, signed, are in [1, inf].
   MIXTAPE_ALWAYS_INLINE static std::int16_t bits16(std::int16_t y, std::int16_t g, Bits16 k) {
     return (y > 0) & (y <= k.inf) ? k.quieted(g) : std::int16_t{0};
+  }
+};
+
+// The gradient through the exact gelu in one pass: g (Phi(x) + x phi(x)), Phi(x) =
+// 0.5 erfc(-x / sqrt2), phi(x) = exp(-x^2 / 2) / sqrt(2 pi), rounded once to the output's
+// type (the composition of a dozen ops it replaces rounded every step, in bfloat16 too).
+// x phi(x) is taken as 0 where |x| >= 64 (phi is 0 there, and inf * 0 would be NaN): the
+// gradient tends to g at +inf and to 0 at -inf; a NaN x gives NaN.
+template <>
+struct BinaryOp<OpId::gelu_backward> {
+  template <typename T>
+  T operator()(T x, T g) const {
+    const T cdf = T(0.5) * erfc_of(-x * T(0.70710678118654752440));
+    // x clamped to [-64, 64] for x phi(x), by bit selects (no branch, no fmin / fmax call:
+    // either keeps the loop from vectorising); a NaN x stays NaN.
+    const T xc = blend(x > T(64), T(64), blend(x < T(-64), T(-64), x));
+    const T xpdf = xc * exp_any(T(-0.5) * xc * xc) * T(0.39894228040143267794);
+    return g * (cdf + xpdf);
   }
 };
 
@@ -483,6 +502,35 @@ auto simd_call_loop_fn() {
   return fn;
 }
 
+// out = op(a, b) over float32 for the binary kSimdCalls ops, both operands contiguous: the
+// same two builds as simd_call_loop.
+template <typename Op>
+MIXTAPE_ALWAYS_INLINE void simd_call_loop2_impl(const float* a, const float* b, float* out,
+                                                int64_t n) {
+  const Op op;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
+}
+template <typename Op>
+void simd_call_loop2(const float* a, const float* b, float* out, int64_t n) {
+  simd_call_loop2_impl<Op>(a, b, out, n);
+}
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+template <typename Op>
+__attribute__((target("avx2,fma"))) void simd_call_loop2_avx2(const float* a, const float* b,
+                                                              float* out, int64_t n) {
+  simd_call_loop2_impl<Op>(a, b, out, n);
+}
+#endif
+template <typename Op>
+auto simd_call_loop2_fn() {
+  auto* fn = &simd_call_loop2<Op>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (has_avx2_fma()) fn = &simd_call_loop2_avx2<Op>;
+#endif
+  return fn;
+}
+
 template <typename T, typename Op>
 void unary_kernel(const Tensor& x, const Tensor& out) {
   const T* xp = static_cast<const T*>(x.data_ptr());
@@ -597,6 +645,17 @@ void binary_kernel(const Tensor& a, const Tensor& b, const Tensor& out) {
         });
     return;
   }
+  // The ops that call libmvec go through an omp simd loop where both operands are float32
+  // and contiguous (the common case: a gradient and the op's input).
+  [[maybe_unused]] void (*simd_loop)(const float*, const float*, float*, int64_t) = nullptr;
+  if constexpr (kSimdCalls<Op> && std::is_same_v<C, float>) simd_loop = simd_call_loop2_fn<Op>();
+  const auto run = [&](const C* x, int64_t sa, const C* y, int64_t sb, auto* o, int64_t n) {
+    if constexpr (kSimdCalls<Op> && std::is_same_v<C, float> &&
+                  std::is_same_v<std::remove_pointer_t<decltype(o)>, float>) {
+      if (sa == 1 && sb == 1) return simd_loop(x, y, o, n);
+    }
+    binary_loop(op, x, sa, y, sb, o, n);
+  };
   for_each_chunk(
       l, [&](const std::array<int64_t, 3>& off, const std::array<int64_t, 3>& is, int64_t n) {
         C abuf[kBlock], bbuf[kBlock];
@@ -605,10 +664,10 @@ void binary_kernel(const Tensor& a, const Tensor& b, const Tensor& out) {
         const C* y = load(bp + off[2], is[2], n, bbuf, sb);
         if constexpr (kReduced<O>) {
           float obuf[kBlock];
-          binary_loop(op, x, sa, y, sb, obuf, n);
+          run(x, sa, y, sb, obuf, n);
           from_float(obuf, op_ + off[0], n);
         } else {
-          binary_loop(op, x, sa, y, sb, op_ + off[0], n);
+          run(x, sa, y, sb, op_ + off[0], n);
         }
       });
 }

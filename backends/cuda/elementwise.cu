@@ -222,6 +222,18 @@ struct BinaryOp<OpId::relu_backward> {
     return y > C(0) ? g : C(0);
   }
 };
+// gelu_backward: g (Phi(x) + x phi(x)) in the compute type, rounded once (the CPU's form;
+// x phi(x) is 0 where |x| >= 64).
+template <>
+struct BinaryOp<OpId::gelu_backward> {
+  template <typename C>
+  __device__ C operator()(C x, C g) const {
+    const C cdf = C(0.5) * d_erfc(-x * C(0.70710678118654752440));
+    const C pdf = d_exp(C(-0.5) * x * x) * C(0.39894228040143267794);
+    const C xpdf = d_fabs(x) < C(64) ? x * pdf : C(0);
+    return g * (cdf + xpdf);
+  }
+};
 
 template <>
 struct BinaryOp<OpId::equal> {

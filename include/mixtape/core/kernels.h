@@ -39,6 +39,9 @@ using BinaryFn = void(const Tensor& a, const Tensor& b, const Tensor& out);
 
 // relu_backward (a BinaryFn): out = a > 0 ? b : 0, with a the relu's output and b the
 // gradient of that output, in one pass.
+// gelu_backward (a BinaryFn): out = b (Phi(a) + a phi(a)), the gradient through the exact
+// gelu with a its input and b the gradient of its output, computed in (at least) float32
+// and rounded once; a phi(a) counts as 0 where |a| >= 64 (so +-inf give b and 0).
 
 // where: out = cond ? a : b. cond is bool; cond, a, b are views of out's shape (strides
 // may be 0); out contiguous. Keyed on a's dtype.

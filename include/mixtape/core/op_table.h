@@ -66,6 +66,7 @@
   X(minimum,                  BinaryFn,                Numeric,  clear,  true)                  \
   X(pow,                      BinaryFn,                Floating, deny,   true)                  \
   X(relu_backward,            BinaryFn,                Floating, hidden, true)                  \
+  X(gelu_backward,            BinaryFn,                Floating, hidden, true)                  \
   /* comparisons (bool output; not differentiable) */                                          \
   X(equal,                    BinaryFn,                All,      clear,  false)                 \
   X(not_equal,                BinaryFn,                All,      clear,  false)                 \
