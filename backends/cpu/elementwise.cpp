@@ -474,59 +474,32 @@ struct BinaryOp<OpId::greater_equal> {
 
 // --- Unary -------------------------------------------------------------------------------
 
-// y = op(x) over float32 for the kSimdCalls ops: an omp simd loop, which calls libmvec's
-// SSE variants (_ZGVbN4v_erfcf, four lanes) in the baseline build and its AVX2 ones
-// (_ZGVdN8v_erfcf, eight lanes) in the AVX2 build, picked at run time.
-template <typename Op>
-MIXTAPE_ALWAYS_INLINE void simd_call_loop_impl(const float* x, float* y, int64_t n) {
+// out = op(in...) over float32 for the kSimdCalls ops (one input or two, contiguous): an omp
+// simd loop, which calls libmvec's SSE variants (_ZGVbN4v_erfcf, four lanes) in the baseline
+// build and its AVX2 ones (_ZGVdN8v_erfcf, eight lanes) in the AVX2 build, picked at run time.
+template <typename Op, typename... In>
+MIXTAPE_ALWAYS_INLINE void simd_call_loop_impl(float* out, int64_t n, const In*... in) {
   const Op op;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = op(x[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = op(in[i]...);
 }
-template <typename Op>
-void simd_call_loop(const float* x, float* y, int64_t n) {
-  simd_call_loop_impl<Op>(x, y, n);
+template <typename Op, typename... In>
+void simd_call_loop(float* out, int64_t n, const In*... in) {
+  simd_call_loop_impl<Op>(out, n, in...);
 }
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-template <typename Op>
-__attribute__((target("avx2,fma"))) void simd_call_loop_avx2(const float* x, float* y, int64_t n) {
-  simd_call_loop_impl<Op>(x, y, n);
+template <typename Op, typename... In>
+__attribute__((target("avx2,fma"))) void simd_call_loop_avx2(float* out, int64_t n,
+                                                             const In*... in) {
+  simd_call_loop_impl<Op>(out, n, in...);
 }
 #endif
-template <typename Op>
+// The loop for inputs In... (float each) this CPU runs best.
+template <typename Op, typename... In>
 auto simd_call_loop_fn() {
-  auto* fn = &simd_call_loop<Op>;
+  auto* fn = &simd_call_loop<Op, In...>;
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-  if (has_avx2_fma()) fn = &simd_call_loop_avx2<Op>;
-#endif
-  return fn;
-}
-
-// out = op(a, b) over float32 for the binary kSimdCalls ops, both operands contiguous: the
-// same two builds as simd_call_loop.
-template <typename Op>
-MIXTAPE_ALWAYS_INLINE void simd_call_loop2_impl(const float* a, const float* b, float* out,
-                                                int64_t n) {
-  const Op op;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
-}
-template <typename Op>
-void simd_call_loop2(const float* a, const float* b, float* out, int64_t n) {
-  simd_call_loop2_impl<Op>(a, b, out, n);
-}
-#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-template <typename Op>
-__attribute__((target("avx2,fma"))) void simd_call_loop2_avx2(const float* a, const float* b,
-                                                              float* out, int64_t n) {
-  simd_call_loop2_impl<Op>(a, b, out, n);
-}
-#endif
-template <typename Op>
-auto simd_call_loop2_fn() {
-  auto* fn = &simd_call_loop2<Op>;
-#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-  if (has_avx2_fma()) fn = &simd_call_loop2_avx2<Op>;
+  if (has_avx2_fma()) fn = &simd_call_loop_avx2<Op, In...>;
 #endif
   return fn;
 }
@@ -536,8 +509,8 @@ void unary_kernel(const Tensor& x, const Tensor& out) {
   const T* xp = static_cast<const T*>(x.data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const Op op;
-  [[maybe_unused]] void (*simd_loop)(const float*, float*, int64_t) = nullptr;
-  if constexpr (kSimdCalls<Op>) simd_loop = simd_call_loop_fn<Op>();
+  [[maybe_unused]] void (*simd_loop)(float*, int64_t, const float*) = nullptr;
+  if constexpr (kSimdCalls<Op>) simd_loop = simd_call_loop_fn<Op, float>();
   parallel_blocks(x.numel(), [&](int64_t b, int64_t e) {
     const int64_t n = e - b;
     if constexpr (kReduced<T> && kBits16<Op>) {
@@ -548,7 +521,7 @@ void unary_kernel(const Tensor& x, const Tensor& out) {
       float buf[kBlock];
       to_float(xp + b, buf, n);
       if constexpr (kSimdCalls<Op>) {
-        simd_loop(buf, buf, n);
+        simd_loop(buf, n, buf);
       } else {
         for (int64_t i = 0; i < n; ++i) buf[i] = op(buf[i]);
       }
@@ -557,7 +530,7 @@ void unary_kernel(const Tensor& x, const Tensor& out) {
       const T* x0 = xp + b;
       T* y0 = yp + b;
       if constexpr (kSimdCalls<Op> && std::is_same_v<T, float>) {
-        simd_loop(x0, y0, n);
+        simd_loop(y0, n, x0);
       } else {
         for (int64_t i = 0; i < n; ++i) y0[i] = op(x0[i]);
       }
@@ -647,12 +620,13 @@ void binary_kernel(const Tensor& a, const Tensor& b, const Tensor& out) {
   }
   // The ops that call libmvec go through an omp simd loop where both operands are float32
   // and contiguous (the common case: a gradient and the op's input).
-  [[maybe_unused]] void (*simd_loop)(const float*, const float*, float*, int64_t) = nullptr;
-  if constexpr (kSimdCalls<Op> && std::is_same_v<C, float>) simd_loop = simd_call_loop2_fn<Op>();
+  [[maybe_unused]] void (*simd_loop)(float*, int64_t, const float*, const float*) = nullptr;
+  if constexpr (kSimdCalls<Op> && std::is_same_v<C, float>)
+    simd_loop = simd_call_loop_fn<Op, float, float>();
   const auto run = [&](const C* x, int64_t sa, const C* y, int64_t sb, auto* o, int64_t n) {
     if constexpr (kSimdCalls<Op> && std::is_same_v<C, float> &&
                   std::is_same_v<std::remove_pointer_t<decltype(o)>, float>) {
-      if (sa == 1 && sb == 1) return simd_loop(x, y, o, n);
+      if (sa == 1 && sb == 1) return simd_loop(o, n, x, y);
     }
     binary_loop(op, x, sa, y, sb, o, n);
   };
