@@ -44,6 +44,10 @@ Fn* kernel_for(OpId op, DType dtype, const std::vector<Tensor>& inputs) {
   }
 }
 
+// Records y = cast(x, y.dtype()) on the active tapes (when both are floating) with `y`
+// already computed, and returns it: cast() and the autocast read of a variable's kept copy.
+Tensor record_cast(const Tensor& x, Tensor y);
+
 // A view of `t` broadcast to `shape` (stride 0 on broadcast axes); no checks.
 Tensor broadcast_view(const Tensor& t, const Shape& shape);
 // A 0-d tensor holding `value` in `like`'s dtype and device.

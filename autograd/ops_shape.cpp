@@ -9,16 +9,19 @@ namespace mixtape {
 
 using detail::Grads;
 
-Tensor cast(const Tensor& x, DType dtype) {
-  detail::check_inputs("cast", {x});
-  if (x.dtype() == dtype) return x;
-  Tensor y = detail::cast_raw(x, dtype);
-  if (x.dtype().is_floating() && dtype.is_floating() && should_record({x}))
+Tensor detail::record_cast(const Tensor& x, Tensor y) {
+  if (x.dtype().is_floating() && y.dtype().is_floating() && should_record({x}))
     record_op(op_name(OpId::cast), {x}, y,
               [from = x.dtype()](const Tensor& g, const std::vector<bool>&) {
                 return Grads{cast(g, from)};  // the gradient goes back in the source dtype
               });
   return y;
+}
+
+Tensor cast(const Tensor& x, DType dtype) {
+  detail::check_inputs("cast", {x});
+  if (x.dtype() == dtype) return x;
+  return detail::record_cast(x, detail::cast_raw(x, dtype));
 }
 
 Tensor to_device(const Tensor& x, Device device) {

@@ -16,7 +16,10 @@ Variable::Variable(const Tensor& initial_value, std::string name, bool trainable
     find_kernel<kernels::CopyFn>(OpId::copy, copy.device().type(), copy.dtype())(initial_value,
                                                                                  copy);
   impl_ = copy.impl_ptr();
-  impl_->variable = std::make_shared<VariableInfo>(VariableInfo{std::move(name), trainable});
+  auto info = std::make_shared<VariableInfo>();
+  info->name = std::move(name);
+  info->trainable = trainable;
+  impl_->variable = std::move(info);
 }
 
 const std::string& Variable::name() const { return impl().variable->name; }

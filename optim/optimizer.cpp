@@ -9,6 +9,7 @@
 #include <numbers>
 #include <set>
 
+#include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/dispatch.h"
@@ -296,11 +297,17 @@ kernels::OptimizerUpdate update_args(const Variable& var, const Tensor& grad,
   if (slots.size() > 2) u.slot3 = slots[2];
   u.lr = lr;
   u.step = step;
+  // The 16-bit copy the variable is read as under autocast, written beside the update so
+  // that the next forward pass needs no cast of the weights (autocast.h).
+  if (var.dtype() == kFloat32 && var.is_contiguous())
+    if (const auto dtype = autocast_copy_dtype(var))
+      u.copy = Tensor::empty(var.shape(), *dtype, var.device());
   return u;
 }
 
 void run(OpId op, const kernels::OptimizerUpdate& u) {
   find_kernel<kernels::OptimizerUpdateFn>(op, u.var.device().type(), u.var.dtype())(u);
+  if (u.copy.defined()) keep_autocast_copy(u.var, u.copy);
 }
 }  // namespace
 

@@ -168,14 +168,33 @@ S* slot_ptr(const Tensor& t) {
   return t.defined() ? static_cast<S*>(t.data_ptr()) : nullptr;
 }
 
+// The float32 values x[0, n) rounded into elements [b, b + n) of u.copy (kernels.h), when
+// it is defined: the same conversions as the cast kernel's.
+inline void write_copy(const OptimizerUpdate& u, void* copy, const float* x, int64_t b, int64_t n) {
+  if (copy == nullptr) return;
+  if (u.copy.dtype() == kBFloat16)
+    from_float(x, static_cast<bfloat16*>(copy) + b, n);
+  else
+    from_float(x, static_cast<half*>(copy) + b, n);
+}
+
 // Runs block(v, g, b, n) for each block [b, b + n) of the variable, in parallel for large
 // variables. v and g are the block's variable and gradient in the slot type: the tensors
 // themselves, or float32 stack copies of 16-bit ones (the variable's copy is converted
-// back after the block, its one rounding per step).
-// Nothing runs when u.skip_if is set (kernels.h).
+// back after the block, its one rounding per step). A float32 variable's block goes to
+// u.copy right after its update, while it is in cache.
+// Nothing changes when u.skip_if is set (kernels.h); u.copy then receives the variable.
 template <typename T, typename Block>
 void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
-  if (u.skip_if.defined() && *static_cast<const float*>(u.skip_if.data_ptr()) != 0.0f) return;
+  const bool skip = u.skip_if.defined() && *static_cast<const float*>(u.skip_if.data_ptr()) != 0.0f;
+  void* copy = u.copy.defined() ? u.copy.data_ptr() : nullptr;
+  if constexpr (!std::is_same_v<T, float>)
+    if (copy != nullptr)
+      throw DTypeError(
+          fmt::format("optimizer update: a 16-bit copy is written for float32 "
+                      "variables only; the variable is {}",
+                      u.var.dtype().name()));
+  if (skip && copy == nullptr) return;
   T* var = static_cast<T*>(u.var.data_ptr());
   const T* grad = static_cast<const T*>(u.grad.data_ptr());
   parallel_blocks(u.var.numel(), [&](int64_t b, int64_t e) {
@@ -187,11 +206,11 @@ void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
       block(vbuf, gbuf, b, n);
       from_float(vbuf, var + b, n);
     } else {
-      block(var + b, grad + b, b, n);
+      if (!skip) block(var + b, grad + b, b, n);
+      if constexpr (std::is_same_v<T, float>) write_copy(u, copy, var + b, b, n);
     }
   });
 }
-
 // SGD without momentum: var -= lr * g.
 template <typename S>
 void sgd_block(S* __restrict v, const S* __restrict g, int64_t n, S lr) {

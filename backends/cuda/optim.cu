@@ -13,6 +13,8 @@
 //    The whole list is handled by one launch per kUnscaleChunk tensors (the pointers and
 //    sizes travel as a kernel parameter); found_nonfinite is set to 1 on the device by any
 //    thread that saw a non-finite value (never cleared, never read back).
+//  - a float32 variable's 16-bit copy (OptimizerUpdate::copy) is written by the update's
+//    own thread right after the element, rounded as the cast kernel rounds.
 #include <cmath>
 
 #include "backends/cuda/cuda_backend.h"
@@ -127,16 +129,57 @@ S* slot_ptr(const Tensor& t) {
   return t.defined() ? static_cast<S*>(t.data_ptr()) : nullptr;
 }
 
+// The 16-bit copy of a float32 variable an update writes beside it (kernels.h): null, or
+// float16 / bfloat16 elements.
+struct CopyOut {
+  void* p = nullptr;
+  bool bf16 = false;
+};
+
+template <typename T>
+CopyOut copy_out(const OptimizerUpdate& u) {
+  if (!u.copy.defined()) return {};
+  if constexpr (!std::is_same_v<T, float>)
+    throw DTypeError(
+        fmt::format("optimizer update: a 16-bit copy is written for float32 "
+                    "variables only; the variable is {}",
+                    u.var.dtype().name()));
+  return {u.copy.data_ptr(), u.copy.dtype() == kBFloat16};
+}
+
+// Element i of the copy: x rounded as the cast kernel rounds.
+__device__ __forceinline__ void write_copy(CopyOut c, int64_t i, float x) {
+  if (c.p == nullptr) return;
+  if (c.bf16)
+    static_cast<__nv_bfloat16*>(c.p)[i] = store<__nv_bfloat16>(x);
+  else
+    static_cast<__half*>(c.p)[i] = store<__half>(x);
+}
+template <typename S>
+__device__ __forceinline__ void write_copy(CopyOut c, int64_t i, S x) {
+  if constexpr (std::is_same_v<S, float>) write_copy(c, i, static_cast<float>(x));
+}
+
+// Whether a step skipped on the device (skip_if) leaves the kernel nothing to do.
+__device__ __forceinline__ bool skipped(const float* skip) {
+  return skip != nullptr && *skip != 0.0f;
+}
+
 // sgd: mode 0: var -= lr g; 1: vel = momentum vel - lr g, var += vel; 2 (Nesterov): the same
 // velocity, var += momentum vel - lr g.
 template <typename T>
 __global__ void sgd_kernel(const float* __restrict__ skip, T* __restrict__ var,
                            const T* __restrict__ grad, slot_of<T>* __restrict__ vel, int64_t n,
-                           slot_of<T> lr, slot_of<T> momentum, int mode) {
+                           slot_of<T> lr, slot_of<T> momentum, int mode, CopyOut copy) {
   using S = slot_of<T>;
-  if (skip != nullptr && *skip != 0.0f) return;  // a step skipped on the device
+  const bool skip_step = skipped(skip);  // a step skipped on the device
+  if (skip_step && copy.p == nullptr) return;
   MIXTAPE_GRID_LOOP(i, n) {
     S v = load(var[i]);
+    if (skip_step) {
+      write_copy(copy, i, v);
+      continue;
+    }
     const S g = load(grad[i]);
     if (mode == 0) {
       v = sub_rn(v, mul_rn(lr, g));
@@ -149,6 +192,7 @@ __global__ void sgd_kernel(const float* __restrict__ skip, T* __restrict__ var,
         v = add_rn(v, nv);
     }
     var[i] = store<T>(v);
+    write_copy(copy, i, v);
   }
 }
 
@@ -162,7 +206,7 @@ void sgd_host(const OptimizerUpdate& u) {
   sgd_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
       skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
       mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n, static_cast<S>(u.lr),
-      static_cast<S>(u.momentum), mode);
+      static_cast<S>(u.momentum), mode, copy_out<T>(u));
   MIXTAPE_CUDA_CHECK_LAUNCH("sgd_update kernel");
 }
 
@@ -175,11 +219,16 @@ __global__ void rmsprop_kernel(const float* __restrict__ skip, T* __restrict__ v
                                slot_of<T>* __restrict__ mom, slot_of<T>* __restrict__ mg, int64_t n,
                                slot_of<T> lr, slot_of<T> rho, slot_of<T> one_minus_rho,
                                slot_of<T> eps, slot_of<T> momentum, bool centered,
-                               bool use_momentum) {
+                               bool use_momentum, CopyOut copy) {
   using S = slot_of<T>;
-  if (skip != nullptr && *skip != 0.0f) return;  // a step skipped on the device
+  const bool skip_step = skipped(skip);  // a step skipped on the device
+  if (skip_step && copy.p == nullptr) return;
   MIXTAPE_GRID_LOOP(i, n) {
     S v = load(var[i]);
+    if (skip_step) {
+      write_copy(copy, i, v);
+      continue;
+    }
     const S g = load(grad[i]);
     const S msi = add_rn(mul_rn(rho, ms[i]), mul_rn(one_minus_rho, mul_rn(g, g)));
     ms[i] = msi;
@@ -199,6 +248,7 @@ __global__ void rmsprop_kernel(const float* __restrict__ skip, T* __restrict__ v
       v = sub_rn(v, step);
     }
     var[i] = store<T>(v);
+    write_copy(copy, i, v);
   }
 }
 
@@ -214,7 +264,7 @@ void rmsprop_host(const OptimizerUpdate& u) {
       slot_ptr<S>(u.slot1), use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
       u.centered ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(u.lr), static_cast<S>(u.beta2),
       static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon), static_cast<S>(u.momentum),
-      u.centered, use_momentum);
+      u.centered, use_momentum, copy_out<T>(u));
   MIXTAPE_CUDA_CHECK_LAUNCH("rmsprop_update kernel");
 }
 
@@ -226,11 +276,16 @@ __global__ void adam_kernel(const float* __restrict__ skip, T* __restrict__ var,
                             slot_of<T>* __restrict__ v, slot_of<T>* __restrict__ vmax, int64_t n,
                             slot_of<T> alpha, slot_of<T> one_minus_beta1,
                             slot_of<T> one_minus_beta2, slot_of<T> eps, slot_of<T> lr_wd,
-                            bool amsgrad, bool decay) {
+                            bool amsgrad, bool decay, CopyOut copy) {
   using S = slot_of<T>;
-  if (skip != nullptr && *skip != 0.0f) return;  // a step skipped on the device
+  const bool skip_step = skipped(skip);  // a step skipped on the device
+  if (skip_step && copy.p == nullptr) return;
   MIXTAPE_GRID_LOOP(i, n) {
     S x = load(var[i]);
+    if (skip_step) {
+      write_copy(copy, i, x);
+      continue;
+    }
     if (decay) x = sub_rn(x, mul_rn(lr_wd, x));
     const S g = load(grad[i]);
     const S mi = add_rn(m[i], mul_rn(sub_rn(g, m[i]), one_minus_beta1));
@@ -245,6 +300,7 @@ __global__ void adam_kernel(const float* __restrict__ skip, T* __restrict__ var,
     }
     x = sub_rn(x, div_rn(mul_rn(alpha, mi), add_rn(sqrt_rn(d), eps)));
     var[i] = store<T>(x);
+    write_copy(copy, i, x);
   }
 }
 
@@ -262,7 +318,8 @@ void adam_host(const OptimizerUpdate& u) {
       skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
       slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2), u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr, n,
       static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2),
-      static_cast<S>(u.epsilon), static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay);
+      static_cast<S>(u.epsilon), static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay,
+      copy_out<T>(u));
   MIXTAPE_CUDA_CHECK_LAUNCH("adam_update kernel");
 }
 

@@ -554,6 +554,7 @@ void optimizer(Context& c) {
     variants = {{"adam", 0.0, 0.0, false, false, false},
                 {"amsgrad", 0.0, 0.0, false, false, true},
                 {"adamw", 0.0, 0.004, false, false, false}};
+  int copies = 0;
   for (const Shape& shape : std::vector<Shape>{{7}, {3, 5}, {0}, {4099}}) {
     for (const auto& v : variants) {
       const Pair var = c.uniform(shape, -1.0, 1.0), grad = c.uniform(shape, -1.0, 1.0);
@@ -585,6 +586,10 @@ void optimizer(Context& c) {
       // overlap): rmsprop's momentum buffer s2, its mean gradient s1.
       if (use2) u.slot2 = s2.tested, r.slot2 = s2.ref;
       if (use3) u.slot3 = (rms ? s1 : s3).tested, r.slot3 = (rms ? s1 : s3).ref;
+      // float32 variables: the 16-bit copy written beside the update (kernels.h), float16
+      // and bfloat16 by turns; unwritten elements show as NaN.
+      if (c.dtype() == kFloat32)
+        u.copy = c.output(shape, copies++ % 2 == 0 ? kFloat16 : kBFloat16).tested;
       if (shape.numel() > 0) {
         fn(u);
         ref(r);
@@ -594,6 +599,10 @@ void optimizer(Context& c) {
       if (use1) c.expect_close(what + ", slot 1", u.slot1, r.slot1);
       if (use2) c.expect_close(what + ", slot 2", u.slot2, r.slot2);
       if (use3) c.expect_close(what + ", slot 3", u.slot3, r.slot3);
+      // The updated variable (as the kernel left it, in float64) rounded to the copy's dtype.
+      if (u.copy.defined())
+        c.expect_equal(what + ", the 16-bit copy", u.copy,
+                       var.tested.to(Device::cpu()).to(kFloat64));
     }
   }
 }

@@ -479,6 +479,13 @@ TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU"
             uc.skip_if = mt::full({}, step == 2 ? 1.0 : 0.0, mt::kFloat32);
             ug.skip_if = gpu(uc.skip_if);
           }
+          // float32 variables: the 16-bit copy written beside the update (kernels.h),
+          // float16 at odd steps, bfloat16 at even ones (the skipped step's too).
+          if (dt == mt::kFloat32) {
+            const DType copy_dt = step % 2 == 1 ? mt::kFloat16 : mt::kBFloat16;
+            uc.copy = Tensor::empty({numel}, copy_dt);
+            ug.copy = Tensor::empty({numel}, copy_dt, cu::kGpu);
+          }
           const Tensor var_before = var_gpu.to(mt::Device::cpu());
           cpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(uc);
           gpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(ug);
@@ -488,6 +495,14 @@ TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU"
                               static_cast<std::size_t>(numel) * dt.itemsize()) == 0);
           }
           cu::check_close(var_gpu, var_cpu, optim_tolerance(dt), "variable");
+          if (ug.copy.defined() && numel > 0) {  // each side's copy is its variable's cast
+            const std::size_t bytes = static_cast<std::size_t>(numel) * 2;
+            const Tensor got = ug.copy.to(mt::Device::cpu());
+            const Tensor want = mt::cast(var_gpu, ug.copy.dtype()).to(mt::Device::cpu());
+            CHECK(std::memcmp(got.data_ptr(), want.data_ptr(), bytes) == 0);
+            const Tensor want_cpu = mt::cast(var_cpu, uc.copy.dtype());
+            CHECK(std::memcmp(uc.copy.data_ptr(), want_cpu.data_ptr(), bytes) == 0);
+          }
           for (int s = 0; s < 3; ++s)
             if (slots_cpu[s].defined())
               cu::check_close(slots_gpu[s], slots_cpu[s], optim_tolerance(slot_dt),

@@ -178,10 +178,16 @@ using UnscaleCheckFn = void(const std::vector<Tensor>& grads, const std::vector<
 // skip_if, when defined, is a float32 scalar on the variable's device (unscale_check's
 // flag): when it is non-zero the kernel changes nothing (no variable, no slot). The step is
 // then decided on the device, without a host read of the flag before the update.
+// copy, when defined (only for a float32 var): a contiguous float16 or bfloat16 tensor of
+// var's shape on its device, distinct from the others, that receives var's values after
+// the update (or as they stay, when skip_if skips it) rounded to nearest even as the cast
+// kernel rounds: the copy autocast reads next (mixtape/autograd/autocast.h), written in
+// the same pass instead of a cast of its own.
 struct OptimizerUpdate {
   Tensor var, grad;
   Tensor slot1, slot2, slot3;  // undefined when the optimizer does not use them
   Tensor skip_if;
+  Tensor copy;
   double lr = 0.0;
   double beta1 = 0.0, beta2 = 0.0, epsilon = 0.0;
   double momentum = 0.0, weight_decay = 0.0;

@@ -1,7 +1,9 @@
 // Storage: one allocation on one device, shared by every tensor view of it.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 #include "mixtape/core/device.h"
@@ -16,12 +18,22 @@ class Storage {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  void* data() const { return data_; }
+  // The address of the allocation. Every call counts as a possible write (nothing tells a
+  // reader from a writer here) and advances version().
+  void* data() const {
+    version_.fetch_add(1, std::memory_order_relaxed);
+    return data_;
+  }
+  // How many times data() has been called: a copy derived from the data (a Variable's
+  // autocast copy, mixtape/autograd/autocast.h) is current while this stays what it was
+  // just after the copy was made.
+  std::uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   std::size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
 
  private:
   void* data_ = nullptr;
+  mutable std::atomic<std::uint64_t> version_{0};
   std::size_t nbytes_ = 0;
   Device device_;
 };

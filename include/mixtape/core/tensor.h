@@ -30,11 +30,25 @@
 
 namespace mixtape {
 
+struct TensorImpl;
+
 // Named, trainable state attached to a tensor that is a Variable.
 struct VariableInfo {
   std::string name;
   bool trainable = true;
   bool autocast = false;  // read in the autocast dtype inside an AutocastScope (autocast.h)
+
+  // The variable rounded to a 16-bit autocast dtype, kept between reads so that a read
+  // under autocast costs no cast while the variable is unchanged (mixtape/autograd/
+  // autocast.h): the copy, the storage it was made from, and that storage's version()
+  // just after. Guarded by `mutex`.
+  struct AutocastCopy {
+    std::shared_ptr<TensorImpl> copy;
+    std::weak_ptr<Storage> source;
+    std::uint64_t version = 0;
+  };
+  AutocastCopy autocast_copy;
+  std::mutex mutex;
 };
 
 struct TensorImpl {
