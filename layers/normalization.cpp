@@ -77,10 +77,13 @@ Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
     mu = along(moving_mean_, rank, axis_);
     var = along(moving_variance_, rank, axis_);
   }
-  Tensor y = (xs - mu) * rsqrt(var + options_.epsilon);
-  if (options_.scale) y = y * along(gamma_, rank, axis_);
-  if (options_.center) y = y + along(beta_, rank, axis_);
-  return cast(y, compute_dtype());
+  // TensorFlow's batch_normalization: y = x * s + (beta - mu * s) with s = gamma /
+  // sqrt(var + eps), so that the per-channel work happens on [C] tensors and x meets two
+  // full-size ops (and their two backward passes) instead of four.
+  Tensor s = rsqrt(var + options_.epsilon);
+  if (options_.scale) s = s * along(gamma_, rank, axis_);
+  const Tensor shift = options_.center ? along(beta_, rank, axis_) - mu * s : neg(mu * s);
+  return cast(xs * s + shift, compute_dtype());
 }
 
 Config BatchNormalizationLayer::get_config() const {
