@@ -132,6 +132,8 @@ def main():
                     help="names the data only to pick --augment auto's kind")
     ap.add_argument("--augment", default="auto",
                     choices=["auto", "none", "shift", "flip", "shift+flip"])
+    ap.add_argument("--limit", type=int, default=0,
+                    help="train on the first N training images only (as mixtape-mnist's)")
     a = ap.parse_args()
     kind = a.augment if a.augment != "auto" else ("flip" if a.dataset == "fashion" else "shift")
     gen = torch.Generator().manual_seed(a.seed + 1)
@@ -141,6 +143,8 @@ def main():
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     xs, ys, xt, yt = (t.to(dev) for t in load(a.data))
+    if a.limit > 0:
+        xs, ys = xs[:a.limit], ys[:a.limit]
     net = ResNet().to(dev)
     n, bs = xs.shape[0], a.batch_size
     steps = math.ceil(n / bs) * a.epochs
