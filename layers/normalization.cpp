@@ -67,7 +67,10 @@ Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
     for (int i = 0; i < static_cast<int>(rank); ++i)
       if (i != axis_) axes.push_back(i);
     mu = mean(xs, axes, true);
-    var = mean(square(xs - mu), axes, true);
+    // As TensorFlow's moments: no gradient through the mean here. Its exact contribution is
+    // zero (d var / d mu = -2 mean(x - mu) = 0), so leaving it out spares a full-size
+    // reduction of the backward pass and changes the gradient only by rounding.
+    var = mean(square(xs - detach(mu)), axes, true);
     NoGradGuard no_grad;
     const double m = options_.momentum;
     const Shape c{moving_mean_.numel()};
