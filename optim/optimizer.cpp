@@ -298,10 +298,10 @@ kernels::OptimizerUpdate update_args(const Variable& var, const Tensor& grad,
   u.lr = lr;
   u.step = step;
   // The 16-bit copy the variable is read as under autocast, written beside the update so
-  // that the next forward pass needs no cast of the weights (autocast.h).
-  if (var.dtype() == kFloat32 && var.is_contiguous())
-    if (const auto dtype = autocast_copy_dtype(var))
-      u.copy = Tensor::empty(var.shape(), *dtype, var.device());
+  // that the next forward pass needs no cast of the weights (autocast.h; only a float32
+  // variable keeps one).
+  if (const auto dtype = autocast_copy_dtype(var))
+    u.copy = Tensor::empty(var.shape(), *dtype, var.device());
   return u;
 }
 

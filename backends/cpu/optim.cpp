@@ -211,6 +211,7 @@ void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
     }
   });
 }
+
 // SGD without momentum: var -= lr * g.
 template <typename S>
 void sgd_block(S* __restrict v, const S* __restrict g, int64_t n, S lr) {
