@@ -318,6 +318,38 @@ TEST_CASE("half/bfloat16: bulk conversion equals scalar conversion", "[half]") {
   }
 }
 
+// The bulk float32 -> bfloat16 conversion on the patterns where a CPU instruction and the
+// rule part ways (AVX512-BF16 flushes subnormals; NaNs keep their payload's top bits): every
+// zero and subnormal of both signs, and NaNs and infinities across their payloads, in arrays
+// whose lengths leave tails of every size.
+TEST_CASE("half/bfloat16: bulk conversion of every subnormal and of NaN payloads", "[half]") {
+  std::vector<float> src;
+  std::vector<bfloat16> out;
+  std::size_t bad = 0, checked = 0;
+  auto check = [&] {
+    out.assign(src.size(), bfloat16{});
+    mixtape::convert_float_to_bfloat16(src.data(), out.data(), src.size());
+    for (std::size_t i = 0; i < src.size(); ++i)
+      bad += out[i].bits != detail::float_to_bfloat16_bits(src[i]);
+    checked += src.size();
+    src.clear();
+  };
+  auto push = [&](std::uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    src.push_back(f);
+    // Arrays of 65,536 + 0..15 elements: every tail length, and several parallel blocks.
+    if (src.size() == 65536 + (checked / 65536) % 16) check();
+  };
+  for (const std::uint32_t sign : {0u, 0x80000000u}) {
+    for (std::uint32_t m = 0; m < (1u << 23); ++m) push(sign | m);  // zeros and subnormals
+    for (std::uint32_t m = 0; m < (1u << 23); m += 61) push(sign | 0x7F800000u | m);  // inf, NaN
+  }
+  check();
+  CHECK(checked == 2 * ((1u << 23) + ((1u << 23) + 60) / 61));
+  CHECK(bad == 0);
+}
+
 TEST_CASE("half/bfloat16: arithmetic rounds through the 16-bit format", "[half]") {
   // The guide's examples: 256 * 256 = 65536 overflows fp16, 1e-10 underflows it.
   const half big = half(256.0f) * half(256.0f);
