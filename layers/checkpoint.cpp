@@ -2,8 +2,11 @@
 // and the validation that runs before a load changes the model or the optimizer.
 #include "mixtape/layers/checkpoint.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <functional>
+#include <map>
 #include <set>
 #include <string_view>
 #include <system_error>
@@ -28,66 +31,147 @@ constexpr std::string_view kScalarPrefix = "optimizer.scalar.";
 
 bool starts_with(std::string_view s, std::string_view prefix) { return s.starts_with(prefix); }
 
+constexpr const char* kWeightKeysKey = "weight_keys";
+
 // Keys of a checkpoint's __metadata__ that save_checkpoint writes itself.
 bool reserved_key(std::string_view key) {
-  return key == "format" || key == "epoch" || key == "optimizer" || key == "iterations" ||
-         starts_with(key, "optimizer.");
+  return key == kWeightKeysKey || key == "format" || key == "epoch" || key == "optimizer" ||
+         key == "iterations" || starts_with(key, "optimizer.");
 }
 
-// The weights of `model`, refusing two with one name.
-std::vector<Variable> named_weights(const layers::Layer& model, const std::string& path,
-                                    std::string_view who) {
-  std::vector<Variable> weights = model.weights();
-  std::set<std::string_view> names;
+// The weights of `model` with their paths (layers::weight_paths), its errors naming the file.
+std::vector<layers::WeightPath> paths_of(const layers::Layer& model, const std::string& path,
+                                         std::string_view who) {
+  try {
+    return layers::weight_paths(model);
+  } catch (const ValueError& e) {
+    throw ValueError(fmt::format("{} '{}': the model '{}': {}", who, path, model.name(), e.what()));
+  }
+}
+
+// Variable name -> path for the weights of a checkpoint: an optimizer keys its slots by the
+// variables' names, the file by their paths. Refuses two weights with one name.
+std::unordered_map<std::string, std::string> path_by_name(
+    const std::vector<layers::WeightPath>& weights, const layers::Layer& model,
+    const std::string& path, std::string_view who) {
+  std::unordered_map<std::string, std::string> out;
   for (const auto& w : weights)
-    if (!names.insert(w.name()).second)
+    if (!out.emplace(w.variable.name(), w.path).second)
       throw ValueError(fmt::format("{} '{}': the model '{}' has two weights named '{}'", who, path,
-                                   model.name(), w.name()));
-  return weights;
+                                   model.name(), w.variable.name()));
+  return out;
 }
 
 // What a load assigns: each weight with its value from the file.
 using Plan = std::vector<std::pair<Variable, Tensor>>;
 
+std::string described(std::string_view name, const Tensor& t) {
+  return fmt::format("'{}' {}{}", name, t.dtype(), t.shape());
+}
+
+// A file without "weight_keys" names the weights of sublayers by names that were unique
+// only in the process that wrote it: refuses to guess, and says how to convert the file.
+[[noreturn]] void throw_unscoped(const std::string& path,
+                                 const std::vector<const layers::WeightPath*>& unmatched,
+                                 const std::unordered_map<std::string_view, const Tensor*>& left) {
+  std::vector<std::string> weights, tensors;
+  for (const auto* w : unmatched) weights.push_back(described(w->path, w->variable));
+  for (const auto& [name, t] : left) tensors.push_back(described(name, *t));
+  std::sort(tensors.begin(), tensors.end());
+  throw ValueError(fmt::format(
+      "checkpoint '{}' was written before weight paths were scoped by their owner (its "
+      "__metadata__ has no \"weight_keys\"): it names the weights of sublayers by names that "
+      "were unique only in the process that wrote it, which do not say which layer each belongs "
+      "to, so {} weight{} of sublayers cannot be matched safely: {}. Say which tensor is which "
+      "with WeightLoadOptions::renames (load_model(path, {{.renames = {{{{\"<tensor>\", "
+      "\"<path>\"}}, ...}}}}); the file's unmatched tensors: {}), then save the model to write "
+      "a file of today's format",
+      path, unmatched.size(), unmatched.size() == 1 ? "" : "s", fmt::join(weights, ", "),
+      tensors.empty() ? std::string("none") : fmt::format("{}", fmt::join(tensors, ", "))));
+}
+
 // Checks that the tensors of `file` under `prefix` are exactly the weights of `model`, with
-// their shapes and dtypes; returns the assignments to make.
+// their shapes and dtypes, each tensor for one weight; returns the assignments to make.
 Plan check_weights(const layers::Layer& model, const SafetensorsFile& file, std::string_view prefix,
-                   const std::string& path) {
-  const std::vector<Variable> weights = named_weights(model, path, "checkpoint");
+                   const std::string& path, const WeightLoadOptions& options) {
+  const std::vector<layers::WeightPath> weights = paths_of(model, path, "checkpoint");
+  const auto keys = file.metadata.find(kWeightKeysKey);
+  if (keys != file.metadata.end() && keys->second != kWeightKeys)
+    throw ValueError(fmt::format(
+        "checkpoint '{}': __metadata__ \"{}\" is \"{}\"; this mixtape reads \"{}\" (a file "
+        "of a newer version?)",
+        path, kWeightKeysKey, keys->second, kWeightKeys));
+  const bool unscoped = keys == file.metadata.end();
   std::unordered_map<std::string_view, const Tensor*> in_file;
   for (const auto& [name, t] : file.tensors)
-    if (starts_with(name, prefix)) in_file.emplace(name, &t);
+    if (starts_with(name, prefix))
+      in_file.emplace(std::string_view(name).substr(prefix.size()), &t);
   if (weights.empty() && !in_file.empty())
     throw ValueError(fmt::format(
         "checkpoint '{}': the model '{}' has no weights yet but the file holds {}; build the "
         "model (call it on an input) before loading weights into it",
         path, model.name(), in_file.size()));
 
+  // renames: path -> the tensor that feeds it.
+  std::unordered_map<std::string_view, std::string_view> source;
+  for (const auto& [from, to] : options.renames) {
+    if (!in_file.count(from))
+      throw ValueError(
+          fmt::format("checkpoint '{}': renames: '{}' is not a tensor of the file", path, from));
+    const bool known = std::any_of(weights.begin(), weights.end(),
+                                   [&, &to = to](const auto& w) { return w.path == to; });
+    if (!known)
+      throw ValueError(fmt::format(
+          "checkpoint '{}': renames: '{}' is not the path of a weight of the model '{}'", path, to,
+          model.name()));
+    auto [it, fresh] = source.emplace(to, from);
+    if (!fresh)
+      throw ValueError(
+          fmt::format("checkpoint '{}': renames: both '{}' and '{}' are renamed to '{}'", path,
+                      it->second, from, to));
+  }
+
   Plan plan;
   plan.reserve(weights.size());
+  std::vector<const layers::WeightPath*> unmatched;
+  std::unordered_map<std::string_view, std::string_view> fed;  // tensor -> the weight it feeds
   for (const auto& w : weights) {
-    const std::string name = fmt::format("{}{}", prefix, w.name());
+    std::string_view name = w.path;
+    if (auto r = source.find(w.path); r != source.end()) {
+      name = r->second;
+    } else if (unscoped && w.in_sublayer) {
+      unmatched.push_back(&w);
+      continue;
+    }
     auto it = in_file.find(name);
-    if (it == in_file.end())
+    if (it == in_file.end()) {
+      if (fed.count(name))
+        throw ValueError(fmt::format(
+            "checkpoint '{}': tensor '{}{}' would feed two weights, '{}' and '{}' (renames "
+            "one to the other's path?)",
+            path, prefix, name, fed.at(name), w.path));
       throw ValueError(fmt::format(
-          "checkpoint '{}': tensor '{}' (the weight '{}' of the model) is missing from the file",
-          path, name, w.name()));
+          "checkpoint '{}': tensor '{}{}' (the weight '{}' of the model) is missing from the file",
+          path, prefix, name, w.path));
+    }
     const Tensor& t = *it->second;
-    if (t.shape() != w.shape())
+    if (t.shape() != w.variable.shape())
       throw ValueError(
-          fmt::format("checkpoint '{}': tensor '{}' has shape {} in the file but {} in the model",
-                      path, name, t.shape(), w.shape()));
-    if (t.dtype() != w.dtype())
+          fmt::format("checkpoint '{}': tensor '{}{}' has shape {} in the file but {} in the model",
+                      path, prefix, name, t.shape(), w.variable.shape()));
+    if (t.dtype() != w.variable.dtype())
       throw ValueError(
-          fmt::format("checkpoint '{}': tensor '{}' has dtype {} in the file but {} in the model",
-                      path, name, t.dtype(), w.dtype()));
-    plan.emplace_back(w, t);
+          fmt::format("checkpoint '{}': tensor '{}{}' has dtype {} in the file but {} in the model",
+                      path, prefix, name, t.dtype(), w.variable.dtype()));
+    plan.emplace_back(w.variable, t);
+    fed.emplace(name, w.path);
     in_file.erase(it);
   }
+  if (!unmatched.empty()) throw_unscoped(path, unmatched, in_file);
   if (!in_file.empty()) {
     // The first one in file order, for a stable message.
     for (const auto& [name, t] : file.tensors)
-      if (in_file.count(name))
+      if (starts_with(name, prefix) && in_file.count(std::string_view(name).substr(prefix.size())))
         throw ValueError(fmt::format(
             "checkpoint '{}': tensor '{}' in the file is not a weight of the model '{}' (a file "
             "of another model?)",
@@ -172,18 +256,24 @@ std::string inner_name(const optim::Optimizer& optimizer) {
 
 void save_weights(const layers::Layer& model, const std::string& path,
                   const std::map<std::string, std::string>& metadata) {
+  if (metadata.count(kWeightKeysKey))
+    throw ValueError(
+        fmt::format("save_weights '{}': metadata key \"{}\" is reserved (save_weights writes it)",
+                    path, kWeightKeysKey));
   std::vector<std::pair<std::string, Tensor>> tensors;
-  for (const auto& w : named_weights(model, path, "save_weights"))
-    tensors.emplace_back(w.name(), w);
-  save_safetensors(path, tensors, metadata);
+  for (const auto& w : paths_of(model, path, "save_weights"))
+    tensors.emplace_back(w.path, w.variable);
+  std::map<std::string, std::string> with = metadata;
+  with[kWeightKeysKey] = kWeightKeys;
+  save_safetensors(path, tensors, with);
 }
 
-void load_weights(layers::Layer& model, const std::string& path) {
+void load_weights(layers::Layer& model, const std::string& path, const WeightLoadOptions& options) {
   const SafetensorsFile file = load_safetensors(path);
   check_bools(file, path);
   auto format = file.metadata.find("format");
   const bool checkpoint = format != file.metadata.end() && format->second == kCheckpointFormat;
-  assign(check_weights(model, file, checkpoint ? kModelPrefix : std::string_view(), path));
+  assign(check_weights(model, file, checkpoint ? kModelPrefix : std::string_view(), path, options));
 }
 
 void save_checkpoint(const std::string& path, const layers::Layer& model,
@@ -196,19 +286,32 @@ void save_checkpoint(const std::string& path, const layers::Layer& model,
     if (reserved_key(key))
       throw ValueError(fmt::format(
           "save_checkpoint '{}': metadata key \"{}\" is reserved (save_checkpoint writes "
-          "\"format\", \"epoch\", \"optimizer\", \"iterations\" and \"optimizer.*\")",
+          "\"weight_keys\", \"format\", \"epoch\", \"optimizer\", \"iterations\" and "
+          "\"optimizer.*\")",
           path, key));
-  const std::vector<Variable> weights = named_weights(model, path, "save_checkpoint");
+  const std::vector<layers::WeightPath> weights = paths_of(model, path, "save_checkpoint");
+  const auto path_of = path_by_name(weights, model, path, "save_checkpoint");
   const optim::OptimizerState state = optimizer.state(model.trainable_variables());
 
   std::vector<std::pair<std::string, Tensor>> tensors;
   tensors.reserve(weights.size() + state.tensors.size());
   for (const auto& w : weights)
-    tensors.emplace_back(fmt::format("{}{}", kModelPrefix, w.name()), w);
-  for (const auto& [name, t] : state.tensors)
-    tensors.emplace_back(fmt::format("{}{}", kOptimizerPrefix, name), t);
+    tensors.emplace_back(fmt::format("{}{}", kModelPrefix, w.path), w.variable);
+  // A slot "<variable name>/<slot>" is stored as "<weight path>/<slot>".
+  for (const auto& [name, t] : state.tensors) {
+    const auto slash = name.rfind('/');
+    const auto owner =
+        slash == std::string::npos ? path_of.end() : path_of.find(name.substr(0, slash));
+    if (owner == path_of.end())
+      throw ValueError(fmt::format(
+          "save_checkpoint '{}': optimizer slot '{}' belongs to no weight of the model '{}'", path,
+          name, model.name()));
+    tensors.emplace_back(fmt::format("{}{}{}", kOptimizerPrefix, owner->second, name.substr(slash)),
+                         t);
+  }
 
   std::map<std::string, std::string> metadata = info.metadata;
+  metadata[kWeightKeysKey] = kWeightKeys;
   metadata["format"] = kCheckpointFormat;
   metadata["epoch"] = fmt::format("{}", info.epoch);
   metadata["optimizer"] = optimizer.name();
@@ -222,7 +325,7 @@ void save_checkpoint(const std::string& path, const layers::Layer& model,
 }
 
 TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model,
-                                   optim::Optimizer& given) {
+                                   optim::Optimizer& given, const WeightLoadOptions& options) {
   optim::Optimizer& optimizer = saved_optimizer(given);
   const SafetensorsFile file = load_safetensors(path);
   check_bools(file, path);
@@ -256,18 +359,28 @@ TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model
       state.scalars[key.substr(kScalarPrefix.size())] = parse_number<double>(value, key, path);
     else if (!reserved_key(key))
       info.metadata.emplace(key, value);
-    else if (key != "format" && key != "epoch" && key != "optimizer" && key != "iterations" &&
-             key != "optimizer.inner")
+    else if (key != kWeightKeysKey && key != "format" && key != "epoch" && key != "optimizer" &&
+             key != "iterations" && key != "optimizer.inner")
       throw ValueError(fmt::format(
           "checkpoint '{}': __metadata__ key \"{}\" is reserved for mixtape but unknown to it",
           path, key));
   }
 
-  // The tensors: the model's weights, and slots of its trainable variables.
-  const Plan plan = check_weights(model, file, kModelPrefix, path);
-  std::set<std::string_view> trainable;
+  // The tensors: the model's weights, and slots of its trainable variables (by path in the
+  // file, by variable name in the optimizer's state).
+  const Plan plan = check_weights(model, file, kModelPrefix, path, options);
+  const std::vector<layers::WeightPath> weights = paths_of(model, path, "checkpoint");
+  path_by_name(weights, model, path, "checkpoint");           // names are unique
+  std::map<std::string, std::string, std::less<>> trainable;  // slot owner in the file -> name
+  for (const auto& w : weights)
+    if (w.variable.trainable()) trainable.emplace(w.path, w.variable.name());
+  for (const auto& [from, to] : options.renames)
+    if (auto it = trainable.find(to); it != trainable.end()) {
+      const std::string name = it->second;
+      trainable.erase(it);
+      trainable.emplace(from, name);
+    }
   const std::vector<Variable> variables = model.trainable_variables();
-  for (const auto& v : variables) trainable.insert(v.name());
   for (const auto& [name, t] : file.tensors) {
     if (starts_with(name, kModelPrefix)) continue;
     if (!starts_with(name, kOptimizerPrefix))
@@ -277,12 +390,14 @@ TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model
           path, name));
     const std::string key = name.substr(kOptimizerPrefix.size());
     const auto slash = key.rfind('/');
-    if (slash == std::string::npos || slash + 1 == key.size() ||
-        !trainable.count(std::string_view(key).substr(0, slash)))
+    const auto owner = slash == std::string::npos || slash + 1 == key.size()
+                           ? trainable.end()
+                           : trainable.find(std::string_view(key).substr(0, slash));
+    if (owner == trainable.end())
       throw ValueError(fmt::format(
           "checkpoint '{}': optimizer slot '{}' belongs to no trainable variable of the model '{}'",
           path, name, model.name()));
-    state.tensors.emplace(key, t);
+    state.tensors.emplace(owner->second + key.substr(slash), t);
   }
 
   // The optimizer checks its state before it changes; then the weights are set.

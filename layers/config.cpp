@@ -121,6 +121,12 @@ std::map<std::string, LayerFactory>& registry() {
   return r;
 }
 
+// C++ type name -> the class name it was registered under (MIXTAPE_REGISTER_LAYER(_AS)).
+std::map<std::string, std::string>& registered_types() {
+  static std::map<std::string, std::string> r;
+  return r;
+}
+
 std::string registered_list() {
   std::string out;
   for (const auto& [k, v] : registry()) out += (out.empty() ? "" : ", ") + k;
@@ -145,9 +151,11 @@ std::shared_ptr<Layer> layer_from_config(const std::string& class_name, const Co
     auto it = registry().find(class_name);
     if (it == registry().end())
       throw ValueError(fmt::format(
-          "unknown layer class '{}': register it with MIXTAPE_REGISTER_LAYER({}) (and give it "
-          "get_config and a static from_config); registered: {}",
-          class_name, class_name, registered_list()));
+          "unknown layer class '{}': register the class whose class_name() is '{}' with "
+          "MIXTAPE_REGISTER_LAYER(T) (under T's C++ name) or MIXTAPE_REGISTER_LAYER_AS(T, "
+          "\"{}\") (under another name), and give it get_config and a static from_config; "
+          "registered: {}",
+          class_name, class_name, class_name, registered_list()));
     factory = it->second;
   }
   const std::string name = config.has("name") ? config.get_string("name") : std::string("?");
@@ -171,6 +179,17 @@ std::vector<std::string> registered_layers() {
 }
 
 namespace detail {
+
+void note_registered_type(const std::type_info& type, const std::string& class_name) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  registered_types()[type.name()] = class_name;
+}
+
+std::string registered_name_of(const std::type_info& type) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  auto it = registered_types().find(type.name());
+  return it == registered_types().end() ? std::string() : it->second;
+}
 
 std::string class_name_of(const std::type_info& type) {
   int status = 0;

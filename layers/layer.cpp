@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <typeinfo>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -179,6 +180,41 @@ struct Tracking {
       if (l.get() == layer) return true;
     return false;
   }
+
+  // The weights of `layer` and its sublayers with their paths, `prefix` being the path of
+  // what holds it ("" at the root and for a model's layers).
+  static void collect_paths(const Layer& layer, const std::string& prefix,
+                            std::vector<WeightPath>& out, std::unordered_set<std::uint64_t>& seen) {
+    if (!layer.scopes_sublayers()) {  // a model: its layers are named in its graph
+      for (const auto& l : layer.sublayers_) collect_paths(*l, prefix, out, seen);
+      return;
+    }
+    const std::string path =
+        prefix.empty() ? layer.name() : fmt::format("{}/{}", prefix, layer.name());
+    if (!prefix.empty() && !layer.weights_.empty() && !layer.name_given_ && !layer.name_scoped_)
+      throw ValueError(fmt::format(
+          "layer '{}' ({}) inside '{}' has a default name that is unique only in this process (it "
+          "was built before a layer holding it tracked it), so another process would not find "
+          "its weights by it: give it a name ({{.name = ...}}), or make it in the constructor or "
+          "build() of the layer that holds it",
+          layer.name(), layer.class_name(), prefix));
+    for (const auto& w : layer.weights_)
+      if (seen.insert(w.variable.id()).second)
+        out.push_back(
+            WeightPath{fmt::format("{}/{}", path, w.name), w.variable, &layer, !prefix.empty()});
+    for (const auto& l : layer.sublayers_) collect_paths(*l, path, out, seen);
+  }
+
+  // The default name of `layer` unique among the sublayers of `owner`: the first free of
+  // "dense", "dense_1", ...
+  static std::string scoped_name(const Layer& owner, const Layer& layer) {
+    const std::string base = snake_case(layer.class_name());
+    std::unordered_set<std::string> taken;
+    for (const auto& l : owner.sublayers_) taken.insert(l->name());
+    std::string name = base;
+    for (int n = 1; taken.count(name); ++n) name = fmt::format("{}_{}", base, n);
+    return name;
+  }
 };
 
 // Pops a frame or a call when it ends, also by an exception.
@@ -207,6 +243,12 @@ void ConstructionFrame::made(const std::shared_ptr<Layer>& layer) {
 
 std::string unique_layer_name(const std::string& base) { return unique_name(base); }
 
+bool has_unbuilt_sublayer(const Layer& layer) {
+  for (const auto& l : layer.sublayers())
+    if (!l->built() || has_unbuilt_sublayer(*l)) return true;
+  return false;
+}
+
 std::string shape_with_none(const Shape& s) {
   std::vector<std::string> dims;
   for (auto d : s) dims.push_back(d < 0 ? std::string("None") : std::to_string(d));
@@ -227,10 +269,13 @@ std::vector<TensorSpec> build_for_specs(const std::shared_ptr<Layer>& layer,
     e.rethrow_with_prefix(prefix);
   }
   if (out) {
-    // The shape rule said what comes out: the layer is built from the shapes (nothing runs).
+    // The shape rule said what comes out: the layer is built from the shapes (nothing runs),
+    // unless its build() leaves sublayers unbuilt (they are built on a first call): then it
+    // runs once below, so that the model has every weight from the start (a file of it holds
+    // them, a loaded model takes them).
     layer->build_symbolic(specs);
     layer->output_shape_ = out->front().shape;
-    return *out;
+    if (!has_unbuilt_sublayer(*layer)) return *out;
   }
   // No shape rule: a concrete batch of one stands in for the batch axis.
   std::vector<Tensor> probes;
@@ -247,6 +292,7 @@ std::vector<TensorSpec> build_for_specs(const std::shared_ptr<Layer>& layer,
     mixtape::detail::DTypeTraceMute mute;
     ys = layer->apply(probes, CallContext{.training = false});
   }
+  if (out) return *out;
   std::vector<TensorSpec> result;
   for (const auto& y : ys) {
     std::vector<std::int64_t> dims = y.shape().dims();
@@ -290,6 +336,7 @@ Layer::Layer(LayerOptions options) : Layer(std::move(options), std::string()) {}
 
 Layer::Layer(LayerOptions options, std::string class_name)
     : name_(std::move(options.name)),
+      name_given_(!name_.empty()),
       given_class_name_(std::move(class_name)),
       policy_(options.dtype ? *options.dtype : global_policy()),
       trainable_(options.trainable) {
@@ -299,11 +346,18 @@ Layer::Layer(LayerOptions options, std::string class_name)
     name_ = unique_name(snake_case(given_class_name_));
 }
 
-Layer::~Layer() = default;
+Layer::~Layer() {
+  for (const auto& l : sublayers_)
+    if (l->owner_ == this) l->owner_ = nullptr;
+}
 
 const std::string& Layer::name() const {
   if (name_.empty()) name_ = unique_name(snake_case(class_name()));
   return name_;
+}
+
+std::string Layer::owned_name() const {
+  return owner_ ? fmt::format("{}/{}", owner_->owned_name(), name()) : name();
 }
 
 std::string Layer::class_name() const {
@@ -558,9 +612,9 @@ Variable Layer::add_weight(const std::string& name, const Shape& shape,
     throw ValueError(fmt::format("add_weight '{}': initializer '{}' gave {}, expected {}{}", name,
                                  init.name(), fmt::format("{}{}", value.dtype(), value.shape()),
                                  dtype, shape));
-  Variable v(value, fmt::format("{}/{}", this->name(), name), options.trainable && trainable_);
+  Variable v(value, fmt::format("{}/{}", owned_name(), name), options.trainable && trainable_);
   v.set_autocast(options.autocast && dtype.is_floating());
-  weights_.push_back(Weight{v, options.trainable});
+  weights_.push_back(Weight{v, options.trainable, name});
   return v;
 }
 
@@ -583,6 +637,15 @@ void Layer::track(std::shared_ptr<Layer> layer) {
             name(), class_name(), layer->name(), layer->class_name()));
       pending.push_back(sub.get());
     }
+  }
+  if (scopes_sublayers() && !layer->owner_) {
+    // The first owner names the layer's weights; a default name becomes unique within it
+    // (not yet built: no weight carries the old name).
+    if (!layer->name_given_ && !layer->built_) {
+      layer->name_ = detail::Tracking::scoped_name(*this, *layer);
+      layer->name_scoped_ = true;
+    }
+    layer->owner_ = this;
   }
   sublayers_.push_back(std::move(layer));
 }
@@ -681,6 +744,23 @@ void Layer::set_weights(const std::vector<Tensor>& values) {
     Variable v = ws[i];
     v.assign(values[i].to(v.device()));
   }
+}
+
+std::vector<WeightPath> weight_paths(const Layer& root) {
+  std::vector<WeightPath> out;
+  std::unordered_set<std::uint64_t> seen;
+  detail::Tracking::collect_paths(root, "", out, seen);
+  std::unordered_map<std::string_view, const WeightPath*> by_path;
+  for (const auto& w : out) {
+    auto [it, fresh] = by_path.emplace(w.path, &w);
+    if (!fresh)
+      throw ValueError(fmt::format(
+          "two weights have the path '{}': one of layer '{}' ({}), one of layer '{}' ({}); give "
+          "the layers names of their own",
+          w.path, it->second->layer->name(), it->second->layer->class_name(), w.layer->name(),
+          w.layer->class_name()));
+  }
+  return out;
 }
 
 }  // namespace mixtape::layers

@@ -61,6 +61,15 @@ json tensor_ref(const SymbolicTensor& t,
 
 json layer_to_json(const layers::Layer& l) {
   if (const auto* m = dynamic_cast<const Model*>(&l)) return json::parse(m->to_json());
+  // A file records class_name(); a class registered under another name would not load.
+  const std::string registered = layers::detail::registered_name_of(typeid(l));
+  if (!registered.empty() && registered != l.class_name())
+    throw ValueError(fmt::format(
+        "layer '{}' ({}): its class is registered as '{}' (MIXTAPE_REGISTER_LAYER registers the "
+        "C++ name) but its class_name(), the name a model file records, is '{}': load_model "
+        "would not find it. Register it with MIXTAPE_REGISTER_LAYER_AS({}, \"{}\")",
+        l.name(), l.class_name(), registered, l.class_name(),
+        layers::detail::class_name_of(typeid(l)), l.class_name()));
   json j;
   j["class_name"] = l.class_name();
   j["config"] = to_json(l.get_config());
@@ -217,7 +226,7 @@ void Model::save(const std::string& path, const TrainingCheckpoint& info) const 
   }
 }
 
-std::shared_ptr<Model> load_model(const std::string& path) {
+std::shared_ptr<Model> load_model(const std::string& path, const WeightLoadOptions& options) {
   const SafetensorsFile file = load_safetensors(path);
   auto it = file.metadata.find("architecture");
   if (it == file.metadata.end())
@@ -231,7 +240,7 @@ std::shared_ptr<Model> load_model(const std::string& path) {
   } catch (const Error& e) {
     throw ValueError(fmt::format("load_model '{}': {}", path, e.what()));
   }
-  mixtape::load_weights(*model, path);
+  mixtape::load_weights(*model, path, options);
   return model;
 }
 

@@ -524,7 +524,9 @@ TEST_CASE("safetensors: save_weights and load_weights restore a model exactly", 
   std::sort(names.begin(), names.end());
   CHECK(names ==
         std::vector<std::string>{"hidden/bias", "hidden/kernel", "out/bias", "out/kernel"});
-  CHECK(f.metadata == std::map<std::string, std::string>{{"note", "mlp"}});
+  // The caller's metadata, and that the tensors are named by weight paths.
+  CHECK(f.metadata ==
+        std::map<std::string, std::string>{{"note", "mlp"}, {"weight_keys", mt::kWeightKeys}});
 
   mt::load_weights(*fresh, path);
   CHECK(weight_bytes(*fresh) == weight_bytes(*a));

@@ -2,7 +2,15 @@
 // epoch), in one safetensors file (mixtape/core/safetensors.h), written atomically.
 //
 //   mt::save_weights(model, "model.safetensors");            // tensors "dense/kernel", ...
-//   mt::load_weights(other_model, "model.safetensors");      // same architecture and names
+//   mt::load_weights(other_model, "model.safetensors");      // same architecture and paths
+//
+// A weight is stored under its path (layers::weight_paths(): "dense/kernel", a sublayer's
+// "block_1/dense/kernel"), which does not depend on the order in which layers were made or
+// called; files say so with __metadata__ "weight_keys" = kWeightKeys. Files without it (of
+// mixtape before paths were scoped) are read by the same names where those were paths
+// already (every weight of a layer that is not a sublayer of another layer); a weight of
+// such a sublayer is only read through WeightLoadOptions::renames, as the file does not say
+// which layer its name belonged to.
 //
 //   mt::save_checkpoint("ckpt.safetensors", model, opt, {.epoch = 3});
 //   mt::TrainingCheckpoint info = mt::load_checkpoint("ckpt.safetensors", model, opt);
@@ -30,31 +38,36 @@ namespace mixtape {
 
 // The metadata "format" of a training checkpoint.
 inline constexpr const char* kCheckpointFormat = "mixtape-checkpoint-1";
+// The metadata "weight_keys" of files whose tensors are named by weight paths.
+inline constexpr const char* kWeightKeys = "paths-1";
 
 // Writes every weight of `model` (trainable or not, in model.weights() order) under its
-// variable name ("dense_1/kernel"), with `metadata` as the file's __metadata__. Throws
-// ValueError when two weights share a name (and what save_safetensors throws).
+// path ("dense_1/kernel", "block/dense/kernel"), with `metadata` as the file's __metadata__
+// (and "weight_keys"). Throws ValueError when two weights would share a path, or metadata
+// holds "weight_keys" (and what save_safetensors throws).
 void save_weights(const layers::Layer& model, const std::string& path,
                   const std::map<std::string, std::string>& metadata = {});
 
-// Sets every weight of `model` from the tensor of the same name in `path`. The model must
-// be built (called once) and the file must hold exactly its weights, with the same shapes
-// and dtypes; nothing is assigned unless all of them fit. A training checkpoint
-// (save_checkpoint) is accepted too: its weights are read from under "model/".
-void load_weights(layers::Layer& model, const std::string& path);
+// Sets every weight of `model` from the tensor of its path in `path` (or the tensor that
+// options.renames names for it). The model must be built (called once) and the file must
+// hold exactly its weights, with the same shapes and dtypes, each tensor for one weight;
+// nothing is assigned unless all of them fit. A training checkpoint (save_checkpoint) is
+// accepted too: its weights are read from under "model/".
+void load_weights(layers::Layer& model, const std::string& path,
+                  const WeightLoadOptions& options = {});
 
 // TrainingCheckpoint (what a checkpoint records besides the model and the optimizer) is in
 // mixtape/layers/model.h.
 
-// Writes one safetensors file holding the weights of `model` under "model/<variable
-// name>", the optimizer's state for model.trainable_variables() under "optimizer/<variable
-// name>/<slot>", and in __metadata__: "format" (kCheckpointFormat), "epoch", "optimizer"
-// (optimizer.name()), "optimizer.inner" (the wrapped optimizer's name, for a
+// Writes one safetensors file holding the weights of `model` under "model/<weight path>",
+// the optimizer's state for model.trainable_variables() under "optimizer/<weight
+// path>/<slot>", and in __metadata__: "weight_keys", "format" (kCheckpointFormat), "epoch",
+// "optimizer" (optimizer.name()), "optimizer.inner" (the wrapped optimizer's name, for a
 // LossScaleOptimizer), "iterations", each of the state's scalars as
 // "optimizer.scalar.<name>" (shortest text that reads back to the same double), and
 // info.metadata. Throws ValueError, writing nothing, when info.epoch < 0 or info.metadata
-// uses one of those keys ("format", "epoch", "optimizer", "iterations" or one starting with
-// "optimizer.").
+// uses one of those keys ("weight_keys", "format", "epoch", "optimizer", "iterations" or one
+// starting with "optimizer.").
 void save_checkpoint(const std::string& path, const layers::Layer& model,
                      const optim::Optimizer& optimizer, const TrainingCheckpoint& info);
 
@@ -65,7 +78,8 @@ void save_checkpoint(const std::string& path, const layers::Layer& model,
 // variable, and the optimizer's state (optimizer.load_state, which checks before it changes
 // anything) before the weights are assigned.
 TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model,
-                                   optim::Optimizer& optimizer);
+                                   optim::Optimizer& optimizer,
+                                   const WeightLoadOptions& options = {});
 
 // A fit() callback that saves the model at the end of epochs, as Keras' ModelCheckpoint:
 //

@@ -21,6 +21,11 @@
 //     ...
 //   };
 //   MIXTAPE_REGISTER_LAYER(Scale);
+//
+// The macro registers the class under its C++ name ("Scale"), which is what class_name()
+// returns unless the class overrides it; a class that does registers under that name with
+// MIXTAPE_REGISTER_LAYER_AS(Scale, "MyScale"). Model::save refuses a layer whose C++ type
+// is registered under another name than its class_name() (load_model would not find it).
 #pragma once
 
 #include <cstdint>
@@ -85,10 +90,16 @@ std::vector<std::string> registered_layers();
 namespace detail {
 // The default class_name() of T: its C++ name without namespaces.
 std::string class_name_of(const std::type_info& type);
+// Notes that layers of C++ type `type` are registered as `class_name`.
+void note_registered_type(const std::type_info& type, const std::string& class_name);
+// The name layers of C++ type `type` were registered under with MIXTAPE_REGISTER_LAYER(_AS);
+// empty when they were not.
+std::string registered_name_of(const std::type_info& type);
 template <typename T>
-bool register_class() {
-  register_layer(class_name_of(typeid(T)),
+bool register_class(const std::string& class_name = class_name_of(typeid(T))) {
+  register_layer(class_name,
                  [](const Config& c) -> std::shared_ptr<Layer> { return T::from_config(c); });
+  note_registered_type(typeid(T), class_name);
   return true;
 }
 }  // namespace detail
@@ -98,8 +109,13 @@ bool register_class() {
 #define MIXTAPE_REGISTER_LAYER_CONCAT_(a, b) a##b
 #define MIXTAPE_REGISTER_LAYER_NAME_(line) \
   MIXTAPE_REGISTER_LAYER_CONCAT_(mixtape_registered_layer_, line)
-// Registers a layer class T (with a static T::from_config(const Config&)) under its class
-// name, at namespace scope in one .cpp file of the program.
+// Registers a layer class T (with a static T::from_config(const Config&)) under its C++
+// name without namespaces (the default class_name()), at namespace scope in one .cpp file of
+// the program.
 #define MIXTAPE_REGISTER_LAYER(T)                                             \
   [[maybe_unused]] static const bool MIXTAPE_REGISTER_LAYER_NAME_(__LINE__) = \
       ::mixtape::layers::detail::register_class<T>()
+// The same under `class_name`: for a class whose class_name() returns that name.
+#define MIXTAPE_REGISTER_LAYER_AS(T, class_name)                              \
+  [[maybe_unused]] static const bool MIXTAPE_REGISTER_LAYER_NAME_(__LINE__) = \
+      ::mixtape::layers::detail::register_class<T>(class_name)

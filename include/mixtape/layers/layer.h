@@ -1,7 +1,8 @@
 // Layer: the base of every layer and model, Keras style.
 //
-// A layer has a name (unique defaults: dense, dense_1, ...), a dtype policy (the global
-// policy when it is made, or its `dtype` option), a trainable flag and weights. It is
+// A layer has a name (unique defaults: dense, dense_1, ...; a sublayer's default is unique
+// within the layer that holds it), a dtype policy (the global policy when it is made, or its
+// `dtype` option), a trainable flag and weights. It is
 // built lazily on its first call, from the input's shape. Calling it:
 //   1. casts a floating input to the compute dtype (integer inputs are never cast);
 //   2. builds it on the first call (build() creates the weights with add_weight(), stored
@@ -87,6 +88,15 @@ struct TensorSpec {
 namespace detail {
 struct SymbolicNode;
 }
+
+// A weight and its path: the name it has in files ("dense/kernel"; a sublayer's weight under
+// its owner's path, "block_1/dense/kernel"). See weight_paths().
+struct WeightPath {
+  std::string path;
+  Variable variable;
+  const Layer* layer = nullptr;  // the layer that made it
+  bool in_sublayer = false;      // made by a sublayer of a layer (not of a model)
+};
 
 // A placeholder for the tensors of a functional model: the output of Input() or one output
 // of a layer called on other SymbolicTensors. Its shape has -1 on the batch axis.
@@ -177,7 +187,12 @@ class Layer : public std::enable_shared_from_this<Layer> {
   virtual std::optional<std::vector<TensorSpec>> compute_output_spec(
       const std::vector<TensorSpec>& inputs) const;
 
+  // The layer's name: the `name` option, or a default from the class name. A default is unique
+  // within the layer that holds it ("dense", "dense_1" inside each block) when the layer is
+  // tracked (see track()) before it is built; otherwise it is unique in the process.
   const std::string& name() const;
+  // Whether the name was given (the `name` option, or a config), not made up.
+  bool has_given_name() const { return name_given_; }
   // "Dense", "Conv2D", ...; by default the C++ class name.
   virtual std::string class_name() const;
   // The arguments that make this layer again (mixtape/layers/config.h): here "name",
@@ -224,7 +239,8 @@ class Layer : public std::enable_shared_from_this<Layer> {
 
  protected:
   // Creates a weight named "<layer>/<name>" in the variable dtype (or options.dtype),
-  // initialised by `init`, on the layer's device.
+  // initialised by `init`, on the layer's device; a sublayer's weight is named under its
+  // owner's name too ("block/dense/kernel").
   Variable add_weight(const std::string& name, const Shape& shape, const init::Initializer& init,
                       WeightOptions options = {});
   void set_input_spec(InputSpec spec) { input_spec_ = std::move(spec); }
@@ -234,7 +250,13 @@ class Layer : public std::enable_shared_from_this<Layer> {
   // (a layer made elsewhere and passed in, a std::make_shared one). A layer called inside
   // another's call() must be tracked by it or by a layer calling it: otherwise the call
   // throws ValueError (its weights would silently never train).
+  // The first layer to track a layer owns it: the layer's weights are named under the
+  // owner's name, and a default name, when the layer is not built yet, becomes unique within
+  // the owner ("dense", "dense_1"), whatever else the process has made.
   void track(std::shared_ptr<Layer> layer);
+  // Whether this layer's sublayers take their paths (and default names) under its name; a
+  // model's layers are named in its graph instead (Model returns false).
+  virtual bool scopes_sublayers() const { return true; }
   // Whether floating inputs are cast to the compute dtype before call() (models: no).
   virtual bool autocast_inputs() const { return true; }
   // Whether call_multi() checks the number of inputs itself (a functional model, naming its
@@ -247,7 +269,10 @@ class Layer : public std::enable_shared_from_this<Layer> {
   struct Weight {
     Variable variable;
     bool declared_trainable;
+    std::string name;  // as given to add_weight ("kernel")
   };
+  // The layer's name with those of its owners in front ("block/dense").
+  std::string owned_name() const;
   void check_input(const Shape& shape, DType dtype) const;
   void check_inputs(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes) const;
   // Builds (once) for inputs of `shapes` on `device`, then checks them.
@@ -262,6 +287,9 @@ class Layer : public std::enable_shared_from_this<Layer> {
   friend struct detail::Tracking;
 
   mutable std::string name_;
+  bool name_given_ = false;
+  bool name_scoped_ = false;      // a default made unique within owner_
+  const Layer* owner_ = nullptr;  // the first layer to track this one (models are none)
   std::string given_class_name_;
   Policy policy_;
   bool trainable_ = true;
@@ -347,6 +375,8 @@ namespace detail {
 std::string shape_with_none(const Shape& shape);
 // "base" the first time, then "base_1", "base_2", ... (the default layer names).
 std::string unique_layer_name(const std::string& base);
+// Whether a sublayer of `layer`, or one further down, is not built yet.
+bool has_unbuilt_sublayer(const Layer& layer);
 }  // namespace detail
 template <typename T>
 T* LayerPtr<T>::checked() const {
@@ -356,5 +386,15 @@ T* LayerPtr<T>::checked() const {
 
 // Resets the counters behind default layer names (the next Dense is "dense" again).
 void reset_default_names();
+
+// Every weight of `root` with its path, in the order of root.weights(): a layer's weights are
+// "<layer>/<weight>", a sublayer's are under its owner's path ("block_1/dense/kernel"), and a
+// model adds nothing to its layers' paths (their names are unique in its graph). These are the
+// names of weights in files (save_weights, Model::save, checkpoints): they do not depend on
+// the order in which layers were made or called. Throws ValueError when two weights would
+// have one path (naming both layers), or when a layer with weights inside a layer has a default
+// name that is unique only in the process (built before its owner tracked it): another process
+// would not give it the same name.
+std::vector<WeightPath> weight_paths(const Layer& root);
 
 }  // namespace mixtape::layers

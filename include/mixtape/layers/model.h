@@ -39,6 +39,17 @@ struct TrainingCheckpoint {
   std::map<std::string, std::string> metadata = {};  // the caller's own keys and values
 };
 
+// How a load matches the tensors of a file to the weights of a model. By default each weight
+// is read from the tensor named by its path (layers::weight_paths()).
+struct WeightLoadOptions {
+  // File tensor name -> weight path: the weight at the path is read from that tensor instead.
+  // For files whose names differ from the model's paths, such as files of mixtape before
+  // weight paths were scoped by their owner, whose names for sublayers' weights
+  // ("dense_2/kernel") were unique only in the process that wrote them (docs/checkpoints.md,
+  // "Files of earlier versions"). Each tensor feeds at most one weight.
+  std::map<std::string, std::string> renames = {};
+};
+
 // A model made from to_json()'s text (layers of registered classes, mixtape/layers/config.h);
 // ValueError naming what it cannot read: malformed JSON, an unknown layer class (with the
 // registered ones), a graph that names a layer or a call it does not have.
@@ -49,7 +60,7 @@ std::shared_ptr<Model> model_from_json(const std::string& json);
 // make the model in code and call load_weights) or one that does not fit it; IOError for a
 // file that cannot be read. The optimizer state of a checkpoint is restored by
 // load_checkpoint(path, model, optimizer) after compile().
-std::shared_ptr<Model> load_model(const std::string& path);
+std::shared_ptr<Model> load_model(const std::string& path, const WeightLoadOptions& options = {});
 
 // --- Training configuration ----------------------------------------------------------------
 
@@ -285,7 +296,7 @@ class Model : public layers::Layer {
   // Sequential: builds the layers in turn from the input shape (as build_for).
   void build(const Shape& input_shape) override;
 
-  // Writes the weights to a safetensors file (variable names as tensor names), and reads
+  // Writes the weights to a safetensors file (weight paths as tensor names), and reads
   // them back into a model of the same architecture (mixtape/layers/checkpoint.h).
   void save_weights(const std::string& path) const;
   void load_weights(const std::string& path);
@@ -351,6 +362,8 @@ class Model : public layers::Layer {
   Model(ModelOptions options, const std::string& class_name);
   bool autocast_inputs() const override { return false; }
   bool checks_input_count() const override { return !nodes_.empty(); }
+  // The layers of a model are named in its graph: a model adds nothing to their paths.
+  bool scopes_sublayers() const override { return false; }
   void add_layer(std::shared_ptr<layers::Layer> layer);
   // x, given as input `index`, cast to the dtype of that Input (integer_input_dtype() for
   // the first) when it is an integer or boolean tensor.
