@@ -167,35 +167,49 @@ Tensor Loss::operator()(const Tensor& y_true, const Tensor& y_pred,
   return mean(losses);
 }
 
+// A loss of mixtape's own, which remembers its options (Loss::options()).
+Loss built_in(const LossOptions& options, Loss loss) {
+  loss.options_ = options;
+  return loss;
+}
+
 Loss SparseCategoricalCrossentropy(LossOptions o) {
-  return Loss(
-      "sparse_categorical_crossentropy",
-      [logits = o.from_logits](const Tensor& t, const Tensor& p) {
-        return sparse_crossentropy(t, p, logits);
-      },
-      o.reduction);
+  return built_in(o, Loss(
+                         "sparse_categorical_crossentropy",
+                         [logits = o.from_logits](const Tensor& t, const Tensor& p) {
+                           return sparse_crossentropy(t, p, logits);
+                         },
+                         o.reduction));
 }
 
 Loss CategoricalCrossentropy(LossOptions o) {
-  return Loss(
-      "categorical_crossentropy",
-      [logits = o.from_logits](const Tensor& t, const Tensor& p) {
-        return categorical_crossentropy(t, p, logits);
-      },
-      o.reduction);
+  return built_in(o, Loss(
+                         "categorical_crossentropy",
+                         [logits = o.from_logits](const Tensor& t, const Tensor& p) {
+                           return categorical_crossentropy(t, p, logits);
+                         },
+                         o.reduction));
 }
 
 Loss BinaryCrossentropy(LossOptions o) {
-  return Loss(
-      "binary_crossentropy",
-      [logits = o.from_logits](const Tensor& t, const Tensor& p) {
-        return binary_crossentropy(t, p, logits);
-      },
-      o.reduction);
+  return built_in(o, Loss(
+                         "binary_crossentropy",
+                         [logits = o.from_logits](const Tensor& t, const Tensor& p) {
+                           return binary_crossentropy(t, p, logits);
+                         },
+                         o.reduction));
 }
 
 Loss MeanSquaredError(LossOptions o) {
-  return Loss("mean_squared_error", &mean_squared_error, o.reduction);
+  return built_in(o, Loss("mean_squared_error", &mean_squared_error, o.reduction));
+}
+
+Loss from_config(const std::string& name, LossOptions options) {
+  if (name == "sparse_categorical_crossentropy") return SparseCategoricalCrossentropy(options);
+  if (name == "categorical_crossentropy") return CategoricalCrossentropy(options);
+  if (name == "binary_crossentropy") return BinaryCrossentropy(options);
+  if (name == "mean_squared_error") return MeanSquaredError(options);
+  throw ValueError(fmt::format("unknown loss '{}'; valid names: {}", name, valid_names()));
 }
 
 std::string valid_names() {

@@ -1,5 +1,7 @@
 // Whole-model files: the architecture as JSON (Model::to_json, model_from_json), Model::save
 // and load_model.
+#include <spdlog/spdlog.h>
+
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -7,6 +9,8 @@
 #include "mixtape/layers/checkpoint.h"
 #include "mixtape/layers/core_layers.h"
 #include "mixtape/layers/model.h"
+#include "mixtape/optim/distributed_optimizer.h"
+#include "mixtape/optim/loss_scale_optimizer.h"
 
 namespace mixtape {
 
@@ -154,7 +158,98 @@ std::shared_ptr<layers::Layer> layer_from_json(const json& j) {
   return layers::layer_from_config(cls, config_from(cj, fmt::format("layer '{}' ({})", name, cls)));
 }
 
+constexpr const char* kReductions[] = {"sum_over_batch_size", "sum", "none"};
+
+json loss_to_json(const losses::Loss& loss) {
+  const losses::LossOptions& o = *loss.options();
+  return json{{"name", loss.name()},
+              {"from_logits", o.from_logits},
+              {"reduction", kReductions[static_cast<int>(o.reduction)]}};
+}
+
+losses::Loss loss_from_json(const json& j) {
+  losses::LossOptions o;
+  o.from_logits = j.at("from_logits").get<bool>();
+  const std::string reduction = j.at("reduction").get<std::string>();
+  bool known = false;
+  for (int i = 0; i < 3; ++i)
+    if (reduction == kReductions[i]) {
+      o.reduction = static_cast<losses::Reduction>(i);
+      known = true;
+    }
+  if (!known) throw ValueError(fmt::format("unknown loss reduction '{}'", reduction));
+  return losses::from_config(j.at("name").get<std::string>(), o);
+}
+
+// compile()'s options from Model::compile_config()'s JSON.
+CompileOptions compile_options_from(const json& j) {
+  std::vector<losses::Loss> ls;
+  for (const auto& l : j.at("losses")) ls.push_back(loss_from_json(l));
+  std::vector<MetricRef> metrics;
+  for (const auto& m : j.at("metrics")) metrics.emplace_back(m.get<std::string>());
+  const json& o = j.at("optimizer");
+  std::shared_ptr<optim::Optimizer> opt = optim::from_config(
+      o.at("class_name").get<std::string>(), o.at("config").get<std::map<std::string, double>>());
+  if (const json& s = j.at("loss_scale"); !s.is_null()) {
+    const LossScale scale =
+        s.at("dynamic").get<bool>()
+            ? LossScale::dynamic({.initial_scale = s.at("initial_scale").get<double>(),
+                                  .growth_interval = s.at("growth_interval").get<std::int64_t>(),
+                                  .multiplier = s.at("multiplier").get<double>(),
+                                  .min_scale = s.at("min_scale").get<double>()})
+            : LossScale::fixed(s.at("initial_scale").get<double>());
+    opt = std::make_shared<optim::LossScaleOptimizer>(opt, scale);
+  }
+  return CompileOptions{.loss = LossSpec(std::move(ls)),
+                        .optimizer = opt,
+                        .metrics = std::move(metrics),
+                        .loss_weights = j.at("loss_weights").get<std::vector<double>>()};
+}
+
 }  // namespace
+
+std::string Model::compile_config(std::string& why) const {
+  json j;
+  j["losses"] = json::array();
+  for (const auto& l : losses_) {
+    if (!l.options()) {
+      why = fmt::format("the loss '{}' is a function of one's own", l.name());
+      return {};
+    }
+    j["losses"].push_back(loss_to_json(l));
+  }
+  j["loss_weights"] = loss_weights_;
+  j["metrics"] = json::array();
+  for (const auto& m : metric_names_) {
+    if (!m) {
+      why = "a metric is a Metric object";
+      return {};
+    }
+    j["metrics"].push_back(*m);
+  }
+  // The optimizer as given: inside a DistributedOptimizer (compile() adds it again where
+  // there are several ranks), around it a LossScaleOptimizer.
+  const optim::Optimizer* opt = optimizer_.get();
+  if (const auto* d = dynamic_cast<const optim::DistributedOptimizer*>(opt))
+    opt = &d->inner_optimizer();
+  j["loss_scale"] = nullptr;
+  if (const auto* lso = dynamic_cast<const optim::LossScaleOptimizer*>(opt)) {
+    const LossScale& s = lso->loss_scale_config();
+    j["loss_scale"] = json{{"dynamic", s.is_dynamic()},
+                           {"initial_scale", s.initial_scale()},
+                           {"growth_interval", s.growth_interval()},
+                           {"multiplier", s.multiplier()},
+                           {"min_scale", s.min_scale()}};
+    opt = &lso->inner_optimizer();
+  }
+  try {
+    j["optimizer"] = json{{"class_name", opt->name()}, {"config", opt->get_config()}};
+  } catch (const ValueError& e) {
+    why = e.what();
+    return {};
+  }
+  return j.dump();
+}
 
 std::string Model::to_json() const {
   json j;
@@ -213,13 +308,22 @@ void Model::save(const std::string& path, const TrainingCheckpoint& info) const 
                     "build_for(input_shape) first",
                     name()));
   TrainingCheckpoint with = info;
-  for (const char* key : {"architecture", "model_format"})
+  for (const char* key : {"architecture", "model_format", "compile"})
     if (with.metadata.count(key))
       throw ValueError(
           fmt::format("model '{}': save '{}': metadata key \"{}\" is reserved", name(), path, key));
   with.metadata["architecture"] = to_json();
   with.metadata["model_format"] = kModelFormat;
   if (compiled()) {
+    std::string why;
+    if (std::string c = compile_config(why); !c.empty())
+      with.metadata["compile"] = std::move(c);
+    else if (!said_compile_unrecorded_)  // once per model: a trainer saves often
+      spdlog::info(
+          "model '{}': saved with its optimizer state but without its compile state ({}): "
+          "load_model will return it uncompiled (compile it, then load_checkpoint)",
+          name(), why);
+    said_compile_unrecorded_ = said_compile_unrecorded_ || with.metadata.count("compile") == 0;
     save_checkpoint(path, *this, *optimizer_, with);
   } else {
     mixtape::save_weights(*this, path, with.metadata);
@@ -237,10 +341,23 @@ std::shared_ptr<Model> load_model(const std::string& path, const WeightLoadOptio
   std::shared_ptr<Model> model;
   try {
     model = model_from_json(it->second);
+    // Saved compiled: compiled again as it was, and its optimizer's state restored with the
+    // weights (load_checkpoint checks both before it changes either).
+    if (auto c = file.metadata.find("compile"); c != file.metadata.end()) {
+      try {
+        model->compile(compile_options_from(json::parse(c->second)));
+      } catch (const json::exception& e) {
+        throw ValueError(
+            fmt::format("the compile state is not of the expected shape: {}", e.what()));
+      }
+    }
   } catch (const Error& e) {
     throw ValueError(fmt::format("load_model '{}': {}", path, e.what()));
   }
-  mixtape::load_weights(*model, path, options);
+  if (model->compiled())
+    load_checkpoint(path, *model, *model->optimizer(), options);
+  else
+    mixtape::load_weights(*model, path, options);
   return model;
 }
 

@@ -187,10 +187,11 @@ void Model::compile(CompileOptions options) {
   }
   if (scale && !dynamic_cast<optim::LossScaleOptimizer*>(opt.get())) {
     opt = std::make_shared<optim::LossScaleOptimizer>(opt, *scale);
-    spdlog::info(
-        "model '{}': policy {} has a loss scale; the optimizer is wrapped in a "
-        "LossScaleOptimizer ({})",
-        name(), dtype_policy().name(), scale->str());
+    if (distributed::rank() == 0)  // every rank wraps; one says so
+      spdlog::info(
+          "model '{}': policy {} has a loss scale; the optimizer is wrapped in a "
+          "LossScaleOptimizer ({})",
+          name(), dtype_policy().name(), scale->str());
   }
   if (distributed_options) {
     opt = std::make_shared<optim::DistributedOptimizer>(opt, *distributed_options);
@@ -202,6 +203,11 @@ void Model::compile(CompileOptions options) {
   loss_weights_ = std::move(weights);
   optimizer_ = std::move(opt);
   metrics_ = std::move(ms);
+  // What Model::save records of the metrics: their names (a Metric object has none to
+  // make it again from).
+  metric_names_.clear();
+  for (const auto& m : options.metrics)
+    metric_names_.push_back(m.metric() ? std::optional<std::string>() : m.name());
 }
 
 const losses::Loss& Model::loss() const {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numbers>
 #include <set>
+#include <type_traits>
 
 #include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
@@ -21,7 +22,9 @@ namespace mixtape::optim {
 // --- Learning rates -------------------------------------------------------------------------
 
 LearningRate::LearningRate(double value)
-    : name_(fmt::format("{}", value)), schedule_([value](std::int64_t) { return value; }) {
+    : name_(fmt::format("{}", value)),
+      constant_(value),
+      schedule_([value](std::int64_t) { return value; }) {
   if (!std::isfinite(value) || value < 0.0)
     throw ValueError(fmt::format("learning rate must be finite and >= 0; got {}", value));
 }
@@ -397,6 +400,115 @@ void Adam::update(const Variable& var, const Tensor& grad, const std::vector<Var
 AdamW::AdamW(AdamWOptions o)
     : Adam(AdamOptions{o.learning_rate, o.beta_1, o.beta_2, o.epsilon, o.amsgrad, o.clipping},
            o.weight_decay) {}
+
+std::map<std::string, double> Optimizer::get_config() const {
+  if (!learning_rate_.constant())
+    throw ValueError(fmt::format("{}: the learning rate is the schedule '{}', which has no config",
+                                 name(), learning_rate_.name()));
+  std::map<std::string, double> c{{"learning_rate", *learning_rate_.constant()}};
+  if (clipping_.clipnorm) c["clipnorm"] = *clipping_.clipnorm;
+  if (clipping_.global_clipnorm) c["global_clipnorm"] = *clipping_.global_clipnorm;
+  if (clipping_.clipvalue) c["clipvalue"] = *clipping_.clipvalue;
+  return c;
+}
+
+std::map<std::string, double> SGD::get_config() const {
+  std::map<std::string, double> c = Optimizer::get_config();
+  c["momentum"] = options_.momentum;
+  c["nesterov"] = options_.nesterov ? 1.0 : 0.0;
+  return c;
+}
+
+std::map<std::string, double> RMSprop::get_config() const {
+  std::map<std::string, double> c = Optimizer::get_config();
+  c["rho"] = options_.rho;
+  c["momentum"] = options_.momentum;
+  c["epsilon"] = options_.epsilon;
+  c["centered"] = options_.centered ? 1.0 : 0.0;
+  return c;
+}
+
+std::map<std::string, double> Adam::get_config() const {
+  std::map<std::string, double> c = Optimizer::get_config();
+  c["beta_1"] = options_.beta_1;
+  c["beta_2"] = options_.beta_2;
+  c["epsilon"] = options_.epsilon;
+  c["amsgrad"] = options_.amsgrad ? 1.0 : 0.0;
+  if (name() == "AdamW") c["weight_decay"] = weight_decay_;
+  return c;
+}
+
+std::shared_ptr<Optimizer> from_config(const std::string& name,
+                                       const std::map<std::string, double>& config) {
+  std::map<std::string, double> left = config;
+  // Takes config[key] into `into` (a number or a flag) when present.
+  auto take = [&](const char* key, auto& into) {
+    auto it = left.find(key);
+    if (it == left.end()) return;
+    if constexpr (std::is_same_v<std::decay_t<decltype(into)>, bool>) {
+      if (it->second != 0.0 && it->second != 1.0)
+        throw ValueError(
+            fmt::format("optimizer {}: '{}' is a flag (0 or 1); got {}", name, key, it->second));
+      into = it->second == 1.0;
+    } else {
+      into = it->second;
+    }
+    left.erase(it);
+  };
+  auto common = [&](auto& o) {
+    double lr = 0.0;
+    if (left.count("learning_rate")) {
+      take("learning_rate", lr);
+      o.learning_rate = lr;
+    }
+    for (const char* key : {"clipnorm", "global_clipnorm", "clipvalue"}) {
+      auto it = left.find(key);
+      if (it == left.end()) continue;
+      (std::string_view(key) == "clipnorm"          ? o.clipping.clipnorm
+       : std::string_view(key) == "global_clipnorm" ? o.clipping.global_clipnorm
+                                                    : o.clipping.clipvalue) = it->second;
+      left.erase(it);
+    }
+  };
+  auto done = [&](std::shared_ptr<Optimizer> o) {
+    if (!left.empty())
+      throw ValueError(fmt::format("optimizer {}: unknown option '{}' in its config", name,
+                                   left.begin()->first));
+    return o;
+  };
+  if (name == "SGD") {
+    SGDOptions o;
+    common(o);
+    take("momentum", o.momentum);
+    take("nesterov", o.nesterov);
+    return done(std::make_shared<SGD>(o));
+  }
+  if (name == "RMSprop") {
+    RMSpropOptions o;
+    common(o);
+    take("rho", o.rho);
+    take("momentum", o.momentum);
+    take("epsilon", o.epsilon);
+    take("centered", o.centered);
+    return done(std::make_shared<RMSprop>(o));
+  }
+  if (name == "Adam" || name == "AdamW") {
+    AdamWOptions o;
+    common(o);
+    take("beta_1", o.beta_1);
+    take("beta_2", o.beta_2);
+    take("epsilon", o.epsilon);
+    take("amsgrad", o.amsgrad);
+    if (name == "AdamW") {
+      take("weight_decay", o.weight_decay);
+      return done(std::make_shared<AdamW>(o));
+    }
+    return done(std::make_shared<Adam>(
+        AdamOptions{o.learning_rate, o.beta_1, o.beta_2, o.epsilon, o.amsgrad, o.clipping}));
+  }
+  throw ValueError(fmt::format(
+      "unknown optimizer class '{}' in a config; known: SGD, RMSprop, Adam, AdamW", name));
+}
 
 std::shared_ptr<Optimizer> get(std::string_view name) {
   if (name == "sgd" || name == "SGD") return std::make_shared<SGD>();

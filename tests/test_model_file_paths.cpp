@@ -407,3 +407,114 @@ TEST_CASE("weight paths: read in a new process", "[.paths_read]") {
   CHECK(same_bits(blocks->predict(io.at("x")), io.at("blocks")));
   CHECK(same_bits(nested->predict(io.at("x")), io.at("nested")));
 }
+
+namespace {
+
+// Two classes from 6 features, and a model for them.
+std::shared_ptr<mt::Model> classifier() {
+  auto in = ml::Input({6}, {.name = "features"});
+  auto h = ml::make_layer<Block>(6)(ml::Dense(6, {.activation = "relu"})(in));
+  auto out = ml::Activation("linear", {.dtype = "float32"})(ml::Dense(2)(h));
+  return std::make_shared<mt::Model>(in, out, mt::ModelOptions{.name = "classifier"});
+}
+
+std::vector<std::vector<std::uint8_t>> weight_bits(const mt::Model& m) {
+  std::vector<std::vector<std::uint8_t>> out;
+  for (const auto& v : m.weights()) out.push_back(mt::detail::host_bytes(v));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("load_model: a model saved compiled comes back compiled, state and all", "[model-file]") {
+  TempDir dir;
+  const std::string file = (dir.path() / "compiled.safetensors").string();
+  const char* policy = GENERATE("float32", "mixed_float16");
+  CAPTURE(policy);
+  mt::PolicyScope scope(policy);
+  mt::manual_seed(12);
+  auto model = classifier();
+  model->compile(
+      {.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
+       .optimizer = mt::optim::Adam(
+           {.learning_rate = 0.02, .beta_1 = 0.8, .amsgrad = true, .clipping = {.clipnorm = 1.5}}),
+       .metrics = {"accuracy"}});
+  const mt::Tensor x = mt::normal({12, 6});
+  const mt::Tensor y = mt::cast(mt::uniform({12}, 0.0, 2.0), mt::kInt64);
+  model->fit(x, y, {.batch_size = 4, .epochs = 1, .verbose = 0});
+  model->save(file);
+
+  auto loaded = mt::load_model(file);
+  REQUIRE(loaded->compiled());
+  CHECK(loaded->optimizer()->name() == model->optimizer()->name());
+  CHECK(loaded->optimizer()->iterations() == 3);
+  CHECK(loaded->loss().name() == "sparse_categorical_crossentropy");
+  if (std::string(policy) == "mixed_float16") {
+    const auto& a = dynamic_cast<const mt::optim::LossScaleOptimizer&>(*model->optimizer());
+    const auto& b = dynamic_cast<const mt::optim::LossScaleOptimizer&>(*loaded->optimizer());
+    CHECK(b.loss_scale() == a.loss_scale());
+    CHECK(b.loss_scale_config() == a.loss_scale_config());
+    CHECK(b.inner_optimizer().get_config() == a.inner_optimizer().get_config());
+  } else {
+    CHECK(loaded->optimizer()->get_config() == model->optimizer()->get_config());
+  }
+  // The same next steps, and the same evaluation (loss and the metric).
+  CHECK(loaded->evaluate(x, y) == model->evaluate(x, y));
+  for (auto* m : {model.get(), loaded.get()}) {
+    mt::manual_seed(14);  // the same shuffle
+    m->fit(x, y, {.batch_size = 4, .epochs = 1, .verbose = 0});
+  }
+  CHECK(weight_bits(*loaded) == weight_bits(*model));
+}
+
+TEST_CASE("load_model: a compile state it cannot record leaves the model uncompiled",
+          "[model-file]") {
+  TempDir dir;
+  const std::string file = (dir.path() / "custom_loss.safetensors").string();
+  mt::manual_seed(13);
+  auto model = classifier();
+  const mt::losses::Loss own("own", [](const mt::Tensor& t, const mt::Tensor& p) {
+    return mt::mean(mt::square(p), {1}) + mt::cast(t, mt::kFloat32) * 0.0;
+  });
+  model->compile({.loss = own, .optimizer = "sgd"});
+  const mt::Tensor x = mt::normal({4, 6});
+  model->train_step(x, mt::cast(mt::uniform({4}, 0.0, 2.0), mt::kInt64));
+  model->save(file);
+  auto loaded = mt::load_model(file);
+  CHECK_FALSE(loaded->compiled());
+  CHECK(same_bits(loaded->predict(x), model->predict(x)));
+  // Compiled by hand, the optimizer's state loads as before.
+  loaded->compile({.loss = own, .optimizer = "sgd"});
+  mt::load_checkpoint(file, *loaded, *loaded->optimizer());
+  CHECK(loaded->optimizer()->iterations() == 1);
+}
+
+TEST_CASE("optimizers: get_config and from_config make the same optimizer", "[model-file]") {
+  const std::vector<std::shared_ptr<mt::optim::Optimizer>> opts = {
+      std::make_shared<mt::optim::SGD>(
+          mt::optim::SGDOptions{.learning_rate = 0.3, .momentum = 0.5, .nesterov = true}),
+      std::make_shared<mt::optim::RMSprop>(mt::optim::RMSpropOptions{
+          .rho = 0.8, .centered = true, .clipping = {.global_clipnorm = 2.0}}),
+      std::make_shared<mt::optim::Adam>(
+          mt::optim::AdamOptions{.beta_2 = 0.99, .clipping = {.clipvalue = 0.25}}),
+      std::make_shared<mt::optim::AdamW>(mt::optim::AdamWOptions{.weight_decay = 0.1})};
+  for (const auto& o : opts) {
+    CAPTURE(o->name());
+    const auto again = mt::optim::from_config(o->name(), o->get_config());
+    CHECK(again->name() == o->name());
+    CHECK(again->get_config() == o->get_config());
+  }
+  CHECK_THAT(error_of<mt::ValueError>([] {
+               mt::optim::from_config("SGD", {{"rho", 0.5}});
+             }),
+             Contains("unknown option 'rho'"));
+  CHECK_THAT(error_of<mt::ValueError>([] {
+               mt::optim::from_config("SGD", {{"nesterov", 0.5}});
+             }),
+             Contains("'nesterov' is a flag"));
+  CHECK_THAT(error_of<mt::ValueError>([] { mt::optim::from_config("Adagrad", {}); }),
+             Contains("unknown optimizer class 'Adagrad'"));
+  mt::optim::SGD scheduled(
+      {.learning_rate = mt::optim::schedules::exponential_decay(0.1, 10, 0.5)});
+  CHECK_THAT(error_of<mt::ValueError>([&] { scheduled.get_config(); }), Contains("schedule"));
+}

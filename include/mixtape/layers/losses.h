@@ -14,6 +14,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -44,12 +45,23 @@ class Loss {
                     const Tensor& sample_weight = Tensor()) const;
   const std::string& name() const { return name_; }
   Reduction reduction() const { return reduction_; }
+  // The options a loss of mixtape's own was made with (from_config(name(), *options()) makes
+  // it again); empty for a loss made from a function of one's own.
+  const std::optional<LossOptions>& options() const { return options_; }
 
  private:
+  friend Loss built_in(const LossOptions& options, Loss loss);
   std::string name_;
   Fn per_sample_;
   Reduction reduction_;
+  std::optional<LossOptions> options_;
 };
+
+// `loss` marked as mixtape's own, made with `options`.
+Loss built_in(const LossOptions& options, Loss loss);
+// The loss of mixtape's own called `name` ("sparse_categorical_crossentropy", ...) with
+// `options`; ValueError for another name.
+Loss from_config(const std::string& name, LossOptions options);
 
 // Integer labels [batch] (or [batch, 1]) against class probabilities (or logits) [batch, C].
 // Labels outside [0, C) throw IndexError naming the flat position and the value of the

@@ -411,7 +411,12 @@ class Model : public layers::Layer {
   std::vector<double> loss_weights_;
   std::shared_ptr<optim::Optimizer> optimizer_;
   std::vector<std::vector<std::shared_ptr<metrics::Metric>>> metrics_;
+  std::vector<std::optional<std::string>> metric_names_;  // as given (empty: a Metric object)
   bool stop_training_ = false;
+  // compile()'s arguments as JSON for a model file, or empty with `why` set when they cannot
+  // be recorded (a loss or metric of one's own, a learning rate schedule).
+  std::string compile_config(std::string& why) const;
+  mutable bool said_compile_unrecorded_ = false;
 };
 
 class Sequential : public Model {

@@ -36,9 +36,12 @@ class LearningRate {
   LearningRate(std::string name, std::function<double(std::int64_t step)> schedule);
   double operator()(std::int64_t step) const;
   const std::string& name() const { return name_; }  // "0.001" or the schedule's name
+  // The number, for a learning rate that is one (empty for a schedule).
+  const std::optional<double>& constant() const { return constant_; }
 
  private:
   std::string name_;
+  std::optional<double> constant_;
   std::function<double(std::int64_t)> schedule_;
 };
 
@@ -91,6 +94,12 @@ class Optimizer {
 
   // "SGD", "RMSprop", "Adam", "AdamW", "LossScaleOptimizer".
   virtual std::string name() const = 0;
+  // The options that make this optimizer again with optim::from_config(name(), ...):
+  // "learning_rate", the clipping that is set ("clipnorm", "global_clipnorm" or "clipvalue")
+  // and the optimizer's own options (flags as 0 or 1). Throws ValueError for a learning rate
+  // schedule (it has no number) and for optimizers that do not say (a LossScaleOptimizer:
+  // its wrapped optimizer's config and loss_scale_config() describe it).
+  virtual std::map<std::string, double> get_config() const;
   // A copy with its own state (slots are copied, not shared).
   virtual std::shared_ptr<Optimizer> clone() const = 0;
 
@@ -163,6 +172,7 @@ class SGD : public Optimizer {
   explicit SGD(SGDOptions options = {});
   std::string name() const override { return "SGD"; }
   std::shared_ptr<Optimizer> clone() const override { return std::make_shared<SGD>(*this); }
+  std::map<std::string, double> get_config() const override;
   SGD(const SGD&) = default;
 
  protected:
@@ -191,6 +201,7 @@ class RMSprop : public Optimizer {
   explicit RMSprop(RMSpropOptions options = {});
   std::string name() const override { return "RMSprop"; }
   std::shared_ptr<Optimizer> clone() const override { return std::make_shared<RMSprop>(*this); }
+  std::map<std::string, double> get_config() const override;
   RMSprop(const RMSprop&) = default;
 
  protected:
@@ -219,6 +230,7 @@ class Adam : public Optimizer {
   explicit Adam(AdamOptions options = {});
   std::string name() const override { return "Adam"; }
   std::shared_ptr<Optimizer> clone() const override { return std::make_shared<Adam>(*this); }
+  std::map<std::string, double> get_config() const override;
   Adam(const Adam&) = default;
 
  protected:
@@ -255,5 +267,10 @@ class AdamW : public Adam {
 // An optimizer by name ("sgd", "rmsprop", "adam", "adamw") with its defaults; throws
 // ValueError listing the names otherwise.
 std::shared_ptr<Optimizer> get(std::string_view name);
+// The optimizer of class `name` ("SGD", "RMSprop", "Adam", "AdamW") with the options of
+// `config` (Optimizer::get_config; others keep their defaults); ValueError for another class
+// or a key the class does not take.
+std::shared_ptr<Optimizer> from_config(const std::string& name,
+                                       const std::map<std::string, double>& config);
 
 }  // namespace mixtape::optim
