@@ -87,6 +87,7 @@ std::map<std::string, LayerFactory>& registry() {
     m["Activation"] = &ActivationLayer::from_config;
     m["Flatten"] = &FlattenLayer::from_config;
     m["Reshape"] = &ReshapeLayer::from_config;
+    m["Slice"] = &SliceLayer::from_config;
     m["Dropout"] = &DropoutLayer::from_config;
     m["Embedding"] = &EmbeddingLayer::from_config;
     m["Conv2D"] = &Conv2DLayer::from_config;

@@ -245,6 +245,79 @@ LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options) 
   return make_layer<ReshapeLayer>(target_shape, std::move(options));
 }
 
+// --- Slice --------------------------------------------------------------------------------
+
+SliceLayer::SliceLayer(int axis, std::int64_t start, SliceOptions options)
+    : Layer(detail::common_options(options), "Slice"),
+      axis_(axis),
+      start_(start),
+      options_(std::move(options)) {
+  if (axis_ == 0)
+    throw ValueError(fmt::format("layer '{}' (Slice): axis 0 is the batch axis", name()));
+  set_input_spec(InputSpec{.min_rank = axis_ > 0 ? axis_ + 1 : std::max(2, -axis_ + 1)});
+}
+
+std::tuple<int, std::int64_t, std::int64_t> SliceLayer::range(const Shape& shape) const {
+  const auto rank = static_cast<int>(shape.rank());
+  const int axis = axis_ < 0 ? axis_ + rank : axis_;
+  if (axis <= 0 || axis >= rank)
+    throw ShapeError(
+        fmt::format("axis {} is not a non-batch axis of an input of rank {}", axis_, rank));
+  const std::int64_t n = shape[static_cast<std::size_t>(axis)];
+  const std::int64_t start = start_ < 0 ? start_ + n : start_;
+  const std::int64_t given_stop = options_.stop.value_or(n);
+  const std::int64_t stop = given_stop < 0 ? given_stop + n : given_stop;
+  if (start < 0 || start >= n || stop <= start || stop > n)
+    throw ShapeError(
+        fmt::format("slice [{}:{}] of axis {} (of extent {}) selects nothing or "
+                    "reaches past its ends",
+                    start_, options_.stop ? fmt::format("{}", *options_.stop) : "", axis_, n));
+  if (options_.squeeze && stop - start != 1)
+    throw ShapeError(fmt::format("squeeze needs a slice 1 long; [{}:{}] of axis {} is {} long",
+                                 start, stop, axis_, stop - start));
+  return {axis, start, stop};
+}
+
+Tensor SliceLayer::call(const Tensor& x, const CallContext&) {
+  const auto [axis, start, stop] = range(x.shape());
+  Tensor y = slice(x, axis, start, stop);
+  return options_.squeeze ? squeeze(y, axis) : y;
+}
+
+std::optional<Shape> SliceLayer::compute_output_shape(const Shape& input_shape) const {
+  const auto [axis, start, stop] = range(input_shape);
+  std::vector<std::int64_t> dims = input_shape.dims();
+  if (options_.squeeze)
+    dims.erase(dims.begin() + axis);
+  else
+    dims[static_cast<std::size_t>(axis)] = stop - start;
+  return Shape(dims);
+}
+
+Config SliceLayer::get_config() const {
+  Config c = Layer::get_config();
+  c.set("axis", static_cast<std::int64_t>(axis_));
+  c.set("start", start_);
+  if (options_.stop) c.set("stop", *options_.stop);
+  c.set("squeeze", options_.squeeze);
+  return c;
+}
+
+LayerPtr<SliceLayer> SliceLayer::from_config(const Config& c) {
+  SliceOptions o;
+  if (c.has("stop")) o.stop = c.get_int("stop");
+  o.squeeze = c.get_bool("squeeze");
+  detail::set_common_options(o, c);
+  const std::int64_t axis = c.get_int("axis");
+  if (axis < -64 || axis > 64)
+    throw ValueError(fmt::format("Slice: axis {} is out of range", axis));
+  return Slice(static_cast<int>(axis), c.get_int("start"), std::move(o));
+}
+
+LayerPtr<SliceLayer> Slice(int axis, std::int64_t start, SliceOptions options) {
+  return make_layer<SliceLayer>(axis, start, std::move(options));
+}
+
 // --- Dropout ------------------------------------------------------------------------------
 
 DropoutLayer::DropoutLayer(double rate, DropoutOptions options)

@@ -378,6 +378,37 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
 
 // --- fit --------------------------------------------------------------------------------------
 
+std::optional<std::int64_t> Model::class_count(std::size_t output) const {
+  std::optional<Shape> shape;
+  if (!nodes_.empty())
+    shape = outputs_.at(output).shape();
+  else if (!layers_.empty())
+    shape = layers_.back()->output_shape();
+  if (!shape || shape->rank() < 2 || shape->dims().back() <= 0) return std::nullopt;
+  return shape->dims().back();
+}
+
+void Model::check_labels(const std::string& who, const std::vector<Tensor>& y,
+                         const char* data) const {
+  for (std::size_t i = 0; i < y.size() && i < losses_.size(); ++i) {
+    const std::optional<std::int64_t> classes = class_count(i);
+    const Tensor& t = y[i];
+    if (losses_[i].name() != "sparse_categorical_crossentropy" || !classes || t.rank() < 1 ||
+        t.numel() != t.dim(0))
+      continue;  // the loss checks what this cannot
+    const std::vector<double> labels = cast(t, kFloat64).to_vector<double>();
+    for (std::size_t s = 0; s < labels.size(); ++s) {
+      const double v = std::trunc(labels[s]);  // floating labels are truncated, as Keras
+      if (std::isfinite(v) && v >= 0.0 && v < static_cast<double>(*classes)) continue;
+      throw IndexError(fmt::format(
+          "{}: the label of sample {} of the {}{} is {}, outside [0, {}) (output '{}' has {} "
+          "classes; its loss is sparse_categorical_crossentropy); nothing was trained",
+          who, s, data, y.size() > 1 ? fmt::format(" (output {})", i) : std::string(), labels[s],
+          *classes, output_names()[i], *classes));
+    }
+  }
+}
+
 History Model::fit(const Tensor& x, const Tensor& y, FitOptions o) {
   return fit(std::vector<Tensor>{x}, std::vector<Tensor>{y}, std::move(o));
 }
@@ -436,6 +467,10 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
     for (const Tensor& t : x) x_val.push_back(rows(t, n_train, n));
     for (const Tensor& t : y) y_val.push_back(rows(t, n_train, n));
   }
+  // Labels a sparse categorical loss cannot take, by their sample's index, before any step
+  // (in a step, the loss could only name a place in a shuffled batch).
+  check_labels(who, y, "data");
+  if (o.validation_data) check_labels(who, y_val, "validation data");
   std::vector<Tensor> x_train, y_train;
   for (const Tensor& t : x) x_train.push_back(rows(t, 0, n_train));
   for (const Tensor& t : y) y_train.push_back(rows(t, 0, n_train));

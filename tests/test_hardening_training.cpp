@@ -272,6 +272,38 @@ TEST_CASE("hardening: sparse labels that are not class indices name the position
              Contains("position 1") && Contains("nan"));
 }
 
+TEST_CASE("hardening: fit names a bad label by its sample, before any step",
+          "[hardening-training]") {
+  mt::manual_seed(31);
+  auto in = ml::Input({4});
+  mt::Model model(in, ml::Dense(3, {.name = "classes"})(in), {.name = "m"});
+  model.compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
+                 .optimizer = "sgd"});
+  const std::vector<float> before = model.weights().front().to_vector<float>();
+  const mt::Tensor x = mt::normal({40, 4});
+  std::vector<std::int64_t> labels(40, 1);
+  labels[37] = 3;  // one class too far, late in the data: a shuffled batch would hide where
+  const std::string msg = error_of<mt::IndexError>([&] {
+    model.fit(x, mt::from_vector(labels, {40}), {.batch_size = 8, .epochs = 1, .verbose = 0});
+  });
+  CHECK_THAT(msg, Contains("the label of sample 37 of the data is 3, outside [0, 3)") &&
+                      Contains("output 'classes' has 3 classes") &&
+                      Contains("nothing was trained"));
+  CHECK(model.optimizer()->iterations() == 0);
+  CHECK(model.weights().front().to_vector<float>() == before);
+  labels[37] = 1;
+  std::vector<double> val(8, 0.0);
+  val[5] = kNaN;
+  CHECK_THAT(error_of<mt::IndexError>([&] {
+               model.fit(x, mt::from_vector(labels, {40}),
+                         {.batch_size = 8,
+                          .epochs = 1,
+                          .validation_data = {mt::normal({8, 4}), mt::from_vector(val, {8})},
+                          .verbose = 0});
+             }),
+             Contains("sample 5 of the validation data is nan"));
+}
+
 TEST_CASE("hardening: embedding ids that are NaN or out of range name the position",
           "[hardening-training]") {
   auto emb = ml::Embedding(10, 4, {.name = "words"});

@@ -362,6 +362,46 @@ TEST_CASE("layers: Embedding looks rows up", "[layers]") {
   CHECK(contains(message_of([&] { emb(mt::from_vector<std::int64_t>({5}, {1})); }), emb->name()));
 }
 
+TEST_CASE("layers: Slice takes part of an axis, the last time step say", "[layers]") {
+  const mt::Tensor x = mt::normal({3, 5, 4});  // float32, the compute dtype: exact copies
+  const auto xv = x.to_vector<double>();
+  // The last step, axis dropped: [n, d].
+  auto last = ml::Slice(1, -1, {.squeeze = true});
+  const mt::Tensor y = last(x);
+  REQUIRE(y.shape() == mt::Shape{3, 4});
+  const auto yv = y.to_vector<double>();
+  for (int n = 0; n < 3; ++n)
+    for (int d = 0; d < 4; ++d) CHECK(yv[n * 4 + d] == xv[n * 20 + 4 * 4 + d]);
+  // A range, negative stop, on the last axis.
+  auto mid = ml::Slice(-1, 1, {.stop = -1});
+  const mt::Tensor z = mid(x);
+  REQUIRE(z.shape() == mt::Shape{3, 5, 2});
+  CHECK(z.to_vector<double>()[0] == xv[1]);
+  CHECK(z.to_vector<double>()[1] == xv[2]);
+  // In a functional model, with its shape rule, and in a file.
+  auto in = ml::Input({5, 4});
+  auto sliced = ml::Slice(1, -1, {.squeeze = true})(in);
+  CHECK(sliced.shape() == mt::Shape{-1, 4});
+  const ml::Config c = last->get_config();
+  auto again = ml::layer_from_config("Slice", c);
+  CHECK(again->operator()(x).to_vector<double>() == yv);
+  // The gradient reaches the selected step only.
+  mt::GradientTape tape;
+  tape.watch(x);
+  const auto g = tape.gradient(mt::sum(last(x)), x).to_vector<double>();
+  for (int n = 0; n < 3; ++n)
+    for (int t = 0; t < 5; ++t) CHECK(g[n * 20 + t * 4] == (t == 4 ? 1.0 : 0.0));
+  // What it refuses.
+  CHECK_THROWS_AS(ml::Slice(0, 0), mt::ValueError);
+  CHECK_THROWS_AS(ml::Slice(1, 5)(x), mt::ShapeError);
+  CHECK_THROWS_AS(ml::Slice(1, -6)(x), mt::ShapeError);
+  CHECK_THROWS_AS(ml::Slice(1, 2, {.stop = 2})(x), mt::ShapeError);
+  CHECK_THROWS_AS(ml::Slice(1, 1, {.stop = 3, .squeeze = true})(x), mt::ShapeError);
+  CHECK_THROWS_AS(ml::Slice(3, 0)(x), mt::ShapeError);
+  CHECK(contains(message_of([&] { ml::Slice(1, 7, {.name = "tail"})(x); }),
+                 "slice [7:] of axis 1 (of extent 5)"));
+}
+
 TEST_CASE("layers: Conv2D, pooling and global pooling shapes", "[layers]") {
   const mt::Tensor x = random({2, 9, 9, 3}, mt::kFloat32, 13);
   CHECK(ml::Conv2D(4, 3)(x).shape() == mt::Shape{2, 7, 7, 4});

@@ -1,4 +1,4 @@
-// The core layers: Input, Dense, Activation, Flatten, Reshape, Dropout, Embedding.
+// The core layers: Input, Dense, Activation, Flatten, Reshape, Slice, Dropout, Embedding.
 //
 // Each layer is a class (DenseLayer, ...) and a function of the Keras name that makes one
 // and returns a LayerPtr (Dense(64, {.activation = "relu"})). Options structs end with the
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "mixtape/layers/activations.h"
 #include "mixtape/layers/initializers.h"
@@ -129,6 +130,38 @@ class ReshapeLayer : public Layer {
   Shape target_;
 };
 LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options = {});
+
+// --- Slice --------------------------------------------------------------------------------
+
+struct SliceOptions {
+  std::optional<std::int64_t> stop = {};  // empty: to the end of the axis
+  bool squeeze = false;  // drop the axis (the slice must be 1 long): x[:, -1] not x[:, -1:]
+  std::optional<Policy> dtype = {};
+  std::string name = {};
+  bool trainable = true;
+};
+
+// x[start:stop] along `axis` of the input (not the batch axis 0; negative counts from the
+// last axis), start and stop counting from the end of the axis when negative, as Python's
+// slices (but out of range is a ShapeError, not clipped). Slice(1, -1, {.squeeze = true})
+// takes the last time step of a sequence [n, T, d]: [n, d]. Differentiable; integer inputs
+// pass as they are.
+class SliceLayer : public Layer {
+ public:
+  SliceLayer(int axis, std::int64_t start, SliceOptions options = {});
+  Config get_config() const override;
+  static LayerPtr<SliceLayer> from_config(const Config& config);
+  Tensor call(const Tensor& x, const CallContext& ctx) override;
+  std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
+
+ private:
+  // The axis and the [start, stop) range for an input of `shape`; ShapeError otherwise.
+  std::tuple<int, std::int64_t, std::int64_t> range(const Shape& shape) const;
+  int axis_;
+  std::int64_t start_;
+  SliceOptions options_;
+};
+LayerPtr<SliceLayer> Slice(int axis, std::int64_t start, SliceOptions options = {});
 
 // --- Dropout ------------------------------------------------------------------------------
 

@@ -405,6 +405,11 @@ class Model : public layers::Layer {
   Tensor batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
                     std::vector<Tensor>* per_output);
   std::vector<std::string> metric_keys() const;
+  // The number of classes of output `output` (its last extent), when the model knows it.
+  std::optional<std::int64_t> class_count(std::size_t output) const;
+  // IndexError naming the sample when a label of a sparse categorical loss is outside its
+  // output's classes (or not finite).
+  void check_labels(const std::string& who, const std::vector<Tensor>& y, const char* data) const;
 
   // compile(): per output, its loss, its weight and its metrics.
   std::vector<losses::Loss> losses_;
