@@ -187,6 +187,16 @@ std::shared_ptr<mt::Model> nested_model() {
   return std::make_shared<mt::Model>(in, y, mt::ModelOptions{.name = "outer"});
 }
 
+// One named Dense shared by two custom layers (tracked by both; the first owns it).
+std::shared_ptr<mt::Model> shared_model() {
+  auto shared = ml::Dense(8, {.activation = "tanh", .name = "shared"});
+  auto first = ml::make_layer<Holder>(shared);
+  auto second = ml::make_layer<Holder>(shared);
+  auto in = ml::Input({8}, {.name = "x"});
+  auto out = ml::Dense(2, {.name = "out"})(second(first(in)));
+  return std::make_shared<mt::Model>(in, out, mt::ModelOptions{.name = "shared_model"});
+}
+
 std::filesystem::path fixture(const std::string& name) {
   return std::filesystem::path(MIXTAPE_TEST_FIXTURES_DIR) / "model_format_1" / name;
 }
@@ -271,6 +281,26 @@ TEST_CASE("weight paths: nested custom layers, loops, a sublayer called twice, a
   CHECK(same_bits(loaded->predict(x), model->predict(x)));
 }
 
+TEST_CASE("weight paths: a sublayer shared by two layers is stored once, under its owner",
+          "[model-file]") {
+  TempDir dir;
+  const std::string file = (dir.path() / "shared.safetensors").string();
+  ml::reset_default_names();
+  mt::manual_seed(10);
+  auto model = shared_model();
+  CHECK(paths(*model) == std::vector<std::string>{"holder/shared/kernel", "holder/shared/bias",
+                                                  "out/kernel", "out/bias"});
+  const mt::Tensor x = mt::normal({3, 8});
+  const mt::Tensor y = model->predict(x);
+  mt::save_weights(*model, file);
+  // The same code in the same order (as a new process would run it), after other layers.
+  ml::reset_default_names();
+  ml::Dense(3)(x);
+  auto again = shared_model();
+  mt::load_weights(*again, file);
+  CHECK(same_bits(again->predict(x), y));
+}
+
 TEST_CASE("weight paths: collisions and ambiguous files are refused, naming both", "[model-file]") {
   TempDir dir;
   const std::string file = (dir.path() / "m.safetensors").string();
@@ -290,8 +320,8 @@ TEST_CASE("weight paths: collisions and ambiguous files are refused, naming both
     auto in = ml::Input({4});
     mt::Model model(in, ml::make_layer<Holder>(inner)(in));
     const std::string e = error_of<mt::ValueError>([&] { model.save(file); });
-    CHECK_THAT(e,
-               Contains("inside 'holder' has a default name that is unique only in this process"));
+    CHECK_THAT(e, Contains("(Dense) inside 'holder") &&
+                      Contains("has a default name that is unique only in this process"));
     CHECK_FALSE(std::filesystem::exists(file));
   }
   // Renames that would feed one weight twice, or two weights from one tensor.
@@ -392,10 +422,15 @@ TEST_CASE("weight paths: write for the next process", "[.paths_write]") {
   auto model = swapped_blocks();
   auto nested = nested_model();
   const mt::Tensor x = mt::normal({5, 8});
-  mt::save_safetensors("paths_process_io.safetensors",
-                       {{"x", x}, {"blocks", model->predict(x)}, {"nested", nested->predict(x)}});
+  ml::reset_default_names();
+  auto shared = shared_model();
+  mt::save_safetensors("paths_process_io.safetensors", {{"x", x},
+                                                        {"blocks", model->predict(x)},
+                                                        {"nested", nested->predict(x)},
+                                                        {"shared", shared->predict(x)}});
   model->save("paths_process_blocks.safetensors");
   nested->save("paths_process_nested.safetensors");
+  mt::save_weights(*shared, "paths_process_shared.safetensors");
 }
 
 TEST_CASE("weight paths: read in a new process", "[.paths_read]") {
@@ -406,6 +441,12 @@ TEST_CASE("weight paths: read in a new process", "[.paths_read]") {
   auto blocks = mt::load_model("paths_process_blocks.safetensors");
   CHECK(same_bits(blocks->predict(io.at("x")), io.at("blocks")));
   CHECK(same_bits(nested->predict(io.at("x")), io.at("nested")));
+  // A shared sublayer cannot come from configs (each layer would make its own): the model
+  // is made by the same code, and its weights loaded.
+  ml::reset_default_names();
+  auto shared = shared_model();
+  mt::load_weights(*shared, "paths_process_shared.safetensors");
+  CHECK(same_bits(shared->predict(io.at("x")), io.at("shared")));
 }
 
 namespace {
