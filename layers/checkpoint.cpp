@@ -236,18 +236,19 @@ void check_bools(const SafetensorsFile& file, const std::string& path) {
 // What a checkpoint holds the state of: a DistributedOptimizer only carries gradients
 // between ranks, so its file is the wrapped optimizer's (read back with or without it).
 const optim::Optimizer& saved_optimizer(const optim::Optimizer& optimizer) {
-  if (const auto* d = dynamic_cast<const optim::DistributedOptimizer*>(&optimizer))
+  if (const optim::DistributedOptimizer* d = optimizer.distributed_optimizer(); d == &optimizer)
     return d->inner_optimizer();
   return optimizer;
 }
 optim::Optimizer& saved_optimizer(optim::Optimizer& optimizer) {
-  if (auto* d = dynamic_cast<optim::DistributedOptimizer*>(&optimizer)) return d->inner_optimizer();
+  if (optim::DistributedOptimizer* d = optimizer.distributed_optimizer(); d == &optimizer)
+    return d->inner_optimizer();
   return optimizer;
 }
 
 // The name of the optimizer a LossScaleOptimizer wraps (empty for other optimizers).
 std::string inner_name(const optim::Optimizer& optimizer) {
-  if (const auto* lso = dynamic_cast<const optim::LossScaleOptimizer*>(&optimizer))
+  if (const optim::LossScaleOptimizer* lso = optimizer.loss_scale_optimizer(); lso == &optimizer)
     return lso->inner_optimizer().name();
   return {};
 }

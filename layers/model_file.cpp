@@ -230,10 +230,10 @@ std::string Model::compile_config(std::string& why) const {
   // The optimizer as given: inside a DistributedOptimizer (compile() adds it again where
   // there are several ranks), around it a LossScaleOptimizer.
   const optim::Optimizer* opt = optimizer_.get();
-  if (const auto* d = dynamic_cast<const optim::DistributedOptimizer*>(opt))
+  if (const optim::DistributedOptimizer* d = opt->distributed_optimizer(); d == opt)
     opt = &d->inner_optimizer();
   j["loss_scale"] = nullptr;
-  if (const auto* lso = dynamic_cast<const optim::LossScaleOptimizer*>(opt)) {
+  if (const optim::LossScaleOptimizer* lso = opt->loss_scale_optimizer(); lso == opt) {
     const LossScale& s = lso->loss_scale_config();
     j["loss_scale"] = json{{"dynamic", s.is_dynamic()},
                            {"initial_scale", s.initial_scale()},

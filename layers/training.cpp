@@ -179,13 +179,13 @@ void Model::compile(CompileOptions options) {
   // Data-parallel (world size > 1, or a DistributedOptimizer given): the DistributedOptimizer
   // goes outside, so that gradients are averaged before a loss scale optimizer checks them.
   std::optional<optim::DistributedOptimizerOptions> distributed_options;
-  if (auto* d = dynamic_cast<optim::DistributedOptimizer*>(opt.get())) {
+  if (optim::DistributedOptimizer* d = opt->distributed_optimizer(); d == opt.get()) {
     distributed_options = d->options();
     opt = d->inner_optimizer().clone();
   } else if (distributed::world_size() > 1) {
     distributed_options = optim::DistributedOptimizerOptions{};
   }
-  if (scale && !dynamic_cast<optim::LossScaleOptimizer*>(opt.get())) {
+  if (scale && !opt->loss_scale_optimizer()) {
     opt = std::make_shared<optim::LossScaleOptimizer>(opt, *scale);
     if (distributed::rank() == 0)  // every rank wraps; one says so
       spdlog::info(
@@ -328,16 +328,13 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
   std::vector<Tensor> x = x_in, y = y_in;
   conform_data(fmt::format("model '{}': train_step", name()), x, y);
   const std::vector<std::string> outs = output_names();
-  auto* dopt = dynamic_cast<optim::DistributedOptimizer*>(optimizer_.get());
-  auto* lso = dopt ? dopt->loss_scale_optimizer()
-                   : dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
-  if (x.front().dim(0) == 0 && dopt && distributed::world_size() > 1) {
+  const std::vector<Variable> vars = trainable_variables();
+  if (x.front().dim(0) == 0 && optimizer_->distributed_optimizer() &&
+      distributed::world_size() > 1) {
     // This rank's share of the global batch is empty: it still joins the step's reduction,
-    // adding nothing (undefined gradients), and steps with the others.
-    const std::vector<Variable> vars = trainable_variables();
-    std::vector<Tensor> grads = dopt->all_reduce_gradients(std::vector<Tensor>(vars.size()), vars);
-    if (lso) grads = dopt->get_unscaled_gradients(grads);
-    dopt->apply_gradients(grads, vars);
+    // adding nothing (no loss: undefined gradients), and steps with the others.
+    GradientTape tape;
+    optimizer_->apply_gradients(optimizer_->compute_gradients(tape, Tensor(), vars), vars);
     NoGradGuard no_grad;
     const std::vector<Tensor> pred = apply(x, CallContext{.training = false});
     StepLosses out;
@@ -356,19 +353,16 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
       for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
     return out;
   }
-  const std::vector<Variable> vars = trainable_variables();
+  // The step: forward, loss, gradients through the optimizer chain (loss scaling and the
+  // reduction across ranks, whichever it holds), update.
   StepLosses out;
   std::vector<Tensor> pred, grads;
   {
     GradientTape tape;
     pred = apply(x, CallContext{.training = true});
     out.loss = batch_loss(y, pred, outs.size() > 1 ? &out.parts : nullptr);
-    const Tensor target = lso ? lso->get_scaled_loss(out.loss) : out.loss;
-    // Data-parallel: each bucket of gradients is summed across ranks as soon as the
-    // backward pass has it.
-    grads = dopt ? dopt->gradient(tape, target, vars) : tape.gradient(target, vars);
+    grads = optimizer_->compute_gradients(tape, out.loss, vars);
   }
-  if (lso) grads = dopt ? dopt->get_unscaled_gradients(grads) : lso->get_unscaled_gradients(grads);
   optimizer_->apply_gradients(grads, vars);
   NoGradGuard no_grad;
   for (std::size_t i = 0; i < metrics_.size(); ++i)
@@ -476,9 +470,8 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
   for (const Tensor& t : y) y_train.push_back(rows(t, 0, n_train));
   if (n_train == 0) throw ValueError(who + ": no training samples");
 
-  auto* dopt = dynamic_cast<optim::DistributedOptimizer*>(optimizer_.get());
-  auto* lso = dopt ? dopt->loss_scale_optimizer()
-                   : dynamic_cast<optim::LossScaleOptimizer*>(optimizer_.get());
+  optim::DistributedOptimizer* dopt = optimizer_->distributed_optimizer();
+  optim::LossScaleOptimizer* lso = optimizer_->loss_scale_optimizer();
   // Each epoch shuffles with a generator of its own, seeded from the base seed and the
   // epoch number: resuming at epoch k (initial_epoch) replays the same order.
   std::uint64_t base_seed = o.seed ? *o.seed : default_generator().next_u64();

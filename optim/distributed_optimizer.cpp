@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/core/backend.h"
@@ -66,10 +67,6 @@ DistributedOptimizer::DistributedOptimizer(const DistributedOptimizer& other)
       inner_(other.inner_->clone()),
       options_(other.options_),
       weight_(other.weight_) {}
-
-LossScaleOptimizer* DistributedOptimizer::loss_scale_optimizer() const {
-  return dynamic_cast<LossScaleOptimizer*>(inner_.get());
-}
 
 void DistributedOptimizer::set_gradient_weight(double weight) {
   if (!(weight >= 0.0) || !std::isfinite(weight))
@@ -266,6 +263,22 @@ std::vector<Tensor> DistributedOptimizer::gradient(GradientTape& tape, const Ten
   return out;
 }
 
+std::vector<Tensor> DistributedOptimizer::chain_gradients(GradientTape& tape, const Tensor& loss,
+                                                          const std::vector<Variable>& variables,
+                                                          const Backward&) {
+  const Backward reducing = [this](GradientTape& t, const Tensor& target,
+                                   const std::vector<Variable>& vars) {
+    return target.defined() ? gradient(t, target, vars)
+                            : all_reduce_gradients(std::vector<Tensor>(vars.size()), vars);
+  };
+  std::vector<Tensor> out = inner_->chain_gradients(tape, loss, variables, reducing);
+  reduced_ids_.clear();
+  for (const auto& g : out)
+    if (g.defined()) reduced_ids_.insert(g.id());
+  chain_reduced_ = true;
+  return out;
+}
+
 Tensor DistributedOptimizer::get_scaled_loss(const Tensor& loss) const {
   LossScaleOptimizer* lso = loss_scale_optimizer();
   if (!lso)
@@ -300,7 +313,7 @@ void DistributedOptimizer::apply_gradients(const std::vector<Tensor>& grads,
                     "variables",
                     grads.size(), variables.size()));
   std::vector<Tensor> reduced;
-  if (all_in(grads, reduced_ids_)) {
+  if (std::exchange(chain_reduced_, false) || all_in(grads, reduced_ids_)) {
     reduced = grads;
   } else {
     // The plan comes from the variables, so an undefined gradient has its place too.

@@ -65,6 +65,17 @@ Tensor LossScaleOptimizer::get_scaled_loss(const Tensor& loss) const {
   return loss * scale_;
 }
 
+Tensor LossScaleOptimizer::scale_loss(const Tensor& loss) const {
+  return inner_->scale_loss(loss.defined() ? get_scaled_loss(loss) : loss);
+}
+
+std::vector<Tensor> LossScaleOptimizer::chain_gradients(GradientTape& tape, const Tensor& loss,
+                                                        const std::vector<Variable>& variables,
+                                                        const Backward& backward) {
+  const Tensor scaled = loss.defined() ? get_scaled_loss(loss) : loss;
+  return get_unscaled_gradients(inner_->chain_gradients(tape, scaled, variables, backward));
+}
+
 std::vector<Tensor> LossScaleOptimizer::get_unscaled_gradients(const std::vector<Tensor>& grads) {
   sync_step();
   Checked checked = scale_and_flag(grads, 1.0 / scale_, /*multiply=*/true);

@@ -401,6 +401,21 @@ AdamW::AdamW(AdamWOptions o)
     : Adam(AdamOptions{o.learning_rate, o.beta_1, o.beta_2, o.epsilon, o.amsgrad, o.clipping},
            o.weight_decay) {}
 
+std::vector<Tensor> Optimizer::compute_gradients(GradientTape& tape, const Tensor& loss,
+                                                 const std::vector<Variable>& variables) {
+  return chain_gradients(
+      tape, loss, variables,
+      [](GradientTape& t, const Tensor& target, const std::vector<Variable>& vars) {
+        return target.defined() ? t.gradient(target, vars) : std::vector<Tensor>(vars.size());
+      });
+}
+
+std::vector<Tensor> Optimizer::chain_gradients(GradientTape& tape, const Tensor& loss,
+                                               const std::vector<Variable>& variables,
+                                               const Backward& backward) {
+  return backward(tape, loss, variables);
+}
+
 std::map<std::string, double> Optimizer::get_config() const {
   if (!learning_rate_.constant())
     throw ValueError(fmt::format("{}: the learning rate is the schedule '{}', which has no config",

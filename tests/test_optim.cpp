@@ -476,3 +476,54 @@ TEST_CASE("loss scale optimizer: steps decided on the device end as steps decide
   CHECK(copy.applied_steps() == 1);
   CHECK(copy.iterations() == 1);
 }
+
+namespace {
+bool same_bits(const mt::Tensor& a, const mt::Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         mt::detail::host_bytes(a) == mt::detail::host_bytes(b);
+}
+}  // namespace
+
+TEST_CASE("optimizer chain: compute_gradients is the loss scale's manual step, bit for bit",
+          "[optim][loss_scale]") {
+  for (bool scaled : {false, true}) {
+    CAPTURE(scaled);
+    mt::manual_seed(21);
+    const mt::Tensor x = mt::normal({6, 4}), y = mt::normal({6, 3});
+    mt::Variable w1(mt::normal({4, 3}), "w1"), w2(w1, "w2");  // the same values, apart
+    std::shared_ptr<mo::Optimizer> chain = std::make_shared<mo::Adam>(mo::AdamOptions{});
+    std::shared_ptr<mo::Optimizer> manual = std::make_shared<mo::Adam>(mo::AdamOptions{});
+    if (scaled) {
+      chain = std::make_shared<mo::LossScaleOptimizer>(chain, mt::LossScale::dynamic());
+      manual = std::make_shared<mo::LossScaleOptimizer>(manual, mt::LossScale::dynamic());
+    }
+    CHECK(chain->distributed_optimizer() == nullptr);
+    CHECK((chain->loss_scale_optimizer() == chain.get()) == scaled);
+    const auto loss_of = [&](const mt::Variable& w) {
+      return mt::mean(mt::square(mt::matmul(x, w) - y));
+    };
+    for (int step = 0; step < 3; ++step) {
+      {
+        mt::GradientTape tape;
+        const mt::Tensor loss = loss_of(w1);
+        CHECK(same_bits(chain->scale_loss(loss), scaled ? loss * 32768.0 : loss));
+        chain->apply_gradients(chain->compute_gradients(tape, loss, {w1}), {w1});
+      }
+      {  // the seed's custom loop: scale, gradient, unscale, apply
+        mt::GradientTape tape;
+        const mt::Tensor loss = loss_of(w2);
+        auto* lso = manual->loss_scale_optimizer();
+        std::vector<mt::Tensor> g =
+            tape.gradient(lso ? lso->get_scaled_loss(loss) : loss, std::vector<mt::Variable>{w2});
+        if (lso) g = lso->get_unscaled_gradients(g);
+        manual->apply_gradients(g, {w2});
+      }
+      CHECK(same_bits(w1, w2));
+    }
+    // No loss (no samples this step): undefined gradients, and nothing moves.
+    mt::GradientTape tape;
+    const auto none = chain->compute_gradients(tape, mt::Tensor(), {w1});
+    REQUIRE(none.size() == 1);
+    CHECK_FALSE(none[0].defined());
+  }
+}

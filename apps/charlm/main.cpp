@@ -403,11 +403,11 @@ int run(const Options& o) {
     first_step = std::stoll(meta.at("step"));
     if (root) fmt::print("resumed from {} at step {}\n", o.resume, first_step);
   }
-  // Under mpirun compile() put the optimizer in a DistributedOptimizer (gradients averaged
-  // across the ranks before the loss scale check, the clipping and AdamW).
-  auto* dopt = dynamic_cast<mt::optim::DistributedOptimizer*>(model->optimizer().get());
-  auto* lso = dopt ? dopt->loss_scale_optimizer()
-                   : dynamic_cast<mt::optim::LossScaleOptimizer*>(model->optimizer().get());
+  // The optimizer chain: under mpirun compile() put it in a DistributedOptimizer (gradients
+  // averaged across the ranks before the loss scale check, the clipping and AdamW).
+  const std::shared_ptr<mt::optim::Optimizer>& chain = model->optimizer();
+  mt::optim::DistributedOptimizer* dopt = chain->distributed_optimizer();
+  const mt::optim::LossScaleOptimizer* lso = chain->loss_scale_optimizer();
   if (root)
     fmt::print("model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}\n",
                o.layers, o.heads, o.width, o.context, model->count_params(), o.policy);
@@ -430,24 +430,15 @@ int run(const Options& o) {
     const std::vector<std::int64_t> mine(offsets.begin() + w0, offsets.begin() + w1);
     auto [x, y] = windows(corpus.train, mine, o.context);
     const double share = static_cast<double>(w1 - w0) / static_cast<double>(o.batch);
+    if (dopt) dopt->set_gradient_weight(share);
     mt::Tensor loss;
     {
       mt::GradientTape tape;
       const mt::Tensor logits = (*model)(x, {.training = true});
       loss = loss_object(mt::reshape(y, {-1}), mt::reshape(logits, {-1, vocab}));
-      const mt::Tensor target = lso ? lso->get_scaled_loss(loss) : loss;
-      std::vector<mt::Tensor> grads;
-      if (dopt) {  // each bucket summed across ranks as soon as the backward pass has it
-        dopt->set_gradient_weight(share);
-        grads = dopt->gradient(tape, target, vars);
-      } else {
-        grads = tape.gradient(target, vars);
-      }
-      if (lso)
-        grads = dopt ? dopt->get_unscaled_gradients(grads) : lso->get_unscaled_gradients(grads);
-      model->optimizer()->apply_gradients(grads, vars);
-      if (lso && lso->last_step_skipped() && step >= 100) ++skipped_after_100;
+      chain->apply_gradients(chain->compute_gradients(tape, loss, vars), vars);
     }
+    if (lso && lso->last_step_skipped() && step >= 100) ++skipped_after_100;
     // The batch's loss: every rank's share, weighted.
     const double l = world > 1 ? mt::distributed::all_reduce_value(loss.item<double>() * share)
                                : loss.item<double>();
@@ -460,8 +451,7 @@ int run(const Options& o) {
     ++window_steps;
     if (root && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) {
       fmt::print("step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {:.0f} tokens/s{}\n", step + 1,
-                 window_loss / window_steps / std::log(2.0),
-                 model->optimizer()->current_learning_rate(),
+                 window_loss / window_steps / std::log(2.0), chain->current_learning_rate(),
                  train_seconds > 0 ? static_cast<double>(trained_tokens) / train_seconds : 0.0,
                  lso ? fmt::format("  loss scale {:g} (skipped {})", lso->loss_scale(),
                                    lso->skipped_steps())

@@ -544,13 +544,13 @@ class SinkCallback : public mt::Callback {
 void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const mt::Tensor& y,
                  const mt::Tensor& x_val, const mt::Tensor& y_val, std::int64_t batch_size,
                  int start_epoch, EpochSink& sink) {
-  // Under mpirun, compile() wrapped the optimizer in a DistributedOptimizer (the custom
-  // loop of one process needs exactly that line more: mt::optim::DistributedOptimizer
-  // opt(...)); the loss scale optimizer, if any, is inside it.
+  // The optimizer chain does the policy's and the job's parts of a step: a loss scale
+  // optimizer under mixed_float16, and under mpirun the DistributedOptimizer compile()
+  // wrapped it in (the custom loop of one process needs exactly that line more:
+  // mt::optim::DistributedOptimizer opt(...)).
   auto optimizer = model.optimizer();
-  auto* dopt = dynamic_cast<mt::optim::DistributedOptimizer*>(optimizer.get());
-  auto* lso = dopt ? dopt->loss_scale_optimizer()
-                   : dynamic_cast<mt::optim::LossScaleOptimizer*>(optimizer.get());
+  mt::optim::DistributedOptimizer* dopt = optimizer->distributed_optimizer();
+  const mt::optim::LossScaleOptimizer* lso = optimizer->loss_scale_optimizer();
   const mt::losses::Loss& loss_object = model.loss();
   const std::int64_t n = x.dim(0);
   const int world = mt::distributed::world_size();
@@ -575,19 +575,11 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
       const mt::Tensor xb = xb_global.slice(0, r0, r1).to(model.device()),
                        yb = yb_global.slice(0, r0, r1).to(model.device());
       local_rows += r1 - r0;
+      const std::vector<mt::Variable> vars = model.trainable_variables();
       mt::GradientTape tape;
       auto predictions = model(xb, {.training = true});
       auto loss = loss_object(yb, predictions);
-      std::vector<mt::Tensor> grads;
-      if (lso) {
-        auto scaled_loss = lso->get_scaled_loss(loss);
-        auto scaled_grads = tape.gradient(scaled_loss, model.trainable_variables());
-        grads = dopt ? dopt->get_unscaled_gradients(scaled_grads)
-                     : lso->get_unscaled_gradients(scaled_grads);
-      } else {
-        grads = tape.gradient(loss, model.trainable_variables());
-      }
-      optimizer->apply_gradients(grads, model.trainable_variables());
+      optimizer->apply_gradients(optimizer->compute_gradients(tape, loss, vars), vars);
       epoch_loss.update_state(loss, mt::full({}, static_cast<double>(xb.dim(0))));
       train_accuracy.update_state(yb, predictions.detach());
     }

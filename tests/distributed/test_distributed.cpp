@@ -181,6 +181,59 @@ TEST_CASE("distributed: N ranks on shares of the batch step like one process on 
   }
 }
 
+TEST_CASE("distributed: compute_gradients steps like one process, in either nesting",
+          "[distributed]") {
+  // The chain does the loss scaling and the reduction whatever order the wrappers are in:
+  // the caller's step is the same four lines.
+  for (int nesting = 0; nesting < 3; ++nesting) {
+    CAPTURE(nesting);  // 0: Dist(Adam); 1: Dist(LSO(Adam)); 2: LSO(Dist(Adam))
+    auto dist_model = small_model(13, mt::kFloat32), ref_model = small_model(13, mt::kFloat32);
+    const auto adam = std::make_shared<mo::Adam>(mo::AdamOptions{.learning_rate = 1e-2});
+    std::shared_ptr<mo::Optimizer> chain;
+    if (nesting == 0) chain = std::make_shared<mo::DistributedOptimizer>(adam);
+    if (nesting == 1)
+      chain = std::make_shared<mo::DistributedOptimizer>(
+          std::make_shared<mo::LossScaleOptimizer>(adam, mt::LossScale::fixed(1024)));
+    if (nesting == 2)
+      chain = std::make_shared<mo::LossScaleOptimizer>(
+          std::make_shared<mo::DistributedOptimizer>(
+              adam, mo::DistributedOptimizerOptions{.bucket_bytes = 200}),
+          mt::LossScale::fixed(1024));
+    REQUIRE(chain->distributed_optimizer() != nullptr);
+    CHECK((chain->loss_scale_optimizer() != nullptr) == (nesting > 0));
+    mo::Adam ref({.learning_rate = 1e-2});
+    const auto mse = mt::losses::MeanSquaredError();
+    mt::manual_seed(98);
+    for (int step = 0; step < 4; ++step) {
+      const std::int64_t rows = step == 0 ? 1 : 6 + step;  // step 0: rank 0's share is empty
+      const mt::Tensor x = mt::uniform({rows, 5}, -1.0, 1.0);
+      const mt::Tensor y = mt::uniform({rows, 3}, -1.0, 1.0);
+      {
+        mt::GradientTape tape;
+        const mt::Tensor loss = mse(y, (*ref_model)(x, {.training = true}));
+        ref.apply_gradients(tape.gradient(loss, ref_model->trainable_variables()),
+                            ref_model->trainable_variables());
+      }
+      const auto [r0, r1] = share(rows);
+      chain->distributed_optimizer()->set_gradient_weight(static_cast<double>(r1 - r0) /
+                                                          static_cast<double>(rows));
+      const auto vars = dist_model->trainable_variables();
+      mt::GradientTape tape;
+      mt::Tensor loss;  // undefined: no samples here this step
+      if (r1 > r0)
+        loss = mse(y.slice(0, r0, r1), (*dist_model)(x.slice(0, r0, r1), {.training = true}));
+      chain->apply_gradients(chain->compute_gradients(tape, loss, vars), vars);
+    }
+    const auto dw = dist_model->weights(), rw = ref_model->weights();
+    for (std::size_t i = 0; i < dw.size(); ++i) {
+      CAPTURE(dw[i].name());
+      CHECK(max_rel_diff(dw[i], rw[i]) < 1e-5);
+      CHECK(same_on_all_ranks(mt::sum(dw[i]).item<double>()));
+    }
+    CHECK(chain->iterations() == 4);
+  }
+}
+
 TEST_CASE("distributed: an overflow on one rank makes every rank skip and halve its scale",
           "[distributed]") {
   auto model = small_model(5, mt::kFloat32);

@@ -76,8 +76,14 @@ class DistributedOptimizer : public Optimizer {
   // averages first (when not done yet), then unscales and checks.
   Tensor get_scaled_loss(const Tensor& loss) const;
   std::vector<Tensor> get_unscaled_gradients(const std::vector<Tensor>& grads);
-  // The wrapped LossScaleOptimizer, or nullptr.
-  LossScaleOptimizer* loss_scale_optimizer() const;
+  // The wrapped LossScaleOptimizer (at any depth), or nullptr; this one.
+  LossScaleOptimizer* loss_scale_optimizer() const override {
+    return inner_->loss_scale_optimizer();
+  }
+  DistributedOptimizer* distributed_optimizer() const override {
+    return const_cast<DistributedOptimizer*>(this);
+  }
+  Tensor scale_loss(const Tensor& loss) const override { return inner_->scale_loss(loss); }
 
   // This rank's weight in the next reduction (default 1 / world_size()); reset after it.
   void set_gradient_weight(double weight);
@@ -108,6 +114,12 @@ class DistributedOptimizer : public Optimizer {
   std::vector<std::string> slot_names() const override { return {}; }
   void update(const Variable&, const Tensor&, const std::vector<Variable>&, double,
               std::int64_t) override {}
+  // The wrapped optimizer's chain with gradient() as its backward pass (each bucket summed
+  // across processes as soon as it is done; an undefined target: undefined gradients, still
+  // reduced); apply_gradients then takes what it returns as it is.
+  std::vector<Tensor> chain_gradients(GradientTape& tape, const Tensor& loss,
+                                      const std::vector<Variable>& variables,
+                                      const Backward& backward) override;
 
  private:
   Plan plan(const std::vector<Tensor>& like) const;
@@ -121,6 +133,10 @@ class DistributedOptimizer : public Optimizer {
   std::vector<std::size_t> last_buckets_;
   // The gradients gradient() / get_unscaled_gradients returned, averaged already.
   std::unordered_set<std::uint64_t> reduced_ids_;
+  // compute_gradients reduced the gradients of the step to come: the next apply_gradients
+  // takes them as they are, also after an outer wrapper made new tensors of them (a
+  // LossScaleOptimizer around this one unscales them).
+  bool chain_reduced_ = false;
 };
 
 }  // namespace mixtape::optim

@@ -89,6 +89,16 @@ class LossScaleOptimizer : public Optimizer {
   // max_consecutive_skips-th skipped in a row.
   void sync_step() const;
 
+  // The chain (Optimizer::compute_gradients): the loss scaled, the wrapped optimizer's
+  // scaling inside; this one, and a DistributedOptimizer it wraps, if any.
+  Tensor scale_loss(const Tensor& loss) const override;
+  LossScaleOptimizer* loss_scale_optimizer() const override {
+    return const_cast<LossScaleOptimizer*>(this);
+  }
+  DistributedOptimizer* distributed_optimizer() const override {
+    return inner_->distributed_optimizer();
+  }
+
   // The wrapped optimizer (its iteration count is up to date after sync_step()).
   Optimizer& inner_optimizer() { return *inner_; }
   const Optimizer& inner_optimizer() const { return *inner_; }
@@ -109,6 +119,11 @@ class LossScaleOptimizer : public Optimizer {
   std::vector<std::string> slot_names() const override { return {}; }
   void update(const Variable&, const Tensor&, const std::vector<Variable>&, double,
               std::int64_t) override {}
+  // The wrapped optimizer's gradients of the scaled loss, unscaled (get_scaled_loss, then
+  // get_unscaled_gradients).
+  std::vector<Tensor> chain_gradients(GradientTape& tape, const Tensor& loss,
+                                      const std::vector<Variable>& variables,
+                                      const Backward& backward) override;
 
  private:
   // The non-finite flags of `grads` (one per device; the pass of get_unscaled_gradients

@@ -21,12 +21,14 @@
 #include <unordered_map>
 #include <vector>
 
+#include "mixtape/autograd/tape.h"
 #include "mixtape/autograd/variable.h"
 #include "mixtape/core/tensor.h"
 
 namespace mixtape::optim {
 
 class LossScaleOptimizer;
+class DistributedOptimizer;
 
 // A learning rate: a number, or a schedule of the step (the count of applied steps
 // before the current one, Keras' `iterations`).
@@ -82,6 +84,32 @@ class Optimizer {
   virtual void apply_gradients(const std::vector<Tensor>& grads,
                                const std::vector<Variable>& variables);
 
+  // --- The step through the chain of optimizers (Keras 3's train_step) -------------------
+  //
+  //   mt::GradientTape tape;
+  //   const mt::Tensor loss = loss_fn(y, model(x, {.training = true}));
+  //   const auto grads = opt.compute_gradients(tape, loss, vars);
+  //   opt.apply_gradients(grads, vars);
+  //
+  // The same four lines under any policy and on any number of processes: each wrapper does
+  // its part, in whatever order they are nested. A LossScaleOptimizer scales the loss before
+  // the backward pass and unscales the gradients after it (apply_gradients then checks them
+  // and skips a step that overflowed); a DistributedOptimizer sums each bucket of gradients
+  // across processes as soon as the backward pass has it, and its apply_gradients takes them
+  // as they are. An undefined `loss` says this process has no samples this step (its share of
+  // a global batch is empty): the gradients are undefined, and still join the reductions of
+  // the other processes.
+  std::vector<Tensor> compute_gradients(GradientTape& tape, const Tensor& loss,
+                                        const std::vector<Variable>& variables);
+  // The loss the backward pass starts from: `loss`, scaled by a LossScaleOptimizer of the
+  // chain.
+  virtual Tensor scale_loss(const Tensor& loss) const { return loss; }
+  // The LossScaleOptimizer of the chain (this one or one it wraps), or nullptr: its scale and
+  // counts are what a trainer logs.
+  virtual LossScaleOptimizer* loss_scale_optimizer() const { return nullptr; }
+  // The DistributedOptimizer of the chain, or nullptr.
+  virtual DistributedOptimizer* distributed_optimizer() const { return nullptr; }
+
   // Applied steps so far.
   virtual std::int64_t iterations() const { return iterations_; }
   // The learning rate of the next step.
@@ -121,6 +149,16 @@ class Optimizer {
   Optimizer(const Optimizer& other);
   Optimizer& operator=(const Optimizer&) = delete;
 
+  // A backward pass: the gradients of a target (undefined ones for an undefined target).
+  using Backward = std::function<std::vector<Tensor>(GradientTape&, const Tensor&,
+                                                     const std::vector<Variable>&)>;
+  // compute_gradients with `backward` as the backward pass: `backward(tape, loss, vars)` here.
+  // A wrapper transforms the loss on the way in and the gradients on the way out around its
+  // wrapped optimizer's chain_gradients, and may give it another backward pass.
+  virtual std::vector<Tensor> chain_gradients(GradientTape& tape, const Tensor& loss,
+                                              const std::vector<Variable>& variables,
+                                              const Backward& backward);
+
   // The names of the slots a variable needs ("m", "v", ...), in order.
   virtual std::vector<std::string> slot_names() const = 0;
   // Updates `var` in place from `grad` (var's shape and dtype, contiguous, clipped).
@@ -136,6 +174,7 @@ class Optimizer {
 
  private:
   friend class LossScaleOptimizer;
+  friend class DistributedOptimizer;
   // apply_gradients with update() given skip_flag() = skip_if (undefined: an ordinary step).
   // The step is counted; the caller takes the count back (uncount_step) when it later reads
   // a set flag.
