@@ -1,7 +1,8 @@
-// Data-parallel training with the guide's custom loop: the loop of one process plus one
-// line (the DistributedOptimizer around the LossScaleOptimizer), each rank on its share of
-// every global batch. Runs as it is (world size 1) or under `mpirun -np 2`; checks that the
-// loss fell and that every rank ends with the same weights.
+// Data-parallel training with a custom loop: the loop of one process plus one line (the
+// DistributedOptimizer around the LossScaleOptimizer), each rank on its share of every
+// global batch; the step is compute_gradients and apply_gradients, as on one process. Runs as it is
+// (world size 1) or under `mpirun -np 2`; checks that the loss fell and that every rank ends with
+// the same weights.
 #include <fmt/format.h>
 #include <mixtape/mixtape.h>
 
@@ -29,13 +30,12 @@ int main() {
     double epoch_loss = 0;
     for (std::int64_t b0 = 0; b0 < x.dim(0); b0 += batch) {
       const auto [r0, r1] = md::shard(batch);  // this rank's rows of the batch
+      const auto vars = model.trainable_variables();
       mt::GradientTape tape;
       auto predictions = model(x.slice(0, b0 + r0, b0 + r1), {.training = true});
       auto loss = loss_object(y.slice(0, b0 + r0, b0 + r1), predictions);
-      auto scaled_grads =
-          tape.gradient(optimizer.get_scaled_loss(loss), model.trainable_variables());
-      auto grads = optimizer.get_unscaled_gradients(scaled_grads);  // averaged over the ranks
-      optimizer.apply_gradients(grads, model.trainable_variables());
+      // Scaled, each bucket averaged over the ranks as the backward pass has it, unscaled.
+      optimizer.apply_gradients(optimizer.compute_gradients(tape, loss, vars), vars);
       epoch_loss += md::all_reduce_value(loss.item<double>(), md::ReduceOp::Average);
     }
     (epoch == 0 ? first : last) = epoch_loss / static_cast<double>(x.dim(0) / batch);

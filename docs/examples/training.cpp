@@ -1,6 +1,6 @@
 // Training three ways on a synthetic task: Model.fit under mixed_float16 (loss scaling
-// is automatic), the guide's custom loop with a LossScaleOptimizer, and a float32 model
-// under automatic mixed precision.
+// is automatic), a custom loop with a LossScaleOptimizer (compute_gradients, then
+// apply_gradients), and a float32 model under automatic mixed precision.
 #include <mixtape/mixtape.h>
 
 namespace mt = mixtape;
@@ -43,7 +43,7 @@ int main() {
   fmt::print("Test loss: {:.4f}\nTest accuracy: {:.4f}\n", scores["loss"], scores["accuracy"]);
   const double fit_accuracy = scores["accuracy"];
 
-  // --- The guide's custom training loop ---------------------------------------------------
+  // --- A custom training loop -------------------------------------------------------------
   model.set_weights(initial_weights);
   mt::optim::LossScaleOptimizer optimizer(mt::optim::RMSprop(), mt::LossScale::dynamic());
   auto loss_object = mt::losses::SparseCategoricalCrossentropy();
@@ -51,13 +51,12 @@ int main() {
     mt::metrics::Mean epoch_loss;
     for (std::int64_t b = 0; b < 4096; b += 256) {
       const mt::Tensor xb = x_train.slice(0, b, b + 256), yb = y_train.slice(0, b, b + 256);
+      const auto vars = model.trainable_variables();
       mt::GradientTape tape;
-      auto predictions = model(xb, {.training = true});
-      auto loss = loss_object(yb, predictions);
-      auto scaled_loss = optimizer.get_scaled_loss(loss);
-      auto scaled_grads = tape.gradient(scaled_loss, model.trainable_variables());
-      auto grads = optimizer.get_unscaled_gradients(scaled_grads);
-      optimizer.apply_gradients(grads, model.trainable_variables());  // skips on inf/nan
+      auto loss = loss_object(yb, model(xb, {.training = true}));
+      // The loss scaled, the gradients unscaled: the optimizer chain does it.
+      auto grads = optimizer.compute_gradients(tape, loss, vars);
+      optimizer.apply_gradients(grads, vars);  // skips on inf/nan
       epoch_loss(loss);
     }
     mt::metrics::SparseCategoricalAccuracy test_accuracy("test_accuracy");
