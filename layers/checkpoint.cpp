@@ -234,16 +234,12 @@ void check_bools(const SafetensorsFile& file, const std::string& path) {
 }
 
 // What a checkpoint holds the state of: a DistributedOptimizer only carries gradients
-// between ranks, so its file is the wrapped optimizer's (read back with or without it).
-const optim::Optimizer& saved_optimizer(const optim::Optimizer& optimizer) {
-  if (const optim::DistributedOptimizer* d = optimizer.distributed_optimizer(); d == &optimizer)
-    return d->inner_optimizer();
-  return optimizer;
-}
-optim::Optimizer& saved_optimizer(optim::Optimizer& optimizer) {
-  if (optim::DistributedOptimizer* d = optimizer.distributed_optimizer(); d == &optimizer)
-    return d->inner_optimizer();
-  return optimizer;
+// between ranks and a GradientAccumulationOptimizer adds them up between steps, so their
+// file is the wrapped optimizer's (read back with or without them).
+optim::Optimizer& saved_optimizer(const optim::Optimizer& optimizer) {
+  auto* o = const_cast<optim::Optimizer*>(&optimizer);
+  while (optim::Optimizer* inner = o->pass_through()) o = inner;
+  return *o;
 }
 
 // The name of the optimizer a LossScaleOptimizer wraps (empty for other optimizers).

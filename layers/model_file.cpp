@@ -10,6 +10,7 @@
 #include "mixtape/layers/core_layers.h"
 #include "mixtape/layers/model.h"
 #include "mixtape/optim/distributed_optimizer.h"
+#include "mixtape/optim/gradient_accumulation.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
 
 namespace mixtape {
@@ -200,10 +201,12 @@ CompileOptions compile_options_from(const json& j) {
             : LossScale::fixed(s.at("initial_scale").get<double>());
     opt = std::make_shared<optim::LossScaleOptimizer>(opt, scale);
   }
-  return CompileOptions{.loss = LossSpec(std::move(ls)),
-                        .optimizer = opt,
-                        .metrics = std::move(metrics),
-                        .loss_weights = j.at("loss_weights").get<std::vector<double>>()};
+  return CompileOptions{
+      .loss = LossSpec(std::move(ls)),
+      .optimizer = opt,
+      .metrics = std::move(metrics),
+      .loss_weights = j.at("loss_weights").get<std::vector<double>>(),
+      .gradient_accumulation_steps = j.value("gradient_accumulation_steps", std::int64_t{1})};
 }
 
 }  // namespace
@@ -230,6 +233,11 @@ std::string Model::compile_config(std::string& why) const {
   // The optimizer as given: inside a DistributedOptimizer (compile() adds it again where
   // there are several ranks), around it a LossScaleOptimizer.
   const optim::Optimizer* opt = optimizer_.get();
+  j["gradient_accumulation_steps"] = 1;
+  if (const auto* acc = dynamic_cast<const optim::GradientAccumulationOptimizer*>(opt)) {
+    j["gradient_accumulation_steps"] = acc->steps();
+    opt = &acc->inner_optimizer();
+  }
   if (const optim::DistributedOptimizer* d = opt->distributed_optimizer(); d == opt)
     opt = &d->inner_optimizer();
   j["loss_scale"] = nullptr;

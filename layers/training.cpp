@@ -16,6 +16,7 @@
 #include "mixtape/distributed/distributed.h"
 #include "mixtape/layers/model.h"
 #include "mixtape/optim/distributed_optimizer.h"
+#include "mixtape/optim/gradient_accumulation.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
 
 namespace mixtape {
@@ -148,6 +149,10 @@ void Model::compile(CompileOptions options) {
           fmt::format("model '{}': compile: loss_weights must be finite; got {}", name(), w));
   std::shared_ptr<optim::Optimizer> opt = options.optimizer.get();
   if (!opt) throw ValueError(fmt::format("model '{}': compile got an empty optimizer", name()));
+  if (options.gradient_accumulation_steps < 1)
+    throw ValueError(
+        fmt::format("model '{}': compile: gradient_accumulation_steps must be >= 1; got {}", name(),
+                    options.gradient_accumulation_steps));
   const auto& scale = dtype_policy().loss_scale();
   std::vector<std::vector<std::shared_ptr<metrics::Metric>>> ms(outs.size());
   for (const auto& m : options.metrics) {
@@ -199,6 +204,9 @@ void Model::compile(CompileOptions options) {
       spdlog::info("model '{}': {} ranks; gradients averaged across them (DistributedOptimizer)",
                    name(), distributed::world_size());
   }
+  if (options.gradient_accumulation_steps > 1)  // outermost: it sees every micro-batch
+    opt = std::make_shared<optim::GradientAccumulationOptimizer>(
+        opt, options.gradient_accumulation_steps);
   losses_ = std::move(ls);
   loss_weights_ = std::move(weights);
   optimizer_ = std::move(opt);

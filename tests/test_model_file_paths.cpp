@@ -559,3 +559,27 @@ TEST_CASE("optimizers: get_config and from_config make the same optimizer", "[mo
       {.learning_rate = mt::optim::schedules::exponential_decay(0.1, 10, 0.5)});
   CHECK_THAT(error_of<mt::ValueError>([&] { scheduled.get_config(); }), Contains("schedule"));
 }
+
+TEST_CASE("load_model: gradient accumulation comes back with the compile state", "[model-file]") {
+  TempDir dir;
+  const std::string file = (dir.path() / "accumulating.safetensors").string();
+  mt::manual_seed(15);
+  auto model = classifier();
+  model->compile({.loss = "mse", .optimizer = "sgd", .gradient_accumulation_steps = 2});
+  const mt::Tensor x = mt::normal({4, 6}), y = mt::normal({4, 2});
+  model->train_step(x, y);
+  model->train_step(x, y);
+  model->save(file);
+  auto loaded = mt::load_model(file);
+  REQUIRE(loaded->compiled());
+  const auto* acc =
+      dynamic_cast<const mt::optim::GradientAccumulationOptimizer*>(loaded->optimizer().get());
+  REQUIRE(acc != nullptr);
+  CHECK(acc->steps() == 2);
+  CHECK(acc->iterations() == 1);
+  for (auto* m : {model.get(), loaded.get()}) {
+    m->train_step(x, y);
+    m->train_step(x, y);
+  }
+  CHECK(weight_bits(*loaded) == weight_bits(*model));
+}

@@ -43,6 +43,7 @@
 #include "mixtape/layers/normalization.h"
 #include "mixtape/layers/trace.h"
 #include "mixtape/optim/distributed_optimizer.h"
+#include "mixtape/optim/gradient_accumulation.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
 #include "mixtape/optim/optimizer.h"
 #include "mixtape/precision/loss_scale.h"

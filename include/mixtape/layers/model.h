@@ -133,6 +133,9 @@ struct CompileOptions {
   // The weight of each output's loss in the total (default 1 each), in the order of the
   // outputs.
   std::vector<double> loss_weights = {};
+  // Micro-batches per optimizer step (mixtape/optim/gradient_accumulation.h): each train_step
+  // (each batch of fit) adds its gradients, every N-th steps with their mean. 1: none.
+  std::int64_t gradient_accumulation_steps = 1;
 };
 
 // Values by name: "loss", "accuracy", "val_loss", ...

@@ -84,6 +84,7 @@ class DistributedOptimizer : public Optimizer {
     return const_cast<DistributedOptimizer*>(this);
   }
   Tensor scale_loss(const Tensor& loss) const override { return inner_->scale_loss(loss); }
+  Optimizer* pass_through() const override { return inner_.get(); }
 
   // This rank's weight in the next reduction (default 1 / world_size()); reset after it.
   void set_gradient_weight(double weight);

@@ -109,6 +109,10 @@ class Optimizer {
   virtual LossScaleOptimizer* loss_scale_optimizer() const { return nullptr; }
   // The DistributedOptimizer of the chain, or nullptr.
   virtual DistributedOptimizer* distributed_optimizer() const { return nullptr; }
+  // For a wrapper that keeps no state of its own (a DistributedOptimizer, a
+  // GradientAccumulationOptimizer), the optimizer it wraps, whose state a checkpoint holds;
+  // nullptr for the others.
+  virtual Optimizer* pass_through() const { return nullptr; }
 
   // Applied steps so far.
   virtual std::int64_t iterations() const { return iterations_; }
@@ -175,6 +179,7 @@ class Optimizer {
  private:
   friend class LossScaleOptimizer;
   friend class DistributedOptimizer;
+  friend class GradientAccumulationOptimizer;
   // apply_gradients with update() given skip_flag() = skip_if (undefined: an ordinary step).
   // The step is counted; the caller takes the count back (uncount_step) when it later reads
   // a set flag.
