@@ -946,8 +946,20 @@ bool SafetensorsFile::contains(const std::string& name) const {
                      [&](const auto& entry) { return entry.first == name; });
 }
 
+// What a path that is not a regular file is, for messages.
+static const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
 SafetensorsFile load_safetensors(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // O_NONBLOCK: opening a FIFO without a writer would wait for one forever; it is refused
+  // below like any file that is not a regular one (reads of a regular file never block).
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) {
     const int err = errno;
     throw IOError(fmt::format("safetensors: cannot read '{}': {}", path, system_reason(err)));
@@ -958,8 +970,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
     throw IOError(fmt::format("safetensors: cannot read '{}': {}", path, system_reason(err)));
   }
   if (!S_ISREG(st.st_mode))
-    throw IOError(fmt::format("safetensors: cannot read '{}': {}", path,
-                              S_ISDIR(st.st_mode) ? system_reason(EISDIR) : "not a regular file"));
+    throw IOError(fmt::format("safetensors: cannot read '{}': it is {}, not a regular file", path,
+                              kind_of(st.st_mode)));
   const auto file_size = static_cast<std::uint64_t>(st.st_size);
   const auto read_or_throw = [&](void* buf, std::size_t n, std::uint64_t offset) {
     const int r = read_at(fd.get(), buf, n, offset);
@@ -1003,6 +1015,14 @@ SafetensorsFile load_safetensors(const std::string& path) {
       read_or_throw(p, static_cast<std::size_t>(e->nbytes), data_start + e->begin);
       if constexpr (kBigEndian)
         swap_elements(p, static_cast<std::size_t>(e->nbytes), e->dtype.itemsize());
+      // A BOOL byte is 0 or 1 (the format's and every reader's bool); another is no value.
+      if (e->dtype == kBool)
+        for (std::uint64_t i = 0; i < e->nbytes; ++i)
+          if (p[i] > 1)
+            throw ValueError(fmt::format(
+                "safetensors file '{}': BOOL tensor {} holds the byte {} at flat position {} (a "
+                "BOOL byte is 0 or 1)",
+                path, quote_name(e->name), static_cast<int>(p[i]), i));
     }
     file.tensors.emplace_back(e->name, std::move(t));
   }

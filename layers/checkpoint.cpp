@@ -219,20 +219,6 @@ T parse_count(const SafetensorsFile& file, const std::string& key, const std::st
   return value;
 }
 
-// Every BOOL tensor of the file holds bytes 0 and 1 only (another byte is no bool value).
-void check_bools(const SafetensorsFile& file, const std::string& path) {
-  for (const auto& [name, t] : file.tensors) {
-    if (t.dtype() != kBool) continue;
-    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
-    for (std::int64_t i = 0; i < t.numel(); ++i)
-      if (bytes[i] > 1)
-        throw ValueError(fmt::format(
-            "checkpoint '{}': BOOL tensor '{}' holds the byte {} at flat position {} (a BOOL "
-            "byte is 0 or 1)",
-            path, name, static_cast<int>(bytes[i]), i));
-  }
-}
-
 // What a checkpoint holds the state of: a DistributedOptimizer only carries gradients
 // between ranks and a GradientAccumulationOptimizer adds them up between steps, so their
 // file is the wrapped optimizer's (read back with or without them).
@@ -266,8 +252,7 @@ void save_weights(const layers::Layer& model, const std::string& path,
 }
 
 void load_weights(layers::Layer& model, const std::string& path, const WeightLoadOptions& options) {
-  const SafetensorsFile file = load_safetensors(path);
-  check_bools(file, path);
+  const SafetensorsFile file = load_safetensors(path);  // refuses a BOOL byte above 1
   auto format = file.metadata.find("format");
   const bool checkpoint = format != file.metadata.end() && format->second == kCheckpointFormat;
   assign(check_weights(model, file, checkpoint ? kModelPrefix : std::string_view(), path, options));
@@ -324,8 +309,7 @@ void save_checkpoint(const std::string& path, const layers::Layer& model,
 TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model,
                                    optim::Optimizer& given, const WeightLoadOptions& options) {
   optim::Optimizer& optimizer = saved_optimizer(given);
-  const SafetensorsFile file = load_safetensors(path);
-  check_bools(file, path);
+  const SafetensorsFile file = load_safetensors(path);  // refuses a BOOL byte above 1
 
   // The metadata: format, optimizer kind, numbers.
   auto format = file.metadata.find("format");

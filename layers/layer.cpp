@@ -176,9 +176,7 @@ struct Tracking {
       f.collected->push_back(layer);
   }
   static bool tracks(const Layer& owner, const Layer* layer) {
-    for (const auto& l : owner.sublayers_)
-      if (l.get() == layer) return true;
-    return false;
+    return owner.sublayer_set_.count(layer) > 0;
   }
 
   // The weights of `layer` and its sublayers with their paths, `prefix` being the path of
@@ -510,6 +508,9 @@ void Layer::build_and_check(const std::vector<Shape>& shapes, const std::vector<
   } catch (...) {
     weights_.clear();
     built_shapes_.clear();
+    for (auto it = sublayers_.begin() + static_cast<std::ptrdiff_t>(sublayers_before);
+         it != sublayers_.end(); ++it)
+      sublayer_set_.erase(it->get());
     sublayers_.erase(sublayers_.begin() + static_cast<std::ptrdiff_t>(sublayers_before),
                      sublayers_.end());
     throw;
@@ -622,8 +623,7 @@ void Layer::track(std::shared_ptr<Layer> layer) {
   if (!layer) throw ValueError(fmt::format("layer '{}': cannot track an empty layer", name()));
   if (layer.get() == this)
     throw ValueError(fmt::format("layer '{}' ({}): cannot track itself", name(), class_name()));
-  for (const auto& l : sublayers_)
-    if (l == layer) return;
+  if (sublayer_set_.count(layer.get())) return;
   // A layer that already holds this one (directly or further down) would make a cycle, and
   // weights() would never end.
   std::vector<const Layer*> pending{layer.get()};
@@ -647,6 +647,7 @@ void Layer::track(std::shared_ptr<Layer> layer) {
     }
     layer->owner_ = this;
   }
+  sublayer_set_.insert(layer.get());
   sublayers_.push_back(std::move(layer));
 }
 

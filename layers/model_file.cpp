@@ -24,6 +24,8 @@ using nlohmann::json;
 
 // The format of Model::save files (in __metadata__ "model_format").
 constexpr const char* kModelFormat = "mixtape-model-1";
+// The deepest nesting of JSON values an architecture may have (docs/checkpoints.md).
+constexpr int kMaxArchitectureDepth = 256;
 
 json to_json(const Config& c) {
   json j = json::object();
@@ -79,6 +81,34 @@ json layer_to_json(const layers::Layer& l) {
   j["class_name"] = l.class_name();
   j["config"] = to_json(l.get_config());
   return j;
+}
+
+// Bounded nesting: a file is untrusted input, and making the model (and printing names)
+// recurses as deep as the JSON does. One pass over the text, before it is parsed (a parse
+// callback would cost nlohmann's parser a pass over each array per element).
+void check_depth(const std::string& text) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxArchitectureDepth)
+        throw ValueError(fmt::format(
+            "model_from_json: the architecture nests deeper than {} levels (a model file holds "
+            "models nested a few levels deep at most)",
+            kMaxArchitectureDepth));
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
 }
 
 std::string text_of(const json& j) { return j.is_string() ? j.get<std::string>() : j.dump(); }
@@ -290,6 +320,7 @@ std::string Model::to_json() const {
 std::shared_ptr<Model> model_from_json(const std::string& text) {
   json j;
   try {
+    check_depth(text);
     j = json::parse(text);
   } catch (const json::exception& e) {
     throw ValueError(fmt::format("model_from_json: malformed JSON: {}", e.what()));
@@ -360,7 +391,7 @@ std::shared_ptr<Model> load_model(const std::string& path, const WeightLoadOptio
       }
     }
   } catch (const Error& e) {
-    throw ValueError(fmt::format("load_model '{}': {}", path, e.what()));
+    e.rethrow_with_prefix(fmt::format("load_model '{}': ", path));  // keeps the error's type
   }
   if (model->compiled())
     load_checkpoint(path, *model, *model->optimizer(), options);

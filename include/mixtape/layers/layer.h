@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -298,6 +299,7 @@ class Layer : public std::enable_shared_from_this<Layer> {
   bool device_set_ = false;
   std::vector<Weight> weights_;
   std::vector<std::shared_ptr<Layer>> sublayers_;
+  std::unordered_set<const Layer*> sublayer_set_;  // the same, for lookups in O(1)
   std::optional<InputSpec> input_spec_;
   std::vector<Shape> built_shapes_;  // the input shapes at build
   std::optional<Shape> output_shape_;

@@ -21,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -368,6 +369,8 @@ class Model : public layers::Layer {
   // The layers of a model are named in its graph: a model adds nothing to their paths.
   bool scopes_sublayers() const override { return false; }
   void add_layer(std::shared_ptr<layers::Layer> layer);
+  // Whether `layer` is one of layers_.
+  bool has_layer(const layers::Layer& layer) const;
   // x, given as input `index`, cast to the dtype of that Input (integer_input_dtype() for
   // the first) when it is an integer or boolean tensor.
   Tensor conform_input(const Tensor& x, std::size_t index = 0) const;
@@ -377,6 +380,7 @@ class Model : public layers::Layer {
   std::vector<std::shared_ptr<layers::Layer>> layers_;
 
  private:
+  std::unordered_map<std::string, const layers::Layer*> layer_by_name_;  // the layers_, by name
   // The functional graph. nodes_ in execution order (the inputs' first, in the order given);
   // for node i, node_inputs_[i] holds (node, output) of each of its inputs; uses_[i][k] how
   // many inputs read output k of node i (a value is dropped after its last reader), outputs
