@@ -450,6 +450,18 @@ class Fetcher {
       if (env && *env) {
         dir = env;
         label = "data dir ($MIXTAPE_DATA_DIR)";
+        // Set, it must be usable: a typo would otherwise train on whatever the cache or a
+        // download holds without a word.
+        std::error_code ec;
+        const fs::file_status st = fs::status(dir, ec);
+        if (st.type() != fs::file_type::directory)
+          throw IOError(fmt::format(
+              "{}: $MIXTAPE_DATA_DIR is '{}', which {}; point it at the directory of the IDX "
+              "files, or unset it to use the cache or a download",
+              spec_.title, dir,
+              st.type() == fs::file_type::not_found ? "does not exist"
+              : ec ? fmt::format("cannot be read ({})", ec.message())
+                   : "is not a directory"));
       }
     }
     if (dir.empty()) {

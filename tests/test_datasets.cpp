@@ -794,6 +794,29 @@ TEST_CASE("mnist: the data dir from the environment and the dataset subdirectory
   CHECK(md::default_cache_dir() == dir / "cache");
 }
 
+TEST_CASE("mnist: a MIXTAPE_DATA_DIR that is set but unusable is an error, not a fallback",
+          "[datasets][mnist]") {
+  TempDir dir;
+  // The files are in the cache: a silent fallback would load them.
+  write_tiny(dir / "cache" / "mnist", 4, 2, 3);
+  EnvScope cache("MIXTAPE_CACHE_DIR", (dir / "cache").string());
+  const md::LoadOptions opt{.download = false};
+  {
+    EnvScope data("MIXTAPE_DATA_DIR", (dir / "typo").string());
+    CHECK_THAT(
+        message_of([&] { md::mnist::load(opt); }),
+        Contains("$MIXTAPE_DATA_DIR is '" + (dir / "typo").string() + "', which does not exist"));
+  }
+  {
+    std::ofstream(dir / "a-file") << "not a directory";
+    EnvScope data("MIXTAPE_DATA_DIR", (dir / "a-file").string());
+    CHECK_THAT(message_of([&] { md::mnist::load(opt); }), Contains("which is not a directory"));
+  }
+  // Unset, the cache serves.
+  EnvScope data("MIXTAPE_DATA_DIR", std::nullopt);
+  CHECK(md::mnist::load(opt).train.x.dim(0) == 4);
+}
+
 TEST_CASE("mnist: the default cache dir follows the environment", "[datasets][mnist]") {
   EnvScope cache("MIXTAPE_CACHE_DIR", std::nullopt);
   {

@@ -19,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -27,17 +28,23 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
 #include <string>
+#include <system_error>
 #include <vector>
+
+#include "common/cli.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
 namespace fs = std::filesystem;
 
 namespace {
+
+using apps::real;
 
 constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
 constexpr const char* kDefaultCorpusPackage = "fortunes";
@@ -68,9 +75,39 @@ struct Options {
   std::string save, resume;
 };
 
+// The step a checkpoint was saved at: a whole number >= 0 (a file is untrusted input).
+std::int64_t step_of(const std::string& path, const std::map<std::string, std::string>& meta) {
+  const auto it = meta.find("step");
+  if (it == meta.end())
+    throw mt::ValueError(fmt::format("'{}' was not written by mixtape-charlm (no 'step')", path));
+  std::int64_t step = -1;
+  const std::string& text = it->second;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), step);
+  if (ec != std::errc() || end != text.data() + text.size() || text.empty() || step < 0)
+    throw mt::ValueError(fmt::format(
+        "'{}': its 'step' is \"{}\", not a whole number >= 0 (a damaged or edited file?)", path,
+        text));
+  return step;
+}
+
 // --- The text ---------------------------------------------------------------------------------
 
 std::string read_file(const fs::path& path) {
+  // What is not a regular file is refused before it is opened: a FIFO would wait for a
+  // writer, /dev/zero never ends, a directory has no text.
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec) throw mt::IOError(fmt::format("cannot open '{}': {}", path.string(), ec.message()));
+  if (st.type() != fs::file_type::regular) {
+    const fs::file_type t = st.type();
+    throw mt::IOError(fmt::format("cannot read '{}': it is {}, not a regular file", path.string(),
+                                  t == fs::file_type::directory   ? "a directory"
+                                  : t == fs::file_type::fifo      ? "a FIFO (named pipe)"
+                                  : t == fs::file_type::character ? "a character device"
+                                  : t == fs::file_type::block     ? "a block device"
+                                  : t == fs::file_type::socket    ? "a socket"
+                                                                  : "something else"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw mt::IOError(fmt::format("cannot open '{}'", path.string()));
   std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -123,24 +160,46 @@ std::vector<Source> default_corpus() {
   return sources;
 }
 
+// The length of the UTF-8 character at s[i], or 0 when the bytes there are not one: a full
+// decoder (RFC 3629), refusing overlong forms (c0 af), surrogates (ed a0 80), code points
+// above U+10FFFF (f4 90 80 80, f5 ...) and stray continuation bytes.
+std::size_t utf8_length(const std::string& s, std::size_t i) {
+  const auto byte = [&](std::size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  const unsigned char c = byte(0);
+  if (c < 0x80) return 1;
+  std::size_t len = 0;
+  char32_t cp = 0, min = 0;
+  if ((c & 0xE0) == 0xC0) {
+    len = 2, cp = c & 0x1F, min = 0x80;
+  } else if ((c & 0xF0) == 0xE0) {
+    len = 3, cp = c & 0x0F, min = 0x800;
+  } else if ((c & 0xF8) == 0xF0) {
+    len = 4, cp = c & 0x07, min = 0x10000;
+  } else {
+    return 0;
+  }
+  if (i + len > s.size()) return 0;
+  for (std::size_t k = 1; k < len; ++k) {
+    if ((byte(k) & 0xC0) != 0x80) return 0;
+    cp = (cp << 6) | (byte(k) & 0x3F);
+  }
+  if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+  return len;
+}
+
 // Refuses what is not text: NUL bytes, or bytes that are not UTF-8.
 void check_text(const std::string& s, const std::string& what) {
   if (s.empty()) throw mt::ValueError(fmt::format("{} is empty", what));
   for (std::size_t i = 0; i < s.size();) {
     const auto c = static_cast<unsigned char>(s[i]);
-    std::size_t len = c < 0x80           ? 1
-                      : (c >> 5) == 0x6  ? 2
-                      : (c >> 4) == 0xE  ? 3
-                      : (c >> 3) == 0x1E ? 4
-                                         : 0;
-    bool ok = c != 0 && len > 0 && i + len <= s.size();
-    for (std::size_t j = 1; ok && j < len; ++j)
-      ok = (static_cast<unsigned char>(s[i + j]) & 0xC0) == 0x80;
-    if (!ok)
-      throw mt::ValueError(
-          fmt::format("{} is not a text file (UTF-8 or ASCII): byte {} (0x{:02x}) at offset {} {}",
-                      what, static_cast<int>(c), static_cast<int>(c), i,
-                      c == 0 ? "is NUL" : "does not start or continue a UTF-8 character"));
+    const std::size_t len = c == 0 ? 0 : utf8_length(s, i);
+    if (len == 0)
+      throw mt::ValueError(fmt::format(
+          "{} is not a text file (UTF-8 or ASCII): byte {} (0x{:02x}) at offset {} {}", what,
+          static_cast<int>(c), static_cast<int>(c), i,
+          c == 0 ? "is NUL"
+                 : "does not start a valid UTF-8 character (an invalid lead or continuation "
+                   "byte, an overlong form, a surrogate or a code point above U+10FFFF)"));
     i += len;
   }
 }
@@ -400,7 +459,7 @@ int run(const Options& o) {
     want("context", std::to_string(o.context));
     want("vocabulary", vocab_hex(corpus.vocab));
     want("policy", o.policy);
-    first_step = std::stoll(meta.at("step"));
+    first_step = step_of(o.resume, meta);
     if (root) fmt::print("resumed from {} at step {}\n", o.resume, first_step);
   }
   // The optimizer chain: under mpirun compile() put it in a DistributedOptimizer (gradients
@@ -518,17 +577,17 @@ void add_options(CLI::App& app, Options& o) {
         }
         return {};
       });
-  app.add_option("--lr", o.learning_rate, "peak learning rate")->check(CLI::Range(0.0, 10.0));
+  app.add_option("--lr", o.learning_rate, "peak learning rate")->transform(real(0.0, 10.0));
   app.add_option("--warmup", o.warmup, "linear warm-up steps")->check(CLI::Range(0, 100000000));
   app.add_option("--min-lr-ratio", o.min_lr_ratio, "the cosine's final learning rate / peak")
-      ->check(CLI::Range(0.0, 1.0));
+      ->transform(real(0.0, 1.0));
   app.add_option("--weight-decay", o.weight_decay, "AdamW's decoupled weight decay")
-      ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--beta2", o.beta_2, "AdamW's beta_2")->check(CLI::Range(0.0, 0.999999));
+      ->transform(real(0.0, 1.0));
+  app.add_option("--beta2", o.beta_2, "AdamW's beta_2")->transform(real(0.0, 0.999999));
   app.add_option("--clip", o.clip, "clip the gradients to this global norm (0: no clipping)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->transform(real(0.0, 1e6));
   app.add_option("--dropout", o.dropout, "dropout on the attention weights")
-      ->check(CLI::Range(0.0, 0.99));
+      ->transform(real(0.0, 0.99));
   app.add_option("--seed", o.seed, "initial weights, data order and sampling");
   app.add_option("--eval-every", o.eval_every, "steps between validation estimates (0: none)")
       ->check(CLI::Range(0, 100000000));
@@ -539,7 +598,7 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--sample", o.sample_chars, "bytes of text to generate at the end")
       ->check(CLI::Range(0, 1000000));
   app.add_option("--temperature", o.temperature, "sampling temperature")
-      ->check(CLI::Range(0.01, 100.0));
+      ->transform(real(0.01, 100.0));
   app.add_option("--top-k", o.top_k, "sample among the k most likely (0: all)")
       ->check(CLI::Range(0, 1000000));
   app.add_option("--save", o.save, "write the model and optimizer state here at the end");
