@@ -146,8 +146,38 @@ bool reducible(DType dtype, ReduceOp op) {
 
 // The shape and dtype of `t` must be the same on every rank: one small all-reduce of their
 // values and their negations (MAX of both gives the largest and the smallest).
+// A number for the name of a collective, the same in every process (FNV-1a, not std::hash).
+std::int64_t call_id(const char* who) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (const char* p = who; *p; ++p) h = (h ^ static_cast<unsigned char>(*p)) * 1099511628211ULL;
+  return static_cast<std::int64_t>(h >> 1);
+}
+
+// Before the data of a host collective moves, the ranks compare which collective they are
+// in and how many values they pass (one exchange of four numbers): ranks that disagree
+// (another step count, batch size or model) throw together instead of pairing different
+// calls and writing past a buffer.
+void check_same_call(const char* who, std::size_t count, const char* unit) {
+  std::int64_t v[4] = {call_id(who), static_cast<std::int64_t>(count), 0, 0};
+  v[2] = -v[0];
+  v[3] = -v[1];
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, v, 4, MPI_INT64_T, MPI_MAX, state().comm), who);
+  if (v[0] != -v[2])
+    throw DistributedError(fmt::format(
+        "distributed::{}: the ranks are not in the same collective call (rank {} is here with {} "
+        "{}; another rank is in another call): every rank must take the same steps (the same "
+        "data size, batch size and model on every rank)",
+        who, state().rank, count, unit));
+  if (v[1] != -v[3])
+    throw DistributedError(fmt::format(
+        "distributed::{}: the ranks pass different numbers of {} (rank {} passes {}; the ranks "
+        "pass from {} to {}): every rank must pass the same layout (the same model and options)",
+        who, unit, state().rank, count, -v[3], v[1]));
+}
+
 void check_same_layout(const char* who, const Tensor& t) {
   std::vector<std::int64_t> v;
+  v.push_back(call_id(who));
   v.push_back(static_cast<std::int64_t>(t.rank()));
   v.push_back(static_cast<std::int64_t>(t.dtype().code()));
   v.push_back(t.numel());
@@ -158,7 +188,12 @@ void check_same_layout(const char* who, const Tensor& t) {
                           MPI_MAX, state().comm),
             who);
   const std::size_t n = v.size();
-  for (std::size_t i = 0; i < n; ++i)
+  if (both[0] != -both[n])
+    throw DistributedError(fmt::format(
+        "distributed::{}: the ranks are not in the same collective call (rank {} is here with "
+        "{}{}; another rank is in another call): every rank must take the same steps",
+        who, state().rank, t.dtype().name(), t.shape().str()));
+  for (std::size_t i = 1; i < n; ++i)
     if (both[i] != -both[n + i])
       throw DistributedError(fmt::format(
           "distributed::{}: the ranks passed tensors of different shapes or dtypes (rank {} has "
@@ -382,7 +417,9 @@ double all_reduce_value(double value, ReduceOp op) {
 }
 
 std::vector<double> all_reduce_values(std::vector<double> values, ReduceOp op) {
-  if (world_size() == 1 || values.empty()) return values;
+  if (world_size() == 1) return values;
+  check_same_call("all_reduce_values", values.size(), "values");
+  if (values.empty()) return values;
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE,
                           mpi_op(op), state().comm),
             "all_reduce_values");
@@ -426,7 +463,10 @@ void sum_host_buffer(void* data, std::size_t count, DType dtype) {
   if (dtype != kFloat32 && dtype != kFloat64)
     throw DTypeError(fmt::format(
         "distributed::sum_host_buffer: sums float32 or float64 buffers; got {}", dtype.name()));
-  if (world_size() > 1 && count > 0)
+  if (world_size() == 1) return;
+  check_same_call("all_reduce (bucket)", count,
+                  dtype == kFloat32 ? "float32 values" : "float64 values");
+  if (count > 0)
     allreduce_in_pieces(data, count, reduce_type(dtype), dtype.itemsize(), MPI_SUM,
                         "all_reduce (bucket)");
 }

@@ -234,6 +234,46 @@ TEST_CASE("distributed: compute_gradients steps like one process, in either nest
   }
 }
 
+TEST_CASE("distributed: ranks that disagree throw together instead of corrupting memory",
+          "[distributed]") {
+  if (world() == 1) return;  // needs ranks that can disagree
+  // Host values of different counts.
+  std::vector<double> values(me() == 0 ? 3 : 5, 1.0);
+  CHECK_THROWS_WITH(md::all_reduce_values(values),
+                    Catch::Contains("all_reduce_values: the ranks pass different numbers of "
+                                    "values") &&
+                        Catch::Contains("from 3 to 5"));
+  // Different calls at the same time (one rank's epoch ended, the other's did not).
+  std::vector<float> bucket(16, 1.0f);
+  const auto mismatched = [&] {
+    if (me() == 0)
+      md::all_reduce_values({1.0, 2.0, 3.0});
+    else
+      md::sum_host_buffer(bucket.data(), bucket.size(), mt::kFloat32);
+  };
+  CHECK_THROWS_WITH(mismatched(), Catch::Contains("the ranks are not in the same collective call"));
+  // Different models through a DistributedOptimizer: its buckets differ. (Every rank makes
+  // the same default-named layers, so that the default names of later tests agree.)
+  std::unique_ptr<mt::Model> model = small_model(3, mt::kFloat32);
+  if (me() != 0) {
+    auto other = std::make_unique<mt::Sequential>(
+        std::vector<ml::LayerPtr<ml::Layer>>{ml::Dense(4, {.name = "other"})},
+        mt::ModelOptions{.name = "other_model"});
+    (*other)(mt::zeros({1, 5}));
+    model = std::move(other);
+  }
+  mo::DistributedOptimizer dist(mo::SGD({.learning_rate = 0.1}));
+  const auto vars = model->trainable_variables();
+  const auto before = vars.front().to_vector<float>();
+  mt::GradientTape tape;
+  const mt::Tensor loss = mt::mean(mt::square((*model)(mt::ones({2, 5}))));
+  CHECK_THROWS_WITH(dist.apply_gradients(dist.compute_gradients(tape, loss, vars), vars),
+                    Catch::Contains("the ranks pass different numbers of float32 values"));
+  CHECK(vars.front().to_vector<float>() == before);  // nothing changed
+  // The ranks still talk: a collective that agrees works afterwards.
+  CHECK(md::all_reduce_value(1.0) == world());
+}
+
 TEST_CASE("distributed: an overflow on one rank makes every rank skip and halve its scale",
           "[distributed]") {
   auto model = small_model(5, mt::kFloat32);
