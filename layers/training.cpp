@@ -1,5 +1,6 @@
 // Model training: compile, train_step, fit (with its progress output), evaluate, predict,
 // and the EarlyStopping callback.
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -133,6 +134,33 @@ std::vector<std::string> Model::output_names() const {
   return out;
 }
 
+namespace {
+std::vector<std::string> loss_names(const std::vector<losses::Loss>& ls) {
+  std::vector<std::string> out;
+  for (const auto& l : ls)
+    out.push_back(l.options()
+                      ? fmt::format("{}(from_logits={})", l.name(), l.options()->from_logits)
+                      : l.name());
+  return out;
+}
+
+// The optimizer chain and its options, for the ranks to compare.
+std::string describe(const optim::Optimizer& o) {
+  if (const optim::Optimizer* inner = o.pass_through())
+    return fmt::format("{}({})", o.name(), describe(*inner));
+  if (const optim::LossScaleOptimizer* lso = o.loss_scale_optimizer(); lso == &o)
+    return fmt::format("{}({}, {})", o.name(), lso->loss_scale_config().str(),
+                       describe(lso->inner_optimizer()));
+  try {
+    std::string config;
+    for (const auto& [k, v] : o.get_config()) config += fmt::format(" {}={}", k, v);
+    return fmt::format("{}({})", o.name(), config);
+  } catch (const ValueError&) {  // a schedule: its name
+    return fmt::format("{}(learning rate {})", o.name(), o.learning_rate().name());
+  }
+}
+}  // namespace
+
 void Model::compile(CompileOptions options) {
   if (!options.loss)
     throw ValueError(fmt::format("model '{}': compile needs a loss (.loss = ...)", name()));
@@ -207,6 +235,15 @@ void Model::compile(CompileOptions options) {
   if (options.gradient_accumulation_steps > 1)  // outermost: it sees every micro-batch
     opt = std::make_shared<optim::GradientAccumulationOptimizer>(
         opt, options.gradient_accumulation_steps);
+  if (distributed_options)  // several ranks: they agree on all of it, and on rank 0's weights
+    optim::DistributedOptimizer::synchronize(
+        fmt::format("model '{}': compile: the ranks compile differently (every rank must give "
+                    "the same model, policy, losses and optimizer)",
+                    name()),
+        fmt::format("{}; policy {}; losses {}; loss weights {}; optimizer {}", weight_layout(),
+                    dtype_policy().name(), fmt::join(loss_names(ls), ", "),
+                    fmt::join(weights, ", "), describe(*opt)),
+        this->weights());
   losses_ = std::move(ls);
   loss_weights_ = std::move(weights);
   optimizer_ = std::move(opt);
@@ -378,6 +415,13 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
   return out;
 }
 
+std::string Model::weight_layout() const {
+  const std::vector<Variable> ws = weights();
+  std::string layout = fmt::format("{} weights:", ws.size());
+  for (const Variable& w : ws) layout += fmt::format(" {}{}", w.dtype().name(), w.shape());
+  return layout;
+}
+
 // --- fit --------------------------------------------------------------------------------------
 
 std::optional<std::int64_t> Model::class_count(std::size_t output) const {
@@ -497,20 +541,10 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
           "{}: {} ranks, but the model was compiled before distributed::init() (its optimizer "
           "does not average gradients across ranks); compile after init()",
           who, world));
-    std::string layout = fmt::format("{} weights:", weights().size());
-    for (const Variable& w : weights()) layout += fmt::format(" {}{}", w.dtype().name(), w.shape());
-    distributed::check_same_on_all_ranks(
+    optim::DistributedOptimizer::synchronize(
         fmt::format("{}: the ranks hold different models (every rank must build the same one)",
                     who),
-        layout);
-    for (const Variable& w : weights()) {
-      Tensor t = w;
-      distributed::broadcast(t, 0);
-    }
-    Tensor seed =
-        from_vector(std::vector<std::int64_t>{static_cast<std::int64_t>(base_seed)}, Shape{1});
-    distributed::broadcast(seed, 0);
-    base_seed = static_cast<std::uint64_t>(seed.item<std::int64_t>());
+        weight_layout(), weights(), &base_seed);
     if (distributed::rank() != 0) o.verbose = 0;
   }
   const std::int64_t steps = (n_train + o.batch_size - 1) / o.batch_size;

@@ -68,6 +68,22 @@ DistributedOptimizer::DistributedOptimizer(const DistributedOptimizer& other)
       options_(other.options_),
       weight_(other.weight_) {}
 
+void DistributedOptimizer::synchronize(const std::string& who, const std::string& description,
+                                       const std::vector<Variable>& variables,
+                                       std::uint64_t* seed) {
+  if (distributed::world_size() == 1) return;
+  distributed::check_same_on_all_ranks(who, description);
+  for (const Variable& v : variables) {
+    Tensor t = v;
+    distributed::broadcast(t, 0);
+  }
+  if (seed) {
+    Tensor s = from_vector(std::vector<std::int64_t>{static_cast<std::int64_t>(*seed)}, Shape{1});
+    distributed::broadcast(s, 0);
+    *seed = static_cast<std::uint64_t>(s.item<std::int64_t>());
+  }
+}
+
 void DistributedOptimizer::set_gradient_weight(double weight) {
   if (!(weight >= 0.0) || !std::isfinite(weight))
     throw ValueError(fmt::format(

@@ -318,7 +318,10 @@ std::shared_ptr<mt::Model> make_model(const Options& o, std::int64_t vocab) {
 mt::optim::LearningRate schedule(const Options& o) {
   const double lr = o.learning_rate, floor = o.learning_rate * o.min_lr_ratio;
   const std::int64_t warmup = o.warmup, steps = o.steps;
-  return mt::optim::LearningRate("warmup_cosine", [=](std::int64_t step) {
+  // The name holds the numbers: the ranks of a data-parallel run compare it (compile).
+  const std::string name = fmt::format("warmup_cosine(peak {}, warmup {}, steps {}, floor {})", lr,
+                                       warmup, steps, floor);
+  return mt::optim::LearningRate(name, [=](std::int64_t step) {
     if (step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
     const double span = static_cast<double>(std::max<std::int64_t>(steps - warmup, 1));
     const double t = std::min(1.0, static_cast<double>(step - warmup) / span);
@@ -393,11 +396,21 @@ std::string sample(mt::Model& model, const Corpus& c, const std::vector<std::int
 
 // --- Training ---------------------------------------------------------------------------------
 
+// Rank 0's seed on every rank (weights and the windows drawn): ranks started with different
+// --seed still train one model on one data order.
+std::uint64_t rank0_seed(std::uint64_t seed) {
+  if (mt::distributed::world_size() == 1) return seed;
+  mt::Tensor t = mt::from_vector(std::vector<std::int64_t>{static_cast<std::int64_t>(seed)}, {1});
+  mt::distributed::broadcast(t, 0);
+  return static_cast<std::uint64_t>(t.item<std::int64_t>());
+}
+
 int run(const Options& o) {
   // Data-parallel under mpirun: every rank draws the same windows and trains on its share
   // of each batch; rank 0 alone prints and writes.
   mt::distributed::init();
   const bool root = mt::distributed::is_root();
+  const std::uint64_t seed = rank0_seed(o.seed);
   const int world = mt::distributed::world_size();
   if (o.batch < world)
     throw mt::ValueError(fmt::format(
@@ -417,7 +430,7 @@ int run(const Options& o) {
                corpus.train.size(), corpus.val.size(), vocab);
 
   mt::set_global_policy(o.policy);
-  mt::manual_seed(o.seed);
+  mt::manual_seed(seed);
   std::shared_ptr<mt::Model> model;
   std::int64_t first_step = 0;
   if (!o.resume.empty()) {
@@ -473,7 +486,7 @@ int run(const Options& o) {
 
   const auto loss_object = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
   const auto vars = model->trainable_variables();
-  SplitMix64 rng{o.seed};
+  SplitMix64 rng{seed};
   // Draws of the steps already done (resume): the data order continues where it stopped.
   const auto span =
       static_cast<std::uint64_t>(corpus.train.size()) - static_cast<std::uint64_t>(o.context);
@@ -546,7 +559,7 @@ int run(const Options& o) {
   if (o.sample_chars > 0)
     fmt::print("sample (temperature {}, top-k {}):\n{}\n", o.temperature, o.top_k,
                sample(*model, corpus, corpus.val, o.context, o.sample_chars, o.temperature, o.top_k,
-                      o.seed));
+                      seed));
   if (!o.save.empty()) {
     model->save(o.save, {.metadata = {{"layers", std::to_string(o.layers)},
                                       {"heads", std::to_string(o.heads)},

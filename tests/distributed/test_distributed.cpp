@@ -274,6 +274,35 @@ TEST_CASE("distributed: ranks that disagree throw together instead of corrupting
   CHECK(md::all_reduce_value(1.0) == world());
 }
 
+TEST_CASE("distributed: compile makes the ranks agree: rank 0's weights, the same options",
+          "[distributed]") {
+  // Different seeds: rank 0's initial weights win.
+  auto model = small_model(100 + static_cast<std::uint64_t>(me()), mt::kFloat32);
+  model->compile(
+      {.loss = mt::losses::MeanSquaredError(), .optimizer = mo::Adam({.learning_rate = 1e-3})});
+  for (const auto& w : model->weights()) CHECK(same_on_all_ranks(mt::sum(w).item<double>()));
+  if (world() == 1) return;
+  // A learning rate, a policy that differ: every rank throws, naming compile.
+  auto other = small_model(7, mt::kFloat32);
+  const auto before = other->weights().front().to_vector<float>();
+  CHECK_THROWS_WITH(
+      other->compile({.loss = mt::losses::MeanSquaredError(),
+                      .optimizer = mo::Adam({.learning_rate = me() == 0 ? 1e-3 : 2e-3})}),
+      Catch::Contains("compile: the ranks compile differently") &&
+          Catch::Contains("rank 1 differs from rank 0"));
+  CHECK_FALSE(other->compiled());
+  CHECK(other->weights().front().to_vector<float>() == before);
+  {
+    mt::PolicyScope policy(me() == 0 ? "float32" : "mixed_float16");
+    mt::Sequential m({ml::Dense(3)});
+    m(mt::zeros({1, 5}));
+    CHECK_THROWS_WITH(m.compile({.loss = mt::losses::MeanSquaredError(), .optimizer = "sgd"}),
+                      Catch::Contains("the ranks compile differently") &&
+                          Catch::Contains("policy float32") &&
+                          Catch::Contains("policy mixed_float16"));
+  }
+}
+
 TEST_CASE("distributed: an overflow on one rank makes every rank skip and halve its scale",
           "[distributed]") {
   auto model = small_model(5, mt::kFloat32);
@@ -374,17 +403,20 @@ TEST_CASE("distributed: fit on N ranks trains like one process; rank 0 writes th
   if (world() > 1) {
     // A global batch smaller than the world cannot be shared.
     CHECK_THROWS_AS(model->fit(x, y, {.batch_size = world() - 1, .verbose = 0}), mt::ValueError);
-    // Ranks holding different models are caught before the first step.
+    // Ranks holding different models are caught before the first step: by compile, which
+    // compares them (and fit again, for a model compiled before the ranks differed).
     auto other = me() == 0 ? small_model(3, mt::kFloat64)
                            : std::unique_ptr<mt::Model>(std::make_unique<mt::Sequential>(
                                  std::vector<ml::LayerPtr<ml::Layer>>{ml::Dense(3)}));
     (*other)(mt::zeros({1, 5}, mt::kFloat64));
-    other->compile({.loss = "mse", .optimizer = "adam"});
     try {
+      other->compile({.loss = "mse", .optimizer = "adam"});
       other->fit(x, y, {.batch_size = 6, .verbose = 0});
       FAIL("no error");
     } catch (const mt::DistributedError& e) {
-      CHECK_THAT(e.what(), Catch::Contains("the ranks hold different models"));
+      CHECK_THAT(e.what(), Catch::Contains("the ranks compile differently") &&
+                               Catch::Contains("rank 0 has 6 weights") &&
+                               Catch::Contains("rank 1 has 2 weights"));
     }
   }
 }

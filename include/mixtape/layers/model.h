@@ -412,6 +412,8 @@ class Model : public layers::Layer {
   Tensor batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
                     std::vector<Tensor>* per_output);
   std::vector<std::string> metric_keys() const;
+  // "3 weights: float32[4, 8] ...": what the ranks of a data-parallel job compare.
+  std::string weight_layout() const;
   // The number of classes of output `output` (its last extent), when the model knows it.
   std::optional<std::int64_t> class_count(std::size_t output) const;
   // IndexError naming the sample when a label of a sparse categorical loss is outside its

@@ -88,6 +88,13 @@ class DistributedOptimizer : public Optimizer {
 
   // This rank's weight in the next reduction (default 1 / world_size()); reset after it.
   void set_gradient_weight(double weight);
+  // Makes the ranks agree before training: every rank must hold the same `description` (what
+  // must agree: the model's layout, the policy, the optimizer and its options, ...), or every
+  // rank throws DistributedError naming `who` and the first rank that differs from rank 0;
+  // then rank 0's `variables` and `seed` (when given) go to every rank: rank 0's initial
+  // weights and seed win. Called by compile() and fit(); a custom loop may call it once.
+  static void synchronize(const std::string& who, const std::string& description,
+                          const std::vector<Variable>& variables, std::uint64_t* seed = nullptr);
 
   Optimizer& inner_optimizer() { return *inner_; }
   const Optimizer& inner_optimizer() const { return *inner_; }
