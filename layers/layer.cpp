@@ -599,9 +599,40 @@ void Layer::check_input(const Shape& x, DType dtype) const {
   }
 }
 
+namespace detail {
+
+namespace {
+thread_local WeightBudget* t_budget = nullptr;
+}  // namespace
+
+WeightBudget::WeightBudget(std::uint64_t bytes, std::string source)
+    : left_(bytes), source_(std::move(source)), outer_(t_budget) {
+  t_budget = this;
+}
+
+WeightBudget::~WeightBudget() { t_budget = outer_; }
+
+void WeightBudget::take(const Shape& shape, DType dtype, const std::string& what) {
+  WeightBudget* b = t_budget;
+  if (!b) return;
+  // The bytes, saturating (a declared extent of 2^62 must not wrap around).
+  long double bytes = static_cast<long double>(dtype.itemsize());
+  for (const auto d : shape) bytes *= static_cast<long double>(std::max<std::int64_t>(d, 0));
+  if (bytes > static_cast<long double>(b->left_))
+    throw ValueError(fmt::format(
+        "{} {}{} would take {:.0f} bytes, more than the weights of {} hold ({} bytes left): the "
+        "architecture does not fit the weights (a damaged or edited file?); nothing was "
+        "allocated",
+        what, dtype, shape, static_cast<double>(bytes), b->source_, b->left_));
+  b->left_ -= static_cast<std::uint64_t>(bytes);
+}
+
+}  // namespace detail
+
 Variable Layer::add_weight(const std::string& name, const Shape& shape,
                            const init::Initializer& init, WeightOptions options) {
   const DType dtype = options.dtype ? *options.dtype : variable_dtype();
+  detail::WeightBudget::take(shape, dtype, fmt::format("add_weight '{}':", name));
   Tensor value;
   try {
     value = init(shape, dtype, device_);

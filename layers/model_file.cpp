@@ -379,6 +379,12 @@ std::shared_ptr<Model> load_model(const std::string& path, const WeightLoadOptio
         path));
   std::shared_ptr<Model> model;
   try {
+    // The model may create no more weight data than the file holds (checked before each
+    // weight is allocated).
+    std::uint64_t held = 0;
+    for (const auto& [name, t] : file.tensors)
+      if (!name.starts_with("optimizer/")) held += static_cast<std::uint64_t>(t.nbytes());
+    layers::detail::WeightBudget budget(held, fmt::format("the file '{}'", path));
     model = model_from_json(it->second);
     // Saved compiled: compiled again as it was, and its optimizer's state restored with the
     // weights (load_checkpoint checks both before it changes either).

@@ -137,3 +137,34 @@ TEST_CASE("hardening files: load_model keeps the type of an error", "[hardening-
   CHECK_THAT(error_of<mt::ShapeError>([&] { mt::load_model(path); }),
              Contains("load_model '" + path + "'") && Contains("cannot reshape"));
 }
+
+TEST_CASE("hardening files: an architecture that declares more than the file holds fails first",
+          "[hardening-files]") {
+  TempDir dir;
+  // A small model's file, its Dense declared with 2^26 (then 2^62) units: the load must not
+  // allocate the 2 GB (or wrap around) before it finds out.
+  mt::Sequential model({ml::Dense(4, {.name = "d"})}, {.name = "m"});
+  model.build_for({-1, 8});
+  const std::string path = (dir.path() / "small.safetensors").string();
+  model.save(path);
+  const mt::SafetensorsFile file = mt::load_safetensors(path);
+  std::string arch = file.metadata.at("architecture");
+  for (const std::string units : {"67108864", "4611686018427387904"}) {
+    CAPTURE(units);
+    std::string edited = arch;
+    const auto at = edited.find("\"units\":4");
+    REQUIRE(at != std::string::npos);
+    edited.replace(at, 9, "\"units\":" + units);
+    std::vector<std::pair<std::string, mt::Tensor>> tensors = file.tensors;
+    std::map<std::string, std::string> metadata = file.metadata;
+    metadata["architecture"] = edited;
+    const std::string bad = (dir.path() / "declares_more.safetensors").string();
+    mt::save_safetensors(bad, tensors, metadata);
+    CHECK_THAT(error_of<mt::ValueError>([&] { mt::load_model(bad); }),
+               Contains("add_weight 'kernel': float32[8, " + units + "] would take") &&
+                   Contains("more than the weights of the file") &&
+                   Contains("nothing was allocated"));
+  }
+  // The file as written loads.
+  CHECK(mt::load_model(path)->count_params() == 36);
+}

@@ -386,6 +386,27 @@ T* LayerPtr<T>::checked() const {
   return this->get();
 }
 
+namespace detail {
+// While one lives on a thread, the weights that layers create there may take at most `bytes`
+// in all: add_weight throws ValueError, before it allocates, for a weight beyond that. A load
+// of a model file sets it to what the file holds, so that an architecture that declares
+// more (a Dense of 2^26 units in an 8 KB file) fails before it allocates gigabytes.
+class WeightBudget {
+ public:
+  explicit WeightBudget(std::uint64_t bytes, std::string source);
+  ~WeightBudget();
+  WeightBudget(const WeightBudget&) = delete;
+  WeightBudget& operator=(const WeightBudget&) = delete;
+  // Takes a weight of `shape` and `dtype` from the budget, or throws naming `what`.
+  static void take(const Shape& shape, DType dtype, const std::string& what);
+
+ private:
+  std::uint64_t left_;
+  std::string source_;
+  WeightBudget* outer_;
+};
+}  // namespace detail
+
 // Resets the counters behind default layer names (the next Dense is "dense" again).
 void reset_default_names();
 
