@@ -509,8 +509,10 @@ void Layer::build_and_check(const std::vector<Shape>& shapes, const std::vector<
     weights_.clear();
     built_shapes_.clear();
     for (auto it = sublayers_.begin() + static_cast<std::ptrdiff_t>(sublayers_before);
-         it != sublayers_.end(); ++it)
+         it != sublayers_.end(); ++it) {
       sublayer_set_.erase(it->get());
+      if ((*it)->owner_ == this) (*it)->owner_ = nullptr;  // it may outlive this layer
+    }
     sublayers_.erase(sublayers_.begin() + static_cast<std::ptrdiff_t>(sublayers_before),
                      sublayers_.end());
     throw;
