@@ -59,8 +59,10 @@ std::shared_ptr<Model> model_from_json(const std::string& json);
 // architecture, its weights loaded (every weight checked against the file first, as
 // load_weights does). ValueError for a file without an architecture (save_weights wrote it:
 // make the model in code and call load_weights) or one that does not fit it; IOError for a
-// file that cannot be read. The optimizer state of a checkpoint is restored by
-// load_checkpoint(path, model, optimizer) after compile().
+// file that cannot be read; an error of a layer of the architecture keeps its type. A model
+// saved compiled comes back compiled as it was, its optimizer's state restored (when the file
+// records its compile state: docs/checkpoints.md); otherwise the optimizer state of a
+// checkpoint is restored by load_checkpoint(path, model, optimizer) after compile().
 std::shared_ptr<Model> load_model(const std::string& path, const WeightLoadOptions& options = {});
 
 // --- Training configuration ----------------------------------------------------------------
