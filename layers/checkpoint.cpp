@@ -90,11 +90,11 @@ std::string described(std::string_view name, const Tensor& t) {
       tensors.empty() ? std::string("none") : fmt::format("{}", fmt::join(tensors, ", "))));
 }
 
-// Checks that the tensors of `file` under `prefix` are exactly the weights of `model`, with
+// Checks that the tensors of `file` under `prefix` are exactly `weights` (those of `model`), with
 // their shapes and dtypes, each tensor for one weight; returns the assignments to make.
-Plan check_weights(const layers::Layer& model, const SafetensorsFile& file, std::string_view prefix,
-                   const std::string& path, const WeightLoadOptions& options) {
-  const std::vector<layers::WeightPath> weights = paths_of(model, path, "checkpoint");
+Plan check_weights(const layers::Layer& model, const std::vector<layers::WeightPath>& weights,
+                   const SafetensorsFile& file, std::string_view prefix, const std::string& path,
+                   const WeightLoadOptions& options) {
   const auto keys = file.metadata.find(kWeightKeysKey);
   if (keys != file.metadata.end() && keys->second != kWeightKeys)
     throw ValueError(fmt::format(
@@ -255,7 +255,8 @@ void load_weights(layers::Layer& model, const std::string& path, const WeightLoa
   const SafetensorsFile file = load_safetensors(path);  // refuses a BOOL byte above 1
   auto format = file.metadata.find("format");
   const bool checkpoint = format != file.metadata.end() && format->second == kCheckpointFormat;
-  assign(check_weights(model, file, checkpoint ? kModelPrefix : std::string_view(), path, options));
+  assign(check_weights(model, paths_of(model, path, "checkpoint"), file,
+                       checkpoint ? kModelPrefix : std::string_view(), path, options));
 }
 
 void save_checkpoint(const std::string& path, const layers::Layer& model,
@@ -349,8 +350,8 @@ TrainingCheckpoint load_checkpoint(const std::string& path, layers::Layer& model
 
   // The tensors: the model's weights, and slots of its trainable variables (by path in the
   // file, by variable name in the optimizer's state).
-  const Plan plan = check_weights(model, file, kModelPrefix, path, options);
   const std::vector<layers::WeightPath> weights = paths_of(model, path, "checkpoint");
+  const Plan plan = check_weights(model, weights, file, kModelPrefix, path, options);
   path_by_name(weights, model, path, "checkpoint");           // names are unique
   std::map<std::string, std::string, std::less<>> trainable;  // slot owner in the file -> name
   for (const auto& w : weights)
