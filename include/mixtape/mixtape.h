@@ -23,7 +23,7 @@
 #include "mixtape/core/shape.h"
 #include "mixtape/core/storage.h"
 #include "mixtape/core/tensor.h"
-#include "mixtape/datasets/dataset.h"
+#include "mixtape/data/dataset.h"
 #include "mixtape/datasets/idx.h"
 #include "mixtape/datasets/mnist.h"
 #include "mixtape/distributed/distributed.h"

@@ -1,8 +1,9 @@
 # Checks that every file of the library includes only its own layer and the layers below it
 # (docs/building.md, "Targets"): core nothing above core, the backends only core (the CUDA
 # one also distributed's interface for device collectives), autograd and distributed only
-# core, nn (precision, layers, optim) only autograd, distributed and core, data only
-# autograd and core. The CMake
+# core, dataset (the input pipeline) only autograd and core, nn (precision, layers, optim)
+# only autograd, distributed, dataset and core, data (datasets/) only dataset, autograd and
+# core. The CMake
 # targets enforce the same for what links; this catches a header included across layers.
 # CTest: layering.includes (cmake -DSOURCE_DIR=<repository> -P check_layers.cmake).
 cmake_minimum_required(VERSION 3.25)
@@ -24,16 +25,18 @@ set(cuda_allowed ${core_allowed} backends/cuda/ mixtape/distributed/device_colle
                  mixtape/distributed/distributed.h)
 set(backend_headers_dirs include/mixtape/backends)
 set(backend_headers_allowed ${core_allowed})
+set(dataset_dirs data include/mixtape/data)
+set(dataset_allowed ${autograd_allowed} data/ mixtape/data/)
 set(nn_dirs precision layers optim include/mixtape/precision include/mixtape/layers
             include/mixtape/optim)
-set(nn_allowed ${autograd_allowed} ${distributed_allowed} precision/ layers/ optim/
+set(nn_allowed ${dataset_allowed} ${distributed_allowed} precision/ layers/ optim/
                mixtape/precision/ mixtape/layers/ mixtape/optim/)
 set(data_dirs datasets include/mixtape/datasets)
-set(data_allowed ${autograd_allowed} datasets/ mixtape/datasets/)
+set(data_allowed ${dataset_allowed} datasets/ mixtape/datasets/)
 
 set(violations "")
 set(checked 0)
-foreach(layer core autograd distributed cpu cuda backend_headers nn data)
+foreach(layer core autograd distributed cpu cuda backend_headers dataset nn data)
   foreach(dir ${${layer}_dirs})
     file(GLOB files "${SOURCE_DIR}/${dir}/*.cpp" "${SOURCE_DIR}/${dir}/*.h"
                     "${SOURCE_DIR}/${dir}/*.cu" "${SOURCE_DIR}/${dir}/*.cuh")

@@ -1,10 +1,12 @@
 // The Dataset pipeline: each iteration builds a chain of streams from the stages. Until
 // the first batch() the chain carries row indices (shuffling indices is cheap); batch()
-// gathers the rows of a batch with one take(); map, prefetch and to work on elements.
-#include "mixtape/datasets/dataset.h"
+// gathers the rows of a batch with one take() (only this process's share of them when a
+// shard() follows); map, prefetch and to work on elements.
+#include "mixtape/data/dataset.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -26,9 +28,15 @@ struct Dataset::Stage {
     std::int64_t buffer_size;
     std::uint64_t seed;
   };
+  struct ShuffleAll {
+    std::uint64_t seed;
+  };
   struct Batch {
     std::int64_t size;
     bool drop_remainder;
+  };
+  struct Shard {
+    std::int64_t index, count;
   };
   struct Map {
     ElementMapFn fn;
@@ -39,7 +47,7 @@ struct Dataset::Stage {
   struct To {
     Device device;
   };
-  std::variant<Shuffle, Batch, Map, Prefetch, To> op;
+  std::variant<Shuffle, ShuffleAll, Batch, Shard, Map, Prefetch, To> op;
 };
 
 namespace {
@@ -124,11 +132,73 @@ class ShuffleStream final : public Stream<T> {
   bool filled_ = false;
 };
 
-// Rows of `x` at `indices`, as a tensor of shape index_shape + x.shape[1:]: take()
+// shuffle_all(): every element of the epoch, in the order of a Fisher-Yates shuffle (the
+// draw of each position reduced modulo its range, as Model::fit always drew them).
+template <typename T>
+class ShuffleAllStream final : public Stream<T> {
+ public:
+  ShuffleAllStream(std::unique_ptr<Stream<T>> up, std::uint64_t seed)
+      : up_(std::move(up)), gen_(seed) {}
+
+  std::optional<T> next() override {
+    if (!filled_) {
+      while (auto item = up_->next()) items_.push_back(std::move(*item));
+      for (std::size_t i = items_.size(); i > 1; --i)
+        std::swap(items_[i - 1], items_[gen_.next_u64() % i]);
+      filled_ = true;
+    }
+    if (next_ >= items_.size()) return std::nullopt;
+    return std::move(items_[next_++]);
+  }
+
+ private:
+  std::unique_ptr<Stream<T>> up_;
+  Generator gen_;
+  std::vector<T> items_;
+  std::size_t next_ = 0;
+  bool filled_ = false;
+};
+
+// Part `index` of `count` of n items: [n * index / count, n * (index + 1) / count).
+std::pair<std::int64_t, std::int64_t> part_of(std::int64_t n, std::int64_t index,
+                                              std::int64_t count) {
+  return {n * index / count, n * (index + 1) / count};
+}
+
+// shard() before batch(): the items [first, last) of the epoch's sequence.
+template <typename T>
+class BlockStream final : public Stream<T> {
+ public:
+  BlockStream(std::unique_ptr<Stream<T>> up, std::int64_t first, std::int64_t last)
+      : up_(std::move(up)), first_(first), last_(last) {}
+
+  std::optional<T> next() override {
+    for (; at_ < first_; ++at_)
+      if (!up_->next()) return std::nullopt;
+    if (at_ >= last_) return std::nullopt;
+    ++at_;
+    return up_->next();
+  }
+
+ private:
+  std::unique_ptr<Stream<T>> up_;
+  std::int64_t first_, last_, at_ = 0;
+};
+
+// Rows of `x` at `indices`, as a tensor of shape index_shape + x.shape[1:]: a view of
+// them when they are consecutive, else take()
 // where the backend has a take kernel for the dtype, else a copy of the rows on the host
 // (uint8 and bool on the CPU).
 Tensor gather_rows(const Tensor& x, const std::vector<std::int64_t>& indices,
                    const Shape& index_shape) {
+  // Consecutive rows (a batch of data in its order): a view of them.
+  const bool consecutive =
+      index_shape.rank() == 1 && !indices.empty() && indices.front() >= 0 &&
+      indices.back() < x.dim(0) &&
+      std::adjacent_find(indices.begin(), indices.end(), [](std::int64_t a, std::int64_t b) {
+        return b != a + 1;
+      }) == indices.end();
+  if (consecutive) return slice(x, 0, indices.front(), indices.back() + 1);
   if (supports(OpId::take, x.device().type(), x.dtype()) || !x.device().is_cpu())
     return take(x, from_vector(indices, index_shape, kInt64), 0);  // checked on the host
   std::vector<std::int64_t> dims(index_shape.begin(), index_shape.end());
@@ -148,17 +218,20 @@ Tensor gather_rows(const Tensor& x, const std::vector<std::int64_t>& indices,
   return out;
 }
 
-// Rows to elements: one row each (rank-0 index), or batches of rows.
+// Rows to elements: one row each (rank-0 index), or batches of rows; of a batch followed
+// by shard(), only this process's share of the rows is gathered.
 class GatherStream final : public ElementStream {
  public:
   GatherStream(std::unique_ptr<RowStream> up, std::vector<Tensor> inputs,
-               std::vector<Tensor> labels, std::int64_t batch, bool drop_remainder, bool unbatched)
+               std::vector<Tensor> labels, std::int64_t batch, bool drop_remainder, bool unbatched,
+               std::optional<Stage::Shard> shard = std::nullopt)
       : up_(std::move(up)),
         inputs_(std::move(inputs)),
         labels_(std::move(labels)),
         batch_(unbatched ? 1 : batch),
         drop_(drop_remainder),
-        unbatched_(unbatched) {}
+        unbatched_(unbatched),
+        shard_(shard) {}
 
   std::optional<Element> next() override {
     std::vector<std::int64_t> rows;
@@ -170,9 +243,15 @@ class GatherStream final : public ElementStream {
     }
     if (rows.empty() || (drop_ && static_cast<std::int64_t>(rows.size()) < batch_))
       return std::nullopt;
+    Element e;
+    if (shard_) {
+      const auto whole = static_cast<std::int64_t>(rows.size());
+      const auto [first, last] = part_of(whole, shard_->index, shard_->count);
+      rows = std::vector<std::int64_t>(rows.begin() + first, rows.begin() + last);
+      e.shard_of_rows = whole;
+    }
     NoGradGuard no_grad;
     const Shape shape = unbatched_ ? Shape{} : Shape{static_cast<std::int64_t>(rows.size())};
-    Element e;
     for (const Tensor& t : inputs_) e.inputs.push_back(gather_rows(t, rows, shape));
     for (const Tensor& t : labels_) e.labels.push_back(gather_rows(t, rows, shape));
     return e;
@@ -183,6 +262,37 @@ class GatherStream final : public ElementStream {
   std::vector<Tensor> inputs_, labels_;
   std::int64_t batch_;
   bool drop_, unbatched_;
+  std::optional<Stage::Shard> shard_;
+};
+
+// shard() of batches made earlier (after map, or of stacked elements): this process's rows
+// of every batch, as views.
+class ShardBatchStream final : public ElementStream {
+ public:
+  ShardBatchStream(std::unique_ptr<ElementStream> up, Stage::Shard shard)
+      : up_(std::move(up)), shard_(shard) {}
+
+  std::optional<Element> next() override {
+    auto e = up_->next();
+    if (!e) return std::nullopt;
+    const std::int64_t whole = e->rows();
+    const auto [first, last] = part_of(whole, shard_.index, shard_.count);
+    NoGradGuard no_grad;
+    for (auto* part : {&e->inputs, &e->labels})
+      for (Tensor& t : *part) {
+        if (t.rank() < 1 || t.dim(0) != whole)
+          throw ShapeError(fmt::format(
+              "Dataset::shard: every tensor of a batch needs its {} rows (axis 0); got {} {}",
+              whole, t.dtype().name(), t.shape().str()));
+        t = slice(t, 0, first, last);
+      }
+    e->shard_of_rows = whole;
+    return e;
+  }
+
+ private:
+  std::unique_ptr<ElementStream> up_;
+  Stage::Shard shard_;
 };
 
 // batch() of elements (after map or an earlier batch): stacks them along a new axis 0.
@@ -237,7 +347,9 @@ class MapStream final : public ElementStream {
     auto e = up_->next();
     if (!e) return std::nullopt;
     NoGradGuard no_grad;
-    return fn_(*e);
+    Element out = fn_(*e);
+    if (out.shard_of_rows == 0) out.shard_of_rows = e->shard_of_rows;
+    return out;
   }
 
  private:
@@ -395,6 +507,17 @@ std::size_t check_single(const Element& e) {
 
 }  // namespace
 
+std::int64_t Element::rows() const {
+  if (inputs.empty() || !inputs[0].defined() || inputs[0].rank() < 1)
+    throw ValueError("Dataset element: rows() needs a first input with an axis 0");
+  return inputs[0].dim(0);
+}
+
+double Element::share() const {
+  if (shard_of_rows <= 0) return 1.0;
+  return static_cast<double>(rows()) / static_cast<double>(shard_of_rows);
+}
+
 Tensor& Element::x() { return inputs[check_single(*this)]; }
 const Tensor& Element::x() const { return inputs[check_single(*this)]; }
 Tensor& Element::y() { return labels[check_single(*this)]; }
@@ -458,6 +581,25 @@ Dataset Dataset::shuffle(std::int64_t buffer_size, std::optional<std::uint64_t> 
   return with(std::make_shared<const Stage>(Stage{Stage::Shuffle{buffer_size, s}}));
 }
 
+Dataset Dataset::shuffle_all(std::optional<std::uint64_t> seed) const {
+  const std::uint64_t s = seed ? *seed : default_generator().next_u64();
+  return with(std::make_shared<const Stage>(Stage{Stage::ShuffleAll{s}}));
+}
+
+Dataset Dataset::shard(std::int64_t index, std::int64_t count) const {
+  if (count < 1)
+    throw ValueError(
+        fmt::format("Dataset::shard: count must be >= 1 (the number of processes); "
+                    "got shard({}, {})",
+                    index, count));
+  if (index < 0 || index >= count)
+    throw ValueError(fmt::format(
+        "Dataset::shard: index must be in [0, count) (this process's rank among count); got "
+        "shard({}, {})",
+        index, count));
+  return with(std::make_shared<const Stage>(Stage{Stage::Shard{index, count}}));
+}
+
 Dataset Dataset::batch(std::int64_t batch_size, bool drop_remainder) const {
   if (batch_size < 1)
     throw ValueError(fmt::format("Dataset::batch: batch_size must be >= 1, got {}", batch_size));
@@ -489,9 +631,16 @@ std::int64_t Dataset::num_rows() const { return inputs_.empty() ? 0 : inputs_[0]
 
 std::int64_t Dataset::size() const {
   std::int64_t n = num_rows();
-  for (const auto& stage : stages_)
-    if (const auto* b = std::get_if<Stage::Batch>(&stage->op))
+  bool batched = false;
+  for (const auto& stage : stages_) {
+    if (const auto* b = std::get_if<Stage::Batch>(&stage->op)) {
       n = b->drop_remainder ? n / b->size : (n + b->size - 1) / b->size;
+      batched = true;
+    } else if (const auto* p = std::get_if<Stage::Shard>(&stage->op); p && !batched) {
+      const auto [first, last] = part_of(n, p->index, p->count);
+      n = last - first;
+    }
+  }
   return n;
 }
 
@@ -511,6 +660,8 @@ std::string Dataset::str() const {
     out += std::visit(
         Overloaded{
             [](const Stage::Shuffle& s) { return fmt::format(".shuffle({})", s.buffer_size); },
+            [](const Stage::ShuffleAll&) { return std::string(".shuffle_all()"); },
+            [](const Stage::Shard& p) { return fmt::format(".shard({}, {})", p.index, p.count); },
             [](const Stage::Batch& b) {
               return b.drop_remainder ? fmt::format(".batch({}, drop_remainder)", b.size)
                                       : fmt::format(".batch({})", b.size);
@@ -530,40 +681,69 @@ Dataset::Iterator Dataset::start(std::uint64_t epoch) const {
     if (!elements)
       elements = std::make_unique<GatherStream>(std::move(rows), inputs_, labels_, 1, false, true);
   };
-  for (const auto& stage : stages_) {
-    std::visit(Overloaded{[&](const Stage::Shuffle& s) {
-                            // Each (seed, epoch) pair gives its own order.
-                            const std::uint64_t seed = splitmix64(s.seed ^ splitmix64(epoch + 1));
-                            if (elements)
-                              elements = std::make_unique<ShuffleStream<Element>>(
-                                  std::move(elements), s.buffer_size, seed);
-                            else
-                              rows = std::make_unique<ShuffleStream<std::int64_t>>(
-                                  std::move(rows), s.buffer_size, seed);
-                          },
-                          [&](const Stage::Batch& b) {
-                            if (elements)
-                              elements = std::make_unique<StackStream>(std::move(elements), b.size,
-                                                                       b.drop_remainder);
-                            else
-                              elements =
-                                  std::make_unique<GatherStream>(std::move(rows), inputs_, labels_,
-                                                                 b.size, b.drop_remainder, false);
-                          },
-                          [&](const Stage::Map& m) {
-                            materialize();
-                            elements = std::make_unique<MapStream>(std::move(elements), m.fn);
-                          },
-                          [&](const Stage::Prefetch& p) {
-                            materialize();
-                            elements = std::make_unique<PrefetchStream>(std::move(elements),
-                                                                        p.buffer_size);
-                          },
-                          [&](const Stage::To& t) {
-                            materialize();
-                            elements = std::make_unique<ToStream>(std::move(elements), t.device);
-                          }},
-               stage->op);
+  // Items in the epoch before the first batch(), which a shard() there splits.
+  std::int64_t count = num_rows();
+  bool batched = false;
+  for (std::size_t k = 0; k < stages_.size(); ++k) {
+    const Stage::Shard* shard_next =
+        k + 1 < stages_.size() ? std::get_if<Stage::Shard>(&stages_[k + 1]->op) : nullptr;
+    std::visit(
+        Overloaded{
+            [&](const Stage::Shuffle& s) {
+              // Each (seed, epoch) pair gives its own order.
+              const std::uint64_t seed = splitmix64(s.seed ^ splitmix64(epoch + 1));
+              if (elements)
+                elements = std::make_unique<ShuffleStream<Element>>(std::move(elements),
+                                                                    s.buffer_size, seed);
+              else
+                rows = std::make_unique<ShuffleStream<std::int64_t>>(std::move(rows), s.buffer_size,
+                                                                     seed);
+            },
+            [&](const Stage::ShuffleAll& s) {
+              const std::uint64_t seed = s.seed ^ (0x9e3779b97f4a7c15ULL * (epoch + 1));
+              if (elements)
+                elements = std::make_unique<ShuffleAllStream<Element>>(std::move(elements), seed);
+              else
+                rows = std::make_unique<ShuffleAllStream<std::int64_t>>(std::move(rows), seed);
+            },
+            [&](const Stage::Batch& b) {
+              batched = true;
+              if (elements) {
+                elements =
+                    std::make_unique<StackStream>(std::move(elements), b.size, b.drop_remainder);
+                return;
+              }
+              // A shard() right after gathers only this process's rows (and is done here).
+              std::optional<Stage::Shard> shard;
+              if (shard_next) shard = *shard_next, ++k;
+              elements = std::make_unique<GatherStream>(std::move(rows), inputs_, labels_, b.size,
+                                                        b.drop_remainder, false, shard);
+            },
+            [&](const Stage::Shard& p) {
+              if (batched) {
+                elements = std::make_unique<ShardBatchStream>(std::move(elements), p);
+                return;
+              }
+              const auto [first, last] = part_of(count, p.index, p.count);
+              count = last - first;
+              if (elements)
+                elements = std::make_unique<BlockStream<Element>>(std::move(elements), first, last);
+              else
+                rows = std::make_unique<BlockStream<std::int64_t>>(std::move(rows), first, last);
+            },
+            [&](const Stage::Map& m) {
+              materialize();
+              elements = std::make_unique<MapStream>(std::move(elements), m.fn);
+            },
+            [&](const Stage::Prefetch& p) {
+              materialize();
+              elements = std::make_unique<PrefetchStream>(std::move(elements), p.buffer_size);
+            },
+            [&](const Stage::To& t) {
+              materialize();
+              elements = std::make_unique<ToStream>(std::move(elements), t.device);
+            }},
+        stages_[k]->op);
   }
   materialize();
   auto state = std::make_shared<Iterator::State>();
