@@ -1,56 +1,30 @@
-// Model training: compile, train_step, fit (with its progress output), evaluate, predict,
-// and the EarlyStopping callback.
+// Model training: compile, train_step, fit (on the Dataset pipeline), evaluate, predict.
+// The callbacks (the progress output among them) are in layers/callbacks.cpp.
 #include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
-#include <numeric>
-#include <tuple>
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/distributed/distributed.h"
 #include "mixtape/layers/model.h"
+#include "mixtape/optim/chain.h"
 #include "mixtape/optim/distributed_optimizer.h"
-#include "mixtape/optim/gradient_accumulation.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
 
 namespace mixtape {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+// This process's place in the job: its rank and the number of ranks (1 alone).
+struct Place {
+  int rank, world;
+};
+Place place() { return {distributed::rank(), distributed::world_size()}; }
 
 std::string describe(const Tensor& t) { return fmt::format("{}{}", t.dtype(), t.shape()); }
-
-// "loss: 0.1234 - accuracy: 0.9876", in the order of `keys`.
-std::string format_logs(const Logs& logs, const std::vector<std::string>& keys) {
-  std::string out;
-  for (const auto& k : keys) {
-    auto it = logs.find(k);
-    if (it == logs.end()) continue;
-    if (!out.empty()) out += " - ";
-    if (k == "loss_scale" || k == "skipped_steps")
-      out += fmt::format("{}: {:g}", k, it->second);
-    else
-      out += fmt::format("{}: {:.4f}", k, it->second);
-  }
-  return out;
-}
-
-std::string duration_text(double s) {
-  if (s < 60) return fmt::format("{:.1f}s", s);
-  return fmt::format("{}m{:02d}s", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
-}
 
 // Rows [begin, end) of t along axis 0 (a view).
 Tensor rows(const Tensor& t, std::int64_t begin, std::int64_t end) {
@@ -68,23 +42,6 @@ Tensor as_int64(const Tensor& y) {
 // Whether fit can gather batches of t (with take): floating, int32 and int64 data.
 bool batchable(const Tensor& t) {
   return t.dtype().is_floating() || t.dtype() == kInt32 || t.dtype() == kInt64;
-}
-
-// Logs averaged over the ranks, each rank's values weighted by the rows they come from
-// (a rank without rows adds nothing): the numbers one process would log over all rows.
-// Every rank calls it at the same point, with the same keys (std::map: the same order).
-Logs average_over_ranks(const Logs& logs, std::int64_t rows) {
-  if (distributed::world_size() == 1) return logs;
-  std::vector<double> v;
-  for (const auto& [key, value] : logs)
-    v.push_back(rows > 0 ? value * static_cast<double>(rows) : 0.0);
-  v.push_back(static_cast<double>(rows));
-  v = distributed::all_reduce_values(std::move(v));
-  const double total = v.back();
-  Logs out;
-  std::size_t i = 0;
-  for (const auto& [key, value] : logs) out[key] = total > 0 ? v[i++] / total : (++i, 0.0);
-  return out;
 }
 
 }  // namespace
@@ -181,7 +138,6 @@ void Model::compile(CompileOptions options) {
     throw ValueError(
         fmt::format("model '{}': compile: gradient_accumulation_steps must be >= 1; got {}", name(),
                     options.gradient_accumulation_steps));
-  const auto& scale = dtype_policy().loss_scale();
   std::vector<std::vector<std::shared_ptr<metrics::Metric>>> ms(outs.size());
   for (const auto& m : options.metrics) {
     if (m.metric() && outs.size() > 1)
@@ -208,34 +164,13 @@ void Model::compile(CompileOptions options) {
       }
     }
   }
-  // Nothing changes before here: a bad option leaves the model as it was.
-  // Data-parallel (world size > 1, or a DistributedOptimizer given): the DistributedOptimizer
-  // goes outside, so that gradients are averaged before a loss scale optimizer checks them.
-  std::optional<optim::DistributedOptimizerOptions> distributed_options;
-  if (optim::DistributedOptimizer* d = opt->distributed_optimizer(); d == opt.get()) {
-    distributed_options = d->options();
-    opt = d->inner_optimizer().clone();
-  } else if (distributed::world_size() > 1) {
-    distributed_options = optim::DistributedOptimizerOptions{};
-  }
-  if (scale && !opt->loss_scale_optimizer()) {
-    opt = std::make_shared<optim::LossScaleOptimizer>(opt, *scale);
-    if (distributed::rank() == 0)  // every rank wraps; one says so
-      spdlog::info(
-          "model '{}': policy {} has a loss scale; the optimizer is wrapped in a "
-          "LossScaleOptimizer ({})",
-          name(), dtype_policy().name(), scale->str());
-  }
-  if (distributed_options) {
-    opt = std::make_shared<optim::DistributedOptimizer>(opt, *distributed_options);
-    if (distributed::world_size() > 1 && distributed::rank() == 0)
-      spdlog::info("model '{}': {} ranks; gradients averaged across them (DistributedOptimizer)",
-                   name(), distributed::world_size());
-  }
-  if (options.gradient_accumulation_steps > 1)  // outermost: it sees every micro-batch
-    opt = std::make_shared<optim::GradientAccumulationOptimizer>(
-        opt, options.gradient_accumulation_steps);
-  if (distributed_options)  // several ranks: they agree on all of it, and on rank 0's weights
+  // The chain the policy and the job need (mixtape/optim/chain.h); nothing changes before
+  // here: a bad option leaves the model as it was.
+  opt = optim::training_chain(opt,
+                              {.policy = dtype_policy(),
+                               .gradient_accumulation_steps = options.gradient_accumulation_steps,
+                               .owner = fmt::format("model '{}'", name())});
+  if (opt->distributed_optimizer())  // the ranks agree on all of it, and on rank 0's weights
     optim::DistributedOptimizer::synchronize(
         fmt::format("model '{}': compile: the ranks compile differently (every rank must give "
                     "the same model, policy, losses and optimizer)",
@@ -374,8 +309,7 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
   conform_data(fmt::format("model '{}': train_step", name()), x, y);
   const std::vector<std::string> outs = output_names();
   const std::vector<Variable> vars = trainable_variables();
-  if (x.front().dim(0) == 0 && optimizer_->distributed_optimizer() &&
-      distributed::world_size() > 1) {
+  if (x.front().dim(0) == 0 && optimizer_->distributed_optimizer() && place().world > 1) {
     // This rank's share of the global batch is empty: it still joins the step's reduction,
     // adding nothing (no loss: undefined gradients), and steps with the others.
     GradientTape tape;
@@ -459,21 +393,39 @@ History Model::fit(const Tensor& x, const Tensor& y, FitOptions o) {
   return fit(std::vector<Tensor>{x}, std::vector<Tensor>{y}, std::move(o));
 }
 
-History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y_in, FitOptions o) {
-  const std::string who = fmt::format("model '{}': fit", name());
+void Model::validation_tensors(const std::string& who, const ValidationData& v,
+                               std::vector<Tensor>& x_val, std::vector<Tensor>& y_val) const {
+  x_val = v.xs.empty() && v.ys.empty() ? std::vector<Tensor>{v.x} : v.xs;
+  y_val = v.xs.empty() && v.ys.empty() ? std::vector<Tensor>{v.y} : v.ys;
+  bool ok = x_val.size() == num_inputs() && y_val.size() == output_names().size();
+  for (const auto* ts : {&x_val, &y_val})
+    for (const Tensor& t : *ts)
+      ok = ok && t.defined() && t.rank() > 0 && x_val.front().defined() &&
+           x_val.front().rank() > 0 && t.dim(0) == x_val.front().dim(0);
+  if (!ok)
+    throw ShapeError(fmt::format(
+        "{}: validation_data needs x and y with the same number of "
+        "samples, as many as the model has inputs ({}) and outputs "
+        "({}); got x {} and y {}",
+        who, num_inputs(), output_names().size(), describe_all(x_val), describe_all(y_val)));
+  check_labels(who, y_val, "validation data");
+}
+
+Model::FitTensors Model::fit_tensors(const std::string& who, const std::vector<Tensor>& x_in,
+                                     const std::vector<Tensor>& y_in, const FitOptions& o) const {
   if (!compiled()) throw ValueError(who + ": the model is not compiled (call compile() first)");
   for (const auto* ts : {&x_in, &y_in})
     for (const Tensor& t : *ts)
       if (!t.defined()) throw ValueError(who + ": x and y must be defined");
-  std::vector<Tensor> x = x_in, y = y_in;
-  conform_data(who, x, y);
+  FitTensors d{x_in, y_in, {}, {}};
+  conform_data(who, d.x, d.y);
   // Integer data is cast once, here, at the boundary (as Keras casts a model's inputs):
   // uint8 images to the model's input dtype (float32 unless its Input says otherwise), the
   // ids of a model that takes them as they are (an Embedding first) from uint8 or bool to
   // int64, labels to int64.
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    x[i] = conform_input(x[i], i);
-    if (!batchable(x[i])) x[i] = as_int64(x[i]);
+  for (std::size_t i = 0; i < d.x.size(); ++i) {
+    d.x[i] = conform_input(d.x[i], i);
+    if (!batchable(d.x[i])) d.x[i] = as_int64(d.x[i]);
   }
   if (o.batch_size <= 0)
     throw ValueError(fmt::format("{}: batch_size must be positive; got {}", who, o.batch_size));
@@ -483,26 +435,11 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
   if (!(o.validation_split >= 0.0 && o.validation_split < 1.0))
     throw ValueError(
         fmt::format("{}: validation_split must be in [0, 1); got {}", who, o.validation_split));
-
   // The held-out validation samples: the last ones, before any shuffling (as Keras).
-  const std::int64_t n = x.front().dim(0);
+  const std::int64_t n = d.x.front().dim(0);
   std::int64_t n_train = n;
-  std::vector<Tensor> x_val, y_val;
   if (o.validation_data) {
-    const ValidationData& v = o.validation_data;
-    x_val = v.xs.empty() && v.ys.empty() ? std::vector<Tensor>{v.x} : v.xs;
-    y_val = v.xs.empty() && v.ys.empty() ? std::vector<Tensor>{v.y} : v.ys;
-    bool ok = x_val.size() == x.size() && y_val.size() == y.size();
-    for (const auto* ts : {&x_val, &y_val})
-      for (const Tensor& t : *ts)
-        ok = ok && t.defined() && t.rank() > 0 && x_val.front().defined() &&
-             x_val.front().rank() > 0 && t.dim(0) == x_val.front().dim(0);
-    if (!ok)
-      throw ShapeError(
-          fmt::format("{}: validation_data needs x and y with the same number of "
-                      "samples, as many as the model has inputs ({}) and outputs "
-                      "({}); got x {} and y {}",
-                      who, x.size(), y.size(), describe_all(x_val), describe_all(y_val)));
+    validation_tensors(who, o.validation_data, d.x_val, d.y_val);
   } else if (o.validation_split > 0.0) {
     n_train = static_cast<std::int64_t>(static_cast<double>(n) * (1.0 - o.validation_split));
     if (n_train <= 0 || n_train >= n)
@@ -510,180 +447,191 @@ History Model::fit(const std::vector<Tensor>& x_in, const std::vector<Tensor>& y
           fmt::format("{}: validation_split {} of {} samples leaves no training or "
                       "no validation samples",
                       who, o.validation_split, n));
-    for (const Tensor& t : x) x_val.push_back(rows(t, n_train, n));
-    for (const Tensor& t : y) y_val.push_back(rows(t, n_train, n));
+    for (const Tensor& t : d.x) d.x_val.push_back(rows(t, n_train, n));
+    for (const Tensor& t : d.y) d.y_val.push_back(rows(t, n_train, n));
   }
   // Labels a sparse categorical loss cannot take, by their sample's index, before any step
   // (in a step, the loss could only name a place in a shuffled batch).
-  check_labels(who, y, "data");
-  if (o.validation_data) check_labels(who, y_val, "validation data");
-  std::vector<Tensor> x_train, y_train;
-  for (const Tensor& t : x) x_train.push_back(rows(t, 0, n_train));
-  for (const Tensor& t : y) y_train.push_back(rows(t, 0, n_train));
+  check_labels(who, d.y, "data");
+  for (auto* ts : {&d.x, &d.y})
+    for (Tensor& t : *ts) t = rows(t, 0, n_train);
   if (n_train == 0) throw ValueError(who + ": no training samples");
+  return d;
+}
 
-  optim::DistributedOptimizer* dopt = optimizer_->distributed_optimizer();
-  optim::LossScaleOptimizer* lso = optimizer_->loss_scale_optimizer();
-  // Each epoch shuffles with a generator of its own, seeded from the base seed and the
-  // epoch number: resuming at epoch k (initial_epoch) replays the same order.
-  std::uint64_t base_seed = o.seed ? *o.seed : default_generator().next_u64();
-  // Data-parallel: every rank starts from rank 0's weights and shuffles with rank 0's seed;
-  // each takes its share of every global batch; rank 0 alone prints.
-  const int world = distributed::world_size();
-  if (world > 1) {
-    if (o.batch_size < world)
-      throw ValueError(fmt::format(
-          "{}: batch_size {} is smaller than the world size {}: every rank needs a share of "
-          "each batch (batch_size is the global batch, split across the ranks)",
-          who, o.batch_size, world));
-    if (!dopt)
-      throw ValueError(fmt::format(
-          "{}: {} ranks, but the model was compiled before distributed::init() (its optimizer "
-          "does not average gradients across ranks); compile after init()",
-          who, world));
-    optim::DistributedOptimizer::synchronize(
-        fmt::format("{}: the ranks hold different models (every rank must build the same one)",
-                    who),
-        weight_layout(), weights(), &base_seed);
-    if (distributed::rank() != 0) o.verbose = 0;
+void Model::synchronize_ranks(const std::string& who, std::uint64_t* seed) {
+  const int world = place().world;
+  if (world == 1) return;
+  if (!optimizer_->distributed_optimizer())
+    throw ValueError(fmt::format(
+        "{}: {} ranks, but the model was compiled before distributed::init() (its optimizer "
+        "does not average gradients across ranks); compile after init()",
+        who, world));
+  optim::DistributedOptimizer::synchronize(
+      fmt::format("{}: the ranks hold different models (every rank must build the same one)", who),
+      weight_layout(), weights(), seed);
+}
+
+History Model::fit(const std::vector<Tensor>& x, const std::vector<Tensor>& y, FitOptions o) {
+  const std::string who = fmt::format("model '{}': fit", name());
+  const FitTensors d = fit_tensors(who, x, y, o);
+  const auto [rank, world] = place();
+  if (o.batch_size < world)
+    throw ValueError(fmt::format(
+        "{}: batch_size {} is smaller than the world size {}: every rank needs a share of "
+        "each batch (batch_size is the global batch, split across the ranks)",
+        who, o.batch_size, world));
+  // Every rank starts from rank 0's weights and shuffles with rank 0's seed; each takes its
+  // share of every global batch. Epoch e is the same whether or not the run resumed there.
+  std::uint64_t seed = o.seed ? *o.seed : default_generator().next_u64();
+  synchronize_ranks(who, &seed);
+  data::Dataset train = data::Dataset::from_tensors(d.x, d.y);
+  if (o.shuffle) train = train.shuffle_all(seed);
+  train = train.batch(o.batch_size);
+  if (world > 1) train = train.shard(rank, world);
+  if (!d.x_val.empty()) o.validation_data = ValidationData(d.x_val, d.y_val);
+  return train_on(who, train.to(device()), o);
+}
+
+History Model::fit(const data::Dataset& train, FitOptions o) {
+  const std::string who = fmt::format("model '{}': fit", name());
+  if (!compiled()) throw ValueError(who + ": the model is not compiled (call compile() first)");
+  if (o.validation_split != 0.0)
+    throw ValueError(fmt::format(
+        "{}: validation_split ({}) needs tensors; hold samples out of the Dataset yourself and "
+        "give them as validation_data",
+        who, o.validation_split));
+  if (o.epochs < 0) throw ValueError(fmt::format("{}: epochs must be >= 0; got {}", who, o.epochs));
+  if (o.initial_epoch < 0)
+    throw ValueError(fmt::format("{}: initial_epoch must be >= 0; got {}", who, o.initial_epoch));
+  if (o.validation_data) {
+    std::vector<Tensor> x_val, y_val;
+    validation_tensors(who, o.validation_data, x_val, y_val);
   }
-  const std::int64_t steps = (n_train + o.batch_size - 1) / o.batch_size;
-  const bool tty = o.verbose == 1 && isatty(fileno(stdout));
-  const bool wants_batch_logs = std::any_of(o.callbacks.begin(), o.callbacks.end(),
-                                            [](const auto& cb) { return cb->wants_batch_logs(); });
-  const std::vector<std::string> keys = metric_keys();
-  const std::vector<std::string> outs = output_names();
+  synchronize_ranks(who, nullptr);
+  return train_on(who, train.to(device()), o);
+}
+
+// fit's epochs: the callbacks around them (a ProgbarLogger first when verbose), validation,
+// the loss scale's logs, the History.
+History Model::train_on(const std::string& who, const data::Dataset& train, const FitOptions& o) {
+  std::vector<std::shared_ptr<Callback>> callbacks = o.callbacks;
+  if (o.verbose > 0 && place().rank == 0)
+    callbacks.insert(callbacks.begin(), std::make_shared<ProgbarLogger>(o.verbose));
+  const TrainParams params{o.epochs, train.size(), train.num_rows(), o.verbose, metric_keys()};
+  for (auto& cb : callbacks) cb->set_params(params);
+  std::vector<Tensor> x_val, y_val;
+  if (o.validation_data) validation_tensors(who, o.validation_data, x_val, y_val);
 
   History history;
   stop_training_ = false;
-  for (auto& cb : o.callbacks) cb->on_train_begin(*this);
+  for (auto& cb : callbacks) cb->on_train_begin(*this);
   Logs logs;
-  std::vector<std::int64_t> order(static_cast<std::size_t>(n_train));
   for (int epoch = o.initial_epoch; epoch < o.epochs && !stop_training_; ++epoch) {
-    for (auto& cb : o.callbacks) cb->on_epoch_begin(*this, epoch);
-    for (auto& ms : metrics_)
-      for (auto& m : ms) m->reset_state();
-    std::iota(order.begin(), order.end(), std::int64_t{0});
-    Generator gen(base_seed ^ (0x9e3779b97f4a7c15ULL * static_cast<std::uint64_t>(epoch + 1)));
-    if (o.shuffle)
-      for (std::size_t i = order.size(); i > 1; --i)
-        std::swap(order[i - 1], order[gen.next_u64() % i]);
+    for (auto& cb : callbacks) cb->on_epoch_begin(*this, epoch);
+    const optim::LossScaleOptimizer* lso = optimizer_->loss_scale_optimizer();
     const std::int64_t skipped_before = lso ? lso->skipped_steps() : 0;
-    if (o.verbose > 0) fmt::print("Epoch {}/{}\n", epoch + 1, o.epochs);
-
-    const auto start = Clock::now();
-    auto last_print = start;
-    // The epoch's loss sums (loss x rows, in float64) stay on the model's device and are read
-    // only when logs are wanted: at the end of the epoch, for a progress bar, for a callback
-    // that reads batch logs. On a GPU a read is a host synchronisation.
-    std::int64_t seen = 0;
-    Tensor loss_sum;
-    std::vector<Tensor> part_sums(outs.size());
-    const auto add_rows = [](Tensor& total, const Tensor& mean, double rows) {
-      Tensor v = cast(mean, kFloat64) * rows;
-      total = total.defined() ? total + v : v;
-    };
-    const auto mean_of = [&](const Tensor& total) {
-      return total.defined() ? total.item<double>() / static_cast<double>(seen) : 0.0;
-    };
-    Logs batch_logs;
-    for (std::int64_t step = 0; step < steps; ++step) {
-      std::int64_t b0 = step * o.batch_size, b1 = std::min(n_train, b0 + o.batch_size);
-      if (world > 1) {
-        // This rank's share of the global batch; its gradient weighs by the share's rows.
-        const std::int64_t global_rows = b1 - b0;
-        const auto [s0, s1] = distributed::shard(global_rows);
-        b1 = b0 + s1;
-        b0 += s0;
-        dopt->set_gradient_weight(static_cast<double>(b1 - b0) / static_cast<double>(global_rows));
-      }
-      std::vector<Tensor> xb, yb;
-      {
-        NoGradGuard no_grad;
-        Tensor idx;
-        if (o.shuffle)
-          idx = from_vector(std::vector<std::int64_t>(order.begin() + b0, order.begin() + b1),
-                            Shape{b1 - b0});
-        // Data already on the model's device (a GPU) is gathered there: the index goes to
-        // the data (take checks the host's indices on the host and copies them over, with
-        // no read back from the device), not the data to the host.
-        for (const auto* src : {&x_train, &y_train}) {
-          auto& dst = src == &x_train ? xb : yb;
-          for (const Tensor& t : *src) {
-            if (!o.shuffle) {
-              dst.push_back(rows(t, b0, b1).to(device()));
-              continue;
-            }
-            dst.push_back(take(t, idx, 0).to(device()));
-          }
-        }
-      }
-      const StepLosses losses = run_train_step(xb, yb);
-      {
-        NoGradGuard no_grad;
-        const auto rows_in_batch = static_cast<double>(b1 - b0);
-        add_rows(loss_sum, losses.loss, rows_in_batch);
-        if (outs.size() > 1)
-          for (std::size_t i = 0; i < outs.size(); ++i)
-            add_rows(part_sums[i], losses.parts[i], rows_in_batch);
-      }
-      seen += b1 - b0;
-      const bool print =
-          tty && (step + 1 == steps ||
-                  std::chrono::duration<double>(Clock::now() - last_print).count() >= 0.1);
-      if (print || wants_batch_logs || step + 1 == steps) {  // (the last: one read an epoch)
-        std::vector<double> parts;
-        if (outs.size() > 1)
-          for (const Tensor& p : part_sums) parts.push_back(mean_of(p));
-        batch_logs = make_logs(mean_of(loss_sum), parts, outs, metrics_);  // running means
-      } else {
-        batch_logs.clear();  // not read this step: empty, never an older step's
-      }
-      for (auto& cb : o.callbacks) cb->on_batch_end(*this, step, batch_logs);
-      if (print) {
-        last_print = Clock::now();
-        constexpr int kWidth = 30;
-        const int done = static_cast<int>(kWidth * (step + 1) / steps);
-        std::string bar(static_cast<std::size_t>(done), '=');
-        if (done < kWidth)
-          bar += '>' + std::string(static_cast<std::size_t>(kWidth - done - 1), '.');
-        const double elapsed = seconds_since(start);
-        const double eta =
-            elapsed / static_cast<double>(step + 1) * static_cast<double>(steps - step - 1);
-        fmt::print("\r{}/{} [{}] - ETA: {} - {}   ", step + 1, steps, bar, duration_text(eta),
-                   format_logs(batch_logs, keys));
-        std::fflush(stdout);
-      }
-    }
-    const double epoch_s = seconds_since(start);
-
-    std::vector<double> parts;
-    for (const Tensor& p : part_sums) parts.push_back(mean_of(p));
-    logs = average_over_ranks(make_logs(mean_of(loss_sum), parts, outs, metrics_), seen);
-    std::vector<std::string> line_keys = keys;
-    if (!x_val.empty()) {
-      const Logs v = evaluate(x_val, y_val, EvaluateOptions{.batch_size = o.batch_size});
-      for (const auto& [k, val] : v) logs["val_" + k] = val;
-      for (const auto& k : keys) line_keys.push_back("val_" + k);
-    }
+    logs =
+        train_epoch(who, train.epoch(static_cast<std::uint64_t>(epoch)), params.steps, callbacks);
+    if (!x_val.empty())
+      for (const auto& [k, v] : evaluate(x_val, y_val, {.batch_size = o.batch_size}))
+        logs["val_" + k] = v;
     if (lso) {
       logs["loss_scale"] = lso->loss_scale();
       logs["skipped_steps"] = static_cast<double>(lso->skipped_steps() - skipped_before);
-      line_keys.push_back("loss_scale");
-      line_keys.push_back("skipped_steps");
     }
     history.epoch.push_back(epoch);
     for (const auto& [k, v] : logs) history.history[k].push_back(v);
-    if (o.verbose > 0) {
-      const double us = epoch_s / static_cast<double>(n_train) * 1e6;
-      fmt::print("{}{}/{} - {} - {:.0f}us/sample - {}\n", tty ? "\r" : "", steps, steps,
-                 duration_text(epoch_s), us, format_logs(logs, line_keys));
-      std::fflush(stdout);
-    }
-    for (auto& cb : o.callbacks) cb->on_epoch_end(*this, epoch, logs);
+    for (auto& cb : callbacks) cb->on_epoch_end(*this, epoch, logs);
   }
-  for (auto& cb : o.callbacks) cb->on_train_end(*this, logs);
+  for (auto& cb : callbacks) cb->on_train_end(*this, logs);
   return history;
+}
+
+namespace {
+
+// The loss sums of an epoch (loss x rows, in float64), kept on the model's device and read
+// only when logs are wanted: at the end of the epoch, and for a callback that reads batch
+// logs. On a GPU a read is a host synchronisation.
+struct EpochLosses {
+  explicit EpochLosses(std::size_t outputs) : parts(outputs) {}
+  void add(const Tensor& loss, const std::vector<Tensor>& losses_per_output, std::int64_t n) {
+    NoGradGuard no_grad;
+    const auto add_rows = [n](Tensor& total, const Tensor& mean) {
+      Tensor v = cast(mean, kFloat64) * static_cast<double>(n);
+      total = total.defined() ? total + v : v;
+    };
+    add_rows(total, loss);
+    if (parts.size() > 1)
+      for (std::size_t i = 0; i < parts.size(); ++i) add_rows(parts[i], losses_per_output[i]);
+    rows += n;
+  }
+  double mean_of(const Tensor& sum) const {
+    return sum.defined() ? sum.item<double>() / static_cast<double>(rows) : 0.0;
+  }
+  Tensor total;
+  std::vector<Tensor> parts;
+  std::int64_t rows = 0;
+};
+
+// ShapeError when a batch's tensors differ from the first batch's apart from axis 0.
+void check_like_first(const std::string& who, std::int64_t step, const data::Element& batch,
+                      std::vector<Tensor>& first) {
+  const auto all = [](const data::Element& e) {
+    std::vector<Tensor> out = e.inputs;
+    out.insert(out.end(), e.labels.begin(), e.labels.end());
+    return out;
+  };
+  if (first.empty()) {
+    first = all(batch);
+    return;
+  }
+  const std::vector<Tensor> now = all(batch);
+  const auto tail = [](const Tensor& t) {
+    return std::vector<std::int64_t>(t.shape().begin() + std::min<std::ptrdiff_t>(t.rank(), 1),
+                                     t.shape().end());
+  };
+  for (std::size_t i = 0; i < now.size() || i < first.size(); ++i)
+    if (i >= now.size() || i >= first.size() || now[i].dtype() != first[i].dtype() ||
+        now[i].rank() != first[i].rank() || tail(now[i]) != tail(first[i]))
+      throw ShapeError(fmt::format(
+          "{}: batch {} of the Dataset holds {}, its first batch held {}: every batch needs the "
+          "tensors, dtypes and shapes of the first apart from axis 0 (the rows)",
+          who, step, describe_all(now), describe_all(first)));
+}
+
+}  // namespace
+
+// One epoch of fit: a step per batch (each rank's gradient weighted by its share of the
+// batch), the batch logs for the callbacks that want them, the epoch's logs over all ranks.
+Logs Model::train_epoch(const std::string& who, const data::Dataset::Epoch& batches,
+                        std::int64_t steps,
+                        const std::vector<std::shared_ptr<Callback>>& callbacks) {
+  for (auto& ms : metrics_)
+    for (auto& m : ms) m->reset_state();
+  const std::vector<std::string> outs = output_names();
+  optim::DistributedOptimizer* dopt = optimizer_->distributed_optimizer();
+  const auto logs_of = [&](const EpochLosses& sums) {
+    std::vector<double> parts;
+    for (const Tensor& p : sums.parts) parts.push_back(sums.mean_of(p));
+    return make_logs(sums.mean_of(sums.total), parts, outs, metrics_);  // running means
+  };
+  EpochLosses sums(outs.size());
+  std::vector<Tensor> first;
+  std::int64_t step = 0;
+  for (data::Element& batch : batches) {
+    check_like_first(who, step, batch, first);
+    if (dopt && batch.shard_of_rows > 0) dopt->set_gradient_weight(batch.share());
+    const StepLosses losses = run_train_step(batch.inputs, batch.labels);
+    sums.add(losses.loss, losses.parts, batch.rows());
+    const bool wanted =
+        step + 1 == steps || std::any_of(callbacks.begin(), callbacks.end(),
+                                         [](const auto& cb) { return cb->wants_batch_logs(); });
+    const Logs batch_logs = wanted ? logs_of(sums) : Logs{};  // never an older step's
+    for (auto& cb : callbacks) cb->on_batch_end(*this, step, batch_logs);
+    ++step;
+  }
+  return optim::average_over_ranks(logs_of(sums), sums.rows);
 }
 
 // --- evaluate, predict ------------------------------------------------------------------------
@@ -704,30 +652,30 @@ Logs Model::evaluate(const std::vector<Tensor>& x_in, const std::vector<Tensor>&
   for (auto& ms : metrics_)
     for (auto& m : ms) m->reset_state();
   const std::vector<std::string> outs = output_names();
-  // Data-parallel: each rank evaluates its share of the samples; the logs are averaged.
-  const auto [first, last] = distributed::shard(x.front().dim(0));
-  const std::int64_t n = last - first;
+  // Data-parallel: each rank evaluates its block of the samples; the logs are averaged.
+  const auto [rank, world] = place();
+  data::Dataset batches = data::Dataset::from_tensors(x, y);
+  if (world > 1) batches = batches.shard(rank, world);
+  std::int64_t n = 0;
   double loss_sum = 0.0;
   std::vector<double> part_sums(outs.size(), 0.0);
-  for (std::int64_t b0 = first; b0 < last; b0 += o.batch_size) {
-    const std::int64_t b1 = std::min(last, b0 + o.batch_size);
-    std::vector<Tensor> xb, yb;
-    for (const Tensor& t : x) xb.push_back(rows(t, b0, b1).to(device()));
-    for (const Tensor& t : y) yb.push_back(rows(t, b0, b1).to(device()));
-    const std::vector<Tensor> pred = apply(xb, CallContext{.training = false});
+  for (const data::Element& b : batches.batch(o.batch_size).to(device())) {
+    const std::vector<Tensor> pred = apply(b.inputs, CallContext{.training = false});
     std::vector<Tensor> parts;
-    loss_sum += batch_loss(yb, pred, &parts).item<double>() * static_cast<double>(b1 - b0);
+    const auto rows_in_batch = static_cast<double>(b.rows());
+    loss_sum += batch_loss(b.labels, pred, &parts).item<double>() * rows_in_batch;
     for (std::size_t i = 0; i < parts.size(); ++i)
-      part_sums[i] += parts[i].item<double>() * static_cast<double>(b1 - b0);
+      part_sums[i] += parts[i].item<double>() * rows_in_batch;
     for (std::size_t i = 0; i < metrics_.size(); ++i)
-      for (const auto& m : metrics_[i]) m->update_state(yb[i], pred[i]);
+      for (const auto& m : metrics_[i]) m->update_state(b.labels[i], pred[i]);
+    n += b.rows();
   }
   const double denom = n > 0 ? static_cast<double>(n) : 1.0;
   std::vector<double> parts;
   for (double p : part_sums) parts.push_back(p / denom);
-  Logs logs =
-      average_over_ranks(make_logs(n > 0 ? loss_sum / denom : 0.0, parts, outs, metrics_), n);
-  if (o.verbose > 0 && distributed::rank() == 0)
+  Logs logs = optim::average_over_ranks(
+      make_logs(n > 0 ? loss_sum / denom : 0.0, parts, outs, metrics_), n);
+  if (o.verbose > 0 && rank == 0)
     fmt::print("{} samples - {}\n", x.front().dim(0), format_logs(logs, metric_keys()));
   return logs;
 }
@@ -787,51 +735,6 @@ std::vector<Tensor> Model::predict(const std::vector<Tensor>& x, PredictOptions 
   if (out.empty()) throw ValueError(fmt::format("{} on 0 samples", who));
   for (Tensor& t : out) t = t.to(device());
   return out;
-}
-
-// --- History, EarlyStopping ----------------------------------------------------------------------
-
-double History::last(const std::string& key) const {
-  auto it = history.find(key);
-  if (it == history.end() || it->second.empty()) {
-    std::string keys;
-    for (const auto& [k, v] : history) keys += (keys.empty() ? "" : ", ") + k;
-    throw ValueError(fmt::format("History: no value '{}'; logged: {}", key, keys));
-  }
-  return it->second.back();
-}
-
-EarlyStopping::EarlyStopping(Options options) : options_(std::move(options)) {
-  if (options_.patience < 0)
-    throw ValueError(
-        fmt::format("EarlyStopping: patience must be >= 0; got {}", options_.patience));
-}
-
-void EarlyStopping::on_train_begin(Model&) {
-  seen_ = false;
-  wait_ = 0;
-  stopped_epoch_ = -1;
-}
-
-void EarlyStopping::on_epoch_end(Model& model, int epoch, const Logs& logs) {
-  auto it = logs.find(options_.monitor);
-  if (it == logs.end()) {
-    spdlog::warn("EarlyStopping: '{}' is not logged; nothing to monitor", options_.monitor);
-    return;
-  }
-  const double v = it->second;
-  const bool better = !seen_ || (options_.maximize ? v > best_ + options_.min_delta
-                                                   : v < best_ - options_.min_delta);
-  if (better) {
-    best_ = v;
-    seen_ = true;
-    wait_ = 0;
-    return;
-  }
-  if (++wait_ > options_.patience) {
-    stopped_epoch_ = epoch;
-    model.stop_training();
-  }
 }
 
 }  // namespace mixtape

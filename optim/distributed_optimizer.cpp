@@ -84,6 +84,21 @@ void DistributedOptimizer::synchronize(const std::string& who, const std::string
   }
 }
 
+std::map<std::string, double> average_over_ranks(const std::map<std::string, double>& logs,
+                                                 std::int64_t rows) {
+  if (distributed::world_size() == 1) return logs;
+  std::vector<double> v;
+  for (const auto& [key, value] : logs)
+    v.push_back(rows > 0 ? value * static_cast<double>(rows) : 0.0);
+  v.push_back(static_cast<double>(rows));
+  v = distributed::all_reduce_values(std::move(v));
+  const double total = v.back();
+  std::map<std::string, double> out;
+  std::size_t i = 0;
+  for (const auto& [key, value] : logs) out[key] = total > 0 ? v[i++] / total : (++i, 0.0);
+  return out;
+}
+
 void DistributedOptimizer::set_gradient_weight(double weight) {
   if (!(weight >= 0.0) || !std::isfinite(weight))
     throw ValueError(fmt::format(

@@ -34,6 +34,7 @@
 #include <random>
 #include <string>
 #include <system_error>
+#include <tuple>
 #include <vector>
 
 #include "common/cli.h"
@@ -405,135 +406,139 @@ std::uint64_t rank0_seed(std::uint64_t seed) {
   return static_cast<std::uint64_t>(t.item<std::int64_t>());
 }
 
-int run(const Options& o) {
-  // Data-parallel under mpirun: every rank draws the same windows and trains on its share
-  // of each batch; rank 0 alone prints and writes.
-  mt::distributed::init();
-  const bool root = mt::distributed::is_root();
-  const std::uint64_t seed = rank0_seed(o.seed);
-  const int world = mt::distributed::world_size();
-  if (o.batch < world)
-    throw mt::ValueError(fmt::format(
-        "--batch {} is smaller than the {} ranks: the batch is the global one, split across "
-        "the ranks",
-        o.batch, world));
-  if (o.width % o.heads != 0)
-    throw mt::ValueError(
-        fmt::format("--width {} is not a multiple of --heads {}", o.width, o.heads));
-  const std::string what = o.text.empty() ? std::string(kDefaultCorpus) : "'" + o.text + "'";
-  const Corpus corpus =
-      make_corpus(o.text.empty() ? default_corpus() : std::vector{split_tenth(read_file(o.text))},
-                  o.context, what);
-  const auto vocab = static_cast<std::int64_t>(corpus.vocab.size());
-  if (root)
-    fmt::print("corpus {}: {} training and {} validation bytes, vocabulary {}\n", what,
-               corpus.train.size(), corpus.val.size(), vocab);
-
-  mt::set_global_policy(o.policy);
-  mt::manual_seed(seed);
-  std::shared_ptr<mt::Model> model;
-  std::int64_t first_step = 0;
-  if (!o.resume.empty()) {
-    model = mt::load_model(o.resume);
-  } else {
-    model = make_model(o, vocab);
-  }
-  std::shared_ptr<mt::optim::Optimizer> optimizer =
-      std::make_shared<mt::optim::AdamW>(mt::optim::AdamWOptions{
-          .learning_rate = schedule(o),
-          .weight_decay = o.weight_decay,
-          .beta_1 = 0.9,
-          .beta_2 = o.beta_2,
-          .epsilon = 1e-8,
-          .clipping =
-              o.clip > 0 ? mt::optim::Clipping{.global_clipnorm = o.clip} : mt::optim::Clipping{}});
-  if (mt::Policy(o.policy).loss_scale())
-    optimizer = std::make_shared<mt::optim::LossScaleOptimizer>(optimizer,
-                                                                *mt::Policy(o.policy).loss_scale());
+// The model the options describe, new, or read from --resume and checked against them
+// (its architecture, this text's vocabulary, the policy); compiled with AdamW (compile puts
+// it in the chain the policy and the job need: a LossScaleOptimizer under mixed_float16, a
+// DistributedOptimizer under mpirun). Returns the model and the step to go on from.
+std::pair<std::shared_ptr<mt::Model>, std::int64_t> make_or_resume(const Options& o,
+                                                                   const Corpus& corpus) {
+  std::shared_ptr<mt::Model> model =
+      o.resume.empty() ? make_model(o, static_cast<std::int64_t>(corpus.vocab.size()))
+                       : mt::load_model(o.resume);
   model->compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
-                  .optimizer = optimizer});
-  if (!o.resume.empty()) {
-    // The file's model must be the one the options describe, and its vocabulary this text's.
-    const auto meta = mt::load_checkpoint(o.resume, *model, *model->optimizer()).metadata;
-    const auto want = [&](const char* key, const std::string& value) {
-      const auto it = meta.find(key);
-      if (it == meta.end())
-        throw mt::ValueError(
-            fmt::format("'{}' was not written by mixtape-charlm (no '{}')", o.resume, key));
-      if (it->second != value)
-        throw mt::ValueError(fmt::format(
-            "'{}' holds a model with {} {}, but this run has {} {} (give the same options, or "
-            "the same --text, as the run that saved it)",
-            o.resume, key, it->second, key, value));
-    };
-    want("layers", std::to_string(o.layers));
-    want("heads", std::to_string(o.heads));
-    want("width", std::to_string(o.width));
-    want("context", std::to_string(o.context));
-    want("vocabulary", vocab_hex(corpus.vocab));
-    want("policy", o.policy);
-    first_step = step_of(o.resume, meta);
-    if (root) fmt::print("resumed from {} at step {}\n", o.resume, first_step);
-  }
-  // The optimizer chain: under mpirun compile() put it in a DistributedOptimizer (gradients
-  // averaged across the ranks before the loss scale check, the clipping and AdamW).
-  const std::shared_ptr<mt::optim::Optimizer>& chain = model->optimizer();
-  mt::optim::DistributedOptimizer* dopt = chain->distributed_optimizer();
-  const mt::optim::LossScaleOptimizer* lso = chain->loss_scale_optimizer();
-  if (root)
-    fmt::print("model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}\n",
-               o.layers, o.heads, o.width, o.context, model->count_params(), o.policy);
+                  .optimizer = mt::optim::AdamW(
+                      {.learning_rate = schedule(o),
+                       .weight_decay = o.weight_decay,
+                       .beta_1 = 0.9,
+                       .beta_2 = o.beta_2,
+                       .epsilon = 1e-8,
+                       .clipping = o.clip > 0 ? mt::optim::Clipping{.global_clipnorm = o.clip}
+                                              : mt::optim::Clipping{}})});
+  if (o.resume.empty()) return {model, 0};
+  const auto meta = mt::load_checkpoint(o.resume, *model, *model->optimizer()).metadata;
+  const auto want = [&](const char* key, const std::string& value) {
+    const auto it = meta.find(key);
+    if (it == meta.end())
+      throw mt::ValueError(
+          fmt::format("'{}' was not written by mixtape-charlm (no '{}')", o.resume, key));
+    if (it->second != value)
+      throw mt::ValueError(fmt::format(
+          "'{}' holds a model with {} {}, but this run has {} {} (give the same options, or "
+          "the same --text, as the run that saved it)",
+          o.resume, key, it->second, key, value));
+  };
+  want("layers", std::to_string(o.layers));
+  want("heads", std::to_string(o.heads));
+  want("width", std::to_string(o.width));
+  want("context", std::to_string(o.context));
+  want("vocabulary", vocab_hex(corpus.vocab));
+  want("policy", o.policy);
+  return {model, step_of(o.resume, meta)};
+}
 
-  const auto loss_object = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
-  const auto vars = model->trainable_variables();
-  SplitMix64 rng{seed};
-  // Draws of the steps already done (resume): the data order continues where it stopped.
-  const auto span =
-      static_cast<std::uint64_t>(corpus.train.size()) - static_cast<std::uint64_t>(o.context);
-  for (std::int64_t s = 0; s < first_step * o.batch; ++s) rng.next();
+// The windows of each step, drawn from one SplitMix64 stream (as the PyTorch reference
+// draws them): the whole batch's offsets on every rank, then this rank's share.
+class Batches {
+ public:
+  Batches(const Corpus& c, const Options& o, std::uint64_t seed, std::int64_t first_step)
+      : data_(c.train), batch_(o.batch), context_(o.context), rng_{seed} {
+    // Draws of the steps already done (resume): the data order continues where it stopped.
+    for (std::int64_t s = 0; s < first_step * o.batch; ++s) rng_.next();
+  }
+  // This rank's inputs and targets for the next step, and its share of the batch.
+  std::tuple<mt::Tensor, mt::Tensor, double> next() {
+    const auto span =
+        static_cast<std::uint64_t>(data_.size()) - static_cast<std::uint64_t>(context_);
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(batch_));
+    for (auto& off : offsets) off = static_cast<std::int64_t>(rng_.next() % span);
+    const auto [w0, w1] = mt::distributed::shard(batch_);
+    auto [x, y] = windows(data_, {offsets.begin() + w0, offsets.begin() + w1}, context_);
+    return {x, y, static_cast<double>(w1 - w0) / static_cast<double>(batch_)};
+  }
+
+ private:
+  const std::vector<std::int64_t>& data_;
+  std::int64_t batch_, context_;
+  SplitMix64 rng_;
+};
+
+// What the run prints: a progress line every --log-every steps (the mean loss of the window,
+// the learning rate, tokens/s over the steps after the first), and the totals.
+struct Progress {
   double train_seconds = 0, window_loss = 0;
   std::int64_t trained_tokens = 0, window_steps = 0, skipped_after_100 = 0;
+  double tokens_per_second() const {
+    return train_seconds > 0 ? static_cast<double>(trained_tokens) / train_seconds : 0.0;
+  }
+  void log(std::int64_t step, const mt::optim::Optimizer& chain) {
+    const mt::optim::LossScaleOptimizer* lso = chain.loss_scale_optimizer();
+    fmt::print(
+        "step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {:.0f} tokens/s{}\n", step,
+        window_loss / static_cast<double>(window_steps) / std::log(2.0),
+        chain.current_learning_rate(), tokens_per_second(),
+        lso ? fmt::format("  loss scale {:g} (skipped {})", lso->loss_scale(), lso->skipped_steps())
+            : "");
+    std::fflush(stdout);
+    window_loss = 0;
+    window_steps = 0;
+  }
+};
+
+// One training step: forward, loss, the chain's gradients and update. Whatever the chain
+// holds (loss scaling, the reduction across ranks) happens inside compute_gradients and
+// apply_gradients.
+mt::Tensor train_step(mt::Model& model, mt::optim::Optimizer& chain,
+                      const std::vector<mt::Variable>& vars, const mt::Tensor& x,
+                      const mt::Tensor& y) {
+  const auto loss_object = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
+  mt::GradientTape tape;
+  const mt::Tensor logits = model(x, {.training = true});
+  const mt::Tensor loss =
+      loss_object(mt::reshape(y, {-1}), mt::reshape(logits, {-1, logits.dim(2)}));
+  chain.apply_gradients(chain.compute_gradients(tape, loss, vars), vars);
+  return loss;
+}
+
+// The steps first_step .. --steps - 1, with the progress lines and periodic validation.
+Progress train(mt::Model& model, const Options& o, const Corpus& corpus, std::uint64_t seed,
+               std::int64_t first_step) {
+  const bool root = mt::distributed::is_root();
+  mt::optim::Optimizer& chain = *model.optimizer();
+  mt::optim::DistributedOptimizer* dopt = chain.distributed_optimizer();
+  const mt::optim::LossScaleOptimizer* lso = chain.loss_scale_optimizer();
+  const std::vector<mt::Variable> vars = model.trainable_variables();
+  Batches batches(corpus, o, seed, first_step);
+  Progress p;
   for (std::int64_t step = first_step; step < o.steps; ++step) {
-    std::vector<std::int64_t> offsets(static_cast<std::size_t>(o.batch));
-    for (auto& off : offsets) off = static_cast<std::int64_t>(rng.next() % span);
     const auto start = std::chrono::steady_clock::now();
-    // This rank's share of the batch's windows (all of them on one process).
-    const auto [w0, w1] = mt::distributed::shard(o.batch);
-    const std::vector<std::int64_t> mine(offsets.begin() + w0, offsets.begin() + w1);
-    auto [x, y] = windows(corpus.train, mine, o.context);
-    const double share = static_cast<double>(w1 - w0) / static_cast<double>(o.batch);
+    const auto [x, y, share] = batches.next();
     if (dopt) dopt->set_gradient_weight(share);
-    mt::Tensor loss;
-    {
-      mt::GradientTape tape;
-      const mt::Tensor logits = (*model)(x, {.training = true});
-      loss = loss_object(mt::reshape(y, {-1}), mt::reshape(logits, {-1, vocab}));
-      chain->apply_gradients(chain->compute_gradients(tape, loss, vars), vars);
-    }
-    if (lso && lso->last_step_skipped() && step >= 100) ++skipped_after_100;
+    const mt::Tensor loss = train_step(model, chain, vars, x, y);
+    if (lso && lso->last_step_skipped() && step >= 100) ++p.skipped_after_100;
     // The batch's loss: every rank's share, weighted.
-    const double l = world > 1 ? mt::distributed::all_reduce_value(loss.item<double>() * share)
-                               : loss.item<double>();
+    const double l = mt::distributed::world_size() > 1
+                         ? mt::distributed::all_reduce_value(loss.item<double>() * share)
+                         : loss.item<double>();
     if (step > first_step) {  // the first step builds and warms up: not timed
-      train_seconds +=
+      p.train_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      trained_tokens += o.batch * o.context;
+      p.trained_tokens += o.batch * o.context;
     }
-    window_loss += l;
-    ++window_steps;
-    if (root && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) {
-      fmt::print("step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {:.0f} tokens/s{}\n", step + 1,
-                 window_loss / window_steps / std::log(2.0), chain->current_learning_rate(),
-                 train_seconds > 0 ? static_cast<double>(trained_tokens) / train_seconds : 0.0,
-                 lso ? fmt::format("  loss scale {:g} (skipped {})", lso->loss_scale(),
-                                   lso->skipped_steps())
-                     : "");
-      std::fflush(stdout);
-      window_loss = 0;
-      window_steps = 0;
-    }
+    p.window_loss += l;
+    ++p.window_steps;
+    if (root && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) p.log(step + 1, chain);
     if (o.eval_every > 0 && (step + 1) % o.eval_every == 0 && step + 1 != o.steps) {
-      const double v = bits_per_char(*model, corpus.val, o.context, o.batch, o.eval_windows);
+      const double v = bits_per_char(model, corpus.val, o.context, o.batch, o.eval_windows);
       if (root)
         fmt::print("step {:>6}  validation {:.4f} bits/char ({} windows)\n", step + 1, v,
                    o.eval_windows);
@@ -545,17 +550,51 @@ int run(const Options& o) {
       throw mt::NumericError(
           fmt::format("the loss is {} at step {}: the model diverged", l, step + 1));
   }
+  return p;
+}
+
+int run(const Options& o) {
+  // Data-parallel under mpirun: every rank draws the same windows and trains on its share
+  // of each batch; rank 0 alone prints and writes.
+  mt::distributed::init();
+  const bool root = mt::distributed::is_root();
+  const std::uint64_t seed = rank0_seed(o.seed);
+  if (o.batch < mt::distributed::world_size())
+    throw mt::ValueError(fmt::format(
+        "--batch {} is smaller than the {} ranks: the batch is the global one, split across "
+        "the ranks",
+        o.batch, mt::distributed::world_size()));
+  if (o.width % o.heads != 0)
+    throw mt::ValueError(
+        fmt::format("--width {} is not a multiple of --heads {}", o.width, o.heads));
+  const std::string what = o.text.empty() ? std::string(kDefaultCorpus) : "'" + o.text + "'";
+  const Corpus corpus =
+      make_corpus(o.text.empty() ? default_corpus() : std::vector{split_tenth(read_file(o.text))},
+                  o.context, what);
+  if (root)
+    fmt::print("corpus {}: {} training and {} validation bytes, vocabulary {}\n", what,
+               corpus.train.size(), corpus.val.size(), corpus.vocab.size());
+
+  mt::set_global_policy(o.policy);
+  mt::manual_seed(seed);
+  const auto [model, first_step] = make_or_resume(o, corpus);
+  if (root && !o.resume.empty()) fmt::print("resumed from {} at step {}\n", o.resume, first_step);
+  if (root)
+    fmt::print("model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}\n",
+               o.layers, o.heads, o.width, o.context, model->count_params(), o.policy);
+
+  const Progress p = train(*model, o, corpus, seed, first_step);
 
   const double val = bits_per_char(*model, corpus.val, o.context, o.batch, 0);
   if (!root) return 0;
   fmt::print("validation loss {:.4f} bits/char after {} steps ({} tokens)\n", val, o.steps,
              corpus.val.size());
-  if (trained_tokens > 0)
-    fmt::print("training throughput {:.0f} tokens/s ({:.1f} s of steps)\n",
-               static_cast<double>(trained_tokens) / train_seconds, train_seconds);
-  if (lso)
+  if (p.trained_tokens > 0)
+    fmt::print("training throughput {:.0f} tokens/s ({:.1f} s of steps)\n", p.tokens_per_second(),
+               p.train_seconds);
+  if (const mt::optim::LossScaleOptimizer* lso = model->optimizer()->loss_scale_optimizer())
     fmt::print("loss scale {:g}; skipped steps {} ({} after step 100)\n", lso->loss_scale(),
-               lso->skipped_steps(), skipped_after_100);
+               lso->skipped_steps(), p.skipped_after_100);
   if (o.sample_chars > 0)
     fmt::print("sample (temperature {}, top-k {}):\n{}\n", o.temperature, o.top_k,
                sample(*model, corpus, corpus.val, o.context, o.sample_chars, o.temperature, o.top_k,

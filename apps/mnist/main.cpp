@@ -483,25 +483,25 @@ class SinkCallback : public mt::Callback {
   Clock::time_point start_, last_;
 };
 
-// The guide's custom training loop, with the same per-epoch output as fit.
+// The guide's custom training loop, with the same per-epoch output as fit. The step is the
+// same whatever the policy and the number of processes: the optimizer chain compile() made
+// (a LossScaleOptimizer under mixed_float16, a DistributedOptimizer outside it under mpirun)
+// scales, reduces, unscales and checks inside compute_gradients and apply_gradients.
 void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const mt::Tensor& y,
                  const mt::Tensor& x_val, const mt::Tensor& y_val, std::int64_t batch_size,
                  int start_epoch, EpochSink& sink) {
-  // The optimizer chain does the policy's and the job's parts of a step: a loss scale
-  // optimizer under mixed_float16, and under mpirun the DistributedOptimizer compile()
-  // wrapped it in (the custom loop of one process needs exactly that line more:
-  // mt::optim::DistributedOptimizer opt(...)).
-  auto optimizer = model.optimizer();
+  const std::shared_ptr<mt::optim::Optimizer>& optimizer = model.optimizer();
   mt::optim::DistributedOptimizer* dopt = optimizer->distributed_optimizer();
   const mt::optim::LossScaleOptimizer* lso = optimizer->loss_scale_optimizer();
   const mt::losses::Loss& loss_object = model.loss();
-  const std::int64_t n = x.dim(0);
-  const int world = mt::distributed::world_size();
+  const std::vector<mt::Variable> vars = model.trainable_variables();
   for (int epoch = start_epoch; epoch < o.epochs; ++epoch) {
-    // A shuffle seeded by (seed, epoch): a resumed run replays the same batches.
+    // A shuffle seeded by (seed, epoch): a resumed run replays the same batches. Each rank
+    // takes its share of every batch (all of it on one process).
     auto train_ds = mt::data::Dataset::from_tensors(x, y)
-                        .shuffle(n, o.seed * 1000003ULL + static_cast<std::uint64_t>(epoch))
-                        .batch(batch_size);
+                        .shuffle(x.dim(0), o.seed * 1000003ULL + static_cast<std::uint64_t>(epoch))
+                        .batch(batch_size)
+                        .shard(mt::distributed::rank(), mt::distributed::world_size());
     // On a GPU the next batch is gathered and copied while the current step runs; on the
     // CPU a second thread would only compete with the step's own OpenMP threads.
     if (model.device().is_cuda()) train_ds = train_ds.to(model.device()).prefetch(2);
@@ -509,33 +509,23 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
     mt::metrics::SparseCategoricalAccuracy train_accuracy("accuracy");
     const std::int64_t skipped_before = lso ? lso->skipped_steps() : 0;
     const auto start = std::chrono::steady_clock::now();
-    std::int64_t local_rows = 0;
-    for (auto& [xb_global, yb_global] : train_ds) {
-      // This rank's share of the global batch (all of it on one process).
-      const std::int64_t rows = xb_global.dim(0);
-      const auto [r0, r1] = mt::distributed::shard(rows);
-      if (dopt) dopt->set_gradient_weight(static_cast<double>(r1 - r0) / static_cast<double>(rows));
-      const mt::Tensor xb = xb_global.slice(0, r0, r1).to(model.device()),
-                       yb = yb_global.slice(0, r0, r1).to(model.device());
-      local_rows += r1 - r0;
-      const std::vector<mt::Variable> vars = model.trainable_variables();
+    std::int64_t rows = 0;
+    for (const auto& batch : train_ds) {
+      const auto& [xb, yb] = batch;
+      if (dopt) dopt->set_gradient_weight(batch.share());  // an uneven split weighs by rows
       mt::GradientTape tape;
-      auto predictions = model(xb, {.training = true});
-      auto loss = loss_object(yb, predictions);
+      const mt::Tensor predictions = model(xb, {.training = true});
+      const mt::Tensor loss = loss_object(yb, predictions);
       optimizer->apply_gradients(optimizer->compute_gradients(tape, loss, vars), vars);
       epoch_loss.update_state(loss, mt::full({}, static_cast<double>(xb.dim(0))));
       train_accuracy.update_state(yb, predictions.detach());
+      rows += xb.dim(0);
     }
     // result() reads the totals back from the model's device: on a GPU that waits for the
-    // epoch's last step, so the time is taken after it.
-    mt::Logs logs{{"loss", epoch_loss.result()}, {"accuracy", train_accuracy.result()}};
-    if (world > 1) {  // every rank's means, weighted by its samples
-      const double mine = static_cast<double>(local_rows);
-      const std::vector<double> sums =
-          mt::distributed::all_reduce_values({logs["loss"] * mine, logs["accuracy"] * mine, mine});
-      logs["loss"] = sums[0] / sums[2];
-      logs["accuracy"] = sums[1] / sums[2];
-    }
+    // epoch's last step, so the time is taken after it. Every rank's means, weighted by its
+    // samples.
+    mt::Logs logs = mt::optim::average_over_ranks(
+        {{"loss", epoch_loss.result()}, {"accuracy", train_accuracy.result()}}, rows);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (const auto& [k, v] : model.evaluate(x_val, y_val, {.batch_size = 1000}))
@@ -545,19 +535,120 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
       logs["skipped_steps"] = static_cast<double>(lso->skipped_steps() - skipped_before);
     }
     if (o.verbose > 0) {
-      fmt::print(
-          "Epoch {}/{} - {:.1f}s - {:.0f}us/sample - loss: {:.4f} - accuracy: {:.4f} - "
-          "val_loss: {:.4f} - val_accuracy: {:.4f}",
-          epoch + 1, o.epochs, seconds, seconds / static_cast<double>(n) * 1e6, logs["loss"],
-          logs["accuracy"], logs["val_loss"], logs["val_accuracy"]);
-      if (lso)
-        fmt::print(" - loss_scale: {:g} - skipped_steps: {:g}", logs["loss_scale"],
-                   logs["skipped_steps"]);
-      fmt::print("\n");
+      fmt::print("Epoch {}/{} - {:.1f}s - {:.0f}us/sample - {}\n", epoch + 1, o.epochs, seconds,
+                 seconds / static_cast<double>(x.dim(0)) * 1e6,
+                 mt::format_logs(logs, {"loss", "accuracy", "val_loss", "val_accuracy",
+                                        "loss_scale", "skipped_steps"}));
       std::fflush(stdout);
     }
-    sink.end_epoch(model, epoch, logs, seconds, n);
+    sink.end_epoch(model, epoch, logs, seconds, x.dim(0));
   }
+}
+
+// The files the options name, checked before the data is loaded (a download, maybe) and
+// anything is trained. The metrics file itself is created only when training starts: a run
+// that fails before leaves no (empty, or emptied) metrics file behind.
+void check_files(const Options& o) {
+  if (!o.save.empty()) check_writable("--save", o.save, /*in_place=*/false);
+  if (!o.plot.empty()) check_writable("--plot", o.plot, /*in_place=*/false);
+  if (!o.metrics_out.empty()) check_writable("--metrics-out", o.metrics_out, /*in_place=*/true);
+  if (!o.resume.empty()) check_readable("--resume", o.resume);
+}
+
+// The images as training uses them: uint8 images scaled to float32 in [0, 1] on the host,
+// int64 labels; the first --limit training images, the validation images (held out, or the
+// test set), and the test set.
+struct Data {
+  mt::Tensor x, y, x_val, y_val, x_test, y_test;
+};
+
+Data load_data(const Options& o) {
+  mt::datasets::LoadOptions load;
+  if (!o.data_dir.empty()) {
+    // An explicit directory must exist: falling back to the cache or a download would
+    // hide the mistake.
+    std::error_code ec;
+    if (!std::filesystem::is_directory(o.data_dir, ec))
+      throw mt::IOError(fmt::format(
+          "the data directory '{}' {}; point --data-dir at a directory with the four MNIST "
+          "IDX files, or leave it out to use the cache or a download",
+          o.data_dir,
+          std::filesystem::exists(o.data_dir, ec) ? "is not a directory" : "does not exist"));
+    load.data_dir = o.data_dir;
+  }
+  load.verbose = o.verbose > 0;
+  // Rank 0 reads (or downloads into the cache) first; the others then read the cache.
+  const auto read = [&] {
+    return o.dataset == "fashion" ? mt::datasets::fashion_mnist::load(load)
+                                  : mt::datasets::mnist::load(load);
+  };
+  std::optional<mt::datasets::Mnist> loaded;
+  if (mt::distributed::is_root()) loaded = read();
+  mt::distributed::barrier();
+  if (!loaded) loaded = read();
+  Data d{loaded->train.x, loaded->train.y, loaded->test.x,
+         loaded->test.y,  loaded->test.x,  loaded->test.y};
+  if (o.limit > 0 && o.limit < d.x.dim(0)) {
+    d.x = d.x.slice(0, 0, o.limit);
+    d.y = d.y.slice(0, 0, o.limit);
+  }
+  if (o.validation_split > 0.0) {
+    const auto n_train =
+        static_cast<std::int64_t>(static_cast<double>(d.x.dim(0)) * (1.0 - o.validation_split));
+    if (n_train < 1)
+      throw mt::ValueError(
+          fmt::format("--validation-split {} of {} training image{} leaves none to train on; use a "
+                      "smaller split or more images (--limit)",
+                      o.validation_split, d.x.dim(0), d.x.dim(0) == 1 ? "" : "s"));
+    d.x_val = d.x.slice(0, n_train, d.x.dim(0));
+    d.y_val = d.y.slice(0, n_train, d.y.dim(0));
+    d.x = d.x.slice(0, 0, n_train);
+    d.y = d.y.slice(0, 0, n_train);
+  }
+  return d;
+}
+
+// compile() with the options' optimizer and learning rate: constant, or a cosine decay to 0
+// over all the run's steps.
+void compile_model(mt::Model& model, const Options& o, std::int64_t samples,
+                   std::int64_t batch_size) {
+  const std::int64_t steps = (samples + batch_size - 1) / batch_size * std::max(o.epochs, 1);
+  const double base_lr = o.learning_rate > 0
+                             ? o.learning_rate
+                             : (o.model == "cnn" || o.model == "resnet" ? 2e-3 : 1e-3);
+  const mt::optim::LearningRate lr = o.schedule == "cosine"
+                                         ? mt::optim::schedules::cosine_decay(base_lr, steps)
+                                         : mt::optim::LearningRate(base_lr);
+  model.compile(
+      {.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = o.model != "guide"}),
+       .optimizer = o.model == "guide" ? mt::OptimizerRef(mt::optim::RMSprop({.learning_rate = lr}))
+                                       : mt::OptimizerRef(mt::optim::Adam({.learning_rate = lr})),
+       .metrics = {"accuracy"}});
+}
+
+// --resume: the checkpoint's weights and optimizer state, after checking that it was
+// written with these options; the epoch to go on from.
+int resume(mt::Model& model, const Options& o, const std::map<std::string, std::string>& meta) {
+  const mt::TrainingCheckpoint ckpt = mt::load_checkpoint(o.resume, model, *model.optimizer());
+  for (const char* key : {"model", "policy", "dataset"}) {
+    auto it = ckpt.metadata.find(key);
+    if (it != ckpt.metadata.end() && it->second != meta.at(key))
+      throw mt::ValueError(
+          fmt::format("checkpoint '{}' was written with --{} {}; resume with the "
+                      "same options (this run has --{} {})",
+                      o.resume, key, it->second, key, meta.at(key)));
+  }
+  auto planned = ckpt.metadata.find("epochs");
+  if (o.schedule != "constant" && planned != ckpt.metadata.end() &&
+      planned->second != std::to_string(o.epochs))
+    spdlog::warn(
+        "checkpoint '{}' was written by a run of --epochs {}; the {} learning-rate "
+        "schedule spans --epochs, so this run of --epochs {} follows another curve",
+        o.resume, planned->second, o.schedule, o.epochs);
+  if (o.verbose > 0)
+    fmt::print("Resumed from '{}' after epoch {} (optimizer step {})\n", o.resume, ckpt.epoch,
+               model.optimizer()->iterations());
+  return ckpt.epoch;
 }
 
 int run(Options o) {
@@ -575,149 +666,55 @@ int run(Options o) {
         "--batch-size {} is smaller than the {} ranks: the batch is the global one, split "
         "across the ranks",
         batch_size, mt::distributed::world_size()));
+  check_files(o);
+  Data data = load_data(o);
 
-  // Files to write and to read are checked before the data is loaded (a download, maybe)
-  // and anything is trained. The metrics file itself is created only when training starts:
-  // a run that fails before leaves no (empty, or emptied) metrics file behind.
-  if (!o.save.empty()) check_writable("--save", o.save, /*in_place=*/false);
-  if (!o.plot.empty()) check_writable("--plot", o.plot, /*in_place=*/false);
-  if (!o.metrics_out.empty()) check_writable("--metrics-out", o.metrics_out, /*in_place=*/true);
-  if (!o.resume.empty()) check_readable("--resume", o.resume);
-  EpochSink sink{o, {}, std::nullopt, {}};
-
-  // --- Data: uint8 images scaled to float32 in [0, 1] on the host, int64 labels ---------
-  mt::datasets::LoadOptions load;
-  if (!o.data_dir.empty()) {
-    // An explicit directory must exist: falling back to the cache or a download would
-    // hide the mistake.
-    std::error_code ec;
-    if (!std::filesystem::is_directory(o.data_dir, ec))
-      throw mt::IOError(fmt::format(
-          "the data directory '{}' {}; point --data-dir at a directory with the four MNIST "
-          "IDX files, or leave it out to use the cache or a download",
-          o.data_dir,
-          std::filesystem::exists(o.data_dir, ec) ? "is not a directory" : "does not exist"));
-    load.data_dir = o.data_dir;
-  }
-  load.verbose = o.verbose > 0;
-  // Rank 0 reads (or downloads into the cache) first; the others then read the cache.
-  const auto load_data = [&] {
-    return o.dataset == "fashion" ? mt::datasets::fashion_mnist::load(load)
-                                  : mt::datasets::mnist::load(load);
-  };
-  std::optional<mt::datasets::Mnist> loaded;
-  if (mt::distributed::is_root()) loaded = load_data();
-  mt::distributed::barrier();
-  if (!loaded) loaded = load_data();
-  const mt::datasets::Mnist& data = *loaded;
-  mt::Tensor x = data.train.x, y = data.train.y;
-  if (o.limit > 0 && o.limit < x.dim(0)) {
-    x = x.slice(0, 0, o.limit);
-    y = y.slice(0, 0, o.limit);
-  }
-  mt::Tensor x_val = data.test.x, y_val = data.test.y;
-  if (o.validation_split > 0.0) {
-    const auto n_train =
-        static_cast<std::int64_t>(static_cast<double>(x.dim(0)) * (1.0 - o.validation_split));
-    x_val = x.slice(0, n_train, x.dim(0));
-    y_val = y.slice(0, n_train, y.dim(0));
-    if (n_train < 1)
-      throw mt::ValueError(
-          fmt::format("--validation-split {} of {} training image{} leaves none to train on; use a "
-                      "smaller split or more images (--limit)",
-                      o.validation_split, x.dim(0), x.dim(0) == 1 ? "" : "s"));
-    x = x.slice(0, 0, n_train);
-    y = y.slice(0, 0, n_train);
-  }
-
-  // --- Model --------------------------------------------------------------------------------
   std::unique_ptr<mt::Model> model = build_model(o, units);
   model->build_for({-1, 28, 28});
   model->to(device);
   // On a GPU the images live there for the whole run (188 MB of float32 for MNIST): fit
   // and the custom loop then gather each batch on the device instead of copying it from
   // the host every step, which cost the guide model more than its GEMMs did on an H200.
-  if (device.is_cuda()) {
-    x = x.to(device);
-    y = y.to(device);
-    x_val = x_val.to(device);
-    y_val = y_val.to(device);
-  }
-  const bool logits = o.model != "guide";
-  // The learning rate: constant, or a cosine decay to 0 over all the run's steps.
-  const std::int64_t steps = (x.dim(0) + batch_size - 1) / batch_size * std::max(o.epochs, 1);
-  const double base_lr = o.learning_rate > 0
-                             ? o.learning_rate
-                             : (o.model == "cnn" || o.model == "resnet" ? 2e-3 : 1e-3);
-  const mt::optim::LearningRate lr = o.schedule == "cosine"
-                                         ? mt::optim::schedules::cosine_decay(base_lr, steps)
-                                         : mt::optim::LearningRate(base_lr);
-  model->compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = logits}),
-                  .optimizer = o.model == "guide"
-                                   ? mt::OptimizerRef(mt::optim::RMSprop({.learning_rate = lr}))
-                                   : mt::OptimizerRef(mt::optim::Adam({.learning_rate = lr})),
-                  .metrics = {"accuracy"}});
+  if (device.is_cuda())
+    for (mt::Tensor* t : {&data.x, &data.y, &data.x_val, &data.y_val}) *t = t->to(device);
+  compile_model(*model, o, data.x.dim(0), batch_size);
+  EpochSink sink{o, {}, std::nullopt, {}};
   sink.metadata = {{"model", o.model},       {"policy", o.policy},
                    {"dataset", o.dataset},   {"seed", std::to_string(o.seed)},
                    {"schedule", o.schedule}, {"epochs", std::to_string(o.epochs)}};
-
   if (o.verbose > 0) {
     fmt::print(
         "mixtape-mnist: model {}, policy {}, device {}, {} training images, {} validation "
         "images ({}{}), batch {}, {}\n",
-        o.model, o.policy, device, x.dim(0), x_val.dim(0), o.dataset,
+        o.model, o.policy, device, data.x.dim(0), data.x_val.dim(0), o.dataset,
         o.validation_split > 0.0 ? ", held out from training" : " test set", batch_size,
         o.custom_loop ? "custom GradientTape loop" : "Model.fit");
     model->summary();
   }
   if (o.trace_dtypes) {
-    const mt::DTypeTrace trace = mt::trace_dtypes(*model, x.slice(0, 0, 8).to(device));
+    const mt::DTypeTrace trace = mt::trace_dtypes(*model, data.x.slice(0, 0, 8).to(device));
     fmt::print("Which dtypes each layer used (input, weights, computation, output):\n{}",
                trace.table());
   }
-
-  int start_epoch = 0;
-  if (!o.resume.empty()) {
-    const mt::TrainingCheckpoint ckpt = mt::load_checkpoint(o.resume, *model, *model->optimizer());
-    for (const char* key : {"model", "policy", "dataset"}) {
-      auto it = ckpt.metadata.find(key);
-      if (it != ckpt.metadata.end() && it->second != sink.metadata[key])
-        throw mt::ValueError(
-            fmt::format("checkpoint '{}' was written with --{} {}; resume with the "
-                        "same options (this run has --{} {})",
-                        o.resume, key, it->second, key, sink.metadata[key]));
-    }
-    auto planned = ckpt.metadata.find("epochs");
-    if (o.schedule != "constant" && planned != ckpt.metadata.end() &&
-        planned->second != std::to_string(o.epochs))
-      spdlog::warn(
-          "checkpoint '{}' was written by a run of --epochs {}; the {} learning-rate "
-          "schedule spans --epochs, so this run of --epochs {} follows another curve",
-          o.resume, planned->second, o.schedule, o.epochs);
-    start_epoch = ckpt.epoch;
-    if (o.verbose > 0)
-      fmt::print("Resumed from '{}' after epoch {} (optimizer step {})\n", o.resume, start_epoch,
-                 model->optimizer()->iterations());
-  }
+  const int start_epoch = o.resume.empty() ? 0 : resume(*model, o, sink.metadata);
 
   // --- Training ------------------------------------------------------------------------------
   if (!o.metrics_out.empty()) sink.metrics.emplace(o.metrics_out);
   if (o.custom_loop) {
-    custom_loop(*model, o, x, y, x_val, y_val, batch_size, start_epoch, sink);
+    custom_loop(*model, o, data.x, data.y, data.x_val, data.y_val, batch_size, start_epoch, sink);
   } else {
-    auto callback = std::make_shared<SinkCallback>(sink, x.dim(0));
-    model->fit(x, y,
+    model->fit(data.x, data.y,
                {.batch_size = batch_size,
                 .epochs = o.epochs,
-                .validation_data = std::make_pair(x_val, y_val),
+                .validation_data = std::make_pair(data.x_val, data.y_val),
                 .seed = o.seed,
                 .verbose = o.verbose,
-                .callbacks = {callback},
+                .callbacks = {std::make_shared<SinkCallback>(sink, data.x.dim(0))},
                 .initial_epoch = start_epoch});
   }
 
   // --- Test accuracy -------------------------------------------------------------------------
-  const mt::Logs scores = model->evaluate(data.test.x, data.test.y, {.batch_size = 1000});
+  const mt::Logs scores = model->evaluate(data.x_test, data.y_test, {.batch_size = 1000});
   if (!mt::distributed::is_root()) return 0;
   fmt::print("Test loss: {:.4f}\nTest accuracy: {:.4f}\n", scores.at("loss"),
              scores.at("accuracy"));

@@ -14,6 +14,7 @@
 // output is float16 or bfloat16 says so once in the log and in its summary.
 #pragma once
 
+#include <chrono>
 #include <concepts>
 #include <cstdint>
 #include <map>
@@ -25,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "mixtape/data/dataset.h"
 #include "mixtape/layers/layer.h"
 #include "mixtape/layers/losses.h"
 #include "mixtape/layers/metrics.h"
@@ -144,20 +146,57 @@ struct CompileOptions {
 // Values by name: "loss", "accuracy", "val_loss", ...
 using Logs = std::map<std::string, double>;
 
+// "loss: 0.1234 - accuracy: 0.9876": the values of `keys` that `logs` holds, in that order,
+// as fit prints them (loss_scale and skipped_steps as numbers, the others to 4 decimals).
+std::string format_logs(const Logs& logs, const std::vector<std::string>& keys);
+
+// What fit tells its callbacks before training starts (Keras' callback params).
+struct TrainParams {
+  int epochs = 0;                             // FitOptions::epochs (the last epoch is epochs - 1)
+  std::int64_t steps = 0;                     // batches per epoch
+  std::int64_t samples = 0;                   // training samples per epoch, all ranks' together
+  int verbose = 0;                            // FitOptions::verbose
+  std::vector<std::string> metric_keys = {};  // "loss", each output's loss, the metrics
+};
+
 // Hooks into fit(). Set model.stop_training() from one to end training after the epoch.
 class Callback {
  public:
   virtual ~Callback() = default;
+  virtual void set_params(const TrainParams&) {}
   virtual void on_train_begin(Model&) {}
   virtual void on_epoch_begin(Model&, int /*epoch*/) {}
   virtual void on_batch_end(Model&, std::int64_t /*batch*/, const Logs& /*logs*/) {}
-  // Whether on_batch_end reads its logs. The batch's loss and metrics live on the model's
-  // device; reading them is a host synchronisation per step on a GPU, which fit skips when
-  // no callback wants them and no progress bar is drawn: on_batch_end then gets empty logs,
-  // except at the epoch's last batch (read, so the device has finished the epoch's work).
+  // Whether the next on_batch_end reads its logs (asked after each batch's step). The
+  // batch's loss and metrics live on the model's device; reading them is a host
+  // synchronisation per step on a GPU, which fit skips when no callback wants them:
+  // on_batch_end then gets empty logs, except at the epoch's last batch (read, so the device
+  // has finished the epoch's work).
   virtual bool wants_batch_logs() const { return true; }
   virtual void on_epoch_end(Model&, int /*epoch*/, const Logs& /*logs*/) {}
   virtual void on_train_end(Model&, const Logs& /*logs*/) {}
+};
+
+// fit's progress output, as Keras' ProgbarLogger: "Epoch 2/5", then with verbose 1 on a
+// terminal a progress bar redrawn at most every 0.1 s (the running loss and metrics, the
+// ETA), and a line per epoch: steps, time, us/sample, the epoch's logs (validation, loss
+// scale and skipped steps included). fit adds one, before the callbacks given, when
+// verbose > 0 (on rank 0 alone in a data-parallel job).
+class ProgbarLogger : public Callback {
+ public:
+  explicit ProgbarLogger(int verbose = 1) : verbose_(verbose) {}
+  void set_params(const TrainParams& params) override;
+  void on_epoch_begin(Model&, int epoch) override;
+  bool wants_batch_logs() const override;
+  void on_batch_end(Model&, std::int64_t batch, const Logs& logs) override;
+  void on_epoch_end(Model&, int epoch, const Logs& logs) override;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  int verbose_;
+  bool bar_ = false;  // verbose 1 on a terminal
+  TrainParams params_;
+  Clock::time_point start_, last_print_, end_;
 };
 
 // Stops training when `monitor` has not improved by min_delta for `patience` epochs.
@@ -205,6 +244,8 @@ struct ValidationData {
   std::vector<Tensor> ys = {};
 };
 
+// fit's options. batch_size, validation_split, shuffle and seed are those of the tensor
+// forms (fit of a Dataset: its own batches and order; batch_size then serves validation).
 struct FitOptions {
   std::int64_t batch_size = 32;
   int epochs = 1;
@@ -342,10 +383,22 @@ class Model : public layers::Layer {
   // Inputs) and one of labels (in the order of its outputs): fit({xa, xb}, {ya, yb}); the
   // logs then hold "loss" (the weighted sum), "<output>_loss" and "<output>_<metric>".
 
-  // Trains on (x, y) in batches along axis 0. Prints per epoch (verbose) the loss, the
-  // metrics, the validation ones, the time, us/sample, and under loss scaling the scale and
-  // the skipped steps. Throws ValueError for no training samples, a batch_size <= 0, epochs
-  // or initial_epoch < 0.
+  // Trains on the batches of a Dataset (mixtape/data/dataset.h), each epoch e its
+  // train.epoch(e): the main form, which the tensor forms build on. Every element is one
+  // batch (inputs and labels as the model takes them); every batch must have the shapes and
+  // dtypes of the first apart from axis 0 (ShapeError naming the batch otherwise). A
+  // ProgbarLogger prints per epoch (verbose) the loss, the metrics, the validation ones
+  // (validation_data), the time, us/sample, and under loss scaling the scale and the skipped
+  // steps. batch_size serves validation alone; shuffle and seed belong to the Dataset;
+  // validation_split needs tensors (ValueError). Data-parallel (several ranks): every rank
+  // passes the same pipeline with .shard(rank, world) after its batch(); each steps on its
+  // share, weighted by Element::share(). Throws ValueError for epochs or initial_epoch < 0.
+  History fit(const data::Dataset& train, FitOptions options = {});
+  // Trains on (x, y) in batches along axis 0: fit of
+  // from_tensors(x, y).shuffle_all(seed).batch(batch_size) (no shuffle_all without
+  // options.shuffle; .shard(rank, world) under several ranks: each takes its share of every
+  // global batch), after holding out validation_split. Throws ValueError for no training
+  // samples, a batch_size <= 0 (or below the number of ranks), epochs or initial_epoch < 0.
   History fit(const Tensor& x, const Tensor& y, FitOptions options = {});
   History fit(const std::vector<Tensor>& x, const std::vector<Tensor>& y, FitOptions options = {});
   // One training step on a batch: the loss and metric values of the batch. An empty batch
@@ -410,6 +463,19 @@ class Model : public layers::Layer {
     std::vector<Tensor> parts;
   };
   StepLosses run_train_step(const std::vector<Tensor>& x, const std::vector<Tensor>& y);
+  // fit's parts: its checks of tensors and validation data; the ranks' agreement (rank 0's
+  // weights, and its shuffling seed when given); the epochs; one epoch's batches.
+  struct FitTensors {
+    std::vector<Tensor> x, y, x_val, y_val;
+  };
+  FitTensors fit_tensors(const std::string& who, const std::vector<Tensor>& x,
+                         const std::vector<Tensor>& y, const FitOptions& o) const;
+  void validation_tensors(const std::string& who, const ValidationData& v, std::vector<Tensor>& x,
+                          std::vector<Tensor>& y) const;
+  void synchronize_ranks(const std::string& who, std::uint64_t* seed);
+  History train_on(const std::string& who, const data::Dataset& train, const FitOptions& o);
+  Logs train_epoch(const std::string& who, const data::Dataset::Epoch& batches, std::int64_t steps,
+                   const std::vector<std::shared_ptr<Callback>>& callbacks);
   // The weighted loss of a batch; each output's (unweighted) loss into `per_output`.
   Tensor batch_loss(const std::vector<Tensor>& y, const std::vector<Tensor>& pred,
                     std::vector<Tensor>* per_output);

@@ -27,7 +27,9 @@
 
 #include <concepts>
 #include <cstddef>
+#include <map>
 #include <memory>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
@@ -146,5 +148,12 @@ class DistributedOptimizer : public Optimizer {
   // LossScaleOptimizer around this one unscales them).
   bool chain_reduced_ = false;
 };
+
+// Logs (name -> value, such as Model::fit's) averaged over the ranks, each rank's values
+// weighted by the rows they come from (a rank without rows adds nothing): the numbers one
+// process would log over all rows. Every rank calls it at the same point, with the same
+// keys; one process gets its logs as they are.
+std::map<std::string, double> average_over_ranks(const std::map<std::string, double>& logs,
+                                                 std::int64_t rows);
 
 }  // namespace mixtape::optim
