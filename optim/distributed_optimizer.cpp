@@ -60,13 +60,20 @@ DistributedOptimizer::DistributedOptimizer(std::shared_ptr<Optimizer> inner,
   if (!inner_) throw ValueError("DistributedOptimizer: the wrapped optimizer is empty");
   if (dynamic_cast<DistributedOptimizer*>(inner_.get()))
     throw ValueError("DistributedOptimizer: cannot wrap another DistributedOptimizer");
+  wrap(*inner_, *this);
 }
 
 DistributedOptimizer::DistributedOptimizer(const DistributedOptimizer& other)
     : Optimizer(other),
       inner_(other.inner_->clone()),
       options_(other.options_),
-      weight_(other.weight_) {}
+      weight_(other.weight_) {
+  wrap(*inner_, *this);
+}
+
+DistributedOptimizer::~DistributedOptimizer() {
+  if (inner_) unwrap(*inner_);
+}
 
 void DistributedOptimizer::synchronize(const std::string& who, const std::string& description,
                                        const std::vector<Variable>& variables,
@@ -343,6 +350,7 @@ void DistributedOptimizer::apply_gradients(const std::vector<Tensor>& grads,
         fmt::format("DistributedOptimizer::apply_gradients: {} gradients for {} "
                     "variables",
                     grads.size(), variables.size()));
+  check_not_bypassed();
   std::vector<Tensor> reduced;
   if (std::exchange(chain_reduced_, false) || all_in(grads, reduced_ids_)) {
     reduced = grads;
@@ -351,6 +359,7 @@ void DistributedOptimizer::apply_gradients(const std::vector<Tensor>& grads,
     reduced = reduce(grads, as_tensors(variables), take_weight());
   }
   reduced_ids_.clear();
+  const WrapperCall call(*inner_);
   inner_->apply_gradients(reduced, variables);
 }
 

@@ -15,6 +15,11 @@ GradientAccumulationOptimizer::GradientAccumulationOptimizer(std::shared_ptr<Opt
   if (steps_ < 1)
     throw ValueError(fmt::format(
         "GradientAccumulationOptimizer: gradient_accumulation_steps must be >= 1; got {}", steps_));
+  wrap(*inner_, *this);
+}
+
+GradientAccumulationOptimizer::~GradientAccumulationOptimizer() {
+  if (inner_) unwrap(*inner_);
 }
 
 GradientAccumulationOptimizer::GradientAccumulationOptimizer(
@@ -24,7 +29,9 @@ GradientAccumulationOptimizer::GradientAccumulationOptimizer(
       steps_(other.steps_),
       count_(other.count_),
       sums_(other.sums_),  // never changed in place: sharing them is a copy
-      variables_(other.variables_) {}
+      variables_(other.variables_) {
+  wrap(*inner_, *this);
+}
 
 void GradientAccumulationOptimizer::apply_gradients(const std::vector<Tensor>& grads,
                                                     const std::vector<Variable>& variables) {
@@ -32,6 +39,7 @@ void GradientAccumulationOptimizer::apply_gradients(const std::vector<Tensor>& g
     throw ValueError(
         fmt::format("GradientAccumulationOptimizer::apply_gradients: {} gradients for {} variables",
                     grads.size(), variables.size()));
+  check_not_bypassed();
   std::vector<std::uint64_t> ids;
   for (const Variable& v : variables) ids.push_back(v.id());
   if (count_ > 0 && ids != variables_)
@@ -59,6 +67,7 @@ void GradientAccumulationOptimizer::apply_gradients(const std::vector<Tensor>& g
   count_ = 0;
   sums_.clear();
   variables_.clear();
+  const WrapperCall call(*inner_);
   inner_->apply_gradients(mean, variables);
 }
 

@@ -45,6 +45,11 @@ LossScaleOptimizer::LossScaleOptimizer(std::shared_ptr<Optimizer> inner, LossSca
                                  options_.max_consecutive_skips));
   // The gradients it hands over are checked already.
   inner_->set_check_finite(false);
+  wrap(*inner_, *this);
+}
+
+LossScaleOptimizer::~LossScaleOptimizer() {
+  if (inner_) unwrap(*inner_);
 }
 
 LossScaleOptimizer::LossScaleOptimizer(const LossScaleOptimizer& other)
@@ -57,7 +62,10 @@ LossScaleOptimizer::LossScaleOptimizer(const LossScaleOptimizer& other)
       applied_(other.applied_),
       skipped_(other.skipped_),
       consecutive_skips_(other.consecutive_skips_),
-      last_skipped_(other.last_skipped_) {}
+      last_skipped_(other.last_skipped_) {
+  inner_->set_check_finite(false);
+  wrap(*inner_, *this);
+}
 
 Tensor LossScaleOptimizer::get_scaled_loss(const Tensor& loss) const {
   if (!loss.defined()) throw ValueError("LossScaleOptimizer::get_scaled_loss: undefined loss");
@@ -118,8 +126,10 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
         fmt::format("LossScaleOptimizer::apply_gradients: {} gradients for {} "
                     "variables",
                     grads.size(), variables.size()));
+  check_not_bypassed();
   sync_step();
   const std::vector<Tensor> flags = flags_for(grads);
+  const WrapperCall call(*inner_);
   unscaled_ids_.clear();
   unscaled_flags_.clear();
   if (decide_on_device(flags, variables)) {

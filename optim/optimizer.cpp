@@ -109,7 +109,9 @@ Optimizer::Optimizer(const Optimizer& other)
     : learning_rate_(other.learning_rate_),
       clipping_(other.clipping_),
       iterations_(other.iterations_),
-      check_finite_(other.check_finite_) {
+      // A copy of a wrapped optimizer stands alone: it checks its gradients again (a
+      // LossScaleOptimizer turned the original's check off; its own copy turns it off again).
+      check_finite_(other.wrappers_ > 0 || other.check_finite_) {
   for (const auto& [id, slots] : other.slots_) {
     std::vector<Variable> copies;
     for (const auto& s : slots) copies.emplace_back(s, s.name(), false);
@@ -181,8 +183,25 @@ void Optimizer::apply_gradients(const std::vector<Tensor>& grads,
   step(grads, variables, Tensor());
 }
 
+void Optimizer::wrap(Optimizer& inner, const Optimizer& wrapper) {
+  ++inner.wrappers_;
+  inner.wrapper_name_ = wrapper.name();
+}
+
+void Optimizer::check_not_bypassed() const {
+  if (wrappers_ == 0 || calls_from_wrapper_ > 0) return;
+  throw ValueError(fmt::format(
+      "{}: this optimizer is wrapped by a {} (made around it, or by compile() under a policy "
+      "with a loss scale or on several ranks), which makes its steps; a step of its own would "
+      "bypass the wrapper (its loss scaling, its finiteness check, its reduction across ranks). "
+      "Step through the wrapper (model.optimizer() of the model it was compiled into), or give "
+      "this model or loop an optimizer of its own (a new {}, or clone())",
+      name(), wrapper_name_, name()));
+}
+
 void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variable>& variables,
                      const Tensor& skip_if) {
+  check_not_bypassed();
   NoGradGuard no_grad;
   std::vector<Tensor> g = prepare(grads, variables);
   if (check_finite_) {

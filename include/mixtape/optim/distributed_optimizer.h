@@ -59,6 +59,7 @@ class DistributedOptimizer : public Optimizer {
                                                                            options = {})
       : DistributedOptimizer(inner.clone(), options) {}
   DistributedOptimizer(const DistributedOptimizer& other);
+  ~DistributedOptimizer() override;
 
   // Averages the gradients across ranks (unless they come from gradient() or
   // get_unscaled_gradients, which averaged them already), then the wrapped optimizer steps.

@@ -43,6 +43,7 @@ class GradientAccumulationOptimizer : public Optimizer {
       GradientAccumulationOptimizer(const O& inner, std::int64_t steps)
       : GradientAccumulationOptimizer(inner.clone(), steps) {}
   GradientAccumulationOptimizer(const GradientAccumulationOptimizer& other);
+  ~GradientAccumulationOptimizer() override;
 
   // Adds the gradients of one micro-batch (undefined ones add nothing); on the steps()-th,
   // the wrapped optimizer steps with their mean. The variables must be the same, in the same

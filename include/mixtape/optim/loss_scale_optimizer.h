@@ -64,6 +64,7 @@ class LossScaleOptimizer : public Optimizer {
                          LossScaleOptimizerOptions options = {})
       : LossScaleOptimizer(inner.clone(), loss_scale, options) {}
   LossScaleOptimizer(const LossScaleOptimizer& other);
+  ~LossScaleOptimizer() override;
 
   // loss * scale, in the loss's dtype.
   Tensor get_scaled_loss(const Tensor& loss) const;

@@ -176,6 +176,28 @@ class Optimizer {
   // device) whose non-zero value makes the update change nothing; undefined otherwise.
   const Tensor& skip_flag() const { return skip_if_; }
 
+  // For the wrappers (LossScaleOptimizer, DistributedOptimizer,
+  // GradientAccumulationOptimizer): wrap() in their constructors registers them around
+  // `inner`, unwrap() in their destructors releases it, and a WrapperCall marks a step they
+  // make of it. A step of a wrapped optimizer that no wrapper makes (the optimizer used on
+  // its own while a wrapper holds it: given to one model inside a wrapper, to another as it
+  // is) throws ValueError: it would bypass the loss scale, the finiteness check (a
+  // LossScaleOptimizer turns the wrapped one's off) and the reduction across ranks.
+  static void wrap(Optimizer& inner, const Optimizer& wrapper);
+  static void unwrap(Optimizer& inner) { --inner.wrappers_; }
+  class WrapperCall {
+   public:
+    explicit WrapperCall(Optimizer& inner) : inner_(inner) { ++inner_.calls_from_wrapper_; }
+    ~WrapperCall() { --inner_.calls_from_wrapper_; }
+    WrapperCall(const WrapperCall&) = delete;
+    WrapperCall& operator=(const WrapperCall&) = delete;
+
+   private:
+    Optimizer& inner_;
+  };
+  // The ValueError above, at the start of every step.
+  void check_not_bypassed() const;
+
  private:
   friend class LossScaleOptimizer;
   friend class DistributedOptimizer;
@@ -196,6 +218,9 @@ class Optimizer {
   std::int64_t iterations_ = 0;
   bool check_finite_ = true;
   Tensor skip_if_;
+  int wrappers_ = 0;             // wrappers alive around this one (wrap, unwrap)
+  std::string wrapper_name_;     // the last one's name()
+  int calls_from_wrapper_ = 0;  // steps a wrapper is making now (WrapperCall)
   std::unordered_map<std::uint64_t, std::vector<Variable>> slots_;
   std::unordered_map<std::uint64_t, bool> warned_missing_;
 };
