@@ -42,6 +42,7 @@
 #include "mixtape/layers/model.h"
 #include "mixtape/layers/normalization.h"
 #include "mixtape/layers/trace.h"
+#include "mixtape/optim/chain.h"
 #include "mixtape/optim/distributed_optimizer.h"
 #include "mixtape/optim/gradient_accumulation.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
