@@ -1,8 +1,9 @@
-// Data-parallel training with a custom loop: the loop of one process plus one line (the
-// DistributedOptimizer around the LossScaleOptimizer), each rank on its share of every
-// global batch; the step is compute_gradients and apply_gradients, as on one process. Runs as it is
-// (world size 1) or under `mpirun -np 2`; checks that the loss fell and that every rank ends with
-// the same weights.
+// Data-parallel training with a custom loop: the loop of one process, unchanged. The
+// optimizer chain (training_chain: a LossScaleOptimizer under mixed_float16, a
+// DistributedOptimizer around it on several ranks) does the job's part of the step, and the
+// Dataset gives each rank its share of every global batch (shard). Runs as it is (world size
+// 1) or under `mpirun -np 2`; checks that the loss fell and that every rank ends with the
+// same weights.
 #include <fmt/format.h>
 #include <mixtape/mixtape.h>
 
@@ -21,24 +22,25 @@ int main() {
   const mt::Tensor x = mt::normal({1024, 16});
   const mt::Tensor y = mt::sum(x * x, {1}, /*keepdims=*/true) / 16.0;
 
-  mt::optim::LossScaleOptimizer scaled(mt::optim::Adam({.learning_rate = 3e-3}));
-  mt::optim::DistributedOptimizer optimizer(scaled);  // the one line more
+  auto optimizer = mt::optim::training_chain(
+      std::make_shared<mt::optim::Adam>(mt::optim::AdamOptions{.learning_rate = 3e-3}));
   auto loss_object = mt::losses::MeanSquaredError();
-  const std::int64_t batch = 128;  // the global batch
+  // Global batches of 128, this rank's rows of each.
+  const auto batches =
+      mt::data::Dataset::from_tensors(x, y).batch(128).shard(md::rank(), md::world_size());
+  const auto vars = model.trainable_variables();
   double first = 0, last = 0;
   for (int epoch = 0; epoch < 20; ++epoch) {
     double epoch_loss = 0;
-    for (std::int64_t b0 = 0; b0 < x.dim(0); b0 += batch) {
-      const auto [r0, r1] = md::shard(batch);  // this rank's rows of the batch
-      const auto vars = model.trainable_variables();
+    for (const auto& batch : batches) {
+      const auto& [xb, yb] = batch;
       mt::GradientTape tape;
-      auto predictions = model(x.slice(0, b0 + r0, b0 + r1), {.training = true});
-      auto loss = loss_object(y.slice(0, b0 + r0, b0 + r1), predictions);
+      auto loss = loss_object(yb, model(xb, {.training = true}));
       // Scaled, each bucket averaged over the ranks as the backward pass has it, unscaled.
-      optimizer.apply_gradients(optimizer.compute_gradients(tape, loss, vars), vars);
-      epoch_loss += md::all_reduce_value(loss.item<double>(), md::ReduceOp::Average);
+      optimizer->apply_gradients(optimizer->compute_gradients(tape, loss, vars), vars);
+      epoch_loss += md::all_reduce_value(loss.item<double>() * batch.share());
     }
-    (epoch == 0 ? first : last) = epoch_loss / static_cast<double>(x.dim(0) / batch);
+    (epoch == 0 ? first : last) = epoch_loss / static_cast<double>(batches.size());
   }
   // Every rank holds the same weights: their sums agree to the bit.
   bool same = true;
@@ -49,6 +51,7 @@ int main() {
   }
   if (md::is_root())
     fmt::print("{} rank(s): loss {:.4f} -> {:.4f}, loss scale {}, same weights: {}\n",
-               md::world_size(), first, last, optimizer.loss_scale_optimizer()->loss_scale(), same);
+               md::world_size(), first, last, optimizer->loss_scale_optimizer()->loss_scale(),
+               same);
   return last < 0.5 * first && same ? 0 : 1;
 }

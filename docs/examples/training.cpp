@@ -1,6 +1,7 @@
 // Training three ways on a synthetic task: Model.fit under mixed_float16 (loss scaling
-// is automatic), a custom loop with a LossScaleOptimizer (compute_gradients, then
-// apply_gradients), and a float32 model under automatic mixed precision.
+// is automatic; on tensors and on a Dataset), a custom loop with a LossScaleOptimizer
+// (compute_gradients, then apply_gradients), and a float32 model under automatic mixed
+// precision.
 #include <mixtape/mixtape.h>
 
 namespace mt = mixtape;
@@ -43,15 +44,19 @@ int main() {
   fmt::print("Test loss: {:.4f}\nTest accuracy: {:.4f}\n", scores["loss"], scores["accuracy"]);
   const double fit_accuracy = scores["accuracy"];
 
+  // --- Model.fit on a Dataset: the main form (fit(x, y) builds this pipeline) ------------
+  model.set_weights(initial_weights);
+  const auto train_ds = mt::data::Dataset::from_tensors(x_train, y_train).shuffle_all(7).batch(256);
+  model.fit(train_ds, {.epochs = 2, .validation_data = {x_test, y_test}, .verbose = 2});
+
   // --- A custom training loop -------------------------------------------------------------
   model.set_weights(initial_weights);
   mt::optim::LossScaleOptimizer optimizer(mt::optim::RMSprop(), mt::LossScale::dynamic());
   auto loss_object = mt::losses::SparseCategoricalCrossentropy();
+  const auto vars = model.trainable_variables();
   for (int epoch = 0; epoch < 3; ++epoch) {
     mt::metrics::Mean epoch_loss;
-    for (std::int64_t b = 0; b < 4096; b += 256) {
-      const mt::Tensor xb = x_train.slice(0, b, b + 256), yb = y_train.slice(0, b, b + 256);
-      const auto vars = model.trainable_variables();
+    for (const auto& [xb, yb] : mt::data::Dataset::from_tensors(x_train, y_train).batch(256)) {
       mt::GradientTape tape;
       auto loss = loss_object(yb, model(xb, {.training = true}));
       // The loss scaled, the gradients unscaled: the optimizer chain does it.
