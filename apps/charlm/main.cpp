@@ -35,9 +35,11 @@
 #include <string>
 #include <system_error>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/cli.h"
+#include "common/device.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
@@ -52,6 +54,9 @@ constexpr const char* kDefaultCorpusPackage = "fortunes";
 
 struct Options {
   std::string text;  // empty: the fortunes corpus
+  std::string device = "auto";
+  std::string preset;        // empty, or gpt2-small
+  double peak_tflops = 0.0;  // 0: from the table of GPUs (apps/common/device.h)
   int layers = 4;
   int heads = 4;
   std::int64_t width = 128;
@@ -266,20 +271,21 @@ struct SplitMix64 {
   }
 };
 
-// Inputs [batch, context] and targets (the next byte of each) from windows at `offsets`.
-std::pair<mt::Tensor, mt::Tensor> windows(const std::vector<std::int64_t>& data,
+// Inputs [batch, context] and targets (the next byte of each) from windows at `offsets` of
+// `data` (the ids, on the model's device): gathered there, only the positions come from the
+// host.
+std::pair<mt::Tensor, mt::Tensor> windows(const mt::Tensor& data,
                                           const std::vector<std::int64_t>& offsets,
                                           std::int64_t context) {
   const auto b = static_cast<std::int64_t>(offsets.size());
-  std::vector<std::int64_t> x(static_cast<std::size_t>(b * context)),
-      y(static_cast<std::size_t>(b * context));
+  std::vector<std::int64_t> at(static_cast<std::size_t>(b * context));
   for (std::int64_t i = 0; i < b; ++i)
-    for (std::int64_t t = 0; t < context; ++t) {
-      const auto at = static_cast<std::size_t>(offsets[static_cast<std::size_t>(i)] + t);
-      x[static_cast<std::size_t>(i * context + t)] = data[at];
-      y[static_cast<std::size_t>(i * context + t)] = data[at + 1];
-    }
-  return {mt::from_vector(x, {b, context}), mt::from_vector(y, {b, context})};
+    for (std::int64_t t = 0; t < context; ++t)
+      at[static_cast<std::size_t>(i * context + t)] = offsets[static_cast<std::size_t>(i)] + t;
+  std::vector<std::int64_t> next(at);
+  for (auto& p : next) ++p;
+  return {mt::take(data, mt::from_vector(at, {b, context}), 0),
+          mt::take(data, mt::from_vector(next, {b, context}), 0)};
 }
 
 // --- The model -------------------------------------------------------------------------------
@@ -333,12 +339,11 @@ mt::optim::LearningRate schedule(const Options& o) {
 // --- Evaluation and sampling ------------------------------------------------------------------
 
 // The mean cross-entropy in bits per character over up to `max_windows` non-overlapping
-// windows of `data` (all of them when max_windows is 0).
-double bits_per_char(mt::Model& model, const std::vector<std::int64_t>& data, std::int64_t context,
+// windows of `data` (ids on the model's device; all windows when max_windows is 0).
+double bits_per_char(mt::Model& model, const mt::Tensor& data, std::int64_t context,
                      std::int64_t batch, std::int64_t max_windows) {
   std::vector<std::int64_t> offsets;
-  for (std::int64_t o = 0; o + context + 1 <= static_cast<std::int64_t>(data.size()); o += context)
-    offsets.push_back(o);
+  for (std::int64_t o = 0; o + context + 1 <= data.dim(0); o += context) offsets.push_back(o);
   if (max_windows > 0 && static_cast<std::int64_t>(offsets.size()) > max_windows)
     offsets.resize(static_cast<std::size_t>(max_windows));
   const auto loss = mt::losses::SparseCategoricalCrossentropy(
@@ -372,7 +377,7 @@ std::string sample(mt::Model& model, const Corpus& c, const std::vector<std::int
   std::mt19937_64 rng(seed);
   std::string out;
   for (std::int64_t i = 0; i < count; ++i) {
-    const mt::Tensor logits = model(mt::from_vector(window, {1, context}));
+    const mt::Tensor logits = model(mt::from_vector(window, {1, context}).to(model.device()));
     const auto v = logits.dim(2);
     std::vector<double> row = mt::slice(logits, 1, context - 1, context).to_vector<double>();
     std::vector<std::int64_t> order(static_cast<std::size_t>(v));
@@ -411,10 +416,12 @@ std::uint64_t rank0_seed(std::uint64_t seed) {
 // it in the chain the policy and the job need: a LossScaleOptimizer under mixed_float16, a
 // DistributedOptimizer under mpirun). Returns the model and the step to go on from.
 std::pair<std::shared_ptr<mt::Model>, std::int64_t> make_or_resume(const Options& o,
-                                                                   const Corpus& corpus) {
+                                                                   const Corpus& corpus,
+                                                                   mt::Device device) {
   std::shared_ptr<mt::Model> model =
       o.resume.empty() ? make_model(o, static_cast<std::int64_t>(corpus.vocab.size()))
                        : mt::load_model(o.resume);
+  model->to(device);  // before compile: the optimizer's slots are made where the weights are
   model->compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
                   .optimizer = mt::optim::AdamW(
                       {.learning_rate = schedule(o),
@@ -450,15 +457,15 @@ std::pair<std::shared_ptr<mt::Model>, std::int64_t> make_or_resume(const Options
 // draws them): the whole batch's offsets on every rank, then this rank's share.
 class Batches {
  public:
-  Batches(const Corpus& c, const Options& o, std::uint64_t seed, std::int64_t first_step)
-      : data_(c.train), batch_(o.batch), context_(o.context), rng_{seed} {
+  Batches(const mt::Tensor& train, const Options& o, std::uint64_t seed, std::int64_t first_step)
+      : data_(train), batch_(o.batch), context_(o.context), rng_{seed} {
     // Draws of the steps already done (resume): the data order continues where it stopped.
     for (std::int64_t s = 0; s < first_step * o.batch; ++s) rng_.next();
   }
   // This rank's inputs and targets for the next step, and its share of the batch.
   std::tuple<mt::Tensor, mt::Tensor, double> next() {
     const auto span =
-        static_cast<std::uint64_t>(data_.size()) - static_cast<std::uint64_t>(context_);
+        static_cast<std::uint64_t>(data_.dim(0)) - static_cast<std::uint64_t>(context_);
     std::vector<std::int64_t> offsets(static_cast<std::size_t>(batch_));
     for (auto& off : offsets) off = static_cast<std::int64_t>(rng_.next() % span);
     const auto [w0, w1] = mt::distributed::shard(batch_);
@@ -467,25 +474,41 @@ class Batches {
   }
 
  private:
-  const std::vector<std::int64_t>& data_;
+  mt::Tensor data_;
   std::int64_t batch_, context_;
   SplitMix64 rng_;
 };
 
+// The ids of the text on the model's device: the batches and the evaluation gather there.
+struct Ids {
+  mt::Tensor train, val;
+};
+
 // What the run prints: a progress line every --log-every steps (the mean loss of the window,
-// the learning rate, tokens/s over the steps after the first), and the totals.
+// the learning rate, tokens/s over the steps after the first and the model FLOP utilisation
+// when the devices' peak is known), and the totals.
 struct Progress {
+  double flops_per_token = 0;        // 6N + 6LCT: llm.c's count (weights and attention)
+  std::optional<double> peak_flops;  // of all ranks' devices together, FLOP/s
   double train_seconds = 0, window_loss = 0;
   std::int64_t trained_tokens = 0, window_steps = 0, skipped_after_100 = 0;
   double tokens_per_second() const {
     return train_seconds > 0 ? static_cast<double>(trained_tokens) / train_seconds : 0.0;
   }
+  // "12345 tokens/s  MFU 38.1%" (no MFU without a peak).
+  std::string rate() const {
+    std::string out = fmt::format("{:.0f} tokens/s", tokens_per_second());
+    if (peak_flops)
+      out +=
+          fmt::format("  MFU {:.1f}%", 100.0 * tokens_per_second() * flops_per_token / *peak_flops);
+    return out;
+  }
   void log(std::int64_t step, const mt::optim::Optimizer& chain) {
     const mt::optim::LossScaleOptimizer* lso = chain.loss_scale_optimizer();
     fmt::print(
-        "step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {:.0f} tokens/s{}\n", step,
+        "step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {}{}\n", step,
         window_loss / static_cast<double>(window_steps) / std::log(2.0),
-        chain.current_learning_rate(), tokens_per_second(),
+        chain.current_learning_rate(), rate(),
         lso ? fmt::format("  loss scale {:g} (skipped {})", lso->loss_scale(), lso->skipped_steps())
             : "");
     std::fflush(stdout);
@@ -510,15 +533,14 @@ mt::Tensor train_step(mt::Model& model, mt::optim::Optimizer& chain,
 }
 
 // The steps first_step .. --steps - 1, with the progress lines and periodic validation.
-Progress train(mt::Model& model, const Options& o, const Corpus& corpus, std::uint64_t seed,
-               std::int64_t first_step) {
+Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t seed,
+               std::int64_t first_step, Progress p) {
   const bool root = mt::distributed::is_root();
   mt::optim::Optimizer& chain = *model.optimizer();
   mt::optim::DistributedOptimizer* dopt = chain.distributed_optimizer();
   const mt::optim::LossScaleOptimizer* lso = chain.loss_scale_optimizer();
   const std::vector<mt::Variable> vars = model.trainable_variables();
-  Batches batches(corpus, o, seed, first_step);
-  Progress p;
+  Batches batches(ids.train, o, seed, first_step);
   for (std::int64_t step = first_step; step < o.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const auto [x, y, share] = batches.next();
@@ -538,7 +560,7 @@ Progress train(mt::Model& model, const Options& o, const Corpus& corpus, std::ui
     ++p.window_steps;
     if (root && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) p.log(step + 1, chain);
     if (o.eval_every > 0 && (step + 1) % o.eval_every == 0 && step + 1 != o.steps) {
-      const double v = bits_per_char(model, corpus.val, o.context, o.batch, o.eval_windows);
+      const double v = bits_per_char(model, ids.val, o.context, o.batch, o.eval_windows);
       if (root)
         fmt::print("step {:>6}  validation {:.4f} bits/char ({} windows)\n", step + 1, v,
                    o.eval_windows);
@@ -567,6 +589,7 @@ int run(const Options& o) {
   if (o.width % o.heads != 0)
     throw mt::ValueError(
         fmt::format("--width {} is not a multiple of --heads {}", o.width, o.heads));
+  const mt::Device device = apps::pick_device(o.device);
   const std::string what = o.text.empty() ? std::string(kDefaultCorpus) : "'" + o.text + "'";
   const Corpus corpus =
       make_corpus(o.text.empty() ? default_corpus() : std::vector{split_tenth(read_file(o.text))},
@@ -577,21 +600,36 @@ int run(const Options& o) {
 
   mt::set_global_policy(o.policy);
   mt::manual_seed(seed);
-  const auto [model, first_step] = make_or_resume(o, corpus);
+  const auto [model, first_step] = make_or_resume(o, corpus, device);
+  const Ids ids{
+      mt::from_vector(corpus.train, {static_cast<std::int64_t>(corpus.train.size())}).to(device),
+      mt::from_vector(corpus.val, {static_cast<std::int64_t>(corpus.val.size())}).to(device)};
   if (root && !o.resume.empty()) fmt::print("resumed from {} at step {}\n", o.resume, first_step);
+  Progress start;
+  start.flops_per_token = 6.0 * static_cast<double>(model->count_params()) +
+                          6.0 * o.layers * static_cast<double>(o.width * o.context);
+  const std::optional<double> peak =
+      o.peak_tflops > 0
+          ? std::optional<double>(o.peak_tflops)
+          : apps::peak_tflops(mt::backend_for(device.type()).properties(device.index()),
+                              mt::Policy(o.policy).compute_dtype());
+  if (peak) start.peak_flops = *peak * 1e12 * mt::distributed::world_size();
   if (root)
-    fmt::print("model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}\n",
-               o.layers, o.heads, o.width, o.context, model->count_params(), o.policy);
+    fmt::print(
+        "model: {} layers, {} heads, width {}, context {}, {} parameters; policy {}; device {}{}\n",
+        o.layers, o.heads, o.width, o.context, model->count_params(), o.policy, device,
+        peak ? fmt::format(" (MFU against {:g} TFLOP/s{})", *peak,
+                           mt::distributed::world_size() > 1 ? " per rank" : "")
+             : "");
 
-  const Progress p = train(*model, o, corpus, seed, first_step);
+  const Progress p = train(*model, o, ids, seed, first_step, start);
 
-  const double val = bits_per_char(*model, corpus.val, o.context, o.batch, 0);
+  const double val = bits_per_char(*model, ids.val, o.context, o.batch, 0);
   if (!root) return 0;
   fmt::print("validation loss {:.4f} bits/char after {} steps ({} tokens)\n", val, o.steps,
              corpus.val.size());
   if (p.trained_tokens > 0)
-    fmt::print("training throughput {:.0f} tokens/s ({:.1f} s of steps)\n", p.tokens_per_second(),
-               p.train_seconds);
+    fmt::print("training throughput {} ({:.1f} s of steps)\n", p.rate(), p.train_seconds);
   if (const mt::optim::LossScaleOptimizer* lso = model->optimizer()->loss_scale_optimizer())
     fmt::print("loss scale {:g}; skipped steps {} ({} after step 100)\n", lso->loss_scale(),
                lso->skipped_steps(), p.skipped_after_100);
@@ -614,6 +652,16 @@ int run(const Options& o) {
 
 void add_options(CLI::App& app, Options& o) {
   app.add_option("--text", o.text, "UTF-8 or ASCII text to train on (default: the fortunes)");
+  app.add_option("--device", o.device,
+                 "auto (default: cuda when a GPU is present), cpu, cuda (under mpirun: the GPU "
+                 "of the rank's place on its machine), cuda:N");
+  app.add_option("--preset", o.preset,
+                 "gpt2-small: 12 layers, width 768, 12 heads, context 1024 (GPT-2 small's body)")
+      ->check(apps::one_of("preset", {"gpt2-small"}));
+  app.add_option("--peak-tflops", o.peak_tflops,
+                 "the device's peak TFLOP/s for the model FLOP utilisation (default: from a "
+                 "table of GPUs; none for a CPU)")
+      ->transform(real(0.0, 1e6));
   app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(1, 64));
   app.add_option("--heads", o.heads, "attention heads")->check(CLI::Range(1, 64));
   app.add_option("--width", o.width, "model width")->check(CLI::Range(1, 8192));
@@ -657,6 +705,23 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--resume", o.resume, "continue from a file written by --save");
 }
 
+// --preset: the shape it names, in the options it sets; an option given with another value
+// contradicts it (a CLI error naming both).
+void apply_preset(const CLI::App& app, Options& o) {
+  if (o.preset != "gpt2-small") return;
+  const auto set = [&](const char* flag, auto& field, std::int64_t value) {
+    if (app.count(flag) > 0 && static_cast<std::int64_t>(field) != value)
+      throw CLI::ValidationError(
+          flag, fmt::format("{} contradicts --preset {}, which has {} {} (leave one of them out)",
+                            field, o.preset, flag, value));
+    field = static_cast<std::remove_reference_t<decltype(field)>>(value);
+  };
+  set("--layers", o.layers, 12);
+  set("--width", o.width, 768);
+  set("--heads", o.heads, 12);
+  set("--context", o.context, 1024);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -666,6 +731,7 @@ int main(int argc, char** argv) {
   try {
     add_options(app, options);
     app.parse(argc, argv);
+    apply_preset(app, options);
   } catch (const CLI::Success& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/cli.h"
+#include "common/device.h"
 #include "plot.h"
 
 namespace mt = mixtape;
@@ -38,6 +39,7 @@ namespace {
 using apps::integer;
 using apps::no_value;
 using apps::one_of;
+using apps::pick_device;
 using apps::policy_name;
 using apps::real;
 using apps::validator;
@@ -290,23 +292,6 @@ void check_readable(const std::string& flag, const std::string& path) {
   if (ec) refuse(ec.message());
   if (!fs::is_regular_file(st)) refuse("it is not a regular file");
   if (::access(path.c_str(), R_OK) != 0) refuse(std::strerror(errno));
-}
-
-mt::Device pick_device(const std::string& name) {
-  const bool have_cuda = mt::has_backend(mt::DeviceType::CUDA) &&
-                         mt::backend_for(mt::DeviceType::CUDA).device_count() > 0;
-  // Data-parallel: one GPU per rank on a machine, by the rank's place on the machine.
-  const int gpu = have_cuda ? mt::distributed::local_rank() %
-                                  mt::backend_for(mt::DeviceType::CUDA).device_count()
-                            : 0;
-  if (name == "auto") return have_cuda ? mt::Device::cuda(gpu) : mt::Device::cpu();
-  if (name == "cuda") {
-    mt::check_device(mt::Device::cuda(gpu));
-    return mt::Device::cuda(gpu);
-  }
-  const mt::Device d = mt::Device::parse(name);
-  mt::check_device(d);  // a clear DeviceError when it is not there
-  return d;
 }
 
 // The epochs a run takes when --epochs is not given: 5, and 15 for the resnet on
