@@ -220,39 +220,39 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   const Tensor q = project(query, query_kernel_, query_bias_, key_dim_);    // [B, H, T, kd]
   const Tensor k = project(key, key_kernel_, key_bias_, key_dim_);          // [B, H, S, kd]
   const Tensor v = project(value, value_kernel_, value_bias_, value_dim_);  // [B, H, S, vd]
-
-  // The logits in scores_dtype (float32 under the mixed policies): q and k widened first, so
-  // the product is accumulated and kept in float32 (widening is exact).
-  const DType sd = scores_dtype();
-  const Tensor qs = q.dtype() == sd ? q : cast(q, sd);
-  const Tensor ks = k.dtype() == sd ? k : cast(k, sd);
-  const Tensor logits = matmul(qs, transpose(ks, -1, -2));  // [B, H, T, S]
+  const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
 
   Tensor mask;
   if (in.mask >= 0) {
     mask = inputs[static_cast<std::size_t>(in.mask)];
     if (mask.rank() == 3) mask = unsqueeze(mask, 1);  // [B, 1, T, S] against [B, H, T, S]
   }
-  if (causal) {
-    // Made once per (T, S, device) and kept: no host work or host-to-device copy per step.
-    if (!causal_mask_.defined() || causal_mask_.dim(0) != in.t || causal_mask_.dim(1) != in.s ||
-        causal_mask_.device() != device)
-      causal_mask_ = make_causal_mask(in.t, in.s, device);
-    const Tensor c = causal_mask_;
-    mask = mask.defined() ? where(c, mask, c) : c;  // mask AND causal
+  // The fused op unless the call needs the weights themselves (returned, or dropped out) or
+  // logits in a dtype other than the kernel's.
+  const DType sd = scores_dtype();
+  const char* composed_because = call.return_attention_scores         ? "the scores are returned"
+                                 : training && options_.dropout > 0.0 ? "dropout on the weights"
+                                 : sd != (q.dtype() == kFloat64 ? kFloat64 : kFloat32)
+                                     ? "scores_dtype is not the fused kernel's"
+                                     : nullptr;
+  Tensor heads;  // [B, H, T, vd]
+  Tensor scores;
+  if (!composed_because) {
+    heads = fused_attention(q, k, v, mask, causal, scale);
+    path_ = "attention: fused";
+  } else {
+    path_ = fmt::format("attention: composed ({})", composed_because);
+    scores = composed_scores(q, k, mask, causal, in.t, in.s, device);
+    Tensor weights = scores.dtype() == v.dtype() ? scores : cast(scores, v.dtype());
+    if (training && options_.dropout > 0.0) {
+      // keep = U[0, 1) >= rate, drawn in float32 (as Dropout does).
+      const Tensor u = uniform(weights.shape(), 0.0, 1.0, kFloat32, device, &generator_);
+      const Tensor keep =
+          cast(greater_equal(u, full({}, options_.dropout, kFloat32, device)), weights.dtype());
+      weights = weights * keep * (1.0 / (1.0 - options_.dropout));
+    }
+    heads = matmul(weights, v);
   }
-  const Tensor scores =
-      masked_softmax(logits, mask, 1.0 / std::sqrt(static_cast<double>(key_dim_)));
-
-  Tensor weights = scores.dtype() == v.dtype() ? scores : cast(scores, v.dtype());
-  if (training && options_.dropout > 0.0) {
-    // keep = U[0, 1) >= rate, drawn in float32 (as Dropout does).
-    const Tensor u = uniform(weights.shape(), 0.0, 1.0, kFloat32, device, &generator_);
-    const Tensor keep =
-        cast(greater_equal(u, full({}, options_.dropout, kFloat32, device)), weights.dtype());
-    weights = weights * keep * (1.0 / (1.0 - options_.dropout));
-  }
-  const Tensor heads = matmul(weights, v);  // [B, H, T, vd]
   const Tensor merged =
       reshape(permute(heads, {0, 2, 1, 3}), Shape{query.dim(0), in.t, num_heads_ * value_dim_});
   const std::int64_t features = product(output_features_);
@@ -263,6 +263,27 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   out = reshape(out, Shape(dims));
   if (call.return_attention_scores) return {out, scores};
   return {out};
+}
+
+// The composed path's weights: the logits in scores_dtype (float32 under the mixed
+// policies: q and k widened first, so the product is accumulated and kept in float32;
+// widening is exact), masked (the mask AND, when causal, the causal mask) and softmaxed.
+Tensor MultiHeadAttentionLayer::composed_scores(const Tensor& q, const Tensor& k, Tensor mask,
+                                                bool causal, std::int64_t t, std::int64_t s,
+                                                Device device) {
+  const DType sd = scores_dtype();
+  const Tensor qs = q.dtype() == sd ? q : cast(q, sd);
+  const Tensor ks = k.dtype() == sd ? k : cast(k, sd);
+  const Tensor logits = matmul(qs, transpose(ks, -1, -2));  // [B, H, T, S]
+  if (causal) {
+    // Made once per (T, S, device) and kept: no host work or host-to-device copy per step.
+    if (!causal_mask_.defined() || causal_mask_.dim(0) != t || causal_mask_.dim(1) != s ||
+        causal_mask_.device() != device)
+      causal_mask_ = make_causal_mask(t, s, device);
+    const Tensor c = causal_mask_;
+    mask = mask.defined() ? where(c, mask, c) : c;  // mask AND causal
+  }
+  return masked_softmax(logits, mask, 1.0 / std::sqrt(static_cast<double>(key_dim_)));
 }
 
 AttentionResult MultiHeadAttentionLayer::attend(const Tensor& query, const Tensor& value,

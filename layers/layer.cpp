@@ -467,7 +467,8 @@ std::vector<Tensor> Layer::apply(const std::vector<Tensor>& inputs, const CallCo
                         std::nullopt,
                         std::nullopt,
                         computation_dtype(),
-                        ys.front().dtype()};
+                        ys.front().dtype(),
+                        trace_note()};
       for (const auto& w : weights_) {
         if (!w.variable.dtype().is_floating()) continue;
         row.weight = w.variable.dtype();

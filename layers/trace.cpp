@@ -51,14 +51,19 @@ std::string DTypeTrace::table() const {
     for (std::size_t c = 0; c < width.size(); ++c)
       width[c] = std::max(width[c], body.back()[c].size());
   }
-  auto line = [&](const std::array<std::string, 7>& cs) {
+  // A last column of notes when some layer left one.
+  const bool notes =
+      std::any_of(rows.begin(), rows.end(), [](const auto& r) { return !r.note.empty(); });
+  auto line = [&](const std::array<std::string, 7>& cs, const std::string& note) {
     std::string out;
     for (std::size_t c = 0; c < cs.size(); ++c)
-      out += c + 1 < cs.size() ? fmt::format("{:<{}}  ", cs[c], width[c]) : cs[c];
+      out += c + 1 < cs.size() || notes ? fmt::format("{:<{}}  ", cs[c], width[c]) : cs[c];
+    if (notes) out += note;
+    while (!out.empty() && out.back() == ' ') out.pop_back();
     return out + "\n";
   };
-  std::string out = line(header);
-  for (const auto& b : body) out += line(b);
+  std::string out = line(header, "note");
+  for (std::size_t i = 0; i < body.size(); ++i) out += line(body[i], rows[i].note);
   return out;
 }
 

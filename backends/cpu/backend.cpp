@@ -127,6 +127,7 @@ void register_backend_and_kernels() {
   register_conv_kernels();
   register_pool_kernels();
   register_optim_kernels();
+  register_attention_kernels();
 }
 
 }  // namespace mixtape::cpu

@@ -17,5 +17,6 @@ void register_optim_kernels();        // unscale_check, optimizer updates (optim
 void register_gemm_kernels();         // matmul through cuBLASLt / cuBLAS (gemm.cpp)
 void register_conv_kernels();         // conv2d and its backward through cuDNN (conv.cpp)
 void register_pool_kernels();         // max / average pooling (pool.cu)
+void register_attention_kernels();    // attention and its backward pass, fused (attention.cu)
 
 }  // namespace mixtape::cuda_backend

@@ -12,6 +12,7 @@ void register_all_kernels() {
   register_gemm_kernels();
   register_conv_kernels();
   register_pool_kernels();
+  register_attention_kernels();
 }
 
 }  // namespace mixtape::cuda_backend

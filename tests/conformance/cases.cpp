@@ -5,6 +5,7 @@
 // existing signature is swept without a line here.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -278,6 +279,134 @@ void masked_rows(Context& c) {
       c.expect_close(fmt::format("shape {}{}", shape_name(s), masked ? ", masked" : ""), out.tested,
                      out.ref, Scale{0.0, static_cast<double>(cols)});
     }
+}
+
+// --- Fused attention -------------------------------------------------------------------------
+
+// attention and attention_backward against the composed computation in float64, written out
+// here (the logits, a softmax over each row's attended keys, the weighted values, and the
+// gradients of those), not against the CPU kernel's own tiling. Cases: one position; rows
+// that cross the kernels' 64-row tiles; causal with more keys than queries; a random mask with
+// a row that attends nothing (its output 0, its log-sum-exp -inf).
+struct AttentionCase {
+  int64_t n, t, s, d, dv;
+  bool masked, causal;
+};
+
+void attention(Context& c) {
+  const bool backward = is(c, "AttentionBackwardFn");
+  // The backward pass needs the forward's out and lse: the same device's forward kernel.
+  auto* forward = find_kernel<kernels::AttentionFn>(OpId::attention, c.device().type(), c.dtype());
+  const DType stat = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  const std::vector<AttentionCase> cases{
+      {1, 1, 1, 1, 1, false, false},   {2, 5, 7, 3, 4, false, false},
+      {3, 70, 70, 16, 8, false, true}, {2, 65, 130, 8, 12, true, false},
+      {1, 33, 33, 4, 4, true, true},   {2, 5, 9, 6, 3, false, true}};
+  for (const AttentionCase& a : cases) {
+    const std::string what = fmt::format("n {} t {} s {} d {} dv {}{}{}", a.n, a.t, a.s, a.d, a.dv,
+                                         a.masked ? ", masked" : "", a.causal ? ", causal" : "");
+    const Pair q = c.uniform({a.n, a.t, a.d}, -1.0, 1.0), k = c.uniform({a.n, a.s, a.d}, -1.0, 1.0),
+               v = c.uniform({a.n, a.s, a.dv}, -1.0, 1.0);
+    std::vector<bool> keep(static_cast<std::size_t>(a.n * a.t * a.s), true);
+    if (a.masked)
+      for (std::size_t i = 0; i < keep.size(); ++i)
+        keep[i] = i >= static_cast<std::size_t>(a.s) && c.integer(0, 2) != 0;  // row 0: none
+    std::size_t at = 0;
+    const Pair mask = c.make(
+        {a.n, a.t, a.s}, [&] { return keep[at++] ? 1.0 : 0.0; }, kBool);
+    const Tensor m = a.masked ? mask.tested : Tensor();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(a.d)) + 0.1;
+    const Pair out = c.output({a.n, a.t, a.dv}), lse = c.output({a.n, a.t}, stat);
+    forward(q.tested, k.tested, v.tested, m, a.causal, scale, out.tested, lse.tested);
+
+    // The reference: P, out and lse in float64 (for the backward pass, from the out and lse
+    // the kernel is given, as its contract says).
+    const auto qv = q.ref.to_vector<double>(), kv = k.ref.to_vector<double>(),
+               vv = v.ref.to_vector<double>();
+    const auto attends = [&](int64_t h, int64_t i, int64_t j) {
+      return keep[static_cast<std::size_t>((h * a.t + i) * a.s + j)] && (!a.causal || j <= i);
+    };
+    const auto logit = [&](int64_t h, int64_t i, int64_t j) {
+      double x = 0;
+      for (int64_t e = 0; e < a.d; ++e)
+        x += qv[static_cast<std::size_t>((h * a.t + i) * a.d + e)] *
+             kv[static_cast<std::size_t>((h * a.s + j) * a.d + e)];
+      return x * scale;
+    };
+    std::vector<double> ref_out(static_cast<std::size_t>(a.n * a.t * a.dv), 0.0),
+        ref_lse(static_cast<std::size_t>(a.n * a.t), -kInf);
+    for (int64_t h = 0; h < a.n; ++h)
+      for (int64_t i = 0; i < a.t; ++i) {
+        double mx = -kInf;
+        for (int64_t j = 0; j < a.s; ++j)
+          if (attends(h, i, j)) mx = std::max(mx, logit(h, i, j));
+        if (mx == -kInf) continue;
+        double sum = 0;
+        for (int64_t j = 0; j < a.s; ++j)
+          if (attends(h, i, j)) sum += std::exp(logit(h, i, j) - mx);
+        ref_lse[static_cast<std::size_t>(h * a.t + i)] = mx + std::log(sum);
+        for (int64_t j = 0; j < a.s; ++j) {
+          if (!attends(h, i, j)) continue;
+          const double p = std::exp(logit(h, i, j) - mx) / sum;
+          for (int64_t e = 0; e < a.dv; ++e)
+            ref_out[static_cast<std::size_t>((h * a.t + i) * a.dv + e)] +=
+                p * vv[static_cast<std::size_t>((h * a.s + j) * a.dv + e)];
+        }
+      }
+    const double terms = static_cast<double>(a.s + a.d + a.dv);
+    if (!backward) {
+      c.expect_close(what + ", out", out.tested, from_vector(ref_out, {a.n, a.t, a.dv}, kFloat64),
+                     Scale{terms, 0.0});
+      c.expect_close(what + ", lse", lse.tested, from_vector(ref_lse, {a.n, a.t}, kFloat64),
+                     Scale{terms, 0.0});
+      continue;
+    }
+    const Pair dout = c.uniform({a.n, a.t, a.dv}, -1.0, 1.0);
+    const Pair dq = c.output({a.n, a.t, a.d}), dk = c.output({a.n, a.s, a.d}),
+               dv = c.output({a.n, a.s, a.dv});
+    tested_kernel<kernels::AttentionBackwardFn>(c)(q.tested, k.tested, v.tested, m, a.causal, scale,
+                                                   out.tested, lse.tested, dout.tested, dq.tested,
+                                                   dk.tested, dv.tested);
+    const auto given_out = out.tested.to(kFloat64).to_vector<double>();
+    const auto given_lse = lse.tested.to(kFloat64).to_vector<double>();
+    const auto gv = dout.ref.to_vector<double>();
+    std::vector<double> rq(static_cast<std::size_t>(a.n * a.t * a.d), 0.0),
+        rk(static_cast<std::size_t>(a.n * a.s * a.d), 0.0),
+        rv(static_cast<std::size_t>(a.n * a.s * a.dv), 0.0);
+    for (int64_t h = 0; h < a.n; ++h)
+      for (int64_t i = 0; i < a.t; ++i) {
+        const double li = given_lse[static_cast<std::size_t>(h * a.t + i)];
+        if (li == -kInf) continue;
+        double di = 0;  // sum_e dout[i, e] out[i, e]
+        for (int64_t e = 0; e < a.dv; ++e)
+          di += gv[static_cast<std::size_t>((h * a.t + i) * a.dv + e)] *
+                given_out[static_cast<std::size_t>((h * a.t + i) * a.dv + e)];
+        for (int64_t j = 0; j < a.s; ++j) {
+          if (!attends(h, i, j)) continue;
+          const double p = std::exp(logit(h, i, j) - li);
+          double dp = 0;
+          for (int64_t e = 0; e < a.dv; ++e) {
+            const double g = gv[static_cast<std::size_t>((h * a.t + i) * a.dv + e)];
+            dp += g * vv[static_cast<std::size_t>((h * a.s + j) * a.dv + e)];
+            rv[static_cast<std::size_t>((h * a.s + j) * a.dv + e)] += p * g;
+          }
+          const double ds = p * (dp - di) * scale;
+          for (int64_t e = 0; e < a.d; ++e) {
+            rq[static_cast<std::size_t>((h * a.t + i) * a.d + e)] +=
+                ds * kv[static_cast<std::size_t>((h * a.s + j) * a.d + e)];
+            rk[static_cast<std::size_t>((h * a.s + j) * a.d + e)] +=
+                ds * qv[static_cast<std::size_t>((h * a.t + i) * a.d + e)];
+          }
+        }
+      }
+    const double grad_terms = terms * static_cast<double>(std::max(a.t, a.s));
+    c.expect_close(what + ", dq", dq.tested, from_vector(rq, {a.n, a.t, a.d}, kFloat64),
+                   Scale{grad_terms, 0.0});
+    c.expect_close(what + ", dk", dk.tested, from_vector(rk, {a.n, a.s, a.d}, kFloat64),
+                   Scale{grad_terms, 0.0});
+    c.expect_close(what + ", dv", dv.tested, from_vector(rv, {a.n, a.s, a.dv}, kFloat64),
+                   Scale{grad_terms, 0.0});
+  }
 }
 
 // --- Indexing --------------------------------------------------------------------------------
@@ -711,6 +840,7 @@ Driver driver_for(OpId op) {
   if (k == "ReduceFn") return reduce;
   if (k == "RowFn") return rows;
   if (k == "MaskedSoftmaxFn") return masked_rows;
+  if (k == "AttentionFn" || k == "AttentionBackwardFn") return attention;
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;

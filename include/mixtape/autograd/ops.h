@@ -80,6 +80,17 @@ Tensor log_softmax(const Tensor& x, int axis = -1);
 // float32 (float64 for float64) whatever x's dtype; the result has x's dtype. Automatic
 // mixed precision keeps it in float32 (its default list: deny). Differentiable in x.
 Tensor masked_softmax(const Tensor& x, const Tensor& mask = Tensor(), double scale = 1.0);
+// Attention in one fused op (op attention; FlashAttention-2's tiling): softmax(scale q k^T)
+// v over the last two axes, the softmax of each query row over the keys it attends, without
+// making the [t, s] matrix of weights (memory O(t) per head; the backward pass recomputes
+// the weights tile by tile from each row's saved log-sum-exp). q [..., t, d], k [..., s, d],
+// v [..., s, dv]: the same leading axes and dtype. mask: bool, broadcastable to [..., t, s]
+// (true: attend), or undefined; causal: query i also attends only keys j <= i. A row that
+// attends nothing is 0. The math runs in float32 (float64 for float64); the result has q's
+// dtype. Differentiable in q, k and v. The same values as masked_softmax(matmul(q, k^T),
+// mask, scale) then matmul with v, to rounding.
+Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& mask = Tensor(), bool causal = false, double scale = 1.0);
 
 // --- Dtype, device, shape ----------------------------------------------------------------
 // The gradient of a cast is cast back to the source dtype.

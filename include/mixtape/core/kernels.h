@@ -65,6 +65,23 @@ using RowFn = void(const Tensor& x, const Tensor& out);
 // undefined (nothing masked). Computed in float32 (float64 for float64), the row maximum
 // subtracted first; masked values are never read (a NaN there changes nothing).
 using MaskedSoftmaxFn = void(const Tensor& x, const Tensor& mask, double scale, const Tensor& out);
+// attention, fused: for each of n heads (q [n, t, d], k [n, s, d], v [n, s, dv], contiguous,
+// of one dtype), out [n, t, dv] (that dtype) = P v with P = the softmax over each row of
+// scale * q k^T, over the keys the row attends, and lse [n, t] the log-sum-exp of those
+// scaled logits (float64 for float64, float32 otherwise; -inf, and an output row of 0, for
+// a row that attends nothing). Row i attends key j when the mask (undefined, or bool [n, t,
+// s] contiguous, nonzero: attend) keeps it and, when causal, j <= i. No [t, s] matrix needs
+// to be made: the kernels work in tiles with an online softmax (FlashAttention-2).
+using AttentionFn = void(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                         bool causal, double scale, const Tensor& out, const Tensor& lse);
+// attention_backward: from the forward's inputs, out and lse and the gradient of out
+// (dout [n, t, dv]), writes dq, dk and dv (the inputs' shapes and dtype): P recomputed from
+// the logits and lse, dP = dout v^T, dS = P (dP - D) with D_i = sum_c dout[i, c] out[i, c]
+// (the out given), dq = scale dS k, dk = scale dS^T q, dv = P^T dout.
+using AttentionBackwardFn = void(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& mask, bool causal, double scale, const Tensor& out,
+                                 const Tensor& lse, const Tensor& dout, const Tensor& dq,
+                                 const Tensor& dk, const Tensor& dv);
 
 // gather: x viewed as [outer, n, inner] (contiguous); index (int64, contiguous) and out
 // (contiguous, x's dtype) viewed as [outer, k, inner]:

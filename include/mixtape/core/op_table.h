@@ -90,6 +90,9 @@
   X(softmax,                  RowFn,                   Floating, infer,  true)                  \
   X(log_softmax,              RowFn,                   Floating, infer,  true)                  \
   X(masked_softmax,           MaskedSoftmaxFn,         Floating, deny,   true)                  \
+  /* fused attention (softmax(scale q k^T) v without the [t, s] matrix) */                     \
+  X(attention,                AttentionFn,             Floating, allow,  true)                  \
+  X(attention_backward,       AttentionBackwardFn,     Floating, hidden, false)                 \
   /* linear algebra */                                                                          \
   X(matmul,                   GemmFn,                  Floating, allow,  true)                  \
   /* convolution and pooling (NHWC) */                                                          \

@@ -15,6 +15,14 @@
 // would be rounded to a multiple of 8 in float16, 64 in bfloat16), and the softmax weights
 // are cast back to the compute dtype for the product with the values. Under the automatic
 // mixed precision rewrite the softmax (op masked_softmax) is on the deny list: float32.
+//
+// The fused path: a call computes softmax(q k^T / sqrt(key_dim)) v with one op,
+// mixtape::fused_attention (no [T, S] matrix: memory O(T) per head; logits, softmax and the
+// weighted sum in float32, float64 under float64), whenever it can: the scores are not
+// returned, no dropout applies (inference, or a rate of 0) and scores_dtype is the kernel's
+// (float32; float64 for float64). Otherwise it composes matmul, masked_softmax, dropout and
+// matmul as above. The dtype trace's note says which ("attention: fused", or "attention:
+// composed (why)").
 #pragma once
 
 #include <cstdint>
@@ -101,6 +109,7 @@ class MultiHeadAttentionLayer : public Layer {
   DType scores_dtype() const;
 
  protected:
+  std::string trace_note() const override { return path_; }
   bool checks_input_count() const override { return true; }
 
  private:
@@ -108,6 +117,8 @@ class MultiHeadAttentionLayer : public Layer {
   Inputs split(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes) const;
   Tensor project(const Tensor& x, const Variable& kernel, const Variable& bias,
                  std::int64_t dim) const;
+  Tensor composed_scores(const Tensor& q, const Tensor& k, Tensor mask, bool causal, std::int64_t t,
+                         std::int64_t s, Device device);
 
   std::int64_t num_heads_, key_dim_, value_dim_;
   MultiHeadAttentionOptions options_;
@@ -116,6 +127,7 @@ class MultiHeadAttentionLayer : public Layer {
       output_kernel_, output_bias_;
   Shape output_features_;  // output_shape, or the query's features once built
   Tensor causal_mask_;     // the latest causal mask [T, S], on the device it was used on
+  std::string path_;       // how the latest call computed (trace_note)
 };
 LayerPtr<MultiHeadAttentionLayer> MultiHeadAttention(std::int64_t num_heads, std::int64_t key_dim,
                                                      MultiHeadAttentionOptions options = {});

@@ -207,6 +207,10 @@ class Layer : public std::enable_shared_from_this<Layer> {
   // float32 for float16/bfloat16 elementwise math; layers built on matmul/conv2d report
   // the GEMM accumulation dtype (the MIXTAPE_FP16_USE_FP32_COMPUTE switch).
   virtual DType computation_dtype() const;
+  // A note for this call's row of the dtype trace (mixtape/layers/trace.h): how the layer
+  // computed, when it has a choice (MultiHeadAttention: the fused op or the composed one, and
+  // why). Empty by default.
+  virtual std::string trace_note() const { return {}; }
 
   bool trainable() const { return trainable_; }
   // Freezes or unfreezes every weight of the layer and its sublayers.

@@ -38,6 +38,9 @@ struct DTypeTraceRow {
   std::optional<DType> weight_read;  // what call() read them as
   DType computation;                 // the dtype its arithmetic ran in
   DType output;                      // the output's dtype
+  // What the layer says about how it computed (Layer::trace_note): MultiHeadAttention's
+  // "attention: fused", or the composed path and why.
+  std::string note = {};
 };
 
 class DTypeTrace {

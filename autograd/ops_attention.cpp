@@ -1,0 +1,140 @@
+// fused_attention: the op attention and its backward rule (op attention_backward).
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "autograd/op_util.h"
+
+namespace mixtape {
+
+namespace {
+
+// x [..., a, b] as [n, a, b], contiguous.
+Tensor as_heads(const Tensor& x, std::int64_t n) {
+  return detail::contiguous_raw(reshape(x, Shape{n, x.dim(-2), x.dim(-1)}));
+}
+
+// The gradients of q, k and v [n, ., .] from g, written with differentiable ops (the weights
+// made whole): the backward pass when a tape records it, for second derivatives.
+detail::Grads differentiable_grads(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& mask, bool causal, double scale, const Tensor& g) {
+  const std::int64_t t = q.dim(1), s = k.dim(1);
+  Tensor keep = mask;
+  if (causal) {
+    std::vector<std::uint8_t> lower(static_cast<std::size_t>(t * s));
+    for (std::int64_t i = 0; i < t; ++i)
+      for (std::int64_t j = 0; j < s; ++j) lower[static_cast<std::size_t>(i * s + j)] = j <= i;
+    Tensor c = from_vector(lower, Shape{t, s}).to(kBool);
+    if (!q.device().is_cpu()) c = to_device(c, q.device());
+    keep = keep.defined() ? where(c, keep, c) : c;
+  }
+  const Tensor p = masked_softmax(matmul(q, transpose(k, -1, -2)), keep, scale);
+  const Tensor dp = matmul(g, transpose(v, -1, -2));
+  const Tensor ds = p * (dp - sum(dp * p, {-1}, true)) * scale;
+  return {matmul(ds, k), matmul(transpose(ds, -1, -2), q), matmul(transpose(p, -1, -2), g)};
+}
+
+}  // namespace
+
+Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                       const Tensor& mask_in, bool causal, double scale) {
+  const char* name = op_name(OpId::attention);
+  detail::check_inputs(name, {q_in, k_in, v_in});
+  const auto in = detail::op_inputs(OpId::attention, {q_in, k_in, v_in});
+  const Tensor &q = in[0], &k = in[1], &v = in[2];
+  const auto fail = [&](const std::string& why) {
+    throw ShapeError(fmt::format("{}: {}; got q {}, k {}, v {}", name, why, detail::describe({q}),
+                                 detail::describe({k}), detail::describe({v})));
+  };
+  if (q.rank() < 2 || k.rank() != q.rank() || v.rank() != q.rank())
+    fail("q, k and v need one rank >= 2 ([..., positions, features])");
+  for (std::size_t a = 0; a + 2 < q.rank(); ++a)
+    if (k.dim(static_cast<int>(a)) != q.dim(static_cast<int>(a)) ||
+        v.dim(static_cast<int>(a)) != q.dim(static_cast<int>(a)))
+      fail("q, k and v need the same leading axes");
+  if (k.dim(-1) != q.dim(-1)) fail("q and k need the same last axis (the key dim)");
+  if (v.dim(-2) != k.dim(-2)) fail("k and v need the same number of positions");
+  if (q.dtype() != k.dtype() || q.dtype() != v.dtype())
+    throw DTypeError(
+        fmt::format("{}: q, k and v need one dtype; got {}", name, detail::describe({q, k, v})));
+  if (!std::isfinite(scale))
+    throw ValueError(fmt::format("{}: scale must be finite; got {}", name, scale));
+  std::vector<std::int64_t> lead(q.shape().begin(), q.shape().end() - 2);
+  std::int64_t n = 1;
+  for (auto d : lead) n *= d;
+  const std::int64_t t = q.dim(-2), s = k.dim(-2);
+  std::vector<std::int64_t> scores_dims = lead;
+  scores_dims.push_back(t);
+  scores_dims.push_back(s);
+  Tensor mask;
+  if (mask_in.defined()) {
+    detail::check_inputs(name, {q, mask_in});
+    if (mask_in.dtype() != kBool)
+      throw DTypeError(fmt::format("{}: the mask must be bool (true: attend); got {}", name,
+                                   detail::describe({mask_in})));
+    const Shape scores(scores_dims);
+    if (mask_in.rank() > scores.rank() || broadcast_shapes(mask_in.shape(), scores, name) != scores)
+      throw ShapeError(fmt::format("{}: a mask of shape {} does not broadcast to the scores' {}",
+                                   name, mask_in.shape(), scores));
+    NoGradGuard no_grad;
+    mask = detail::contiguous_raw(
+        reshape(detail::contiguous_raw(detail::broadcast_view(mask_in, scores)), Shape{n, t, s}));
+  }
+  auto* kernel = detail::kernel_for<kernels::AttentionFn>(OpId::attention, q.dtype(), {q, k, v});
+  Tensor qh, kh, vh;
+  {
+    NoGradGuard no_grad;
+    qh = as_heads(q, n);
+    kh = as_heads(k, n);
+    vh = as_heads(v, n);
+  }
+  const DType stat = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  Tensor out = Tensor::empty(Shape{n, t, v.dim(-1)}, q.dtype(), q.device());
+  Tensor lse = Tensor::empty(Shape{n, t}, stat, q.device());
+  if (out.numel() > 0) {
+    if (s == 0)
+      detail::fill_raw(out, 0.0);  // no keys: every row attends nothing
+    else
+      kernel(qh, kh, vh, mask, causal, scale, out, lse);
+  }
+  std::vector<std::int64_t> out_dims = lead;
+  out_dims.push_back(t);
+  out_dims.push_back(v.dim(-1));
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = reshape(out, Shape(out_dims));
+  }
+  if (should_record({q, k, v}))
+    record_op(name, {q, k, v}, y,
+              [q, k, v, qh, kh, vh, mask, causal, scale, out, lse](const Tensor& g,
+                                                                   const std::vector<bool>&) {
+                const Shape heads{qh.dim(0), qh.dim(1), vh.dim(2)};
+                if (should_record({q, k, v, g})) {
+                  // A tape records this backward pass (second derivatives): the same
+                  // gradients from differentiable ops on the op's own inputs.
+                  const detail::Grads d = differentiable_grads(
+                      reshape(q, qh.shape()), reshape(k, kh.shape()), reshape(v, vh.shape()), mask,
+                      causal, scale, reshape(g, heads));
+                  return detail::Grads{reshape(d[0], q.shape()), reshape(d[1], k.shape()),
+                                       reshape(d[2], v.shape())};
+                }
+                auto* backward = detail::kernel_for<kernels::AttentionBackwardFn>(
+                    OpId::attention_backward, qh.dtype(), {qh, kh, vh});
+                Tensor dq = Tensor::empty(qh.shape(), qh.dtype(), qh.device());
+                Tensor dk = Tensor::empty(kh.shape(), kh.dtype(), kh.device());
+                Tensor dv = Tensor::empty(vh.shape(), vh.dtype(), vh.device());
+                const Tensor gh = detail::contiguous_raw(reshape(cast(g, qh.dtype()), heads));
+                if (dq.numel() + dk.numel() + dv.numel() > 0) {
+                  if (qh.dim(1) == 0 || kh.dim(1) == 0)
+                    for (Tensor* x : {&dq, &dk, &dv}) detail::fill_raw(*x, 0.0);
+                  else
+                    backward(qh, kh, vh, mask, causal, scale, out, lse, gh, dq, dk, dv);
+                }
+                return detail::Grads{reshape(dq, q.shape()), reshape(dk, k.shape()),
+                                     reshape(dv, v.shape())};
+              });
+  return y;
+}
+
+}  // namespace mixtape

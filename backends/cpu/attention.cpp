@@ -1,0 +1,326 @@
+// Fused attention on the CPU (ops attention and attention_backward): FlashAttention-2's
+// tiling, so that no [t, s] matrix of a head is ever made. Written by hand because no
+// library mixtape uses has it: oneDNN 2.6 (Debian 12) has no attention primitive and
+// OpenBLAS only the GEMMs, which the tiles use.
+//
+// Forward, per block of kBr query rows of a head: the logits of one block of kBc keys at a
+// time (a GEMM), an online softmax (the running maximum and sum of each row, rescaling what
+// was accumulated when the maximum grows), the weighted values added (a GEMM). The
+// log-sum-exp of each row is kept for the backward pass. Backward, per head, FlashAttention-2's
+// order: for each block of keys, every query block that sees it recomputes its weights from
+// the log-sum-exp, and dV, dK (that key block's) and dQ (accumulated over key blocks) follow
+// from GEMMs. The math runs in float32 (float64 for float64); 16-bit inputs are widened a
+// head at a time, and results rounded once.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/cpu_util.h"
+#include "backends/cpu/gemm_util.h"
+#include "mixtape/core/register_kernels.h"
+
+namespace mixtape::cpu {
+namespace {
+
+using std::int64_t;
+
+constexpr int64_t kBr = 64;  // query rows per tile
+constexpr int64_t kBc = 64;  // keys per tile
+
+// The extents of a call: n heads of t queries and s keys, head dims d (q, k) and dv (v).
+struct Extents {
+  int64_t n, t, s, d, dv;
+};
+
+Extents extents_of(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return {q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2)};
+}
+
+// `count` elements of T at `src` in compute type C: a pointer into the tensor when T is C,
+// else a widened copy in `buf`.
+template <typename T, typename C>
+const C* as_compute(const T* src, int64_t count, std::vector<C>& buf) {
+  if constexpr (std::is_same_v<T, C>) {
+    return src;
+  } else {
+    buf.resize(static_cast<std::size_t>(count));
+    to_float(src, buf.data(), count);
+    return buf.data();
+  }
+}
+
+// Writes `count` values of C to T.
+template <typename T, typename C>
+void store(const C* src, T* dst, int64_t count) {
+  if constexpr (std::is_same_v<T, C>)
+    std::copy(src, src + count, dst);
+  else
+    from_float(src, dst, count);
+}
+
+// The row loops of a tile, written as masked_softmax's are (omp simd loops of bit blends and
+// exp_any, so that they vectorise; an AVX2 build of each is picked at run time). A row holds
+// bc logits of keys j0.. ; `limit` keys of them may be attended (causal: those <= i), `m` the
+// mask bytes of those keys or null.
+
+// Forward: the logits scaled (-inf where not attended), the row's new maximum over them and
+// `old`, then the weights exp(x - max) in place; returns the new maximum and adds the
+// weights' sum to *sum (after *sum was rescaled by the caller). A row with nothing attended
+// so far (maximum -inf) becomes 0.
+template <typename C>
+MIXTAPE_ALWAYS_INLINE C forward_row_impl(C* row, const std::uint8_t* m, int64_t limit, int64_t bc,
+                                         C scale, C old, C* sum) {
+  constexpr C kNegInf = -std::numeric_limits<C>::infinity();
+  C mx = old;
+  if (m) {
+#pragma omp simd reduction(max : mx)
+    for (int64_t c = 0; c < bc; ++c) {
+      const C v = blend(c < limit && m[c] != 0, row[c] * scale, kNegInf);
+      row[c] = v;
+      mx = v > mx ? v : mx;
+    }
+  } else {
+#pragma omp simd reduction(max : mx)
+    for (int64_t c = 0; c < bc; ++c) {
+      const C v = blend(c < limit, row[c] * scale, kNegInf);
+      row[c] = v;
+      mx = v > mx ? v : mx;
+    }
+  }
+  if (mx == kNegInf) {
+    std::fill(row, row + bc, C(0));
+    return mx;
+  }
+  C s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t c = 0; c < bc; ++c) {
+    row[c] = exp_any(row[c] - mx);  // exp(-inf) = 0 where not attended; NaN stays NaN
+    s += row[c];
+  }
+  *sum += s;
+  return mx;
+}
+
+// Backward: P = exp(scale x - lse) where attended, 0 elsewhere, in place.
+template <typename C>
+MIXTAPE_ALWAYS_INLINE void weights_row_impl(C* row, const std::uint8_t* m, int64_t limit,
+                                            int64_t bc, C scale, C lse) {
+  if (m) {
+#pragma omp simd
+    for (int64_t c = 0; c < bc; ++c)
+      row[c] = blend(c < limit && m[c] != 0, exp_any(row[c] * scale - lse), C(0));
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < bc; ++c) row[c] = blend(c < limit, exp_any(row[c] * scale - lse), C(0));
+  }
+}
+
+template <typename C>
+C forward_row(C* row, const std::uint8_t* m, int64_t limit, int64_t bc, C scale, C old, C* sum) {
+  return forward_row_impl(row, m, limit, bc, scale, old, sum);
+}
+template <typename C>
+void weights_row(C* row, const std::uint8_t* m, int64_t limit, int64_t bc, C scale, C lse) {
+  weights_row_impl(row, m, limit, bc, scale, lse);
+}
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+template <typename C>
+__attribute__((target("avx2,fma"))) C forward_row_avx2(C* row, const std::uint8_t* m, int64_t limit,
+                                                       int64_t bc, C scale, C old, C* sum) {
+  return forward_row_impl(row, m, limit, bc, scale, old, sum);
+}
+template <typename C>
+__attribute__((target("avx2,fma"))) void weights_row_avx2(C* row, const std::uint8_t* m,
+                                                          int64_t limit, int64_t bc, C scale,
+                                                          C lse) {
+  weights_row_impl(row, m, limit, bc, scale, lse);
+}
+#endif
+
+// The keys of a tile [j0, j0 + bc) that row i may attend, as a count from j0 (causal: j <= i).
+inline int64_t limit_of(bool causal, int64_t i, int64_t j0, int64_t bc) {
+  return causal ? std::clamp<int64_t>(i - j0 + 1, 0, bc) : bc;
+}
+
+// The keys a block of rows [i0, i1) may attend: [0, s), or [0, min(s, i1)) when causal.
+inline int64_t key_end(bool causal, int64_t i1, int64_t s) { return causal ? std::min(s, i1) : s; }
+
+template <typename T>
+void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& mask_t,
+                      bool causal, double scale_d, const Tensor& out_t, const Tensor& lse_t) {
+  using C = compute_t<T>;
+  const Extents e = extents_of(q_t, k_t, v_t);
+  if (e.n * e.t == 0) return;
+  const T* q = static_cast<const T*>(q_t.data_ptr());
+  const T* k = static_cast<const T*>(k_t.data_ptr());
+  const T* v = static_cast<const T*>(v_t.data_ptr());
+  const auto* mask =
+      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.data_ptr()) : nullptr;
+  T* out = static_cast<T*>(out_t.data_ptr());
+  C* lse = static_cast<C*>(lse_t.data_ptr());
+  const C scale = static_cast<C>(scale_d);
+  constexpr C kNegInf = -std::numeric_limits<C>::infinity();
+  const int64_t blocks = (e.t + kBr - 1) / kBr;
+  const int64_t tasks = e.n * blocks;
+  const int64_t work = e.n * e.t * e.s * (e.d + e.dv);
+  auto* row_fn = &forward_row<C>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (has_avx2_fma()) row_fn = &forward_row_avx2<C>;
+#endif
+#pragma omp parallel if (tasks > 1 && work > kParallelGrain)
+  {
+    std::vector<C> qb, kb, vb, scores(static_cast<std::size_t>(kBr * kBc)),
+        acc(static_cast<std::size_t>(kBr * e.dv)), m(kBr), l(kBr);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t h = task / blocks, i0 = (task % blocks) * kBr, i1 = std::min(e.t, i0 + kBr);
+      const int64_t br = i1 - i0, kend = key_end(causal, i1, e.s);
+      const C* qc = as_compute(q + (h * e.t + i0) * e.d, br * e.d, qb);
+      const C* kc = as_compute(k + h * e.s * e.d, kend * e.d, kb);
+      const C* vc = as_compute(v + h * e.s * e.dv, kend * e.dv, vb);
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), C(0));
+      std::fill(acc.begin(), acc.begin() + br * e.dv, C(0));
+      for (int64_t j0 = 0; j0 < kend; j0 += kBc) {
+        const int64_t bc = std::min(kend, j0 + kBc) - j0;
+        blas_gemm(false, true, br, bc, e.d, qc, e.d, kc + j0 * e.d, e.d, C(0), scores.data(), kBc);
+        for (int64_t r = 0; r < br; ++r) {
+          const int64_t i = i0 + r;
+          const std::uint8_t* mr = mask ? mask + (h * e.t + i) * e.s + j0 : nullptr;
+          const auto ru = static_cast<std::size_t>(r);
+          const C old = m[ru];
+          C sum = 0;
+          const C mx = row_fn(scores.data() + r * kBc, mr, limit_of(causal, i, j0, bc), bc, scale,
+                              old, &sum);
+          if (mx == kNegInf) continue;  // nothing attended yet: no weight in this block either
+          // The weights so far were relative to the old maximum: rescaled to the new one.
+          const C alpha = old == kNegInf ? C(0) : std::exp(old - mx);
+          l[ru] = l[ru] * alpha + sum;
+          m[ru] = mx;
+          if (alpha != C(1)) {
+            C* a = acc.data() + r * e.dv;
+#pragma omp simd
+            for (int64_t c = 0; c < e.dv; ++c) a[c] *= alpha;
+          }
+        }
+        blas_gemm(false, false, br, e.dv, bc, scores.data(), kBc, vc + j0 * e.dv, e.dv, C(1),
+                  acc.data(), e.dv);
+      }
+      for (int64_t r = 0; r < br; ++r) {
+        const C lr = l[static_cast<std::size_t>(r)];
+        C* a = acc.data() + r * e.dv;
+        // A row that attends nothing is 0 (as masked_softmax's), its log-sum-exp -inf.
+        const C inv = lr > C(0) || std::isnan(lr) ? C(1) / lr : C(0);
+        for (int64_t c = 0; c < e.dv; ++c) a[c] = lr == C(0) ? C(0) : a[c] * inv;
+        lse[h * e.t + i0 + r] =
+            lr == C(0) ? kNegInf : m[static_cast<std::size_t>(r)] + std::log(lr);
+      }
+      store(acc.data(), out + (h * e.t + i0) * e.dv, br * e.dv);
+    }
+  }
+}
+
+template <typename T>
+void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t,
+                               const Tensor& mask_t, bool causal, double scale_d,
+                               const Tensor& out_t, const Tensor& lse_t, const Tensor& dout_t,
+                               const Tensor& dq_t, const Tensor& dk_t, const Tensor& dv_t) {
+  using C = compute_t<T>;
+  const Extents e = extents_of(q_t, k_t, v_t);
+  const T* q = static_cast<const T*>(q_t.data_ptr());
+  const T* k = static_cast<const T*>(k_t.data_ptr());
+  const T* v = static_cast<const T*>(v_t.data_ptr());
+  const auto* mask =
+      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.data_ptr()) : nullptr;
+  const T* out = static_cast<const T*>(out_t.data_ptr());
+  const C* lse = static_cast<const C*>(lse_t.data_ptr());
+  const T* dout = static_cast<const T*>(dout_t.data_ptr());
+  T* dq = static_cast<T*>(dq_t.data_ptr());
+  T* dk = static_cast<T*>(dk_t.data_ptr());
+  T* dv = static_cast<T*>(dv_t.data_ptr());
+  const C scale = static_cast<C>(scale_d);
+  constexpr C kNegInf = -std::numeric_limits<C>::infinity();
+  const int64_t work = e.n * e.t * e.s * (e.d + e.dv);
+  auto* row_fn = &weights_row<C>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (has_avx2_fma()) row_fn = &weights_row_avx2<C>;
+#endif
+#pragma omp parallel if (e.n > 1 && work > kParallelGrain)
+  {
+    std::vector<C> qb, kb, vb, ob, gb, dqa, dka, dva, rowdot(static_cast<std::size_t>(e.t));
+    std::vector<C> p(static_cast<std::size_t>(kBr * kBc)), dp(static_cast<std::size_t>(kBr * kBc));
+#pragma omp for schedule(dynamic)
+    for (int64_t h = 0; h < e.n; ++h) {
+      const C* qc = as_compute(q + h * e.t * e.d, e.t * e.d, qb);
+      const C* kc = as_compute(k + h * e.s * e.d, e.s * e.d, kb);
+      const C* vc = as_compute(v + h * e.s * e.dv, e.s * e.dv, vb);
+      const C* oc = as_compute(out + h * e.t * e.dv, e.t * e.dv, ob);
+      const C* gc = as_compute(dout + h * e.t * e.dv, e.t * e.dv, gb);
+      const C* lh = lse + h * e.t;
+      // D_i = sum_c dout[i, c] out[i, c]: sum_j P_ij dP_ij, the softmax's correction.
+      for (int64_t i = 0; i < e.t; ++i) {
+        C s = 0;
+        for (int64_t c = 0; c < e.dv; ++c) s += gc[i * e.dv + c] * oc[i * e.dv + c];
+        rowdot[static_cast<std::size_t>(i)] = s;
+      }
+      dqa.assign(static_cast<std::size_t>(e.t * e.d), C(0));
+      dka.assign(static_cast<std::size_t>(e.s * e.d), C(0));
+      dva.assign(static_cast<std::size_t>(e.s * e.dv), C(0));
+      for (int64_t j0 = 0; j0 < e.s; j0 += kBc) {
+        const int64_t bc = std::min(e.s, j0 + kBc) - j0;
+        // Causal: rows before j0 see none of these keys.
+        for (int64_t i0 = causal ? (j0 / kBr) * kBr : 0; i0 < e.t; i0 += kBr) {
+          const int64_t br = std::min(e.t, i0 + kBr) - i0;
+          // P = the forward's weights of this tile, from the logits and the log-sum-exp.
+          blas_gemm(false, true, br, bc, e.d, qc + i0 * e.d, e.d, kc + j0 * e.d, e.d, C(0),
+                    p.data(), kBc);
+          for (int64_t r = 0; r < br; ++r) {
+            const int64_t i = i0 + r;
+            const std::uint8_t* mr = mask ? mask + (h * e.t + i) * e.s + j0 : nullptr;
+            // A row that attends nothing (lse -inf) has no weights.
+            row_fn(p.data() + r * kBc, mr, lh[i] == kNegInf ? 0 : limit_of(causal, i, j0, bc), bc,
+                   scale, lh[i]);
+          }
+          // dV_j += P^T dout; dP = dout V_j^T.
+          blas_gemm(true, false, bc, e.dv, br, p.data(), kBc, gc + i0 * e.dv, e.dv, C(1),
+                    dva.data() + j0 * e.dv, e.dv);
+          blas_gemm(false, true, br, bc, e.dv, gc + i0 * e.dv, e.dv, vc + j0 * e.dv, e.dv, C(0),
+                    dp.data(), kBc);
+          // dS = P (dP - D) scale, in p.
+          for (int64_t r = 0; r < br; ++r) {
+            const C di = rowdot[static_cast<std::size_t>(i0 + r)];
+            C* row = p.data() + r * kBc;
+            const C* drow = dp.data() + r * kBc;
+#pragma omp simd
+            for (int64_t c = 0; c < bc; ++c) row[c] = row[c] * (drow[c] - di) * scale;
+          }
+          // dQ_i += dS K_j; dK_j += dS^T Q_i.
+          blas_gemm(false, false, br, e.d, bc, p.data(), kBc, kc + j0 * e.d, e.d, C(1),
+                    dqa.data() + i0 * e.d, e.d);
+          blas_gemm(true, false, bc, e.d, br, p.data(), kBc, qc + i0 * e.d, e.d, C(1),
+                    dka.data() + j0 * e.d, e.d);
+        }
+      }
+      store(dqa.data(), dq + h * e.t * e.d, e.t * e.d);
+      store(dka.data(), dk + h * e.s * e.d, e.s * e.d);
+      store(dva.data(), dv + h * e.s * e.dv, e.s * e.dv);
+    }
+  }
+}
+
+}  // namespace
+
+void register_attention_kernels() {
+  constexpr auto cpu = DeviceType::CPU;
+  register_op<OpId::attention>(cpu,
+                               []<DType::Code C>() { return &attention_kernel<element_t<C>>; });
+  register_op<OpId::attention_backward>(
+      cpu, []<DType::Code C>() { return &attention_backward_kernel<element_t<C>>; });
+}
+
+}  // namespace mixtape::cpu

@@ -1,0 +1,260 @@
+// Fused attention on CUDA (ops attention and attention_backward): the first, plain form.
+// One warp per row: a query row for the forward pass and for dq, a key row for dk and dv.
+// The warp walks the keys (queries) the row attends one at a time, each dot product split
+// over the lanes and summed with shuffles, so no [t, s] matrix is made and every row's
+// softmax is exact (float32 for the 16-bit dtypes, float64 for float64) with no tile
+// bookkeeping. Each lane keeps its columns of the row's output in registers (kCols of them;
+// wider rows take several passes). This is the correct baseline the conformance sweep checks
+// against the CPU; it does not use tensor cores, which a tiled mma kernel will (docs/cuda.md).
+#include <cmath>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using std::int64_t;
+
+constexpr int kWarp = 32;
+constexpr int kCols = 8;  // output columns per lane in one pass: rows up to 256 wide
+constexpr int64_t kPass = int64_t{kWarp} * kCols;
+
+template <typename C>
+__device__ __forceinline__ C warp_sum(C v) {
+  for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// The dot product of a and b (n elements), summed over the warp: every lane gets it.
+template <typename T, typename U>
+__device__ __forceinline__ compute_of<T> warp_dot(const T* a, const U* b, int64_t n, int lane) {
+  using C = compute_of<T>;
+  C part = C(0);
+  for (int64_t c = lane; c < n; c += kWarp) part += load(a[c]) * static_cast<C>(load(b[c]));
+  return warp_sum(part);
+}
+
+__device__ __forceinline__ bool keeps(const std::uint8_t* mask_row, bool causal, int64_t i,
+                                      int64_t j) {
+  return (!mask_row || mask_row[j] != 0) && (!causal || j <= i);
+}
+
+// The warp's row and the warps of the grid (every lane of a warp gets the same row).
+__device__ __forceinline__ int64_t warp_index() {
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+}
+__device__ __forceinline__ int64_t warp_count() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
+}
+
+template <typename T>
+__global__ void attention_forward_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                                         const T* __restrict__ v,
+                                         const std::uint8_t* __restrict__ mask, bool causal,
+                                         compute_of<T> scale, T* __restrict__ out,
+                                         compute_of<T>* __restrict__ lse, int64_t n, int64_t t,
+                                         int64_t s, int64_t d, int64_t dv) {
+  using C = compute_of<T>;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const C neg_inf = -static_cast<C>(INFINITY);
+  for (int64_t row = warp_index(); row < n * t; row += warp_count()) {
+    const int64_t h = row / t, i = row % t;
+    const T* qr = q + row * d;
+    const T* kh = k + h * s * d;
+    const T* vh = v + h * s * dv;
+    const std::uint8_t* mr = mask ? mask + row * s : nullptr;
+    const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
+    // The row's maximum and sum, online.
+    C m = neg_inf, l = C(0);
+    for (int64_t j = 0; j < kend; ++j) {
+      if (!keeps(mr, causal, i, j)) continue;
+      const C x = warp_dot(qr, kh + j * d, d, lane) * scale;
+      if (x > m) {
+        l = (m == neg_inf ? C(0) : l * d_exp(m - x)) + C(1);
+        m = x;
+      } else {
+        l += d_exp(x - m);  // NaN stays NaN
+      }
+    }
+    if (lane == 0) lse[row] = l == C(0) ? neg_inf : m + d_log(l);
+    const C inv = l == C(0) ? C(0) : C(1) / l;
+    for (int64_t c0 = 0; c0 < dv; c0 += kPass) {
+      C acc[kCols];
+      for (int u = 0; u < kCols; ++u) acc[u] = C(0);
+      if (l != C(0))
+        for (int64_t j = 0; j < kend; ++j) {
+          if (!keeps(mr, causal, i, j)) continue;
+          const C p = d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - m) * inv;
+          for (int u = 0; u < kCols; ++u) {
+            const int64_t c = c0 + lane + int64_t{u} * kWarp;
+            if (c < dv) acc[u] += p * load(vh[j * dv + c]);
+          }
+        }
+      for (int u = 0; u < kCols; ++u) {
+        const int64_t c = c0 + lane + int64_t{u} * kWarp;
+        if (c < dv) out[row * dv + c] = store<T>(acc[u]);
+      }
+    }
+  }
+}
+
+// D_i = sum_c dout[i, c] out[i, c], per query row.
+template <typename T>
+__global__ void attention_rowdot_kernel(const T* __restrict__ dout, const T* __restrict__ out,
+                                        compute_of<T>* __restrict__ rowdot, int64_t rows,
+                                        int64_t dv) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  for (int64_t row = warp_index(); row < rows; row += warp_count()) {
+    const auto x = warp_dot(dout + row * dv, out + row * dv, dv, lane);
+    if (lane == 0) rowdot[row] = x;
+  }
+}
+
+// dq_i = scale sum_j P_ij (dP_ij - D_i) k_j, a warp per query row.
+template <typename T>
+__global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                                    const T* __restrict__ v, const std::uint8_t* __restrict__ mask,
+                                    bool causal, compute_of<T> scale,
+                                    const compute_of<T>* __restrict__ lse,
+                                    const compute_of<T>* __restrict__ rowdot,
+                                    const T* __restrict__ dout, T* __restrict__ dq, int64_t n,
+                                    int64_t t, int64_t s, int64_t d, int64_t dv) {
+  using C = compute_of<T>;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const C neg_inf = -static_cast<C>(INFINITY);
+  for (int64_t row = warp_index(); row < n * t; row += warp_count()) {
+    const int64_t h = row / t, i = row % t;
+    const T* qr = q + row * d;
+    const T* gr = dout + row * dv;
+    const T* kh = k + h * s * d;
+    const T* vh = v + h * s * dv;
+    const std::uint8_t* mr = mask ? mask + row * s : nullptr;
+    const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
+    const C li = lse[row], di = rowdot[row];
+    for (int64_t c0 = 0; c0 < d; c0 += kPass) {
+      C acc[kCols];
+      for (int u = 0; u < kCols; ++u) acc[u] = C(0);
+      if (li != neg_inf)
+        for (int64_t j = 0; j < kend; ++j) {
+          if (!keeps(mr, causal, i, j)) continue;
+          const C p = d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - li);
+          const C ds = p * (warp_dot(gr, vh + j * dv, dv, lane) - di) * scale;
+          for (int u = 0; u < kCols; ++u) {
+            const int64_t c = c0 + lane + int64_t{u} * kWarp;
+            if (c < d) acc[u] += ds * load(kh[j * d + c]);
+          }
+        }
+      for (int u = 0; u < kCols; ++u) {
+        const int64_t c = c0 + lane + int64_t{u} * kWarp;
+        if (c < d) dq[row * d + c] = store<T>(acc[u]);
+      }
+    }
+  }
+}
+
+// dk_j = scale sum_i P_ij (dP_ij - D_i) q_i and dv_j = sum_i P_ij dout_i, a warp per key row.
+template <typename T>
+__global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k,
+                                      const T* __restrict__ v,
+                                      const std::uint8_t* __restrict__ mask, bool causal,
+                                      compute_of<T> scale, const compute_of<T>* __restrict__ lse,
+                                      const compute_of<T>* __restrict__ rowdot,
+                                      const T* __restrict__ dout, T* __restrict__ dk,
+                                      T* __restrict__ dvo, int64_t n, int64_t t, int64_t s,
+                                      int64_t d, int64_t dv) {
+  using C = compute_of<T>;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const C neg_inf = -static_cast<C>(INFINITY);
+  for (int64_t key = warp_index(); key < n * s; key += warp_count()) {
+    const int64_t h = key / s, j = key % s;
+    const T* kr = k + key * d;
+    const T* vr = v + key * dv;
+    const int64_t wide = d > dv ? d : dv;
+    for (int64_t c0 = 0; c0 < wide; c0 += kPass) {
+      C dk_acc[kCols], dv_acc[kCols];
+      for (int u = 0; u < kCols; ++u) dk_acc[u] = dv_acc[u] = C(0);
+      for (int64_t i = causal ? j : 0; i < t; ++i) {
+        const int64_t row = h * t + i;
+        const std::uint8_t* mr = mask ? mask + row * s : nullptr;
+        const C li = lse[row];
+        if (li == neg_inf || !keeps(mr, causal, i, j)) continue;
+        const T* qr = q + row * d;
+        const T* gr = dout + row * dv;
+        const C p = d_exp(warp_dot(qr, kr, d, lane) * scale - li);
+        const C ds = p * (warp_dot(gr, vr, dv, lane) - rowdot[row]) * scale;
+        for (int u = 0; u < kCols; ++u) {
+          const int64_t c = c0 + lane + int64_t{u} * kWarp;
+          if (c < d) dk_acc[u] += ds * load(qr[c]);
+          if (c < dv) dv_acc[u] += p * load(gr[c]);
+        }
+      }
+      for (int u = 0; u < kCols; ++u) {
+        const int64_t c = c0 + lane + int64_t{u} * kWarp;
+        if (c < d) dk[key * d + c] = store<T>(dk_acc[u]);
+        if (c < dv) dvo[key * dv + c] = store<T>(dv_acc[u]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                    bool causal, double scale, const Tensor& out, const Tensor& lse) {
+  const int64_t n = q.dim(0), t = q.dim(1), s = k.dim(1), d = q.dim(2), dv = v.dim(2);
+  if (n * t == 0) return;
+  using C = compute_of<T>;
+  OnDevice on(out);
+  attention_forward_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
+      static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+      static_cast<const T*>(v.data_ptr()),
+      mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr, causal,
+      static_cast<C>(scale), static_cast<T*>(out.data_ptr()), static_cast<C*>(lse.data_ptr()), n, t,
+      s, d, dv);
+  MIXTAPE_CUDA_CHECK_LAUNCH("attention kernel");
+}
+
+template <typename T>
+void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                             bool causal, double scale, const Tensor& out, const Tensor& lse,
+                             const Tensor& dout, const Tensor& dq, const Tensor& dk,
+                             const Tensor& dv_out) {
+  const int64_t n = q.dim(0), t = q.dim(1), s = k.dim(1), d = q.dim(2), dv = v.dim(2);
+  using C = compute_of<T>;
+  OnDevice on(dq);
+  // D per query row; the cache hands the block out again in stream order.
+  Workspace rowdot(static_cast<std::size_t>(n * t > 0 ? n * t : 1) * sizeof(C), on.index);
+  const auto* qp = static_cast<const T*>(q.data_ptr());
+  const auto* kp = static_cast<const T*>(k.data_ptr());
+  const auto* vp = static_cast<const T*>(v.data_ptr());
+  const auto* mp = mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr;
+  const auto* lp = static_cast<const C*>(lse.data_ptr());
+  auto* rp = static_cast<C*>(rowdot.data());
+  const auto* gp = static_cast<const T*>(dout.data_ptr());
+  const auto sc = static_cast<C>(scale);
+  if (n * t > 0) {
+    attention_rowdot_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
+        gp, static_cast<const T*>(out.data_ptr()), rp, n * t, dv);
+    MIXTAPE_CUDA_CHECK_LAUNCH("attention rowdot kernel");
+    attention_dq_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
+        qp, kp, vp, mp, causal, sc, lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s, d, dv);
+    MIXTAPE_CUDA_CHECK_LAUNCH("attention dq kernel");
+  }
+  if (n * s > 0) {
+    attention_dkdv_kernel<T><<<blocks_for(n * s * kWarp), kThreads, 0, on.s>>>(
+        qp, kp, vp, mp, causal, sc, lp, rp, gp, static_cast<T*>(dk.data_ptr()),
+        static_cast<T*>(dv_out.data_ptr()), n, t, s, d, dv);
+    MIXTAPE_CUDA_CHECK_LAUNCH("attention dk/dv kernel");
+  }
+}
+
+}  // namespace
+
+void register_attention_kernels() {
+  constexpr auto cuda = DeviceType::CUDA;
+  register_op<OpId::attention>(cuda, []<DType::Code C>() { return &attention_host<dev_t<C>>; });
+  register_op<OpId::attention_backward>(
+      cuda, []<DType::Code C>() { return &attention_backward_host<dev_t<C>>; });
+}
+
+}  // namespace mixtape::cuda_backend

@@ -1,0 +1,273 @@
+// fused_attention (ops attention and attention_backward) against the composed computation
+// (matmul, masked_softmax, matmul) in float64 and every float dtype, its bad input, and
+// MultiHeadAttention's choice between the fused and the composed path.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "error_of.h"
+#include "mixtape/mixtape.h"
+
+namespace mt = mixtape;
+namespace ml = mixtape::layers;
+
+namespace {
+
+mt::Tensor random(const mt::Shape& shape, std::uint64_t seed, mt::DType dtype = mt::kFloat64) {
+  mt::Generator gen(seed);
+  return mt::normal(shape, 0.0, 1.0, dtype, mt::Device::cpu(), &gen);
+}
+
+// A bool tensor from a rule over its flat index.
+template <typename F>
+mt::Tensor mask_of(const mt::Shape& shape, F keep) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) bytes[static_cast<std::size_t>(i)] = keep(i) ? 1 : 0;
+  return mt::from_vector(bytes, shape).to(mt::kBool);
+}
+
+// The composed form: masked_softmax of the scaled logits (the mask AND, when causal, j <= i),
+// then the weighted values.
+mt::Tensor composed(const mt::Tensor& q, const mt::Tensor& k, const mt::Tensor& v, mt::Tensor mask,
+                    bool causal, double scale) {
+  if (causal) {
+    const std::int64_t t = q.dim(-2), s = k.dim(-2);
+    const mt::Tensor c = mask_of({t, s}, [s](std::int64_t i) { return i % s <= i / s; });
+    mask = mask.defined() ? mt::where(c, mask, c) : c;
+  }
+  const mt::Tensor p = mt::masked_softmax(mt::matmul(q, mt::transpose(k, -1, -2)), mask, scale);
+  return mt::matmul(p, v);
+}
+
+double max_abs_diff(const mt::Tensor& a, const mt::Tensor& b) {
+  const auto x = mt::cast(a, mt::kFloat64).to_vector<double>();
+  const auto y = mt::cast(b, mt::kFloat64).to_vector<double>();
+  REQUIRE(x.size() == y.size());
+  double m = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i] - y[i]));
+  return m;
+}
+
+struct Case {
+  const char* what;
+  mt::Shape q, k, v;
+  bool causal;
+  int mask;  // 0 none, 1 padding [B, 1, 1, S], 2 full [B, H, T, S] with an empty row
+};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> c{
+      {"no mask", {2, 3, 5, 4}, {2, 3, 7, 4}, {2, 3, 7, 6}, false, 0},
+      {"causal, crossing 64-row tiles", {1, 2, 70, 8}, {1, 2, 70, 8}, {1, 2, 70, 8}, true, 0},
+      {"causal, more keys than queries", {2, 1, 5, 3}, {2, 1, 9, 3}, {2, 1, 9, 2}, true, 0},
+      {"padding mask", {2, 2, 6, 4}, {2, 2, 130, 4}, {2, 2, 130, 5}, false, 1},
+      {"full mask with an empty row, causal", {2, 2, 9, 4}, {2, 2, 9, 4}, {2, 2, 9, 4}, true, 2},
+      {"rank 3", {3, 4, 8}, {3, 6, 8}, {3, 6, 8}, false, 0},
+  };
+  return c;
+}
+
+mt::Tensor case_mask(const Case& c) {
+  if (c.mask == 0) return mt::Tensor();
+  const std::int64_t b = c.q.dims().front(), s = c.k.dims()[c.k.rank() - 2];
+  if (c.mask == 1)  // batch 1's last three keys padded
+    return mask_of({b, 1, 1, s}, [s](std::int64_t i) { return i < s || i % s < s - 3; });
+  std::vector<std::int64_t> dims = c.q.dims();
+  dims.back() = s;
+  const std::int64_t t = c.q.dims()[c.q.rank() - 2];
+  return mask_of(mt::Shape(dims), [t, s](std::int64_t i) {
+    return (i / s) % t != 4 && (i * 7 + 3) % 5 != 0;  // row 4 of every head attends nothing
+  });
+}
+
+}  // namespace
+
+TEST_CASE("fused_attention equals the composed computation in float64", "[attention][fused]") {
+  for (const Case& c : cases()) {
+    INFO(c.what);
+    const mt::Tensor q = random(c.q, 1), k = random(c.k, 2), v = random(c.v, 3);
+    const mt::Tensor mask = case_mask(c);
+    const double scale = 0.6;
+    const mt::Tensor fused = mt::fused_attention(q, k, v, mask, c.causal, scale);
+    const mt::Tensor ref = composed(q, k, v, mask, c.causal, scale);
+    CHECK(fused.shape() == ref.shape());
+    CHECK(fused.dtype() == mt::kFloat64);
+    CHECK(max_abs_diff(fused, ref) < 1e-12);
+
+    // The gradients of q, k and v, against the composed path's.
+    const mt::Tensor g = random(ref.shape(), 4);
+    const auto grads = [&](bool use_fused) {
+      mt::Variable qv(q, "q"), kv(k, "k"), vv(v, "v");
+      mt::GradientTape tape;
+      const mt::Tensor y = use_fused ? mt::fused_attention(qv, kv, vv, mask, c.causal, scale)
+                                     : composed(qv, kv, vv, mask, c.causal, scale);
+      return tape.gradient(mt::sum(y * g), std::vector<mt::Variable>{qv, kv, vv});
+    };
+    const auto f = grads(true), r = grads(false);
+    for (std::size_t i = 0; i < 3; ++i) CHECK(max_abs_diff(f[i], r[i]) < 1e-11);
+  }
+}
+
+TEST_CASE("fused_attention in float32, float16 and bfloat16: the float64 result, rounded",
+          "[attention][fused]") {
+  for (const mt::DType dt : {mt::kFloat32, mt::kFloat16, mt::kBFloat16}) {
+    INFO(dt.name());
+    for (const Case& c : cases()) {
+      INFO(c.what);
+      // Values the dtype holds exactly, so that both sides see the same inputs.
+      const mt::Tensor q = mt::cast(random(c.q, 11), dt), k = mt::cast(random(c.k, 12), dt),
+                       v = mt::cast(random(c.v, 13), dt);
+      const mt::Tensor mask = case_mask(c);
+      const mt::Tensor fused = mt::fused_attention(q, k, v, mask, c.causal, 0.5);
+      CHECK(fused.dtype() == dt);
+      const mt::Tensor ref = composed(mt::cast(q, mt::kFloat64), mt::cast(k, mt::kFloat64),
+                                      mt::cast(v, mt::kFloat64), mask, c.causal, 0.5);
+      // Outputs are weighted means of values of magnitude up to about 4: a few units in the
+      // last place of the dtype, plus float32 accumulation.
+      const double ulp = dt == mt::kFloat32 ? 1.2e-7 : dt == mt::kFloat16 ? 9.8e-4 : 7.8e-3;
+      CHECK(max_abs_diff(fused, ref) < 16 * ulp);
+    }
+  }
+}
+
+TEST_CASE("fused_attention: float64 gradient checks against numeric differences",
+          "[attention][fused][grad]") {
+  const mt::Tensor q = random({2, 2, 5, 3}, 21), k = random({2, 2, 6, 3}, 22),
+                   v = random({2, 2, 6, 4}, 23), g = random({2, 2, 5, 4}, 24);
+  const mt::Tensor padding =
+      mask_of({2, 1, 1, 6}, [](std::int64_t i) { return i < 6 || i % 6 < 4; });
+  for (const bool causal : {false, true})
+    for (const bool masked : {false, true}) {
+      INFO("causal " << causal << ", masked " << masked);
+      const mt::Tensor mask = masked ? padding : mt::Tensor();
+      const auto loss = [&](const mt::Tensor& a, const mt::Tensor& b, const mt::Tensor& c) {
+        return mt::sum(mt::fused_attention(a, b, c, mask, causal, 0.8) * g);
+      };
+      mt::Variable qv(q, "q"), kv(k, "k"), vv(v, "v");
+      mt::GradientTape tape;
+      const auto grads = tape.gradient(loss(qv, kv, vv), std::vector<mt::Variable>{qv, kv, vv});
+      const std::vector<mt::Tensor> inputs{q, k, v};
+      for (std::size_t which = 0; which < 3; ++which) {
+        const auto x = inputs[which].to_vector<double>();
+        const auto analytic = grads[which].to_vector<double>();
+        for (std::size_t e = 0; e < x.size(); e += 5) {
+          const auto at = [&](double delta) {
+            std::vector<double> moved = x;
+            moved[e] += delta;
+            std::vector<mt::Tensor> in = inputs;
+            in[which] = mt::from_vector(moved, inputs[which].shape());
+            return loss(in[0], in[1], in[2]).item<double>();
+          };
+          const double h = 1e-6, numeric = (at(h) - at(-h)) / (2 * h);
+          CHECK(analytic[e] == Approx(numeric).margin(1e-7).epsilon(1e-6));
+        }
+      }
+    }
+}
+
+TEST_CASE("fused_attention: bad input names the op, the shapes and the dtypes",
+          "[attention][fused]") {
+  const mt::Tensor q = random({2, 4, 3}, 1, mt::kFloat32), k = random({2, 5, 3}, 2, mt::kFloat32),
+                   v = random({2, 5, 6}, 3, mt::kFloat32);
+  using mixtape_test::error_of;
+  CHECK_THAT(error_of<mt::ShapeError>([&] {
+               mt::fused_attention(q, random({2, 5, 4}, 4), v);
+             }),
+             Catch::Contains("attention: q and k need the same last axis") &&
+                 Catch::Contains("float32[2, 4, 3]"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] {
+               mt::fused_attention(q, k, random({2, 6, 6}, 5, mt::kFloat32));
+             }),
+             Catch::Contains("k and v need the same number of positions"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] {
+               mt::fused_attention(q, random({3, 5, 3}, 6, mt::kFloat32), v);
+             }),
+             Catch::Contains("the same leading axes"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] { mt::fused_attention(random({3}, 7), k, v); }),
+             Catch::Contains("rank >= 2"));
+  CHECK_THAT(
+      error_of<mt::DTypeError>([&] { mt::fused_attention(q, k, mt::cast(v, mt::kFloat16)); }),
+      Catch::Contains("one dtype"));
+  CHECK_THAT(error_of<mt::DTypeError>([&] {
+               mt::fused_attention(q, k, v, mt::ones({4, 5}));
+             }),
+             Catch::Contains("the mask must be bool"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] {
+               mt::fused_attention(q, k, v, mask_of({4, 4}, [](std::int64_t) { return true; }));
+             }),
+             Catch::Contains("attention: shapes [4, 4] and [2, 4, 5] cannot be broadcast"));
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               mt::fused_attention(q, k, v, mt::Tensor(), false,
+                                   std::numeric_limits<double>::infinity());
+             }),
+             Catch::Contains("scale must be finite"));
+  // No keys: every row attends nothing.
+  const mt::Tensor none = mt::fused_attention(q, random({2, 0, 3}, 8, mt::kFloat32),
+                                              random({2, 0, 6}, 9, mt::kFloat32));
+  CHECK(none.shape() == mt::Shape{2, 4, 6});
+  CHECK(max_abs_diff(none, mt::zeros({2, 4, 6})) == 0.0);
+}
+
+TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same results",
+          "[attention][fused][layers]") {
+  for (const char* policy : {"float32", "mixed_bfloat16", "float64"}) {
+    INFO(policy);
+    mt::PolicyScope scope(policy);
+    mt::manual_seed(5);
+    auto mha = ml::MultiHeadAttention(2, 4, {.use_causal_mask = true});
+    const mt::Tensor x = random({3, 7, 8}, 31, mt::kFloat32);
+    mt::DTypeTraceScope trace;
+    const mt::Tensor fused = mha->attend(x, x, {}).output;
+    // return_attention_scores needs the weights: the composed path.
+    const ml::AttentionResult composed = mha->attend(x, x, {.return_attention_scores = true});
+    REQUIRE(trace.trace().rows.size() == 2);
+    CHECK(trace.trace().rows[0].note == "attention: fused");
+    CHECK(trace.trace().rows[1].note == "attention: composed (the scores are returned)");
+    CHECK_THAT(trace.trace().table(),
+               Catch::Contains("note") && Catch::Contains("attention: fused"));
+    const double tol = std::string(policy) == "mixed_bfloat16" ? 2e-2
+                       : std::string(policy) == "float64"      ? 1e-12
+                                                               : 1e-5;
+    CHECK(max_abs_diff(fused, composed.output) < tol);
+  }
+  SECTION("dropout in training: composed; in inference: fused") {
+    auto mha = ml::MultiHeadAttention(2, 4, {.dropout = 0.5});
+    const mt::Tensor x = random({2, 5, 8}, 32, mt::kFloat32);
+    mt::DTypeTraceScope trace;
+    (void)mha->attend(x, x, {.training = true});
+    (void)mha->attend(x, x, {});
+    REQUIRE(trace.trace().rows.size() == 2);
+    CHECK(trace.trace().rows[0].note == "attention: composed (dropout on the weights)");
+    CHECK(trace.trace().rows[1].note == "attention: fused");
+  }
+}
+
+TEST_CASE("fused_attention: second derivatives through a recorded backward pass",
+          "[attention][fused][grad]") {
+  // Under a second tape the backward pass is made of differentiable ops: the gradient of a
+  // gradient equals the composed path's.
+  const mt::Tensor q = random({2, 4, 3}, 41), k = random({2, 5, 3}, 42), v = random({2, 5, 2}, 43),
+                   g = random({2, 4, 2}, 44);
+  const auto second = [&](bool use_fused) {
+    mt::Variable qv(q, "q"), kv(k, "k"), vv(v, "v");
+    mt::GradientTape outer;
+    std::vector<mt::Tensor> first;
+    {
+      mt::GradientTape inner;
+      const mt::Tensor y = use_fused ? mt::fused_attention(qv, kv, vv, mt::Tensor(), true, 0.7)
+                                     : composed(qv, kv, vv, mt::Tensor(), true, 0.7);
+      first = inner.gradient(mt::sum(y * g), std::vector<mt::Variable>{qv, kv, vv});
+    }
+    const mt::Tensor penalty = mt::sum(first[0] * first[0]) + mt::sum(first[1]) * mt::sum(first[2]);
+    return outer.gradient(penalty, std::vector<mt::Variable>{qv, kv, vv});
+  };
+  const auto f = second(true), r = second(false);
+  for (std::size_t i = 0; i < 3; ++i) {
+    REQUIRE(f[i].defined());
+    CHECK(max_abs_diff(f[i], r[i]) < 1e-11);
+  }
+}
