@@ -152,15 +152,16 @@ void LayerNormalizationLayer::build(const Shape& input_shape) {
   set_input_spec(InputSpec{.min_rank = 1, .axes = {{-1, c}}});
 }
 
+// One fused op (mixtape::layer_norm): the statistics and the affine map in param_dtype()
+// (float32; float64 for float64 variables), the result rounded once to the compute dtype.
 Tensor LayerNormalizationLayer::call(const Tensor& x, const CallContext&) {
-  Tensor xs = cast(x, param_dtype());
-  Tensor mu = mean(xs, {-1}, true);
-  Tensor centered = xs - mu;
-  Tensor var = mean(square(centered), {-1}, true);
-  Tensor y = centered * rsqrt(var + options_.epsilon);
-  if (options_.scale) y = y * gamma_;
-  if (options_.center) y = y + beta_;
-  return cast(y, compute_dtype());
+  const Tensor xs = x.dtype() == param_dtype() || (x.dtype().is_reduced_float() &&
+                                                   param_dtype() == kFloat32)
+                        ? x  // 16-bit inputs are read in float32 inside the op
+                        : cast(x, param_dtype());
+  return cast(layer_norm(xs, options_.scale ? Tensor(gamma_) : Tensor(),
+                         options_.center ? Tensor(beta_) : Tensor(), options_.epsilon),
+              compute_dtype());
 }
 
 Config LayerNormalizationLayer::get_config() const {

@@ -128,6 +128,7 @@ void register_backend_and_kernels() {
   register_pool_kernels();
   register_optim_kernels();
   register_attention_kernels();
+  register_layer_norm_kernels();
 }
 
 }  // namespace mixtape::cpu

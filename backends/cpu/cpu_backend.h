@@ -26,6 +26,7 @@ void register_conv_kernels();         // conv2d and its backward passes
 void register_pool_kernels();         // max / average pooling and their backward passes
 void register_optim_kernels();        // unscale_check, sgd/rmsprop/adam updates
 void register_attention_kernels();    // attention and its backward pass (fused)
+void register_layer_norm_kernels();   // layer_norm and its backward pass (fused)
 
 // Below this many elements a kernel runs on one thread.
 inline constexpr std::int64_t kParallelGrain = 32768;

@@ -18,5 +18,6 @@ void register_gemm_kernels();         // matmul through cuBLASLt / cuBLAS (gemm.
 void register_conv_kernels();         // conv2d and its backward through cuDNN (conv.cpp)
 void register_pool_kernels();         // max / average pooling (pool.cu)
 void register_attention_kernels();    // attention and its backward pass, fused (attention.cu)
+void register_layer_norm_kernels();   // layer_norm and its backward pass, fused (layer_norm.cu)
 
 }  // namespace mixtape::cuda_backend

@@ -13,6 +13,7 @@ void register_all_kernels() {
   register_conv_kernels();
   register_pool_kernels();
   register_attention_kernels();
+  register_layer_norm_kernels();
 }
 
 }  // namespace mixtape::cuda_backend

@@ -409,6 +409,108 @@ void attention(Context& c) {
   }
 }
 
+// --- Fused layer normalisation -----------------------------------------------------------------
+
+// layer_norm and layer_norm_backward against the float64 formulas written out here: rows of
+// 1, 7, 64 and 1000 values (offset from 0, so that the mean matters), with and without gamma
+// and beta, and a row of equal values (variance 0: the epsilon alone).
+void layer_norm(Context& c) {
+  const bool backward = is(c, "LayerNormBackwardFn");
+  auto* forward = find_kernel<kernels::LayerNormFn>(OpId::layer_norm, c.device().type(), c.dtype());
+  const DType ct = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  const double eps = 1e-5;
+  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{1000}})
+    for (const bool affine : {false, true}) {
+      const int64_t rows = 5;
+      const std::string what =
+          fmt::format("rows {} of {}{}", rows, n, affine ? ", gamma and beta" : "");
+      int64_t at = 0;
+      const Pair x = c.make({rows, n}, [&] {
+        return at++ < n ? 0.75 : 3.0 + c.uniform(-2.0, 2.0);  // row 0: all equal
+      });
+      const Pair gamma = c.make(
+          {n}, [&] { return c.uniform(0.5, 1.5); }, ct);
+      const Pair beta = c.make(
+          {n}, [&] { return c.uniform(-1.0, 1.0); }, ct);
+      const Pair out = c.output({rows, n}), mean = c.output({rows}, ct),
+                 rstd = c.output({rows}, ct);
+      const Tensor g = affine ? gamma.tested : Tensor(), b = affine ? beta.tested : Tensor();
+      forward(x.tested, g, b, eps, out.tested, mean.tested, rstd.tested);
+      const auto xv = x.ref.to_vector<double>(), gv = gamma.ref.to_vector<double>(),
+                 bv = beta.ref.to_vector<double>();
+      std::vector<double> ref_out(static_cast<std::size_t>(rows * n)),
+          ref_mean(static_cast<std::size_t>(rows)), ref_rstd(static_cast<std::size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) {
+        double s = 0, v = 0;
+        for (int64_t j = 0; j < n; ++j) s += xv[static_cast<std::size_t>(r * n + j)];
+        const double mu = s / static_cast<double>(n);
+        for (int64_t j = 0; j < n; ++j) {
+          const double d = xv[static_cast<std::size_t>(r * n + j)] - mu;
+          v += d * d;
+        }
+        const double rs = 1.0 / std::sqrt(v / static_cast<double>(n) + eps);
+        ref_mean[static_cast<std::size_t>(r)] = mu;
+        ref_rstd[static_cast<std::size_t>(r)] = rs;
+        for (int64_t j = 0; j < n; ++j) {
+          double o = (xv[static_cast<std::size_t>(r * n + j)] - mu) * rs;
+          if (affine) o = o * gv[static_cast<std::size_t>(j)] + bv[static_cast<std::size_t>(j)];
+          ref_out[static_cast<std::size_t>(r * n + j)] = o;
+        }
+      }
+      // rstd reaches 1 / sqrt(eps) ~ 316 on the equal row: a relative error there.
+      const Scale scale{static_cast<double>(n) + 4.0, static_cast<double>(n) + 4.0};
+      if (!backward) {
+        c.expect_close(what + ", out", out.tested, from_vector(ref_out, {rows, n}, kFloat64),
+                       scale);
+        c.expect_close(what + ", mean", mean.tested, from_vector(ref_mean, {rows}, kFloat64),
+                       scale);
+        c.expect_close(what + ", rstd", rstd.tested, from_vector(ref_rstd, {rows}, kFloat64),
+                       scale);
+        continue;
+      }
+      // The backward pass from the mean and rstd the kernel is given.
+      const Pair dy = c.uniform({rows, n}, -1.0, 1.0);
+      const Pair dx = c.output({rows, n}), dgamma = c.output({n}, ct), dbeta = c.output({n}, ct);
+      tested_kernel<kernels::LayerNormBackwardFn>(c)(
+          x.tested, g, mean.tested, rstd.tested, dy.tested, dx.tested,
+          affine ? dgamma.tested : Tensor(), affine ? dbeta.tested : Tensor());
+      const auto mv = mean.tested.to(kFloat64).to_vector<double>(),
+                 rv = rstd.tested.to(kFloat64).to_vector<double>(),
+                 dyv = dy.ref.to_vector<double>();
+      std::vector<double> rdx(static_cast<std::size_t>(rows * n)),
+          rdg(static_cast<std::size_t>(n), 0.0), rdb(static_cast<std::size_t>(n), 0.0);
+      for (int64_t r = 0; r < rows; ++r) {
+        double sg = 0, sgx = 0;
+        const double mu = mv[static_cast<std::size_t>(r)], rs = rv[static_cast<std::size_t>(r)];
+        const auto xh = [&](int64_t j) {
+          return (xv[static_cast<std::size_t>(r * n + j)] - mu) * rs;
+        };
+        const auto gg = [&](int64_t j) {
+          return dyv[static_cast<std::size_t>(r * n + j)] *
+                 (affine ? gv[static_cast<std::size_t>(j)] : 1.0);
+        };
+        for (int64_t j = 0; j < n; ++j) {
+          sg += gg(j);
+          sgx += gg(j) * xh(j);
+          rdg[static_cast<std::size_t>(j)] += dyv[static_cast<std::size_t>(r * n + j)] * xh(j);
+          rdb[static_cast<std::size_t>(j)] += dyv[static_cast<std::size_t>(r * n + j)];
+        }
+        for (int64_t j = 0; j < n; ++j)
+          rdx[static_cast<std::size_t>(r * n + j)] =
+              rs * (gg(j) - sg / static_cast<double>(n) - xh(j) * sgx / static_cast<double>(n));
+      }
+      // dx: the row's sums of n terms (absolute), times rstd (316 on the equal row: relative).
+      c.expect_close(what + ", dx", dx.tested, from_vector(rdx, {rows, n}, kFloat64),
+                     Scale{static_cast<double>(n) + 4.0, static_cast<double>(n) + 4.0});
+      if (affine) {
+        c.expect_close(what + ", dgamma", dgamma.tested, from_vector(rdg, {n}, kFloat64),
+                       Scale{4.0 * static_cast<double>(rows), 0.0});
+        c.expect_close(what + ", dbeta", dbeta.tested, from_vector(rdb, {n}, kFloat64),
+                       Scale{static_cast<double>(rows), 0.0});
+      }
+    }
+}
+
 // --- Indexing --------------------------------------------------------------------------------
 
 struct IndexExtents {
@@ -841,6 +943,7 @@ Driver driver_for(OpId op) {
   if (k == "RowFn") return rows;
   if (k == "MaskedSoftmaxFn") return masked_rows;
   if (k == "AttentionFn" || k == "AttentionBackwardFn") return attention;
+  if (k == "LayerNormFn" || k == "LayerNormBackwardFn") return layer_norm;
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;

@@ -89,6 +89,12 @@ Tensor masked_softmax(const Tensor& x, const Tensor& mask = Tensor(), double sca
 // attends nothing is 0. The math runs in float32 (float64 for float64); the result has q's
 // dtype. Differentiable in q, k and v. The same values as masked_softmax(matmul(q, k^T),
 // mask, scale) then matmul with v, to rounding.
+// Layer normalisation over the last axis in one op (op layer_norm; its backward pass one op
+// too): (x - mean) / sqrt(var + epsilon) * gamma + beta, the statistics of each row (biased
+// variance) in float32 (float64 for float64), the result rounded once to x's dtype. gamma
+// and beta: [last extent], any floating dtype (read in float32 / float64), either undefined
+// (1 and 0). Differentiable in x, gamma and beta.
+Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double epsilon);
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& mask = Tensor(), bool causal = false, double scale = 1.0);
 

@@ -78,6 +78,20 @@ using AttentionFn = void(const Tensor& q, const Tensor& k, const Tensor& v, cons
 // (dout [n, t, dv]), writes dq, dk and dv (the inputs' shapes and dtype): P recomputed from
 // the logits and lse, dP = dout v^T, dS = P (dP - D) with D_i = sum_c dout[i, c] out[i, c]
 // (the out given), dq = scale dS k, dk = scale dS^T q, dv = P^T dout.
+// layer_norm over the last axis, one pass per row: x [rows, n] contiguous (the op's dtype),
+// gamma and beta [n] in the compute type (float32; float64 for float64), either undefined
+// (1 and 0); out [rows, n] (x's dtype) = (x - mean) * rstd * gamma + beta, rounded once, with
+// each row's mean and rstd = 1 / sqrt(var + epsilon) (biased variance) in the compute type,
+// written to mean and rstd [rows].
+using LayerNormFn = void(const Tensor& x, const Tensor& gamma, const Tensor& beta, double epsilon,
+                         const Tensor& out, const Tensor& mean, const Tensor& rstd);
+// layer_norm_backward: from dy [rows, n] (x's dtype) and the forward's mean and rstd, dx
+// (x's dtype) = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy gamma and xhat = (x - mean)
+// rstd, and, when defined, dgamma = sum over rows of dy xhat and dbeta = sum of dy ([n],
+// the compute type), summed in an order that does not depend on the number of threads.
+using LayerNormBackwardFn = void(const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                 const Tensor& rstd, const Tensor& dy, const Tensor& dx,
+                                 const Tensor& dgamma, const Tensor& dbeta);
 using AttentionBackwardFn = void(const Tensor& q, const Tensor& k, const Tensor& v,
                                  const Tensor& mask, bool causal, double scale, const Tensor& out,
                                  const Tensor& lse, const Tensor& dout, const Tensor& dq,

@@ -93,6 +93,9 @@
   /* fused attention (softmax(scale q k^T) v without the [t, s] matrix) */                     \
   X(attention,                AttentionFn,             Floating, allow,  true)                  \
   X(attention_backward,       AttentionBackwardFn,     Floating, hidden, false)                 \
+  /* fused layer normalisation over the last axis */                                           \
+  X(layer_norm,               LayerNormFn,             Floating, deny,   true)                  \
+  X(layer_norm_backward,      LayerNormBackwardFn,     Floating, hidden, false)                 \
   /* linear algebra */                                                                          \
   X(matmul,                   GemmFn,                  Floating, allow,  true)                  \
   /* convolution and pooling (NHWC) */                                                          \

@@ -1,0 +1,167 @@
+// Layer normalisation on the CPU (ops layer_norm and layer_norm_backward): a row at a time,
+// in float32 (float64 for float64), each row's sums in float64. Written by hand: oneDNN 2.6
+// has a layer normalisation primitive, but for float32 and bfloat16 alone (no float16, no
+// float64) and with its own statistics' layout; the op table needs all four dtypes and the
+// same kernel contract on every backend.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/cpu_util.h"
+#include "mixtape/core/register_kernels.h"
+
+namespace mixtape::cpu {
+namespace {
+
+using std::int64_t;
+
+// Rows per block of the dgamma / dbeta partial sums: fixed, so the sums' order does not
+// depend on the number of threads.
+constexpr int64_t kRowsPerBlock = 32;
+
+template <typename T, typename C>
+const C* row_in(const T* src, int64_t n, std::vector<C>& buf) {
+  if constexpr (std::is_same_v<T, C>) {
+    return src;
+  } else {
+    to_float(src, buf.data(), n);
+    return buf.data();
+  }
+}
+
+template <typename T>
+void layer_norm_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& beta_t,
+                       double epsilon, const Tensor& out_t, const Tensor& mean_t,
+                       const Tensor& rstd_t) {
+  using C = compute_t<T>;
+  const int64_t n = x_t.shape().back(), rows = x_t.numel() / n;
+  const T* x = static_cast<const T*>(x_t.data_ptr());
+  const C* gamma = gamma_t.defined() ? static_cast<const C*>(gamma_t.data_ptr()) : nullptr;
+  const C* beta = beta_t.defined() ? static_cast<const C*>(beta_t.data_ptr()) : nullptr;
+  T* out = static_cast<T*>(out_t.data_ptr());
+  C* mean = static_cast<C*>(mean_t.data_ptr());
+  C* rstd = static_cast<C*>(rstd_t.data_ptr());
+#pragma omp parallel if (rows * n > kParallelGrain)
+  {
+    std::vector<C> in(kReduced<T> ? static_cast<std::size_t>(n) : 0),
+        y(static_cast<std::size_t>(n));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const C* xr = row_in(x + r * n, n, in);
+      double s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < n; ++j) s += static_cast<double>(xr[j]);
+      const C mu = static_cast<C>(s / static_cast<double>(n));
+      double v = 0;
+#pragma omp simd reduction(+ : v)
+      for (int64_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(xr[j] - mu);
+        v += c * c;
+      }
+      const C rs = static_cast<C>(1.0 / std::sqrt(v / static_cast<double>(n) + epsilon));
+      mean[r] = mu;
+      rstd[r] = rs;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        C o = (xr[j] - mu) * rs;
+        if (gamma) o *= gamma[j];
+        if (beta) o += beta[j];
+        y[static_cast<std::size_t>(j)] = o;
+      }
+      if constexpr (kReduced<T>)
+        from_float(y.data(), out + r * n, n);
+      else
+        std::copy(y.begin(), y.end(), out + r * n);
+    }
+  }
+}
+
+template <typename T>
+void layer_norm_backward_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& mean_t,
+                                const Tensor& rstd_t, const Tensor& dy_t, const Tensor& dx_t,
+                                const Tensor& dgamma_t, const Tensor& dbeta_t) {
+  using C = compute_t<T>;
+  const int64_t n = x_t.shape().back(), rows = x_t.numel() / n;
+  const T* x = static_cast<const T*>(x_t.data_ptr());
+  const C* gamma = gamma_t.defined() ? static_cast<const C*>(gamma_t.data_ptr()) : nullptr;
+  const C* mean = static_cast<const C*>(mean_t.data_ptr());
+  const C* rstd = static_cast<const C*>(rstd_t.data_ptr());
+  const T* dy = static_cast<const T*>(dy_t.data_ptr());
+  T* dx = static_cast<T*>(dx_t.data_ptr());
+  const bool params = dgamma_t.defined() || dbeta_t.defined();
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  // Per block of rows: its sums of dy xhat and of dy, then added up block by block.
+  std::vector<C> part_g(params ? static_cast<std::size_t>(blocks * n) : 0, C(0)),
+      part_b(params ? static_cast<std::size_t>(blocks * n) : 0, C(0));
+#pragma omp parallel if (rows * n > kParallelGrain)
+  {
+    std::vector<C> xin(kReduced<T> ? static_cast<std::size_t>(n) : 0),
+        gin(kReduced<T> ? static_cast<std::size_t>(n) : 0), xhat(static_cast<std::size_t>(n)),
+        gg(static_cast<std::size_t>(n)), res(static_cast<std::size_t>(n));
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      C* pg = params ? part_g.data() + b * n : nullptr;
+      C* pb = params ? part_b.data() + b * n : nullptr;
+      for (int64_t r = b * kRowsPerBlock; r < std::min(rows, (b + 1) * kRowsPerBlock); ++r) {
+        const C* xr = row_in(x + r * n, n, xin);
+        const C* gr = row_in(dy + r * n, n, gin);
+        const C mu = mean[r], rs = rstd[r];
+        double sg = 0, sgx = 0;
+#pragma omp simd reduction(+ : sg, sgx)
+        for (int64_t j = 0; j < n; ++j) {
+          const C xh = (xr[j] - mu) * rs;
+          const C g = gamma ? gr[j] * gamma[j] : gr[j];
+          xhat[static_cast<std::size_t>(j)] = xh;
+          gg[static_cast<std::size_t>(j)] = g;
+          sg += static_cast<double>(g);
+          sgx += static_cast<double>(g * xh);
+        }
+        const C mg = static_cast<C>(sg / static_cast<double>(n));
+        const C mgx = static_cast<C>(sgx / static_cast<double>(n));
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j)
+          res[static_cast<std::size_t>(j)] =
+              rs * (gg[static_cast<std::size_t>(j)] - mg - xhat[static_cast<std::size_t>(j)] * mgx);
+        if constexpr (kReduced<T>)
+          from_float(res.data(), dx + r * n, n);
+        else
+          std::copy(res.begin(), res.end(), dx + r * n);
+        if (params) {
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) {
+            pg[j] += gr[j] * xhat[static_cast<std::size_t>(j)];
+            pb[j] += gr[j];
+          }
+        }
+      }
+    }
+  }
+  if (!params) return;
+  C* dgamma = dgamma_t.defined() ? static_cast<C*>(dgamma_t.data_ptr()) : nullptr;
+  C* dbeta = dbeta_t.defined() ? static_cast<C*>(dbeta_t.data_ptr()) : nullptr;
+  for (int64_t j = 0; j < n; ++j) {
+    C sg = 0, sb = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      sg += part_g[static_cast<std::size_t>(b * n + j)];
+      sb += part_b[static_cast<std::size_t>(b * n + j)];
+    }
+    if (dgamma) dgamma[j] = sg;
+    if (dbeta) dbeta[j] = sb;
+  }
+}
+
+}  // namespace
+
+void register_layer_norm_kernels() {
+  constexpr auto cpu = DeviceType::CPU;
+  register_op<OpId::layer_norm>(cpu,
+                                []<DType::Code C>() { return &layer_norm_kernel<element_t<C>>; });
+  register_op<OpId::layer_norm_backward>(
+      cpu, []<DType::Code C>() { return &layer_norm_backward_kernel<element_t<C>>; });
+}
+
+}  // namespace mixtape::cpu

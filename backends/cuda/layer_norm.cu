@@ -1,0 +1,158 @@
+// Layer normalisation on CUDA (ops layer_norm and layer_norm_backward), a first plain form:
+// a warp per row for the forward pass and for dx (the row's sums with shuffles, in float32;
+// float64 for float64), and a thread per column for dgamma and dbeta (a column's sum over
+// the rows in row order). Written without a GPU at hand; the conformance sweep checks it.
+#include <cmath>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using std::int64_t;
+
+constexpr int kWarp = 32;
+
+template <typename C>
+__device__ __forceinline__ C ln_warp_sum(C v) {
+  for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+__device__ __forceinline__ int64_t ln_warp_index() {
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+}
+__device__ __forceinline__ int64_t ln_warp_count() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
+}
+
+template <typename T>
+__global__ void layer_norm_forward_kernel(
+    const T* __restrict__ x, const compute_of<T>* __restrict__ gamma,
+    const compute_of<T>* __restrict__ beta, compute_of<T> epsilon, T* __restrict__ out,
+    compute_of<T>* __restrict__ mean, compute_of<T>* __restrict__ rstd, int64_t rows, int64_t n) {
+  using C = compute_of<T>;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  for (int64_t r = ln_warp_index(); r < rows; r += ln_warp_count()) {
+    const T* xr = x + r * n;
+    C s = C(0);
+    for (int64_t j = lane; j < n; j += kWarp) s += load(xr[j]);
+    const C mu = ln_warp_sum(s) / static_cast<C>(n);
+    C v = C(0);
+    for (int64_t j = lane; j < n; j += kWarp) {
+      const C c = load(xr[j]) - mu;
+      v += c * c;
+    }
+    const C rs = C(1) / sqrt(ln_warp_sum(v) / static_cast<C>(n) + epsilon);
+    if (lane == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+    for (int64_t j = lane; j < n; j += kWarp) {
+      C o = (load(xr[j]) - mu) * rs;
+      if (gamma) o *= gamma[j];
+      if (beta) o += beta[j];
+      out[r * n + j] = store<T>(o);
+    }
+  }
+}
+
+template <typename T>
+__global__ void layer_norm_dx_kernel(const T* __restrict__ x,
+                                     const compute_of<T>* __restrict__ gamma,
+                                     const compute_of<T>* __restrict__ mean,
+                                     const compute_of<T>* __restrict__ rstd,
+                                     const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
+                                     int64_t n) {
+  using C = compute_of<T>;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  for (int64_t r = ln_warp_index(); r < rows; r += ln_warp_count()) {
+    const T* xr = x + r * n;
+    const T* gr = dy + r * n;
+    const C mu = mean[r], rs = rstd[r];
+    C sg = C(0), sgx = C(0);
+    for (int64_t j = lane; j < n; j += kWarp) {
+      const C g = gamma ? load(gr[j]) * gamma[j] : load(gr[j]);
+      sg += g;
+      sgx += g * (load(xr[j]) - mu) * rs;
+    }
+    const C mg = ln_warp_sum(sg) / static_cast<C>(n), mgx = ln_warp_sum(sgx) / static_cast<C>(n);
+    for (int64_t j = lane; j < n; j += kWarp) {
+      const C g = gamma ? load(gr[j]) * gamma[j] : load(gr[j]);
+      const C xh = (load(xr[j]) - mu) * rs;
+      dx[r * n + j] = store<T>(rs * (g - mg - xh * mgx));
+    }
+  }
+}
+
+template <typename T>
+__global__ void layer_norm_params_kernel(const T* __restrict__ x,
+                                         const compute_of<T>* __restrict__ mean,
+                                         const compute_of<T>* __restrict__ rstd,
+                                         const T* __restrict__ dy,
+                                         compute_of<T>* __restrict__ dgamma,
+                                         compute_of<T>* __restrict__ dbeta, int64_t rows,
+                                         int64_t n) {
+  using C = compute_of<T>;
+  MIXTAPE_GRID_LOOP(j, n) {
+    C sg = C(0), sb = C(0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const C g = load(dy[r * n + j]);
+      sg += g * (load(x[r * n + j]) - mean[r]) * rstd[r];
+      sb += g;
+    }
+    if (dgamma) dgamma[j] = sg;
+    if (dbeta) dbeta[j] = sb;
+  }
+}
+
+template <typename T>
+void layer_norm_host(const Tensor& x, const Tensor& gamma, const Tensor& beta, double epsilon,
+                     const Tensor& out, const Tensor& mean, const Tensor& rstd) {
+  using C = compute_of<T>;
+  const int64_t n = x.shape().back(), rows = x.numel() / n;
+  if (rows == 0) return;
+  OnDevice on(out);
+  layer_norm_forward_kernel<T><<<blocks_for(rows * kWarp), kThreads, 0, on.s>>>(
+      static_cast<const T*>(x.data_ptr()),
+      gamma.defined() ? static_cast<const C*>(gamma.data_ptr()) : nullptr,
+      beta.defined() ? static_cast<const C*>(beta.data_ptr()) : nullptr, static_cast<C>(epsilon),
+      static_cast<T*>(out.data_ptr()), static_cast<C*>(mean.data_ptr()),
+      static_cast<C*>(rstd.data_ptr()), rows, n);
+  MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm kernel");
+}
+
+template <typename T>
+void layer_norm_backward_host(const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                              const Tensor& rstd, const Tensor& dy, const Tensor& dx,
+                              const Tensor& dgamma, const Tensor& dbeta) {
+  using C = compute_of<T>;
+  const int64_t n = x.shape().back(), rows = x.numel() / n;
+  if (rows == 0) return;
+  OnDevice on(dx);
+  const auto* xp = static_cast<const T*>(x.data_ptr());
+  const auto* mp = static_cast<const C*>(mean.data_ptr());
+  const auto* rp = static_cast<const C*>(rstd.data_ptr());
+  const auto* gp = static_cast<const T*>(dy.data_ptr());
+  layer_norm_dx_kernel<T><<<blocks_for(rows * kWarp), kThreads, 0, on.s>>>(
+      xp, gamma.defined() ? static_cast<const C*>(gamma.data_ptr()) : nullptr, mp, rp, gp,
+      static_cast<T*>(dx.data_ptr()), rows, n);
+  MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm dx kernel");
+  if (!dgamma.defined() && !dbeta.defined()) return;
+  layer_norm_params_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
+      xp, mp, rp, gp, dgamma.defined() ? static_cast<C*>(dgamma.data_ptr()) : nullptr,
+      dbeta.defined() ? static_cast<C*>(dbeta.data_ptr()) : nullptr, rows, n);
+  MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm dgamma/dbeta kernel");
+}
+
+}  // namespace
+
+void register_layer_norm_kernels() {
+  constexpr auto cuda = DeviceType::CUDA;
+  register_op<OpId::layer_norm>(cuda, []<DType::Code C>() { return &layer_norm_host<dev_t<C>>; });
+  register_op<OpId::layer_norm_backward>(
+      cuda, []<DType::Code C>() { return &layer_norm_backward_host<dev_t<C>>; });
+}
+
+}  // namespace mixtape::cuda_backend
