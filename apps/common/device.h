@@ -14,9 +14,15 @@ namespace apps {
 
 // --device: auto (cuda when a GPU is present), cpu, cuda, cuda:N. Under mpirun, "auto" and
 // "cuda" take the GPU of the rank's place on its machine. A device that is not there is a
-// DeviceError naming it.
+// DeviceError naming it (a program built without the CUDA backend says so).
 inline mixtape::Device pick_device(const std::string& name) {
   namespace mt = mixtape;
+  if (name != "auto" && !mt::has_backend(mt::DeviceType::CUDA) &&
+      (name == "cuda" || mt::Device::parse(name).is_cuda()))
+    throw mt::DeviceError(fmt::format(
+        "--device {}: this program has no CUDA backend (mixtape was built without nvcc); use "
+        "--device cpu",
+        name));
   const bool have_cuda = mt::has_backend(mt::DeviceType::CUDA) &&
                          mt::backend_for(mt::DeviceType::CUDA).device_count() > 0;
   const int gpu = have_cuda ? mt::distributed::local_rank() %

@@ -496,15 +496,14 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
     const auto start = std::chrono::steady_clock::now();
     std::int64_t rows = 0;
     for (const auto& batch : train_ds) {
-      const auto& [xb, yb] = batch;
       if (dopt) dopt->set_gradient_weight(batch.share());  // an uneven split weighs by rows
       mt::GradientTape tape;
-      const mt::Tensor predictions = model(xb, {.training = true});
-      const mt::Tensor loss = loss_object(yb, predictions);
+      const mt::Tensor predictions = model(batch.x(), {.training = true});
+      const mt::Tensor loss = loss_object(batch.y(), predictions);
       optimizer->apply_gradients(optimizer->compute_gradients(tape, loss, vars), vars);
-      epoch_loss.update_state(loss, mt::full({}, static_cast<double>(xb.dim(0))));
-      train_accuracy.update_state(yb, predictions.detach());
-      rows += xb.dim(0);
+      epoch_loss.update_state(loss, mt::full({}, static_cast<double>(batch.rows())));
+      train_accuracy.update_state(batch.y(), predictions.detach());
+      rows += batch.rows();
     }
     // result() reads the totals back from the model's device: on a GPU that waits for the
     // epoch's last step, so the time is taken after it. Every rank's means, weighted by its
