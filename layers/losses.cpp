@@ -77,16 +77,17 @@ Tensor sparse_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from
   // naming the first; integer ones are checked by gather below.
   labels = layers::detail::class_indices(kName, "labels", labels, classes);
   const std::int64_t n = labels.numel();
-  Tensor p = reshape(cast(y_pred, loss_dtype(y_pred)), Shape{n, classes});
-  Tensor logp = from_logits ? log_softmax(p, -1) : log_probabilities(p);
-  Tensor picked;
   try {
-    picked = gather(logp, reshape(labels, Shape{n, 1}), 1);
+    if (from_logits)  // one fused op: the loss, and in the backward pass its gradient
+      return reshape(softmax_cross_entropy(reshape(y_pred, Shape{n, classes}),
+                                           reshape(labels, Shape{n})),
+                     expected);
+    const Tensor p = reshape(cast(y_pred, loss_dtype(y_pred)), Shape{n, classes});
+    return reshape(-gather(log_probabilities(p), reshape(labels, Shape{n, 1}), 1), expected);
   } catch (const IndexError& e) {
     throw IndexError(fmt::format("{}: labels must lie in [0, {}) for {} classes ({})", kName,
                                  classes, classes, e.what()));
   }
-  return reshape(-picked, expected);
 }
 
 Tensor categorical_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from_logits) {

@@ -199,6 +199,7 @@ TEST_CASE("the op names of the AMP lists are the ops that pass through the rewri
     (void)mt::masked_softmax(a, mt::less(a, b), 0.5);
     (void)mt::fused_attention(a, b, b, mt::Tensor(), true, 0.5);
     (void)mt::layer_norm(a, mt::Tensor(), mt::Tensor(), 1e-5);
+    (void)mt::softmax_cross_entropy(a, mt::from_vector(std::vector<std::int64_t>{0, 2}, {2}));
     (void)mt::gather(a, gidx, 1), (void)mt::take(a, idx, 1);
     (void)mt::reshape(a, {3, 2}), (void)mt::permute(a, {1, 0}), (void)mt::slice(a, 1, 0, 2);
     (void)mt::expand(mt::reshape(a, {1, 2, 3}), {2, 2, 3}), (void)mt::concat({a, b}, 0);

@@ -17,16 +17,17 @@ namespace mixtape::cpu {
 void register_backend_and_kernels();
 
 // One per kernel file.
-void register_memory_kernels();       // copy, fill, cast
-void register_elementwise_kernels();  // unary, binary, comparisons, where
-void register_reduction_kernels();    // sum, mean, max, min, argmax, softmax, log_softmax
-void register_index_kernels();        // gather, scatter_add, take, index_add
-void register_gemm_kernels();         // matmul
-void register_conv_kernels();         // conv2d and its backward passes
-void register_pool_kernels();         // max / average pooling and their backward passes
-void register_optim_kernels();        // unscale_check, sgd/rmsprop/adam updates
-void register_attention_kernels();    // attention and its backward pass (fused)
-void register_layer_norm_kernels();   // layer_norm and its backward pass (fused)
+void register_memory_kernels();         // copy, fill, cast
+void register_elementwise_kernels();    // unary, binary, comparisons, where
+void register_reduction_kernels();      // sum, mean, max, min, argmax, softmax, log_softmax
+void register_index_kernels();          // gather, scatter_add, take, index_add
+void register_gemm_kernels();           // matmul
+void register_conv_kernels();           // conv2d and its backward passes
+void register_pool_kernels();           // max / average pooling and their backward passes
+void register_optim_kernels();          // unscale_check, sgd/rmsprop/adam updates
+void register_attention_kernels();      // attention and its backward pass (fused)
+void register_layer_norm_kernels();     // layer_norm and its backward pass (fused)
+void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward pass (fused)
 
 // Below this many elements a kernel runs on one thread.
 inline constexpr std::int64_t kParallelGrain = 32768;

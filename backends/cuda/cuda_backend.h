@@ -9,15 +9,16 @@ void register_all_kernels();
 void register_nccl_collectives();
 
 // One per kernel file.
-void register_memory_kernels();       // copy, fill, cast (memory.cu)
-void register_elementwise_kernels();  // unary, binary, comparisons, where (elementwise.cu)
-void register_reduction_kernels();    // sum ... argmax, softmax, log_softmax (reduction.cu)
-void register_index_kernels();        // gather, scatter_add, take, index_add (index.cu)
-void register_optim_kernels();        // unscale_check, optimizer updates (optim.cu)
-void register_gemm_kernels();         // matmul through cuBLASLt / cuBLAS (gemm.cpp)
-void register_conv_kernels();         // conv2d and its backward through cuDNN (conv.cpp)
-void register_pool_kernels();         // max / average pooling (pool.cu)
-void register_attention_kernels();    // attention and its backward pass, fused (attention.cu)
-void register_layer_norm_kernels();   // layer_norm and its backward pass, fused (layer_norm.cu)
+void register_memory_kernels();         // copy, fill, cast (memory.cu)
+void register_elementwise_kernels();    // unary, binary, comparisons, where (elementwise.cu)
+void register_reduction_kernels();      // sum ... argmax, softmax, log_softmax (reduction.cu)
+void register_index_kernels();          // gather, scatter_add, take, index_add (index.cu)
+void register_optim_kernels();          // unscale_check, optimizer updates (optim.cu)
+void register_gemm_kernels();           // matmul through cuBLASLt / cuBLAS (gemm.cpp)
+void register_conv_kernels();           // conv2d and its backward through cuDNN (conv.cpp)
+void register_pool_kernels();           // max / average pooling (pool.cu)
+void register_attention_kernels();      // attention and its backward pass, fused (attention.cu)
+void register_layer_norm_kernels();     // layer_norm and its backward pass, fused (layer_norm.cu)
+void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward (cross_entropy.cu)
 
 }  // namespace mixtape::cuda_backend

@@ -511,6 +511,62 @@ void layer_norm(Context& c) {
     }
 }
 
+// --- Fused softmax cross-entropy ---------------------------------------------------------------
+
+// softmax_cross_entropy and its backward against the float64 formulas written out here: rows
+// of 1, 10, 300 and 5000 classes, logits spread over [-8, 8] (so that the maximum matters).
+void cross_entropy(Context& c) {
+  const bool backward = is(c, "SoftmaxCrossEntropyBackwardFn");
+  auto* forward = find_kernel<kernels::SoftmaxCrossEntropyFn>(OpId::softmax_cross_entropy,
+                                                              c.device().type(), c.dtype());
+  const DType ct = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  for (const int64_t classes : {int64_t{1}, int64_t{10}, int64_t{300}, int64_t{5000}}) {
+    const int64_t n = 6;
+    const std::string what = fmt::format("{} rows of {} classes", n, classes);
+    const Pair x = c.uniform({n, classes}, -8.0, 8.0);
+    const Pair labels = c.indices({n}, 0, classes - 1);
+    const Pair loss = c.output({n}, ct), lse = c.output({n}, ct);
+    forward(x.tested, labels.tested, loss.tested, lse.tested);
+    const auto xv = x.ref.to_vector<double>();
+    const auto yv = labels.ref.to_vector<std::int64_t>();
+    std::vector<double> ref_lse(static_cast<std::size_t>(n)), ref_loss(static_cast<std::size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      double m = -kInf, s = 0;
+      for (int64_t j = 0; j < classes; ++j)
+        m = std::max(m, xv[static_cast<std::size_t>(i * classes + j)]);
+      for (int64_t j = 0; j < classes; ++j)
+        s += std::exp(xv[static_cast<std::size_t>(i * classes + j)] - m);
+      ref_lse[static_cast<std::size_t>(i)] = m + std::log(s);
+      ref_loss[static_cast<std::size_t>(i)] =
+          ref_lse[static_cast<std::size_t>(i)] -
+          xv[static_cast<std::size_t>(i * classes + yv[static_cast<std::size_t>(i)])];
+    }
+    const Scale scale{static_cast<double>(classes) + 8.0, 0.0};
+    if (!backward) {
+      c.expect_close(what + ", loss", loss.tested, from_vector(ref_loss, {n}, kFloat64), scale);
+      c.expect_close(what + ", lse", lse.tested, from_vector(ref_lse, {n}, kFloat64), scale);
+      continue;
+    }
+    const Pair dloss = c.make(
+        {n}, [&] { return c.uniform(-2.0, 2.0); }, ct);
+    const Pair dx = c.output({n, classes});
+    tested_kernel<kernels::SoftmaxCrossEntropyBackwardFn>(c)(x.tested, labels.tested, lse.tested,
+                                                             dloss.tested, dx.tested);
+    const auto given_lse = lse.tested.to(kFloat64).to_vector<double>();
+    const auto gv = dloss.ref.to_vector<double>();
+    std::vector<double> ref_dx(static_cast<std::size_t>(n * classes));
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < classes; ++j) {
+        const auto at = static_cast<std::size_t>(i * classes + j);
+        ref_dx[at] = gv[static_cast<std::size_t>(i)] *
+                     (std::exp(xv[at] - given_lse[static_cast<std::size_t>(i)]) -
+                      (j == yv[static_cast<std::size_t>(i)] ? 1.0 : 0.0));
+      }
+    c.expect_close(what + ", dlogits", dx.tested, from_vector(ref_dx, {n, classes}, kFloat64),
+                   Scale{8.0, 0.0});
+  }
+}
+
 // --- Indexing --------------------------------------------------------------------------------
 
 struct IndexExtents {
@@ -944,6 +1000,7 @@ Driver driver_for(OpId op) {
   if (k == "MaskedSoftmaxFn") return masked_rows;
   if (k == "AttentionFn" || k == "AttentionBackwardFn") return attention;
   if (k == "LayerNormFn" || k == "LayerNormBackwardFn") return layer_norm;
+  if (k == "SoftmaxCrossEntropyFn" || k == "SoftmaxCrossEntropyBackwardFn") return cross_entropy;
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;

@@ -89,6 +89,14 @@ Tensor masked_softmax(const Tensor& x, const Tensor& mask = Tensor(), double sca
 // attends nothing is 0. The math runs in float32 (float64 for float64); the result has q's
 // dtype. Differentiable in q, k and v. The same values as masked_softmax(matmul(q, k^T),
 // mask, scale) then matmul with v, to rounding.
+// The softmax cross-entropy of each row of logits [..., c] against its class index (labels
+// [...], int64, in [0, c): IndexError naming the first outside when the labels are on the
+// host; a device's kernel gives NaN for such a row) in one op (op softmax_cross_entropy):
+// log(sum exp(logits)) - logits[label], computed in float32 (float64 for float64 logits)
+// and returned in that dtype, shape [...]. The gradient (softmax - one_hot) times the
+// incoming one is one op too, the softmax recomputed from the saved log-sum-exp: no
+// probabilities are kept. Differentiable in logits.
+Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& labels);
 // Layer normalisation over the last axis in one op (op layer_norm; its backward pass one op
 // too): (x - mean) / sqrt(var + epsilon) * gamma + beta, the statistics of each row (biased
 // variance) in float32 (float64 for float64), the result rounded once to x's dtype. gamma

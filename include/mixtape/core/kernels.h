@@ -78,6 +78,18 @@ using AttentionFn = void(const Tensor& q, const Tensor& k, const Tensor& v, cons
 // (dout [n, t, dv]), writes dq, dk and dv (the inputs' shapes and dtype): P recomputed from
 // the logits and lse, dP = dout v^T, dS = P (dP - D) with D_i = sum_c dout[i, c] out[i, c]
 // (the out given), dq = scale dS k, dk = scale dS^T q, dv = P^T dout.
+// softmax_cross_entropy: for each row i of logits [n, c] (contiguous, the op's dtype) and its
+// class labels[i] (int64 [n], in [0, c): the op checks host labels; a kernel given one outside
+// writes NaN for that row), lse[i] = log(sum_j exp(logits[i, j])) and loss[i] = lse[i] -
+// logits[i, labels[i]], both [n] in the compute type (float32; float64 for float64). No
+// probabilities are kept.
+using SoftmaxCrossEntropyFn = void(const Tensor& logits, const Tensor& labels, const Tensor& loss,
+                                   const Tensor& lse);
+// softmax_cross_entropy_backward: dlogits [n, c] (the logits' dtype) = dloss[i] (softmax -
+// one_hot(labels))[i, j], the softmax recomputed from lse; dloss [n] in the compute type.
+using SoftmaxCrossEntropyBackwardFn = void(const Tensor& logits, const Tensor& labels,
+                                           const Tensor& lse, const Tensor& dloss,
+                                           const Tensor& dlogits);
 // layer_norm over the last axis, one pass per row: x [rows, n] contiguous (the op's dtype),
 // gamma and beta [n] in the compute type (float32; float64 for float64), either undefined
 // (1 and 0); out [rows, n] (x's dtype) = (x - mean) * rstd * gamma + beta, rounded once, with

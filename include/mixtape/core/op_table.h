@@ -96,6 +96,9 @@
   /* fused layer normalisation over the last axis */                                           \
   X(layer_norm,               LayerNormFn,             Floating, deny,   true)                  \
   X(layer_norm_backward,      LayerNormBackwardFn,     Floating, hidden, false)                 \
+  /* fused softmax cross-entropy from logits and class indices */                               \
+  X(softmax_cross_entropy,    SoftmaxCrossEntropyFn,   Floating, deny,   true)                  \
+  X(softmax_cross_entropy_backward, SoftmaxCrossEntropyBackwardFn, Floating, hidden, false)     \
   /* linear algebra */                                                                          \
   X(matmul,                   GemmFn,                  Floating, allow,  true)                  \
   /* convolution and pooling (NHWC) */                                                          \

@@ -1,0 +1,107 @@
+// The softmax cross-entropy on CUDA (ops softmax_cross_entropy and its backward), a first
+// plain form: a warp per row (the maximum and the sum of exponentials with shuffles, in
+// float32; float64 for float64), the gradient recomputing the softmax from the saved
+// log-sum-exp. A label outside [0, c) gives NaN for its row (the kernel cannot throw).
+// Written without a GPU at hand; the conformance sweep checks it.
+#include <cmath>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using std::int64_t;
+
+constexpr int kWarp = 32;
+
+__device__ __forceinline__ int64_t ce_warp_index() {
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+}
+__device__ __forceinline__ int64_t ce_warp_count() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
+}
+
+template <typename T>
+__global__ void cross_entropy_forward_kernel(const T* __restrict__ x,
+                                             const int64_t* __restrict__ labels,
+                                             compute_of<T>* __restrict__ loss,
+                                             compute_of<T>* __restrict__ lse, int64_t n,
+                                             int64_t c) {
+  using C = compute_of<T>;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  for (int64_t i = ce_warp_index(); i < n; i += ce_warp_count()) {
+    const T* xr = x + i * c;
+    C m = -static_cast<C>(INFINITY);
+    for (int64_t j = lane; j < c; j += kWarp) m = fmax(m, load(xr[j]));
+    for (int off = kWarp / 2; off > 0; off /= 2) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, off));
+    C s = C(0);
+    for (int64_t j = lane; j < c; j += kWarp) s += d_exp(load(xr[j]) - m);
+    for (int off = kWarp / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) {
+      const C l = m + d_log(s);
+      const int64_t y = labels[i];
+      lse[i] = l;
+      loss[i] = y >= 0 && y < c ? l - load(xr[y]) : static_cast<C>(NAN);
+    }
+  }
+}
+
+template <typename T>
+__global__ void cross_entropy_backward_kernel(const T* __restrict__ x,
+                                              const int64_t* __restrict__ labels,
+                                              const compute_of<T>* __restrict__ lse,
+                                              const compute_of<T>* __restrict__ dloss,
+                                              T* __restrict__ dx, int64_t n, int64_t c) {
+  using C = compute_of<T>;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  for (int64_t i = ce_warp_index(); i < n; i += ce_warp_count()) {
+    const T* xr = x + i * c;
+    const C l = lse[i], g = dloss[i];
+    const int64_t y = labels[i];
+    const bool ok = y >= 0 && y < c;
+    for (int64_t j = lane; j < c; j += kWarp) {
+      const C v = g * d_exp(load(xr[j]) - l) - (j == y ? g : C(0));
+      dx[i * c + j] = store<T>(ok ? v : static_cast<C>(NAN));
+    }
+  }
+}
+
+template <typename T>
+void cross_entropy_host(const Tensor& logits, const Tensor& labels, const Tensor& loss,
+                        const Tensor& lse) {
+  using C = compute_of<T>;
+  const int64_t n = logits.dim(0), c = logits.dim(1);
+  if (n == 0) return;
+  OnDevice on(loss);
+  cross_entropy_forward_kernel<T><<<blocks_for(n * kWarp), kThreads, 0, on.s>>>(
+      static_cast<const T*>(logits.data_ptr()), static_cast<const int64_t*>(labels.data_ptr()),
+      static_cast<C*>(loss.data_ptr()), static_cast<C*>(lse.data_ptr()), n, c);
+  MIXTAPE_CUDA_CHECK_LAUNCH("softmax_cross_entropy kernel");
+}
+
+template <typename T>
+void cross_entropy_backward_host(const Tensor& logits, const Tensor& labels, const Tensor& lse,
+                                 const Tensor& dloss, const Tensor& dlogits) {
+  using C = compute_of<T>;
+  const int64_t n = logits.dim(0), c = logits.dim(1);
+  if (n == 0) return;
+  OnDevice on(dlogits);
+  cross_entropy_backward_kernel<T><<<blocks_for(n * kWarp), kThreads, 0, on.s>>>(
+      static_cast<const T*>(logits.data_ptr()), static_cast<const int64_t*>(labels.data_ptr()),
+      static_cast<const C*>(lse.data_ptr()), static_cast<const C*>(dloss.data_ptr()),
+      static_cast<T*>(dlogits.data_ptr()), n, c);
+  MIXTAPE_CUDA_CHECK_LAUNCH("softmax_cross_entropy backward kernel");
+}
+
+}  // namespace
+
+void register_cross_entropy_kernels() {
+  constexpr auto cuda = DeviceType::CUDA;
+  register_op<OpId::softmax_cross_entropy>(
+      cuda, []<DType::Code C>() { return &cross_entropy_host<dev_t<C>>; });
+  register_op<OpId::softmax_cross_entropy_backward>(
+      cuda, []<DType::Code C>() { return &cross_entropy_backward_host<dev_t<C>>; });
+}
+
+}  // namespace mixtape::cuda_backend
