@@ -9,16 +9,14 @@
 
 #include "error_of.h"
 #include "mixtape/mixtape.h"
+#include "tensor_check.h"
 
 namespace mt = mixtape;
+using mixtape_test::max_abs_diff;
+using mixtape_test::random_normal;
 namespace ml = mixtape::layers;
 
 namespace {
-
-mt::Tensor random(const mt::Shape& shape, std::uint64_t seed, mt::DType dtype = mt::kFloat64) {
-  mt::Generator gen(seed);
-  return mt::normal(shape, 0.0, 1.0, dtype, mt::Device::cpu(), &gen);
-}
 
 // A bool tensor from a rule over its flat index.
 template <typename F>
@@ -41,15 +39,6 @@ mt::Tensor composed(const mt::Tensor& q, const mt::Tensor& k, const mt::Tensor& 
   }
   const mt::Tensor p = mt::masked_softmax(mt::matmul(q, mt::transpose(k, -1, -2)), mask, scale);
   return mt::matmul(p, v);
-}
-
-double max_abs_diff(const mt::Tensor& a, const mt::Tensor& b) {
-  const auto x = mt::cast(a, mt::kFloat64).to_vector<double>();
-  const auto y = mt::cast(b, mt::kFloat64).to_vector<double>();
-  REQUIRE(x.size() == y.size());
-  double m = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i] - y[i]));
-  return m;
 }
 
 struct Case {
@@ -89,7 +78,8 @@ mt::Tensor case_mask(const Case& c) {
 TEST_CASE("fused_attention equals the composed computation in float64", "[attention][fused]") {
   for (const Case& c : cases()) {
     INFO(c.what);
-    const mt::Tensor q = random(c.q, 1), k = random(c.k, 2), v = random(c.v, 3);
+    const mt::Tensor q = random_normal(c.q, 1), k = random_normal(c.k, 2),
+                     v = random_normal(c.v, 3);
     const mt::Tensor mask = case_mask(c);
     const double scale = 0.6;
     const mt::Tensor fused = mt::fused_attention(q, k, v, mask, c.causal, scale);
@@ -99,7 +89,7 @@ TEST_CASE("fused_attention equals the composed computation in float64", "[attent
     CHECK(max_abs_diff(fused, ref) < 1e-12);
 
     // The gradients of q, k and v, against the composed path's.
-    const mt::Tensor g = random(ref.shape(), 4);
+    const mt::Tensor g = random_normal(ref.shape(), 4);
     const auto grads = [&](bool use_fused) {
       mt::Variable qv(q, "q"), kv(k, "k"), vv(v, "v");
       mt::GradientTape tape;
@@ -119,8 +109,9 @@ TEST_CASE("fused_attention in float32, float16 and bfloat16: the float64 result,
     for (const Case& c : cases()) {
       INFO(c.what);
       // Values the dtype holds exactly, so that both sides see the same inputs.
-      const mt::Tensor q = mt::cast(random(c.q, 11), dt), k = mt::cast(random(c.k, 12), dt),
-                       v = mt::cast(random(c.v, 13), dt);
+      const mt::Tensor q = mt::cast(random_normal(c.q, 11), dt),
+                       k = mt::cast(random_normal(c.k, 12), dt),
+                       v = mt::cast(random_normal(c.v, 13), dt);
       const mt::Tensor mask = case_mask(c);
       const mt::Tensor fused = mt::fused_attention(q, k, v, mask, c.causal, 0.5);
       CHECK(fused.dtype() == dt);
@@ -136,8 +127,8 @@ TEST_CASE("fused_attention in float32, float16 and bfloat16: the float64 result,
 
 TEST_CASE("fused_attention: float64 gradient checks against numeric differences",
           "[attention][fused][grad]") {
-  const mt::Tensor q = random({2, 2, 5, 3}, 21), k = random({2, 2, 6, 3}, 22),
-                   v = random({2, 2, 6, 4}, 23), g = random({2, 2, 5, 4}, 24);
+  const mt::Tensor q = random_normal({2, 2, 5, 3}, 21), k = random_normal({2, 2, 6, 3}, 22),
+                   v = random_normal({2, 2, 6, 4}, 23), g = random_normal({2, 2, 5, 4}, 24);
   const mt::Tensor padding =
       mask_of({2, 1, 1, 6}, [](std::int64_t i) { return i < 6 || i % 6 < 4; });
   for (const bool causal : {false, true})
@@ -171,23 +162,24 @@ TEST_CASE("fused_attention: float64 gradient checks against numeric differences"
 
 TEST_CASE("fused_attention: bad input names the op, the shapes and the dtypes",
           "[attention][fused]") {
-  const mt::Tensor q = random({2, 4, 3}, 1, mt::kFloat32), k = random({2, 5, 3}, 2, mt::kFloat32),
-                   v = random({2, 5, 6}, 3, mt::kFloat32);
+  const mt::Tensor q = random_normal({2, 4, 3}, 1, mt::kFloat32),
+                   k = random_normal({2, 5, 3}, 2, mt::kFloat32),
+                   v = random_normal({2, 5, 6}, 3, mt::kFloat32);
   using mixtape_test::error_of;
   CHECK_THAT(error_of<mt::ShapeError>([&] {
-               mt::fused_attention(q, random({2, 5, 4}, 4), v);
+               mt::fused_attention(q, random_normal({2, 5, 4}, 4), v);
              }),
              Catch::Contains("attention: q and k need the same last axis") &&
                  Catch::Contains("float32[2, 4, 3]"));
   CHECK_THAT(error_of<mt::ShapeError>([&] {
-               mt::fused_attention(q, k, random({2, 6, 6}, 5, mt::kFloat32));
+               mt::fused_attention(q, k, random_normal({2, 6, 6}, 5, mt::kFloat32));
              }),
              Catch::Contains("k and v need the same number of positions"));
   CHECK_THAT(error_of<mt::ShapeError>([&] {
-               mt::fused_attention(q, random({3, 5, 3}, 6, mt::kFloat32), v);
+               mt::fused_attention(q, random_normal({3, 5, 3}, 6, mt::kFloat32), v);
              }),
              Catch::Contains("the same leading axes"));
-  CHECK_THAT(error_of<mt::ShapeError>([&] { mt::fused_attention(random({3}, 7), k, v); }),
+  CHECK_THAT(error_of<mt::ShapeError>([&] { mt::fused_attention(random_normal({3}, 7), k, v); }),
              Catch::Contains("rank >= 2"));
   CHECK_THAT(
       error_of<mt::DTypeError>([&] { mt::fused_attention(q, k, mt::cast(v, mt::kFloat16)); }),
@@ -206,8 +198,8 @@ TEST_CASE("fused_attention: bad input names the op, the shapes and the dtypes",
              }),
              Catch::Contains("scale must be finite"));
   // No keys: every row attends nothing.
-  const mt::Tensor none = mt::fused_attention(q, random({2, 0, 3}, 8, mt::kFloat32),
-                                              random({2, 0, 6}, 9, mt::kFloat32));
+  const mt::Tensor none = mt::fused_attention(q, random_normal({2, 0, 3}, 8, mt::kFloat32),
+                                              random_normal({2, 0, 6}, 9, mt::kFloat32));
   CHECK(none.shape() == mt::Shape{2, 4, 6});
   CHECK(max_abs_diff(none, mt::zeros({2, 4, 6})) == 0.0);
 }
@@ -219,7 +211,7 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
     mt::PolicyScope scope(policy);
     mt::manual_seed(5);
     auto mha = ml::MultiHeadAttention(2, 4, {.use_causal_mask = true});
-    const mt::Tensor x = random({3, 7, 8}, 31, mt::kFloat32);
+    const mt::Tensor x = random_normal({3, 7, 8}, 31, mt::kFloat32);
     mt::DTypeTraceScope trace;
     const mt::Tensor fused = mha->attend(x, x, {}).output;
     // return_attention_scores needs the weights: the composed path.
@@ -236,7 +228,7 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
   }
   SECTION("dropout in training: composed; in inference: fused") {
     auto mha = ml::MultiHeadAttention(2, 4, {.dropout = 0.5});
-    const mt::Tensor x = random({2, 5, 8}, 32, mt::kFloat32);
+    const mt::Tensor x = random_normal({2, 5, 8}, 32, mt::kFloat32);
     mt::DTypeTraceScope trace;
     (void)mha->attend(x, x, {.training = true});
     (void)mha->attend(x, x, {});
@@ -250,8 +242,8 @@ TEST_CASE("fused_attention: second derivatives through a recorded backward pass"
           "[attention][fused][grad]") {
   // Under a second tape the backward pass is made of differentiable ops: the gradient of a
   // gradient equals the composed path's.
-  const mt::Tensor q = random({2, 4, 3}, 41), k = random({2, 5, 3}, 42), v = random({2, 5, 2}, 43),
-                   g = random({2, 4, 2}, 44);
+  const mt::Tensor q = random_normal({2, 4, 3}, 41), k = random_normal({2, 5, 3}, 42),
+                   v = random_normal({2, 5, 2}, 43), g = random_normal({2, 4, 2}, 44);
   const auto second = [&](bool use_fused) {
     mt::Variable qv(q, "q"), kv(k, "k"), vv(v, "v");
     mt::GradientTape outer;

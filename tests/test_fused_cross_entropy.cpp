@@ -8,14 +8,17 @@
 
 #include "error_of.h"
 #include "mixtape/mixtape.h"
+#include "tensor_check.h"
 
 namespace mt = mixtape;
+using mixtape_test::max_abs_diff;
+using mixtape_test::random_normal;
 
 namespace {
 
+// Logits spread wide enough (sd 3) that the maximum matters.
 mt::Tensor logits_of(const mt::Shape& shape, std::uint64_t seed, mt::DType dtype = mt::kFloat64) {
-  mt::Generator gen(seed);
-  return mt::normal(shape, 0.0, 3.0, dtype, mt::Device::cpu(), &gen);
+  return random_normal(shape, seed, dtype, 0.0, 3.0);
 }
 
 mt::Tensor labels_of(std::int64_t n, std::int64_t classes, std::uint64_t seed) {
@@ -30,15 +33,6 @@ mt::Tensor labels_of(std::int64_t n, std::int64_t classes, std::uint64_t seed) {
 mt::Tensor composed(const mt::Tensor& x, const mt::Tensor& labels) {
   const std::int64_t n = labels.numel();
   return mt::reshape(-mt::gather(mt::log_softmax(x, -1), mt::reshape(labels, {n, 1}), 1), {n});
-}
-
-double max_abs_diff(const mt::Tensor& a, const mt::Tensor& b) {
-  const auto x = mt::cast(a, mt::kFloat64).to_vector<double>();
-  const auto y = mt::cast(b, mt::kFloat64).to_vector<double>();
-  REQUIRE(x.size() == y.size());
-  double m = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i] - y[i]));
-  return m;
 }
 
 }  // namespace

@@ -9,17 +9,14 @@
 
 #include "error_of.h"
 #include "mixtape/mixtape.h"
+#include "tensor_check.h"
 
 namespace mt = mixtape;
+using mixtape_test::max_abs_diff;
+using mixtape_test::random_normal;
 namespace ml = mixtape::layers;
 
 namespace {
-
-mt::Tensor random(const mt::Shape& shape, std::uint64_t seed, mt::DType dtype = mt::kFloat64,
-                  double mean = 0.0) {
-  mt::Generator gen(seed);
-  return mt::normal(shape, mean, 1.0, dtype, mt::Device::cpu(), &gen);
-}
 
 // The composed form, in x's dtype.
 mt::Tensor composed(const mt::Tensor& x, const mt::Tensor& gamma, const mt::Tensor& beta,
@@ -31,15 +28,6 @@ mt::Tensor composed(const mt::Tensor& x, const mt::Tensor& gamma, const mt::Tens
   return y;
 }
 
-double max_abs_diff(const mt::Tensor& a, const mt::Tensor& b) {
-  const auto x = mt::cast(a, mt::kFloat64).to_vector<double>();
-  const auto y = mt::cast(b, mt::kFloat64).to_vector<double>();
-  REQUIRE(x.size() == y.size());
-  double m = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i] - y[i]));
-  return m;
-}
-
 }  // namespace
 
 TEST_CASE("layer_norm equals the composed computation in float64, gradients too",
@@ -47,8 +35,8 @@ TEST_CASE("layer_norm equals the composed computation in float64, gradients too"
   for (const mt::Shape& shape : {mt::Shape{5}, mt::Shape{3, 7}, mt::Shape{2, 4, 33}}) {
     INFO("shape " << shape.str());
     const std::int64_t n = shape.dims().back();
-    const mt::Tensor x = random(shape, 1, mt::kFloat64, 2.0), gamma = random({n}, 2),
-                     beta = random({n}, 3), g = random(shape, 4);
+    const mt::Tensor x = random_normal(shape, 1, mt::kFloat64, 2.0), gamma = random_normal({n}, 2),
+                     beta = random_normal({n}, 3), g = random_normal(shape, 4);
     for (const bool affine : {false, true}) {
       INFO("affine " << affine);
       const mt::Tensor gm = affine ? gamma : mt::Tensor(), bt = affine ? beta : mt::Tensor();
@@ -76,9 +64,9 @@ TEST_CASE("layer_norm in float32, float16 and bfloat16: the float64 result, roun
           "[layer_norm][fused]") {
   for (const mt::DType dt : {mt::kFloat32, mt::kFloat16, mt::kBFloat16}) {
     INFO(dt.name());
-    const mt::Tensor x = mt::cast(random({6, 300}, 11, mt::kFloat64, 3.0), dt);
-    const mt::Tensor gamma = random({300}, 12, mt::kFloat32),
-                     beta = random({300}, 13, mt::kFloat32);
+    const mt::Tensor x = mt::cast(random_normal({6, 300}, 11, mt::kFloat64, 3.0), dt);
+    const mt::Tensor gamma = random_normal({300}, 12, mt::kFloat32),
+                     beta = random_normal({300}, 13, mt::kFloat32);
     const mt::Tensor y = mt::layer_norm(x, gamma, beta, 1e-5);
     CHECK(y.dtype() == dt);
     const mt::Tensor ref = composed(mt::cast(x, mt::kFloat64), mt::cast(gamma, mt::kFloat64),
@@ -91,8 +79,8 @@ TEST_CASE("layer_norm in float32, float16 and bfloat16: the float64 result, roun
 
 TEST_CASE("layer_norm: float64 gradients against numeric differences, second derivatives",
           "[layer_norm][fused][grad]") {
-  const mt::Tensor x = random({3, 6}, 21, mt::kFloat64, 1.0), gamma = random({6}, 22),
-                   beta = random({6}, 23), g = random({3, 6}, 24);
+  const mt::Tensor x = random_normal({3, 6}, 21, mt::kFloat64, 1.0), gamma = random_normal({6}, 22),
+                   beta = random_normal({6}, 23), g = random_normal({3, 6}, 24);
   const auto loss = [&](const mt::Tensor& a, const mt::Tensor& b, const mt::Tensor& c) {
     return mt::sum(mt::layer_norm(a, b, c, 1e-3) * g);
   };
@@ -137,7 +125,7 @@ TEST_CASE("layer_norm: float64 gradients against numeric differences, second der
 
 TEST_CASE("layer_norm: bad input names the op, shapes and values", "[layer_norm][fused]") {
   using mixtape_test::error_of;
-  const mt::Tensor x = random({2, 4}, 31, mt::kFloat32);
+  const mt::Tensor x = random_normal({2, 4}, 31, mt::kFloat32);
   CHECK_THAT(
       error_of<mt::ShapeError>([&] { mt::layer_norm(x, mt::ones({3}), mt::Tensor(), 1e-5); }),
       Catch::Contains("layer_norm: gamma must be floating [4]") && Catch::Contains("float32[3]"));
@@ -160,7 +148,7 @@ TEST_CASE("LayerNormalization runs on the fused op, as its composed form did",
     mt::PolicyScope scope(policy);
     mt::manual_seed(3);
     auto ln = ml::LayerNormalization({.epsilon = 1e-5});
-    const mt::Tensor x = random({4, 5, 16}, 41, mt::kFloat32, 1.5);
+    const mt::Tensor x = random_normal({4, 5, 16}, 41, mt::kFloat32, 1.5);
     const mt::Tensor y = ln(x);
     CHECK(y.dtype() == ln->compute_dtype());
     const mt::DType pd = std::string(policy) == "float64" ? mt::kFloat64 : mt::kFloat32;
