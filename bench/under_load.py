@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""MNIST training time on a quiet machine and beside one busy process, mixtape and PyTorch.
+"""Training time on a quiet machine and beside one busy process: MNIST (mixtape and
+PyTorch) and the character-level GPT (mixtape).
 
 People train on laptops and shared servers where something else always runs. For each
 workload (model x precision) and peer, each round runs the training twice: alone, then
@@ -21,6 +22,11 @@ Peers:
 The runs train on the first --train images of MNIST and test on the first --test (written
 to a temporary directory as IDX files), so that a loaded PyTorch run stays short.
 
+The workloads charlm64 and charlm512 are mixtape-charlm (--charlm) at its defaults with
+context 64 (batch 32) and context 512 (batch 4), --charlm-steps steps on this repository's
+docs/*.md as the text; their time is us per token (the app's tokens/s of the steps after the
+first) and their peers mixtape and mixtape-fixed alone.
+
   bench/under_load.py --app build/apps/mnist/mixtape-mnist \\
       --reference ../shared/bench/reference_pytorch.py --data ../shared/datasets/mnist
 """
@@ -35,7 +41,11 @@ import sys
 import tempfile
 import time
 
-WORKLOADS = {"mlp": ["float32", "mixed_bfloat16"], "cnn": ["float32", "mixed_bfloat16"]}
+WORKLOADS = {"mlp": ["float32", "mixed_bfloat16"], "cnn": ["float32", "mixed_bfloat16"],
+             "resnet": ["float32", "mixed_bfloat16"], "charlm64": ["float32", "mixed_bfloat16"],
+             "charlm512": ["float32", "mixed_bfloat16"]}
+# The charlm workloads: (context, batch).
+CHARLM = {"charlm64": (64, 32), "charlm512": (512, 4)}
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                     "MIXTAPE_CPU_THREADS_ADAPT")
 
@@ -99,6 +109,19 @@ def run_mixtape(a, data, model, precision, extra_env):
     return statistics.median(steady), accuracy
 
 
+def run_charlm(a, text, model, precision, extra_env):
+    context, batch = CHARLM[model]
+    cmd = [a.charlm, "--text", text, "--context", str(context), "--batch", str(batch),
+           "--steps", str(a.charlm_steps), "--log-every", str(a.charlm_steps), "--eval-every",
+           "0", "--sample", "0", "--policy", precision, "--device", "cpu"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                         env=clean_env(extra_env)).stdout
+    for line in out.splitlines():
+        if line.startswith("training throughput"):
+            return 1e6 / float(line.split()[2]), None
+    sys.exit(f"under_load.py: no throughput line from {' '.join(cmd)}:\n{out}")
+
+
 def run_pytorch(a, data, model, precision, threads):
     cmd = [a.python, a.reference, "--data", data, "--model", model, "--precision", precision,
            "--device", "cpu", "--epochs", str(a.epochs), "--threads", str(threads)]
@@ -123,29 +146,45 @@ def main():
     ap.add_argument("--train", type=int, default=10000, help="training images per epoch")
     ap.add_argument("--test", type=int, default=2000, help="test images")
     ap.add_argument("--raw", default="", help="also write every run as a JSON line here")
+    ap.add_argument("--charlm", default="build/apps/charlm/mixtape-charlm")
+    ap.add_argument("--charlm-steps", type=int, default=30, help="steps per charlm run")
     a = ap.parse_args()
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         sys.exit("under_load.py: needs at least two CPUs (one is given to the busy process)")
     raw = open(a.raw, "w") if a.raw else None
+
+    def peers_of(model):  # PyTorch has no charlm peer here
+        peers = a.peers.split(",")
+        return [p for p in peers if not p.startswith("pytorch")] if model in CHARLM else peers
+
     started = time.time()
     rows = []
     with tempfile.TemporaryDirectory() as data:
         write_subset(a.data, data, a.train, a.test)
+        # The charlm's text: this repository's docs, concatenated.
+        text = os.path.join(data, "docs.txt")
+        docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+        with open(text, "w") as out:
+            for name in sorted(os.listdir(docs)):
+                if name.endswith(".md"):
+                    out.write(open(os.path.join(docs, name)).read())
         for model in a.models.split(","):
             precisions = a.precisions.split(",") if a.precisions else WORKLOADS[model]
             for precision in precisions:
                 times = {}
                 for r in range(a.rounds):
-                    for peer in a.peers.split(","):
+                    for peer in peers_of(model):
                         for load in ("quiet", "loaded"):
                             def once():
+                                extra = {"MIXTAPE_CPU_THREADS_ADAPT": "0"} \
+                                    if peer == "mixtape-fixed" else {}
+                                if model in CHARLM:
+                                    return run_charlm(a, text, model, precision, extra)
                                 if peer.startswith("pytorch"):
                                     threads = int(peer.split(":")[1]) if ":" in peer else 0
                                     return run_pytorch(a, data, model, precision, threads)
-                                extra = {"MIXTAPE_CPU_THREADS_ADAPT": "0"} \
-                                    if peer == "mixtape-fixed" else {}
                                 return run_mixtape(a, data, model, precision, extra)
                             if load == "loaded":
                                 with Spinner(cpus[-1]):
@@ -160,13 +199,14 @@ def main():
                             if raw:
                                 raw.write(json.dumps(line) + "\n")
                                 raw.flush()
-                for peer in a.peers.split(","):
+                for peer in peers_of(model):
                     q = statistics.median(times[(peer, "quiet")])
                     l_ = statistics.median(times[(peer, "loaded")])
                     rows.append((f"{model} {precision}", peer, q, l_, times[(peer, "quiet")],
                                  times[(peer, "loaded")]))
 
-    print("| workload | peer | quiet us/sample | beside a busy process | loaded / quiet | "
+    print("| workload | peer | quiet us/sample (charlm: us/token) | beside a busy process | "
+          "loaded / quiet | "
           "single rounds (quiet; loaded) |")
     print("|---|---|---|---|---|---|")
     for workload, peer, q, l_, qs, ls in rows:
