@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "error_of.h"
+#include "gradcheck.h"
 #include "mixtape/mixtape.h"
 #include "tensor_check.h"
 
@@ -85,26 +86,10 @@ TEST_CASE("softmax_cross_entropy in float32, float16 and bfloat16: float32 math,
 TEST_CASE("softmax_cross_entropy: numeric gradients and second derivatives in float64",
           "[cross_entropy][fused][grad]") {
   const mt::Tensor x = logits_of({4, 6}, 21), labels = labels_of(4, 6, 22), g = logits_of({4}, 23);
-  const auto loss = [&](const mt::Tensor& a) {
-    return mt::sum(mt::softmax_cross_entropy(a, labels) * g);
-  };
-  mt::Variable xv(x, "x");
-  std::vector<mt::Tensor> grads;
-  {
-    mt::GradientTape tape;
-    grads = tape.gradient(loss(xv), std::vector<mt::Variable>{xv});
-  }
-  const auto v = x.to_vector<double>();
-  const auto analytic = grads[0].to_vector<double>();
-  for (std::size_t e = 0; e < v.size(); ++e) {
-    const auto at = [&](double delta) {
-      std::vector<double> moved = v;
-      moved[e] += delta;
-      return loss(mt::from_vector(moved, x.shape())).item<double>();
-    };
-    const double h = 1e-6;
-    CHECK(analytic[e] == Approx((at(h) - at(-h)) / (2 * h)).margin(1e-7).epsilon(1e-6));
-  }
+  CHECK_GRADCHECK(
+      "softmax_cross_entropy",
+      [&](const mtest::Inputs& in) { return mt::softmax_cross_entropy(in[0], labels); }, {x},
+      mtest::GradCheckOptions{.atol = 1e-7, .rtol = 1e-6});
   const auto second = [&](bool fused) {
     mt::Variable a(x, "x");
     mt::GradientTape outer;

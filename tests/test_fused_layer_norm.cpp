@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "error_of.h"
+#include "gradcheck.h"
 #include "mixtape/mixtape.h"
 #include "tensor_check.h"
 
@@ -81,31 +82,10 @@ TEST_CASE("layer_norm: float64 gradients against numeric differences, second der
           "[layer_norm][fused][grad]") {
   const mt::Tensor x = random_normal({3, 6}, 21, mt::kFloat64, 1.0), gamma = random_normal({6}, 22),
                    beta = random_normal({6}, 23), g = random_normal({3, 6}, 24);
-  const auto loss = [&](const mt::Tensor& a, const mt::Tensor& b, const mt::Tensor& c) {
-    return mt::sum(mt::layer_norm(a, b, c, 1e-3) * g);
-  };
-  mt::Variable xv(x, "x"), gv(gamma, "gamma"), bv(beta, "beta");
-  std::vector<mt::Tensor> grads;
-  {
-    mt::GradientTape tape;
-    grads = tape.gradient(loss(xv, gv, bv), std::vector<mt::Variable>{xv, gv, bv});
-  }
-  const std::vector<mt::Tensor> inputs{x, gamma, beta};
-  for (std::size_t which = 0; which < 3; ++which) {
-    const auto v = inputs[which].to_vector<double>();
-    const auto analytic = grads[which].to_vector<double>();
-    for (std::size_t e = 0; e < v.size(); ++e) {
-      const auto at = [&](double delta) {
-        std::vector<double> moved = v;
-        moved[e] += delta;
-        std::vector<mt::Tensor> in = inputs;
-        in[which] = mt::from_vector(moved, inputs[which].shape());
-        return loss(in[0], in[1], in[2]).item<double>();
-      };
-      const double h = 1e-6, numeric = (at(h) - at(-h)) / (2 * h);
-      CHECK(analytic[e] == Approx(numeric).margin(1e-7).epsilon(1e-6));
-    }
-  }
+  CHECK_GRADCHECK(
+      "layer_norm",
+      [](const mtest::Inputs& in) { return mt::layer_norm(in[0], in[1], in[2], 1e-3); },
+      {x, gamma, beta}, mtest::GradCheckOptions{.atol = 1e-7, .rtol = 1e-6});
   // Second derivatives: the recorded backward pass is made of differentiable ops.
   const auto second = [&](bool fused) {
     mt::Variable a(x, "x"), b(gamma, "gamma"), c(beta, "beta");

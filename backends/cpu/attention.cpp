@@ -41,28 +41,6 @@ Extents extents_of(const Tensor& q, const Tensor& k, const Tensor& v) {
   return {q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2)};
 }
 
-// `count` elements of T at `src` in compute type C: a pointer into the tensor when T is C,
-// else a widened copy in `buf`.
-template <typename T, typename C>
-const C* as_compute(const T* src, int64_t count, std::vector<C>& buf) {
-  if constexpr (std::is_same_v<T, C>) {
-    return src;
-  } else {
-    buf.resize(static_cast<std::size_t>(count));
-    to_float(src, buf.data(), count);
-    return buf.data();
-  }
-}
-
-// Writes `count` values of C to T.
-template <typename T, typename C>
-void store(const C* src, T* dst, int64_t count) {
-  if constexpr (std::is_same_v<T, C>)
-    std::copy(src, src + count, dst);
-  else
-    from_float(src, dst, count);
-}
-
 // The row loops of a tile, written as masked_softmax's are (omp simd loops of bit blends and
 // exp_any, so that they vectorise; an AVX2 build of each is picked at run time). A row holds
 // bc logits of keys j0.. ; `limit` keys of them may be attended (causal: those <= i), `m` the
@@ -220,7 +198,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
         lse[h * e.t + i0 + r] =
             lr == C(0) ? kNegInf : m[static_cast<std::size_t>(r)] + std::log(lr);
       }
-      store(acc.data(), out + (h * e.t + i0) * e.dv, br * e.dv);
+      from_compute(acc.data(), out + (h * e.t + i0) * e.dv, br * e.dv);
     }
   }
 }
@@ -306,9 +284,9 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
                     dka.data() + j0 * e.d, e.d);
         }
       }
-      store(dqa.data(), dq + h * e.t * e.d, e.t * e.d);
-      store(dka.data(), dk + h * e.s * e.d, e.s * e.d);
-      store(dva.data(), dv + h * e.s * e.dv, e.s * e.dv);
+      from_compute(dqa.data(), dq + h * e.t * e.d, e.t * e.d);
+      from_compute(dka.data(), dk + h * e.s * e.d, e.s * e.d);
+      from_compute(dva.data(), dv + h * e.s * e.dv, e.s * e.dv);
     }
   }
 }

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "backends/cpu/cpu_backend.h"
 #include "mixtape/core/half.h"
@@ -89,6 +90,27 @@ inline void from_float(const float* s, half* d, std::int64_t n) {
 }
 inline void from_float(const float* s, bfloat16* d, std::int64_t n) {
   convert_float_to_bfloat16(s, d, static_cast<std::size_t>(n));
+}
+
+// n elements of T at src in the compute type: src itself when T is its own compute type,
+// else widened into buf (resized to n). For kernels that read rows or blocks in float32.
+template <typename T>
+const compute_t<T>* as_compute(const T* src, std::int64_t n, std::vector<compute_t<T>>& buf) {
+  if constexpr (kReduced<T>) {
+    buf.resize(static_cast<std::size_t>(n));
+    to_float(src, buf.data(), n);
+    return buf.data();
+  } else {
+    return src;
+  }
+}
+// n compute-type values written to T (rounded once for the 16-bit floats).
+template <typename T>
+void from_compute(const compute_t<T>* src, T* dst, std::int64_t n) {
+  if constexpr (kReduced<T>)
+    from_float(src, dst, n);
+  else
+    std::copy(src, src + n, dst);
 }
 
 // --- Parallel loops ----------------------------------------------------------------------

@@ -19,16 +19,6 @@ namespace {
 
 using std::int64_t;
 
-template <typename T, typename C>
-const C* row_of(const T* src, int64_t n, std::vector<C>& buf) {
-  if constexpr (std::is_same_v<T, C>) {
-    return src;
-  } else {
-    to_float(src, buf.data(), n);
-    return buf.data();
-  }
-}
-
 template <typename C>
 MIXTAPE_ALWAYS_INLINE C row_lse(const C* x, int64_t c) {
   C m = -std::numeric_limits<C>::infinity();
@@ -55,7 +45,7 @@ void cross_entropy_kernel(const Tensor& logits, const Tensor& labels_t, const Te
     std::vector<C> buf(kReduced<T> ? static_cast<std::size_t>(c) : 0);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      const C* xr = row_of(x + i * c, c, buf);
+      const C* xr = as_compute(x + i * c, c, buf);
       const C l = row_lse(xr, c);
       const int64_t y = labels[i];
       lse[i] = l;
@@ -81,7 +71,7 @@ void cross_entropy_backward_kernel(const Tensor& logits, const Tensor& labels_t,
         out(static_cast<std::size_t>(c));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      const C* xr = row_of(x + i * c, c, buf);
+      const C* xr = as_compute(x + i * c, c, buf);
       const C l = lse[i], g = dloss[i];
 #pragma omp simd
       for (int64_t j = 0; j < c; ++j) out[static_cast<std::size_t>(j)] = g * exp_any(xr[j] - l);
@@ -90,10 +80,7 @@ void cross_entropy_backward_kernel(const Tensor& logits, const Tensor& labels_t,
         out[static_cast<std::size_t>(y)] -= g;
       else
         std::fill(out.begin(), out.end(), std::numeric_limits<C>::quiet_NaN());
-      if constexpr (kReduced<T>)
-        from_float(out.data(), dx + i * c, c);
-      else
-        std::copy(out.begin(), out.end(), dx + i * c);
+      from_compute(out.data(), dx + i * c, c);
     }
   }
 }

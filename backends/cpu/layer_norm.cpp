@@ -23,16 +23,6 @@ using std::int64_t;
 // depend on the number of threads.
 constexpr int64_t kRowsPerBlock = 32;
 
-template <typename T, typename C>
-const C* row_in(const T* src, int64_t n, std::vector<C>& buf) {
-  if constexpr (std::is_same_v<T, C>) {
-    return src;
-  } else {
-    to_float(src, buf.data(), n);
-    return buf.data();
-  }
-}
-
 template <typename T>
 void layer_norm_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& beta_t,
                        double epsilon, const Tensor& out_t, const Tensor& mean_t,
@@ -51,7 +41,7 @@ void layer_norm_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& b
         y(static_cast<std::size_t>(n));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const C* xr = row_in(x + r * n, n, in);
+      const C* xr = as_compute(x + r * n, n, in);
       double s = 0;
 #pragma omp simd reduction(+ : s)
       for (int64_t j = 0; j < n; ++j) s += static_cast<double>(xr[j]);
@@ -72,10 +62,7 @@ void layer_norm_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& b
         if (beta) o += beta[j];
         y[static_cast<std::size_t>(j)] = o;
       }
-      if constexpr (kReduced<T>)
-        from_float(y.data(), out + r * n, n);
-      else
-        std::copy(y.begin(), y.end(), out + r * n);
+      from_compute(y.data(), out + r * n, n);
     }
   }
 }
@@ -107,8 +94,8 @@ void layer_norm_backward_kernel(const Tensor& x_t, const Tensor& gamma_t, const 
       C* pg = params ? part_g.data() + b * n : nullptr;
       C* pb = params ? part_b.data() + b * n : nullptr;
       for (int64_t r = b * kRowsPerBlock; r < std::min(rows, (b + 1) * kRowsPerBlock); ++r) {
-        const C* xr = row_in(x + r * n, n, xin);
-        const C* gr = row_in(dy + r * n, n, gin);
+        const C* xr = as_compute(x + r * n, n, xin);
+        const C* gr = as_compute(dy + r * n, n, gin);
         const C mu = mean[r], rs = rstd[r];
         double sg = 0, sgx = 0;
 #pragma omp simd reduction(+ : sg, sgx)
@@ -126,10 +113,7 @@ void layer_norm_backward_kernel(const Tensor& x_t, const Tensor& gamma_t, const 
         for (int64_t j = 0; j < n; ++j)
           res[static_cast<std::size_t>(j)] =
               rs * (gg[static_cast<std::size_t>(j)] - mg - xhat[static_cast<std::size_t>(j)] * mgx);
-        if constexpr (kReduced<T>)
-          from_float(res.data(), dx + r * n, n);
-        else
-          std::copy(res.begin(), res.end(), dx + r * n);
+        from_compute(res.data(), dx + r * n, n);
         if (params) {
 #pragma omp simd
           for (int64_t j = 0; j < n; ++j) {
