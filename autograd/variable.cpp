@@ -8,14 +8,36 @@
 
 namespace mixtape {
 
-Variable::Variable(const Tensor& initial_value, std::string name, bool trainable) {
+namespace {
+
+Tensor copy_of(const Tensor& t) {
+  Tensor copy = Tensor::empty(t.shape(), t.dtype(), t.device());
+  if (copy.numel() > 0)
+    find_kernel<kernels::CopyFn>(OpId::copy, copy.device().type(), copy.dtype())(t, copy);
+  return copy;
+}
+
+// Whether `t` is the only reference to all of its storage: then a variable may take the
+// memory instead of copying it (no other tensor can see the variable change).
+bool sole_owner(const Tensor& t) {
+  const TensorImpl& impl = *t.impl_ptr();
+  return t.impl_ptr().use_count() == 1 && !impl.variable && impl.storage &&
+         impl.storage.use_count() == 1 && impl.offset == 0 && t.is_contiguous() &&
+         impl.storage->nbytes() == t.nbytes();
+}
+
+}  // namespace
+
+Variable::Variable(const Tensor& initial_value, std::string name, bool trainable)
+    : Variable(initial_value.defined() ? copy_of(initial_value) : Tensor(), std::move(name),
+               trainable) {}
+
+Variable::Variable(Tensor&& initial_value, std::string name, bool trainable) {
   if (!initial_value.defined())
     throw ValueError(fmt::format("Variable '{}': undefined initial value", name));
-  Tensor copy = Tensor::empty(initial_value.shape(), initial_value.dtype(), initial_value.device());
-  if (copy.numel() > 0)
-    find_kernel<kernels::CopyFn>(OpId::copy, copy.device().type(), copy.dtype())(initial_value,
-                                                                                 copy);
-  impl_ = copy.impl_ptr();
+  Tensor owned = sole_owner(initial_value) ? std::move(initial_value) : copy_of(initial_value);
+  // A new identity: a tape that saw the initial value does not see the variable.
+  impl_ = Tensor::view_of(owned, owned.shape(), owned.strides(), 0).impl_ptr();
   auto info = std::make_shared<VariableInfo>();
   info->name = std::move(name);
   info->trainable = trainable;

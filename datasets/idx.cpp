@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <string>
 #include <system_error>
 
@@ -38,6 +39,17 @@ constexpr std::uint64_t kMaxDeflateRatio = 1032;
 
 [[noreturn]] void fail(const std::string& op, const fs::path& path, const std::string& what) {
   throw IOError(fmt::format("{}: {}: {}", op, path.string(), what));
+}
+
+// The data of an IDX file does not fit in memory: an OutOfMemoryError naming the file and
+// how far the read got (rather than std::bad_alloc from a vector deep inside).
+[[noreturn]] void fail_out_of_memory(const fs::path& path, std::uint64_t have,
+                                     std::uint64_t promised, const Shape& shape, DType dtype,
+                                     const std::string& detail) {
+  throw OutOfMemoryError(fmt::format(
+      "read_idx: {}: out of memory holding its data ({} of the {} bytes promised read, shape {}, "
+      "{}){}{}",
+      path.string(), have, promised, shape.str(), dtype, detail.empty() ? "" : ": ", detail));
 }
 
 // Refuses `path`, which is not a regular file: "is a FIFO (named pipe) (through a symbolic
@@ -401,51 +413,57 @@ Tensor read_idx(const fs::path& path, const IdxHeaderCheck& check) {
   // or inflated.
   std::vector<std::vector<std::uint8_t>> pieces;
   std::uint64_t have = 0;
-  while (have < promised) {
-    const auto want =
-        static_cast<std::size_t>(std::min<std::uint64_t>(promised - have, kDataPiece));
-    std::vector<std::uint8_t> piece(want);
-    const std::size_t n = in.read(piece.data(), want);
-    piece.resize(n);
-    have += n;
-    pieces.push_back(std::move(piece));
-    if (n < want) break;
-  }
-  if (have < promised)
-    fail("read_idx", path,
-         fmt::format("truncated: header promises {} bytes of data (shape {}), file has {}",
-                     promised, shape.str(), have));
-  std::uint8_t extra = 0;
-  if (in.read(&extra, 1) > 0)
-    fail("read_idx", path,
-         fmt::format("trailing bytes: header promises {} bytes of data (shape {}), the {} holds "
-                     "more",
-                     promised, shape.str(), in.gzip() ? "decompressed file" : "file"));
-
-  // Convert piece by piece (each holds whole elements: kDataPiece is a multiple of every
-  // item size), freeing each piece once converted.
-  Tensor out = Tensor::empty(shape, dtype);
-  auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
-  std::size_t first = 0;  // the index of the piece's first element
-  for (std::vector<std::uint8_t>& piece : pieces) {
-    const std::size_t count = piece.size() / item;
-    const std::uint8_t* data = piece.data();
-    if (code == 0x09) {
-      auto* o = out.data<std::int32_t>() + first;
-      for (std::size_t i = 0; i < count; ++i) o[i] = static_cast<std::int8_t>(data[i]);
-    } else if (code == 0x0B) {
-      auto* o = out.data<std::int32_t>() + first;
-      for (std::size_t i = 0; i < count; ++i)
-        o[i] = static_cast<std::int16_t>(
-            static_cast<std::uint16_t>((data[2 * i] << 8) | data[2 * i + 1]));
-    } else if (count > 0) {
-      std::memcpy(dst + first * item, data, count * item);
-      swap_bytes(dst + first * item, count, item);
+  try {
+    while (have < promised) {
+      const auto want =
+          static_cast<std::size_t>(std::min<std::uint64_t>(promised - have, kDataPiece));
+      std::vector<std::uint8_t> piece(want);
+      const std::size_t n = in.read(piece.data(), want);
+      piece.resize(n);
+      have += n;
+      pieces.push_back(std::move(piece));
+      if (n < want) break;
     }
-    first += count;
-    std::vector<std::uint8_t>().swap(piece);
+    if (have < promised)
+      fail("read_idx", path,
+           fmt::format("truncated: header promises {} bytes of data (shape {}), file has {}",
+                       promised, shape.str(), have));
+    std::uint8_t extra = 0;
+    if (in.read(&extra, 1) > 0)
+      fail("read_idx", path,
+           fmt::format("trailing bytes: header promises {} bytes of data (shape {}), the {} holds "
+                       "more",
+                       promised, shape.str(), in.gzip() ? "decompressed file" : "file"));
+
+    // Convert piece by piece (each holds whole elements: kDataPiece is a multiple of every
+    // item size), freeing each piece once converted.
+    Tensor out = Tensor::empty(shape, dtype);
+    auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
+    std::size_t first = 0;  // the index of the piece's first element
+    for (std::vector<std::uint8_t>& piece : pieces) {
+      const std::size_t count = piece.size() / item;
+      const std::uint8_t* data = piece.data();
+      if (code == 0x09) {
+        auto* o = out.data<std::int32_t>() + first;
+        for (std::size_t i = 0; i < count; ++i) o[i] = static_cast<std::int8_t>(data[i]);
+      } else if (code == 0x0B) {
+        auto* o = out.data<std::int32_t>() + first;
+        for (std::size_t i = 0; i < count; ++i)
+          o[i] = static_cast<std::int16_t>(
+              static_cast<std::uint16_t>((data[2 * i] << 8) | data[2 * i + 1]));
+      } else if (count > 0) {
+        std::memcpy(dst + first * item, data, count * item);
+        swap_bytes(dst + first * item, count, item);
+      }
+      first += count;
+      std::vector<std::uint8_t>().swap(piece);
+    }
+    return out;
+  } catch (const std::bad_alloc&) {
+    fail_out_of_memory(path, have, promised, shape, dtype, "");
+  } catch (const OutOfMemoryError& e) {
+    fail_out_of_memory(path, have, promised, shape, dtype, e.what());
   }
-  return out;
 }
 
 void write_idx(const fs::path& path, const Tensor& tensor, bool gzip) {

@@ -647,7 +647,8 @@ Variable Layer::add_weight(const std::string& name, const Shape& shape,
     throw ValueError(fmt::format("add_weight '{}': initializer '{}' gave {}, expected {}{}", name,
                                  init.name(), fmt::format("{}{}", value.dtype(), value.shape()),
                                  dtype, shape));
-  Variable v(value, fmt::format("{}/{}", owned_name(), name), options.trainable && trainable_);
+  Variable v(std::move(value), fmt::format("{}/{}", owned_name(), name),
+             options.trainable && trainable_);
   v.set_autocast(options.autocast && dtype.is_floating());
   weights_.push_back(Weight{v, options.trainable, name});
   return v;

@@ -2,6 +2,7 @@
 // and load_model.
 #include <spdlog/spdlog.h>
 
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -33,6 +34,17 @@ json to_json(const Config& c) {
   return j;
 }
 
+// A JSON integer as the int64 a Config holds: nlohmann keeps 2^63 and above as unsigned,
+// which would wrap to a negative number.
+std::int64_t config_int(const json& v, const std::string& where, const std::string& key) {
+  if (v.is_number_unsigned() &&
+      v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+    throw ValueError(fmt::format("{}: '{}' is {}, beyond the largest integer a config holds ({})",
+                                 where, key, v.get<std::uint64_t>(),
+                                 std::numeric_limits<std::int64_t>::max()));
+  return v.get<std::int64_t>();
+}
+
 Config config_from(const json& j, const std::string& where) {
   if (!j.is_object()) throw ValueError(fmt::format("{}: the config is not a JSON object", where));
   Config c;
@@ -40,7 +52,7 @@ Config config_from(const json& j, const std::string& where) {
     if (v.is_boolean()) {
       c.set(k, v.get<bool>());
     } else if (v.is_number_integer()) {
-      c.set(k, v.get<std::int64_t>());
+      c.set(k, config_int(v, where, k));
     } else if (v.is_number_float()) {
       c.set(k, v.get<double>());
     } else if (v.is_string()) {
@@ -50,7 +62,7 @@ Config config_from(const json& j, const std::string& where) {
       for (const auto& e : v) {
         if (!e.is_number_integer())
           throw ValueError(fmt::format("{}: '{}' must be a list of integers", where, k));
-        ints.push_back(e.get<std::int64_t>());
+        ints.push_back(config_int(e, where, k));
       }
       c.set(k, std::move(ints));
     } else {

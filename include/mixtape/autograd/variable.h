@@ -15,6 +15,10 @@ class Variable : public Tensor {
   // Copies `initial_value` into new storage owned by the variable.
   explicit Variable(const Tensor& initial_value, std::string name = "variable",
                     bool trainable = true);
+  // Takes over `initial_value`'s memory when nothing else refers to it (a contiguous tensor
+  // of its own storage, as an initializer returns): a weight is then allocated once, not
+  // twice. Copies it otherwise, as the constructor above does.
+  explicit Variable(Tensor&& initial_value, std::string name = "variable", bool trainable = true);
 
   const std::string& name() const;
   bool trainable() const;
