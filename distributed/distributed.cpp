@@ -428,6 +428,36 @@ std::vector<double> all_reduce_values(std::vector<double> values, ReduceOp op) {
   return values;
 }
 
+namespace {
+
+// The first item ("batch 8") where two descriptions differ, items being separated by ", " or
+// "; " outside brackets: the start of an error message that a long description would bury.
+std::pair<std::string, std::string> first_difference(const std::string& a, const std::string& b) {
+  auto items = [](const std::string& s) {
+    std::vector<std::string> out(1);
+    int depth = 0;  // inside brackets: "cosine_decay(0.001, 32, 0)" is one item
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (s[i] == '(' || s[i] == '[') ++depth;
+      if ((s[i] == ')' || s[i] == ']') && depth > 0) --depth;
+      if (depth == 0 && (s[i] == ',' || s[i] == ';') && i + 1 < s.size() && s[i + 1] == ' ') {
+        out.emplace_back();
+        ++i;
+      } else {
+        out.back() += s[i];
+      }
+    }
+    return out;
+  };
+  const std::vector<std::string> x = items(a), y = items(b);
+  for (std::size_t i = 0; i < std::max(x.size(), y.size()); ++i) {
+    const std::string u = i < x.size() ? x[i] : "(nothing)", v = i < y.size() ? y[i] : "(nothing)";
+    if (u != v) return {u, v};
+  }
+  return {a, b};
+}
+
+}  // namespace
+
 void check_same_on_all_ranks(const std::string& who, const std::string& description) {
   if (world_size() == 1) return;
   const int n = world_size();
@@ -450,11 +480,13 @@ void check_same_on_all_ranks(const std::string& who, const std::string& descript
   };
   const std::string root = of(0);
   for (int r = 1; r < n; ++r)
-    if (of(r) != root)
+    if (of(r) != root) {
+      const auto [mine, theirs] = first_difference(root, of(r));
       throw DistributedError(
-          fmt::format("{}: rank {} differs from rank 0: rank 0 has {}; rank {} "
-                      "has {}",
-                      who, r, root, r, of(r)));
+          fmt::format("{}: rank {} differs from rank 0, first at '{}' (rank 0) against '{}' "
+                      "(rank {}): rank 0 has {}; rank {} has {}",
+                      who, r, mine, theirs, r, root, r, of(r)));
+    }
 }
 
 // --- Host buffers --------------------------------------------------------------------------

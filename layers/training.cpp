@@ -459,7 +459,7 @@ Model::FitTensors Model::fit_tensors(const std::string& who, const std::vector<T
   return d;
 }
 
-void Model::synchronize_ranks(const std::string& who, std::uint64_t* seed) {
+void Model::synchronize_ranks(const std::string& who, const std::string& run, std::uint64_t* seed) {
   const int world = place().world;
   if (world == 1) return;
   if (!optimizer_->distributed_optimizer())
@@ -467,6 +467,11 @@ void Model::synchronize_ranks(const std::string& who, std::uint64_t* seed) {
         "{}: {} ranks, but the model was compiled before distributed::init() (its optimizer "
         "does not average gradients across ranks); compile after init()",
         who, world));
+  optim::DistributedOptimizer::synchronize(
+      fmt::format("{}: the ranks were given different data or options (every rank must take "
+                  "the same steps)",
+                  who),
+      run, {});
   optim::DistributedOptimizer::synchronize(
       fmt::format("{}: the ranks hold different models (every rank must build the same one)", who),
       weight_layout(), weights(), seed);
@@ -484,7 +489,12 @@ History Model::fit(const std::vector<Tensor>& x, const std::vector<Tensor>& y, F
   // Every rank starts from rank 0's weights and shuffles with rank 0's seed; each takes its
   // share of every global batch. Epoch e is the same whether or not the run resumed there.
   std::uint64_t seed = o.seed ? *o.seed : default_generator().next_u64();
-  synchronize_ranks(who, &seed);
+  synchronize_ranks(who,
+                    fmt::format("{} samples, batches of {}, epochs {} to {}, shuffle {}, {} "
+                                "validation samples",
+                                d.x.front().dim(0), o.batch_size, o.initial_epoch, o.epochs,
+                                o.shuffle, d.x_val.empty() ? 0 : d.x_val.front().dim(0)),
+                    &seed);
   data::Dataset train = data::Dataset::from_tensors(d.x, d.y);
   if (o.shuffle) train = train.shuffle_all(seed);
   train = train.batch(o.batch_size);
@@ -508,7 +518,10 @@ History Model::fit(const data::Dataset& train, FitOptions o) {
     std::vector<Tensor> x_val, y_val;
     validation_tensors(who, o.validation_data, x_val, y_val);
   }
-  synchronize_ranks(who, nullptr);
+  synchronize_ranks(
+      who,
+      fmt::format("{} batches per epoch, epochs {} to {}", train.size(), o.initial_epoch, o.epochs),
+      nullptr);
   return train_on(who, train.to(device()), o);
 }
 

@@ -575,6 +575,25 @@ Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t
   return p;
 }
 
+// What every rank must agree on to take the same steps (the seed need not: rank 0's wins),
+// for distributed::check_same_on_all_ranks: the text (its sizes and an FNV-1a digest of its
+// ids), the model, the optimizer and the schedule.
+std::string run_description(const Options& o, const Corpus& corpus) {
+  std::uint64_t digest = 1469598103934665603ULL;
+  for (const auto* ids : {&corpus.train, &corpus.val})
+    for (const std::int64_t id : *ids)
+      digest = (digest ^ static_cast<std::uint64_t>(id)) * 1099511628211ULL;
+  return fmt::format(
+      "text of {} + {} bytes (digest {:016x}), vocabulary {}; {} layers, {} heads, width {}, "
+      "context {}, policy {}, dropout {}; batch {}, steps {}, lr {}, warmup {}, min lr ratio {}, "
+      "weight decay {}, beta_2 {}, clip {}; evaluation every {} steps on {} windows, a line "
+      "every {}; resume '{}'",
+      corpus.train.size(), corpus.val.size(), digest, corpus.vocab.size(), o.layers, o.heads,
+      o.width, o.context, o.policy, o.dropout, o.batch, o.steps, o.learning_rate, o.warmup,
+      o.min_lr_ratio, o.weight_decay, o.beta_2, o.clip, o.eval_every, o.eval_windows, o.log_every,
+      o.resume);
+}
+
 int run(const Options& o) {
   // Data-parallel under mpirun: every rank draws the same windows and trains on its share
   // of each batch; rank 0 alone prints and writes.
@@ -594,6 +613,8 @@ int run(const Options& o) {
   const Corpus corpus =
       make_corpus(o.text.empty() ? default_corpus() : std::vector{split_tenth(read_file(o.text))},
                   o.context, what);
+  mt::distributed::check_same_on_all_ranks("the ranks were given different text or options",
+                                           run_description(o, corpus));
   if (root)
     fmt::print("corpus {}: {} training and {} validation bytes, vocabulary {}\n", what,
                corpus.train.size(), corpus.val.size(), corpus.vocab.size());

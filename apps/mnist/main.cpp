@@ -635,6 +635,17 @@ int resume(mt::Model& model, const Options& o, const std::map<std::string, std::
   return ckpt.epoch;
 }
 
+// What every rank must agree on to take the same steps (the seed need not: rank 0's wins),
+// for distributed::check_same_on_all_ranks.
+std::string run_description(const Options& o, const Data& data, std::int64_t batch_size,
+                            std::int64_t units) {
+  return fmt::format(
+      "model {}, units {}, policy {}, dataset {}, {} training images, {} validation images, "
+      "batch {}, epochs {}, learning rate {}, schedule {}, augment {}, {}, resume '{}'",
+      o.model, units, o.policy, o.dataset, data.x.dim(0), data.x_val.dim(0), batch_size, o.epochs,
+      o.learning_rate, o.schedule, o.augment, o.custom_loop ? "custom loop" : "fit", o.resume);
+}
+
 int run(Options o) {
   // Data-parallel under mpirun (world size 1 otherwise): every rank runs this program on
   // its share of each batch; rank 0 alone prints and writes files.
@@ -652,6 +663,8 @@ int run(Options o) {
         batch_size, mt::distributed::world_size()));
   check_files(o);
   Data data = load_data(o);
+  mt::distributed::check_same_on_all_ranks("the ranks were given different data or options",
+                                           run_description(o, data, batch_size, units));
 
   std::unique_ptr<mt::Model> model = build_model(o, units);
   model->build_for({-1, 28, 28});

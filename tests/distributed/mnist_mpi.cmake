@@ -62,3 +62,23 @@ require("${custom}" "loss_scale")
 # A global batch smaller than the world: an error, and the job ends.
 run_app(nonzero bad -np 3 ${MNIST} ${common} --batch-size 2)
 require("${bad}" "smaller than the 3 ranks")
+
+# Ranks given different options (mpirun's "A : B" form): every rank stops with the difference
+# named, through fit and through the custom loop (issue: these crashed in malloc or with
+# SIGBUS when the collectives trusted every rank's layout).
+foreach(loop fit custom)
+  set(extra)
+  if(loop STREQUAL "custom")
+    set(extra --custom-loop)
+  endif()
+  run_app(nonzero batch_${loop} -np 1 ${MNIST} ${common} ${extra} --epochs 1
+          : -np 1 ${MNIST} ${common} ${extra} --epochs 1 --batch-size 32)
+  require("${batch_${loop}}" "error on rank 0")
+  require("${batch_${loop}}" "error on rank 1")
+  require("${batch_${loop}}" "first at 'batch 64' (rank 0) against 'batch 32' (rank 1)")
+  run_app(nonzero limit_${loop} -np 1 ${MNIST} ${common} ${extra} --epochs 1
+          : -np 1 ${MNIST} ${common} ${extra} --epochs 1 --limit 1024)
+  require("${limit_${loop}}" "error on rank 0")
+  require("${limit_${loop}}" "error on rank 1")
+  require("${limit_${loop}}" "first at '2048 training images' (rank 0) against '1024 training")
+endforeach()

@@ -118,6 +118,8 @@ TEST_CASE("distributed: mismatches across ranks are errors on every rank", "[dis
     FAIL("no error");
   } catch (const mt::DistributedError& e) {
     CHECK_THAT(e.what(), Catch::Contains("rank 1 differs from rank 0") &&
+                             Catch::Contains("first at '2 weights' (rank 0) against '3 weights' "
+                                             "(rank 1)") &&
                              Catch::Contains("rank 0 has 2 weights") &&
                              Catch::Contains("rank 1 has 3 weights"));
   }
@@ -301,6 +303,34 @@ TEST_CASE("distributed: compile makes the ranks agree: rank 0's weights, the sam
                           Catch::Contains("policy float32") &&
                           Catch::Contains("policy mixed_float16"));
   }
+}
+
+TEST_CASE("distributed: fit on ranks given different data or options stops every rank",
+          "[distributed]") {
+  if (world() == 1) return;
+  auto model = small_model(3, mt::kFloat32);
+  model->compile({.loss = mt::losses::MeanSquaredError(), .optimizer = "sgd"});
+  const auto before = model->weights().front().to_vector<float>();
+  mt::manual_seed(21);
+  const mt::Tensor x = mt::normal({64, 5}), y = mt::normal({64, 3});
+  // Another global batch size on rank 1: both ranks throw before the first step, naming it.
+  CHECK_THROWS_WITH(
+      model->fit({x}, {y}, {.batch_size = me() == 0 ? 16 : 8, .epochs = 1, .verbose = 0}),
+      Catch::Contains("the ranks were given different data or options") &&
+          Catch::Contains("first at 'batches of 16' (rank 0) against 'batches of 8' (rank 1)"));
+  // Another number of samples; another number of epochs through a Dataset.
+  const mt::Tensor x_rank = me() == 0 ? x : x.slice(0, 0, 48),
+                   y_rank = me() == 0 ? y : y.slice(0, 0, 48);
+  CHECK_THROWS_WITH(
+      model->fit({x_rank}, {y_rank}, {.batch_size = 16, .verbose = 0}),
+      Catch::Contains("first at '64 samples' (rank 0) against '48 samples' (rank 1)"));
+  const auto data = mt::data::Dataset::from_tensors(x, y).batch(16).shard(me(), world());
+  CHECK_THROWS_WITH(model->fit(data, {.epochs = me() == 0 ? 2 : 3, .verbose = 0}),
+                    Catch::Contains("first at 'epochs 0 to 2' (rank 0) against 'epochs 0 to 3'"));
+  CHECK(model->weights().front().to_vector<float>() == before);  // nothing trained
+  // The same on every rank: it trains.
+  model->fit(data, {.epochs = 1, .verbose = 0});
+  CHECK(model->weights().front().to_vector<float>() != before);
 }
 
 TEST_CASE("distributed: an overflow on one rank makes every rank skip and halve its scale",

@@ -472,7 +472,7 @@ class Model : public layers::Layer {
                          const std::vector<Tensor>& y, const FitOptions& o) const;
   void validation_tensors(const std::string& who, const ValidationData& v, std::vector<Tensor>& x,
                           std::vector<Tensor>& y) const;
-  void synchronize_ranks(const std::string& who, std::uint64_t* seed);
+  void synchronize_ranks(const std::string& who, const std::string& run, std::uint64_t* seed);
   History train_on(const std::string& who, const data::Dataset& train, const FitOptions& o);
   Logs train_epoch(const std::string& who, const data::Dataset::Epoch& batches, std::int64_t steps,
                    const std::vector<std::shared_ptr<Callback>>& callbacks);
