@@ -40,6 +40,7 @@
 
 #include "common/cli.h"
 #include "common/device.h"
+#include "common/ranks.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
@@ -402,15 +403,6 @@ std::string sample(mt::Model& model, const Corpus& c, const std::vector<std::int
 
 // --- Training ---------------------------------------------------------------------------------
 
-// Rank 0's seed on every rank (weights and the windows drawn): ranks started with different
-// --seed still train one model on one data order.
-std::uint64_t rank0_seed(std::uint64_t seed) {
-  if (mt::distributed::world_size() == 1) return seed;
-  mt::Tensor t = mt::from_vector(std::vector<std::int64_t>{static_cast<std::int64_t>(seed)}, {1});
-  mt::distributed::broadcast(t, 0);
-  return static_cast<std::uint64_t>(t.item<std::int64_t>());
-}
-
 // The model the options describe, new, or read from --resume and checked against them
 // (its architecture, this text's vocabulary, the policy); compiled with AdamW (compile puts
 // it in the chain the policy and the job need: a LossScaleOptimizer under mixed_float16, a
@@ -599,7 +591,7 @@ int run(const Options& o) {
   // of each batch; rank 0 alone prints and writes.
   mt::distributed::init();
   const bool root = mt::distributed::is_root();
-  const std::uint64_t seed = rank0_seed(o.seed);
+  const std::uint64_t seed = apps::rank0_seed(o.seed);
   if (o.batch < mt::distributed::world_size())
     throw mt::ValueError(fmt::format(
         "--batch {} is smaller than the {} ranks: the batch is the global one, split across "

@@ -29,6 +29,7 @@
 
 #include "common/cli.h"
 #include "common/device.h"
+#include "common/ranks.h"
 #include "plot.h"
 
 namespace mt = mixtape;
@@ -651,6 +652,7 @@ int run(Options o) {
   // its share of each batch; rank 0 alone prints and writes files.
   mt::distributed::init();
   if (!mt::distributed::is_root()) o.verbose = 0;
+  o.seed = apps::rank0_seed(o.seed);  // the weights and every shuffle: rank 0's
   mt::manual_seed(o.seed);
   mt::set_global_policy(o.policy);
   const mt::Device device = pick_device(o.device);

@@ -82,3 +82,14 @@ foreach(loop fit custom)
   require("${limit_${loop}}" "error on rank 1")
   require("${limit_${loop}}" "first at '2048 training images' (rank 0) against '1024 training")
 endforeach()
+
+# Different --seed: rank 0's wins (the weights and every shuffle), in the custom loop too:
+# the same losses as two ranks started with rank 0's seed.
+run_app(0 seed_same -np 2 ${MNIST} ${common} --epochs 1 --custom-loop --seed 5)
+run_app(0 seed_diff -np 1 ${MNIST} ${common} --epochs 1 --custom-loop --seed 5
+        : -np 1 ${MNIST} ${common} --epochs 1 --custom-loop --seed 6)
+string(REGEX MATCH "loss: [0-9.]+ - accuracy: [0-9.]+ - val_loss: [0-9.]+" same "${seed_same}")
+string(REGEX MATCH "loss: [0-9.]+ - accuracy: [0-9.]+ - val_loss: [0-9.]+" diff "${seed_diff}")
+if(NOT same OR NOT same STREQUAL diff)
+  message(FATAL_ERROR "ranks with seeds 5 and 6 logged '${diff}', ranks with seed 5 '${same}'")
+endif()
