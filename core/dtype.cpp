@@ -23,9 +23,11 @@ constexpr std::array<DTypeInfo, DType::kCount> kInfo{{
     {"int64", 8},
     {"uint8", 1},
     {"bool", 1},
+    {"float8_e4m3fn", 1},
+    {"float8_e5m2", 1},
 }};
 
-constexpr std::array<std::pair<std::string_view, DType::Code>, 10> kAliases{{
+constexpr std::array<std::pair<std::string_view, DType::Code>, 14> kAliases{{
     {"fp32", DType::Float32},
     {"float", DType::Float32},
     {"fp16", DType::Float16},
@@ -36,10 +38,15 @@ constexpr std::array<std::pair<std::string_view, DType::Code>, 10> kAliases{{
     {"int", DType::Int32},
     {"long", DType::Int64},
     {"byte", DType::UInt8},
+    {"fp8_e4m3", DType::Float8E4M3FN},
+    {"e4m3", DType::Float8E4M3FN},
+    {"fp8_e5m2", DType::Float8E5M2},
+    {"e5m2", DType::Float8E5M2},
 }};
 
-constexpr std::array<DType, DType::kCount> kAll{kFloat32, kFloat16, kBFloat16, kFloat64,
-                                                kInt32,   kInt64,   kUInt8,    kBool};
+constexpr std::array<DType, DType::kCount> kAll{kFloat32, kFloat16,      kBFloat16,  kFloat64,
+                                                kInt32,   kInt64,        kUInt8,     kBool,
+                                                kFloat8E4M3FN, kFloat8E5M2};
 
 // Rank of a floating dtype by width; float16 and bfloat16 share a rank (neither holds
 // the other).
@@ -89,7 +96,8 @@ DType::DType(std::string_view name) {
   }
   throw ValueError(
       fmt::format("unknown dtype '{}'; valid names are: {} (aliases: fp32, float, "
-                  "fp16, half, bf16, fp64, double, int, long, byte)",
+                  "fp16, half, bf16, fp64, double, int, long, byte, fp8_e4m3, e4m3, fp8_e5m2, "
+                  "e5m2)",
                   name, valid_names()));
 }
 
@@ -108,6 +116,11 @@ std::string DType::valid_names() {
 
 DType promote_types(DType a, DType b) {
   if (a == b) return a;
+  if (a.is_float8() || b.is_float8())
+    throw DTypeError(fmt::format(
+        "no promotion between {} and {}: a float8 dtype promotes with itself only; cast it "
+        "(to float32, or to the other operand's dtype) first",
+        a.name(), b.name()));
   if (a.is_floating() && b.is_floating()) {
     const int ra = float_rank(a), rb = float_rank(b);
     if (ra == rb) return kFloat32;  // float16 with bfloat16

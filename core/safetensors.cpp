@@ -48,6 +48,8 @@ struct DTypeCode {
 constexpr std::array<DTypeCode, DType::kCount> kCodes{{
     {kBool, "BOOL", 0},
     {kUInt8, "U8", 1},
+    {kFloat8E5M2, "F8_E5M2", 3},
+    {kFloat8E4M3FN, "F8_E4M3", 4},
     {kFloat16, "F16", 7},
     {kBFloat16, "BF16", 8},
     {kInt32, "I32", 9},
@@ -252,8 +254,8 @@ class HeaderHandler final : public nlohmann::json_sax<nlohmann::json> {
     } else if (expect_ == Expect::kDtype) {
       const auto dtype = dtype_of_code(value);
       if (!dtype)
-        corrupt(path_, fmt::format("{} has the unknown dtype {} (mixtape reads F64, F32, F16, "
-                                   "BF16, I64, I32, U8 and BOOL) at byte {} of the header",
+        corrupt(path_, fmt::format("{} has the unknown dtype {} (mixtape reads F64, F32, F16, BF16, "
+                                   "F8_E4M3, F8_E5M2, I64, I32, U8 and BOOL) at byte {} of the header",
                                    who_, quote_name(value), start_));
       tensor_.dtype = *dtype;
       once();

@@ -3,6 +3,8 @@
 #include "mixtape/core/tensor.h"
 
 #include <atomic>
+#include <bit>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -14,6 +16,7 @@
 
 #include "core/raw.h"
 #include "mixtape/core/backend.h"
+#include "mixtape/core/float8.h"
 
 namespace mixtape {
 namespace {
@@ -213,6 +216,17 @@ void fill_raw(const Tensor& t, double value) {
     find_kernel<kernels::FillFn>(OpId::fill, t.device().type(), t.dtype())(t, value);
 }
 
+namespace {
+// v as a float32 rounded to odd (truncated, the last bit set when inexact): its rounding to
+// float8 is then the correct rounding of v itself.
+float float_rounded_to_odd(double v) {
+  float f = static_cast<float>(v);
+  if (std::isnan(v) || static_cast<double>(f) == v) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
+  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) | 1u);
+}
+}  // namespace
+
 double read_as_double(const void* p, DType dtype) {
   switch (dtype.code()) {
     case DType::Float32:
@@ -231,6 +245,10 @@ double read_as_double(const void* p, DType dtype) {
       return *static_cast<const std::uint8_t*>(p);
     case DType::Bool:
       return *static_cast<const std::uint8_t*>(p) != 0 ? 1.0 : 0.0;
+    case DType::Float8E4M3FN:
+      return static_cast<float>(*static_cast<const float8_e4m3fn*>(p));
+    case DType::Float8E5M2:
+      return static_cast<float>(*static_cast<const float8_e5m2*>(p));
   }
   return 0.0;
 }
@@ -260,6 +278,12 @@ void write_from_double(void* p, DType dtype, double v) {
       break;
     case DType::Bool:
       *static_cast<std::uint8_t*>(p) = v != 0.0 ? 1 : 0;
+      break;
+    case DType::Float8E4M3FN:
+      *static_cast<float8_e4m3fn*>(p) = float8_e4m3fn(float_rounded_to_odd(v));
+      break;
+    case DType::Float8E5M2:
+      *static_cast<float8_e5m2*>(p) = float8_e5m2(float_rounded_to_odd(v));
       break;
   }
 }

@@ -136,7 +136,9 @@ TEST_CASE("safetensors: every dtype round-trips bit-exactly, aligned and sorted"
   CHECK(order == std::vector<std::string>{"t_int64", "u_int64", "t_float64", "u_float64",
                                           "t_float32", "u_float32", "t_int32", "u_int32",
                                           "t_bfloat16", "u_bfloat16", "t_float16", "u_float16",
-                                          "t_uint8", "u_uint8", "t_bool", "u_bool"});
+                                          "t_float8_e4m3fn", "u_float8_e4m3fn", "t_float8_e5m2",
+                                          "u_float8_e5m2", "t_uint8", "u_uint8", "t_bool",
+                                          "u_bool"});
   // The data of every tensor starts at a multiple of its element size in the file.
   const std::string bytes = read_file(path);
   std::uint64_t n = 0;
@@ -332,8 +334,8 @@ TEST_CASE("safetensors: corrupt files are refused with the file and the problem"
   has(file_bytes(R"({} {})", ""), "unexpected characters after the header object");
   has(file_bytes(a8 + "x", data8), "unexpected characters");
   // Unknown dtypes.
-  has(file_bytes(R"({"a":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}})", "\x01\x02"),
-      "tensor 'a' has the unknown dtype 'F8_E4M3'");
+  has(file_bytes(R"({"a":{"dtype":"I8","shape":[2],"data_offsets":[0,2]}})", "\x01\x02"),
+      "tensor 'a' has the unknown dtype 'I8'");
   has(file_bytes(R"({"a":{"dtype":"float32","shape":[2],"data_offsets":[0,8]}})", data8),
       "unknown dtype 'float32'");
   // Offsets that do not fit the shape.

@@ -9,6 +9,10 @@
 //    NaN becomes 0 (C++ leaves both undefined).
 //  - integer -> narrower integer wraps modulo 2^bits (C++20 conversion rules).
 //  - anything -> bool is (x != 0) (NaN is true); bool is stored as one byte, 0 or 1.
+//  - to float8 (e4m3fn, e5m2): correctly rounded and saturating (mixtape/core/float8.h),
+//    through float32 as the 16-bit formats are (float64 and integers rounded to odd
+//    first: 24 bits hold the 3 or 2 mantissa bits plus the two a correct second rounding
+//    needs). From float8: exact to every floating dtype, then as from float32.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -30,6 +34,9 @@ template <DType::Code C>
 using elem_t = element_t<C>;
 
 constexpr bool is_reduced(DType::Code c) { return c == DType::Float16 || c == DType::BFloat16; }
+constexpr bool is_float8(DType::Code c) {
+  return c == DType::Float8E4M3FN || c == DType::Float8E5M2;
+}
 constexpr bool is_float(DType::Code c) {
   return c == DType::Float32 || c == DType::Float64 || is_reduced(c);
 }
@@ -234,7 +241,7 @@ void copy_kernel(const Tensor& src, const Tensor& dst) {
 
 template <DType::Code D>
 elem_t<D> from_double(double v) {
-  if constexpr (is_reduced(D))
+  if constexpr (is_reduced(D) || is_float8(D))
     return elem_t<D>(round_to_odd(v));
   else
     return convert<DType::Float64, D>(v);
@@ -255,6 +262,21 @@ template <DType::Code S, DType::Code D>
 void cast_block(const elem_t<S>* x, elem_t<D>* y, int64_t n) {
   if constexpr (S == D) {
     std::memcpy(y, x, static_cast<std::size_t>(n) * sizeof(elem_t<S>));
+  } else if constexpr (is_float8(S) || is_float8(D)) {
+    // Through float32: exact from float8; rounded to odd into float32 from wider sources.
+    float buf[kBlock];
+    if constexpr (is_float8(S))
+      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
+    else if constexpr (is_reduced(S))
+      to_float(x, buf, n);
+    else
+      for (int64_t i = 0; i < n; ++i) buf[i] = to_float_for_reduced<S>(x[i]);
+    if constexpr (is_float8(D))
+      for (int64_t i = 0; i < n; ++i) y[i] = elem_t<D>(buf[i]);
+    else if constexpr (is_reduced(D))
+      from_float(buf, y, n);
+    else
+      for (int64_t i = 0; i < n; ++i) y[i] = convert<DType::Float32, D>(buf[i]);
   } else if constexpr (is_reduced(S)) {
     // Exact widening to float32 in bulk, then float32 -> D.
     if constexpr (D == DType::Float32) {
@@ -307,6 +329,10 @@ void cast_kernel(const Tensor& x, const Tensor& out) {
       return cast_to<S, DType::UInt8>(x, out);
     case DType::Bool:
       return cast_to<S, DType::Bool>(x, out);
+    case DType::Float8E4M3FN:
+      return cast_to<S, DType::Float8E4M3FN>(x, out);
+    case DType::Float8E5M2:
+      return cast_to<S, DType::Float8E5M2>(x, out);
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -76,8 +77,9 @@ inline unsigned blocks_for(std::int64_t n, int threads = kThreads) {
 // --- Element types ------------------------------------------------------------------------
 
 // The CUDA backend's type map: the device storage type of each dtype. The host map
-// (mixtape/core/element_type.h) with CUDA's own 16-bit float types (half -> __half,
-// bfloat16 -> __nv_bfloat16: the same 16 bits); bool is handled as its byte (0 or 1).
+// (mixtape/core/element_type.h) with CUDA's own 16-bit and 8-bit float types (half ->
+// __half, bfloat16 -> __nv_bfloat16, float8_e4m3fn -> __nv_fp8_e4m3, float8_e5m2 ->
+// __nv_fp8_e5m2: the same bits); bool is handled as its byte (0 or 1).
 template <DType::Code C>
 struct DevElem {
   using type = element_t<C>;
@@ -89,6 +91,14 @@ struct DevElem<DType::Float16> {
 template <>
 struct DevElem<DType::BFloat16> {
   using type = __nv_bfloat16;
+};
+template <>
+struct DevElem<DType::Float8E4M3FN> {
+  using type = __nv_fp8_e4m3;
+};
+template <>
+struct DevElem<DType::Float8E5M2> {
+  using type = __nv_fp8_e5m2;
 };
 template <DType::Code C>
 using dev_t = typename DevElem<C>::type;

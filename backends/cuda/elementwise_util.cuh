@@ -135,6 +135,50 @@ __device__ __forceinline__ D convert_elem(S v) {
   }
 }
 
+// True for the 8-bit floats (storage only: they are cast, never computed in).
+template <typename T>
+inline constexpr bool kFloat8 = std::is_same_v<T, __nv_fp8_e4m3> || std::is_same_v<T, __nv_fp8_e5m2>;
+
+// A float8 value as float32 (exact).
+template <typename T>
+__device__ __forceinline__ float float8_to_float(T v) {
+  constexpr __nv_fp8_interpretation_t kind =
+      std::is_same_v<T, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.__x, kind)));
+}
+
+// A cast from or to a float8 type, as the CPU backend's (backends/cpu/memory.cpp): through a
+// float32 (exact from float8 and the 16-bit floats, rounded to odd from wider sources), then
+// to float8 rounded to nearest even and saturated (cvt.rn.satfinite on sm_89 and newer).
+// DB: whether D is the bool byte.
+template <typename S, typename D, bool DB>
+__device__ __forceinline__ D convert_float8(S v) {
+  float f;
+  if constexpr (kFloat8<S>)
+    f = float8_to_float(v);
+  else if constexpr (kHalfLike<S>)
+    f = load(v);
+  else if constexpr (std::is_same_v<S, float>)
+    f = v;
+  else if constexpr (std::is_same_v<S, double>)
+    f = round_to_odd(v);
+  else if constexpr (std::is_same_v<S, std::int32_t>)
+    f = round_to_odd(static_cast<double>(v));
+  else if constexpr (std::is_same_v<S, std::int64_t>)
+    f = round_to_odd_i64(static_cast<long long>(v));
+  else
+    f = static_cast<float>(v);  // uint8 / bool: exact
+  if constexpr (kFloat8<D>) {
+    constexpr __nv_fp8_interpretation_t kind =
+        std::is_same_v<D, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
+    D out;
+    out.__x = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, kind);
+    return out;
+  } else {
+    return convert_elem<float, D, DB>(f);
+  }
+}
+
 // --- Device math, overloaded on float / double --------------------------------------------
 
 __device__ __forceinline__ float d_fabs(float x) { return fabsf(x); }

@@ -1,10 +1,11 @@
-// CUDA memory kernels: copy (strided -> contiguous), fill and cast, for all 8 dtypes.
+// CUDA memory kernels: copy (strided -> contiguous), fill and cast, for all 10 dtypes.
 //
 // The conversion rules are the CPU backend's (backends/cpu/memory.cpp), bit for bit:
 //  - to float16/bfloat16: correctly rounded (nearest, ties to even) from any source; wider
 //    sources (float64, int32, int64) go through a float32 rounded to odd first;
 //  - floating -> integer truncates toward zero and saturates; NaN becomes 0;
-//  - integer -> narrower integer wraps; anything -> bool is (x != 0) (NaN is true).
+//  - integer -> narrower integer wraps; anything -> bool is (x != 0) (NaN is true);
+//  - from and to float8 through a float32 (convert_float8 in elementwise_util.cuh).
 // copy and fill only move bits (an unsigned integer of the item size); a contiguous copy is
 // a cudaMemcpyAsync, a fill whose bytes are all equal (zeros, bool, uint8, -1) a
 // cudaMemsetAsync, other fills store 16-byte vectors when the pointer allows it.
@@ -102,6 +103,12 @@ std::uint64_t fill_bits(double value, DType dt) {
     case DType::Bool:
       bits = value != 0.0 ? 1 : 0;  // NaN is true
       break;
+    case DType::Float8E4M3FN:
+      bits = mixtape::float8_e4m3fn(host_round_to_odd(value)).bits;
+      break;
+    case DType::Float8E5M2:
+      bits = mixtape::float8_e5m2(host_round_to_odd(value)).bits;
+      break;
   }
   return bits;
 }
@@ -152,7 +159,11 @@ void fill_host(const Tensor& out, double value) {
 
 template <DType::Code S, DType::Code D>
 __global__ void cast_kernel(const dev_t<S>* __restrict__ x, dev_t<D>* __restrict__ y, int64_t n) {
-  MIXTAPE_GRID_LOOP(i, n) y[i] = convert_elem<dev_t<S>, dev_t<D>, D == DType::Bool>(x[i]);
+  if constexpr (kFloat8<dev_t<S>> || kFloat8<dev_t<D>>) {
+    MIXTAPE_GRID_LOOP(i, n) y[i] = convert_float8<dev_t<S>, dev_t<D>, D == DType::Bool>(x[i]);
+  } else {
+    MIXTAPE_GRID_LOOP(i, n) y[i] = convert_elem<dev_t<S>, dev_t<D>, D == DType::Bool>(x[i]);
+  }
 }
 
 template <DType::Code S, DType::Code D>
@@ -190,6 +201,10 @@ void cast_host(const Tensor& x, const Tensor& out) {
       return cast_to<S, DType::UInt8>(x, out, on.s);
     case DType::Bool:
       return cast_to<S, DType::Bool>(x, out, on.s);
+    case DType::Float8E4M3FN:
+      return cast_to<S, DType::Float8E4M3FN>(x, out, on.s);
+    case DType::Float8E5M2:
+      return cast_to<S, DType::Float8E5M2>(x, out, on.s);
   }
 }
 

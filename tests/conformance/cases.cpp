@@ -946,8 +946,8 @@ void cast(Context& c) {
   auto* fn = tested_kernel<kernels::CastFn>(c);
   // Floating sources are compared with the cast from float64; integer and bool sources with
   // the cast from int64 (docs/dtypes.md: integers narrow by wrapping, floats saturate, so
-  // float64 is not their reference).
-  const DType ref_source = c.dtype().is_floating() ? kFloat64 : kInt64;
+  // float64 is not their reference; float8 values are exact in float64).
+  const DType ref_source = c.dtype().is_floating() || c.dtype().is_float8() ? kFloat64 : kInt64;
   auto* ref = find_kernel<kernels::CastFn>(OpId::cast, DeviceType::CPU, ref_source);
   // Values of the source dtype: ordinary ones, halves (rounding ties), the integer types'
   // limits, and for floats special values and magnitudes beyond 16 bits.

@@ -89,13 +89,13 @@ void print_table(const std::vector<Backend>& bs,
                  const std::map<std::tuple<int, int, int>, Status>& status) {
   for (const auto& b : bs) {
     fmt::print("\n{} backend{}\n{:<24}", b.name, b.has_device ? "" : " (no device here)", "op");
-    for (int d = 0; d < mt::DType::kCount; ++d) fmt::print("{:>10}", mt::DType::all()[d].name());
+    for (int d = 0; d < mt::DType::kCount; ++d) fmt::print("{:>14}", mt::DType::all()[d].name());
     fmt::print("\n");
     for (int op = 0; op < mt::kOpCount; ++op) {
       if (!mt::detail::kOpInfos[op].has_kernel) continue;
       fmt::print("{:<24}", mt::detail::kOpInfos[op].name);
       for (int d = 0; d < mt::DType::kCount; ++d)
-        fmt::print("{:>10}", cell(status.at({static_cast<int>(b.type), op, d})));
+        fmt::print("{:>14}", cell(status.at({static_cast<int>(b.type), op, d})));
       fmt::print("\n");
     }
   }

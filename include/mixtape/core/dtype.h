@@ -1,8 +1,10 @@
 // DType: the element type tag every Tensor carries.
 //
-// Canonical names: float32, float16, bfloat16, float64, int32, int64, uint8, bool.
-// Accepted aliases when parsing: fp32/float, fp16/half, bf16, fp64/double, int, long,
-// byte. Names print in canonical form. An unknown name throws ValueError listing the
+// Canonical names: float32, float16, bfloat16, float64, int32, int64, uint8, bool,
+// float8_e4m3fn, float8_e5m2. Accepted aliases when parsing: fp32/float, fp16/half, bf16,
+// fp64/double, int, long, byte, fp8_e4m3/e4m3, fp8_e5m2/e5m2. Names print in canonical form.
+// The two float8 dtypes (mixtape/core/float8.h) store, copy and cast only: they are neither
+// floating (no op computes in them) nor integral. An unknown name throws ValueError listing the
 // valid names.
 #pragma once
 
@@ -19,8 +21,19 @@ namespace mixtape {
 class DType {
  public:
   // Codes are stable and index the dispatch table.
-  enum Code : std::uint8_t { Float32 = 0, Float16, BFloat16, Float64, Int32, Int64, UInt8, Bool };
-  static constexpr int kCount = 8;
+  enum Code : std::uint8_t {
+    Float32 = 0,
+    Float16,
+    BFloat16,
+    Float64,
+    Int32,
+    Int64,
+    UInt8,
+    Bool,
+    Float8E4M3FN,
+    Float8E5M2
+  };
+  static constexpr int kCount = 10;
 
   constexpr DType() : code_(Float32) {}
   constexpr DType(Code code) : code_(code) {}  // NOLINT(google-explicit-constructor)
@@ -38,7 +51,9 @@ class DType {
   }
   // float16 and bfloat16: stored in 16 bits, computed in float32 by the kernels.
   constexpr bool is_reduced_float() const { return code_ == Float16 || code_ == BFloat16; }
-  constexpr bool is_integral() const { return !is_floating() && code_ != Bool; }
+  // float8_e4m3fn and float8_e5m2: stored in 8 bits; cast to a wider dtype to compute.
+  constexpr bool is_float8() const { return code_ == Float8E4M3FN || code_ == Float8E5M2; }
+  constexpr bool is_integral() const { return !is_floating() && !is_float8() && code_ != Bool; }
 
   friend constexpr bool operator==(DType a, DType b) { return a.code_ == b.code_; }
 
@@ -59,6 +74,8 @@ inline constexpr DType kInt32{DType::Int32};
 inline constexpr DType kInt64{DType::Int64};
 inline constexpr DType kUInt8{DType::UInt8};
 inline constexpr DType kBool{DType::Bool};
+inline constexpr DType kFloat8E4M3FN{DType::Float8E4M3FN};
+inline constexpr DType kFloat8E5M2{DType::Float8E5M2};
 
 // A set of dtypes (a bit per code), usable in constant expressions: the dtypes an op's
 // kernels must cover (mixtape/core/op_table.h).
@@ -88,13 +105,17 @@ inline constexpr DTypeSet Floating{kFloat32, kFloat16, kBFloat16, kFloat64};
 inline constexpr DTypeSet Numeric{kFloat32, kFloat16, kBFloat16, kFloat64, kInt32, kInt64};
 inline constexpr DTypeSet All{kFloat32, kFloat16, kBFloat16, kFloat64,
                               kInt32,   kInt64,   kUInt8,    kBool};
+// All and the float8 dtypes: the ops that only move and convert values (copy, fill, cast).
+inline constexpr DTypeSet Storage{kFloat32, kFloat16, kBFloat16, kFloat64,      kInt32,
+                                  kInt64,   kUInt8,   kBool,     kFloat8E4M3FN, kFloat8E5M2};
 }  // namespace dtype_sets
 
 // Promotion for binary ops. Equal dtypes stay; two floating dtypes promote to the
 // wider one, and float16 with bfloat16 (neither holds the other) gives float32; an
 // integer or bool with a floating dtype gives the floating dtype; two integer dtypes
 // give the wider one. Anything else (bool with bool stays bool) is as listed in
-// docs/dtypes.md.
+// docs/dtypes.md. A float8 dtype promotes with itself only: with any other dtype it is a
+// DTypeError (cast it first; FP8 values are scaled, and the scale is the caller's).
 DType promote_types(DType a, DType b);
 
 }  // namespace mixtape

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "mixtape/core/dtype.h"
+#include "mixtape/core/float8.h"
 #include "mixtape/core/half.h"
 
 namespace mixtape {
@@ -37,6 +38,8 @@ MIXTAPE_ELEMENT_TYPE(Float64, double)
 MIXTAPE_ELEMENT_TYPE(Int32, std::int32_t)
 MIXTAPE_ELEMENT_TYPE(Int64, std::int64_t)
 MIXTAPE_ELEMENT_TYPE(UInt8, std::uint8_t)
+MIXTAPE_ELEMENT_TYPE(Float8E4M3FN, float8_e4m3fn)
+MIXTAPE_ELEMENT_TYPE(Float8E5M2, float8_e5m2)
 #undef MIXTAPE_ELEMENT_TYPE
 template <>
 struct element_type<DType::Bool> {

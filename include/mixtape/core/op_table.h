@@ -15,7 +15,7 @@
 //           computes), or NoKernel for ops made of views or of other ops;
 //   dtypes  the dtypes every backend must have a kernel for: Floating (float32, float16,
 //           bfloat16, float64), Numeric (Floating, int32, int64), All (Numeric, uint8,
-//           bool), None;
+//           bool), Storage (All, float8_e4m3fn, float8_e5m2: copy, fill and cast), None;
 //   amp     the op's default category for automatic mixed precision (allow, infer, deny,
 //           clear; mixtape/autograd/amp.h), or hidden: the rewrite never sees the op (it
 //           runs inside another op, or is not a model op);
@@ -52,9 +52,9 @@
 #define MIXTAPE_OP_TABLE(X)                                                                     \
   /*  name                    kernel                   dtypes    amp     grad  */               \
   /* memory */                                                                                  \
-  X(copy,                     CopyFn,                  All,      hidden, false)                 \
-  X(fill,                     FillFn,                  All,      hidden, false)                 \
-  X(cast,                     CastFn,                  All,      hidden, true)                  \
+  X(copy,                     CopyFn,                  Storage,  hidden, false)                 \
+  X(fill,                     FillFn,                  Storage,  hidden, false)                 \
+  X(cast,                     CastFn,                  Storage,  hidden, true)                  \
   X(to_device,                NoKernel,                None,     hidden, true)                  \
   MIXTAPE_UNARY_OP_TABLE(X)                                                                    \
   /* binary arithmetic (broadcasting) */                                                        \

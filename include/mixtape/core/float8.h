@@ -1,0 +1,65 @@
+// The two 8-bit floating formats of the OCP FP8 specification (OFP8, v1.0), scalar types
+// for storage and conversion; tensors of them only store, copy and cast (no arithmetic:
+// a matmul of FP8 operands is its own scaled op).
+//
+//   float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits. No infinities; one NaN
+//                  pattern per sign (S.1111.111). Largest finite 448, smallest subnormal
+//                  2^-9.
+//   float8_e5m2:   1 sign, 5 exponent (bias 15), 2 mantissa bits, IEEE-like: infinities
+//                  (S.11111.00) and NaNs (S.11111.xx). Largest finite 57344, smallest
+//                  subnormal 2^-16.
+//
+// Conversions to FP8 round to nearest, ties to even, from the exact value. A value whose
+// rounding lies beyond the largest finite number either saturates to +-max (Saturation::
+// finite, the default, as Transformer Engine and torchao cast, and CUDA's __NV_SATFINITE:
+// infinities saturate too) or overflows (Saturation::none: infinity for e5m2, NaN for
+// e4m3fn, which has no infinity). Every NaN becomes 0x7F, the positive NaN of both formats,
+// as CUDA's conversions write it. Conversions from FP8 to float32 are exact.
+#pragma once
+
+#include <cstdint>
+
+namespace mixtape {
+
+enum class Saturation : std::uint8_t { finite, none };
+
+namespace detail {
+std::uint8_t float_to_e4m3fn_bits(float f, Saturation s);
+std::uint8_t float_to_e5m2_bits(float f, Saturation s);
+float e4m3fn_bits_to_float(std::uint8_t b);
+float e5m2_bits_to_float(std::uint8_t b);
+}  // namespace detail
+
+struct float8_e4m3fn {
+  std::uint8_t bits = 0;
+
+  float8_e4m3fn() = default;
+  // Saturating (see above); float8_e4m3fn(f, Saturation::none) overflows to NaN.
+  float8_e4m3fn(float f, Saturation s = Saturation::finite)  // NOLINT(google-explicit-constructor)
+      : bits(detail::float_to_e4m3fn_bits(f, s)) {}
+  static float8_e4m3fn from_bits(std::uint8_t b) {
+    float8_e4m3fn v;
+    v.bits = b;
+    return v;
+  }
+  operator float() const { return detail::e4m3fn_bits_to_float(bits); }  // NOLINT
+  static constexpr float max() { return 448.0f; }
+};
+
+struct float8_e5m2 {
+  std::uint8_t bits = 0;
+
+  float8_e5m2() = default;
+  // Saturating (see above); float8_e5m2(f, Saturation::none) overflows to infinity.
+  float8_e5m2(float f, Saturation s = Saturation::finite)  // NOLINT(google-explicit-constructor)
+      : bits(detail::float_to_e5m2_bits(f, s)) {}
+  static float8_e5m2 from_bits(std::uint8_t b) {
+    float8_e5m2 v;
+    v.bits = b;
+    return v;
+  }
+  operator float() const { return detail::e5m2_bits_to_float(bits); }  // NOLINT
+  static constexpr float max() { return 57344.0f; }
+};
+
+}  // namespace mixtape

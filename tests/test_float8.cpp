@@ -1,0 +1,327 @@
+// The float8 dtypes (float8_e4m3fn, float8_e5m2) against a reference written here from the
+// OCP FP8 definition: every one of the 256 patterns of each decoded, and conversions to them
+// from float32 inputs at every rounding boundary (each midpoint between neighbours and the
+// floats on either side of it), ties, subnormals, saturation, infinities and NaN, plus
+// random floats; from float64 inputs closer to a midpoint than float32 can tell; from every
+// other dtype; fill, printing, safetensors, promotion.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "error_of.h"
+#include "mixtape/mixtape.h"
+#include "temp_dir.h"
+
+namespace mt = mixtape;
+using Catch::Matchers::Contains;
+using mixtape_test::error_of;
+
+namespace {
+
+// A format as the specification defines it.
+struct Spec {
+  mt::DType dtype;
+  int exponent_bits, mantissa_bits, bias;
+  bool ieee;  // all-ones exponent: infinities and NaNs (e5m2); else only S.1111.111 is NaN
+};
+const Spec kE4M3{mt::kFloat8E4M3FN, 4, 3, 7, false};
+const Spec kE5M2{mt::kFloat8E5M2, 5, 2, 15, true};
+
+// The value of a bit pattern, from the definition.
+double reference_decode(const Spec& f, int b) {
+  const double sign = (b & 0x80) ? -1.0 : 1.0;
+  const int e = (b >> f.mantissa_bits) & ((1 << f.exponent_bits) - 1);
+  const int m = b & ((1 << f.mantissa_bits) - 1);
+  const int all_ones = (1 << f.exponent_bits) - 1;
+  if (f.ieee && e == all_ones) return m == 0 ? sign * INFINITY : NAN;
+  if (!f.ieee && e == all_ones && m == (1 << f.mantissa_bits) - 1) return NAN;
+  const double fraction = static_cast<double>(m) / (1 << f.mantissa_bits);
+  if (e == 0) return sign * std::ldexp(fraction, 1 - f.bias);
+  return sign * std::ldexp(1.0 + fraction, e - f.bias);
+}
+
+// The non-negative finite patterns in increasing order of value, then one pattern past the
+// largest (-1): the value the rounding would reach with one more code (2^(emax+1) for e5m2,
+// whose next code is an infinity; 480 = 1.111b * 2^8 for e4m3fn, whose next code is NaN).
+struct Ladder {
+  std::vector<int> code;
+  std::vector<double> value;
+};
+Ladder ladder(const Spec& f) {
+  Ladder l;
+  for (int b = 0; b < 128; ++b) {
+    const double v = reference_decode(f, b);
+    if (std::isfinite(v)) {
+      l.code.push_back(b);
+      l.value.push_back(v);
+    }
+  }
+  const int last = l.code.back();
+  const double spacing = l.value.back() - l.value[l.value.size() - 2];
+  l.code.push_back(-1);
+  // e4m3fn's max is 1.110b * 2^8: the next value 1.111b * 2^8 (odd mantissa); e5m2's max
+  // is 1.11b * 2^15: the next is 2^16 (even).
+  l.value.push_back(l.value.back() + spacing);
+  (void)last;
+  return l;
+}
+
+// The reference conversion of the exact value x: the nearest value of the ladder, ties to
+// the even pattern (the virtual one past the max counts as odd for e4m3fn, even for e5m2,
+// as its mantissa would be); beyond the max it saturates or overflows; NaN is 0x7F.
+int reference_encode(const Spec& f, double x, bool saturate) {
+  if (std::isnan(x)) return 0x7F;
+  const int sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::fabs(x);
+  static const Ladder l4 = ladder(kE4M3), l5 = ladder(kE5M2);
+  const Ladder& l = f.ieee ? l5 : l4;
+  const int overflow = saturate ? (f.ieee ? 0x7B : 0x7E) : (f.ieee ? 0x7C : 0x7F);
+  if (std::isinf(a)) return sign | overflow;
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < l.value.size(); ++i) {
+    const double d = std::fabs(l.value[i] - a), db = std::fabs(l.value[best] - a);
+    const bool even = l.code[i] == -1 ? f.ieee : (l.code[i] & 1) == 0;
+    if (d < db || (d == db && even)) best = i;
+  }
+  if (l.code[best] == -1) return sign | overflow;
+  // A value past the virtual code is further from every code than the virtual one.
+  if (a > l.value.back()) return sign | overflow;
+  return sign | l.code[best];
+}
+
+// float32 inputs at every boundary of the format: each value, each midpoint between
+// neighbours (and past the max), the floats right beside them, both signs; zeros,
+// infinities, NaN, float32 extremes.
+std::vector<float> boundary_inputs(const Spec& f) {
+  const Ladder l = ladder(f);
+  std::vector<float> out;
+  auto add = [&](double v) {
+    const float x = static_cast<float>(v);
+    for (float y : {x, std::nextafter(x, 0.0f), std::nextafter(x, INFINITY)}) {
+      out.push_back(y);
+      out.push_back(-y);
+    }
+  };
+  for (std::size_t i = 0; i < l.value.size(); ++i) {
+    add(l.value[i]);
+    if (i + 1 < l.value.size()) add((l.value[i] + l.value[i + 1]) / 2);
+  }
+  add(l.value.back() * 2);
+  for (float x : {0.0f, std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::min(),
+                  std::numeric_limits<float>::max(), INFINITY, NAN})
+    add(x);
+  return out;
+}
+
+// Random float32 bit patterns (every exponent), reproducible.
+std::vector<float> random_floats(std::size_t n) {
+  std::mt19937 gen(8);
+  std::vector<float> out(n);
+  for (float& x : out) {
+    const std::uint32_t bits = gen();
+    std::memcpy(&x, &bits, sizeof x);
+  }
+  return out;
+}
+
+std::vector<std::uint8_t> bytes_of(const mt::Tensor& t) {
+  const auto* p = static_cast<const std::uint8_t*>(t.data_ptr());
+  return {p, p + t.numel()};
+}
+
+// x cast to the format by the tensor cast kernel, as bytes.
+std::vector<std::uint8_t> cast_bytes(const mt::Tensor& x, const Spec& f) {
+  return bytes_of(mt::cast(x, f.dtype));
+}
+
+bool same_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
+
+}  // namespace
+
+TEST_CASE("float8: names, sizes, and what the dtypes are", "[float8]") {
+  CHECK(mt::DType("float8_e4m3fn") == mt::kFloat8E4M3FN);
+  CHECK(mt::DType("e4m3") == mt::kFloat8E4M3FN);
+  CHECK(mt::DType("fp8_e5m2") == mt::kFloat8E5M2);
+  CHECK(mt::kFloat8E5M2.name() == "float8_e5m2");
+  CHECK(mt::kFloat8E4M3FN.itemsize() == 1);
+  CHECK(mt::kFloat8E4M3FN.is_float8());
+  CHECK_FALSE(mt::kFloat8E4M3FN.is_floating());
+  CHECK_FALSE(mt::kFloat8E5M2.is_integral());
+  CHECK(mt::promote_types(mt::kFloat8E5M2, mt::kFloat8E5M2) == mt::kFloat8E5M2);
+  CHECK_THAT(error_of<mt::DTypeError>(
+                 [] { (void)mt::promote_types(mt::kFloat8E4M3FN, mt::kFloat32); }),
+             Contains("no promotion between float8_e4m3fn and float32") &&
+                 Contains("cast it"));
+  CHECK_THROWS_AS(mt::promote_types(mt::kFloat8E4M3FN, mt::kFloat8E5M2), mt::DTypeError);
+  // No op computes in float8: an addition names the op and the dtype.
+  const mt::Tensor a = mt::cast(mt::ones({3}), mt::kFloat8E4M3FN);
+  CHECK_THROWS_WITH(mt::add(a, a), Contains("add: no kernel for dtype float8_e4m3fn"));
+}
+
+TEST_CASE("float8: all 256 patterns of each format decode as the definition says",
+          "[float8]") {
+  for (const Spec& f : {kE4M3, kE5M2}) {
+    CAPTURE(f.dtype.name());
+    mt::Tensor all = mt::Tensor::empty({256}, f.dtype);
+    auto* p = static_cast<std::uint8_t*>(all.data_ptr());
+    for (int b = 0; b < 256; ++b) p[b] = static_cast<std::uint8_t>(b);
+    const std::vector<float> kernel = mt::cast(all, mt::kFloat32).to_vector<float>();
+    const std::vector<double> wide = mt::cast(all, mt::kFloat64).to_vector<double>();
+    int nans = 0, infs = 0;
+    for (int b = 0; b < 256; ++b) {
+      CAPTURE(b);
+      const double expected = reference_decode(f, b);
+      const float scalar = f.ieee ? static_cast<float>(mt::float8_e5m2::from_bits(
+                                        static_cast<std::uint8_t>(b)))
+                                  : static_cast<float>(mt::float8_e4m3fn::from_bits(
+                                        static_cast<std::uint8_t>(b)));
+      CHECK(same_value(scalar, expected));
+      CHECK(same_value(kernel[static_cast<std::size_t>(b)], expected));
+      CHECK(same_value(wide[static_cast<std::size_t>(b)], expected));
+      CHECK((std::signbit(scalar) == ((b & 0x80) != 0) || std::isnan(expected)));
+      nans += std::isnan(expected) ? 1 : 0;
+      infs += std::isinf(expected) ? 1 : 0;
+    }
+    // e4m3fn: one NaN per sign, no infinity; e5m2: 3 NaNs per sign, one infinity.
+    CHECK(nans == (f.ieee ? 6 : 2));
+    CHECK(infs == (f.ieee ? 2 : 0));
+  }
+  CHECK(static_cast<float>(mt::float8_e4m3fn::from_bits(0x7E)) == 448.0f);
+  CHECK(static_cast<float>(mt::float8_e4m3fn::from_bits(0x01)) == std::ldexp(1.0f, -9));
+  CHECK(static_cast<float>(mt::float8_e5m2::from_bits(0x7B)) == 57344.0f);
+  CHECK(static_cast<float>(mt::float8_e5m2::from_bits(0x01)) == std::ldexp(1.0f, -16));
+}
+
+TEST_CASE("float8: float32 -> float8 rounds to nearest even and saturates, at every boundary",
+          "[float8]") {
+  const std::vector<float> random = random_floats(200000);
+  for (const Spec& f : {kE4M3, kE5M2}) {
+    CAPTURE(f.dtype.name());
+    std::vector<float> inputs = boundary_inputs(f);
+    inputs.insert(inputs.end(), random.begin(), random.end());
+    const mt::Tensor x = mt::from_vector(inputs, {static_cast<std::int64_t>(inputs.size())});
+    const std::vector<std::uint8_t> kernel = cast_bytes(x, f);
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      const float v = inputs[i];
+      const int sat = reference_encode(f, v, true), nosat = reference_encode(f, v, false);
+      const int got_sat = f.ieee ? mt::float8_e5m2(v).bits : mt::float8_e4m3fn(v).bits;
+      const int got_nosat = f.ieee ? mt::float8_e5m2(v, mt::Saturation::none).bits
+                                   : mt::float8_e4m3fn(v, mt::Saturation::none).bits;
+      if (got_sat != sat || got_nosat != nosat || kernel[i] != sat) {
+        if (++wrong <= 5)
+          FAIL_CHECK(fmt::format("{:a}: reference {:#04x} / {:#04x} (no saturation), scalar "
+                                 "{:#04x} / {:#04x}, cast kernel {:#04x}",
+                                 v, sat, nosat, got_sat, got_nosat, kernel[i]));
+      }
+    }
+    CHECK(wrong == 0);
+  }
+  // The boundaries by name: e4m3fn's max and the tie above it, e5m2's tie that overflows.
+  CHECK(mt::float8_e4m3fn(464.0f, mt::Saturation::none).bits == 0x7E);  // tie: to 448 (even)
+  CHECK(mt::float8_e4m3fn(465.0f, mt::Saturation::none).bits == 0x7F);  // NaN
+  CHECK(mt::float8_e4m3fn(1e9f).bits == 0x7E);                          // saturates
+  CHECK(mt::float8_e4m3fn(-INFINITY).bits == 0xFE);
+  CHECK(mt::float8_e5m2(61440.0f, mt::Saturation::none).bits == 0x7C);  // tie: to infinity
+  CHECK(mt::float8_e5m2(61439.0f, mt::Saturation::none).bits == 0x7B);
+  CHECK(mt::float8_e5m2(INFINITY, mt::Saturation::none).bits == 0x7C);
+  CHECK(mt::float8_e5m2(INFINITY).bits == 0x7B);
+  CHECK(mt::float8_e4m3fn(std::ldexp(1.0f, -10)).bits == 0x00);  // half the smallest: to 0
+  CHECK(mt::float8_e4m3fn(std::nextafter(std::ldexp(1.0f, -10), 1.0f)).bits == 0x01);
+  CHECK(mt::float8_e4m3fn(-0.0f).bits == 0x80);
+  CHECK(mt::float8_e5m2(-NAN).bits == 0x7F);
+}
+
+TEST_CASE("float8: from float64 and the other dtypes, rounded once from the exact value",
+          "[float8]") {
+  for (const Spec& f : {kE4M3, kE5M2}) {
+    CAPTURE(f.dtype.name());
+    // Midpoints nudged by less than float32 can hold: a rounding through float32 to nearest
+    // would land on the midpoint and tie; the exact value is on one side.
+    const Ladder l = ladder(f);
+    std::vector<double> wide;
+    for (std::size_t i = 0; i + 1 < l.value.size(); ++i) {
+      const double mid = (l.value[i] + l.value[i + 1]) / 2;
+      for (double s : {1.0, -1.0})
+        for (double nudge : {-std::ldexp(1.0, -40), 0.0, std::ldexp(1.0, -40)})
+          wide.push_back(s * mid * (1.0 + nudge));
+    }
+    wide.push_back(1e300);
+    wide.push_back(-1e-300);
+    const mt::Tensor x = mt::from_vector(wide, {static_cast<std::int64_t>(wide.size())});
+    const std::vector<std::uint8_t> got = cast_bytes(x, f);
+    for (std::size_t i = 0; i < wide.size(); ++i) {
+      CAPTURE(wide[i]);
+      CHECK(static_cast<int>(got[i]) == reference_encode(f, wide[i], true));
+    }
+    // Integers (int64 beyond float32's 24 bits), 16-bit floats, uint8 and bool.
+    const std::vector<std::int64_t> ints = {0, 1, -3, 17, 300, -300, 449, 463, 465, 61439,
+                                            61441, (std::int64_t{1} << 40) + 1};
+    const std::vector<std::uint8_t> from_ints =
+        cast_bytes(mt::from_vector(ints, {static_cast<std::int64_t>(ints.size())}), f);
+    for (std::size_t i = 0; i < ints.size(); ++i)
+      CHECK(static_cast<int>(from_ints[i]) ==
+            reference_encode(f, static_cast<double>(ints[i]), true));
+    const std::vector<float> boundaries = boundary_inputs(f);
+    const mt::Tensor floats =
+        mt::from_vector(boundaries, {static_cast<std::int64_t>(boundaries.size())});
+    for (mt::DType source : {mt::kFloat16, mt::kBFloat16, mt::kInt32, mt::kUInt8, mt::kBool}) {
+      CAPTURE(source.name());
+      const mt::Tensor s = mt::cast(floats, source);
+      const std::vector<double> exact = mt::cast(s, mt::kFloat64).to_vector<double>();
+      const std::vector<std::uint8_t> got8 = cast_bytes(s, f);
+      for (std::size_t i = 0; i < exact.size(); ++i)
+        CHECK(static_cast<int>(got8[i]) == reference_encode(f, exact[i], true));
+    }
+  }
+}
+
+TEST_CASE("float8: to every dtype exactly, fill, printing and safetensors", "[float8]") {
+  mixtape_test::TempDir dir;
+  for (const Spec& f : {kE4M3, kE5M2}) {
+    CAPTURE(f.dtype.name());
+    mt::Tensor all = mt::Tensor::empty({256}, f.dtype);
+    auto* p = static_cast<std::uint8_t*>(all.data_ptr());
+    for (int b = 0; b < 256; ++b) p[b] = static_cast<std::uint8_t>(b);
+    // Every floating dtype holds every float8 value exactly; integers truncate, bool is != 0.
+    for (mt::DType d : {mt::kFloat16, mt::kBFloat16, mt::kFloat32, mt::kFloat64}) {
+      const std::vector<double> v = mt::cast(mt::cast(all, d), mt::kFloat64).to_vector<double>();
+      for (int b = 0; b < 256; ++b)
+        CHECK(same_value(v[static_cast<std::size_t>(b)], reference_decode(f, b)));
+      // and back, bit for bit (NaNs become 0x7F, e5m2's infinities saturate to +-max)
+      const std::vector<std::uint8_t> back = cast_bytes(mt::cast(all, d), f);
+      for (int b = 0; b < 256; ++b) {
+        const double v = reference_decode(f, b);
+        const int expected = std::isnan(v) ? 0x7F : std::isinf(v) ? (b & 0x80) | 0x7B : b;
+        CHECK(static_cast<int>(back[static_cast<std::size_t>(b)]) == expected);
+      }
+    }
+    const std::vector<std::int32_t> ints = mt::cast(all, mt::kInt32).to_vector<std::int32_t>();
+    CHECK(ints[0x40 | 0x01] == static_cast<std::int32_t>(std::trunc(reference_decode(f, 0x41))));
+    // fill: rounded as a cast of the float64 value.
+    for (double v : {0.3, -1000.0, 1e6, 3.0}) {
+      const mt::Tensor t = mt::full({5}, v, f.dtype);
+      CHECK(static_cast<int>(bytes_of(t)[4]) == reference_encode(f, v, true));
+    }
+    // Printing goes through float32.
+    const mt::Tensor small = mt::cast(mt::from_vector(std::vector<float>{0.5f, -2.0f, 448.0f}, {3}),
+                                      f.dtype);
+    CHECK_THAT(mt::to_string(small), Contains(std::string(f.dtype.name())) && Contains("-2"));
+    // safetensors: F8_E4M3 / F8_E5M2, the bytes as they are.
+    const std::string path = (dir.path() / (std::string(f.dtype.name()) + ".safetensors")).string();
+    mt::save_safetensors(path, {{"w", all}});
+    const mt::SafetensorsFile file = mt::load_safetensors(path);
+    REQUIRE(file.tensors.size() == 1);
+    CHECK(file.tensors[0].second.dtype() == f.dtype);
+    CHECK(bytes_of(file.tensors[0].second) == bytes_of(all));
+    std::ifstream in(path, std::ios::binary);
+    std::string header(200, '\0');
+    in.read(header.data(), 200);
+    CHECK_THAT(header, Contains(f.ieee ? "\"F8_E5M2\"" : "\"F8_E4M3\""));
+  }
+}
