@@ -44,8 +44,8 @@ constexpr std::array<std::pair<std::string_view, DType::Code>, 14> kAliases{{
     {"e5m2", DType::Float8E5M2},
 }};
 
-constexpr std::array<DType, DType::kCount> kAll{kFloat32, kFloat16,      kBFloat16,  kFloat64,
-                                                kInt32,   kInt64,        kUInt8,     kBool,
+constexpr std::array<DType, DType::kCount> kAll{kFloat32,      kFloat16,   kBFloat16, kFloat64,
+                                                kInt32,        kInt64,     kUInt8,    kBool,
                                                 kFloat8E4M3FN, kFloat8E5M2};
 
 // Rank of a floating dtype by width; float16 and bfloat16 share a rank (neither holds

@@ -67,7 +67,8 @@ std::uint8_t encode(const Format& f, float x, Saturation s) {
   if (rounded == 0.0) return sign;
   const int re = std::ilogb(rounded);
   if (re < 1 - f.bias)  // subnormal: exponent field 0
-    return sign | static_cast<std::uint8_t>(rounded / std::ldexp(1.0, 1 - f.bias - f.mantissa_bits));
+    return sign |
+           static_cast<std::uint8_t>(rounded / std::ldexp(1.0, 1 - f.bias - f.mantissa_bits));
   const int mantissa =
       static_cast<int>(rounded / std::ldexp(1.0, re - f.mantissa_bits)) - (1 << f.mantissa_bits);
   return sign | static_cast<std::uint8_t>(((re + f.bias) << f.mantissa_bits) | mantissa);

@@ -153,18 +153,16 @@ TEST_CASE("float8: names, sizes, and what the dtypes are", "[float8]") {
   CHECK_FALSE(mt::kFloat8E4M3FN.is_floating());
   CHECK_FALSE(mt::kFloat8E5M2.is_integral());
   CHECK(mt::promote_types(mt::kFloat8E5M2, mt::kFloat8E5M2) == mt::kFloat8E5M2);
-  CHECK_THAT(error_of<mt::DTypeError>(
-                 [] { (void)mt::promote_types(mt::kFloat8E4M3FN, mt::kFloat32); }),
-             Contains("no promotion between float8_e4m3fn and float32") &&
-                 Contains("cast it"));
+  CHECK_THAT(
+      error_of<mt::DTypeError>([] { (void)mt::promote_types(mt::kFloat8E4M3FN, mt::kFloat32); }),
+      Contains("no promotion between float8_e4m3fn and float32") && Contains("cast it"));
   CHECK_THROWS_AS(mt::promote_types(mt::kFloat8E4M3FN, mt::kFloat8E5M2), mt::DTypeError);
   // No op computes in float8: an addition names the op and the dtype.
   const mt::Tensor a = mt::cast(mt::ones({3}), mt::kFloat8E4M3FN);
   CHECK_THROWS_WITH(mt::add(a, a), Contains("add: no kernel for dtype float8_e4m3fn"));
 }
 
-TEST_CASE("float8: all 256 patterns of each format decode as the definition says",
-          "[float8]") {
+TEST_CASE("float8: all 256 patterns of each format decode as the definition says", "[float8]") {
   for (const Spec& f : {kE4M3, kE5M2}) {
     CAPTURE(f.dtype.name());
     mt::Tensor all = mt::Tensor::empty({256}, f.dtype);
@@ -176,10 +174,9 @@ TEST_CASE("float8: all 256 patterns of each format decode as the definition says
     for (int b = 0; b < 256; ++b) {
       CAPTURE(b);
       const double expected = reference_decode(f, b);
-      const float scalar = f.ieee ? static_cast<float>(mt::float8_e5m2::from_bits(
-                                        static_cast<std::uint8_t>(b)))
-                                  : static_cast<float>(mt::float8_e4m3fn::from_bits(
-                                        static_cast<std::uint8_t>(b)));
+      const float scalar =
+          f.ieee ? static_cast<float>(mt::float8_e5m2::from_bits(static_cast<std::uint8_t>(b)))
+                 : static_cast<float>(mt::float8_e4m3fn::from_bits(static_cast<std::uint8_t>(b)));
       CHECK(same_value(scalar, expected));
       CHECK(same_value(kernel[static_cast<std::size_t>(b)], expected));
       CHECK(same_value(wide[static_cast<std::size_t>(b)], expected));
@@ -215,9 +212,10 @@ TEST_CASE("float8: float32 -> float8 rounds to nearest even and saturates, at ev
                                    : mt::float8_e4m3fn(v, mt::Saturation::none).bits;
       if (got_sat != sat || got_nosat != nosat || kernel[i] != sat) {
         if (++wrong <= 5)
-          FAIL_CHECK(fmt::format("{:a}: reference {:#04x} / {:#04x} (no saturation), scalar "
-                                 "{:#04x} / {:#04x}, cast kernel {:#04x}",
-                                 v, sat, nosat, got_sat, got_nosat, kernel[i]));
+          FAIL_CHECK(
+              fmt::format("{:a}: reference {:#04x} / {:#04x} (no saturation), scalar "
+                          "{:#04x} / {:#04x}, cast kernel {:#04x}",
+                          v, sat, nosat, got_sat, got_nosat, kernel[i]));
       }
     }
     CHECK(wrong == 0);
@@ -260,8 +258,8 @@ TEST_CASE("float8: from float64 and the other dtypes, rounded once from the exac
       CHECK(static_cast<int>(got[i]) == reference_encode(f, wide[i], true));
     }
     // Integers (int64 beyond float32's 24 bits), 16-bit floats, uint8 and bool.
-    const std::vector<std::int64_t> ints = {0, 1, -3, 17, 300, -300, 449, 463, 465, 61439,
-                                            61441, (std::int64_t{1} << 40) + 1};
+    const std::vector<std::int64_t> ints = {
+        0, 1, -3, 17, 300, -300, 449, 463, 465, 61439, 61441, (std::int64_t{1} << 40) + 1};
     const std::vector<std::uint8_t> from_ints =
         cast_bytes(mt::from_vector(ints, {static_cast<std::int64_t>(ints.size())}), f);
     for (std::size_t i = 0; i < ints.size(); ++i)
@@ -309,8 +307,8 @@ TEST_CASE("float8: to every dtype exactly, fill, printing and safetensors", "[fl
       CHECK(static_cast<int>(bytes_of(t)[4]) == reference_encode(f, v, true));
     }
     // Printing goes through float32.
-    const mt::Tensor small = mt::cast(mt::from_vector(std::vector<float>{0.5f, -2.0f, 448.0f}, {3}),
-                                      f.dtype);
+    const mt::Tensor small =
+        mt::cast(mt::from_vector(std::vector<float>{0.5f, -2.0f, 448.0f}, {3}), f.dtype);
     CHECK_THAT(mt::to_string(small), Contains(std::string(f.dtype.name())) && Contains("-2"));
     // safetensors: F8_E4M3 / F8_E5M2, the bytes as they are.
     const std::string path = (dir.path() / (std::string(f.dtype.name()) + ".safetensors")).string();
@@ -324,4 +322,96 @@ TEST_CASE("float8: to every dtype exactly, fill, printing and safetensors", "[fl
     in.read(header.data(), 200);
     CHECK_THAT(header, Contains(f.ieee ? "\"F8_E5M2\"" : "\"F8_E4M3\""));
   }
+}
+
+TEST_CASE("float8: quantize_float8 scales into the format, scaled_matmul multiplies back",
+          "[float8]") {
+  mt::manual_seed(31);
+  const mt::Tensor x = mt::normal({24, 64}) * 3.0, w = mt::normal({40, 64}) * 0.05;
+  for (const Spec& f : {kE4M3, kE5M2}) {
+    CAPTURE(f.dtype.name());
+    const mt::Float8Quantized q = mt::quantize_float8(x, f.dtype);
+    CHECK(q.data.dtype() == f.dtype);
+    CHECK(q.data.shape() == x.shape());
+    const float amax = mt::max(mt::abs(x)).item<float>();
+    CHECK(q.amax.item<float>() == amax);
+    const double top = f.ieee ? 57344.0 : 448.0;
+    CHECK(q.scale.item<float>() == static_cast<float>(1.0 / static_cast<float>(top / amax)));
+    // The largest element lands on the format's largest value; dequantised, every element
+    // is within half a step of the format (relative 2^-4 for e4m3, 2^-3 for e5m2).
+    const std::vector<float> back = (mt::cast(q.data, mt::kFloat32) * q.scale).to_vector<float>();
+    const std::vector<float> orig = x.to_vector<float>();
+    const double step = f.ieee ? 0.125 : 0.0625;
+    for (std::size_t i = 0; i < orig.size(); ++i)
+      CHECK(std::fabs(back[i] - orig[i]) <=
+            step * std::fabs(orig[i]) + amax * std::ldexp(1.0, f.ieee ? -30 : -17));
+  }
+  // An all-zero tensor: scale 1, zeros.
+  const mt::Float8Quantized z = mt::quantize_float8(mt::zeros({3, 4}), mt::kFloat8E4M3FN);
+  CHECK(z.scale.item<float>() == 1.0f);
+  CHECK(mt::cast(z.data, mt::kFloat32).to_vector<float>() == std::vector<float>(12, 0.0f));
+
+  // scaled_matmul against the float64 product of the dequantised operands.
+  const mt::Float8Quantized qa = mt::quantize_float8(x, mt::kFloat8E4M3FN);
+  for (const mt::DType b_dtype : {mt::kFloat8E4M3FN, mt::kFloat8E5M2}) {
+    const mt::Float8Quantized qb = mt::quantize_float8(w, b_dtype);
+    const mt::Tensor a64 = mt::cast(qa.data, mt::kFloat64) * mt::cast(qa.scale, mt::kFloat64);
+    const mt::Tensor b64 = mt::cast(qb.data, mt::kFloat64) * mt::cast(qb.scale, mt::kFloat64);
+    const std::vector<double> want = mt::matmul(a64, mt::transpose(b64)).to_vector<double>();
+    for (const mt::DType out : {mt::kFloat32, mt::kBFloat16, mt::kFloat16}) {
+      CAPTURE(b_dtype.name(), out.name());
+      const mt::Tensor y =
+          mt::scaled_matmul(qa.data, qb.data, qa.scale, qb.scale, {.out_dtype = out});
+      REQUIRE(y.shape() == mt::Shape{24, 40});
+      CHECK(y.dtype() == out);
+      const std::vector<double> got = mt::cast(y, mt::kFloat64).to_vector<double>();
+      const double rel = out == mt::kFloat32 ? 1e-5 : out == mt::kFloat16 ? 1e-3 : 8e-3;
+      for (std::size_t i = 0; i < got.size(); ++i)
+        CHECK(std::fabs(got[i] - want[i]) <= rel * std::fabs(want[i]) + 1e-4);
+    }
+    // and close to the unquantised product (the FP8 rounding of both operands)
+    const std::vector<double> exact =
+        mt::matmul(mt::cast(x, mt::kFloat64), mt::transpose(mt::cast(w, mt::kFloat64)))
+            .to_vector<double>();
+    const std::vector<double> got = mt::cast(mt::scaled_matmul(qa.data, qb.data, qa.scale, qb.scale,
+                                                               {.out_dtype = mt::kFloat32}),
+                                             mt::kFloat64)
+                                        .to_vector<double>();
+    double err = 0, norm = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      err += (got[i] - exact[i]) * (got[i] - exact[i]);
+      norm += exact[i] * exact[i];
+    }
+    CHECK(std::sqrt(err / norm) < (b_dtype == mt::kFloat8E5M2 ? 0.08 : 0.05));
+  }
+}
+
+TEST_CASE("float8: scaled_matmul refuses what it cannot multiply, by name", "[float8]") {
+  const mt::Tensor a = mt::cast(mt::ones({4, 16}), mt::kFloat8E4M3FN);
+  const mt::Tensor b5 = mt::cast(mt::ones({8, 16}), mt::kFloat8E5M2);
+  const mt::Tensor a5 = mt::cast(mt::ones({4, 16}), mt::kFloat8E5M2);
+  const mt::Tensor one = mt::ones({1});
+  CHECK_THAT(error_of<mt::DTypeError>([&] { mt::scaled_matmul(a5, b5, one, one); }),
+             Contains("two float8_e5m2 operands are not supported"));
+  CHECK_THAT(error_of<mt::DTypeError>([&] {
+               mt::scaled_matmul(mt::ones({4, 16}), b5, one, one);
+             }),
+             Contains("the operands must be float8_e4m3fn or float8_e5m2"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] {
+               mt::scaled_matmul(a, mt::cast(mt::ones({8, 15}), mt::kFloat8E4M3FN), one, one);
+             }),
+             Contains("must share k") && Contains("float8_e4m3fn[8, 15]"));
+  CHECK_THAT(error_of<mt::ValueError>([&] { mt::scaled_matmul(a, b5, mt::ones({2}), one); }),
+             Contains("scale_a and scale_b must be float32 tensors of one element"));
+  CHECK_THAT(error_of<mt::DTypeError>(
+                 [&] { mt::scaled_matmul(a, b5, one, one, {.out_dtype = mt::kFloat64}); }),
+             Contains("out_dtype must be float32, bfloat16 or float16"));
+  CHECK_THAT(error_of<mt::DTypeError>([&] { mt::quantize_float8(mt::ones({2}), mt::kFloat16); }),
+             Contains("the target must be float8_e4m3fn or float8_e5m2"));
+  // e4m3 x e5m2 works; k = 0 gives zeros.
+  CHECK(mt::scaled_matmul(a, b5, one, one).shape() == mt::Shape{4, 8});
+  const mt::Tensor empty_k = mt::scaled_matmul(mt::cast(mt::ones({2, 0}), mt::kFloat8E4M3FN),
+                                               mt::cast(mt::ones({3, 0}), mt::kFloat8E4M3FN), one,
+                                               one, {.out_dtype = mt::kFloat32});
+  CHECK(empty_k.to_vector<float>() == std::vector<float>(6, 0.0f));
 }

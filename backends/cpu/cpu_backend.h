@@ -28,6 +28,7 @@ void register_optim_kernels();          // unscale_check, sgd/rmsprop/adam updat
 void register_attention_kernels();      // attention and its backward pass (fused)
 void register_layer_norm_kernels();     // layer_norm and its backward pass (fused)
 void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward pass (fused)
+void register_float8_gemm_kernels();    // scaled_matmul (FP8 operands, emulated in float32)
 
 // Below this many elements a kernel runs on one thread.
 inline constexpr std::int64_t kParallelGrain = 32768;

@@ -14,7 +14,7 @@ void register_elementwise_kernels();    // unary, binary, comparisons, where (el
 void register_reduction_kernels();      // sum ... argmax, softmax, log_softmax (reduction.cu)
 void register_index_kernels();          // gather, scatter_add, take, index_add (index.cu)
 void register_optim_kernels();          // unscale_check, optimizer updates (optim.cu)
-void register_gemm_kernels();           // matmul through cuBLASLt / cuBLAS (gemm.cpp)
+void register_gemm_kernels();           // matmul, scaled_matmul through cuBLASLt (gemm.cpp)
 void register_conv_kernels();           // conv2d and its backward through cuDNN (conv.cpp)
 void register_pool_kernels();           // max / average pooling (pool.cu)
 void register_attention_kernels();      // attention and its backward pass, fused (attention.cu)

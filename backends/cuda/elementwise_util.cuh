@@ -137,7 +137,8 @@ __device__ __forceinline__ D convert_elem(S v) {
 
 // True for the 8-bit floats (storage only: they are cast, never computed in).
 template <typename T>
-inline constexpr bool kFloat8 = std::is_same_v<T, __nv_fp8_e4m3> || std::is_same_v<T, __nv_fp8_e5m2>;
+inline constexpr bool kFloat8 =
+    std::is_same_v<T, __nv_fp8_e4m3> || std::is_same_v<T, __nv_fp8_e5m2>;
 
 // A float8 value as float32 (exact).
 template <typename T>

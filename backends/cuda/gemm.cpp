@@ -44,6 +44,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -359,10 +360,126 @@ void gemm(const GemmArgs& g) {
   }
 }
 
+// --- The scaled FP8 matmul (op scaled_matmul) -------------------------------------------------
+// cuBLASLt's FP8 GEMM (sm_89 and newer): the layout it requires is "TN", cuBLASLt's A
+// transposed and its B not: in row-major terms our b_t [n, k] is its A (column-major k x n,
+// op T) and our a [m, k] its B (column-major k x m, op N), both with k innermost; D is our out
+// [m, n] (column-major n x m). The operands' scales are device pointers (A_SCALE_POINTER is
+// b_t's, B_SCALE_POINTER a's), so no host value is read.
+
+cudaDataType_t float8_type(DType dt) {
+  return dt == kFloat8E4M3FN ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+}
+cudaDataType_t out_type(DType dt) {
+  return dt == kFloat32 ? CUDA_R_32F : dt == kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+struct Fp8Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  std::size_t workspace = 0;
+  bool supported = false;
+  std::string why;  // when not supported
+
+  Fp8Plan() = default;
+  Fp8Plan(const Fp8Plan&) = delete;
+  Fp8Plan& operator=(const Fp8Plan&) = delete;
+  ~Fp8Plan() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+std::unique_ptr<Fp8Plan> make_fp8_plan(cublasLtHandle_t handle,
+                                       const kernels::ScaledMatmulArgs& g) {
+  auto plan = std::make_unique<Fp8Plan>();
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const std::int32_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+  MIXTAPE_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
+  MIXTAPE_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+  const std::int8_t fast = g.fast_accumulation ? 1 : 0;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                                      &fast, sizeof(fast)));
+  set_layout(&plan->a, float8_type(g.b_t.dtype()), g.k, g.n, g.k, 1, 0);
+  set_layout(&plan->b, float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
+  set_layout(&plan->d, out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  struct PrefGuard {
+    cublasLtMatmulPreference_t p;
+    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
+  } pref_guard{pref};
+  const std::uint64_t max_workspace = kMaxWorkspace;
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int returned = 0;
+  // The scale pointers are part of the descriptor only at the call; the heuristic needs
+  // the types, the layouts and the options.
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &returned);
+  if (status == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+    plan->algo = result.algo;
+    plan->workspace = result.workspaceSize;
+    plan->supported = true;
+  } else if (status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    plan->why = status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status)
+                : returned > 0                  ? cublasLtGetStatusName(result.state)
+                                                : "no algorithm";
+  } else {
+    throw_cublas_error(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+  }
+  return plan;
+}
+
+// Plans by problem, made on first use and never destroyed; the descriptor's scale pointers
+// are set at each call under the same lock (a plan is used by one call at a time).
+std::mutex g_fp8_mutex;
+
+void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
+  const int device = g.out.device().index();
+  DeviceGuard guard(device);
+  const cudaStream_t st = stream(device);
+  const cublasLtHandle_t handle = lt_handle(device);
+  static auto* plans =
+      new std::unordered_map<PlanKey, std::unique_ptr<Fp8Plan>, PlanKeyHash>();  // never destroyed
+  PlanKey key;
+  key.v = {device, g.a.dtype().index(), g.b_t.dtype().index(), g.out.dtype().index(), g.m, g.n,
+           g.k,    g.fast_accumulation};
+  std::lock_guard<std::mutex> lock(g_fp8_mutex);
+  auto it = plans->find(key);
+  if (it == plans->end()) it = plans->emplace(key, make_fp8_plan(handle, g)).first;
+  Fp8Plan& plan = *it->second;
+  if (!plan.supported)
+    throw DeviceError(fmt::format(
+        "scaled_matmul: cuBLASLt has no FP8 GEMM for {}[{}, {}] x {}[{}, {}] -> {} on cuda:{} "
+        "({}): FP8 GEMMs need compute capability 8.9 or newer and k and n multiples of 16",
+        g.a.dtype(), g.m, g.k, g.b_t.dtype(), g.n, g.k, g.out.dtype(), device, plan.why));
+  const void* scale_a = g.scale_b.data_ptr();  // cuBLASLt's A is b_t
+  const void* scale_b = g.scale_a.data_ptr();
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                      &scale_a, sizeof(scale_a)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                      &scale_b, sizeof(scale_b)));
+  const float one = 1.0f, zero = 0.0f;
+  Workspace workspace(plan.workspace, device);
+  void* out = g.out.data_ptr();
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, g.b_t.data_ptr(), plan.a,
+                                      g.a.data_ptr(), plan.b, &zero, out, plan.d, out, plan.d,
+                                      &plan.algo, workspace.data(), plan.workspace, st));
+}
+
 }  // namespace
 
 void register_gemm_kernels() {
   register_op<OpId::matmul>(DeviceType::CUDA, []<DType::Code C>() { return &gemm<C>; });
+  register_op<OpId::scaled_matmul>(DeviceType::CUDA, []<DType::Code>() { return &scaled_matmul; });
 }
 
 }  // namespace mixtape::cuda_backend

@@ -661,6 +661,60 @@ void gemm(Context& c) {
   }
 }
 
+// scaled_matmul: a (the dtype under test) and b_t (each float8 dtype, but not e5m2 x e5m2)
+// against a float64 product of the same float8 values, scaled by the same float32 scales;
+// shapes with k and n multiples of 16 (what FP8 tensor cores take).
+void scaled_matmul(Context& c) {
+  struct Case {
+    int64_t m, n, k;
+  };
+  const std::vector<Case> cases{{1, 16, 16}, {7, 32, 48}, {33, 16, 256}, {64, 64, 1024}};
+  // Values spread over the formats' binades: +-10 with two decimals, quantised by make.
+  const auto draw = [&c] { return static_cast<double>(c.integer(-1000, 1000)) / 100.0; };
+  for (const DType b_dtype : {kFloat8E4M3FN, kFloat8E5M2}) {
+    if (c.dtype() == kFloat8E5M2 && b_dtype == kFloat8E5M2) continue;
+    for (const DType out_dtype : {kFloat32, kBFloat16, kFloat16}) {
+      for (const auto& cs : cases) {
+        const Pair a = c.make({cs.m, cs.k}, draw);
+        const Pair b = c.make({cs.n, cs.k}, draw, b_dtype);
+        const double sa = std::ldexp(1.0 + static_cast<double>(c.integer(0, 7)) / 8, -3);
+        const double sb = std::ldexp(1.0 + static_cast<double>(c.integer(0, 7)) / 8, 2);
+        const Tensor scale_a = full({1}, sa, kFloat32, c.device());
+        const Tensor scale_b = full({1}, sb, kFloat32, c.device());
+        const Tensor out = full({cs.m, cs.n}, 0.0, out_dtype, c.device());
+        tested_kernel<kernels::ScaledMatmulFn>(c)({.a = a.tested,
+                                                   .b_t = b.tested,
+                                                   .scale_a = scale_a,
+                                                   .scale_b = scale_b,
+                                                   .out = out,
+                                                   .m = cs.m,
+                                                   .n = cs.n,
+                                                   .k = cs.k});
+        // The reference: the float64 product of the stored values.
+        const std::vector<double> av = a.ref.to_vector<double>(),
+                                  bv = b.ref.to(kFloat64).to_vector<double>();
+        std::vector<double> ref(static_cast<std::size_t>(cs.m * cs.n));
+        double terms = 0.0;
+        for (int64_t i = 0; i < cs.m; ++i)
+          for (int64_t j = 0; j < cs.n; ++j) {
+            double sum = 0.0, magnitude = 0.0;
+            for (int64_t p = 0; p < cs.k; ++p) {
+              const double t = av[static_cast<std::size_t>(i * cs.k + p)] *
+                               bv[static_cast<std::size_t>(j * cs.k + p)];
+              sum += t;
+              magnitude += std::fabs(t);
+            }
+            ref[static_cast<std::size_t>(i * cs.n + j)] = sum * sa * sb;
+            terms = std::max(terms, magnitude * sa * sb);
+          }
+        c.expect_close(fmt::format("{}[{}, {}] x {}[{}, {}]^T -> {}", c.dtype(), cs.m, cs.k,
+                                   b_dtype, cs.n, cs.k, out_dtype),
+                       out, from_vector(ref, {cs.m, cs.n}), {terms, 0.0});
+      }
+    }
+  }
+}
+
 // --- Convolution and pooling ------------------------------------------------------------------
 
 struct Window {
@@ -1003,6 +1057,7 @@ Driver driver_for(OpId op) {
   if (k == "SoftmaxCrossEntropyFn" || k == "SoftmaxCrossEntropyBackwardFn") return cross_entropy;
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;
+  if (k == "ScaledMatmulFn") return scaled_matmul;
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;
   if (k == "Pool2dFn" || k == "Pool2dBackwardFn") return pool;
   if (k == "UnscaleCheckFn") return unscale_check;

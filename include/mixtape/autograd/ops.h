@@ -128,6 +128,33 @@ Tensor concat(const std::vector<Tensor>& xs, int axis);
 // are passed to the GEMM as transpose flags (no copy).
 Tensor matmul(const Tensor& a, const Tensor& b);
 
+// --- FP8 -----------------------------------------------------------------------------------
+// The matrix product of FP8 operands with per-tensor scales (mixtape/core/kernels.h,
+// ScaledMatmulArgs): a [m, k] and b_t [n, k] (the second operand transposed: k innermost in
+// both, as FP8 tensor cores take them), float8 dtypes (not both float8_e5m2), their
+// dequantisation scales (float32, one element each, on their device): out [m, n] in
+// out_dtype (float32, bfloat16 or float16) = scale_a * scale_b * a b_t^T, the products exact,
+// the sums in float32. Not differentiable: FP8 training builds its backward pass from
+// scaled_matmul calls of its own.
+struct ScaledMatmulOptions {
+  DType out_dtype = kBFloat16;
+  bool fast_accumulation = false;  // the GPU's faster FP8 accumulation (forward passes only)
+};
+Tensor scaled_matmul(const Tensor& a, const Tensor& b_t, const Tensor& scale_a,
+                     const Tensor& scale_b, ScaledMatmulOptions options = {});
+
+// x quantised to a float8 dtype with one scale for the whole tensor ("current" scaling, as
+// torchao's tensorwise scaling): amax = max |x| (float32), data = cast(x * (max_of(dtype) /
+// amax), dtype) (saturating), scale = amax / max_of(dtype), the factor that turns data back
+// into x's values (scaled_matmul's scale_a / scale_b). Computed on x's device, no host wait;
+// an all-zero x gets scale 1. Not differentiable.
+struct Float8Quantized {
+  Tensor data;   // x's shape, `dtype`
+  Tensor scale;  // float32, one element: dequantisation factor
+  Tensor amax;   // float32, one element: max |x|
+};
+Float8Quantized quantize_float8(const Tensor& x, DType dtype);
+
 // --- Indexing ------------------------------------------------------------------------------
 // Out-of-range indices throw IndexError: at once for indices on the CPU; for indices on
 // a GPU the range is checked there and the error comes from the next read of a device

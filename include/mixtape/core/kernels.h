@@ -138,6 +138,22 @@ struct GemmArgs {
 };
 using GemmFn = void(const GemmArgs& args);
 
+// scaled_matmul: FP8 operands a [m, k] and b_t [n, k] (contiguous, k innermost in both: the
+// second operand is given transposed, the layout Hopper's FP8 tensor-core GEMMs take), a of
+// the kernel's float8 dtype, b_t of either (not both float8_e5m2); their dequantisation
+// scales scale_a and scale_b (float32, one element each, on the device: a's value is
+// a * scale_a). out [m, n] (float32, bfloat16 or float16) = (scale_a * scale_b) *
+// sum_k a[i, k] b_t[j, k], each product exact, the sum accumulated in float32 (the order is
+// the kernel's), rounded once to out's dtype. fast_accumulation lets a GPU kernel use the
+// tensor cores' faster, less precise accumulation (Hopper's FP8 "fast accum"; gradients keep
+// it off); the CPU kernel ignores it.
+struct ScaledMatmulArgs {
+  Tensor a, b_t, scale_a, scale_b, out;
+  std::int64_t m = 0, n = 0, k = 0;
+  bool fast_accumulation = false;
+};
+using ScaledMatmulFn = void(const ScaledMatmulArgs& args);
+
 // 2-D convolution, NHWC input [n, h, w, c], HWIO filter [kh, kw, c, cout], output
 // [n, oh, ow, cout], all contiguous. Padding is pad_top/pad_left zeros (the bottom/right
 // padding is implied by the output size). Backward kernels overwrite their output.

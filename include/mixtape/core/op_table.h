@@ -15,7 +15,8 @@
 //           computes), or NoKernel for ops made of views or of other ops;
 //   dtypes  the dtypes every backend must have a kernel for: Floating (float32, float16,
 //           bfloat16, float64), Numeric (Floating, int32, int64), All (Numeric, uint8,
-//           bool), Storage (All, float8_e4m3fn, float8_e5m2: copy, fill and cast), None;
+//           bool), Storage (All, float8_e4m3fn, float8_e5m2: copy, fill and cast), Float8
+//           (float8_e4m3fn, float8_e5m2: scaled_matmul), None;
 //   amp     the op's default category for automatic mixed precision (allow, infer, deny,
 //           clear; mixtape/autograd/amp.h), or hidden: the rewrite never sees the op (it
 //           runs inside another op, or is not a model op);
@@ -101,6 +102,7 @@
   X(softmax_cross_entropy_backward, SoftmaxCrossEntropyBackwardFn, Floating, hidden, false)     \
   /* linear algebra */                                                                          \
   X(matmul,                   GemmFn,                  Floating, allow,  true)                  \
+  X(scaled_matmul,            ScaledMatmulFn,          Float8,   hidden, false)                 \
   /* convolution and pooling (NHWC) */                                                          \
   X(conv2d,                   Conv2dFn,                Floating, allow,  true)                  \
   X(conv2d_backward_input,    Conv2dBackwardInputFn,   Floating, hidden, true)                  \
