@@ -73,4 +73,65 @@ Float8Quantized quantize_float8(const Tensor& x, DType dtype) {
   return {cast(wide * factor, dtype), 1.0 / factor, amax};
 }
 
+namespace {
+
+// An FP8 tensor's transpose, contiguous (a copy of bytes: the scale stays).
+Tensor transposed(const Tensor& t) { return detail::contiguous_raw(transpose(t)); }
+
+bool linear_dtype(DType d) { return d == kFloat32 || d == kBFloat16 || d == kFloat16; }
+
+}  // namespace
+
+Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
+  const char* name = "float8_linear";
+  detail::check_inputs(name, {x, w});
+  if (x.rank() < 1 || w.rank() != 2 || x.dim(-1) != w.dim(0))
+    throw ShapeError(fmt::format("{}: x [..., k] and w [k, n] must share k; got {}", name,
+                                 detail::describe({x, w})));
+  if (!linear_dtype(x.dtype()) || !linear_dtype(w.dtype()) || !linear_dtype(out_dtype))
+    throw DTypeError(
+        fmt::format("{}: x, w and the output must be float32, bfloat16 or float16; got {} -> {}",
+                    name, detail::describe({x, w}), out_dtype));
+  const std::int64_t k = w.dim(0), n = w.dim(1), m = x.numel() / std::max<std::int64_t>(k, 1);
+  std::vector<std::int64_t> out_dims = x.shape().dims();
+  out_dims.back() = n;
+  Float8Quantized qx, qwt;
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    qx = quantize_float8(reshape(x, Shape{m, k}), kFloat8E4M3FN);
+    qwt = quantize_float8(transpose(w), kFloat8E4M3FN);  // [n, k]
+    y = reshape(scaled_matmul(qx.data, qwt.data, qx.scale, qwt.scale,
+                              {.out_dtype = out_dtype, .fast_accumulation = true}),
+                Shape(out_dims));
+  }
+  if (should_record({x, w}))
+    record_op(
+        name, {x, w}, y, [x, w, qx, qwt, m, n, k](const Tensor& g, const std::vector<bool>& needs) {
+          if (should_record({x, w, g})) {
+            // A tape records this backward pass: differentiable ops (no FP8).
+            const Tensor g2 = reshape(g, Shape{m, n});
+            const Tensor wc = cast(w, g.dtype());
+            return detail::Grads{
+                needs[0] ? cast(reshape(matmul(g2, transpose(wc)), x.shape()), x.dtype())
+                         : Tensor(),
+                needs[1] ? cast(matmul(transpose(reshape(cast(x, g.dtype()), Shape{m, k})), g2),
+                                w.dtype())
+                         : Tensor()};
+          }
+          NoGradGuard no_grad;
+          const Float8Quantized qg = quantize_float8(reshape(g, Shape{m, n}), kFloat8E5M2);
+          Tensor dx, dw;
+          if (needs[0])  // [m, n] x [k, n]^T
+            dx = reshape(scaled_matmul(qg.data, transposed(qwt.data), qg.scale, qwt.scale,
+                                       {.out_dtype = x.dtype()}),
+                         x.shape());
+          if (needs[1])  // [k, m] x [n, m]^T
+            dw = scaled_matmul(transposed(qx.data), transposed(qg.data), qx.scale, qg.scale,
+                               {.out_dtype = w.dtype()});
+          return detail::Grads{dx, dw};
+        });
+  return y;
+}
+
 }  // namespace mixtape

@@ -192,7 +192,7 @@ std::optional<std::vector<TensorSpec>> MultiHeadAttentionLayer::compute_output_s
 Tensor MultiHeadAttentionLayer::project(const Tensor& x, const Variable& kernel,
                                         const Variable& bias, std::int64_t dim) const {
   const std::int64_t b = x.dim(0), l = x.dim(1), d = x.dim(2);
-  Tensor y = matmul(x, reshape(kernel, Shape{d, num_heads_ * dim}));  // [B, L, heads*dim]
+  Tensor y = policy_matmul(x, reshape(kernel, Shape{d, num_heads_ * dim}));  // [B, L, heads*dim]
   if (bias.defined()) y = y + reshape(bias, Shape{num_heads_ * dim});
   return permute(reshape(y, Shape{b, l, num_heads_, dim}), {0, 2, 1, 3});
 }
@@ -256,7 +256,8 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   const Tensor merged =
       reshape(permute(heads, {0, 2, 1, 3}), Shape{query.dim(0), in.t, num_heads_ * value_dim_});
   const std::int64_t features = product(output_features_);
-  Tensor out = matmul(merged, reshape(output_kernel_, Shape{num_heads_ * value_dim_, features}));
+  Tensor out =
+      policy_matmul(merged, reshape(output_kernel_, Shape{num_heads_ * value_dim_, features}));
   if (output_bias_.defined()) out = out + reshape(output_bias_, Shape{features});
   std::vector<std::int64_t> dims{query.dim(0), in.t};
   for (auto d : output_features_) dims.push_back(d);

@@ -95,7 +95,7 @@ std::optional<Shape> DenseLayer::compute_output_shape(const Shape& input_shape) 
 }
 
 Tensor DenseLayer::call(const Tensor& x, const CallContext&) {
-  Tensor y = matmul(x, kernel_);
+  Tensor y = policy_matmul(x, kernel_);
   if (options_.use_bias) y = y + bias_;
   return activation_(y);
 }

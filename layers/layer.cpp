@@ -3,6 +3,7 @@
 
 #include <cxxabi.h>
 #include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cctype>
@@ -18,6 +19,7 @@
 #include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
+#include "mixtape/core/backend.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
 #include "mixtape/layers/trace.h"
@@ -631,6 +633,38 @@ void WeightBudget::take(const Shape& shape, DType dtype, const std::string& what
 }
 
 }  // namespace detail
+
+namespace {
+
+// Whether `device` multiplies FP8 operands: the CPU (emulated) and CUDA devices of compute
+// capability 8.9 or newer. An older GPU is told once per process.
+bool float8_capable(Device device) {
+  if (device.is_cpu()) return true;
+  const DeviceProperties p = backend_for(device.type()).properties(device.index());
+  if (p.compute_major > 8 || (p.compute_major == 8 && p.compute_minor >= 9)) return true;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    spdlog::warn(
+        "Mixed precision compatibility check (mixed_float8): your GPU {} ({}, compute "
+        "capability {}.{}) has no FP8 tensor cores (compute capability 8.9 or newer): its "
+        "Dense and attention projections compute in bfloat16 instead. This message is logged "
+        "once.",
+        device.str(), p.name, p.compute_major, p.compute_minor);
+  });
+  return false;
+}
+
+}  // namespace
+
+Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w) const {
+  if (!policy_.float8_matmuls()) return matmul(x, w);
+  if (!float8_capable(x.device())) {
+    matmul_note_ = "bfloat16 matmul (no FP8 on this GPU)";
+    return matmul(x, w);
+  }
+  matmul_note_ = "float8 matmul (e4m3, gradients e5m2)";
+  return float8_linear(x, w, compute_dtype());
+}
 
 Variable Layer::add_weight(const std::string& name, const Shape& shape,
                            const init::Initializer& init, WeightOptions options) {

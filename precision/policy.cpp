@@ -18,14 +18,16 @@ struct PolicyRow {
   std::string_view name;
   DType compute, variable;
   bool dynamic_loss_scale;  // the default loss scale: dynamic, or none
+  bool float8_matmuls;      // Dense and attention projections multiply in FP8
 };
-constexpr std::array<PolicyRow, 6> kPolicies = {{
-    {"float32", kFloat32, kFloat32, false},
-    {"float64", kFloat64, kFloat64, false},
-    {"float16", kFloat16, kFloat16, false},
-    {"bfloat16", kBFloat16, kBFloat16, false},
-    {"mixed_float16", kFloat16, kFloat32, true},
-    {"mixed_bfloat16", kBFloat16, kFloat32, false},
+constexpr std::array<PolicyRow, 7> kPolicies = {{
+    {"float32", kFloat32, kFloat32, false, false},
+    {"float64", kFloat64, kFloat64, false, false},
+    {"float16", kFloat16, kFloat16, false, false},
+    {"bfloat16", kBFloat16, kBFloat16, false, false},
+    {"mixed_float16", kFloat16, kFloat32, true, false},
+    {"mixed_bfloat16", kBFloat16, kFloat32, false, false},
+    {"mixed_float8", kBFloat16, kFloat32, false, true},
 }};
 
 const PolicyRow& find_row(std::string_view name) {
@@ -54,6 +56,7 @@ Policy::Policy(std::string_view name) {
   name_ = std::string(row.name);
   compute_ = row.compute;
   variable_ = row.variable;
+  float8_matmuls_ = row.float8_matmuls;
   if (row.dynamic_loss_scale) loss_scale_ = LossScale::dynamic();
 }
 

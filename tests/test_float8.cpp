@@ -18,6 +18,7 @@
 #include "temp_dir.h"
 
 namespace mt = mixtape;
+namespace ml = mixtape::layers;
 using Catch::Matchers::Contains;
 using mixtape_test::error_of;
 
@@ -414,4 +415,101 @@ TEST_CASE("float8: scaled_matmul refuses what it cannot multiply, by name", "[fl
                                                mt::cast(mt::ones({3, 0}), mt::kFloat8E4M3FN), one,
                                                one, {.out_dtype = mt::kFloat32});
   CHECK(empty_k.to_vector<float>() == std::vector<float>(6, 0.0f));
+}
+
+TEST_CASE("float8: float8_linear is scaled_matmul forward and backward, gradients e5m2",
+          "[float8]") {
+  mt::manual_seed(41);
+  const mt::Tensor x = mt::cast(mt::normal({3, 5, 32}), mt::kBFloat16);
+  mt::Variable w(mt::normal({32, 48}) * 0.2, "w");
+  const mt::Tensor dy = mt::cast(mt::normal({3, 5, 48}) * 1e-3, mt::kBFloat16);
+  mt::GradientTape tape;
+  tape.watch(x);
+  const mt::Tensor y = mt::float8_linear(x, w);
+  CHECK(y.shape() == mt::Shape{3, 5, 48});
+  CHECK(y.dtype() == mt::kBFloat16);
+  const std::vector<mt::Tensor> grads = tape.gradient(y, {x, w}, dy);
+  REQUIRE(grads.size() == 2);
+  CHECK(grads[0].dtype() == mt::kBFloat16);
+  CHECK(grads[1].dtype() == mt::kFloat32);
+
+  // The same, composed here from quantize_float8 and scaled_matmul: bit for bit.
+  const auto bits = [](const mt::Tensor& t) {
+    return mt::cast(t, mt::kFloat64).to_vector<double>();
+  };
+  const mt::Float8Quantized qx = mt::quantize_float8(mt::reshape(x, {15, 32}), mt::kFloat8E4M3FN);
+  const mt::Float8Quantized qwt = mt::quantize_float8(mt::transpose(w), mt::kFloat8E4M3FN);
+  const mt::Float8Quantized qg = mt::quantize_float8(mt::reshape(dy, {15, 48}), mt::kFloat8E5M2);
+  CHECK(bits(y) == bits(mt::scaled_matmul(qx.data, qwt.data, qx.scale, qwt.scale,
+                                          {.out_dtype = mt::kBFloat16})));
+  const mt::Tensor dx = mt::scaled_matmul(qg.data, mt::transpose(qwt.data).contiguous(), qg.scale,
+                                          qwt.scale, {.out_dtype = mt::kBFloat16});
+  CHECK(bits(grads[0]) == bits(dx));
+  const mt::Tensor dw =
+      mt::scaled_matmul(mt::transpose(qx.data).contiguous(), mt::transpose(qg.data).contiguous(),
+                        qx.scale, qg.scale, {.out_dtype = mt::kFloat32});
+  CHECK(bits(grads[1]) == bits(dw));
+
+  // And near the float64 gradients (FP8 keeps 2 or 3 mantissa bits).
+  const auto rms_error = [](const std::vector<double>& got, const std::vector<double>& want) {
+    double e = 0, n = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      e += (got[i] - want[i]) * (got[i] - want[i]);
+      n += want[i] * want[i];
+    }
+    return std::sqrt(e / n);
+  };
+  const mt::Tensor x64 = mt::reshape(mt::cast(x, mt::kFloat64), {15, 32});
+  const mt::Tensor w64 = mt::cast(w, mt::kFloat64);
+  const mt::Tensor dy64 = mt::reshape(mt::cast(dy, mt::kFloat64), {15, 48});
+  CHECK(rms_error(bits(y), bits(mt::matmul(x64, w64))) < 0.06);
+  CHECK(rms_error(bits(grads[0]), bits(mt::matmul(dy64, mt::transpose(w64)))) < 0.12);
+  CHECK(rms_error(bits(grads[1]), bits(mt::matmul(mt::transpose(x64), dy64))) < 0.12);
+
+  CHECK_THAT(error_of<mt::ShapeError>([&] {
+               mt::float8_linear(x, mt::ones({31, 4}));
+             }),
+             Contains("float8_linear: x [..., k] and w [k, n] must share k"));
+  CHECK_THAT(error_of<mt::DTypeError>([&] { mt::float8_linear(mt::cast(x, mt::kFloat64), w); }),
+             Contains("must be float32, bfloat16 or float16"));
+}
+
+TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in float32 if asked",
+          "[float8]") {
+  CHECK(mt::Policy("mixed_float8").float8_matmuls());
+  CHECK(mt::Policy("mixed_float8").compute_dtype() == mt::kBFloat16);
+  CHECK(mt::Policy("mixed_float8").variable_dtype() == mt::kFloat32);
+  CHECK_FALSE(mt::Policy("mixed_float8").loss_scale());
+  CHECK_FALSE(mt::Policy("mixed_bfloat16").float8_matmuls());
+
+  // Two separable blobs of 4 classes in 16 dimensions.
+  mt::manual_seed(5);
+  const std::int64_t n = 1024;
+  const mt::Tensor centers = mt::normal({4, 16}) * 3.0;
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) labels[static_cast<std::size_t>(i)] = i % 4;
+  const mt::Tensor y = mt::from_vector(labels, {n});
+  const mt::Tensor x = mt::take(centers, y, 0) + mt::normal({n, 16});
+
+  mt::PolicyScope scope("mixed_float8");
+  mt::Sequential model({ml::Dense(64, {.activation = "relu"}),
+                        ml::Dense(64, {.activation = "relu"}), ml::Dense(4, {.dtype = "float32"})});
+  model.build_for({-1, 16});
+  model.compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
+                 .optimizer = mt::optim::Adam({.learning_rate = 3e-3}),
+                 .metrics = {"accuracy"}});
+  const mt::History h = model.fit(x, y, {.batch_size = 64, .epochs = 4, .seed = 2, .verbose = 0});
+  CHECK(h.history.at("loss").back() < 0.5 * h.history.at("loss").front());
+  CHECK(model.evaluate(x, y, {.batch_size = 256}).at("accuracy") > 0.95);
+  for (const mt::Variable& v : model.weights()) CHECK(v.dtype() == mt::kFloat32);
+
+  // The dtype trace says which products ran in FP8.
+  const mt::DTypeTrace trace = mt::trace_dtypes(model, x.slice(0, 0, 8));
+  REQUIRE(trace.rows.size() == 3);
+  CHECK(trace.rows[0].policy == "mixed_float8");
+  CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2)");
+  CHECK(trace.rows[0].output == mt::kBFloat16);
+  CHECK(trace.rows[2].policy == "float32");
+  CHECK(trace.rows[2].note.empty());
+  CHECK(trace.rows[2].output == mt::kFloat32);
 }

@@ -107,7 +107,7 @@ void add_options(CLI::App& app, Options& o) {
       ->check(one_of("model", {"mlp", "cnn", "resnet", "guide"}));
   app.add_option("--policy", o.policy,
                  "dtype policy: float32 (default), mixed_float16, mixed_bfloat16,\n"
-                 "float16, bfloat16, float64")
+                 "mixed_float8, float16, bfloat16, float64")
       ->type_name("NAME")
       ->check(policy_name());
   app.add_option("--device", o.device,

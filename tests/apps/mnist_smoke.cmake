@@ -148,7 +148,7 @@ run_app(nonzero out ${common} --epochs 1 --model cnn --resume ${WORK_DIR}/half.s
 require("${out}" "half.safetensors")
 run_app(nonzero out ${common} --epochs 1 --metrics-out ${WORK_DIR}/no-such-dir/m.csv)
 require("${out}" "m.csv")
-run_app(nonzero out --policy mixed_float8)
+run_app(nonzero out --policy mixed_float4)
 require("${out}" "mixed_float16")
 
 # --- checked before training ---------------------------------------------------------------------

@@ -155,6 +155,16 @@ struct Float8Quantized {
 };
 Float8Quantized quantize_float8(const Tensor& x, DType dtype);
 
+// x [..., k] times w [k, n] in FP8, as mixed_float8's Dense computes: x and w quantised to
+// float8_e4m3fn with current scaling, scaled_matmul (fast accumulation), out_dtype out
+// [..., n]. Differentiable in x and w: the output gradient is quantised to float8_e5m2 and
+// dx = dy w^T and dw = x^T dy are scaled_matmul calls too (e5m2 x e4m3 and e4m3 x e5m2,
+// accurate accumulation), in x's and w's dtypes, from FP8 transposed copies of the forward's
+// operands (no second quantisation). x and w: float32, bfloat16 or float16 (w is usually a
+// float32 variable: it is quantised from its float32 values). A tape that records the
+// backward pass (second derivatives) gets it from ordinary matmuls in out_dtype.
+Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype = kBFloat16);
+
 // --- Indexing ------------------------------------------------------------------------------
 // Out-of-range indices throw IndexError: at once for indices on the CPU; for indices on
 // a GPU the range is checked there and the error comes from the next read of a device

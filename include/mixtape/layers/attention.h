@@ -109,7 +109,10 @@ class MultiHeadAttentionLayer : public Layer {
   DType scores_dtype() const;
 
  protected:
-  std::string trace_note() const override { return path_; }
+  std::string trace_note() const override {
+    const std::string projections = Layer::trace_note();
+    return projections.empty() ? path_ : path_ + "; projections: " + projections;
+  }
   bool checks_input_count() const override { return true; }
 
  private:

@@ -209,8 +209,9 @@ class Layer : public std::enable_shared_from_this<Layer> {
   virtual DType computation_dtype() const;
   // A note for this call's row of the dtype trace (mixtape/layers/trace.h): how the layer
   // computed, when it has a choice (MultiHeadAttention: the fused op or the composed one, and
-  // why). Empty by default.
-  virtual std::string trace_note() const { return {}; }
+  // why; under mixed_float8, whether the matrix products ran in FP8). By default the
+  // latest policy_matmul's note (empty when the layer made none).
+  virtual std::string trace_note() const { return matmul_note_; }
 
   bool trainable() const { return trainable_; }
   // Freezes or unfreezes every weight of the layer and its sublayers.
@@ -243,6 +244,13 @@ class Layer : public std::enable_shared_from_this<Layer> {
   const std::optional<Shape>& output_shape() const { return output_shape_; }
 
  protected:
+  // x [..., k] times a weight w [k, n] as the layer's policy multiplies: under
+  // mixed_float8 in FP8 (float8_linear, out in the compute dtype) on the CPU (emulated) and
+  // on GPUs of compute capability 8.9 or newer; an older GPU takes the bfloat16 matmul, with
+  // a warning once per process; otherwise matmul(x, w). Dense and MultiHeadAttention's
+  // projections multiply through it; the dtype trace's note says which path ran.
+  Tensor policy_matmul(const Tensor& x, const Tensor& w) const;
+
   // Creates a weight named "<layer>/<name>" in the variable dtype (or options.dtype),
   // initialised by `init`, on the layer's device; a sublayer's weight is named under its
   // owner's name too ("block/dense/kernel").
@@ -297,6 +305,7 @@ class Layer : public std::enable_shared_from_this<Layer> {
   const Layer* owner_ = nullptr;  // the first layer to track this one (models are none)
   std::string given_class_name_;
   Policy policy_;
+  mutable std::string matmul_note_;  // how the latest policy_matmul computed (trace_note)
   bool trainable_ = true;
   bool built_ = false;
   Device device_;

@@ -8,6 +8,8 @@
 //   bfloat16         bfloat16   bfloat16    none
 //   mixed_float16    float16    float32     dynamic
 //   mixed_bfloat16   bfloat16   float32     none
+//   mixed_float8     bfloat16   float32     none       Dense and attention projections:
+//                                                      FP8 matmuls (mixtape/layers/layer.h)
 //
 // A layer reads the global policy when it is constructed; changing the global policy later
 // does not touch existing layers. A layer's `dtype` option (a name or a Policy) overrides
@@ -54,12 +56,16 @@ class Policy {
   DType variable_dtype() const { return variable_; }
   // The loss scale Model.fit applies (std::nullopt: none).
   const std::optional<LossScale>& loss_scale() const { return loss_scale_; }
-  // mixed_float16 / mixed_bfloat16: variables kept wider than the computation.
+  // mixed_float16 / mixed_bfloat16 / mixed_float8: variables kept wider than the computation.
   bool is_mixed() const { return compute_ != variable_; }
+  // mixed_float8: the matrix products of Dense layers and of MultiHeadAttention's projections
+  // run in FP8 (float8_linear: e4m3 inputs and weights, e5m2 gradients, current scaling);
+  // everything else as mixed_bfloat16.
+  bool float8_matmuls() const { return float8_matmuls_; }
 
   // <Policy "mixed_float16", loss_scale=DynamicLossScale(...)>
   std::string str() const;
-  // "float32, float64, float16, bfloat16, mixed_float16, mixed_bfloat16"
+  // "float32, float64, float16, bfloat16, mixed_float16, mixed_bfloat16, mixed_float8"
   static std::string valid_names();
 
   friend bool operator==(const Policy& a, const Policy& b);
@@ -67,6 +73,7 @@ class Policy {
  private:
   std::string name_;
   DType compute_, variable_;
+  bool float8_matmuls_ = false;
   std::optional<LossScale> loss_scale_;
 };
 
