@@ -1,10 +1,9 @@
 // FP8 (OCP E4M3FN and E5M2) conversions, bit-exact and portable (mixtape/core/float8.h).
 //
-// Encoding works on the float's exact value: |f| is divided by the spacing of the FP8
-// numbers at its magnitude (a power of two: exact in double), rounded to an integer with
-// ties to even, and multiplied back; the result is then encoded, or overflows. A rounding
-// that carries into the next binade (0.1111 -> 1.0000) needs no special case: the encoder
-// reads the exponent from the rounded value.
+// Encoding works on the float32's bits: a normal FP8 result rounds the mantissa to 3 (2)
+// bits to nearest even and rebiases the exponent (a carry into the next binade needs no
+// special case), a subnormal one counts the smallest steps. Tests compare every boundary
+// with a reference written from the definition (tests/test_float8.cpp).
 #include "mixtape/core/float8.h"
 
 #include <bit>
@@ -47,31 +46,34 @@ float decode(const Format& f, std::uint8_t b) {
 }
 
 std::uint8_t encode(const Format& f, float x, Saturation s) {
+  const auto u = std::bit_cast<std::uint32_t>(x);
+  const std::uint32_t a = u & 0x7FFFFFFFu;  // |x|
   // Every NaN becomes the one positive NaN pattern 0x7F, as CUDA's conversions write it.
-  if (std::isnan(x)) return f.nan_bits;
-  const std::uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-  const float max = decode(f, f.max_bits);
+  if (a > 0x7F800000u) return f.nan_bits;
+  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
   const auto overflow = [&]() -> std::uint8_t {
     if (s == Saturation::finite) return sign | f.max_bits;
     return sign | (f.ieee ? f.inf_bits : f.nan_bits);
   };
-  const double a = std::fabs(static_cast<double>(x));
-  if (std::isinf(a)) return overflow();
-  if (a == 0.0) return sign;
-  // The spacing of FP8 numbers at a's magnitude: 2^(e - mantissa_bits) for a in [2^e,
-  // 2^(e+1)), never below the subnormals' 2^(1 - bias - mantissa_bits).
-  const int e = std::max(std::ilogb(a), 1 - f.bias);
-  const double spacing = std::ldexp(1.0, e - f.mantissa_bits);
-  const double rounded = std::nearbyint(a / spacing) * spacing;  // ties to even (default mode)
-  if (rounded > static_cast<double>(max)) return overflow();
-  if (rounded == 0.0) return sign;
-  const int re = std::ilogb(rounded);
-  if (re < 1 - f.bias)  // subnormal: exponent field 0
-    return sign |
-           static_cast<std::uint8_t>(rounded / std::ldexp(1.0, 1 - f.bias - f.mantissa_bits));
-  const int mantissa =
-      static_cast<int>(rounded / std::ldexp(1.0, re - f.mantissa_bits)) - (1 << f.mantissa_bits);
-  return sign | static_cast<std::uint8_t>(((re + f.bias) << f.mantissa_bits) | mantissa);
+  if (a == 0x7F800000u) return overflow();
+  const int emin = 1 - f.bias;                    // the smallest normal exponent
+  const int e = static_cast<int>(a >> 23) - 127;  // float32 subnormals: -127
+  if (e < emin) {
+    // An FP8 subnormal (or zero, or the smallest normal): the number of smallest steps,
+    // exact in float32 (a power-of-two scaling up), rounded to the nearest integer, ties to
+    // even, by the float32 addition of 2^23 (steps < 2^M <= 8). The count is the pattern.
+    const float steps = std::bit_cast<float>(a) * std::ldexp(1.0f, f.mantissa_bits - emin);
+    const float r = (steps + 8388608.0f) - 8388608.0f;
+    return sign | static_cast<std::uint8_t>(r);
+  }
+  // A normal FP8 number: the float32's exponent and mantissa, the mantissa rounded to M bits
+  // (to nearest, ties to even; a carry moves into the exponent), the exponent rebiased.
+  const int shift = 23 - f.mantissa_bits;
+  const std::uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
+  const std::uint32_t bits =
+      rounded - (static_cast<std::uint32_t>(127 - f.bias) << f.mantissa_bits);
+  if (bits > f.max_bits) return overflow();  // e4m3fn's 0x7F is NaN, e5m2's 0x7C infinity
+  return sign | static_cast<std::uint8_t>(bits);
 }
 
 // The 256 values of each format, decoded once.
