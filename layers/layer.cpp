@@ -662,6 +662,16 @@ Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w) const {
     matmul_note_ = "bfloat16 matmul (no FP8 on this GPU)";
     return matmul(x, w);
   }
+  // FP8 GEMMs take dimensions that are multiples of 16 (k and n forward; m is the inner
+  // dimension of the weight gradient's product): other shapes stay in bfloat16, on every
+  // device, so that the CPU computes what a GPU would.
+  const std::int64_t k = w.rank() == 2 ? w.dim(0) : 0, n = w.rank() == 2 ? w.dim(1) : 0;
+  const std::int64_t m = k > 0 ? x.numel() / k : 0;
+  if (k % 16 != 0 || n % 16 != 0 || m % 16 != 0 || m == 0) {
+    matmul_note_ =
+        fmt::format("bfloat16 matmul ([{}, {}] x [{}, {}]: FP8 needs multiples of 16)", m, k, k, n);
+    return matmul(x, w);
+  }
   matmul_note_ = "float8 matmul (e4m3, gradients e5m2)";
   return float8_linear(x, w, compute_dtype());
 }

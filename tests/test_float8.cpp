@@ -504,7 +504,7 @@ TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in fl
   for (const mt::Variable& v : model.weights()) CHECK(v.dtype() == mt::kFloat32);
 
   // The dtype trace says which products ran in FP8.
-  const mt::DTypeTrace trace = mt::trace_dtypes(model, x.slice(0, 0, 8));
+  const mt::DTypeTrace trace = mt::trace_dtypes(model, x.slice(0, 0, 16));
   REQUIRE(trace.rows.size() == 3);
   CHECK(trace.rows[0].policy == "mixed_float8");
   CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2)");
@@ -512,4 +512,10 @@ TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in fl
   CHECK(trace.rows[2].policy == "float32");
   CHECK(trace.rows[2].note.empty());
   CHECK(trace.rows[2].output == mt::kFloat32);
+  // Shapes FP8 GEMMs cannot take (a dimension not a multiple of 16) stay in bfloat16.
+  const mt::DTypeTrace odd = mt::trace_dtypes(model, x.slice(0, 0, 12));
+  CHECK(odd.rows[0].note == "bfloat16 matmul ([12, 16] x [16, 64]: FP8 needs multiples of 16)");
+  mt::Sequential narrow({ml::Dense(10)});
+  const mt::DTypeTrace n10 = mt::trace_dtypes(narrow, x.slice(0, 0, 16));
+  CHECK(n10.rows[0].note == "bfloat16 matmul ([16, 16] x [16, 10]: FP8 needs multiples of 16)");
 }
