@@ -378,7 +378,8 @@ Workspace::~Workspace() {
 }  // namespace cuda_backend
 
 namespace cuda {
-// Called once by core (backends/builtin.cpp) before the first backend or kernel look-up.
+// Called once by core (the initializer include/mixtape/backends/cuda.h announces) before the
+// first backend or kernel look-up.
 void register_backend_and_kernels() {
   register_backend(std::make_unique<cuda_backend::CudaBackend>());
   // The kernels register without a GPU too (registering touches no device): supports()

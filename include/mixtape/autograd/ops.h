@@ -44,7 +44,8 @@ Tensor operator-(const Tensor& a);
 
 // --- Unary math ------------------------------------------------------------------------
 // One function per unary elementwise op of the op table (mixtape/core/op_table.h says what
-// each computes): neg, abs, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu (exact), erf.
+// each computes): neg, abs, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu (exact),
+// gelu_tanh (the tanh approximation), erf.
 #define MIXTAPE_DECLARE_UNARY_OP(name, ...) Tensor name(const Tensor& x);
 MIXTAPE_UNARY_OP_TABLE(MIXTAPE_DECLARE_UNARY_OP)
 #undef MIXTAPE_DECLARE_UNARY_OP
