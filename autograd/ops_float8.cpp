@@ -2,13 +2,20 @@
 // building blocks of mixtape/autograd/ops.h.
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "autograd/op_util.h"
 #include "mixtape/core/float8.h"
 
 namespace mixtape {
 
-Tensor scaled_matmul(const Tensor& a_in, const Tensor& b_in, const Tensor& scale_a,
-                     const Tensor& scale_b, ScaledMatmulOptions o) {
+namespace {
+
+// scaled_matmul's checks and call, with or without reading host scales (float8_linear's own
+// scales are not read: a non-finite amax must give NaN, on a CPU as on a GPU, which the loss
+// then shows, not an error inside a layer).
+Tensor scaled_matmul_impl(const Tensor& a_in, const Tensor& b_in, const Tensor& scale_a,
+                          const Tensor& scale_b, ScaledMatmulOptions o, bool check_host_scales) {
   const char* name = op_name(OpId::scaled_matmul);
   detail::check_inputs(name, {a_in, b_in, scale_a, scale_b});
   const auto all = [&] { return detail::describe({a_in, b_in, scale_a, scale_b}); };
@@ -30,6 +37,16 @@ Tensor scaled_matmul(const Tensor& a_in, const Tensor& b_in, const Tensor& scale
     if (s->dtype() != kFloat32 || s->numel() != 1)
       throw ValueError(fmt::format(
           "{}: scale_a and scale_b must be float32 tensors of one element; got {}", name, all()));
+  // A scale on the host is read: zero, negative, infinite or NaN is refused (a device scale
+  // is not read back: its product follows IEEE arithmetic, docs/dtypes.md).
+  for (const Tensor* s : {&scale_a, &scale_b})
+    if (check_host_scales && s->device().is_cpu()) {
+      const float v = *static_cast<const float*>(s->data_ptr());
+      if (!(v > 0.0f) || !std::isfinite(v))
+        throw ValueError(
+            fmt::format("{}: {} is {}; a dequantisation scale must be positive and finite", name,
+                        s == &scale_a ? "scale_a" : "scale_b", v));
+    }
   if (o.out_dtype != kFloat32 && o.out_dtype != kBFloat16 && o.out_dtype != kFloat16)
     throw DTypeError(fmt::format("{}: out_dtype must be float32, bfloat16 or float16; got {}", name,
                                  o.out_dtype));
@@ -52,6 +69,13 @@ Tensor scaled_matmul(const Tensor& a_in, const Tensor& b_in, const Tensor& scale
           .k = k,
           .fast_accumulation = o.fast_accumulation});
   return out;
+}
+
+}  // namespace
+
+Tensor scaled_matmul(const Tensor& a, const Tensor& b_t, const Tensor& scale_a,
+                     const Tensor& scale_b, ScaledMatmulOptions options) {
+  return scaled_matmul_impl(a, b_t, scale_a, scale_b, options, /*check_host_scales=*/true);
 }
 
 Float8Quantized quantize_float8(const Tensor& x, DType dtype) {
@@ -101,8 +125,8 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
     NoGradGuard no_grad;
     qx = quantize_float8(reshape(x, Shape{m, k}), kFloat8E4M3FN);
     qwt = quantize_float8(transpose(w), kFloat8E4M3FN);  // [n, k]
-    y = reshape(scaled_matmul(qx.data, qwt.data, qx.scale, qwt.scale,
-                              {.out_dtype = out_dtype, .fast_accumulation = true}),
+    y = reshape(scaled_matmul_impl(qx.data, qwt.data, qx.scale, qwt.scale,
+                                   {.out_dtype = out_dtype, .fast_accumulation = true}, false),
                 Shape(out_dims));
   }
   if (should_record({x, w}))
@@ -123,12 +147,12 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
           const Float8Quantized qg = quantize_float8(reshape(g, Shape{m, n}), kFloat8E5M2);
           Tensor dx, dw;
           if (needs[0])  // [m, n] x [k, n]^T
-            dx = reshape(scaled_matmul(qg.data, transposed(qwt.data), qg.scale, qwt.scale,
-                                       {.out_dtype = x.dtype()}),
+            dx = reshape(scaled_matmul_impl(qg.data, transposed(qwt.data), qg.scale, qwt.scale,
+                                            {.out_dtype = x.dtype()}, false),
                          x.shape());
           if (needs[1])  // [k, m] x [n, m]^T
-            dw = scaled_matmul(transposed(qx.data), transposed(qg.data), qx.scale, qg.scale,
-                               {.out_dtype = w.dtype()});
+            dw = scaled_matmul_impl(transposed(qx.data), transposed(qg.data), qx.scale, qg.scale,
+                                    {.out_dtype = w.dtype()}, false);
           return detail::Grads{dx, dw};
         });
   return y;

@@ -404,6 +404,12 @@ TEST_CASE("float8: scaled_matmul refuses what it cannot multiply, by name", "[fl
              Contains("must share k") && Contains("float8_e4m3fn[8, 15]"));
   CHECK_THAT(error_of<mt::ValueError>([&] { mt::scaled_matmul(a, b5, mt::ones({2}), one); }),
              Contains("scale_a and scale_b must be float32 tensors of one element"));
+  for (const double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                           std::numeric_limits<double>::quiet_NaN()})
+    CHECK_THAT(error_of<mt::ValueError>(
+                   [&] { mt::scaled_matmul(a, b5, one, mt::full({1}, bad, mt::kFloat32)); }),
+               Contains("scaled_matmul: scale_b is") &&
+                   Contains("a dequantisation scale must be positive and finite"));
   CHECK_THAT(error_of<mt::DTypeError>(
                  [&] { mt::scaled_matmul(a, b5, one, one, {.out_dtype = mt::kFloat64}); }),
              Contains("out_dtype must be float32, bfloat16 or float16"));
