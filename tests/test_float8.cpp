@@ -472,6 +472,13 @@ TEST_CASE("float8: float8_linear is scaled_matmul forward and backward, gradient
   CHECK(rms_error(bits(grads[0]), bits(mt::matmul(dy64, mt::transpose(w64)))) < 0.12);
   CHECK(rms_error(bits(grads[1]), bits(mt::matmul(mt::transpose(x64), dy64))) < 0.12);
 
+  // An infinite input is no error inside the layer: NaN comes out (as on a GPU), which the
+  // loss then shows.
+  std::vector<float> with_inf(32, 1.0f);
+  with_inf[3] = std::numeric_limits<float>::infinity();
+  const mt::Tensor yinf = mt::float8_linear(mt::from_vector(with_inf, {1, 32}), w);
+  CHECK(std::isnan(mt::cast(yinf, mt::kFloat32).to_vector<float>()[0]));
+
   CHECK_THAT(error_of<mt::ShapeError>([&] {
                mt::float8_linear(x, mt::ones({31, 4}));
              }),
