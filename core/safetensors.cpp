@@ -254,9 +254,10 @@ class HeaderHandler final : public nlohmann::json_sax<nlohmann::json> {
     } else if (expect_ == Expect::kDtype) {
       const auto dtype = dtype_of_code(value);
       if (!dtype)
-        corrupt(path_, fmt::format("{} has the unknown dtype {} (mixtape reads F64, F32, F16, BF16, "
-                                   "F8_E4M3, F8_E5M2, I64, I32, U8 and BOOL) at byte {} of the header",
-                                   who_, quote_name(value), start_));
+        corrupt(path_,
+                fmt::format("{} has the unknown dtype {} (mixtape reads F64, F32, F16, BF16, "
+                            "F8_E4M3, F8_E5M2, I64, I32, U8 and BOOL) at byte {} of the header",
+                            who_, quote_name(value), start_));
       tensor_.dtype = *dtype;
       once();
       expect_ = Expect::kTensorKey;

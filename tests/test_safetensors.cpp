@@ -133,12 +133,12 @@ TEST_CASE("safetensors: every dtype round-trips bit-exactly, aligned and sorted"
   // The safetensors library's order: decreasing alignment, then name.
   std::vector<std::string> order;
   for (const auto& [name, t] : f.tensors) order.push_back(name);
-  CHECK(order == std::vector<std::string>{"t_int64", "u_int64", "t_float64", "u_float64",
-                                          "t_float32", "u_float32", "t_int32", "u_int32",
-                                          "t_bfloat16", "u_bfloat16", "t_float16", "u_float16",
-                                          "t_float8_e4m3fn", "u_float8_e4m3fn", "t_float8_e5m2",
-                                          "u_float8_e5m2", "t_uint8", "u_uint8", "t_bool",
-                                          "u_bool"});
+  CHECK(order == std::vector<std::string>{
+                     "t_int64",         "u_int64",         "t_float64",     "u_float64",
+                     "t_float32",       "u_float32",       "t_int32",       "u_int32",
+                     "t_bfloat16",      "u_bfloat16",      "t_float16",     "u_float16",
+                     "t_float8_e4m3fn", "u_float8_e4m3fn", "t_float8_e5m2", "u_float8_e5m2",
+                     "t_uint8",         "u_uint8",         "t_bool",        "u_bool"});
   // The data of every tensor starts at a multiple of its element size in the file.
   const std::string bytes = read_file(path);
   std::uint64_t n = 0;

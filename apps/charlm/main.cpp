@@ -681,7 +681,8 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--context", o.context, "context length (bytes)")->check(CLI::Range(1, 8192));
   app.add_option("--batch", o.batch, "windows per step")->check(CLI::Range(1, 65536));
   app.add_option("--steps", o.steps, "training steps")->check(CLI::Range(1, 100000000));
-  app.add_option("--policy", o.policy, "dtype policy: float32, mixed_bfloat16, mixed_float16, mixed_float8, ...")
+  app.add_option("--policy", o.policy,
+                 "dtype policy: float32, mixed_bfloat16, mixed_float16, mixed_float8, ...")
       ->check([](const std::string& v) -> std::string {
         try {
           mt::Policy check(v);

@@ -248,8 +248,9 @@ class Layer : public std::enable_shared_from_this<Layer> {
   // mixed_float8 in FP8 (float8_linear, out in the compute dtype) on the CPU (emulated) and
   // on GPUs of compute capability 8.9 or newer, when the product's dimensions are multiples
   // of 16 (what FP8 GEMMs take; other shapes stay in bfloat16 everywhere); an older GPU
-  // takes the bfloat16 matmul, with a warning once per process; otherwise matmul(x, w). Dense and MultiHeadAttention's
-  // projections multiply through it; the dtype trace's note says which path ran.
+  // takes the bfloat16 matmul, with a warning once per process; otherwise matmul(x, w). Dense and
+  // MultiHeadAttention's projections multiply through it; the dtype trace's note says which path
+  // ran.
   Tensor policy_matmul(const Tensor& x, const Tensor& w) const;
 
   // Creates a weight named "<layer>/<name>" in the variable dtype (or options.dtype),
