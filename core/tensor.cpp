@@ -3,8 +3,6 @@
 #include "mixtape/core/tensor.h"
 
 #include <atomic>
-#include <bit>
-#include <cmath>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -216,17 +214,6 @@ void fill_raw(const Tensor& t, double value) {
     find_kernel<kernels::FillFn>(OpId::fill, t.device().type(), t.dtype())(t, value);
 }
 
-namespace {
-// v as a float32 rounded to odd (truncated, the last bit set when inexact): its rounding to
-// float8 is then the correct rounding of v itself.
-float float_rounded_to_odd(double v) {
-  float f = static_cast<float>(v);
-  if (std::isnan(v) || static_cast<double>(f) == v) return f;
-  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
-  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) | 1u);
-}
-}  // namespace
-
 double read_as_double(const void* p, DType dtype) {
   switch (dtype.code()) {
     case DType::Float32:
@@ -280,10 +267,10 @@ void write_from_double(void* p, DType dtype, double v) {
       *static_cast<std::uint8_t*>(p) = v != 0.0 ? 1 : 0;
       break;
     case DType::Float8E4M3FN:
-      *static_cast<float8_e4m3fn*>(p) = float8_e4m3fn(float_rounded_to_odd(v));
+      *static_cast<float8_e4m3fn*>(p) = float8_e4m3fn(round_to_odd_float(v));
       break;
     case DType::Float8E5M2:
-      *static_cast<float8_e5m2*>(p) = float8_e5m2(float_rounded_to_odd(v));
+      *static_cast<float8_e5m2*>(p) = float8_e5m2(round_to_odd_float(v));
       break;
   }
 }

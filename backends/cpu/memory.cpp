@@ -43,15 +43,8 @@ constexpr bool is_float(DType::Code c) {
 
 // --- Scalar conversions ------------------------------------------------------------
 
-// double -> float rounded to odd: exact values stay, inexact ones are truncated toward
-// zero and get their last mantissa bit set (the sticky bit for a later rounding).
-float round_to_odd(double v) {
-  float f = static_cast<float>(v);
-  if (std::isnan(v) || static_cast<double>(f) == v) return f;
-  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
-  auto bits = std::bit_cast<std::uint32_t>(f) | 1u;
-  return std::bit_cast<float>(bits);
-}
+// double -> float rounded to odd (core's, mixtape/core/half.h).
+float round_to_odd(double v) { return detail::round_to_odd_float(v); }
 
 // int64 -> float rounded to odd, through a double rounded to odd (53 > 24 + 1 bits,
 // so the two odd roundings compose).

@@ -61,17 +61,8 @@ void copy_host(const Tensor& src, const Tensor& dst) {
 
 // --- fill ------------------------------------------------------------------------------
 
-// double -> float rounded to odd, on the host (as the CPU backend's round_to_odd).
-float host_round_to_odd(double v) {
-  float f = static_cast<float>(v);
-  if (std::isnan(v) || static_cast<double>(f) == v) return f;
-  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
-  std::uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bits |= 1u;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+// double -> float rounded to odd, on the host (core's, mixtape/core/half.h).
+float host_round_to_odd(double v) { return detail::round_to_odd_float(v); }
 
 // The bits of `value` converted to dtype dt, exactly as the CPU backend's fill converts it.
 std::uint64_t fill_bits(double value, DType dt) {

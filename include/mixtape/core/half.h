@@ -18,6 +18,11 @@ namespace detail {
 std::uint16_t float_to_half_bits(float f);
 float half_bits_to_float(std::uint16_t h);
 std::uint16_t float_to_bfloat16_bits(float f);
+// v as a float32 rounded to odd: exact values stay, inexact ones are truncated toward zero
+// and get their last mantissa bit set, so that a later rounding to 16 or 8 bits (half,
+// bfloat16, float8) is the correct rounding of v itself. NaN stays NaN; beyond the float32
+// range, +-FLT_MAX (which still rounds to infinity or saturates there).
+float round_to_odd_float(double v);
 inline float bfloat16_bits_to_float(std::uint16_t b) {
   std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
   float f;
