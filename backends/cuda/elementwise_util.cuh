@@ -94,6 +94,25 @@ __device__ __forceinline__ float round_to_odd_i64(long long v) {
   return f;
 }
 
+// A source value (not a float8) as the float32 whose rounding to 16 or 8 bits is the correct
+// rounding of the value: exact from the 16-bit floats, float32, uint8 and bool; rounded to
+// odd from float64 and the wider integers.
+template <typename S>
+__device__ __forceinline__ float float_for_narrowing(S v) {
+  if constexpr (kHalfLike<S>)
+    return load(v);  // exact
+  else if constexpr (std::is_same_v<S, float>)
+    return v;
+  else if constexpr (std::is_same_v<S, double>)
+    return round_to_odd(v);
+  else if constexpr (std::is_same_v<S, std::int32_t>)
+    return round_to_odd(static_cast<double>(v));  // int32 -> double is exact
+  else if constexpr (std::is_same_v<S, std::int64_t>)
+    return round_to_odd_i64(static_cast<long long>(v));
+  else
+    return static_cast<float>(v);  // uint8 / bool: exact
+}
+
 // A value of source type S (a device storage type) converted to destination type D exactly
 // as the CPU backend's cast does: to bool (x != 0); to 16-bit floats correctly rounded
 // (nearest even, wider sources through a float rounded to odd); floating -> integer by
@@ -107,20 +126,7 @@ __device__ __forceinline__ D convert_elem(S v) {
     else
       return static_cast<D>(v != S(0) ? 1 : 0);
   } else if constexpr (std::is_same_v<D, __half> || std::is_same_v<D, __nv_bfloat16>) {
-    float f;
-    if constexpr (kHalfLike<S>)
-      f = load(v);  // exact
-    else if constexpr (std::is_same_v<S, float>)
-      f = v;
-    else if constexpr (std::is_same_v<S, double>)
-      f = round_to_odd(v);
-    else if constexpr (std::is_same_v<S, std::int32_t>)
-      f = round_to_odd(static_cast<double>(v));  // int32 -> double is exact
-    else if constexpr (std::is_same_v<S, std::int64_t>)
-      f = round_to_odd_i64(static_cast<long long>(v));
-    else
-      f = static_cast<float>(v);  // uint8 / bool: exact
-    return store<D>(f);
+    return store<D>(float_for_narrowing(v));
   } else if constexpr (std::is_same_v<D, float> || std::is_same_v<D, double>) {
     if constexpr (kHalfLike<S>)
       return static_cast<D>(load(v));
@@ -157,18 +163,8 @@ __device__ __forceinline__ D convert_float8(S v) {
   float f;
   if constexpr (kFloat8<S>)
     f = float8_to_float(v);
-  else if constexpr (kHalfLike<S>)
-    f = load(v);
-  else if constexpr (std::is_same_v<S, float>)
-    f = v;
-  else if constexpr (std::is_same_v<S, double>)
-    f = round_to_odd(v);
-  else if constexpr (std::is_same_v<S, std::int32_t>)
-    f = round_to_odd(static_cast<double>(v));
-  else if constexpr (std::is_same_v<S, std::int64_t>)
-    f = round_to_odd_i64(static_cast<long long>(v));
   else
-    f = static_cast<float>(v);  // uint8 / bool: exact
+    f = float_for_narrowing(v);
   if constexpr (kFloat8<D>) {
     constexpr __nv_fp8_interpretation_t kind =
         std::is_same_v<D, __nv_fp8_e4m3> ? __NV_E4M3 : __NV_E5M2;
