@@ -637,21 +637,30 @@ void WeightBudget::take(const Shape& shape, DType dtype, const std::string& what
 namespace {
 
 // Whether `device` multiplies FP8 operands: the CPU (emulated) and CUDA devices of compute
-// capability 8.9 or newer. An older GPU is told once per process.
+// capability 8.9 or newer, asked once per device (a Dense call must not query the driver).
+// An older GPU is told once per process.
 bool float8_capable(Device device) {
   if (device.is_cpu()) return true;
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, bool> known;  // (device type, index) -> capable
+  std::lock_guard<std::mutex> lock(mutex);
+  const std::pair<int, int> key{static_cast<int>(device.type()), device.index()};
+  if (const auto it = known.find(key); it != known.end()) return it->second;
   const DeviceProperties p = backend_for(device.type()).properties(device.index());
-  if (p.compute_major > 8 || (p.compute_major == 8 && p.compute_minor >= 9)) return true;
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    spdlog::warn(
-        "Mixed precision compatibility check (mixed_float8): your GPU {} ({}, compute "
-        "capability {}.{}) has no FP8 tensor cores (compute capability 8.9 or newer): its "
-        "Dense and attention projections compute in bfloat16 instead. This message is logged "
-        "once.",
-        device.str(), p.name, p.compute_major, p.compute_minor);
-  });
-  return false;
+  const bool capable = p.compute_major > 8 || (p.compute_major == 8 && p.compute_minor >= 9);
+  if (!capable) {
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      spdlog::warn(
+          "Mixed precision compatibility check (mixed_float8): your GPU {} ({}, compute "
+          "capability {}.{}) has no FP8 tensor cores (compute capability 8.9 or newer): its "
+          "Dense and attention projections compute in bfloat16 instead. This message is "
+          "logged once.",
+          device.str(), p.name, p.compute_major, p.compute_minor);
+    });
+  }
+  known[key] = capable;
+  return capable;
 }
 
 }  // namespace
