@@ -5,9 +5,9 @@
 #include <string>
 
 #include "mixtape/layers/config.h"
-#include "mixtape/layers/conv_layers.h"
 #include "mixtape/layers/initializers.h"
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/size2.h"
 
 namespace mixtape::layers::detail {
 

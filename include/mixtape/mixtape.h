@@ -41,6 +41,7 @@
 #include "mixtape/layers/metrics.h"
 #include "mixtape/layers/model.h"
 #include "mixtape/layers/normalization.h"
+#include "mixtape/layers/size2.h"
 #include "mixtape/layers/trace.h"
 #include "mixtape/optim/chain.h"
 #include "mixtape/optim/distributed_optimizer.h"

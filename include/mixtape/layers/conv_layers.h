@@ -11,17 +11,9 @@
 #include "mixtape/layers/activations.h"
 #include "mixtape/layers/initializers.h"
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/size2.h"
 
 namespace mixtape::layers {
-
-// A pair of extents (height, width); one number means both: {3, 3}, {2, 1} or 3.
-struct Size2 {
-  std::int64_t h = 1, w = 1;
-  Size2() = default;
-  Size2(std::int64_t s) : h(s), w(s) {}  // NOLINT(google-explicit-constructor)
-  Size2(std::int64_t height, std::int64_t width) : h(height), w(width) {}
-  std::array<std::int64_t, 2> array() const { return {h, w}; }
-};
 
 struct Conv2DOptions {
   Size2 strides = 1;
