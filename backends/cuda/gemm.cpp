@@ -177,6 +177,7 @@ struct LtPlan {
   cublasLtMatmulAlgo_t algo{};
   std::size_t workspace = 0;
   bool supported = false;  // false: no algorithm; the sequential kernel runs the problem
+  std::string why;         // when not supported: cuBLASLt's status, or "no algorithm"
 
   LtPlan() = default;
   LtPlan(const LtPlan&) = delete;
@@ -218,6 +219,44 @@ void set_layout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int64_t row
   }
 }
 
+// A matmul preference limited to kMaxWorkspace bytes of workspace, destroyed with it.
+struct Preference {
+  cublasLtMatmulPreference_t p = nullptr;
+  Preference() {
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p));
+    const std::uint64_t max_workspace = kMaxWorkspace;
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace)));
+  }
+  ~Preference() { cublasLtMatmulPreferenceDestroy(p); }
+  Preference(const Preference&) = delete;
+  Preference& operator=(const Preference&) = delete;
+  template <typename T>
+  void set(cublasLtMatmulPreferenceAttributes_t attribute, const T& value) {
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attribute, &value, sizeof(value)));
+  }
+};
+
+// Asks the heuristic for the plan's first algorithm (C and D share the plan's c layout):
+// supported, or not with the reason in plan.why; another failure throws.
+void choose_algorithm(cublasLtHandle_t handle, LtPlan& plan, const Preference& pref) {
+  cublasLtMatmulHeuristicResult_t result{};
+  int returned = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref.p, 1, &result, &returned);
+  if (status == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+    plan.algo = result.algo;
+    plan.workspace = result.workspaceSize;
+    plan.supported = true;
+  } else if (status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    plan.why = status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status)
+               : returned > 0                  ? cublasLtGetStatusName(result.state)
+                                               : "no algorithm";
+  } else {
+    throw_cublas_error(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+  }
+}
+
 // Builds the descriptors of problem s (batch <= kMaxBatchPerCall) and asks the heuristic for
 // an algorithm that works with the given alignments.
 std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTypes& types,
@@ -237,53 +276,26 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
   set_layout(&plan->b, types.data, s.ta ? s.m : s.k, s.ta ? s.k : s.m, s.lda, s.batch, s.sa);
   set_layout(&plan->c, types.data, s.n, s.m, s.ldc, s.batch, s.sc);
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  struct PrefGuard {
-    cublasLtMatmulPreference_t p;
-    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
-  } pref_guard{pref};
-  const std::uint64_t max_workspace = kMaxWorkspace;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace)));
+  Preference pref;
   // cuBLASLt's A is our B, its B our A; C and D are our C.
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_b, sizeof(align_b)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_a, sizeof(align_a)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b);
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a);
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c);
   // Split-K partial sums are added in the compute type (float32 for 16-bit operands),
   // never in place in the output or in the output type: each result is rounded once, as
   // kernels.h promises and the CPU does, whichever algorithm the heuristic picks.
   const std::uint32_t reduction =
       CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof(reduction)));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int returned = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &returned);
-  if (status == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
-    plan->algo = result.algo;
-    plan->workspace = result.workspaceSize;
-    plan->supported = true;
-  } else if (status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED) {
+  pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
+  choose_algorithm(handle, *plan, pref);
+  if (!plan->supported)
     spdlog::warn(
         "mixtape: cuBLASLt has no algorithm for a {} matmul (batch {}, m {}, n {}, k {}, "
         "trans {}{}, ld {}/{}/{}, strides {}/{}/{}, alignment {}/{}/{}): {}; using the "
         "sequential CUDA kernel",
         dt.name(), s.batch, s.m, s.n, s.k, s.ta ? 'T' : 'N', s.tb ? 'T' : 'N', s.lda, s.ldb, s.ldc,
-        s.sa, s.sb, s.sc, align_a, align_b, align_c,
-        status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status)
-        : returned > 0                  ? cublasLtGetStatusName(result.state)
-                                        : "no result");
-  } else {
-    throw_cublas_error(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
-  }
+        s.sa, s.sb, s.sc, align_a, align_b, align_c, plan->why);
   return plan;
 }
 
@@ -374,28 +386,8 @@ cudaDataType_t out_type(DType dt) {
   return dt == kFloat32 ? CUDA_R_32F : dt == kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
-struct Fp8Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  std::size_t workspace = 0;
-  bool supported = false;
-  std::string why;  // when not supported
-
-  Fp8Plan() = default;
-  Fp8Plan(const Fp8Plan&) = delete;
-  Fp8Plan& operator=(const Fp8Plan&) = delete;
-  ~Fp8Plan() {
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
-std::unique_ptr<Fp8Plan> make_fp8_plan(cublasLtHandle_t handle,
-                                       const kernels::ScaledMatmulArgs& g) {
-  auto plan = std::make_unique<Fp8Plan>();
+std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::ScaledMatmulArgs& g) {
+  auto plan = std::make_unique<LtPlan>();
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const std::int32_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
   MIXTAPE_CUBLAS_CHECK(
@@ -407,34 +399,10 @@ std::unique_ptr<Fp8Plan> make_fp8_plan(cublasLtHandle_t handle,
                                                       &fast, sizeof(fast)));
   set_layout(&plan->a, float8_type(g.b_t.dtype()), g.k, g.n, g.k, 1, 0);
   set_layout(&plan->b, float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
-  set_layout(&plan->d, out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
-
-  cublasLtMatmulPreference_t pref = nullptr;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  struct PrefGuard {
-    cublasLtMatmulPreference_t p;
-    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
-  } pref_guard{pref};
-  const std::uint64_t max_workspace = kMaxWorkspace;
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace)));
-  cublasLtMatmulHeuristicResult_t result{};
-  int returned = 0;
-  // The scale pointers are part of the descriptor only at the call; the heuristic needs
-  // the types, the layouts and the options.
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &returned);
-  if (status == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
-    plan->algo = result.algo;
-    plan->workspace = result.workspaceSize;
-    plan->supported = true;
-  } else if (status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED) {
-    plan->why = status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status)
-                : returned > 0                  ? cublasLtGetStatusName(result.state)
-                                                : "no algorithm";
-  } else {
-    throw_cublas_error(status, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
-  }
+  set_layout(&plan->c, out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
+  // The scale pointers are set at each call; the heuristic needs the types, the layouts and
+  // the options.
+  choose_algorithm(handle, *plan, Preference());
   return plan;
 }
 
@@ -448,14 +416,14 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   const cudaStream_t st = stream(device);
   const cublasLtHandle_t handle = lt_handle(device);
   static auto* plans =
-      new std::unordered_map<PlanKey, std::unique_ptr<Fp8Plan>, PlanKeyHash>();  // never destroyed
+      new std::unordered_map<PlanKey, std::unique_ptr<LtPlan>, PlanKeyHash>();  // never destroyed
   PlanKey key;
   key.v = {device, g.a.dtype().index(), g.b_t.dtype().index(), g.out.dtype().index(), g.m, g.n,
            g.k,    g.fast_accumulation};
   std::lock_guard<std::mutex> lock(g_fp8_mutex);
   auto it = plans->find(key);
   if (it == plans->end()) it = plans->emplace(key, make_fp8_plan(handle, g)).first;
-  Fp8Plan& plan = *it->second;
+  LtPlan& plan = *it->second;
   if (!plan.supported)
     throw DeviceError(fmt::format(
         "scaled_matmul: cuBLASLt has no FP8 GEMM for {}[{}, {}] x {}[{}, {}] -> {} on cuda:{} "
@@ -471,7 +439,7 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   Workspace workspace(plan.workspace, device);
   void* out = g.out.data_ptr();
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, g.b_t.data_ptr(), plan.a,
-                                      g.a.data_ptr(), plan.b, &zero, out, plan.d, out, plan.d,
+                                      g.a.data_ptr(), plan.b, &zero, out, plan.c, out, plan.c,
                                       &plan.algo, workspace.data(), plan.workspace, st));
 }
 
