@@ -95,9 +95,11 @@ const Table& e5m2_table() {
 
 }  // namespace
 
-std::uint8_t float_to_e4m3fn_bits(float f, Saturation s) { return encode(kE4M3FN, f, s); }
-std::uint8_t float_to_e5m2_bits(float f, Saturation s) { return encode(kE5M2, f, s); }
-float e4m3fn_bits_to_float(std::uint8_t b) { return e4m3fn_table().value[b]; }
-float e5m2_bits_to_float(std::uint8_t b) { return e5m2_table().value[b]; }
+std::uint8_t float_to_float8_bits(Float8Format format, float f, Saturation s) {
+  return encode(format == Float8Format::e4m3fn ? kE4M3FN : kE5M2, f, s);
+}
+float float8_bits_to_float(Float8Format format, std::uint8_t b) {
+  return (format == Float8Format::e4m3fn ? e4m3fn_table() : e5m2_table()).value[b];
+}
 
 }  // namespace mixtape::detail

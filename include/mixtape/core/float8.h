@@ -23,43 +23,35 @@ namespace mixtape {
 
 enum class Saturation : std::uint8_t { finite, none };
 
+// The two formats.
+enum class Float8Format : std::uint8_t { e4m3fn, e5m2 };
+
 namespace detail {
-std::uint8_t float_to_e4m3fn_bits(float f, Saturation s);
-std::uint8_t float_to_e5m2_bits(float f, Saturation s);
-float e4m3fn_bits_to_float(std::uint8_t b);
-float e5m2_bits_to_float(std::uint8_t b);
+std::uint8_t float_to_float8_bits(Float8Format format, float f, Saturation s);
+float float8_bits_to_float(Float8Format format, std::uint8_t b);
 }  // namespace detail
 
-struct float8_e4m3fn {
+// One byte of a float8 format: float8_e4m3fn and float8_e5m2 below.
+template <Float8Format F>
+struct float8 {
   std::uint8_t bits = 0;
 
-  float8_e4m3fn() = default;
-  // Saturating (see above); float8_e4m3fn(f, Saturation::none) overflows to NaN.
-  float8_e4m3fn(float f, Saturation s = Saturation::finite)  // NOLINT(google-explicit-constructor)
-      : bits(detail::float_to_e4m3fn_bits(f, s)) {}
-  static float8_e4m3fn from_bits(std::uint8_t b) {
-    float8_e4m3fn v;
+  float8() = default;
+  // Saturating (see above); float8(f, Saturation::none) overflows (NaN for e4m3fn, infinity
+  // for e5m2).
+  float8(float f, Saturation s = Saturation::finite)  // NOLINT(google-explicit-constructor)
+      : bits(detail::float_to_float8_bits(F, f, s)) {}
+  static float8 from_bits(std::uint8_t b) {
+    float8 v;
     v.bits = b;
     return v;
   }
-  operator float() const { return detail::e4m3fn_bits_to_float(bits); }  // NOLINT
-  static constexpr float max() { return 448.0f; }
+  operator float() const { return detail::float8_bits_to_float(F, bits); }  // NOLINT
+  // The largest finite value.
+  static constexpr float max() { return F == Float8Format::e4m3fn ? 448.0f : 57344.0f; }
 };
 
-struct float8_e5m2 {
-  std::uint8_t bits = 0;
-
-  float8_e5m2() = default;
-  // Saturating (see above); float8_e5m2(f, Saturation::none) overflows to infinity.
-  float8_e5m2(float f, Saturation s = Saturation::finite)  // NOLINT(google-explicit-constructor)
-      : bits(detail::float_to_e5m2_bits(f, s)) {}
-  static float8_e5m2 from_bits(std::uint8_t b) {
-    float8_e5m2 v;
-    v.bits = b;
-    return v;
-  }
-  operator float() const { return detail::e5m2_bits_to_float(bits); }  // NOLINT
-  static constexpr float max() { return 57344.0f; }
-};
+using float8_e4m3fn = float8<Float8Format::e4m3fn>;
+using float8_e5m2 = float8<Float8Format::e5m2>;
 
 }  // namespace mixtape
