@@ -1,14 +1,12 @@
-// safetensors files: the writer (header JSON in the safetensors library's layout, atomic
-// write through a temporary file, fsync and rename) and the reader (the header parsed by
+// safetensors files: the writer (header JSON in the safetensors library's layout, written
+// atomically by core/atomic_file.cpp) and the reader (the header parsed by
 // nlohmann-json's SAX parser and held to the format's shape, then checks of every tensor's
 // dtype, shape and offsets before any data is read). See include/mixtape/core/safetensors.h
 // and docs/checkpoints.md.
 #include "mixtape/core/safetensors.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <spdlog/spdlog.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -27,7 +25,9 @@
 #include <string_view>
 #include <system_error>
 
+#include "core/fd.h"
 #include "core/raw.h"
+#include "mixtape/core/atomic_file.h"
 
 namespace mixtape {
 namespace {
@@ -663,27 +663,6 @@ constexpr bool kBigEndian = std::endian::native == std::endian::big;
 
 // --- File I/O -----------------------------------------------------------------------------
 
-// An open file descriptor, closed on destruction.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  // Closes now; returns 0 or the errno of a failed close.
-  int close() {
-    const int fd = fd_;
-    fd_ = -1;
-    return ::close(fd) == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_;
-};
-
 // Reads exactly `n` bytes at `offset`; returns 0, -1 at an early end of file, or an errno.
 int read_at(int fd, void* buf, std::size_t n, std::uint64_t offset) {
   auto* p = static_cast<char*>(buf);
@@ -700,113 +679,6 @@ int read_at(int fd, void* buf, std::size_t n, std::uint64_t offset) {
     offset += static_cast<std::uint64_t>(got);
   }
   return 0;
-}
-
-// Writes to a file descriptor through a buffer; large blocks go straight through.
-class Writer {
- public:
-  Writer(int fd, const std::string& path) : fd_(fd), path_(path) { buf_.reserve(kBuffer); }
-
-  void write(const void* data, std::size_t n) {
-    if (buf_.size() + n <= kBuffer) {
-      const auto* p = static_cast<const char*>(data);
-      buf_.insert(buf_.end(), p, p + n);
-      return;
-    }
-    flush();
-    if (n <= kBuffer / 2) {
-      const auto* p = static_cast<const char*>(data);
-      buf_.insert(buf_.end(), p, p + n);
-    } else {
-      write_all(data, n);
-    }
-  }
-  void flush() {
-    write_all(buf_.data(), buf_.size());
-    buf_.clear();
-  }
-
- private:
-  static constexpr std::size_t kBuffer = std::size_t{1} << 20;
-
-  void write_all(const void* data, std::size_t n) {
-    const auto* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const std::size_t chunk = std::min<std::size_t>(n, std::size_t{1} << 30);
-      const ssize_t put = ::write(fd_, p, chunk);
-      if (put < 0) {
-        if (errno == EINTR) continue;
-        const int err = errno;
-        throw IOError(fmt::format("safetensors: cannot write '{}': {}", path_, system_reason(err)));
-      }
-      p += put;
-      n -= static_cast<std::size_t>(put);
-    }
-  }
-
-  int fd_;
-  const std::string& path_;
-  std::vector<char> buf_;
-};
-
-// The temporary file of an atomic save: removed unless committed.
-class TempFile {
- public:
-  explicit TempFile(std::string path) : path_(std::move(path)) {}
-  ~TempFile() {
-    if (!committed_) ::unlink(path_.c_str());
-  }
-  TempFile(const TempFile&) = delete;
-  TempFile& operator=(const TempFile&) = delete;
-  void commit() { committed_ = true; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  bool committed_ = false;
-};
-
-// Best effort: removes the temporaries that earlier saves of `path` left behind when their
-// process died (killed or crashed mid-save): files named `<name of path>.tmp-<pid>` in
-// path's directory whose process is gone. A temporary stays when its process exists (it
-// may be saving right now), when it is our own, and when another process holds its lock
-// (a save on another machine sharing the directory: the PID means nothing here). Errors
-// are ignored: the save itself does not depend on this.
-void remove_stale_temporaries(const std::string& path) {
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  const std::string prefix = target.filename().string() + ".tmp-";
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::error_code ec;
-  fs::directory_iterator it(dir, ec);
-  if (ec) return;
-  for (; it != fs::directory_iterator(); it.increment(ec)) {
-    if (ec) return;
-    const std::string name = it->path().filename().string();
-    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
-    const std::string_view digits = std::string_view(name).substr(prefix.size());
-    long pid = 0;
-    const auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
-    if (err != std::errc() || end != digits.data() + digits.size() || pid <= 0 ||
-        pid > std::numeric_limits<pid_t>::max() || digits.front() == '0')
-      continue;
-    if (static_cast<pid_t>(pid) == ::getpid()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive
-    Fd fd(::open(it->path().c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-    if (fd.get() < 0) continue;
-    if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) continue;  // in use
-    if (::unlink(it->path().c_str()) == 0)
-      spdlog::info("safetensors: removed '{}', left by process {} that died while saving '{}'",
-                   it->path().string(), pid, path);
-  }
-}
-
-// Best effort: makes a rename in `dir` durable (some file systems cannot fsync a directory).
-void sync_directory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
 }
 
 }  // namespace
@@ -889,50 +761,23 @@ void save_safetensors(const std::string& path,
     length[static_cast<std::size_t>(i)] =
         static_cast<std::uint8_t>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
 
-  remove_stale_temporaries(path);
-  TempFile tmp(fmt::format("{}.tmp-{}", path, static_cast<long>(::getpid())));
-  Fd fd(::open(tmp.path().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
-  if (fd.get() < 0) {
-    const int err = errno;
-    throw IOError(fmt::format("safetensors: cannot write '{}': cannot create '{}': {}", path,
-                              tmp.path(), system_reason(err)));
-  }
-  // Held while writing (released when the process dies), so that the cleanup of another
-  // process never removes a temporary that is being written.
-  (void)::flock(fd.get(), LOCK_EX | LOCK_NB);
-  Writer out(fd.get(), tmp.path());
-  out.write(length.data(), length.size());
-  out.write(header.data(), header.size());
-  for (std::size_t i : order) {
-    const Tensor& t = tensors[i].second;
-    if (t.numel() == 0) continue;
-    const Tensor host = detail::to_device_raw(t, Device::cpu());  // contiguous, on the host
-    if constexpr (kBigEndian) {
-      std::vector<std::uint8_t> bytes(host.nbytes());
-      std::memcpy(bytes.data(), host.data_ptr(), bytes.size());
-      swap_elements(bytes.data(), bytes.size(), t.dtype().itemsize());
-      out.write(bytes.data(), bytes.size());
-    } else {
-      out.write(host.data_ptr(), host.nbytes());
+  detail::write_file_atomically(path, "safetensors", [&](detail::FileSink& out) {
+    out.write(length.data(), length.size());
+    out.write(header.data(), header.size());
+    for (std::size_t i : order) {
+      const Tensor& t = tensors[i].second;
+      if (t.numel() == 0) continue;
+      const Tensor host = detail::to_device_raw(t, Device::cpu());  // contiguous, on the host
+      if constexpr (kBigEndian) {
+        std::vector<std::uint8_t> bytes(host.nbytes());
+        std::memcpy(bytes.data(), host.data_ptr(), bytes.size());
+        swap_elements(bytes.data(), bytes.size(), t.dtype().itemsize());
+        out.write(bytes.data(), bytes.size());
+      } else {
+        out.write(host.data_ptr(), host.nbytes());
+      }
     }
-  }
-  out.flush();
-  if (::fsync(fd.get()) != 0) {
-    const int err = errno;
-    throw IOError(fmt::format("safetensors: cannot write '{}': fsync of '{}' failed: {}", path,
-                              tmp.path(), system_reason(err)));
-  }
-  if (const int err = fd.close())
-    throw IOError(fmt::format("safetensors: cannot write '{}': closing '{}' failed: {}", path,
-                              tmp.path(), system_reason(err)));
-  if (::rename(tmp.path().c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    throw IOError(fmt::format("safetensors: cannot write '{}': renaming '{}' over it failed: {}",
-                              path, tmp.path(), system_reason(err)));
-  }
-  tmp.commit();
-  std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  sync_directory(dir.empty() ? std::string(".") : dir.string());
+  });
 }
 
 // --- Loading --------------------------------------------------------------------------------
@@ -962,7 +807,7 @@ static const char* kind_of(mode_t mode) {
 SafetensorsFile load_safetensors(const std::string& path) {
   // O_NONBLOCK: opening a FIFO without a writer would wait for one forever; it is refused
   // below like any file that is not a regular one (reads of a regular file never block).
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  detail::Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   if (fd.get() < 0) {
     const int err = errno;
     throw IOError(fmt::format("safetensors: cannot read '{}': {}", path, system_reason(err)));
