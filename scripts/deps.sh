@@ -26,6 +26,10 @@ packages=(
   libbenchmark-dev
   libopenmpi-dev  # Open MPI: data-parallel training across processes (mixtape/distributed)
   openmpi-bin    # mpirun, for the distributed tests and multi-process training
+  libonnx-dev    # ONNX export: ONNX's protobuf messages, checker and operator schemas
+  libprotobuf-dev  # protobuf, which ONNX's messages are built on
+  python3-onnx   # tests: ONNX's Python checker and shape inference read the exported files
+  python3-opencv  # tests: OpenCV's DNN module runs the exported models
 )
 # Extra packages a caller needs.
 packages+=("$@")

@@ -40,6 +40,7 @@
 
 #include "common/cli.h"
 #include "common/device.h"
+#include "common/files.h"
 #include "common/ranks.h"
 
 namespace mt = mixtape;
@@ -79,7 +80,7 @@ struct Options {
   std::int64_t sample_chars = 300;
   double temperature = 0.8;
   std::int64_t top_k = 20;
-  std::string save, resume;
+  std::string save, resume, export_onnx;
 };
 
 // The step a checkpoint was saved at: a whole number >= 0 (a file is untrusted input).
@@ -600,6 +601,10 @@ int run(const Options& o) {
   if (o.width % o.heads != 0)
     throw mt::ValueError(
         fmt::format("--width {} is not a multiple of --heads {}", o.width, o.heads));
+  // The files written at the end, checked before anything is trained.
+  if (!o.save.empty()) apps::check_writable("--save", o.save, /*in_place=*/false);
+  if (!o.export_onnx.empty())
+    apps::check_writable("--export-onnx", o.export_onnx, /*in_place=*/false);
   const mt::Device device = apps::pick_device(o.device);
   const std::string what = o.text.empty() ? std::string(kDefaultCorpus) : "'" + o.text + "'";
   const Corpus corpus =
@@ -660,6 +665,13 @@ int run(const Options& o) {
                                       {"step", std::to_string(o.steps)}}});
     fmt::print("saved to {}\n", o.save);
   }
+  if (!o.export_onnx.empty()) {
+    // The ids are the vocabulary's indices: the file says which byte each one is.
+    mt::export_onnx(*model, o.export_onnx,
+                    {.metadata = {{"vocabulary", vocab_hex(corpus.vocab)},
+                                  {"context", std::to_string(o.context)}}});
+    fmt::print("ONNX model (opset 17) written to {}\n", o.export_onnx);
+  }
   return 0;
 }
 
@@ -717,6 +729,8 @@ void add_options(CLI::App& app, Options& o) {
       ->check(CLI::Range(0, 1000000));
   app.add_option("--save", o.save, "write the model and optimizer state here at the end");
   app.add_option("--resume", o.resume, "continue from a file written by --save");
+  app.add_option("--export-onnx", o.export_onnx,
+                 "write the trained model to this file as ONNX (opset 17) at the end");
 }
 
 // --preset: the shape it names, in the options it sets; an option given with another value

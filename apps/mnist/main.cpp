@@ -29,6 +29,7 @@
 
 #include "common/cli.h"
 #include "common/device.h"
+#include "common/files.h"
 #include "common/ranks.h"
 #include "plot.h"
 
@@ -58,7 +59,7 @@ struct Options {
   std::string data_dir;
   std::string dataset = "mnist";
   bool custom_loop = false;
-  std::string save, resume, metrics_out, plot;
+  std::string save, resume, metrics_out, plot, export_onnx;
   double validation_split = 0.0;  // 0: validate on the test set
   std::int64_t limit = 0;         // use only the first N training images
   std::int64_t units = 0;         // guide model width (0: 4096 on a GPU, 64 on a CPU)
@@ -153,6 +154,8 @@ void add_options(CLI::App& app, Options& o) {
       ->type_name("PATH");
   app.add_option("--resume", o.resume, "continue from a checkpoint written by --save")
       ->type_name("PATH");
+  app.add_option("--export-onnx", o.export_onnx,
+                 "write the trained model to this file as ONNX (opset 17), after the test");
   app.add_option("--metrics-out", o.metrics_out,
                  "per-epoch metrics: CSV, or JSON lines when PATH ends in .jsonl/.json")
       ->type_name("PATH");
@@ -252,34 +255,6 @@ void refuse_extras(const CLI::App& app) {
 // outputs are checked before the data is loaded, the data when it is loaded (the loaders
 // check the IDX headers, the image and label counts and that every label is 0..9), and the
 // options that depend on the data before the model is built.
-
-// Checks that `path`, the value of `flag`, can be written: it is not a directory, and its
-// directory exists and takes a new file (a probe file is created there and removed at once:
-// nothing is left behind, and an existing file is not touched). A file written in place (the
-// metrics) must also be writable itself when it exists; the others are written to a
-// temporary file and renamed over it.
-void check_writable(const std::string& flag, const std::string& path, bool in_place) {
-  namespace fs = std::filesystem;
-  auto refuse = [&](const std::string& why) {
-    throw mt::IOError(fmt::format("{}: cannot write '{}': {}", flag, path, why));
-  };
-  const fs::path p(path);
-  std::error_code ec;
-  if (fs::is_directory(p, ec)) refuse("it is a directory; give the path of a file");
-  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  const fs::file_status st = fs::status(dir, ec);
-  if (st.type() == fs::file_type::not_found)
-    refuse(fmt::format("the directory '{}' does not exist", dir.string()));
-  if (!fs::is_directory(st)) refuse(fmt::format("'{}' is not a directory", dir.string()));
-  std::string probe = (dir / ".mixtape-mnist-probe-XXXXXX").string();
-  const int fd = ::mkstemp(probe.data());
-  if (fd < 0)
-    refuse(fmt::format("cannot create a file in '{}': {}", dir.string(), std::strerror(errno)));
-  ::close(fd);
-  ::unlink(probe.c_str());
-  if (in_place && fs::exists(p, ec) && ::access(path.c_str(), W_OK) != 0)
-    refuse(std::strerror(errno));
-}
 
 // Checks that `path`, the value of `flag`, is a file that can be read.
 void check_readable(const std::string& flag, const std::string& path) {
@@ -534,9 +509,12 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
 // anything is trained. The metrics file itself is created only when training starts: a run
 // that fails before leaves no (empty, or emptied) metrics file behind.
 void check_files(const Options& o) {
-  if (!o.save.empty()) check_writable("--save", o.save, /*in_place=*/false);
-  if (!o.plot.empty()) check_writable("--plot", o.plot, /*in_place=*/false);
-  if (!o.metrics_out.empty()) check_writable("--metrics-out", o.metrics_out, /*in_place=*/true);
+  if (!o.save.empty()) apps::check_writable("--save", o.save, /*in_place=*/false);
+  if (!o.plot.empty()) apps::check_writable("--plot", o.plot, /*in_place=*/false);
+  if (!o.metrics_out.empty())
+    apps::check_writable("--metrics-out", o.metrics_out, /*in_place=*/true);
+  if (!o.export_onnx.empty())
+    apps::check_writable("--export-onnx", o.export_onnx, /*in_place=*/false);
   if (!o.resume.empty()) check_readable("--resume", o.resume);
 }
 
@@ -717,6 +695,10 @@ int run(Options o) {
   if (!mt::distributed::is_root()) return 0;
   fmt::print("Test loss: {:.4f}\nTest accuracy: {:.4f}\n", scores.at("loss"),
              scores.at("accuracy"));
+  if (!o.export_onnx.empty()) {
+    mt::export_onnx(*model, o.export_onnx);
+    if (o.verbose > 0) fmt::print("ONNX model (opset 17) written to {}\n", o.export_onnx);
+  }
   if (!o.plot.empty()) {
     mnist_app::write_curves_svg(
         o.plot, sink.curves,

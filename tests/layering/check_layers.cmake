@@ -2,8 +2,8 @@
 # (docs/building.md, "Targets"): core nothing above core, the backends only core (the CUDA
 # one also distributed's interface for device collectives), autograd and distributed only
 # core, dataset (the input pipeline) only autograd and core, nn (precision, layers, optim)
-# only autograd, distributed, dataset and core, data (datasets/) only dataset, autograd and
-# core. The CMake
+# only autograd, distributed, dataset and core, onnx (onnx_export/) only nn and below, data
+# (datasets/) only dataset, autograd and core. The CMake
 # targets enforce the same for what links; this catches a header included across layers.
 # CTest: layering.includes (cmake -DSOURCE_DIR=<repository> -P check_layers.cmake).
 cmake_minimum_required(VERSION 3.25)
@@ -31,12 +31,14 @@ set(nn_dirs precision layers optim include/mixtape/precision include/mixtape/lay
             include/mixtape/optim)
 set(nn_allowed ${dataset_allowed} ${distributed_allowed} precision/ layers/ optim/
                mixtape/precision/ mixtape/layers/ mixtape/optim/)
+set(onnx_dirs onnx_export include/mixtape/onnx)
+set(onnx_allowed ${nn_allowed} onnx_export/ mixtape/onnx/)
 set(data_dirs datasets include/mixtape/datasets)
 set(data_allowed ${dataset_allowed} datasets/ mixtape/datasets/)
 
 set(violations "")
 set(checked 0)
-foreach(layer core autograd distributed cpu cuda backend_headers dataset nn data)
+foreach(layer core autograd distributed cpu cuda backend_headers dataset nn onnx data)
   foreach(dir ${${layer}_dirs})
     file(GLOB files "${SOURCE_DIR}/${dir}/*.cpp" "${SOURCE_DIR}/${dir}/*.h"
                     "${SOURCE_DIR}/${dir}/*.cu" "${SOURCE_DIR}/${dir}/*.cuh")

@@ -342,6 +342,9 @@ class Model : public layers::Layer {
   void build_for(const Shape& input_shape);
   // Sequential: builds the layers in turn from the input shape (as build_for).
   void build(const Shape& input_shape) override;
+  // Sequential: the input shape it was built for (-1 on the batch axis); empty before it is
+  // built, and for a functional model (whose inputs() say it).
+  const std::optional<Shape>& build_input_shape() const { return build_input_shape_; }
 
   // Writes the weights to a safetensors file (weight paths as tensor names), and reads
   // them back into a model of the same architecture (mixtape/layers/checkpoint.h).
