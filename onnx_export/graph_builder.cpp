@@ -238,6 +238,8 @@ OnnxValue GraphBuilder::weight(const layers::Layer& layer, const std::string& na
   std::string path = p != weight_paths_.end() ? p->second : found->name();
   NoGradGuard no_grad;
   Tensor value = *found;
+  // Under OnnxExportOptions::float32 the file holds no 16-bit tensor at all.
+  if (float32_ && value.dtype().is_reduced_float()) value = value.to(kFloat32);
   std::string layout;
   if (!permutation.empty()) {
     value = permute(value, permutation);

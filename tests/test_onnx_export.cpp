@@ -163,4 +163,12 @@ TEST_CASE("export_onnx under a mixed policy: casts where the layers cast; float3
   // Cast nodes (to float16 and back) in the first, none in the second.
   CHECK(mixed.find("Cast") != std::string::npos);
   CHECK(f32.find("Cast") == std::string::npos);
+
+  // float16 variables too become float32 initializers: still no Cast.
+  mt::PolicyScope half{mt::Policy("float16")};
+  auto x16 = ml::Input({4}, {.name = "x"});
+  mt::Model model16(x16, ml::Dense(3)(x16));
+  mt::export_onnx(model16, dir.file("f16as32.onnx"), {.float32 = true});
+  CHECK(read_all(dir.file("f16as32.onnx")).find("Cast") == std::string::npos);
+  CHECK(std::filesystem::file_size(dir.file("f16as32.onnx")) > (4 * 3 + 3) * 4);
 }
