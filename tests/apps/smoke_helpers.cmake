@@ -21,6 +21,17 @@ function(run_app expect out_var)
   set(${out_var} "${out}${err}" PARENT_SCOPE)
 endfunction()
 
+# A failed data-parallel run: some rank's error line ("<app>: error on rank N: <what>..."). Every
+# rank of such a run throws, but the first to reach MPI_Abort may end the others before they
+# print: which ranks' lines appear is a race, so one is required, not all.
+function(require_rank_error text what)
+  string(FIND "${text}" "error on rank 0: ${what}" at0)
+  string(FIND "${text}" "error on rank 1: ${what}" at1)
+  if(at0 EQUAL -1 AND at1 EQUAL -1)
+    message(FATAL_ERROR "expected 'error on rank 0 or 1: ${what}' in:\n${text}")
+  endif()
+endfunction()
+
 function(require text what)
   string(FIND "${text}" "${what}" at)
   if(at EQUAL -1)
