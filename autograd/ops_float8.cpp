@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <optional>
 
 #include "autograd/op_util.h"
 #include "mixtape/core/float8.h"
@@ -97,6 +98,45 @@ Float8Quantized quantize_float8(const Tensor& x, DType dtype) {
   return {cast(wide * factor, dtype), 1.0 / factor, amax};
 }
 
+Float8Quantized quantize_float8(const Tensor& x, DType dtype, const Tensor& history, int margin,
+                                bool update) {
+  const char* name = "quantize_float8";
+  detail::check_inputs(name, {x, history});
+  if (!dtype.is_float8())
+    throw DTypeError(
+        fmt::format("{}: the target must be float8_e4m3fn or float8_e5m2; got {}", name, dtype));
+  if (!x.dtype().is_floating())
+    throw DTypeError(fmt::format("{}: x must be floating; got {}", name, detail::describe({x})));
+  if (history.dtype() != kFloat32 || history.rank() != 1 || history.numel() < 1 ||
+      history.device() != x.device() || !history.is_contiguous())
+    throw ValueError(fmt::format(
+        "{}: the amax history must be a contiguous float32 vector of at least one element on x's "
+        "device; got {}",
+        name, detail::describe({x, history})));
+  if (margin < 0 || margin > 64)
+    throw ValueError(fmt::format("{}: the margin must be in [0, 64]; got {}", name, margin));
+  NoGradGuard no_grad;
+  const double max = dtype == kFloat8E4M3FN ? float8_e4m3fn::max() : float8_e5m2::max();
+  const Tensor wide = cast(x, kFloat32);
+  const Tensor amax =
+      reshape(x.numel() > 0 ? mixtape::max(abs(wide)) : zeros({}, kFloat32, x.device()), Shape{1});
+  const Tensor recorded = reshape(mixtape::max(history), Shape{1});
+  const Tensor zero = zeros_like(amax);
+  const Tensor reference = where(greater(recorded, zero), recorded, amax);
+  const Tensor factor =
+      where(greater(reference, zero), full_like(amax, std::ldexp(max, -margin)) / reference,
+            ones_like(amax));
+  Float8Quantized q{cast(wide * factor, dtype), 1.0 / factor, amax};
+  if (update) {
+    // Newest first: [amax, history[0], ..., history[length - 2]], written over the history.
+    const std::int64_t length = history.numel();
+    const Tensor rolled =
+        detail::contiguous_raw(concat({amax, history.slice(0, 0, length - 1)}, 0));
+    find_kernel<kernels::CopyFn>(OpId::copy, history.device().type(), kFloat32)(rolled, history);
+  }
+  return q;
+}
+
 namespace {
 
 // An FP8 tensor's transpose, contiguous (a copy of bytes: the scale stays).
@@ -106,7 +146,8 @@ bool linear_dtype(DType d) { return d == kFloat32 || d == kBFloat16 || d == kFlo
 
 }  // namespace
 
-Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
+Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
+                     const Float8History* delayed) {
   const char* name = "float8_linear";
   detail::check_inputs(name, {x, w});
   if (x.rank() < 1 || w.rank() != 2 || x.dim(-1) != w.dim(0))
@@ -123,15 +164,25 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
   Tensor y;
   {
     NoGradGuard no_grad;
-    qx = quantize_float8(reshape(x, Shape{m, k}), kFloat8E4M3FN);
-    qwt = quantize_float8(transpose(w), kFloat8E4M3FN);  // [n, k]
+    if (delayed) {
+      qx = quantize_float8(reshape(x, Shape{m, k}), kFloat8E4M3FN, delayed->input, delayed->margin,
+                           delayed->update);
+      qwt = quantize_float8(transpose(w), kFloat8E4M3FN, delayed->weight, delayed->margin,
+                            delayed->update);
+    } else {
+      qx = quantize_float8(reshape(x, Shape{m, k}), kFloat8E4M3FN);
+      qwt = quantize_float8(transpose(w), kFloat8E4M3FN);  // [n, k]
+    }
     y = reshape(scaled_matmul_impl(qx.data, qwt.data, qx.scale, qwt.scale,
                                    {.out_dtype = out_dtype, .fast_accumulation = true}, false),
                 Shape(out_dims));
   }
   if (should_record({x, w}))
     record_op(
-        name, {x, w}, y, [x, w, qx, qwt, m, n, k](const Tensor& g, const std::vector<bool>& needs) {
+        name, {x, w}, y,
+        [x, w, qx, qwt, m, n, k,
+         history = delayed ? std::optional<Float8History>(*delayed) : std::nullopt](
+            const Tensor& g, const std::vector<bool>& needs) {
           if (should_record({x, w, g})) {
             // A tape records this backward pass: differentiable ops (no FP8).
             const Tensor g2 = reshape(g, Shape{m, n});
@@ -144,7 +195,10 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
                          : Tensor()};
           }
           NoGradGuard no_grad;
-          const Float8Quantized qg = quantize_float8(reshape(g, Shape{m, n}), kFloat8E5M2);
+          const Tensor g2 = reshape(g, Shape{m, n});
+          const Float8Quantized qg = history ? quantize_float8(g2, kFloat8E5M2, history->grad,
+                                                               history->margin, history->update)
+                                             : quantize_float8(g2, kFloat8E5M2);
           Tensor dx, dw;
           if (needs[0])  // [m, n] x [k, n]^T
             dx = reshape(scaled_matmul_impl(qg.data, transposed(qwt.data), qg.scale, qwt.scale,

@@ -169,6 +169,10 @@ void MultiHeadAttentionLayer::build_multi(const std::vector<Shape>& shapes) {
   for (auto d : output_features_) out_dims.push_back(d);
   output_kernel_ = add_weight("attention_output/kernel", Shape(out_dims), ki);
   if (options_.use_bias) output_bias_ = add_weight("attention_output/bias", output_features_, bi);
+  query_float8_ = add_float8_state("query/");
+  key_float8_ = add_float8_state("key/");
+  value_float8_ = add_float8_state("value/");
+  output_float8_ = add_float8_state("attention_output/");
 }
 
 std::optional<std::vector<TensorSpec>> MultiHeadAttentionLayer::compute_output_spec(
@@ -190,9 +194,12 @@ std::optional<std::vector<TensorSpec>> MultiHeadAttentionLayer::compute_output_s
 
 // x [B, L, D] through a [D, heads, dim] kernel: [B, heads, L, dim].
 Tensor MultiHeadAttentionLayer::project(const Tensor& x, const Variable& kernel,
-                                        const Variable& bias, std::int64_t dim) const {
+                                        const Variable& bias, std::int64_t dim,
+                                        const std::optional<Float8State>& float8,
+                                        bool training) const {
   const std::int64_t b = x.dim(0), l = x.dim(1), d = x.dim(2);
-  Tensor y = policy_matmul(x, reshape(kernel, Shape{d, num_heads_ * dim}));  // [B, L, heads*dim]
+  Tensor y = policy_matmul(x, reshape(kernel, Shape{d, num_heads_ * dim}), float8,
+                           training);  // [B, L, heads*dim]
   if (bias.defined()) y = y + reshape(bias, Shape{num_heads_ * dim});
   return permute(reshape(y, Shape{b, l, num_heads_, dim}), {0, 2, 1, 3});
 }
@@ -217,9 +224,10 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   const Tensor& key = inputs[static_cast<std::size_t>(in.key)];
   const Device device = query.device();
 
-  const Tensor q = project(query, query_kernel_, query_bias_, key_dim_);    // [B, H, T, kd]
-  const Tensor k = project(key, key_kernel_, key_bias_, key_dim_);          // [B, H, S, kd]
-  const Tensor v = project(value, value_kernel_, value_bias_, value_dim_);  // [B, H, S, vd]
+  // [B, H, T, kd], [B, H, S, kd], [B, H, S, vd]
+  const Tensor q = project(query, query_kernel_, query_bias_, key_dim_, query_float8_, training);
+  const Tensor k = project(key, key_kernel_, key_bias_, key_dim_, key_float8_, training);
+  const Tensor v = project(value, value_kernel_, value_bias_, value_dim_, value_float8_, training);
   const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
 
   Tensor mask;
@@ -257,7 +265,8 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
       reshape(permute(heads, {0, 2, 1, 3}), Shape{query.dim(0), in.t, num_heads_ * value_dim_});
   const std::int64_t features = product(output_features_);
   Tensor out =
-      policy_matmul(merged, reshape(output_kernel_, Shape{num_heads_ * value_dim_, features}));
+      policy_matmul(merged, reshape(output_kernel_, Shape{num_heads_ * value_dim_, features}),
+                    output_float8_, training);
   if (output_bias_.defined()) out = out + reshape(output_bias_, Shape{features});
   std::vector<std::int64_t> dims{query.dim(0), in.t};
   for (auto d : output_features_) dims.push_back(d);

@@ -82,6 +82,7 @@ void DenseLayer::build(const Shape& input_shape) {
   const std::int64_t in = input_shape.back();
   kernel_ = add_weight("kernel", {in, units_}, options_.kernel_initializer);
   if (options_.use_bias) bias_ = add_weight("bias", {units_}, options_.bias_initializer);
+  float8_ = add_float8_state();
   set_input_spec(InputSpec{.min_rank = 2, .axes = {{-1, in}}});
 }
 
@@ -94,8 +95,8 @@ std::optional<Shape> DenseLayer::compute_output_shape(const Shape& input_shape) 
   return Shape(dims);
 }
 
-Tensor DenseLayer::call(const Tensor& x, const CallContext&) {
-  Tensor y = policy_matmul(x, kernel_);
+Tensor DenseLayer::call(const Tensor& x, const CallContext& ctx) {
+  Tensor y = policy_matmul(x, kernel_, float8_, ctx.training);
   if (options_.use_bias) y = y + bias_;
   return activation_(y);
 }

@@ -665,7 +665,19 @@ bool float8_capable(Device device) {
 
 }  // namespace
 
-Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w) const {
+std::optional<Layer::Float8State> Layer::add_float8_state(const std::string& prefix) {
+  const Float8Scaling& scaling = policy_.float8_scaling();
+  if (!policy_.float8_matmuls() || scaling.kind != Float8Scaling::Kind::Delayed)
+    return std::nullopt;
+  const WeightOptions state{.trainable = false, .dtype = kFloat32, .autocast = false};
+  const Shape shape{scaling.history};
+  return Float8State{add_weight(prefix + "input_amax_history", shape, init::zeros(), state),
+                     add_weight(prefix + "kernel_amax_history", shape, init::zeros(), state),
+                     add_weight(prefix + "grad_amax_history", shape, init::zeros(), state)};
+}
+
+Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w,
+                            const std::optional<Float8State>& state, bool training) const {
   if (!policy_.float8_matmuls()) return matmul(x, w);
   if (!float8_capable(x.device())) {
     matmul_note_ = "bfloat16 matmul (no FP8 on this GPU)";
@@ -681,8 +693,20 @@ Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w) const {
         fmt::format("bfloat16 matmul ([{}, {}] x [{}, {}]: FP8 needs multiples of 16)", m, k, k, n);
     return matmul(x, w);
   }
-  matmul_note_ = "float8 matmul (e4m3, gradients e5m2)";
-  return float8_linear(x, w, compute_dtype());
+  if (!state) {
+    matmul_note_ = "float8 matmul (e4m3, gradients e5m2)";
+    return float8_linear(x, w, compute_dtype());
+  }
+  const Float8Scaling& scaling = policy_.float8_scaling();
+  matmul_note_ =
+      fmt::format("float8 matmul (e4m3, gradients e5m2; delayed scaling, {} steps, margin {})",
+                  scaling.history, scaling.margin);
+  const Float8History history{.input = state->input,
+                              .weight = state->weight,
+                              .grad = state->grad,
+                              .margin = scaling.margin,
+                              .update = training};
+  return float8_linear(x, w, compute_dtype(), &history);
 }
 
 Variable Layer::add_weight(const std::string& name, const Shape& shape,

@@ -79,9 +79,9 @@ Tensor sparse_crossentropy(const Tensor& y_true, const Tensor& y_pred, bool from
   const std::int64_t n = labels.numel();
   try {
     if (from_logits)  // one fused op: the loss, and in the backward pass its gradient
-      return reshape(softmax_cross_entropy(reshape(y_pred, Shape{n, classes}),
-                                           reshape(labels, Shape{n})),
-                     expected);
+      return reshape(
+          softmax_cross_entropy(reshape(y_pred, Shape{n, classes}), reshape(labels, Shape{n})),
+          expected);
     const Tensor p = reshape(cast(y_pred, loss_dtype(y_pred)), Shape{n, classes});
     return reshape(-gather(log_probabilities(p), reshape(labels, Shape{n, 1}), 1), expected);
   } catch (const IndexError& e) {

@@ -155,10 +155,10 @@ void LayerNormalizationLayer::build(const Shape& input_shape) {
 // One fused op (mixtape::layer_norm): the statistics and the affine map in param_dtype()
 // (float32; float64 for float64 variables), the result rounded once to the compute dtype.
 Tensor LayerNormalizationLayer::call(const Tensor& x, const CallContext&) {
-  const Tensor xs = x.dtype() == param_dtype() || (x.dtype().is_reduced_float() &&
-                                                   param_dtype() == kFloat32)
-                        ? x  // 16-bit inputs are read in float32 inside the op
-                        : cast(x, param_dtype());
+  const Tensor xs =
+      x.dtype() == param_dtype() || (x.dtype().is_reduced_float() && param_dtype() == kFloat32)
+          ? x  // 16-bit inputs are read in float32 inside the op
+          : cast(x, param_dtype());
   return cast(layer_norm(xs, options_.scale ? Tensor(gamma_) : Tensor(),
                          options_.center ? Tensor(beta_) : Tensor(), options_.epsilon),
               compute_dtype());

@@ -4,7 +4,9 @@
 #include <spdlog/spdlog.h>
 
 #include <array>
+#include <cstdio>
 #include <mutex>
+#include <optional>
 
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
@@ -20,7 +22,7 @@ struct PolicyRow {
   bool dynamic_loss_scale;  // the default loss scale: dynamic, or none
   bool float8_matmuls;      // Dense and attention projections multiply in FP8
 };
-constexpr std::array<PolicyRow, 7> kPolicies = {{
+constexpr std::array<PolicyRow, 8> kPolicies = {{
     {"float32", kFloat32, kFloat32, false, false},
     {"float64", kFloat64, kFloat64, false, false},
     {"float16", kFloat16, kFloat16, false, false},
@@ -28,7 +30,44 @@ constexpr std::array<PolicyRow, 7> kPolicies = {{
     {"mixed_float16", kFloat16, kFloat32, true, false},
     {"mixed_bfloat16", kBFloat16, kFloat32, false, false},
     {"mixed_float8", kBFloat16, kFloat32, false, true},
+    {"mixed_float8_delayed", kBFloat16, kFloat32, false, true},  // Float8Scaling::Delayed
 }};
+
+constexpr std::string_view kDelayed = "mixed_float8_delayed";
+
+// The name of mixed_float8 with `scaling` (Policy(name) reads it back).
+std::string float8_name(const Float8Scaling& scaling) {
+  if (scaling.kind == Float8Scaling::Kind::Current) return "mixed_float8";
+  if (scaling == Float8Scaling{.kind = Float8Scaling::Kind::Delayed}) return std::string(kDelayed);
+  return fmt::format("{}(history={}, margin={})", kDelayed, scaling.history, scaling.margin);
+}
+
+void check_scaling(const Float8Scaling& s, std::string_view what) {
+  if (s.history < 1 || s.history > (std::int64_t{1} << 20))
+    throw ValueError(
+        fmt::format("{}: the amax history must be 1 to 1048576 steps; got {}", what, s.history));
+  if (s.margin < 0 || s.margin > 64)
+    throw ValueError(fmt::format("{}: the margin must be 0 to 64; got {}", what, s.margin));
+}
+
+// "mixed_float8_delayed(history=16, margin=1)": the scaling it names; std::nullopt for a name
+// of another form.
+std::optional<Float8Scaling> parse_delayed(std::string_view name) {
+  if (name.substr(0, kDelayed.size()) != kDelayed || name.size() == kDelayed.size() ||
+      name[kDelayed.size()] != '(')
+    return std::nullopt;
+  const std::string text(name);
+  long long history = 0;
+  int margin = 0, used = 0;
+  if (std::sscanf(text.c_str() + kDelayed.size(), "(history=%lld, margin=%d)%n", &history, &margin,
+                  &used) != 2 ||
+      kDelayed.size() + static_cast<std::size_t>(used) != text.size())
+    throw ValueError(
+        fmt::format("dtype policy '{}': expected mixed_float8_delayed(history=N, margin=M)", name));
+  Float8Scaling s{.kind = Float8Scaling::Kind::Delayed, .history = history, .margin = margin};
+  check_scaling(s, fmt::format("dtype policy '{}'", name));
+  return s;
+}
 
 const PolicyRow& find_row(std::string_view name) {
   for (const auto& row : kPolicies)
@@ -52,12 +91,26 @@ thread_local std::optional<Policy> t_scope_policy;
 Policy::Policy() : Policy(std::string_view("float32")) {}
 
 Policy::Policy(std::string_view name) {
-  const PolicyRow& row = find_row(name);
-  name_ = std::string(row.name);
+  const std::optional<Float8Scaling> delayed = parse_delayed(name);
+  const PolicyRow& row = find_row(delayed ? kDelayed : name);
   compute_ = row.compute;
   variable_ = row.variable;
   float8_matmuls_ = row.float8_matmuls;
+  if (delayed)
+    float8_scaling_ = *delayed;
+  else if (row.name == kDelayed)
+    float8_scaling_.kind = Float8Scaling::Kind::Delayed;
+  name_ = row.float8_matmuls ? float8_name(float8_scaling_) : std::string(row.name);
   if (row.dynamic_loss_scale) loss_scale_ = LossScale::dynamic();
+}
+
+Policy::Policy(std::string_view name, Float8Scaling scaling) : Policy(name) {
+  if (!float8_matmuls_)
+    throw ValueError(
+        fmt::format("dtype policy '{}': a Float8Scaling goes with mixed_float8 only", name));
+  check_scaling(scaling, fmt::format("dtype policy '{}'", name));
+  float8_scaling_ = scaling;
+  name_ = float8_name(scaling);
 }
 
 Policy::Policy(DType dtype) : Policy(dtype.name()) {}
@@ -84,7 +137,7 @@ std::string Policy::valid_names() {
 }
 
 bool operator==(const Policy& a, const Policy& b) {
-  return a.name_ == b.name_ && a.loss_scale_ == b.loss_scale_;
+  return a.name_ == b.name_ && a.loss_scale_ == b.loss_scale_;  // the name holds the scaling
 }
 
 Policy global_policy() {

@@ -532,3 +532,177 @@ TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in fl
   const mt::DTypeTrace n10 = mt::trace_dtypes(narrow, x.slice(0, 0, 16));
   CHECK(n10.rows[0].note == "bfloat16 matmul ([16, 16] x [16, 10]: FP8 needs multiples of 16)");
 }
+
+TEST_CASE("float8: delayed scaling is a policy, its parameters in its name", "[float8]") {
+  using Kind = mt::Float8Scaling::Kind;
+  const mt::Policy d("mixed_float8_delayed");
+  CHECK(d.float8_matmuls());
+  CHECK(d.compute_dtype() == mt::kBFloat16);
+  CHECK(d.float8_scaling() ==
+        mt::Float8Scaling{.kind = Kind::Delayed, .history = 1024, .margin = 0});
+  CHECK(d.name() == "mixed_float8_delayed");
+  CHECK(mt::Policy("mixed_float8").float8_scaling().kind == Kind::Current);
+  CHECK_THAT(mt::Policy::valid_names(), Contains("mixed_float8_delayed"));
+
+  const mt::Policy p("mixed_float8", {.kind = Kind::Delayed, .history = 16, .margin = 1});
+  CHECK(p.name() == "mixed_float8_delayed(history=16, margin=1)");
+  CHECK(mt::Policy(p.name()) == p);  // what a model file reads back
+  CHECK(mt::Policy(p.name()).float8_scaling() == p.float8_scaling());
+  CHECK(mt::Policy("mixed_float8", mt::Float8Scaling{}).name() == "mixed_float8");
+
+  CHECK_THAT(
+      error_of<mt::ValueError>([] { mt::Policy("mixed_float8_delayed(history=0, margin=0)"); }),
+      Contains("the amax history must be 1 to 1048576 steps; got 0"));
+  CHECK_THAT(error_of<mt::ValueError>([] { mt::Policy("mixed_float8_delayed(history=16)"); }),
+             Contains("expected mixed_float8_delayed(history=N, margin=M)"));
+  CHECK_THAT(error_of<mt::ValueError>([] {
+               mt::Policy("mixed_float8", {.kind = Kind::Delayed, .history = 8, .margin = 65});
+             }),
+             Contains("the margin must be 0 to 64; got 65"));
+  CHECK_THAT(error_of<mt::ValueError>([] { mt::Policy("mixed_bfloat16", mt::Float8Scaling{}); }),
+             Contains("a Float8Scaling goes with mixed_float8 only"));
+}
+
+TEST_CASE("float8: quantize_float8 with an amax history scales by the history, rolls it in",
+          "[float8]") {
+  const mt::Tensor history = mt::zeros({3});
+  auto dequantised = [](const mt::Float8Quantized& q) {
+    return (mt::cast(q.data, mt::kFloat32) * q.scale).to_vector<float>();
+  };
+  // An empty history: this step's amax, as current scaling.
+  const mt::Tensor x1 = mt::from_vector<float>({1.0f, -3.0f, 0.5f}, {3});
+  const mt::Float8Quantized q1 = mt::quantize_float8(x1, mt::kFloat8E4M3FN, history, 0, true);
+  const mt::Float8Quantized c1 = mt::quantize_float8(x1, mt::kFloat8E4M3FN);
+  CHECK(q1.scale.item<float>() == c1.scale.item<float>());
+  CHECK(history.to_vector<float>() == std::vector<float>{3.0f, 0.0f, 0.0f});
+  // A larger amax than the history's: it saturates at the history's (3), then enters it.
+  const mt::Tensor x2 = mt::from_vector<float>({6.0f, 1.5f, -0.75f}, {3});  // 224, -112 in e4m3
+  const mt::Float8Quantized q2 = mt::quantize_float8(x2, mt::kFloat8E4M3FN, history, 0, true);
+  CHECK(q2.scale.item<float>() == static_cast<float>(1.0 / (448.0f / 3.0f)));
+  CHECK(dequantised(q2) == std::vector<float>{3.0f, 1.5f, -0.75f});
+  CHECK(q2.amax.item<float>() == 6.0f);
+  CHECK(history.to_vector<float>() == std::vector<float>{6.0f, 3.0f, 0.0f});
+  // The margin leaves room: 2^1 below the history's 6, so 6 is exact.
+  const mt::Float8Quantized q3 = mt::quantize_float8(x2, mt::kFloat8E4M3FN, history, 1, false);
+  CHECK(q3.scale.item<float>() == static_cast<float>(1.0 / (224.0f / 6.0f)));
+  CHECK(dequantised(q3)[0] == 6.0f);
+  CHECK(history.to_vector<float>() == std::vector<float>{6.0f, 3.0f, 0.0f});  // not updated
+  // The oldest amax drops out: the scale follows the newest `length` steps.
+  for (int i = 0; i < 3; ++i) mt::quantize_float8(x1 * 0.25, mt::kFloat8E4M3FN, history, 0, true);
+  CHECK(history.to_vector<float>() == std::vector<float>{0.75f, 0.75f, 0.75f});
+
+  CHECK_THAT(error_of<mt::ValueError>([&] {
+               mt::quantize_float8(x1, mt::kFloat8E4M3FN, mt::zeros({3}, mt::kFloat64), 0, true);
+             }),
+             Contains("the amax history must be a contiguous float32 vector"));
+  CHECK_THAT(error_of<mt::ValueError>(
+                 [&] { mt::quantize_float8(x1, mt::kFloat8E4M3FN, history, -1, true); }),
+             Contains("the margin must be in [0, 64]; got -1"));
+}
+
+TEST_CASE(
+    "float8: float8_linear with delayed scaling: the first step as current scaling, the "
+    "histories of x, w and the gradient rolled",
+    "[float8]") {
+  mt::manual_seed(41);
+  const mt::Variable x(mt::normal({32, 48}), "x"), w(mt::normal({48, 16}) * 0.1, "w");
+  const mt::Tensor g = mt::normal({32, 16});
+  auto step = [&](const mt::Float8History* h) {
+    mt::GradientTape tape;
+    const mt::Tensor y = mt::float8_linear(x, w, mt::kFloat32, h);
+    const std::vector<mt::Tensor> grads =
+        tape.gradient(mt::sum(y * g), std::vector<mt::Tensor>{x, w});
+    return std::vector<mt::Tensor>{y, grads[0], grads[1]};
+  };
+  const mt::Float8History h{
+      .input = mt::zeros({4}), .weight = mt::zeros({4}), .grad = mt::zeros({4})};
+  const std::vector<mt::Tensor> current = step(nullptr), delayed = step(&h);
+  for (std::size_t i = 0; i < 3; ++i)
+    CHECK(delayed[i].to_vector<float>() == current[i].to_vector<float>());
+  CHECK(h.input.to_vector<float>()[0] == mt::max(mt::abs(x)).item<float>());
+  CHECK(h.weight.to_vector<float>()[0] == mt::max(mt::abs(w)).item<float>());
+  CHECK(h.grad.to_vector<float>()[0] == mt::max(mt::abs(g)).item<float>());
+  CHECK(h.input.to_vector<float>()[1] == 0.0f);
+  // Without `update` (inference) nothing moves.
+  const mt::Float8History frozen{
+      .input = h.input, .weight = h.weight, .grad = h.grad, .update = false};
+  const std::vector<float> before = h.input.to_vector<float>();
+  step(&frozen);
+  CHECK(h.input.to_vector<float>() == before);
+}
+
+TEST_CASE("float8: mixed_float8_delayed trains, keeps its histories as weights, saves them",
+          "[float8]") {
+  mt::manual_seed(5);
+  const std::int64_t n = 512;
+  const mt::Tensor centers = mt::normal({4, 16}) * 3.0;
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) labels[static_cast<std::size_t>(i)] = i % 4;
+  const mt::Tensor y = mt::from_vector(labels, {n});
+  const mt::Tensor x = mt::take(centers, y, 0) + mt::normal({n, 16});
+
+  const mt::Policy policy("mixed_float8", {.kind = mt::Float8Scaling::Kind::Delayed, .history = 8});
+  mt::PolicyScope scope(policy);
+  auto inputs = ml::Input({16}, {.name = "x"});
+  auto h = ml::Dense(64, {.activation = "relu", .name = "hidden"})(inputs);
+  auto outputs = ml::Dense(4, {.dtype = "float32", .name = "logits"})(h);
+  mt::Model model(inputs, outputs);
+  // The FP8 layer has its three histories, non-trainable; the float32 layer has none.
+  std::vector<std::string> names;
+  for (const auto& w : ml::weight_paths(model)) names.push_back(w.path);
+  CHECK(names == std::vector<std::string>{"hidden/kernel", "hidden/bias",
+                                          "hidden/input_amax_history", "hidden/kernel_amax_history",
+                                          "hidden/grad_amax_history", "logits/kernel",
+                                          "logits/bias"});
+  CHECK(model.trainable_variables().size() == 4);
+  const mt::Variable kernel_history = model.get_layer("hidden")->weights().at(3);
+  CHECK(kernel_history.shape() == mt::Shape{8});
+
+  // Inference reads the histories and leaves them as they are.
+  (void)model.predict(x.slice(0, 0, 64));
+  CHECK(mt::max(kernel_history).item<float>() == 0.0f);
+  model.compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
+                 .optimizer = mt::optim::Adam({.learning_rate = 3e-3}),
+                 .metrics = {"accuracy"}});
+  const mt::History hist =
+      model.fit(x, y, {.batch_size = 64, .epochs = 4, .seed = 2, .verbose = 0});
+  CHECK(hist.history.at("loss").back() < 0.5 * hist.history.at("loss").front());
+  CHECK(model.evaluate(x, y, {.batch_size = 256}).at("accuracy") > 0.95);
+  // Every slot of the 8-step history holds a step's amax now (32 steps ran).
+  CHECK(mt::min(kernel_history).item<float>() > 0.0f);
+  const mt::DTypeTrace trace = mt::trace_dtypes(model, x.slice(0, 0, 16));
+  CHECK(trace.rows[1].note ==
+        "float8 matmul (e4m3, gradients e5m2; delayed scaling, 8 steps, margin 0)");
+
+  // A whole-model file holds the policy and the histories: the loaded model predicts the same.
+  mixtape_test::TempDir dir("mixtape-float8");
+  model.save(dir.file("m.safetensors"));
+  std::shared_ptr<mt::Model> loaded = mt::load_model(dir.file("m.safetensors"));
+  CHECK(loaded->get_layer("hidden")->dtype_policy() == policy);
+  CHECK(loaded->get_layer("hidden")->weights().at(3).to_vector<float>() ==
+        kernel_history.to_vector<float>());
+  CHECK(loaded->predict(x.slice(0, 0, 32)).to_vector<float>() ==
+        model.predict(x.slice(0, 0, 32)).to_vector<float>());
+}
+
+TEST_CASE("float8: MultiHeadAttention's four projections keep histories of their own", "[float8]") {
+  mt::PolicyScope scope(mt::Policy("mixed_float8_delayed"));
+  auto mha = ml::MultiHeadAttention(2, 8, {.use_causal_mask = true, .name = "mha"});
+  mt::manual_seed(3);
+  const mt::Variable x(mt::normal({2, 16, 16}), "x");
+  {
+    mt::GradientTape tape;
+    const mt::Tensor y = mha(std::vector<mt::Tensor>{x, x}, {.training = true});
+    (void)tape.gradient(mt::sum(mt::cast(y, mt::kFloat32)), std::vector<mt::Tensor>{x});
+  }
+  int histories = 0;
+  for (const auto& w : ml::weight_paths(*mha))
+    if (w.path.find("amax_history") != std::string::npos) {
+      ++histories;
+      CAPTURE(w.path);
+      CHECK_FALSE(w.variable.trainable());
+      CHECK(w.variable.to_vector<float>()[0] > 0.0f);  // the training call rolled its amax in
+    }
+  CHECK(histories == 12);
+  CHECK(mha->trainable_variables().size() == 8);
+}

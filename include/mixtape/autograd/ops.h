@@ -156,15 +156,38 @@ struct Float8Quantized {
 };
 Float8Quantized quantize_float8(const Tensor& x, DType dtype);
 
+// Delayed scaling (Transformer Engine's): x quantised with the scale its amax history gives,
+// history float32 [length] on x's device, newest first. The factor into the format's range is
+// max_of(dtype) / (the history's largest amax) / 2^margin (this step's own amax while the
+// history is all zero, before its first step); an element beyond the history's amax
+// saturates to the format's largest finite value. With `update`, this step's amax then enters
+// the history (in place: the oldest drops out). On x's device, no host wait. Not
+// differentiable.
+Float8Quantized quantize_float8(const Tensor& x, DType dtype, const Tensor& history, int margin,
+                                bool update);
+
+// The delayed-scaling state of one float8_linear: the amax histories of x, w and the output
+// gradient (float32 [length] each, on x's device; a layer keeps them as non-trainable
+// weights, so checkpoints hold them), the margin, and whether this call's amaxes enter the
+// histories (training steps: x's and w's in the forward pass, the gradient's in the
+// backward pass).
+struct Float8History {
+  Tensor input, weight, grad;
+  int margin = 0;
+  bool update = true;
+};
+
 // x [..., k] times w [k, n] in FP8, as mixed_float8's Dense computes: x and w quantised to
-// float8_e4m3fn with current scaling, scaled_matmul (fast accumulation), out_dtype out
+// float8_e4m3fn with current scaling (or delayed scaling, given `delayed`: see
+// Float8History), scaled_matmul (fast accumulation), out_dtype out
 // [..., n]. Differentiable in x and w: the output gradient is quantised to float8_e5m2 and
 // dx = dy w^T and dw = x^T dy are scaled_matmul calls too (e5m2 x e4m3 and e4m3 x e5m2,
 // accurate accumulation), in x's and w's dtypes, from FP8 transposed copies of the forward's
 // operands (no second quantisation). x and w: float32, bfloat16 or float16 (w is usually a
 // float32 variable: it is quantised from its float32 values). A tape that records the
 // backward pass (second derivatives) gets it from ordinary matmuls in out_dtype.
-Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype = kBFloat16);
+Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype = kBFloat16,
+                     const Float8History* delayed = nullptr);
 
 // --- Indexing ------------------------------------------------------------------------------
 // Out-of-range indices throw IndexError: at once for indices on the CPU; for indices on

@@ -118,8 +118,8 @@ class MultiHeadAttentionLayer : public Layer {
  private:
   struct Inputs;
   Inputs split(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes) const;
-  Tensor project(const Tensor& x, const Variable& kernel, const Variable& bias,
-                 std::int64_t dim) const;
+  Tensor project(const Tensor& x, const Variable& kernel, const Variable& bias, std::int64_t dim,
+                 const std::optional<Float8State>& float8, bool training) const;
   Tensor composed_scores(const Tensor& q, const Tensor& k, Tensor mask, bool causal, std::int64_t t,
                          std::int64_t s, Device device);
 
@@ -128,6 +128,8 @@ class MultiHeadAttentionLayer : public Layer {
   Generator generator_;
   Variable query_kernel_, query_bias_, key_kernel_, key_bias_, value_kernel_, value_bias_,
       output_kernel_, output_bias_;
+  // mixed_float8_delayed: the amax histories of the four projections.
+  std::optional<Float8State> query_float8_, key_float8_, value_float8_, output_float8_;
   Shape output_features_;  // output_shape, or the query's features once built
   Tensor causal_mask_;     // the latest causal mask [T, S], on the device it was used on
   std::string path_;       // how the latest call computed (trace_note)

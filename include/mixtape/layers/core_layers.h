@@ -82,6 +82,7 @@ class DenseLayer : public Layer {
   DenseOptions options_;
   activations::ActivationFn activation_;
   Variable kernel_, bias_;
+  std::optional<Float8State> float8_;  // mixed_float8_delayed: the amax histories
 };
 LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options = {});
 

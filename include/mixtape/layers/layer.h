@@ -251,7 +251,22 @@ class Layer : public std::enable_shared_from_this<Layer> {
   // takes the bfloat16 matmul, with a warning once per process; otherwise matmul(x, w). Dense and
   // MultiHeadAttention's projections multiply through it; the dtype trace's note says which path
   // ran.
-  Tensor policy_matmul(const Tensor& x, const Tensor& w) const;
+  //
+  // Under delayed scaling (mixed_float8_delayed, Float8Scaling) the product takes `state`,
+  // the amax histories add_float8_state made in build(); a training call (`training`) rolls
+  // this step's amaxes into them, other calls only read them. Without a state it scales as
+  // the current policy does.
+  struct Float8State {
+    Variable input, weight, grad;
+  };
+  Tensor policy_matmul(const Tensor& x, const Tensor& w,
+                       const std::optional<Float8State>& state = std::nullopt,
+                       bool training = false) const;
+  // Under delayed scaling: three non-trainable float32 weights of Float8Scaling::history
+  // zeros, "<prefix>input_amax_history", "<prefix>kernel_amax_history" and
+  // "<prefix>grad_amax_history" (read in float32, saved with the other weights); under any
+  // other policy nothing (std::nullopt).
+  std::optional<Float8State> add_float8_state(const std::string& prefix = "");
 
   // Creates a weight named "<layer>/<name>" in the variable dtype (or options.dtype),
   // initialised by `init`, on the layer's device; a sublayer's weight is named under its

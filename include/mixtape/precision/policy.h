@@ -9,7 +9,10 @@
 //   mixed_float16    float16    float32     dynamic
 //   mixed_bfloat16   bfloat16   float32     none
 //   mixed_float8     bfloat16   float32     none       Dense and attention projections:
-//                                                      FP8 matmuls (mixtape/layers/layer.h)
+//                                                      FP8 matmuls (mixtape/layers/layer.h),
+//                                                      current scaling
+//   mixed_float8_delayed                               the same with delayed scaling
+//                                                      (Float8Scaling below)
 //
 // A layer reads the global policy when it is constructed; changing the global policy later
 // does not touch existing layers. A layer's `dtype` option (a name or a Policy) overrides
@@ -24,6 +27,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -32,6 +36,21 @@
 #include "mixtape/precision/loss_scale.h"
 
 namespace mixtape {
+
+// How mixed_float8 scales each tensor into FP8's range, one scale per tensor.
+//   Current: this step's amax (max |x|), computed on the device (torchao's tensorwise
+//     scaling; the default).
+//   Delayed: the largest amax of the tensor's last `history` steps, divided by 2^margin
+//     (Transformer Engine's delayed scaling: an amax beyond the history's saturates). The
+//     histories are layer weights (non-trainable: "kernel_amax_history", ...), so checkpoints
+//     and model files hold them; training steps roll their amaxes in, inference reads them.
+struct Float8Scaling {
+  enum class Kind { Current, Delayed };
+  Kind kind = Kind::Current;
+  std::int64_t history = 1024;  // delayed: steps remembered (Transformer Engine's default)
+  int margin = 0;               // delayed: headroom, a factor 2^margin
+  friend bool operator==(const Float8Scaling&, const Float8Scaling&) = default;
+};
 
 class Policy {
  public:
@@ -50,6 +69,13 @@ class Policy {
   // Policy("mixed_float16", 1024)).
   Policy(std::string_view name, double loss_scale);
   Policy(std::string_view name, LossScale loss_scale);
+  // mixed_float8 with the given scaling: Policy("mixed_float8", {.kind =
+  // mt::Float8Scaling::Kind::Delayed, .history = 16, .margin = 1}). Its name records the
+  // scaling ("mixed_float8_delayed" for the defaults, "mixed_float8_delayed(history=16,
+  // margin=1)" otherwise), which Policy(name) reads back, so model files keep it. Throws
+  // ValueError for another policy name, a history outside [1, 2^20] or a margin outside
+  // [0, 64].
+  Policy(std::string_view name, Float8Scaling scaling);
 
   const std::string& name() const { return name_; }
   DType compute_dtype() const { return compute_; }
@@ -62,10 +88,13 @@ class Policy {
   // run in FP8 (float8_linear: e4m3 inputs and weights, e5m2 gradients, current scaling);
   // everything else as mixed_bfloat16.
   bool float8_matmuls() const { return float8_matmuls_; }
+  // mixed_float8's scaling (Current for the other policies, where it means nothing).
+  const Float8Scaling& float8_scaling() const { return float8_scaling_; }
 
   // <Policy "mixed_float16", loss_scale=DynamicLossScale(...)>
   std::string str() const;
-  // "float32, float64, float16, bfloat16, mixed_float16, mixed_bfloat16, mixed_float8"
+  // "float32, float64, float16, bfloat16, mixed_float16, mixed_bfloat16, mixed_float8,
+  // mixed_float8_delayed"
   static std::string valid_names();
 
   friend bool operator==(const Policy& a, const Policy& b);
@@ -74,6 +103,7 @@ class Policy {
   std::string name_;
   DType compute_, variable_;
   bool float8_matmuls_ = false;
+  Float8Scaling float8_scaling_;
   std::optional<LossScale> loss_scale_;
 };
 
