@@ -17,7 +17,7 @@
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
-#include "mixtape/core/safetensors.h"
+#include "mixtape/io/safetensors.h"
 #include "mixtape/distributed/distributed.h"
 #include "mixtape/optim/distributed_optimizer.h"
 #include "mixtape/optim/loss_scale_optimizer.h"

@@ -6,7 +6,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "mixtape/core/safetensors.h"
+#include "mixtape/io/safetensors.h"
 #include "mixtape/layers/checkpoint.h"
 #include "mixtape/layers/core_layers.h"
 #include "mixtape/layers/model.h"

@@ -12,7 +12,7 @@
 #include <mutex>
 #include <set>
 
-#include "mixtape/core/atomic_file.h"
+#include "mixtape/io/atomic_file.h"
 #include "mixtape/layers/model.h"
 #include "onnx_export/graph_builder.h"
 #include "onnx_export/layers.h"

@@ -204,7 +204,7 @@ OnnxValue GraphBuilder::initializer(const Tensor& value, const std::string& name
   t->set_data_type(onnx_type(value.dtype(), fmt::format("initializer '{}'", name)));
   for (std::int64_t d : value.shape()) t->add_dims(d);
   // Row-major bytes, little-endian as ONNX's raw_data is (the host is: mixtape's files
-  // assume it too, core/safetensors.cpp).
+  // assume it too, io/safetensors.cpp).
   const Tensor host = value.to(Device::cpu()).contiguous();
   if (host.numel() > 0) t->set_raw_data(static_cast<const char*>(host.data_ptr()), host.nbytes());
   return OnnxValue{name, value.dtype()};

@@ -19,7 +19,7 @@
 #include "mixtape/core/dtype.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/half.h"
-#include "mixtape/core/safetensors.h"
+#include "mixtape/io/safetensors.h"
 #include "mixtape/core/shape.h"
 #include "mixtape/core/storage.h"
 #include "mixtape/core/tensor.h"

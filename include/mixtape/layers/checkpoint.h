@@ -1,5 +1,5 @@
 // Checkpoints: a model's weights, or a whole training state (weights, optimizer state,
-// epoch), in one safetensors file (mixtape/core/safetensors.h), written atomically.
+// epoch), in one safetensors file (mixtape/io/safetensors.h), written atomically.
 //
 //   mt::save_weights(model, "model.safetensors");            // tensors "dense/kernel", ...
 //   mt::load_weights(other_model, "model.safetensors");      // same architecture and paths

@@ -1,9 +1,9 @@
 // safetensors files: the writer (header JSON in the safetensors library's layout, written
-// atomically by core/atomic_file.cpp) and the reader (the header parsed by
+// atomically by io/atomic_file.cpp) and the reader (the header parsed by
 // nlohmann-json's SAX parser and held to the format's shape, then checks of every tensor's
-// dtype, shape and offsets before any data is read). See include/mixtape/core/safetensors.h
+// dtype, shape and offsets before any data is read). See include/mixtape/io/safetensors.h
 // and docs/checkpoints.md.
-#include "mixtape/core/safetensors.h"
+#include "mixtape/io/safetensors.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -25,9 +25,11 @@
 #include <string_view>
 #include <system_error>
 
-#include "core/fd.h"
-#include "core/raw.h"
-#include "mixtape/core/atomic_file.h"
+#include "io/fd.h"
+#include "mixtape/autograd/ops.h"
+#include "mixtape/autograd/tape.h"
+#include "mixtape/core/error.h"
+#include "mixtape/io/atomic_file.h"
 
 namespace mixtape {
 namespace {
@@ -767,7 +769,8 @@ void save_safetensors(const std::string& path,
     for (std::size_t i : order) {
       const Tensor& t = tensors[i].second;
       if (t.numel() == 0) continue;
-      const Tensor host = detail::to_device_raw(t, Device::cpu());  // contiguous, on the host
+      NoGradGuard no_grad;
+      const Tensor host = t.to(Device::cpu()).contiguous();  // row-major, on the host
       if constexpr (kBigEndian) {
         std::vector<std::uint8_t> bytes(host.nbytes());
         std::memcpy(bytes.data(), host.data_ptr(), bytes.size());
@@ -856,8 +859,13 @@ SafetensorsFile load_safetensors(const std::string& path) {
   file.metadata = std::move(header.metadata);
   file.tensors.reserve(order.size());
   for (const TensorEntry* e : order) {
-    Tensor t = detail::empty_raw(Shape(e->shape), e->dtype, Device::cpu(),
-                                 fmt::format("load_safetensors '{}'", path));
+    Tensor t;
+    try {
+      t = Tensor::empty(Shape(e->shape), e->dtype);
+    } catch (const OutOfMemoryError& oom) {
+      oom.rethrow_with_prefix(
+          fmt::format("load_safetensors '{}': tensor {}: ", path, quote_name(e->name)));
+    }
     if (e->nbytes > 0) {
       auto* p = static_cast<std::uint8_t*>(t.data_ptr());
       read_or_throw(p, static_cast<std::size_t>(e->nbytes), data_start + e->begin);

@@ -1,5 +1,5 @@
 // An open POSIX file descriptor, closed on destruction: shared by the safetensors reader and
-// the atomic file writer (core/atomic_file.cpp). Private to core.
+// the atomic file writer (io/atomic_file.cpp). Private to the io library.
 #pragma once
 
 #include <unistd.h>

@@ -1,7 +1,7 @@
-// Atomic file writes (include/mixtape/core/atomic_file.h): a temporary file beside the
+// Atomic file writes (include/mixtape/io/atomic_file.h): a temporary file beside the
 // target, written through a buffer, fsync'ed, renamed over the target; stale temporaries of
 // dead processes cleaned up. POSIX.
-#include "mixtape/core/atomic_file.h"
+#include "mixtape/io/atomic_file.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -17,7 +17,7 @@
 #include <system_error>
 #include <vector>
 
-#include "core/fd.h"
+#include "io/fd.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::detail {
