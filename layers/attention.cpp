@@ -329,31 +329,14 @@ Config MultiHeadAttentionLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("num_heads", num_heads_);
   c.set("key_dim", key_dim_);
-  c.set("value_dim", value_dim_);
-  c.set("dropout", options_.dropout);
-  c.set("use_bias", options_.use_bias);
-  c.set("output_shape", options_.output_shape.dims());
-  c.set("use_causal_mask", options_.use_causal_mask);
-  if (options_.scores_dtype) c.set("scores_dtype", std::string(options_.scores_dtype->name()));
-  c.set("kernel_initializer", options_.kernel_initializer.name());
-  c.set("bias_initializer", options_.bias_initializer.name());
-  if (options_.seed) c.set("seed", static_cast<std::int64_t>(*options_.seed));
+  write_options(c, options_);
+  c.set("value_dim", value_dim_);  // resolved: the option's 0 means key_dim
   return c;
 }
 
 LayerPtr<MultiHeadAttentionLayer> MultiHeadAttentionLayer::from_config(const Config& c) {
-  MultiHeadAttentionOptions o;
-  o.value_dim = c.get_int("value_dim");
-  o.dropout = c.get_double("dropout");
-  o.use_bias = c.get_bool("use_bias");
-  o.output_shape = Shape(c.get_ints("output_shape"));
-  o.use_causal_mask = c.get_bool("use_causal_mask");
-  if (c.has("scores_dtype")) o.scores_dtype = DType(c.get_string("scores_dtype"));
-  o.kernel_initializer = detail::initializer_from(c, "kernel_initializer", o.kernel_initializer);
-  o.bias_initializer = detail::initializer_from(c, "bias_initializer", o.bias_initializer);
-  if (c.has("seed")) o.seed = static_cast<std::uint64_t>(c.get_int("seed"));
-  detail::set_common_options(o, c);
-  return MultiHeadAttention(c.get_int("num_heads"), c.get_int("key_dim"), std::move(o));
+  return MultiHeadAttention(c.get_int("num_heads"), c.get_int("key_dim"),
+                            read_options<MultiHeadAttentionOptions>(c));
 }
 
 LayerPtr<MultiHeadAttentionLayer> MultiHeadAttention(std::int64_t num_heads, std::int64_t key_dim,
@@ -411,15 +394,12 @@ const Variable& PositionEmbeddingLayer::embeddings() const {
 Config PositionEmbeddingLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("sequence_length", sequence_length_);
-  c.set("initializer", options_.initializer.name());
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<PositionEmbeddingLayer> PositionEmbeddingLayer::from_config(const Config& c) {
-  PositionEmbeddingOptions o;
-  o.initializer = detail::initializer_from(c, "initializer", o.initializer);
-  detail::set_common_options(o, c);
-  return PositionEmbedding(c.get_int("sequence_length"), std::move(o));
+  return PositionEmbedding(c.get_int("sequence_length"), read_options<PositionEmbeddingOptions>(c));
 }
 
 LayerPtr<PositionEmbeddingLayer> PositionEmbedding(std::int64_t sequence_length,

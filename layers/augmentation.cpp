@@ -146,23 +146,14 @@ Config RandomTranslationLayer::get_config() const {
   c.set("height_upper", height_.upper);
   c.set("width_lower", width_.lower);
   c.set("width_upper", width_.upper);
-  c.set("fill_mode", options_.fill_mode);
-  c.set("fill_value", options_.fill_value);
-  c.set("interpolation", options_.interpolation);
-  if (options_.seed) c.set("seed", static_cast<std::int64_t>(*options_.seed));
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<RandomTranslationLayer> RandomTranslationLayer::from_config(const Config& c) {
-  RandomTranslationOptions o;
-  o.fill_mode = c.get_string("fill_mode");
-  o.fill_value = c.get_double("fill_value");
-  o.interpolation = c.get_string("interpolation");
-  if (c.has("seed")) o.seed = static_cast<std::uint64_t>(c.get_int("seed"));
-  detail::set_common_options(o, c);
   return RandomTranslation({c.get_double("height_lower"), c.get_double("height_upper")},
                            {c.get_double("width_lower"), c.get_double("width_upper")},
-                           std::move(o));
+                           read_options<RandomTranslationOptions>(c));
 }
 
 LayerPtr<RandomTranslationLayer> RandomTranslation(TranslationFactor height_factor,
@@ -211,15 +202,12 @@ std::optional<Shape> RandomFlipLayer::compute_output_shape(const Shape& input_sh
 Config RandomFlipLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("mode", mode_);
-  if (options_.seed) c.set("seed", static_cast<std::int64_t>(*options_.seed));
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<RandomFlipLayer> RandomFlipLayer::from_config(const Config& c) {
-  RandomFlipOptions o;
-  if (c.has("seed")) o.seed = static_cast<std::uint64_t>(c.get_int("seed"));
-  detail::set_common_options(o, c);
-  return RandomFlip(c.get_string("mode"), std::move(o));
+  return RandomFlip(c.get_string("mode"), read_options<RandomFlipOptions>(c));
 }
 
 LayerPtr<RandomFlipLayer> RandomFlip(std::string mode, RandomFlipOptions options) {

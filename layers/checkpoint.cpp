@@ -17,8 +17,8 @@
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
-#include "mixtape/io/safetensors.h"
 #include "mixtape/distributed/distributed.h"
+#include "mixtape/io/safetensors.h"
 #include "mixtape/optim/distributed_optimizer.h"
 #include "mixtape/optim/loss_scale_optimizer.h"
 

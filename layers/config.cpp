@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 
 #include "layers/config_util.h"
@@ -230,5 +231,16 @@ const Variable& built_weight(const Layer& layer, const Variable& v, const char* 
 }
 
 }  // namespace detail
+
+namespace option_codec {
+
+void get(const Config& c, const std::string& k, int& v) {
+  const std::int64_t i = c.get_int(k);
+  if (i < std::numeric_limits<int>::min() || i > std::numeric_limits<int>::max())
+    throw ValueError(fmt::format("config: '{}' is {}, outside the range of an int", k, i));
+  v = static_cast<int>(i);
+}
+
+}  // namespace option_codec
 
 }  // namespace mixtape::layers

@@ -84,25 +84,13 @@ Config Conv2DLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("filters", filters_);
   c.set("kernel_size", std::vector<std::int64_t>{kernel_size_.h, kernel_size_.w});
-  c.set("strides", std::vector<std::int64_t>{options_.strides.h, options_.strides.w});
-  c.set("padding", options_.padding);
-  c.set("activation", options_.activation);
-  c.set("use_bias", options_.use_bias);
-  c.set("kernel_initializer", options_.kernel_initializer.name());
-  c.set("bias_initializer", options_.bias_initializer.name());
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<Conv2DLayer> Conv2DLayer::from_config(const Config& c) {
-  Conv2DOptions d;
-  d.strides = detail::size2_from(c, "strides");
-  d.padding = c.get_string("padding");
-  d.activation = c.get_string("activation");
-  d.use_bias = c.get_bool("use_bias");
-  d.kernel_initializer = detail::initializer_from(c, "kernel_initializer", d.kernel_initializer);
-  d.bias_initializer = detail::initializer_from(c, "bias_initializer", d.bias_initializer);
-  detail::set_common_options(d, c);
-  return Conv2D(c.get_int("filters"), detail::size2_from(c, "kernel_size"), std::move(d));
+  return Conv2D(c.get_int("filters"), detail::size2_from(c, "kernel_size"),
+                read_options<Conv2DOptions>(c));
 }
 
 LayerPtr<Conv2DLayer> Conv2D(std::int64_t filters, Size2 kernel_size, Conv2DOptions options) {
@@ -141,20 +129,12 @@ std::optional<Shape> Pooling2DLayer::compute_output_shape(const Shape& input_sha
 
 Config Pooling2DLayer::get_config() const {
   Config c = Layer::get_config();
-  c.set("pool_size", std::vector<std::int64_t>{options_.pool_size.h, options_.pool_size.w});
-  if (options_.strides)
-    c.set("strides", std::vector<std::int64_t>{options_.strides->h, options_.strides->w});
-  c.set("padding", options_.padding);
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<Pooling2DLayer> Pooling2DLayer::from_config(Kind kind, const Config& c) {
-  PoolingOptions p;
-  p.pool_size = detail::size2_from(c, "pool_size");
-  if (c.has("strides")) p.strides = detail::size2_from(c, "strides");
-  p.padding = c.get_string("padding");
-  detail::set_common_options(p, c);
-  return make_layer<Pooling2DLayer>(kind, std::move(p));
+  return make_layer<Pooling2DLayer>(kind, read_options<PoolingOptions>(c));
 }
 
 LayerPtr<Pooling2DLayer> MaxPooling2D(PoolingOptions options) {

@@ -115,21 +115,12 @@ const Variable& DenseLayer::bias() const {
 Config DenseLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("units", units_);
-  c.set("activation", options_.activation);
-  c.set("use_bias", options_.use_bias);
-  c.set("kernel_initializer", options_.kernel_initializer.name());
-  c.set("bias_initializer", options_.bias_initializer.name());
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<DenseLayer> DenseLayer::from_config(const Config& c) {
-  DenseOptions d;
-  d.activation = c.get_string("activation");
-  d.use_bias = c.get_bool("use_bias");
-  d.kernel_initializer = detail::initializer_from(c, "kernel_initializer", d.kernel_initializer);
-  d.bias_initializer = detail::initializer_from(c, "bias_initializer", d.bias_initializer);
-  detail::set_common_options(d, c);
-  return Dense(c.get_int("units"), std::move(d));
+  return Dense(c.get_int("units"), read_options<DenseOptions>(c));
 }
 
 LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options) {
@@ -299,20 +290,15 @@ Config SliceLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("axis", static_cast<std::int64_t>(axis_));
   c.set("start", start_);
-  if (options_.stop) c.set("stop", *options_.stop);
-  c.set("squeeze", options_.squeeze);
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<SliceLayer> SliceLayer::from_config(const Config& c) {
-  SliceOptions o;
-  if (c.has("stop")) o.stop = c.get_int("stop");
-  o.squeeze = c.get_bool("squeeze");
-  detail::set_common_options(o, c);
   const std::int64_t axis = c.get_int("axis");
   if (axis < -64 || axis > 64)
     throw ValueError(fmt::format("Slice: axis {} is out of range", axis));
-  return Slice(static_cast<int>(axis), c.get_int("start"), std::move(o));
+  return Slice(static_cast<int>(axis), c.get_int("start"), read_options<SliceOptions>(c));
 }
 
 LayerPtr<SliceLayer> Slice(int axis, std::int64_t start, SliceOptions options) {
@@ -324,7 +310,7 @@ LayerPtr<SliceLayer> Slice(int axis, std::int64_t start, SliceOptions options) {
 DropoutLayer::DropoutLayer(double rate, DropoutOptions options)
     : Layer(detail::common_options(options), "Dropout"),
       rate_(rate),
-      seed_(options.seed),
+      options_(options),
       generator_(options.seed ? *options.seed : default_generator().next_u64()) {
   if (!(rate >= 0.0 && rate < 1.0))
     throw ValueError(
@@ -346,15 +332,12 @@ std::optional<Shape> DropoutLayer::compute_output_shape(const Shape& input_shape
 Config DropoutLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("rate", rate_);
-  if (seed_) c.set("seed", static_cast<std::int64_t>(*seed_));
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<DropoutLayer> DropoutLayer::from_config(const Config& c) {
-  DropoutOptions d;
-  if (c.has("seed")) d.seed = static_cast<std::uint64_t>(c.get_int("seed"));
-  detail::set_common_options(d, c);
-  return Dropout(c.get_double("rate"), std::move(d));
+  return Dropout(c.get_double("rate"), read_options<DropoutOptions>(c));
 }
 
 LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options) {
@@ -404,16 +387,13 @@ Config EmbeddingLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("input_dim", input_dim_);
   c.set("output_dim", output_dim_);
-  c.set("embeddings_initializer", options_.embeddings_initializer.name());
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<EmbeddingLayer> EmbeddingLayer::from_config(const Config& c) {
-  EmbeddingOptions e;
-  e.embeddings_initializer =
-      detail::initializer_from(c, "embeddings_initializer", e.embeddings_initializer);
-  detail::set_common_options(e, c);
-  return Embedding(c.get_int("input_dim"), c.get_int("output_dim"), std::move(e));
+  return Embedding(c.get_int("input_dim"), c.get_int("output_dim"),
+                   read_options<EmbeddingOptions>(c));
 }
 
 LayerPtr<EmbeddingLayer> Embedding(std::int64_t input_dim, std::int64_t output_dim,

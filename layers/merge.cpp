@@ -192,16 +192,12 @@ std::vector<Tensor> ConcatenateLayer::call_multi(const std::vector<Tensor>& inpu
 
 Config ConcatenateLayer::get_config() const {
   Config c = Layer::get_config();
-  c.set("axis", options_.axis);
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<ConcatenateLayer> ConcatenateLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
-  return Concatenate(ConcatenateOptions{.axis = static_cast<int>(c.get_int("axis")),
-                                        .dtype = o.dtype,
-                                        .name = o.name,
-                                        .trainable = o.trainable});
+  return Concatenate(read_options<ConcatenateOptions>(c));
 }
 
 LayerPtr<ConcatenateLayer> Concatenate(ConcatenateOptions options) {
@@ -301,18 +297,13 @@ std::vector<Tensor> DotLayer::call_multi(const std::vector<Tensor>& inputs, cons
 Config DotLayer::get_config() const {
   Config c = Layer::get_config();
   c.set("axes", std::vector<std::int64_t>(axes_.begin(), axes_.end()));
-  c.set("normalize", options_.normalize);
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<DotLayer> DotLayer::from_config(const Config& c) {
-  const LayerOptions o = c.layer_options();
   const auto& axes = c.get_ints("axes");
-  return Dot(std::vector<int>(axes.begin(), axes.end()),
-             DotOptions{.normalize = c.get_bool("normalize"),
-                        .dtype = o.dtype,
-                        .name = o.name,
-                        .trainable = o.trainable});
+  return Dot(std::vector<int>(axes.begin(), axes.end()), read_options<DotOptions>(c));
 }
 
 LayerPtr<DotLayer> Dot(std::vector<int> axes, DotOptions options) {

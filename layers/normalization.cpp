@@ -91,33 +91,12 @@ Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
 
 Config BatchNormalizationLayer::get_config() const {
   Config c = Layer::get_config();
-  c.set("axis", options_.axis);
-  c.set("momentum", options_.momentum);
-  c.set("epsilon", options_.epsilon);
-  c.set("center", options_.center);
-  c.set("scale", options_.scale);
-  c.set("beta_initializer", options_.beta_initializer.name());
-  c.set("gamma_initializer", options_.gamma_initializer.name());
-  c.set("moving_mean_initializer", options_.moving_mean_initializer.name());
-  c.set("moving_variance_initializer", options_.moving_variance_initializer.name());
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<BatchNormalizationLayer> BatchNormalizationLayer::from_config(const Config& c) {
-  BatchNormalizationOptions b;
-  b.axis = static_cast<int>(c.get_int("axis"));
-  b.momentum = c.get_double("momentum");
-  b.epsilon = c.get_double("epsilon");
-  b.center = c.get_bool("center");
-  b.scale = c.get_bool("scale");
-  b.beta_initializer = detail::initializer_from(c, "beta_initializer", b.beta_initializer);
-  b.gamma_initializer = detail::initializer_from(c, "gamma_initializer", b.gamma_initializer);
-  b.moving_mean_initializer =
-      detail::initializer_from(c, "moving_mean_initializer", b.moving_mean_initializer);
-  b.moving_variance_initializer =
-      detail::initializer_from(c, "moving_variance_initializer", b.moving_variance_initializer);
-  detail::set_common_options(b, c);
-  return BatchNormalization(std::move(b));
+  return BatchNormalization(read_options<BatchNormalizationOptions>(c));
 }
 
 LayerPtr<BatchNormalizationLayer> BatchNormalization(BatchNormalizationOptions options) {
@@ -166,23 +145,12 @@ Tensor LayerNormalizationLayer::call(const Tensor& x, const CallContext&) {
 
 Config LayerNormalizationLayer::get_config() const {
   Config c = Layer::get_config();
-  c.set("epsilon", options_.epsilon);
-  c.set("center", options_.center);
-  c.set("scale", options_.scale);
-  c.set("beta_initializer", options_.beta_initializer.name());
-  c.set("gamma_initializer", options_.gamma_initializer.name());
+  write_options(c, options_);
   return c;
 }
 
 LayerPtr<LayerNormalizationLayer> LayerNormalizationLayer::from_config(const Config& c) {
-  LayerNormalizationOptions l;
-  l.epsilon = c.get_double("epsilon");
-  l.center = c.get_bool("center");
-  l.scale = c.get_bool("scale");
-  l.beta_initializer = detail::initializer_from(c, "beta_initializer", l.beta_initializer);
-  l.gamma_initializer = detail::initializer_from(c, "gamma_initializer", l.gamma_initializer);
-  detail::set_common_options(l, c);
-  return LayerNormalization(std::move(l));
+  return LayerNormalization(read_options<LayerNormalizationOptions>(c));
 }
 
 LayerPtr<LayerNormalizationLayer> LayerNormalization(LayerNormalizationOptions options) {

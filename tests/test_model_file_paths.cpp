@@ -8,6 +8,8 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -392,6 +394,31 @@ TEST_CASE("weight paths: registration by class_name()", "[model-file]") {
              Contains("MIXTAPE_REGISTER_LAYER_AS(T, \"NoSuchClass\")"));
 }
 
+TEST_CASE(
+    "model files: every built-in layer, as written before configs were derived from the "
+    "options' field lists",
+    "[model-file]") {
+  // tests/fixtures/model_format_2/make_fixtures.cpp, run against main at 627c051.
+  const std::filesystem::path dir =
+      std::filesystem::path(MIXTAPE_TEST_FIXTURES_DIR) / "model_format_2";
+  const std::string file = (dir / "every_layer.safetensors").string();
+  auto model = mt::load_model(file);
+  const mt::SafetensorsFile io =
+      mt::load_safetensors((dir / "every_layer_io.safetensors").string());
+  const std::vector<mt::Tensor> y = (*model)({io.at("images"), io.at("ids"), io.at("feats")});
+  CHECK(max_rel_diff(y.front(), io.at("y")) < kFixtureTolerance);
+  const mt::SafetensorsFile weights = mt::load_safetensors(file);
+  for (const auto& w : ml::weight_paths(*model)) {
+    CAPTURE(w.path);
+    CHECK(same_bits(w.variable, weights.at("model/" + w.path)));
+  }
+  // Every layer's config comes back as that main wrote it: the same architecture, key for key.
+  std::ifstream in(dir / "every_layer.json");
+  const std::string json{std::istreambuf_iterator<char>(in), {}};
+  REQUIRE(!json.empty());
+  CHECK(model->to_json() == json);
+}
+
 TEST_CASE("weight paths: files of the earlier format", "[model-file]") {
   // Built-in layers only: the names were paths already; the optimizer's state comes back.
   auto builtin = mt::load_model(fixture("builtin.safetensors").string());
@@ -604,4 +631,91 @@ TEST_CASE("load_model: gradient accumulation comes back with the compile state",
     m->train_step(x, y);
   }
   CHECK(weight_bits(*loaded) == weight_bits(*model));
+}
+
+namespace {
+// Every field type mixtape/layers/options.h knows.
+struct AllKinds {
+  bool flag = false;
+  int axis = -1;
+  std::int64_t units = 3;
+  double rate = 0.5;
+  std::string mode = "a";
+  mt::Shape shape = {};
+  ml::Size2 window = 1;
+  mt::DType dtype_of_scores = mt::kFloat32;
+  mt::init::Initializer init = mt::init::zeros();
+  std::optional<ml::Size2> strides = {};
+  std::optional<std::int64_t> stop = {};
+  std::optional<std::uint64_t> seed = {};
+  std::optional<mt::DType> maybe_dtype = {};
+  std::optional<mt::Policy> dtype = {};
+  std::string name = {};
+  bool trainable = true;
+};
+MIXTAPE_OPTIONS(AllKinds, flag, axis, units, rate, mode, shape, window, dtype_of_scores, init,
+                strides, stop, seed, maybe_dtype);
+}  // namespace
+
+TEST_CASE("layer options described once: every field type to a config and back", "[model-file]") {
+  AllKinds a{.flag = true,
+             .axis = 2,
+             .units = 1LL << 40,
+             .rate = 0.125,
+             .mode = "same",
+             .shape = {2, 3},
+             .window = {3, 2},
+             .dtype_of_scores = mt::kBFloat16,
+             .init = mt::init::he_normal(),
+             .strides = ml::Size2(2),
+             .stop = -1,
+             .seed = std::uint64_t{1} << 63,
+             .maybe_dtype = mt::kFloat16,
+             .dtype = mt::Policy("mixed_float16"),
+             .name = "n",
+             .trainable = false};
+  ml::Config c;
+  c.set("name", a.name);
+  c.set("trainable", a.trainable);
+  c.set("dtype", a.dtype->name());
+  ml::write_options(c, a);
+  CHECK(c.get_ints("window") == std::vector<std::int64_t>{3, 2});
+  CHECK(c.get_string("init") == "he_normal");
+  CHECK(c.get_string("maybe_dtype") == "float16");
+  const AllKinds b = ml::read_options<AllKinds>(c);
+  CHECK(b.flag);
+  CHECK(b.axis == 2);
+  CHECK(b.units == (1LL << 40));
+  CHECK(b.rate == 0.125);
+  CHECK(b.mode == "same");
+  CHECK(b.shape == mt::Shape{2, 3});
+  CHECK((b.window.h == 3 && b.window.w == 2));
+  CHECK(b.dtype_of_scores == mt::kBFloat16);
+  CHECK(b.init.name() == "he_normal");
+  CHECK((b.strides && b.strides->h == 2 && b.strides->w == 2));
+  CHECK(b.stop == -1);
+  CHECK(b.seed == std::uint64_t{1} << 63);
+  CHECK(b.maybe_dtype == mt::kFloat16);
+  CHECK(b.dtype == mt::Policy("mixed_float16"));
+  CHECK(b.name == "n");
+  CHECK_FALSE(b.trainable);
+
+  // Empty optionals stay out of the config, and come back empty.
+  ml::Config d;
+  ml::write_options(d, AllKinds{});
+  CHECK_FALSE(d.has("strides"));
+  CHECK_FALSE(d.has("seed"));
+  const AllKinds e = ml::read_options<AllKinds>(d);
+  CHECK_FALSE(e.strides);
+  CHECK_FALSE(e.maybe_dtype);
+  // A missing plain field, a value of another kind, an int out of range: ValueError naming it.
+  ml::Config missing = d;
+  ml::Config copy;
+  for (const auto& [key, value] : missing.values())
+    if (key != "units") std::visit([&](const auto& v) { copy.set(key, v); }, value);
+  CHECK_THAT(error_of<mt::ValueError>([&] { ml::read_options<AllKinds>(copy); }),
+             Contains("units"));
+  d.set("axis", std::int64_t{1} << 40);
+  CHECK_THAT(error_of<mt::ValueError>([&] { ml::read_options<AllKinds>(d); }),
+             Contains("'axis' is 1099511627776, outside the range of an int"));
 }

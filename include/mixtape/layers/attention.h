@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/options.h"
 
 namespace mixtape::layers {
 
@@ -56,6 +57,8 @@ struct MultiHeadAttentionOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(MultiHeadAttentionOptions, value_dim, dropout, use_bias, output_shape,
+                use_causal_mask, scores_dtype, kernel_initializer, bias_initializer, seed);
 
 // What one attend() call may add to the inputs.
 struct AttentionCallOptions {
@@ -145,6 +148,7 @@ struct PositionEmbeddingOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(PositionEmbeddingOptions, initializer);
 
 // A learned embedding of positions: for an input [batch, T, D] it returns the first T rows
 // of its [sequence_length, D] table, broadcast to [batch, T, D] (add it to the token

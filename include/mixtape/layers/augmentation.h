@@ -19,6 +19,7 @@
 
 #include "mixtape/layers/config.h"
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/options.h"
 
 namespace mixtape::layers {
 
@@ -45,6 +46,7 @@ struct RandomTranslationOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(RandomTranslationOptions, fill_mode, fill_value, interpolation, seed);
 
 // Moves each image by a random number of rows and columns: the height factor's draw times
 // the height, rounded to whole pixels, and the same for columns. Positive moves go down
@@ -79,6 +81,7 @@ struct RandomFlipOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(RandomFlipOptions, seed);
 
 // Mirrors each image with probability 1/2 per direction: mode "horizontal" (left-right),
 // "vertical" (top-bottom) or "horizontal_and_vertical" (each drawn on its own); ValueError

@@ -11,6 +11,7 @@
 #include "mixtape/layers/activations.h"
 #include "mixtape/layers/initializers.h"
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/options.h"
 #include "mixtape/layers/size2.h"
 
 namespace mixtape::layers {
@@ -26,6 +27,8 @@ struct Conv2DOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(Conv2DOptions, strides, padding, activation, use_bias, kernel_initializer,
+                bias_initializer);
 
 // [n, h, w, c] -> [n, oh, ow, filters] with a [kh, kw, c, filters] kernel.
 class Conv2DLayer : public Layer {
@@ -58,6 +61,7 @@ struct PoolingOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(PoolingOptions, pool_size, strides, padding);
 
 // Max or average over windows of [n, h, w, c] (padded positions are ignored).
 class Pooling2DLayer : public Layer {

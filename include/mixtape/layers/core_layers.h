@@ -13,6 +13,7 @@
 #include "mixtape/layers/activations.h"
 #include "mixtape/layers/initializers.h"
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/options.h"
 
 namespace mixtape::layers {
 
@@ -60,6 +61,7 @@ struct DenseOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(DenseOptions, activation, use_bias, kernel_initializer, bias_initializer);
 
 // y = activation(x @ kernel + bias) over the last axis: [..., in] -> [..., units].
 class DenseLayer : public Layer {
@@ -141,6 +143,7 @@ struct SliceOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(SliceOptions, stop, squeeze);
 
 // x[start:stop] along `axis` of the input (not the batch axis 0; negative counts from the
 // last axis), start and stop counting from the end of the axis when negative, as Python's
@@ -172,6 +175,7 @@ struct DropoutOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(DropoutOptions, seed);
 
 // While training, zeroes each element with probability `rate` and scales the rest by
 // 1 / (1 - rate); the identity otherwise.
@@ -186,7 +190,7 @@ class DropoutLayer : public Layer {
 
  private:
   double rate_;
-  std::optional<std::uint64_t> seed_;
+  DropoutOptions options_;
   Generator generator_;
 };
 LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options = {});
@@ -199,6 +203,7 @@ struct EmbeddingOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(EmbeddingOptions, embeddings_initializer);
 
 // Integer ids [...] -> rows of a [input_dim, output_dim] table: [..., output_dim]. Floating
 // ids are truncated toward zero (as Keras casts them); ids outside [0, input_dim), NaN and

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/options.h"
 
 namespace mixtape::layers {
 
@@ -51,6 +52,7 @@ struct ConcatenateOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(ConcatenateOptions, axis);
 
 // Joins two or more inputs of one rank along `axis`; every other extent must be equal.
 class ConcatenateLayer : public Layer {
@@ -79,6 +81,7 @@ struct DotOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(DotOptions, normalize);
 
 // Per sample, the dot product of two inputs along one axis of each, as Keras' Dot (batch_dot):
 // `axes` is {a} for the same axis of both or {a, b}; axis 0 (the batch) cannot be one.

@@ -11,6 +11,7 @@
 
 #include "mixtape/layers/initializers.h"
 #include "mixtape/layers/layer.h"
+#include "mixtape/layers/options.h"
 
 namespace mixtape::layers {
 
@@ -28,6 +29,8 @@ struct BatchNormalizationOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(BatchNormalizationOptions, axis, momentum, epsilon, center, scale, beta_initializer,
+                gamma_initializer, moving_mean_initializer, moving_variance_initializer);
 
 // Training (a trainable layer called with {.training = true}): normalises with the batch's
 // mean and (biased) variance over every axis but `axis`, and moves the moving averages
@@ -67,6 +70,8 @@ struct LayerNormalizationOptions {
   std::string name = {};
   bool trainable = true;
 };
+MIXTAPE_OPTIONS(LayerNormalizationOptions, epsilon, center, scale, beta_initializer,
+                gamma_initializer);
 
 // Normalises each sample over its last axis: (x - mean) / sqrt(var + epsilon) * gamma + beta.
 class LayerNormalizationLayer : public Layer {
