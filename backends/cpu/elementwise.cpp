@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_util.h"
+#include "core/strided_layout.h"
 
 #ifdef MIXTAPE_WITH_LIBMVEC
 // glibc (2.35 and later) ships SIMD variants of erff and erfcf in libmvec (_ZGVbN4v_erff,
@@ -52,37 +53,11 @@ inline double erfc_of(double x) { return std::erfc(x); }
 
 // --- Strided iteration -----------------------------------------------------------------
 
-// The common geometry of K operands (operand 0 is the contiguous output): size-1 dims
-// dropped, and neighbours merged where every operand allows it.
+// The common geometry of K operands (operand 0 is the contiguous output), merged
+// (core/strided_layout.h).
 template <int K>
-struct Layout {
-  std::vector<int64_t> shape;
-  std::vector<std::array<int64_t, K>> strides;
-};
-
-template <int K>
-Layout<K> coalesce(const Shape& shape, const std::array<const Strides*, K>& st) {
-  Layout<K> l;
-  for (std::size_t d = 0; d < shape.rank(); ++d) {
-    if (shape[d] == 1) continue;
-    bool merge = !l.shape.empty();
-    for (int k = 0; k < K && merge; ++k) merge = l.strides.back()[k] == (*st[k])[d] * shape[d];
-    std::array<int64_t, K> s;
-    for (int k = 0; k < K; ++k) s[k] = (*st[k])[d];
-    if (merge) {
-      l.shape.back() *= shape[d];
-      l.strides.back() = s;
-    } else {
-      l.shape.push_back(shape[d]);
-      l.strides.push_back(s);
-    }
-  }
-  if (l.shape.empty()) {  // one element
-    l.shape.push_back(1);
-    l.strides.push_back({});
-  }
-  return l;
-}
+using Layout = detail::StridedLayout<K>;
+using detail::coalesce;
 
 // Calls body(offsets, inner_strides, len) for each chunk (at most kBlock elements of one
 // innermost row); offsets are the operands' element offsets of the chunk's first element.

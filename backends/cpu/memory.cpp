@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_util.h"
+#include "core/strided_layout.h"
 
 namespace mixtape::cpu {
 namespace {
@@ -102,32 +103,6 @@ elem_t<D> convert(elem_t<S> v) {
 
 // --- copy ------------------------------------------------------------------------------
 
-// A strided view's geometry with size-1 dimensions dropped and mergeable neighbours merged
-// (outer i and inner i+1 merge when stride[i] == stride[i+1] * shape[i+1]).
-struct Layout {
-  std::vector<int64_t> shape;
-  std::vector<int64_t> strides;
-};
-
-Layout coalesce(const Shape& shape, const Strides& strides) {
-  Layout l;
-  for (std::size_t d = 0; d < shape.rank(); ++d) {
-    if (shape[d] == 1) continue;
-    if (!l.shape.empty() && l.strides.back() == strides[d] * shape[d]) {
-      l.shape.back() *= shape[d];
-      l.strides.back() = strides[d];
-    } else {
-      l.shape.push_back(shape[d]);
-      l.strides.push_back(strides[d]);
-    }
-  }
-  if (l.shape.empty()) {  // a single element
-    l.shape.push_back(1);
-    l.strides.push_back(1);
-  }
-  return l;
-}
-
 // Parallel memcpy of n elements.
 template <typename T>
 void copy_flat(const T* src, T* dst, int64_t n) {
@@ -178,29 +153,30 @@ void copy_kernel(const Tensor& src, const Tensor& dst) {
   if (n == 0) return;
   const T* s = static_cast<const T*>(src.data_ptr());
   T* d = static_cast<T*>(dst.data_ptr());
-  const Layout l = coalesce(src.shape(), src.strides());
+  // The source's geometry, merged (core/strided_layout.h); its strides are l.strides[d][0].
+  const auto l = detail::coalesce<1>(src.shape(), {&src.strides()});
   const int r = static_cast<int>(l.shape.size());
-  if (r == 1 && l.strides[0] == 1) return copy_flat(s, d, n);
+  if (r == 1 && l.strides[0][0] == 1) return copy_flat(s, d, n);
 
   // Source offset of row `row` over the outer dims [0, dims).
   auto outer_offset = [&l](int64_t row, int dims) {
     int64_t off = 0;
     for (int k = dims - 1; k >= 0; --k) {
-      off += (row % l.shape[k]) * l.strides[k];
+      off += (row % l.shape[k]) * l.strides[k][0];
       row /= l.shape[k];
     }
     return off;
   };
 
   // A transpose-like innermost pair (the second-innermost dim is the contiguous one).
-  if (r >= 2 && l.strides[r - 2] == 1 && l.strides[r - 1] != 0 && l.shape[r - 1] >= 8) {
+  if (r >= 2 && l.strides[r - 2][0] == 1 && l.strides[r - 1][0] != 0 && l.shape[r - 1] >= 8) {
     const int64_t rows = l.shape[r - 2], cols = l.shape[r - 1];
-    return copy_transposed(s, d, n / (rows * cols), rows, cols, l.strides[r - 1],
+    return copy_transposed(s, d, n / (rows * cols), rows, cols, l.strides[r - 1][0],
                            [&](int64_t b) { return outer_offset(b, r - 2); });
   }
 
   // General: rows of the innermost dim; each thread walks its rows with a counter.
-  const int64_t inner = l.shape[r - 1], is = l.strides[r - 1];
+  const int64_t inner = l.shape[r - 1], is = l.strides[r - 1][0];
   const int64_t rows = n / inner;
   parallel_ranges(n, rows, [&](int64_t row0, int64_t row1) {
     std::vector<int64_t> idx(static_cast<std::size_t>(r - 1));
@@ -221,9 +197,9 @@ void copy_kernel(const Tensor& src, const Tensor& dst) {
         for (int64_t i = 0; i < inner; ++i) out[i] = in[i * is];
       }
       for (int k = r - 2; k >= 0; --k) {  // advance the outer counter
-        off += l.strides[k];
+        off += l.strides[k][0];
         if (++idx[k] < l.shape[k]) break;
-        off -= l.shape[k] * l.strides[k];
+        off -= l.shape[k] * l.strides[k][0];
         idx[k] = 0;
       }
     }

@@ -20,6 +20,7 @@
 
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
+#include "core/strided_layout.h"
 #include "mixtape/core/register_kernels.h"
 #include "mixtape/core/tensor.h"
 
@@ -230,49 +231,10 @@ __device__ __forceinline__ void strided_offsets(const StridedGeom<K>& g, std::in
   for (int k = 0; k < K; ++k) off[k] += static_cast<std::int64_t>(rem) * g.stride[k][0];
 }
 
-// The host-side merged geometry of K inputs over an output shape.
+// The host-side merged geometry of K inputs over an output shape (core/strided_layout.h).
 template <int K>
-struct Coalesced {
-  std::vector<std::int64_t> shape;
-  std::vector<std::array<std::int64_t, K>> strides;
-  // True when the inputs are all contiguous over the output (one dimension, stride 1).
-  bool contiguous() const {
-    if (shape.size() != 1) return false;
-    for (int k = 0; k < K; ++k)
-      if (strides[0][static_cast<std::size_t>(k)] != 1) return false;
-    return true;
-  }
-};
-
-// Size-1 dimensions dropped; neighbours merged where every input allows it (outer d and
-// inner d + 1 merge when stride[d] == stride[d + 1] * shape[d + 1] for each input).
-template <int K>
-Coalesced<K> coalesce(const Shape& shape, const std::array<const Strides*, K>& st) {
-  Coalesced<K> l;
-  for (std::size_t d = 0; d < shape.rank(); ++d) {
-    if (shape[d] == 1) continue;
-    std::array<std::int64_t, K> s{};
-    for (int k = 0; k < K; ++k)
-      s[static_cast<std::size_t>(k)] = (*st[static_cast<std::size_t>(k)])[d];
-    bool merge = !l.shape.empty();
-    for (int k = 0; k < K && merge; ++k) {
-      const auto kk = static_cast<std::size_t>(k);
-      merge = l.strides.back()[kk] == s[kk] * shape[d];
-    }
-    if (merge) {
-      l.shape.back() *= shape[d];
-      l.strides.back() = s;
-    } else {
-      l.shape.push_back(shape[d]);
-      l.strides.push_back(s);
-    }
-  }
-  if (l.shape.empty()) {  // one element (or a rank-0 tensor)
-    l.shape.push_back(1);
-    l.strides.push_back({});
-  }
-  return l;
-}
+using Coalesced = detail::StridedLayout<K>;
+using detail::coalesce;
 
 // Calls fn(geom, input_offsets, output_offset, count) for slices of at most kMaxDims
 // dimensions covering the whole geometry (one slice unless more than kMaxDims dimensions
