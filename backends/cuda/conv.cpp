@@ -71,6 +71,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
+#include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
@@ -87,19 +88,6 @@ using std::int64_t;
 enum class Direction { Forward = 0, BackwardData = 1, BackwardFilter = 2 };
 
 constexpr int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
-
-Elem elem_of(DType dt) {
-  switch (dt.code()) {
-    case DType::Float16:
-      return Elem::Float16;
-    case DType::BFloat16:
-      return Elem::BFloat16;
-    case DType::Float64:
-      return Elem::Float64;
-    default:
-      return Elem::Float32;
-  }
-}
 
 ConvShape shape_of(const Conv2dGeometry& g) {
   ConvShape s;

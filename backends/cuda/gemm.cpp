@@ -50,6 +50,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
+#include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
@@ -80,19 +81,6 @@ inline void check_cublas(cublasStatus_t status, const char* what, const char* fi
 constexpr std::size_t kMaxWorkspace = std::size_t{32} << 20;  // cuBLAS's recommendation (Hopper)
 constexpr int64_t kMaxBatchPerCall = 65535;
 constexpr int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
-
-Elem elem_of(DType dt) {
-  switch (dt.code()) {
-    case DType::Float16:
-      return Elem::Float16;
-    case DType::BFloat16:
-      return Elem::BFloat16;
-    case DType::Float64:
-      return Elem::Float64;
-    default:
-      return Elem::Float32;
-  }
-}
 
 // --- Geometry ------------------------------------------------------------------------------
 
