@@ -11,66 +11,35 @@
 #include <vector>
 
 #include "backends/cpu/cpu_backend.h"
+#include "core/block_cache.h"
 #include "core/env.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::cpu {
 namespace {
 
-// A caching allocator: freed blocks are kept, by size class, for the next allocation of
-// that class, so that a training loop that allocates the same tensors every step stops
-// paying for fresh pages (page faults and zeroing by the kernel) after its first step.
-// Size classes: multiples of 64 bytes up to 64 KiB, then eight classes per power of two
-// (at most 12.5% waste). At most limit_ bytes are kept (MIXTAPE_CPU_CACHE_MB megabytes,
-// 0 to 1048576, default 1024); beyond it freed blocks go back to the system.
-class BlockCache {
+// The caching allocator (core/block_cache.h): size classes of 64-byte multiples up to 64
+// KiB, then eight per power of two; at most MIXTAPE_CPU_CACHE_MB megabytes kept (0 to
+// 1048576, default 1024), read when the backend is registered, at the first tensor (a bad
+// value throws ValueError there, and registration is tried again on the next use). Beyond it
+// freed blocks go back to the system.
+class CpuCache {
  public:
-  // Reads MIXTAPE_CPU_CACHE_MB (when the backend is registered, at the first tensor): a bad
-  // value throws ValueError there, and registration is tried again on the next use.
-  BlockCache() : limit_(static_cast<std::size_t>(detail::env::kCpuCacheMb.read()) << 20) {}
-  ~BlockCache() { release_all(); }
-  BlockCache(const BlockCache&) = delete;
-  BlockCache& operator=(const BlockCache&) = delete;
-
-  static std::size_t size_class(std::size_t n) {
-    if (n <= (std::size_t{64} << 10)) return std::max<std::size_t>((n + 63) / 64 * 64, 64);
-    std::size_t p = std::size_t{1} << (63 - __builtin_clzll(n));  // the power of two <= n
-    const std::size_t step = p / 8;
-    return (n + step - 1) / step * step;
-  }
-
-  void* take(std::size_t cls) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = free_.find(cls);
-    if (it == free_.end() || it->second.empty()) return nullptr;
-    void* p = it->second.back();
-    it->second.pop_back();
-    kept_ -= cls;
-    return p;
-  }
-
-  // Keeps the block when there is room; false: the caller frees it.
-  bool give(void* p, std::size_t cls) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (kept_ + cls > limit_) return false;
-    free_[cls].push_back(p);
-    kept_ += cls;
-    return true;
-  }
-
+  CpuCache()
+      : blocks_(64, std::size_t{64} << 10,
+                static_cast<std::size_t>(detail::env::kCpuCacheMb.read()) << 20) {}
+  ~CpuCache() { release_all(); }
+  CpuCache(const CpuCache&) = delete;
+  CpuCache& operator=(const CpuCache&) = delete;
+  std::size_t size_class(std::size_t n) const { return blocks_.size_class(n); }
+  void* take(std::size_t cls) { return blocks_.take(0, cls); }
+  bool give(void* p, std::size_t cls) { return blocks_.give(0, cls, p); }
   void release_all() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [cls, blocks] : free_)
-      for (void* p : blocks) std::free(p);
-    free_.clear();
-    kept_ = 0;
+    blocks_.release(0, [] {}, [](void* p) { std::free(p); });
   }
 
  private:
-  std::mutex mutex_;
-  std::unordered_map<std::size_t, std::vector<void*>> free_;
-  std::size_t kept_ = 0;
-  std::size_t limit_;
+  detail::BlockCache blocks_;
 };
 
 class CpuBackend final : public Backend {
@@ -84,7 +53,7 @@ class CpuBackend final : public Backend {
     // that thread's OpenMP count follows the load (threads.cpp).
     apply_thread_count();
     // Aligned for 512-bit vector loads; a size of 0 still gets a unique pointer.
-    const std::size_t cls = BlockCache::size_class(nbytes);
+    const std::size_t cls = cache_.size_class(nbytes);
     if (void* p = cache_.take(cls)) return p;
     void* p = std::aligned_alloc(kAlignment, cls);
     if (!p) {
@@ -96,7 +65,7 @@ class CpuBackend final : public Backend {
   }
   void deallocate(void* ptr, std::size_t nbytes, int /*device_index*/) override {
     if (!ptr) return;
-    if (!cache_.give(ptr, BlockCache::size_class(nbytes))) std::free(ptr);
+    if (!cache_.give(ptr, cache_.size_class(nbytes))) std::free(ptr);
   }
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
             std::size_t nbytes) override {
@@ -112,7 +81,7 @@ class CpuBackend final : public Backend {
 
  private:
   static constexpr std::size_t kAlignment = 64;
-  BlockCache cache_;
+  CpuCache cache_;
 };
 
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
+#include "core/block_cache.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape {
@@ -36,57 +37,25 @@ std::vector<cudaStream_t>& streams() {
   return *s;
 }
 
-// Size classes as in the CPU backend's cache: 512-byte multiples up to 1 MiB, then eight
-// classes per power of two.
-std::size_t size_class(std::size_t n) {
-  if (n <= (std::size_t{1} << 20)) return std::max<std::size_t>((n + 511) / 512 * 512, 512);
-  const std::size_t p = std::size_t{1} << (63 - __builtin_clzll(n));
-  const std::size_t step = p / 8;
-  return (n + step - 1) / step * step;
-}
-
-// Freed device blocks by (device, size class). Blocks are only reused on the device's own
-// stream, in stream order, so a block freed while a kernel still reads it is safe to hand
+// Freed device blocks by (device, size class) (core/block_cache.h): 512-byte multiples up to 1
+// MiB, then eight classes per power of two; no limit. Blocks are only reused on the device's
+// own stream, in stream order, so a block freed while a kernel still reads it is safe to hand
 // out again: the next user's kernels queue behind that kernel.
 class DeviceCache {
  public:
-  void* take(int device, std::size_t cls) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& list = free_[key(device, cls)];
-    if (list.empty()) return nullptr;
-    void* p = list.back();
-    list.pop_back();
-    cached_[static_cast<std::size_t>(device)] -= cls;
-    return p;
-  }
-  void give(int device, std::size_t cls, void* p) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_[key(device, cls)].push_back(p);
-    if (cached_.size() <= static_cast<std::size_t>(device))
-      cached_.resize(static_cast<std::size_t>(device) + 1, 0);
-    cached_[static_cast<std::size_t>(device)] += cls;
-  }
+  std::size_t size_class(std::size_t n) const { return blocks_.size_class(n); }
+  void* take(int device, std::size_t cls) { return blocks_.take(device, cls); }
+  void give(int device, std::size_t cls, void* p) { blocks_.give(device, cls, p); }
   // Frees every cached block of `device` (after its stream is idle).
   void release(int device) {
-    std::lock_guard<std::mutex> lock(mutex_);
     DeviceGuard guard(device);
-    MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device)));
-    for (auto& [k, list] : free_) {
-      if (static_cast<int>(k >> 56) != device) continue;
-      for (void* p : list) MIXTAPE_CUDA_CHECK(cudaFree(p));
-      list.clear();
-    }
-    if (static_cast<std::size_t>(device) < cached_.size())
-      cached_[static_cast<std::size_t>(device)] = 0;
+    blocks_.release(
+        device, [&] { MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device))); },
+        [](void* p) { MIXTAPE_CUDA_CHECK(cudaFree(p)); });
   }
 
  private:
-  static std::uint64_t key(int device, std::size_t cls) {
-    return (static_cast<std::uint64_t>(device) << 56) | static_cast<std::uint64_t>(cls);
-  }
-  std::mutex mutex_;
-  std::unordered_map<std::uint64_t, std::vector<void*>> free_;
-  std::vector<std::size_t> cached_;
+  detail::BlockCache blocks_{512, std::size_t{1} << 20};
 };
 
 DeviceCache& cache() {
@@ -221,7 +190,7 @@ class CudaBackend final : public Backend {
 
   void* allocate(std::size_t nbytes, int device_index) override {
     check_index(device_index);
-    const std::size_t cls = size_class(nbytes);
+    const std::size_t cls = cache().size_class(nbytes);
     if (void* p = cache().take(device_index, cls)) return p;
     DeviceGuard guard(device_index);
     void* p = nullptr;
@@ -244,7 +213,7 @@ class CudaBackend final : public Backend {
   }
 
   void deallocate(void* ptr, std::size_t nbytes, int device_index) override {
-    if (ptr) cache().give(device_index, size_class(nbytes), ptr);
+    if (ptr) cache().give(device_index, cache().size_class(nbytes), ptr);
   }
 
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
