@@ -22,7 +22,7 @@
 #include "mixtape/core/backend.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
-#include "mixtape/layers/trace.h"
+#include "mixtape/layers/trace_record.h"
 
 namespace mixtape::layers {
 

@@ -43,6 +43,7 @@
 #include "mixtape/layers/normalization.h"
 #include "mixtape/layers/size2.h"
 #include "mixtape/layers/trace.h"
+#include "mixtape/layers/trace_record.h"
 #include "mixtape/onnx/export.h"
 #include "mixtape/optim/chain.h"
 #include "mixtape/optim/distributed_optimizer.h"
