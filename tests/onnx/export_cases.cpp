@@ -192,11 +192,13 @@ std::shared_ptr<mt::Model> merge_model() {
                                      std::vector<ml::SymbolicTensor>{out});
 }
 
-// Conv2D (valid and same, strides, an activation over the channels), the pools,
+// The augmentations, Conv2D (valid and same, strides, an activation over the channels), the pools,
 // BatchNormalization on the channels and on another axis, global average pooling.
 std::shared_ptr<mt::Model> image_model() {
   auto x = ml::Input({11, 10, 3}, {.name = "images"});
-  auto h = ml::Conv2D(6, 3, {.strides = 2, .padding = "same", .activation = "relu"})(x);
+  // The augmentations: identities at inference.
+  auto a = ml::RandomTranslation(0.1, 0.1)(ml::RandomFlip("horizontal")(x));
+  auto h = ml::Conv2D(6, 3, {.strides = 2, .padding = "same", .activation = "relu"})(a);
   h = ml::BatchNormalization()(h);
   h = ml::Conv2D(5, {2, 3}, {.padding = "valid", .use_bias = false})(h);
   h = ml::BatchNormalization({.axis = 1, .center = false})(h);
@@ -240,7 +242,20 @@ std::shared_ptr<mt::Model> nested_model() {
   return std::make_shared<mt::Model>(x, out);
 }
 
+// Every layer class this program knows (the built-in ones: it registers none of its own) has an
+// ONNX exporter: a new built-in layer without one fails here.
+void check_coverage() {
+  std::string missing;
+  for (const std::string& cls : ml::registered_layers())
+    if (!mt::has_onnx_exporter(cls)) missing += (missing.empty() ? "" : ", ") + cls;
+  if (!missing.empty())
+    throw mt::ValueError("built-in layer classes without an ONNX exporter: " + missing);
+  fmt::print("all {} built-in layer classes have an ONNX exporter\n",
+             ml::registered_layers().size());
+}
+
 void layer_cases(const fs::path& dir) {
+  check_coverage();
   struct Made {
     std::string name;
     std::shared_ptr<mt::Model> (*make)();
