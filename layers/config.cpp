@@ -1,21 +1,13 @@
-// Layer configs and the registry of layer classes (mixtape/layers/config.h).
+// Layer configs (mixtape/layers/config.h) and the codecs of described options
+// (mixtape/layers/options.h). The registry of layer classes is layers/registry.cpp.
 #include "mixtape/layers/config.h"
-
-#include <cxxabi.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
-#include <mutex>
 
 #include "layers/config_util.h"
-#include "mixtape/layers/attention.h"
-#include "mixtape/layers/augmentation.h"
-#include "mixtape/layers/conv_layers.h"
-#include "mixtape/layers/core_layers.h"
 #include "mixtape/layers/layer.h"
-#include "mixtape/layers/merge.h"
-#include "mixtape/layers/normalization.h"
 
 namespace mixtape::layers {
 
@@ -73,134 +65,7 @@ LayerOptions Config::layer_options() const {
   return o;
 }
 
-// --- The registry -------------------------------------------------------------------------
-
-namespace {
-
-std::mutex g_registry_mutex;
-
-// The built-in layers, registered on first use (a static library drops registrations in
-// object files nothing refers to, so they are listed here rather than next to each class).
-std::map<std::string, LayerFactory>& registry() {
-  static std::map<std::string, LayerFactory> r = [] {
-    std::map<std::string, LayerFactory> m;
-    m["Dense"] = &DenseLayer::from_config;
-    m["Activation"] = &ActivationLayer::from_config;
-    m["Flatten"] = &FlattenLayer::from_config;
-    m["Reshape"] = &ReshapeLayer::from_config;
-    m["Slice"] = &SliceLayer::from_config;
-    m["Dropout"] = &DropoutLayer::from_config;
-    m["Embedding"] = &EmbeddingLayer::from_config;
-    m["Conv2D"] = &Conv2DLayer::from_config;
-    m["MaxPooling2D"] = [](const Config& c) {
-      return Pooling2DLayer::from_config(Pooling2DLayer::Kind::Max, c);
-    };
-    m["AveragePooling2D"] = [](const Config& c) {
-      return Pooling2DLayer::from_config(Pooling2DLayer::Kind::Average, c);
-    };
-    m["GlobalAveragePooling2D"] = &GlobalAveragePooling2DLayer::from_config;
-    m["BatchNormalization"] = &BatchNormalizationLayer::from_config;
-    m["LayerNormalization"] = &LayerNormalizationLayer::from_config;
-    using K = ElementwiseMergeLayer::Kind;
-    for (const auto& [name, kind] :
-         std::vector<std::pair<const char*, K>>{{"Add", K::Add},
-                                                {"Subtract", K::Subtract},
-                                                {"Multiply", K::Multiply},
-                                                {"Average", K::Average},
-                                                {"Maximum", K::Maximum},
-                                                {"Minimum", K::Minimum}})
-      m[name] = [kind = kind](const Config& c) {
-        return ElementwiseMergeLayer::from_config(kind, c);
-      };
-    m["Concatenate"] = &ConcatenateLayer::from_config;
-    m["Dot"] = &DotLayer::from_config;
-    m["MultiHeadAttention"] = &MultiHeadAttentionLayer::from_config;
-    m["PositionEmbedding"] = &PositionEmbeddingLayer::from_config;
-    m["RandomTranslation"] = &RandomTranslationLayer::from_config;
-    m["RandomFlip"] = &RandomFlipLayer::from_config;
-    return m;
-  }();
-  return r;
-}
-
-// C++ type name -> the class name it was registered under (MIXTAPE_REGISTER_LAYER(_AS)).
-std::map<std::string, std::string>& registered_types() {
-  static std::map<std::string, std::string> r;
-  return r;
-}
-
-std::string registered_list() {
-  std::string out;
-  for (const auto& [k, v] : registry()) out += (out.empty() ? "" : ", ") + k;
-  return out;
-}
-
-}  // namespace
-
-void register_layer(const std::string& class_name, LayerFactory factory) {
-  std::lock_guard<std::mutex> lock(g_registry_mutex);
-  if (class_name.empty() || !factory)
-    throw ValueError("register_layer: needs a class name and a factory");
-  if (!registry().emplace(class_name, std::move(factory)).second)
-    throw ValueError(
-        fmt::format("register_layer: a layer class '{}' is registered already", class_name));
-}
-
-std::shared_ptr<Layer> layer_from_config(const std::string& class_name, const Config& config) {
-  LayerFactory factory;
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mutex);
-    auto it = registry().find(class_name);
-    if (it == registry().end())
-      throw ValueError(fmt::format(
-          "unknown layer class '{}': register the class whose class_name() is '{}' with "
-          "MIXTAPE_REGISTER_LAYER(T) (under T's C++ name) or MIXTAPE_REGISTER_LAYER_AS(T, "
-          "\"{}\") (under another name), and give it get_config and a static from_config; "
-          "registered: {}",
-          class_name, class_name, class_name, registered_list()));
-    factory = it->second;
-  }
-  const std::string name = config.has("name") ? config.get_string("name") : std::string("?");
-  try {
-    std::shared_ptr<Layer> layer = factory(config);
-    if (!layer) throw ValueError("from_config returned no layer");
-    if (layer->class_name() != class_name)
-      throw ValueError(fmt::format("from_config made a layer of class '{}'", layer->class_name()));
-    return layer;
-  } catch (const Error& e) {
-    throw ValueError(fmt::format("layer '{}' ({}): cannot be made from its config: {}", name,
-                                 class_name, e.what()));
-  }
-}
-
-std::vector<std::string> registered_layers() {
-  std::lock_guard<std::mutex> lock(g_registry_mutex);
-  std::vector<std::string> out;
-  for (const auto& [k, v] : registry()) out.push_back(k);
-  return out;
-}
-
 namespace detail {
-
-void note_registered_type(const std::type_info& type, const std::string& class_name) {
-  std::lock_guard<std::mutex> lock(g_registry_mutex);
-  registered_types()[type.name()] = class_name;
-}
-
-std::string registered_name_of(const std::type_info& type) {
-  std::lock_guard<std::mutex> lock(g_registry_mutex);
-  auto it = registered_types().find(type.name());
-  return it == registered_types().end() ? std::string() : it->second;
-}
-
-std::string class_name_of(const std::type_info& type) {
-  int status = 0;
-  char* raw = abi::__cxa_demangle(type.name(), nullptr, nullptr, &status);
-  std::string full = status == 0 && raw ? raw : type.name();
-  std::free(raw);
-  const auto colon = full.rfind("::");
-  return colon == std::string::npos ? full : full.substr(colon + 2);
-}
 
 init::Initializer initializer_from(const Config& c, const std::string& key,
                                    init::Initializer fallback) {
