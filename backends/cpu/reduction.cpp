@@ -145,6 +145,40 @@ typename R::Acc row_span(const T* x, int64_t len, int64_t j0) {
   }
 }
 
+// One task of reduce_kernel: rows [j0, j1) of the columns [c0, c0 + nc) (nc <= kCols) of a
+// slab of rows `inner` wide, reduced into dst[0 .. nc).
+template <typename T, typename R>
+void reduce_tile(const T* slab, int64_t inner, int64_t j0, int64_t j1, int64_t c0, int64_t nc,
+                 typename R::Acc* dst) {
+  typename R::Acc acc[kCols];
+  for (int64_t c = 0; c < nc; ++c) acc[c] = R::init();
+  if constexpr (kReduced<T>) {
+    // Whole rows (nc == inner) lie next to each other: convert up to a buffer of them at
+    // once (a bias gradient's rows are 32 or 64 wide; one conversion call per row cost
+    // three times the float32 reduction). Same additions, same order.
+    const int64_t rows_per_buf = nc == inner ? std::max<int64_t>(1, kCols / inner) : 1;
+    float buf[kCols];
+    for (int64_t j = j0; j < j1; j += rows_per_buf) {
+      const int64_t jr = std::min(j1, j + rows_per_buf);
+      if (nc == inner) {
+        to_float(slab + j * inner, buf, (jr - j) * inner);
+      } else {
+        to_float(slab + j * inner + c0, buf, nc);
+      }
+      for (int64_t r = j; r < jr; ++r) {
+        const float* b = buf + (r - j) * nc;
+        for (int64_t c = 0; c < nc; ++c) R::add(acc[c], b[c], r);
+      }
+    }
+  } else {
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* row = slab + j * inner + c0;
+      for (int64_t c = 0; c < nc; ++c) R::add(acc[c], row[c], j);
+    }
+  }
+  std::copy(acc, acc + nc, dst);
+}
+
 // T: x's storage type; R: the reducer (on the compute type); O: out's storage type.
 template <typename T, template <typename> class RT, typename O = T>
 void reduce_kernel(const Tensor& x, int64_t outer, int64_t n, int64_t inner, const Tensor& out) {
@@ -183,34 +217,8 @@ void reduce_kernel(const Tensor& x, int64_t outer, int64_t n, int64_t inner, con
       dst[0] = row_span<R>(xp + o * n + j0, j1 - j0, j0);
       continue;
     }
-    const int64_t c0 = cb * cols, nc = std::min(cols, inner - c0);
-    Acc acc[kCols];
-    for (int64_t c = 0; c < nc; ++c) acc[c] = R::init();
-    if constexpr (kReduced<T>) {
-      // Whole rows (nc == inner) lie next to each other: convert up to a buffer of them at
-      // once (a bias gradient's rows are 32 or 64 wide; one conversion call per row cost
-      // three times the float32 reduction). Same additions, same order.
-      const int64_t rows_per_buf = nc == inner ? std::max<int64_t>(1, kCols / inner) : 1;
-      float buf[kCols];
-      for (int64_t j = j0; j < j1; j += rows_per_buf) {
-        const int64_t jr = std::min(j1, j + rows_per_buf);
-        if (nc == inner) {
-          to_float(xp + (o * n + j) * inner, buf, (jr - j) * inner);
-        } else {
-          to_float(xp + (o * n + j) * inner + c0, buf, nc);
-        }
-        for (int64_t r = j; r < jr; ++r) {
-          const float* b = buf + (r - j) * nc;
-          for (int64_t c = 0; c < nc; ++c) R::add(acc[c], b[c], r);
-        }
-      }
-    } else {
-      for (int64_t j = j0; j < j1; ++j) {
-        const T* row = xp + (o * n + j) * inner + c0;
-        for (int64_t c = 0; c < nc; ++c) R::add(acc[c], row[c], j);
-      }
-    }
-    std::copy(acc, acc + nc, dst + c0);
+    const int64_t c0 = cb * cols;
+    reduce_tile<T, R>(xp + o * n * inner, inner, j0, j1, c0, std::min(cols, inner - c0), dst + c0);
   }
 
   // Combine the row blocks in order and store, a block of outputs at a time.
