@@ -79,40 +79,27 @@ Tensor scaled_matmul(const Tensor& a, const Tensor& b_t, const Tensor& scale_a,
   return scaled_matmul_impl(a, b_t, scale_a, scale_b, options, /*check_host_scales=*/true);
 }
 
-Float8Quantized quantize_float8(const Tensor& x, DType dtype) {
-  const char* name = "quantize_float8";
-  detail::check_inputs(name, {x});
-  if (!dtype.is_float8())
-    throw DTypeError(
-        fmt::format("{}: the target must be float8_e4m3fn or float8_e5m2; got {}", name, dtype));
-  if (!x.dtype().is_floating())
-    throw DTypeError(fmt::format("{}: x must be floating; got {}", name, detail::describe({x})));
-  NoGradGuard no_grad;
-  const double max = dtype == kFloat8E4M3FN ? float8_e4m3fn::max() : float8_e5m2::max();
-  const Tensor wide = cast(x, kFloat32);
-  const Tensor amax =
-      reshape(x.numel() > 0 ? mixtape::max(abs(wide)) : zeros({}, kFloat32, x.device()), Shape{1});
-  // The factor into the format's range: max / amax, 1 for an all-zero tensor.
-  const Tensor positive = greater(amax, zeros_like(amax));
-  const Tensor factor = where(positive, full_like(amax, max) / amax, ones_like(amax));
-  return {cast(wide * factor, dtype), 1.0 / factor, amax};
-}
+namespace {
 
-Float8Quantized quantize_float8(const Tensor& x, DType dtype, const Tensor& history, int margin,
-                                bool update) {
+// quantize_float8's two forms: the factor into the format's range is max_of(dtype) /
+// reference / 2^margin, 1 for a zero reference; the reference is this step's amax, or with
+// a history its largest amax (this step's while it is all zero), the step's amax then rolled
+// in when `update`.
+Float8Quantized quantize(const Tensor& x, DType dtype, const Tensor* history, int margin,
+                         bool update) {
   const char* name = "quantize_float8";
-  detail::check_inputs(name, {x, history});
+  detail::check_inputs(name, history ? std::vector<Tensor>{x, *history} : std::vector<Tensor>{x});
   if (!dtype.is_float8())
     throw DTypeError(
         fmt::format("{}: the target must be float8_e4m3fn or float8_e5m2; got {}", name, dtype));
   if (!x.dtype().is_floating())
     throw DTypeError(fmt::format("{}: x must be floating; got {}", name, detail::describe({x})));
-  if (history.dtype() != kFloat32 || history.rank() != 1 || history.numel() < 1 ||
-      history.device() != x.device() || !history.is_contiguous())
+  if (history && (history->dtype() != kFloat32 || history->rank() != 1 || history->numel() < 1 ||
+                  history->device() != x.device() || !history->is_contiguous()))
     throw ValueError(fmt::format(
         "{}: the amax history must be a contiguous float32 vector of at least one element on x's "
         "device; got {}",
-        name, detail::describe({x, history})));
+        name, detail::describe({x, *history})));
   if (margin < 0 || margin > 64)
     throw ValueError(fmt::format("{}: the margin must be in [0, 64]; got {}", name, margin));
   NoGradGuard no_grad;
@@ -120,21 +107,35 @@ Float8Quantized quantize_float8(const Tensor& x, DType dtype, const Tensor& hist
   const Tensor wide = cast(x, kFloat32);
   const Tensor amax =
       reshape(x.numel() > 0 ? mixtape::max(abs(wide)) : zeros({}, kFloat32, x.device()), Shape{1});
-  const Tensor recorded = reshape(mixtape::max(history), Shape{1});
   const Tensor zero = zeros_like(amax);
-  const Tensor reference = where(greater(recorded, zero), recorded, amax);
+  Tensor reference = amax;
+  if (history) {
+    const Tensor recorded = reshape(mixtape::max(*history), Shape{1});
+    reference = where(greater(recorded, zero), recorded, amax);
+  }
   const Tensor factor =
       where(greater(reference, zero), full_like(amax, std::ldexp(max, -margin)) / reference,
             ones_like(amax));
   Float8Quantized q{cast(wide * factor, dtype), 1.0 / factor, amax};
-  if (update) {
+  if (history && update) {
     // Newest first: [amax, history[0], ..., history[length - 2]], written over the history.
-    const std::int64_t length = history.numel();
+    const std::int64_t length = history->numel();
     const Tensor rolled =
-        detail::contiguous_raw(concat({amax, history.slice(0, 0, length - 1)}, 0));
-    find_kernel<kernels::CopyFn>(OpId::copy, history.device().type(), kFloat32)(rolled, history);
+        detail::contiguous_raw(concat({amax, history->slice(0, 0, length - 1)}, 0));
+    find_kernel<kernels::CopyFn>(OpId::copy, history->device().type(), kFloat32)(rolled, *history);
   }
   return q;
+}
+
+}  // namespace
+
+Float8Quantized quantize_float8(const Tensor& x, DType dtype) {
+  return quantize(x, dtype, nullptr, 0, false);
+}
+
+Float8Quantized quantize_float8(const Tensor& x, DType dtype, const Tensor& history, int margin,
+                                bool update) {
+  return quantize(x, dtype, &history, margin, update);
 }
 
 namespace {

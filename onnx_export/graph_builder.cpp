@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <onnx/defs/data_type_utils.h>
 #include <onnx/defs/schema.h>
 
 #include <algorithm>
@@ -46,28 +47,11 @@ int onnx_type(DType dtype, const std::string& what) {
 
 namespace {
 
-// "tensor(float16)": how ONNX's schemas name a tensor type.
+// "tensor(float16)": how ONNX's schemas name a tensor type (ONNX's own name of the element
+// type; empty for a dtype opset 17 cannot hold).
 std::string schema_type(DType dtype) {
-  switch (dtype.code()) {
-    case DType::Float32:
-      return "tensor(float)";
-    case DType::Float16:
-      return "tensor(float16)";
-    case DType::BFloat16:
-      return "tensor(bfloat16)";
-    case DType::Float64:
-      return "tensor(double)";
-    case DType::Int32:
-      return "tensor(int32)";
-    case DType::Int64:
-      return "tensor(int64)";
-    case DType::UInt8:
-      return "tensor(uint8)";
-    case DType::Bool:
-      return "tensor(bool)";
-    default:
-      return "";
-  }
+  if (dtype.is_float8()) return "";
+  return "tensor(" + ::onnx::Utils::DataTypeUtils::ToDataTypeString(onnx_type(dtype, "")) + ")";
 }
 
 const ::onnx::OpSchema& schema_of(const std::string& op_type) {

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "error_of.h"
@@ -23,6 +24,16 @@ using Catch::Matchers::Contains;
 using mixtape_test::error_of;
 
 namespace {
+
+// n samples of four separable blobs in 16 dimensions (labels i % 4), drawn after seed 5.
+std::pair<mt::Tensor, mt::Tensor> blobs(std::int64_t n) {
+  mt::manual_seed(5);
+  const mt::Tensor centers = mt::normal({4, 16}) * 3.0;
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) labels[static_cast<std::size_t>(i)] = i % 4;
+  const mt::Tensor y = mt::from_vector(labels, {n});
+  return {mt::take(centers, y, 0) + mt::normal({n, 16}), y};
+}
 
 // A format as the specification defines it.
 struct Spec {
@@ -495,14 +506,7 @@ TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in fl
   CHECK_FALSE(mt::Policy("mixed_float8").loss_scale());
   CHECK_FALSE(mt::Policy("mixed_bfloat16").float8_matmuls());
 
-  // Two separable blobs of 4 classes in 16 dimensions.
-  mt::manual_seed(5);
-  const std::int64_t n = 1024;
-  const mt::Tensor centers = mt::normal({4, 16}) * 3.0;
-  std::vector<std::int64_t> labels(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) labels[static_cast<std::size_t>(i)] = i % 4;
-  const mt::Tensor y = mt::from_vector(labels, {n});
-  const mt::Tensor x = mt::take(centers, y, 0) + mt::normal({n, 16});
+  const auto [x, y] = blobs(1024);
 
   mt::PolicyScope scope("mixed_float8");
   mt::Sequential model({ml::Dense(64, {.activation = "relu"}),
@@ -633,13 +637,7 @@ TEST_CASE(
 
 TEST_CASE("float8: mixed_float8_delayed trains, keeps its histories as weights, saves them",
           "[float8]") {
-  mt::manual_seed(5);
-  const std::int64_t n = 512;
-  const mt::Tensor centers = mt::normal({4, 16}) * 3.0;
-  std::vector<std::int64_t> labels(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) labels[static_cast<std::size_t>(i)] = i % 4;
-  const mt::Tensor y = mt::from_vector(labels, {n});
-  const mt::Tensor x = mt::take(centers, y, 0) + mt::normal({n, 16});
+  const auto [x, y] = blobs(512);
 
   const mt::Policy policy("mixed_float8", {.kind = mt::Float8Scaling::Kind::Delayed, .history = 8});
   mt::PolicyScope scope(policy);
