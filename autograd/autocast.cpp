@@ -33,7 +33,7 @@ bool keeps_copy(DType from, DType to) {
 }
 
 // Whether `c` is `v` rounded to `to` as v is now: made from v's storage, and nothing has
-// touched that storage since (Storage::version counts every access).
+// written to that storage since (Storage::version counts every writer's access).
 bool current(const VariableInfo::AutocastCopy& c, const Tensor& v, DType to) {
   return c.copy && c.copy->dtype == to && c.copy->shape == v.shape() &&
          c.source.lock() == v.storage() && v.storage()->version() == c.version;
@@ -56,7 +56,7 @@ Tensor autocast(const Tensor& t) {
       copy = Tensor(kept.copy);
     } else {
       copy = detail::cast_raw(t, to);
-      // Read after the cast, whose own read of the variable advanced the version.
+      // (The cast reads the variable through the read accessor: the version stays.)
       kept = {copy.impl_ptr(), t.storage(), t.storage()->version()};
     }
   }

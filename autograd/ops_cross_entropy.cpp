@@ -32,7 +32,7 @@ Tensor softmax_cross_entropy(const Tensor& logits_in, const Tensor& labels_in) {
   const std::int64_t c = logits.dim(-1), n = labels_in.numel();
   const Tensor labels = detail::contiguous_raw(reshape(labels_in, Shape{n}));
   if (labels.device().is_cpu() && n > 0) {
-    const auto* p = static_cast<const std::int64_t*>(labels.data_ptr());
+    const auto* p = static_cast<const std::int64_t*>(labels.const_data_ptr());
     for (std::int64_t i = 0; i < n; ++i)
       if (p[i] < 0 || p[i] >= c)
         throw IndexError(

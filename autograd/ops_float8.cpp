@@ -42,7 +42,7 @@ Tensor scaled_matmul_impl(const Tensor& a_in, const Tensor& b_in, const Tensor& 
   // is not read back: its product follows IEEE arithmetic, docs/dtypes.md).
   for (const Tensor* s : {&scale_a, &scale_b})
     if (check_host_scales && s->device().is_cpu()) {
-      const float v = *static_cast<const float*>(s->data_ptr());
+      const float v = *static_cast<const float*>(s->const_data_ptr());
       if (!(v > 0.0f) || !std::isfinite(v))
         throw ValueError(
             fmt::format("{}: {} is {}; a dequantisation scale must be positive and finite", name,

@@ -31,9 +31,9 @@ Tensor checked_indices(const char* op, const Tensor& index, std::int64_t n, cons
     Backend& backend = backend_for(idx.device().type());
     const int dev = idx.device().index();
     std::shared_ptr<PendingRead> read_lo =
-        backend.read_back(lo.data_ptr(), dev, sizeof(std::int64_t));
+        backend.read_back(lo.const_data_ptr(), dev, sizeof(std::int64_t));
     std::shared_ptr<PendingRead> read_hi =
-        backend.read_back(hi.data_ptr(), dev, sizeof(std::int64_t));
+        backend.read_back(hi.const_data_ptr(), dev, sizeof(std::int64_t));
     detail::defer_check(
         [read_lo, read_hi] { return read_lo->ready() && read_hi->ready(); },
         [read_lo, read_hi, n, op = std::string(op), what = detail::describe({x, index})] {
@@ -48,7 +48,7 @@ Tensor checked_indices(const char* op, const Tensor& index, std::int64_t n, cons
         });
     return idx;
   }
-  const auto* p = idx.data<std::int64_t>();
+  const auto* p = idx.const_data<std::int64_t>();
   for (std::int64_t i = 0; i < idx.numel(); ++i)
     if (p[i] < 0 || p[i] >= n)
       throw IndexError(fmt::format("{}: index {} is out of range [0, {}) (at flat position {}; {})",

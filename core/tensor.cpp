@@ -110,7 +110,12 @@ bool Tensor::is_contiguous() const {
 }
 
 void* Tensor::data_ptr() const {
-  return static_cast<char*>(storage()->data()) +
+  return static_cast<char*>(storage()->mutable_data()) +
+         offset() * static_cast<std::int64_t>(dtype().itemsize());
+}
+
+const void* Tensor::const_data_ptr() const {
+  return static_cast<const char*>(storage()->data()) +
          offset() * static_cast<std::int64_t>(dtype().itemsize());
 }
 
@@ -154,7 +159,8 @@ Tensor to_device_raw(const Tensor& t, Device device) {
   if (!t.device().is_cpu() && !device.is_cpu() && t.device().type() != device.type())
     throw DeviceError(
         fmt::format("to({}): no direct copy from {}", device.str(), t.device().str()));
-  backend_for(other.type()).copy(out.data_ptr(), device, src.data_ptr(), t.device(), t.nbytes());
+  backend_for(other.type())
+      .copy(out.data_ptr(), device, src.const_data_ptr(), t.device(), t.nbytes());
   if (device.is_cpu()) run_deferred_checks();  // the device got here: their reads are done
   return out;
 }
@@ -283,7 +289,7 @@ std::vector<std::uint8_t> host_bytes(const Tensor& t) {
   } catch (const std::bad_alloc&) {
     throw_out_of_memory("host_bytes", c.nbytes(), Device::cpu());
   }
-  if (!out.empty()) std::memcpy(out.data(), c.data_ptr(), out.size());
+  if (!out.empty()) std::memcpy(out.data(), c.const_data_ptr(), out.size());
   return out;
 }
 

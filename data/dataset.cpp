@@ -206,7 +206,7 @@ Tensor gather_rows(const Tensor& x, const std::vector<std::int64_t>& indices,
   Tensor out = Tensor::empty(Shape(dims), x.dtype(), x.device());
   const std::size_t row_bytes =
       x.dim(0) == 0 ? 0 : static_cast<std::size_t>(x.numel() / x.dim(0)) * x.dtype().itemsize();
-  const auto* src = static_cast<const std::uint8_t*>(x.data_ptr());  // x is contiguous
+  const auto* src = static_cast<const std::uint8_t*>(x.const_data_ptr());  // x is contiguous
   auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
   for (std::size_t i = 0; i < indices.size(); ++i) {
     if (indices[i] < 0 || indices[i] >= x.dim(0))

@@ -845,11 +845,11 @@ Tensor read_labels(const Spec& spec, const fs::path& path, std::int64_t max_exam
   };
   const auto n = static_cast<std::size_t>(t.numel());
   if (t.dtype() == kUInt8) {
-    const auto* p = t.data<std::uint8_t>();
+    const auto* p = t.const_data<std::uint8_t>();
     for (std::size_t i = 0; i < n; ++i)
       if (p[i] > 9) refuse(p[i], i);
   } else {
-    const auto* p = t.data<std::int32_t>();
+    const auto* p = t.const_data<std::int32_t>();
     for (std::size_t i = 0; i < n; ++i)
       if (p[i] < 0 || p[i] > 9) refuse(p[i], i);
   }
@@ -876,10 +876,10 @@ Tensor to_int64(const Tensor& labels) {
   auto* o = out.data<std::int64_t>();
   const auto n = static_cast<std::size_t>(labels.numel());
   if (labels.dtype() == kUInt8) {
-    const auto* p = labels.data<std::uint8_t>();
+    const auto* p = labels.const_data<std::uint8_t>();
     for (std::size_t i = 0; i < n; ++i) o[i] = p[i];
   } else {
-    const auto* p = labels.data<std::int32_t>();
+    const auto* p = labels.const_data<std::int32_t>();
     for (std::size_t i = 0; i < n; ++i) o[i] = p[i];
   }
   return out;
@@ -892,7 +892,7 @@ Tensor shaped_images(const Tensor& bytes, bool flatten, bool raw) {
   std::array<float, 256> lut{};
   for (int k = 0; k < 256; ++k) lut[static_cast<std::size_t>(k)] = static_cast<float>(k) / 255.0f;
   Tensor out = Tensor::empty(shape, kFloat32);
-  const auto* p = bytes.data<std::uint8_t>();
+  const auto* p = bytes.const_data<std::uint8_t>();
   auto* o = out.data<float>();
   const auto count = static_cast<std::size_t>(bytes.numel());
   for (std::size_t i = 0; i < count; ++i) o[i] = lut[p[i]];

@@ -397,7 +397,7 @@ Tensor all_gather(const Tensor& t) {
   check_same_layout("all_gather", in);
   if (in.nbytes() == 0) return out;
   if (DeviceCollectives* dc = device_collectives(in.device())) {
-    dc->all_gather(in.data_ptr(), out.data_ptr(), in.nbytes(), in.device());
+    dc->all_gather(in.const_data_ptr(), out.data_ptr(), in.nbytes(), in.device());
     return out;
   }
   if (in.nbytes() > kMaxCount)

@@ -773,11 +773,11 @@ void save_safetensors(const std::string& path,
       const Tensor host = t.to(Device::cpu()).contiguous();  // row-major, on the host
       if constexpr (kBigEndian) {
         std::vector<std::uint8_t> bytes(host.nbytes());
-        std::memcpy(bytes.data(), host.data_ptr(), bytes.size());
+        std::memcpy(bytes.data(), host.const_data_ptr(), bytes.size());
         swap_elements(bytes.data(), bytes.size(), t.dtype().itemsize());
         out.write(bytes.data(), bytes.size());
       } else {
-        out.write(host.data_ptr(), host.nbytes());
+        out.write(host.const_data_ptr(), host.nbytes());
       }
     }
   });

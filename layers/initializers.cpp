@@ -55,7 +55,7 @@ Tensor random_tensor(const std::string& name, const Shape& shape, DType dtype, D
     double* v = chunk.data<double>();
     for (std::int64_t i = 0; i < len; ++i) v[i] = draw(gen);
     const Tensor cast = detail::cast_raw(part, dtype);
-    std::memcpy(dst, cast.data_ptr(), static_cast<std::size_t>(cast.nbytes()));
+    std::memcpy(dst, cast.const_data_ptr(), static_cast<std::size_t>(cast.nbytes()));
     dst += cast.nbytes();
   }
   return detail::to_device_raw(out, device);

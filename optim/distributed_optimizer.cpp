@@ -171,8 +171,8 @@ Tensor pack(const DistributedOptimizer::Plan::Bucket& bucket, const std::vector<
     } else {
       src = zeros(Shape{e.count}, bucket.dtype, device);
     }
-    backend.copy(base + static_cast<std::size_t>(e.offset) * item, device, src.data_ptr(), device,
-                 static_cast<std::size_t>(e.count) * item);
+    backend.copy(base + static_cast<std::size_t>(e.offset) * item, device, src.const_data_ptr(),
+                 device, static_cast<std::size_t>(e.count) * item);
   }
   return out;
 }

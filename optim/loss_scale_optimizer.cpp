@@ -138,7 +138,7 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
     inner_->step(grads, variables, flags.front());
     const Tensor& flag = flags.front();
     pending_ = backend_for(flag.device().type())
-                   .read_back(flag.data_ptr(), flag.device().index(), sizeof(float));
+                   .read_back(flag.const_data_ptr(), flag.device().index(), sizeof(float));
     return;
   }
   const bool nonfinite = any_set(flags);

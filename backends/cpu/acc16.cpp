@@ -65,8 +65,8 @@ template <typename T>
 void gemm_acc16(const GemmArgs& g) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
   const Plan p = normalize(g);
-  const T* a = static_cast<const T*>(g.a.data_ptr());
-  const T* b = static_cast<const T*>(g.b.data_ptr());
+  const T* a = static_cast<const T*>(g.a.const_data_ptr());
+  const T* b = static_cast<const T*>(g.b.const_data_ptr());
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
 

@@ -134,11 +134,11 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
   using C = compute_t<T>;
   const Extents e = extents_of(q_t, k_t, v_t);
   if (e.n * e.t == 0) return;
-  const T* q = static_cast<const T*>(q_t.data_ptr());
-  const T* k = static_cast<const T*>(k_t.data_ptr());
-  const T* v = static_cast<const T*>(v_t.data_ptr());
+  const T* q = static_cast<const T*>(q_t.const_data_ptr());
+  const T* k = static_cast<const T*>(k_t.const_data_ptr());
+  const T* v = static_cast<const T*>(v_t.const_data_ptr());
   const auto* mask =
-      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.data_ptr()) : nullptr;
+      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.const_data_ptr()) : nullptr;
   T* out = static_cast<T*>(out_t.data_ptr());
   C* lse = static_cast<C*>(lse_t.data_ptr());
   const C scale = static_cast<C>(scale_d);
@@ -210,14 +210,14 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
                                const Tensor& dq_t, const Tensor& dk_t, const Tensor& dv_t) {
   using C = compute_t<T>;
   const Extents e = extents_of(q_t, k_t, v_t);
-  const T* q = static_cast<const T*>(q_t.data_ptr());
-  const T* k = static_cast<const T*>(k_t.data_ptr());
-  const T* v = static_cast<const T*>(v_t.data_ptr());
+  const T* q = static_cast<const T*>(q_t.const_data_ptr());
+  const T* k = static_cast<const T*>(k_t.const_data_ptr());
+  const T* v = static_cast<const T*>(v_t.const_data_ptr());
   const auto* mask =
-      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.data_ptr()) : nullptr;
-  const T* out = static_cast<const T*>(out_t.data_ptr());
-  const C* lse = static_cast<const C*>(lse_t.data_ptr());
-  const T* dout = static_cast<const T*>(dout_t.data_ptr());
+      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.const_data_ptr()) : nullptr;
+  const T* out = static_cast<const T*>(out_t.const_data_ptr());
+  const C* lse = static_cast<const C*>(lse_t.const_data_ptr());
+  const T* dout = static_cast<const T*>(dout_t.const_data_ptr());
   T* dq = static_cast<T*>(dq_t.data_ptr());
   T* dk = static_cast<T*>(dk_t.data_ptr());
   T* dv = static_cast<T*>(dv_t.data_ptr());

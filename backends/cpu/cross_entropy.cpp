@@ -36,8 +36,8 @@ void cross_entropy_kernel(const Tensor& logits, const Tensor& labels_t, const Te
                           const Tensor& lse_t) {
   using C = compute_t<T>;
   const int64_t n = logits.dim(0), c = logits.dim(1);
-  const T* x = static_cast<const T*>(logits.data_ptr());
-  const auto* labels = static_cast<const int64_t*>(labels_t.data_ptr());
+  const T* x = static_cast<const T*>(logits.const_data_ptr());
+  const auto* labels = static_cast<const int64_t*>(labels_t.const_data_ptr());
   C* loss = static_cast<C*>(loss_t.data_ptr());
   C* lse = static_cast<C*>(lse_t.data_ptr());
 #pragma omp parallel if (n * c > kParallelGrain)
@@ -60,10 +60,10 @@ void cross_entropy_backward_kernel(const Tensor& logits, const Tensor& labels_t,
                                    const Tensor& dlogits) {
   using C = compute_t<T>;
   const int64_t n = logits.dim(0), c = logits.dim(1);
-  const T* x = static_cast<const T*>(logits.data_ptr());
-  const auto* labels = static_cast<const int64_t*>(labels_t.data_ptr());
-  const C* lse = static_cast<const C*>(lse_t.data_ptr());
-  const C* dloss = static_cast<const C*>(dloss_t.data_ptr());
+  const T* x = static_cast<const T*>(logits.const_data_ptr());
+  const auto* labels = static_cast<const int64_t*>(labels_t.const_data_ptr());
+  const C* lse = static_cast<const C*>(lse_t.const_data_ptr());
+  const C* dloss = static_cast<const C*>(dloss_t.const_data_ptr());
   T* dx = static_cast<T*>(dlogits.data_ptr());
 #pragma omp parallel if (n * c > kParallelGrain)
   {

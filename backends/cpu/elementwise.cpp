@@ -481,7 +481,7 @@ auto simd_call_loop_fn() {
 
 template <typename T, typename Op>
 void unary_kernel(const Tensor& x, const Tensor& out) {
-  const T* xp = static_cast<const T*>(x.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const Op op;
   [[maybe_unused]] void (*simd_loop)(float*, int64_t, const float*) = nullptr;
@@ -576,8 +576,8 @@ const compute_t<T>* load(const T* p, int64_t stride, int64_t n, compute_t<T>* bu
 template <typename T, typename O, typename Op>
 void binary_kernel(const Tensor& a, const Tensor& b, const Tensor& out) {
   using C = compute_t<T>;
-  const T* ap = static_cast<const T*>(a.data_ptr());
-  const T* bp = static_cast<const T*>(b.data_ptr());
+  const T* ap = static_cast<const T*>(a.const_data_ptr());
+  const T* bp = static_cast<const T*>(b.const_data_ptr());
   O* op_ = static_cast<O*>(out.data_ptr());
   const Op op;
   const auto l = coalesce<3>(out.shape(), {&out.strides(), &a.strides(), &b.strides()});
@@ -626,9 +626,9 @@ void binary_kernel(const Tensor& a, const Tensor& b, const Tensor& out) {
 // T: an unsigned integer of the item size (where moves bits, no arithmetic).
 template <typename T>
 void where_kernel(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
-  const auto* cp = static_cast<const std::uint8_t*>(cond.data_ptr());
-  const T* ap = static_cast<const T*>(a.data_ptr());
-  const T* bp = static_cast<const T*>(b.data_ptr());
+  const auto* cp = static_cast<const std::uint8_t*>(cond.const_data_ptr());
+  const T* ap = static_cast<const T*>(a.const_data_ptr());
+  const T* bp = static_cast<const T*>(b.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const auto l =
       coalesce<4>(out.shape(), {&out.strides(), &cond.strides(), &a.strides(), &b.strides()});

@@ -21,12 +21,12 @@ using std::int64_t;
 void widen(const Tensor& t, float* dst) {
   const int64_t n = t.numel();
   if (t.dtype() == kFloat8E4M3FN) {
-    const auto* s = static_cast<const float8_e4m3fn*>(t.data_ptr());
+    const auto* s = static_cast<const float8_e4m3fn*>(t.const_data_ptr());
     parallel_blocks(n, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) dst[i] = static_cast<float>(s[i]);
     });
   } else {
-    const auto* s = static_cast<const float8_e5m2*>(t.data_ptr());
+    const auto* s = static_cast<const float8_e5m2*>(t.const_data_ptr());
     parallel_blocks(n, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) dst[i] = static_cast<float>(s[i]);
     });
@@ -37,8 +37,8 @@ void scaled_matmul_kernel(const kernels::ScaledMatmulArgs& g) {
   std::vector<float> a(static_cast<std::size_t>(g.m * g.k)), b(static_cast<std::size_t>(g.n * g.k));
   widen(g.a, a.data());
   widen(g.b_t, b.data());
-  const float scale = *static_cast<const float*>(g.scale_a.data_ptr()) *
-                      *static_cast<const float*>(g.scale_b.data_ptr());
+  const float scale = *static_cast<const float*>(g.scale_a.const_data_ptr()) *
+                      *static_cast<const float*>(g.scale_b.const_data_ptr());
   const bool direct = g.out.dtype() == kFloat32;
   std::vector<float> scratch(direct ? 0 : static_cast<std::size_t>(g.m * g.n));
   float* c = direct ? static_cast<float*>(g.out.data_ptr()) : scratch.data();

@@ -22,8 +22,8 @@ template <typename T>
 void gemm_native(const GemmArgs& g) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
   const Plan p = normalize(g);
-  const T* a = static_cast<const T*>(g.a.data_ptr());
-  const T* b = static_cast<const T*>(g.b.data_ptr());
+  const T* a = static_cast<const T*>(g.a.const_data_ptr());
+  const T* b = static_cast<const T*>(g.b.const_data_ptr());
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
   if constexpr (std::is_same_v<T, float>) {
@@ -42,8 +42,8 @@ void gemm_reduced(const GemmArgs& g) {
   if (g.low_precision_accumulation) return gemm_acc16<T>(g);
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
   const Plan p = normalize(g);
-  const T* a = static_cast<const T*>(g.a.data_ptr());
-  const T* b = static_cast<const T*>(g.b.data_ptr());
+  const T* a = static_cast<const T*>(g.a.const_data_ptr());
+  const T* b = static_cast<const T*>(g.b.const_data_ptr());
   T* c = static_cast<T*>(g.out.data_ptr());
   if (p.k <= 0) return zero_output(p, c);
   if constexpr (std::is_same_v<T, bfloat16>) {

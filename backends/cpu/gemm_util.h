@@ -148,7 +148,7 @@ constexpr bool kNative = std::is_same_v<T, compute_t<T>>;
 // float32 / float64, a bulk-converted float32 copy for float16 / bfloat16.
 template <typename T>
 const compute_t<T>* input(const Tensor& t, int slot) {
-  const T* p = static_cast<const T*>(t.data_ptr());
+  const T* p = static_cast<const T*>(t.const_data_ptr());
   if constexpr (kNative<T>) {
     return p;
   } else {

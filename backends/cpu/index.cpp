@@ -30,8 +30,8 @@ constexpr int64_t kCopyCols = 8192;  // elements of a row per take task
 template <typename T>
 void gather_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                    int64_t inner, const Tensor& out) {
-  const T* xp = static_cast<const T*>(x.data_ptr());
-  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
+  const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const int64_t rows = outer * k;
 #pragma omp parallel for schedule(static) if (rows * inner > kParallelGrain)
@@ -46,8 +46,8 @@ void gather_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t 
 template <typename T>
 void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                         int64_t inner, const Tensor& out) {
-  const T* sp = static_cast<const T*>(src.data_ptr());
-  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  const T* sp = static_cast<const T*>(src.const_data_ptr());
+  const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const int64_t cols = std::min(kCols, inner);
   const int64_t col_blocks = inner == 0 ? 0 : (inner + cols - 1) / cols;
@@ -74,8 +74,8 @@ void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, i
 template <typename T>
 void take_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                  int64_t inner, const Tensor& out) {
-  const T* xp = static_cast<const T*>(x.data_ptr());
-  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
+  const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const int64_t rows = outer * k;
   if (rows == 0 || inner == 0) return;
@@ -111,8 +111,8 @@ template <typename T>
 void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                       int64_t inner, const Tensor& out) {
   if (outer == 0 || k == 0 || inner == 0) return;
-  const T* sp = static_cast<const T*>(src.data_ptr());
-  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  const T* sp = static_cast<const T*>(src.const_data_ptr());
+  const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const int64_t cols = std::min(kBlock, inner);
   const int64_t col_blocks = (inner + cols - 1) / cols;
@@ -144,8 +144,8 @@ void accumulate_in_float32(const Tensor& src, const Tensor& index, int64_t outer
                            int64_t k, int64_t inner, const Tensor& out) {
   Tensor s = Tensor::empty(src.shape(), kFloat32, src.device());
   Tensor o = Tensor::empty(out.shape(), kFloat32, out.device());
-  to_float(static_cast<const T*>(src.data_ptr()), s.data<float>(), src.numel());
-  to_float(static_cast<const T*>(out.data_ptr()), o.data<float>(), out.numel());
+  to_float(static_cast<const T*>(src.const_data_ptr()), s.data<float>(), src.numel());
+  to_float(static_cast<const T*>(out.const_data_ptr()), o.data<float>(), out.numel());
   kFloat32Kernel(s, index, outer, n, k, inner, o);
   from_float(o.data<float>(), static_cast<T*>(out.data_ptr()), out.numel());
 }

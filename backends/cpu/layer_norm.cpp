@@ -29,9 +29,9 @@ void layer_norm_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& b
                        const Tensor& rstd_t) {
   using C = compute_t<T>;
   const int64_t n = x_t.shape().back(), rows = x_t.numel() / n;
-  const T* x = static_cast<const T*>(x_t.data_ptr());
-  const C* gamma = gamma_t.defined() ? static_cast<const C*>(gamma_t.data_ptr()) : nullptr;
-  const C* beta = beta_t.defined() ? static_cast<const C*>(beta_t.data_ptr()) : nullptr;
+  const T* x = static_cast<const T*>(x_t.const_data_ptr());
+  const C* gamma = gamma_t.defined() ? static_cast<const C*>(gamma_t.const_data_ptr()) : nullptr;
+  const C* beta = beta_t.defined() ? static_cast<const C*>(beta_t.const_data_ptr()) : nullptr;
   T* out = static_cast<T*>(out_t.data_ptr());
   C* mean = static_cast<C*>(mean_t.data_ptr());
   C* rstd = static_cast<C*>(rstd_t.data_ptr());
@@ -73,11 +73,11 @@ void layer_norm_backward_kernel(const Tensor& x_t, const Tensor& gamma_t, const 
                                 const Tensor& dgamma_t, const Tensor& dbeta_t) {
   using C = compute_t<T>;
   const int64_t n = x_t.shape().back(), rows = x_t.numel() / n;
-  const T* x = static_cast<const T*>(x_t.data_ptr());
-  const C* gamma = gamma_t.defined() ? static_cast<const C*>(gamma_t.data_ptr()) : nullptr;
-  const C* mean = static_cast<const C*>(mean_t.data_ptr());
-  const C* rstd = static_cast<const C*>(rstd_t.data_ptr());
-  const T* dy = static_cast<const T*>(dy_t.data_ptr());
+  const T* x = static_cast<const T*>(x_t.const_data_ptr());
+  const C* gamma = gamma_t.defined() ? static_cast<const C*>(gamma_t.const_data_ptr()) : nullptr;
+  const C* mean = static_cast<const C*>(mean_t.const_data_ptr());
+  const C* rstd = static_cast<const C*>(rstd_t.const_data_ptr());
+  const T* dy = static_cast<const T*>(dy_t.const_data_ptr());
   T* dx = static_cast<T*>(dx_t.data_ptr());
   const bool params = dgamma_t.defined() || dbeta_t.defined();
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;

@@ -151,7 +151,7 @@ template <typename T>
 void copy_kernel(const Tensor& src, const Tensor& dst) {
   const int64_t n = dst.numel();
   if (n == 0) return;
-  const T* s = static_cast<const T*>(src.data_ptr());
+  const T* s = static_cast<const T*>(src.const_data_ptr());
   T* d = static_cast<T*>(dst.data_ptr());
   // The source's geometry, merged (core/strided_layout.h); its strides are l.strides[d][0].
   const auto l = detail::coalesce<1>(src.shape(), {&src.strides()});
@@ -273,7 +273,7 @@ void cast_block(const elem_t<S>* x, elem_t<D>* y, int64_t n) {
 
 template <DType::Code S, DType::Code D>
 void cast_to(const Tensor& x, const Tensor& out) {
-  const auto* xp = static_cast<const elem_t<S>*>(x.data_ptr());
+  const auto* xp = static_cast<const elem_t<S>*>(x.const_data_ptr());
   auto* yp = static_cast<elem_t<D>*>(out.data_ptr());
   parallel_blocks(x.numel(),
                   [&](int64_t b, int64_t e) { cast_block<S, D>(xp + b, yp + b, e - b); });

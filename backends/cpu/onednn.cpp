@@ -537,9 +537,9 @@ bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& bia
     const auto n = static_cast<std::size_t>(t.numel());
     auto* f = static_cast<float*>(buffer(kWide0 + static_cast<int>(i), n * sizeof(float)));
     if (dt == kFloat16)
-      convert_half_to_float(static_cast<const half*>(t.data_ptr()), f, n);
+      convert_half_to_float(static_cast<const half*>(t.const_data_ptr()), f, n);
     else
-      convert_bfloat16_to_float(static_cast<const bfloat16*>(t.data_ptr()), f, n);
+      convert_bfloat16_to_float(static_cast<const bfloat16*>(t.const_data_ptr()), f, n);
     ptrs[i] = f;
   }
   const auto n_out = static_cast<std::size_t>(out.numel());
@@ -694,7 +694,8 @@ class PoolData {
       if (wide_) {
         const auto n = static_cast<std::size_t>(t->numel());
         auto* f = static_cast<float*>(buffer(kWide0 + static_cast<int>(i), n * sizeof(float)));
-        if (i + 1 < count_) convert_half_to_float(static_cast<const half*>(t->data_ptr()), f, n);
+        if (i + 1 < count_)
+          convert_half_to_float(static_cast<const half*>(t->const_data_ptr()), f, n);
         ptrs[i] = f;
       }
       ++i;

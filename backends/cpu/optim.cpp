@@ -142,7 +142,7 @@ void unscale_check_kernel(const std::vector<Tensor>& grads, const std::vector<Te
   [[maybe_unused]] const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
   bool found = false;
   for (std::size_t i = 0; i < grads.size(); ++i) {
-    const T* x = static_cast<const T*>(grads[i].data_ptr());
+    const T* x = static_cast<const T*>(grads[i].const_data_ptr());
     T* y = i < outs.size() && outs[i].defined() ? static_cast<T*>(outs[i].data_ptr()) : nullptr;
     const int64_t numel = grads[i].numel();
     bool f;
@@ -186,7 +186,8 @@ inline void write_copy(const OptimizerUpdate& u, void* copy, const float* x, int
 // Nothing changes when u.skip_if is set (kernels.h); u.copy then receives the variable.
 template <typename T, typename Block>
 void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
-  const bool skip = u.skip_if.defined() && *static_cast<const float*>(u.skip_if.data_ptr()) != 0.0f;
+  const bool skip =
+      u.skip_if.defined() && *static_cast<const float*>(u.skip_if.const_data_ptr()) != 0.0f;
   void* copy = u.copy.defined() ? u.copy.data_ptr() : nullptr;
   if constexpr (!std::is_same_v<T, float>)
     if (copy != nullptr)
@@ -196,7 +197,7 @@ void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
                       u.var.dtype().name()));
   if (skip && copy == nullptr) return;
   T* var = static_cast<T*>(u.var.data_ptr());
-  const T* grad = static_cast<const T*>(u.grad.data_ptr());
+  const T* grad = static_cast<const T*>(u.grad.const_data_ptr());
   parallel_blocks(u.var.numel(), [&](int64_t b, int64_t e) {
     const int64_t n = e - b;
     if constexpr (kReduced<T>) {

@@ -305,7 +305,7 @@ template <typename T>
 void max_pool_forward_stored(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   using S = typename MaxOrder<T>::S;
   static const auto row = MIXTAPE_PICK_ISA(max_forward);
-  const auto* px = static_cast<const S*>(x.data_ptr());
+  const auto* px = static_cast<const S*>(x.const_data_ptr());
   auto* po = static_cast<S*>(out.data_ptr());
   const std::int64_t rows = g.n * g.oh;
   const bool par = rows * g.ow * g.c * g.kh * g.kw > kParallelGrain && rows > 1;
@@ -325,8 +325,8 @@ void max_pool_backward_stored(const Tensor& x, const Tensor& grad_out, const Ten
   using S = typename MaxOrder<T>::S;
   using Index = typename MaxOrder<T>::Index;
   static const auto row = MIXTAPE_PICK_ISA(max_backward);
-  const auto* px = static_cast<const S*>(x.data_ptr());
-  const auto* pg = static_cast<const S*>(grad_out.data_ptr());
+  const auto* px = static_cast<const S*>(x.const_data_ptr());
+  const auto* pg = static_cast<const S*>(grad_out.const_data_ptr());
   auto* pgx = static_cast<S*>(grad_x.data_ptr());
   const std::int64_t rows = g.n * g.oh;
   if (rows == 0 || g.ow == 0) {  // no window: every gradient is 0

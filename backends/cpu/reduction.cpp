@@ -185,7 +185,7 @@ void reduce_kernel(const Tensor& x, int64_t outer, int64_t n, int64_t inner, con
   using C = compute_t<T>;
   using R = RT<C>;
   using Acc = typename R::Acc;
-  const T* xp = static_cast<const T*>(x.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
   O* yp = static_cast<O*>(out.data_ptr());
   const int64_t total = outer * n * inner;
   if (outer * inner == 0) return;
@@ -276,7 +276,7 @@ void softmax_kernel(const Tensor& x, const Tensor& out) {
   if (numel == 0) return;
   const int64_t cols = x.rank() == 0 ? 1 : x.shape().back();
   const int64_t rows = numel / cols;
-  const T* xp = static_cast<const T*>(x.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
 #pragma omp parallel if (numel > kParallelGrain)
   {
@@ -362,8 +362,9 @@ void masked_softmax_kernel(const Tensor& x, const Tensor& mask, double scale, co
   const int64_t cols = x.shape().back();
   const int64_t rows = numel / cols;
   using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  const T* xp = static_cast<const T*>(x.data_ptr());
-  const auto* mp = mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr;
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
+  const auto* mp =
+      mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr;
   T* yp = static_cast<T*>(out.data_ptr());
   auto* row = &masked_softmax_row<C>;
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS

@@ -206,9 +206,9 @@ void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   using C = compute_of<T>;
   OnDevice on(out);
   attention_forward_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
-      static_cast<const T*>(v.data_ptr()),
-      mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr, causal,
+      static_cast<const T*>(q.const_data_ptr()), static_cast<const T*>(k.const_data_ptr()),
+      static_cast<const T*>(v.const_data_ptr()),
+      mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr, causal,
       static_cast<C>(scale), static_cast<T*>(out.data_ptr()), static_cast<C*>(lse.data_ptr()), n, t,
       s, d, dv);
   MIXTAPE_CUDA_CHECK_LAUNCH("attention kernel");
@@ -224,17 +224,18 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
   OnDevice on(dq);
   // D per query row; the cache hands the block out again in stream order.
   Workspace rowdot(static_cast<std::size_t>(n * t > 0 ? n * t : 1) * sizeof(C), on.index);
-  const auto* qp = static_cast<const T*>(q.data_ptr());
-  const auto* kp = static_cast<const T*>(k.data_ptr());
-  const auto* vp = static_cast<const T*>(v.data_ptr());
-  const auto* mp = mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr;
-  const auto* lp = static_cast<const C*>(lse.data_ptr());
+  const auto* qp = static_cast<const T*>(q.const_data_ptr());
+  const auto* kp = static_cast<const T*>(k.const_data_ptr());
+  const auto* vp = static_cast<const T*>(v.const_data_ptr());
+  const auto* mp =
+      mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr;
+  const auto* lp = static_cast<const C*>(lse.const_data_ptr());
   auto* rp = static_cast<C*>(rowdot.data());
-  const auto* gp = static_cast<const T*>(dout.data_ptr());
+  const auto* gp = static_cast<const T*>(dout.const_data_ptr());
   const auto sc = static_cast<C>(scale);
   if (n * t > 0) {
     attention_rowdot_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
-        gp, static_cast<const T*>(out.data_ptr()), rp, n * t, dv);
+        gp, static_cast<const T*>(out.const_data_ptr()), rp, n * t, dv);
     MIXTAPE_CUDA_CHECK_LAUNCH("attention rowdot kernel");
     attention_dq_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
         qp, kp, vp, mp, causal, sc, lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s, d, dv);

@@ -538,15 +538,15 @@ bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const
   // (whose b is w), computed there by backward-filter and transposed back after.
   Workspace krsc(static_cast<std::size_t>(kdim * g.cout) * item, device);
   if (dir != Direction::BackwardFilter)
-    transpose_matrix(b.data_ptr(), krsc.data(), kdim, g.cout, item, st);
+    transpose_matrix(b.const_data_ptr(), krsc.data(), kdim, g.cout, item, st);
   // The image as cuDNN sees it: explicitly padded when the layout says so. Forward and
   // backward-filter read it (their a is x); backward-data writes its gradient there, cropped
   // after.
   Workspace padded(l.padded ? static_cast<std::size_t>(g.n * l.hin * l.win * g.c) * item : 0,
                    device);
   if (l.padded && dir != Direction::BackwardData)
-    pad_nhwc(a.data_ptr(), padded.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top, g.pad_left,
-             item, st);
+    pad_nhwc(a.const_data_ptr(), padded.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top,
+             g.pad_left, item, st);
   void* image = l.padded ? padded.data() : (dir == Direction::BackwardData ? out : a).data_ptr();
   Buffers buf{};
   switch (dir) {
@@ -554,10 +554,10 @@ bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const
       buf = {image, krsc.data(), out.data_ptr()};
       break;
     case Direction::BackwardData:
-      buf = {krsc.data(), a.data_ptr(), image};
+      buf = {krsc.data(), a.const_data_ptr(), image};
       break;
     case Direction::BackwardFilter:
-      buf = {image, b.data_ptr(), krsc.data()};
+      buf = {image, b.const_data_ptr(), krsc.data()};
       break;
   }
   const ConvPlan& plan = plan_for(ctx, device, dir, dt, g, l, buf, exact_tf32);
@@ -616,11 +616,12 @@ void conv_pass(Direction dir, const Tensor& a, const Tensor& b, const Tensor& ou
   const ConvShape s = shape_of(g);
   Accumulation acc;
   if (direct_only(dt, g, &acc))
-    return run_direct(dir, dt, acc, s, a.data_ptr(), b.data_ptr(), out.data_ptr(), st);
+    return run_direct(dir, dt, acc, s, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(), st);
 #ifdef MIXTAPE_WITH_CUDNN
   if (cudnn_pass(dir, dt, a, b, out, g, device, st, exact_tf32)) return;
 #endif
-  run_direct(dir, dt, Accumulation::Wide, s, a.data_ptr(), b.data_ptr(), out.data_ptr(), st);
+  run_direct(dir, dt, Accumulation::Wide, s, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(),
+             st);
 }
 
 Tensor as_float32(const Tensor& t) {
@@ -649,7 +650,7 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
     DeviceGuard guard(device);
     Tensor acc = Tensor::empty(out.shape(), kFloat32, out.device());
     conv_pass(Direction::Forward, as_float32(x), as_float32(w), acc, g, /*exact_tf32=*/true);
-    add_bias_rows_rounded(elem_of(dt), acc.data_ptr(), bias.data_ptr(), out.data_ptr(),
+    add_bias_rows_rounded(elem_of(dt), acc.const_data_ptr(), bias.const_data_ptr(), out.data_ptr(),
                           out.numel() / g.cout, g.cout, stream(device));
     return;
   }
@@ -659,8 +660,8 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
   // 16-bit accumulation's last term.
   const int device = out.device().index();
   DeviceGuard guard(device);
-  add_bias_rows(elem_of(out.dtype()), out.data_ptr(), bias.data_ptr(), out.numel() / g.cout, g.cout,
-                stream(device));
+  add_bias_rows(elem_of(out.dtype()), out.data_ptr(), bias.const_data_ptr(), out.numel() / g.cout,
+                g.cout, stream(device));
 }
 void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                            const Conv2dGeometry& g) {

@@ -75,8 +75,9 @@ void cross_entropy_host(const Tensor& logits, const Tensor& labels, const Tensor
   if (n == 0) return;
   OnDevice on(loss);
   cross_entropy_forward_kernel<T><<<blocks_for(n * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(logits.data_ptr()), static_cast<const int64_t*>(labels.data_ptr()),
-      static_cast<C*>(loss.data_ptr()), static_cast<C*>(lse.data_ptr()), n, c);
+      static_cast<const T*>(logits.const_data_ptr()),
+      static_cast<const int64_t*>(labels.const_data_ptr()), static_cast<C*>(loss.data_ptr()),
+      static_cast<C*>(lse.data_ptr()), n, c);
   MIXTAPE_CUDA_CHECK_LAUNCH("softmax_cross_entropy kernel");
 }
 
@@ -88,8 +89,9 @@ void cross_entropy_backward_host(const Tensor& logits, const Tensor& labels, con
   if (n == 0) return;
   OnDevice on(dlogits);
   cross_entropy_backward_kernel<T><<<blocks_for(n * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(logits.data_ptr()), static_cast<const int64_t*>(labels.data_ptr()),
-      static_cast<const C*>(lse.data_ptr()), static_cast<const C*>(dloss.data_ptr()),
+      static_cast<const T*>(logits.const_data_ptr()),
+      static_cast<const int64_t*>(labels.const_data_ptr()),
+      static_cast<const C*>(lse.const_data_ptr()), static_cast<const C*>(dloss.const_data_ptr()),
       static_cast<T*>(dlogits.data_ptr()), n, c);
   MIXTAPE_CUDA_CHECK_LAUNCH("softmax_cross_entropy backward kernel");
 }

@@ -310,7 +310,7 @@ void unary_host(const Tensor& x, const Tensor& out) {
   const int64_t n = x.numel();
   if (n == 0) return;
   OnDevice on(out);
-  const T* xp = static_cast<const T*>(x.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const bool vec = aligned16(xp) && aligned16(yp);
   const int64_t work = vec ? n / kVec<T> + kVec<T> : n;
@@ -387,8 +387,8 @@ void binary_host(const Tensor& a, const Tensor& b, const Tensor& out) {
   const int64_t n = out.numel();
   if (n == 0) return;
   OnDevice on(out);
-  const T* ap = static_cast<const T*>(a.data_ptr());
-  const T* bp = static_cast<const T*>(b.data_ptr());
+  const T* ap = static_cast<const T*>(a.const_data_ptr());
+  const T* bp = static_cast<const T*>(b.const_data_ptr());
   O* op = static_cast<O*>(out.data_ptr());
   const Coalesced<2> l = coalesce<2>(out.shape(), {&a.strides(), &b.strides()});
   if (l.contiguous()) {
@@ -451,9 +451,9 @@ void where_host(const Tensor& cond, const Tensor& a, const Tensor& b, const Tens
   const int64_t n = out.numel();
   if (n == 0) return;
   OnDevice on(out);
-  const auto* cp = static_cast<const std::uint8_t*>(cond.data_ptr());
-  const T* ap = static_cast<const T*>(a.data_ptr());
-  const T* bp = static_cast<const T*>(b.data_ptr());
+  const auto* cp = static_cast<const std::uint8_t*>(cond.const_data_ptr());
+  const T* ap = static_cast<const T*>(a.const_data_ptr());
+  const T* bp = static_cast<const T*>(b.const_data_ptr());
   T* op = static_cast<T*>(out.data_ptr());
   const Coalesced<3> l = coalesce<3>(out.shape(), {&cond.strides(), &a.strides(), &b.strides()});
   for_each_slice(l, [&](const StridedGeom<3>& g, const std::array<int64_t, 3>& off, int64_t out_off,

@@ -320,8 +320,8 @@ void gemm(const GemmArgs& g) {
   DeviceGuard guard(device);
   const cudaStream_t st = stream(device);
   const GemmShape s = normalize(g);
-  const void* a = g.a.data_ptr();
-  const void* b = g.b.data_ptr();
+  const void* a = g.a.const_data_ptr();
+  const void* b = g.b.const_data_ptr();
   void* c = g.out.data_ptr();
 
   if (dt.is_reduced_float() && g.low_precision_accumulation)
@@ -417,8 +417,8 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
         "scaled_matmul: cuBLASLt has no FP8 GEMM for {}[{}, {}] x {}[{}, {}] -> {} on cuda:{} "
         "({}): FP8 GEMMs need compute capability 8.9 or newer and k and n multiples of 16",
         g.a.dtype(), g.m, g.k, g.b_t.dtype(), g.n, g.k, g.out.dtype(), device, plan.why));
-  const void* scale_a = g.scale_b.data_ptr();  // cuBLASLt's A is b_t
-  const void* scale_b = g.scale_a.data_ptr();
+  const void* scale_a = g.scale_b.const_data_ptr();  // cuBLASLt's A is b_t
+  const void* scale_b = g.scale_a.const_data_ptr();
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                                       &scale_a, sizeof(scale_a)));
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
@@ -426,8 +426,8 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   const float one = 1.0f, zero = 0.0f;
   Workspace workspace(plan.workspace, device);
   void* out = g.out.data_ptr();
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, g.b_t.data_ptr(), plan.a,
-                                      g.a.data_ptr(), plan.b, &zero, out, plan.c, out, plan.c,
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, g.b_t.const_data_ptr(), plan.a,
+                                      g.a.const_data_ptr(), plan.b, &zero, out, plan.c, out, plan.c,
                                       &plan.algo, workspace.data(), plan.workspace, st));
 }
 

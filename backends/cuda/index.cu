@@ -118,8 +118,9 @@ void gather_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n,
   if (total == 0) return;
   OnDevice on(out);
   gather_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-      static_cast<const T*>(x.data_ptr()), static_cast<const int64_t*>(index.data_ptr()),
-      static_cast<T*>(out.data_ptr()), total, n, k, inner);
+      static_cast<const T*>(x.const_data_ptr()),
+      static_cast<const int64_t*>(index.const_data_ptr()), static_cast<T*>(out.data_ptr()), total,
+      n, k, inner);
   MIXTAPE_CUDA_CHECK_LAUNCH("gather kernel");
 }
 
@@ -132,8 +133,8 @@ void scatter_add_host(const Tensor& src, const Tensor& index, int64_t outer, int
   OnDevice on(out);
   with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
     scatter_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-        static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()), acc,
-        total, n, k, inner);
+        static_cast<const T*>(src.const_data_ptr()),
+        static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
     MIXTAPE_CUDA_CHECK_LAUNCH("scatter_add kernel");
   });
 }
@@ -146,9 +147,9 @@ void take_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, i
   const int64_t total = outer * k * inner;
   if (total == 0) return;
   OnDevice on(out);
-  const void* xp = x.data_ptr();
+  const void* xp = x.const_data_ptr();
   void* yp = out.data_ptr();
-  const auto* ip = static_cast<const int64_t*>(index.data_ptr());
+  const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   const int64_t row_bytes = inner * static_cast<int64_t>(sizeof(T));
   if (row_bytes % 16 == 0 && aligned16(xp) && aligned16(yp)) {
     const int64_t units = row_bytes / 16;
@@ -171,8 +172,8 @@ void index_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64
   OnDevice on(out);
   with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
     index_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-        static_cast<const T*>(src.data_ptr()), static_cast<const int64_t*>(index.data_ptr()), acc,
-        total, n, k, inner);
+        static_cast<const T*>(src.const_data_ptr()),
+        static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
     MIXTAPE_CUDA_CHECK_LAUNCH("index_add kernel");
   });
 }

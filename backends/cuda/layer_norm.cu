@@ -115,10 +115,10 @@ void layer_norm_host(const Tensor& x, const Tensor& gamma, const Tensor& beta, d
   if (rows == 0) return;
   OnDevice on(out);
   layer_norm_forward_kernel<T><<<blocks_for(rows * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(x.data_ptr()),
-      gamma.defined() ? static_cast<const C*>(gamma.data_ptr()) : nullptr,
-      beta.defined() ? static_cast<const C*>(beta.data_ptr()) : nullptr, static_cast<C>(epsilon),
-      static_cast<T*>(out.data_ptr()), static_cast<C*>(mean.data_ptr()),
+      static_cast<const T*>(x.const_data_ptr()),
+      gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr,
+      beta.defined() ? static_cast<const C*>(beta.const_data_ptr()) : nullptr,
+      static_cast<C>(epsilon), static_cast<T*>(out.data_ptr()), static_cast<C*>(mean.data_ptr()),
       static_cast<C*>(rstd.data_ptr()), rows, n);
   MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm kernel");
 }
@@ -131,12 +131,12 @@ void layer_norm_backward_host(const Tensor& x, const Tensor& gamma, const Tensor
   const int64_t n = x.shape().back(), rows = x.numel() / n;
   if (rows == 0) return;
   OnDevice on(dx);
-  const auto* xp = static_cast<const T*>(x.data_ptr());
-  const auto* mp = static_cast<const C*>(mean.data_ptr());
-  const auto* rp = static_cast<const C*>(rstd.data_ptr());
-  const auto* gp = static_cast<const T*>(dy.data_ptr());
+  const auto* xp = static_cast<const T*>(x.const_data_ptr());
+  const auto* mp = static_cast<const C*>(mean.const_data_ptr());
+  const auto* rp = static_cast<const C*>(rstd.const_data_ptr());
+  const auto* gp = static_cast<const T*>(dy.const_data_ptr());
   layer_norm_dx_kernel<T><<<blocks_for(rows * kWarp), kThreads, 0, on.s>>>(
-      xp, gamma.defined() ? static_cast<const C*>(gamma.data_ptr()) : nullptr, mp, rp, gp,
+      xp, gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr, mp, rp, gp,
       static_cast<T*>(dx.data_ptr()), rows, n);
   MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm dx kernel");
   if (!dgamma.defined() && !dbeta.defined()) return;

@@ -39,7 +39,7 @@ void copy_host(const Tensor& src, const Tensor& dst) {
   const int64_t n = dst.numel();
   if (n == 0) return;
   OnDevice on(dst);
-  const T* s = static_cast<const T*>(src.data_ptr());
+  const T* s = static_cast<const T*>(src.const_data_ptr());
   T* d = static_cast<T*>(dst.data_ptr());
   const Coalesced<1> l = coalesce<1>(src.shape(), {&src.strides()});
   if (l.contiguous()) {
@@ -160,7 +160,7 @@ __global__ void cast_kernel(const dev_t<S>* __restrict__ x, dev_t<D>* __restrict
 template <DType::Code S, DType::Code D>
 void cast_to(const Tensor& x, const Tensor& out, cudaStream_t s) {
   const int64_t n = x.numel();
-  const auto* xp = static_cast<const dev_t<S>*>(x.data_ptr());
+  const auto* xp = static_cast<const dev_t<S>*>(x.const_data_ptr());
   auto* yp = static_cast<dev_t<D>*>(out.data_ptr());
   if constexpr (S == D) {
     MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(yp, xp, static_cast<std::size_t>(n) * sizeof(dev_t<S>),

@@ -104,7 +104,7 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
     const int64_t n = grads[i].numel();
     if (n == 0) continue;
     const bool has_out = i < outs.size() && outs[i].defined();
-    list.in[list.count] = grads[i].data_ptr();
+    list.in[list.count] = grads[i].const_data_ptr();
     list.out[list.count] = has_out ? outs[i].data_ptr() : nullptr;
     list.n[list.count] = n;
     ++list.count;
@@ -121,7 +121,7 @@ using slot_of = compute_of<T>;  // float64 for float64, float32 otherwise
 
 // The device flag of a step decided on the device, or null (kernels.h, skip_if).
 const float* skip_ptr(const OptimizerUpdate& u) {
-  return u.skip_if.defined() ? static_cast<const float*>(u.skip_if.data_ptr()) : nullptr;
+  return u.skip_if.defined() ? static_cast<const float*>(u.skip_if.const_data_ptr()) : nullptr;
 }
 
 template <typename S>
@@ -204,9 +204,9 @@ void sgd_host(const OptimizerUpdate& u) {
   OnDevice on(u.var);
   const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
   sgd_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
-      mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n, static_cast<S>(u.lr),
-      static_cast<S>(u.momentum), mode, copy_out<T>(u));
+      skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
+      static_cast<const T*>(u.grad.const_data_ptr()), mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n,
+      static_cast<S>(u.lr), static_cast<S>(u.momentum), mode, copy_out<T>(u));
   MIXTAPE_CUDA_CHECK_LAUNCH("sgd_update kernel");
 }
 
@@ -260,11 +260,12 @@ void rmsprop_host(const OptimizerUpdate& u) {
   OnDevice on(u.var);
   const bool use_momentum = u.momentum > 0.0;
   rmsprop_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
-      slot_ptr<S>(u.slot1), use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
-      u.centered ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(u.lr), static_cast<S>(u.beta2),
-      static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon), static_cast<S>(u.momentum),
-      u.centered, use_momentum, copy_out<T>(u));
+      skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
+      static_cast<const T*>(u.grad.const_data_ptr()), slot_ptr<S>(u.slot1),
+      use_momentum ? slot_ptr<S>(u.slot2) : nullptr, u.centered ? slot_ptr<S>(u.slot3) : nullptr, n,
+      static_cast<S>(u.lr), static_cast<S>(u.beta2), static_cast<S>(1.0 - u.beta2),
+      static_cast<S>(u.epsilon), static_cast<S>(u.momentum), u.centered, use_momentum,
+      copy_out<T>(u));
   MIXTAPE_CUDA_CHECK_LAUNCH("rmsprop_update kernel");
 }
 
@@ -315,11 +316,11 @@ void adam_host(const OptimizerUpdate& u) {
       u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
   const bool decay = u.weight_decay != 0.0;
   adam_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      skip_ptr(u), static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.data_ptr()),
-      slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2), u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr, n,
-      static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2),
-      static_cast<S>(u.epsilon), static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay,
-      copy_out<T>(u));
+      skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
+      static_cast<const T*>(u.grad.const_data_ptr()), slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2),
+      u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(alpha),
+      static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
+      static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay, copy_out<T>(u));
   MIXTAPE_CUDA_CHECK_LAUNCH("adam_update kernel");
 }
 

@@ -219,7 +219,7 @@ void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   const int device = out.device().index();
   DeviceGuard guard(device);
   max_pool_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(x.data_ptr()), device_ptr<S>(out.data_ptr()), g);
+      device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
   MIXTAPE_CUDA_CHECK_LAUNCH("max_pool_kernel");
 }
 
@@ -231,7 +231,7 @@ void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& 
   const int device = grad_x.device().index();
   DeviceGuard guard(device);
   max_pool_backward_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(x.data_ptr()), device_ptr<S>(grad_out.data_ptr()),
+      device_ptr<S>(x.const_data_ptr()), device_ptr<S>(grad_out.const_data_ptr()),
       device_ptr<S>(grad_x.data_ptr()), g);
   MIXTAPE_CUDA_CHECK_LAUNCH("max_pool_backward_kernel");
 }
@@ -243,7 +243,7 @@ void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   const int device = out.device().index();
   DeviceGuard guard(device);
   avg_pool_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(x.data_ptr()), device_ptr<S>(out.data_ptr()), g);
+      device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
   MIXTAPE_CUDA_CHECK_LAUNCH("avg_pool_kernel");
 }
 
@@ -255,7 +255,7 @@ void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tens
   const int device = grad_x.device().index();
   DeviceGuard guard(device);
   avg_pool_backward_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(grad_out.data_ptr()), device_ptr<S>(grad_x.data_ptr()), g);
+      device_ptr<S>(grad_out.const_data_ptr()), device_ptr<S>(grad_x.data_ptr()), g);
   MIXTAPE_CUDA_CHECK_LAUNCH("avg_pool_backward_kernel");
 }
 

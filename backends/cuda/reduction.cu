@@ -241,7 +241,7 @@ void reduce_host(const Tensor& x, int64_t outer, int64_t n, int64_t inner, const
   using A = typename R::A;
   if (outer * inner == 0 || n <= 0) return;
   OnDevice on(out);
-  const T* xp = static_cast<const T*>(x.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
   O* yp = static_cast<O*>(out.data_ptr());
 
   // inner == 1: a warp per row up to kWarpRow elements (at most 32 per thread), else a block
@@ -362,7 +362,7 @@ void softmax_host(const Tensor& x, const Tensor& out) {
   OnDevice on(out);
   const int64_t cols = x.rank() == 0 ? 1 : x.shape().back();
   const int64_t rows = numel / cols;
-  const T* xp = static_cast<const T*>(x.data_ptr());
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   if (cols <= 256)
     softmax_kernel<T, kLog, 32><<<blocks_for(rows * 32), kThreads, 0, on.s>>>(xp, yp, rows, cols);
@@ -416,8 +416,9 @@ void masked_softmax_host(const Tensor& x, const Tensor& mask, double scale, cons
   OnDevice on(out);
   const int64_t cols = x.shape().back();
   const int64_t rows = numel / cols;
-  const T* xp = static_cast<const T*>(x.data_ptr());
-  const auto* mp = mask.defined() ? static_cast<const std::uint8_t*>(mask.data_ptr()) : nullptr;
+  const T* xp = static_cast<const T*>(x.const_data_ptr());
+  const auto* mp =
+      mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr;
   T* yp = static_cast<T*>(out.data_ptr());
   const auto sc = static_cast<compute_of<T>>(scale);
   if (cols <= 256)

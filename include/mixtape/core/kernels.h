@@ -5,7 +5,9 @@
 // reduced-precision kernels (float16, bfloat16) load 16-bit values, compute and
 // accumulate in float32 and store 16-bit results, except where a matmul / conv2d call
 // sets low_precision_accumulation (the MIXTAPE_FP16_USE_FP32_COMPUTE switch,
-// mixtape/core/compute_mode.h).
+// mixtape/core/compute_mode.h). A kernel reads its inputs through const_data_ptr() and
+// writes its outputs through data_ptr(): only the writer's access advances a storage's
+// version (mixtape/core/storage.h), which keeps a variable's autocast copy current.
 #pragma once
 
 #include <cstdint>

@@ -18,15 +18,17 @@ class Storage {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  // The address of the allocation. Every call counts as a possible write (nothing tells a
-  // reader from a writer here) and advances version().
-  void* data() const {
+  // The address of the allocation, to read: reading counts for nothing.
+  const void* data() const { return data_; }
+  // The address of the allocation, to write (or to read and write): every call counts as a
+  // possible write and advances version(). Writers, and only writers, come through here.
+  void* mutable_data() const {
     version_.fetch_add(1, std::memory_order_relaxed);
     return data_;
   }
-  // How many times data() has been called: a copy derived from the data (a Variable's
-  // autocast copy, mixtape/autograd/autocast.h) is current while this stays what it was
-  // just after the copy was made.
+  // How many times mutable_data() has been called: a copy derived from the data (a
+  // Variable's autocast copy, mixtape/autograd/autocast.h) is current while this stays what
+  // it was just after the copy was made.
   std::uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   std::size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }

@@ -102,15 +102,23 @@ class Tensor {
   const std::shared_ptr<Storage>& storage() const { return impl().storage; }
   const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
 
-  // Address of the first element (storage base + offset).
+  // Address of the first element (storage base + offset), to write: a writer's access,
+  // counted by the storage's version() (mixtape/core/storage.h) whether or not it writes.
   void* data_ptr() const;
-  // Typed address of the first element; throws DTypeError when T does not match.
+  // Address of the first element, to read: not counted as a write. Kernels read their
+  // inputs through this and write their outputs through data_ptr().
+  const void* const_data_ptr() const;
+  // Typed addresses of the first element, to write (data) and to read (const_data); both
+  // throw DTypeError when T does not match.
   template <typename T>
   T* data() const {
-    if (dtype_of<std::remove_const_t<T>>::value != dtype())
-      throw DTypeError(fmt::format("Tensor::data: requested {} but the tensor is {}",
-                                   dtype_of<std::remove_const_t<T>>::value.name(), dtype().name()));
+    check_element<T>("Tensor::data");
     return static_cast<T*>(data_ptr());
+  }
+  template <typename T>
+  const T* const_data() const {
+    check_element<T>("Tensor::const_data");
+    return static_cast<const T*>(const_data_ptr());
   }
 
   // The single element of a one-element tensor, converted to T (copied to the host).
@@ -166,6 +174,14 @@ class Tensor {
  protected:
   TensorImpl& impl() const;
   std::shared_ptr<TensorImpl> impl_;
+
+ private:
+  template <typename T>
+  void check_element(const char* what) const {
+    if (dtype_of<std::remove_const_t<T>>::value != dtype())
+      throw DTypeError(fmt::format("{}: requested {} but the tensor is {}", what,
+                                   dtype_of<std::remove_const_t<T>>::value.name(), dtype().name()));
+  }
 };
 
 // Element conversion helper used by item/to_vector and factories.
