@@ -61,6 +61,7 @@ MultiHeadAttentionLayer::MultiHeadAttentionLayer(std::int64_t num_heads, std::in
         "layer '{}' (MultiHeadAttention): num_heads and key_dim must be positive and value_dim "
         ">= 0; got num_heads {}, key_dim {}, value_dim {}",
         name(), num_heads_, key_dim_, options_.value_dim));
+  options_.value_dim = value_dim_;  // resolved, as options() and the config give it
   if (!(options_.dropout >= 0.0 && options_.dropout < 1.0))
     throw ValueError(
         fmt::format("layer '{}' (MultiHeadAttention): dropout must be in [0, 1); got {}", name(),
@@ -325,20 +326,6 @@ AttentionResult MultiHeadAttentionLayer::attend(const Tensor& query, const Tenso
   return r;
 }
 
-Config MultiHeadAttentionLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("num_heads", num_heads_);
-  c.set("key_dim", key_dim_);
-  write_options(c, options_);
-  c.set("value_dim", value_dim_);  // resolved: the option's 0 means key_dim
-  return c;
-}
-
-LayerPtr<MultiHeadAttentionLayer> MultiHeadAttentionLayer::from_config(const Config& c) {
-  return MultiHeadAttention(c.get_int("num_heads"), c.get_int("key_dim"),
-                            read_options<MultiHeadAttentionOptions>(c));
-}
-
 LayerPtr<MultiHeadAttentionLayer> MultiHeadAttention(std::int64_t num_heads, std::int64_t key_dim,
                                                      MultiHeadAttentionOptions options) {
   return make_layer<MultiHeadAttentionLayer>(num_heads, key_dim, std::move(options));
@@ -389,17 +376,6 @@ std::optional<Shape> PositionEmbeddingLayer::compute_output_shape(const Shape& i
 
 const Variable& PositionEmbeddingLayer::embeddings() const {
   return detail::built_weight(*this, embeddings_, "embeddings");
-}
-
-Config PositionEmbeddingLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("sequence_length", sequence_length_);
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<PositionEmbeddingLayer> PositionEmbeddingLayer::from_config(const Config& c) {
-  return PositionEmbedding(c.get_int("sequence_length"), read_options<PositionEmbeddingOptions>(c));
 }
 
 LayerPtr<PositionEmbeddingLayer> PositionEmbedding(std::int64_t sequence_length,

@@ -140,22 +140,6 @@ std::optional<Shape> RandomTranslationLayer::compute_output_shape(const Shape& i
   return input_shape;
 }
 
-Config RandomTranslationLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("height_lower", height_.lower);
-  c.set("height_upper", height_.upper);
-  c.set("width_lower", width_.lower);
-  c.set("width_upper", width_.upper);
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<RandomTranslationLayer> RandomTranslationLayer::from_config(const Config& c) {
-  return RandomTranslation({c.get_double("height_lower"), c.get_double("height_upper")},
-                           {c.get_double("width_lower"), c.get_double("width_upper")},
-                           read_options<RandomTranslationOptions>(c));
-}
-
 LayerPtr<RandomTranslationLayer> RandomTranslation(TranslationFactor height_factor,
                                                    TranslationFactor width_factor,
                                                    RandomTranslationOptions options) {
@@ -197,17 +181,6 @@ Tensor RandomFlipLayer::call(const Tensor& x, const CallContext& ctx) {
 std::optional<Shape> RandomFlipLayer::compute_output_shape(const Shape& input_shape) const {
   check_images(*this, input_shape);
   return input_shape;
-}
-
-Config RandomFlipLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("mode", mode_);
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<RandomFlipLayer> RandomFlipLayer::from_config(const Config& c) {
-  return RandomFlip(c.get_string("mode"), read_options<RandomFlipOptions>(c));
 }
 
 LayerPtr<RandomFlipLayer> RandomFlip(std::string mode, RandomFlipOptions options) {

@@ -106,6 +106,16 @@ void get(const Config& c, const std::string& k, int& v) {
   v = static_cast<int>(i);
 }
 
+void get(const Config& c, const std::string& k, std::vector<int>& v) {
+  std::vector<int> out;
+  for (const std::int64_t i : c.get_ints(k)) {
+    if (i < std::numeric_limits<int>::min() || i > std::numeric_limits<int>::max())
+      throw ValueError(fmt::format("config: '{}' holds {}, outside the range of an int", k, i));
+    out.push_back(static_cast<int>(i));
+  }
+  v = std::move(out);
+}
+
 }  // namespace option_codec
 
 }  // namespace mixtape::layers

@@ -80,19 +80,6 @@ const Variable& Conv2DLayer::bias() const {
   return bias_;
 }
 
-Config Conv2DLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("filters", filters_);
-  c.set("kernel_size", std::vector<std::int64_t>{kernel_size_.h, kernel_size_.w});
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<Conv2DLayer> Conv2DLayer::from_config(const Config& c) {
-  return Conv2D(c.get_int("filters"), detail::size2_from(c, "kernel_size"),
-                read_options<Conv2DOptions>(c));
-}
-
 LayerPtr<Conv2DLayer> Conv2D(std::int64_t filters, Size2 kernel_size, Conv2DOptions options) {
   return make_layer<Conv2DLayer>(filters, kernel_size, std::move(options));
 }
@@ -127,16 +114,6 @@ std::optional<Shape> Pooling2DLayer::compute_output_shape(const Shape& input_sha
                input_shape[3]};
 }
 
-Config Pooling2DLayer::get_config() const {
-  Config c = Layer::get_config();
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<Pooling2DLayer> Pooling2DLayer::from_config(Kind kind, const Config& c) {
-  return make_layer<Pooling2DLayer>(kind, read_options<PoolingOptions>(c));
-}
-
 LayerPtr<Pooling2DLayer> MaxPooling2D(PoolingOptions options) {
   return make_layer<Pooling2DLayer>(Pooling2DLayer::Kind::Max, std::move(options));
 }
@@ -159,12 +136,6 @@ std::optional<Shape> GlobalAveragePooling2DLayer::compute_output_shape(
   if (input_shape.rank() != 4)
     throw ShapeError(fmt::format("expected an NHWC input of rank 4; got shape {}", input_shape));
   return Shape{input_shape[0], input_shape[3]};
-}
-
-Config GlobalAveragePooling2DLayer::get_config() const { return Layer::get_config(); }
-
-LayerPtr<GlobalAveragePooling2DLayer> GlobalAveragePooling2DLayer::from_config(const Config& c) {
-  return GlobalAveragePooling2D(c.layer_options());
 }
 
 LayerPtr<GlobalAveragePooling2DLayer> GlobalAveragePooling2D(LayerOptions options) {

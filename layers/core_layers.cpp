@@ -112,17 +112,6 @@ const Variable& DenseLayer::bias() const {
   return detail::built_weight(*this, bias_, "bias");
 }
 
-Config DenseLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("units", units_);
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<DenseLayer> DenseLayer::from_config(const Config& c) {
-  return Dense(c.get_int("units"), read_options<DenseOptions>(c));
-}
-
 LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options) {
   return make_layer<DenseLayer>(units, std::move(options));
 }
@@ -138,16 +127,6 @@ Tensor ActivationLayer::call(const Tensor& x, const CallContext&) { return activ
 
 std::optional<Shape> ActivationLayer::compute_output_shape(const Shape& input_shape) const {
   return input_shape;
-}
-
-Config ActivationLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("activation", activation_name_);
-  return c;
-}
-
-LayerPtr<ActivationLayer> ActivationLayer::from_config(const Config& c) {
-  return Activation(c.get_string("activation"), c.layer_options());
 }
 
 LayerPtr<ActivationLayer> Activation(const std::string& activation, LayerOptions options) {
@@ -168,12 +147,6 @@ Tensor FlattenLayer::call(const Tensor& x, const CallContext&) {
 std::optional<Shape> FlattenLayer::compute_output_shape(const Shape& input_shape) const {
   if (input_shape.rank() < 1) throw ShapeError("expected an input of rank >= 1; got a scalar");
   return Shape{input_shape[0], checked_numel(sample_shape(input_shape), "Flatten")};
-}
-
-Config FlattenLayer::get_config() const { return Layer::get_config(); }
-
-LayerPtr<FlattenLayer> FlattenLayer::from_config(const Config& c) {
-  return Flatten(c.layer_options());
 }
 
 LayerPtr<FlattenLayer> Flatten(LayerOptions options) {
@@ -223,16 +196,6 @@ std::optional<Shape> ReshapeLayer::compute_output_shape(const Shape& input_shape
   return Shape(dims);
 }
 
-Config ReshapeLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("target_shape", target_.dims());
-  return c;
-}
-
-LayerPtr<ReshapeLayer> ReshapeLayer::from_config(const Config& c) {
-  return Reshape(Shape(c.get_ints("target_shape")), c.layer_options());
-}
-
 LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options) {
   return make_layer<ReshapeLayer>(target_shape, std::move(options));
 }
@@ -246,6 +209,8 @@ SliceLayer::SliceLayer(int axis, std::int64_t start, SliceOptions options)
       options_(std::move(options)) {
   if (axis_ == 0)
     throw ValueError(fmt::format("layer '{}' (Slice): axis 0 is the batch axis", name()));
+  if (axis_ < -64 || axis_ > 64)
+    throw ValueError(fmt::format("layer '{}' (Slice): axis {} is out of range", name(), axis_));
   set_input_spec(InputSpec{.min_rank = axis_ > 0 ? axis_ + 1 : std::max(2, -axis_ + 1)});
 }
 
@@ -286,21 +251,6 @@ std::optional<Shape> SliceLayer::compute_output_shape(const Shape& input_shape) 
   return Shape(dims);
 }
 
-Config SliceLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("axis", static_cast<std::int64_t>(axis_));
-  c.set("start", start_);
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<SliceLayer> SliceLayer::from_config(const Config& c) {
-  const std::int64_t axis = c.get_int("axis");
-  if (axis < -64 || axis > 64)
-    throw ValueError(fmt::format("Slice: axis {} is out of range", axis));
-  return Slice(static_cast<int>(axis), c.get_int("start"), read_options<SliceOptions>(c));
-}
-
 LayerPtr<SliceLayer> Slice(int axis, std::int64_t start, SliceOptions options) {
   return make_layer<SliceLayer>(axis, start, std::move(options));
 }
@@ -327,17 +277,6 @@ Tensor DropoutLayer::call(const Tensor& x, const CallContext& ctx) {
 
 std::optional<Shape> DropoutLayer::compute_output_shape(const Shape& input_shape) const {
   return input_shape;
-}
-
-Config DropoutLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("rate", rate_);
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<DropoutLayer> DropoutLayer::from_config(const Config& c) {
-  return Dropout(c.get_double("rate"), read_options<DropoutOptions>(c));
 }
 
 LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options) {
@@ -381,19 +320,6 @@ std::optional<std::vector<TensorSpec>> EmbeddingLayer::compute_output_spec(
 
 const Variable& EmbeddingLayer::embeddings() const {
   return detail::built_weight(*this, embeddings_, "embeddings");
-}
-
-Config EmbeddingLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("input_dim", input_dim_);
-  c.set("output_dim", output_dim_);
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<EmbeddingLayer> EmbeddingLayer::from_config(const Config& c) {
-  return Embedding(c.get_int("input_dim"), c.get_int("output_dim"),
-                   read_options<EmbeddingOptions>(c));
 }
 
 LayerPtr<EmbeddingLayer> Embedding(std::int64_t input_dim, std::int64_t output_dim,

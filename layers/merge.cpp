@@ -115,10 +115,6 @@ std::vector<Tensor> ElementwiseMergeLayer::call_multi(const std::vector<Tensor>&
   return {y};
 }
 
-LayerPtr<ElementwiseMergeLayer> ElementwiseMergeLayer::from_config(Kind kind, const Config& c) {
-  return make_layer<ElementwiseMergeLayer>(kind, c.layer_options());
-}
-
 LayerPtr<ElementwiseMergeLayer> Add(LayerOptions options) {
   return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Add, std::move(options));
 }
@@ -188,16 +184,6 @@ std::vector<Tensor> ConcatenateLayer::call_multi(const std::vector<Tensor>& inpu
   for (const Tensor& x : inputs) shapes.push_back(x.shape());
   output_shape_for(shapes);
   return {concat(in_dtype(inputs, compute_dtype()), options_.axis)};
-}
-
-Config ConcatenateLayer::get_config() const {
-  Config c = Layer::get_config();
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<ConcatenateLayer> ConcatenateLayer::from_config(const Config& c) {
-  return Concatenate(read_options<ConcatenateOptions>(c));
 }
 
 LayerPtr<ConcatenateLayer> Concatenate(ConcatenateOptions options) {
@@ -292,18 +278,6 @@ std::vector<Tensor> DotLayer::call_multi(const std::vector<Tensor>& inputs, cons
   if (xs[1].rank() == 2) return {squeeze(y, 2)};
   if (xs[0].rank() == 2) return {squeeze(y, 1)};
   return {y};
-}
-
-Config DotLayer::get_config() const {
-  Config c = Layer::get_config();
-  c.set("axes", std::vector<std::int64_t>(axes_.begin(), axes_.end()));
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<DotLayer> DotLayer::from_config(const Config& c) {
-  const auto& axes = c.get_ints("axes");
-  return Dot(std::vector<int>(axes.begin(), axes.end()), read_options<DotOptions>(c));
 }
 
 LayerPtr<DotLayer> Dot(std::vector<int> axes, DotOptions options) {

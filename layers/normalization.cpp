@@ -89,16 +89,6 @@ Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
   return cast(xs * s + shift, compute_dtype());
 }
 
-Config BatchNormalizationLayer::get_config() const {
-  Config c = Layer::get_config();
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<BatchNormalizationLayer> BatchNormalizationLayer::from_config(const Config& c) {
-  return BatchNormalization(read_options<BatchNormalizationOptions>(c));
-}
-
 LayerPtr<BatchNormalizationLayer> BatchNormalization(BatchNormalizationOptions options) {
   return make_layer<BatchNormalizationLayer>(std::move(options));
 }
@@ -141,16 +131,6 @@ Tensor LayerNormalizationLayer::call(const Tensor& x, const CallContext&) {
   return cast(layer_norm(xs, options_.scale ? Tensor(gamma_) : Tensor(),
                          options_.center ? Tensor(beta_) : Tensor(), options_.epsilon),
               compute_dtype());
-}
-
-Config LayerNormalizationLayer::get_config() const {
-  Config c = Layer::get_config();
-  write_options(c, options_);
-  return c;
-}
-
-LayerPtr<LayerNormalizationLayer> LayerNormalizationLayer::from_config(const Config& c) {
-  return LayerNormalization(read_options<LayerNormalizationOptions>(c));
 }
 
 LayerPtr<LayerNormalizationLayer> LayerNormalization(LayerNormalizationOptions options) {

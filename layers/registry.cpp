@@ -24,7 +24,7 @@ std::mutex g_registry_mutex;
 std::map<std::string, LayerFactory>& registry() {
   static std::map<std::string, LayerFactory> r = [] {
     std::map<std::string, LayerFactory> m;
-    for (const auto& [name, factory] : builtin_layers()) m.emplace(std::string(name), factory);
+    for (const LayerClass& c : builtin_layers()) m.emplace(std::string(c.name), c.from_config);
     return m;
   }();
   return r;

@@ -91,8 +91,8 @@ class MultiHeadAttentionLayer : public Layer {
  public:
   MultiHeadAttentionLayer(std::int64_t num_heads, std::int64_t key_dim,
                           MultiHeadAttentionOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<MultiHeadAttentionLayer> from_config(const Config& config);
+  // The options, value_dim resolved (0 given: key_dim).
+  const MultiHeadAttentionOptions& options() const { return options_; }
 
   // One call with Keras' call options; key undefined: value.
   AttentionResult attend(const Tensor& query, const Tensor& value,
@@ -158,8 +158,7 @@ class PositionEmbeddingLayer : public Layer {
  public:
   explicit PositionEmbeddingLayer(std::int64_t sequence_length,
                                   PositionEmbeddingOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<PositionEmbeddingLayer> from_config(const Config& config);
+  const PositionEmbeddingOptions& options() const { return options_; }
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;

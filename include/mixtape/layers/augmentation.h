@@ -57,8 +57,9 @@ class RandomTranslationLayer : public Layer {
  public:
   RandomTranslationLayer(TranslationFactor height_factor, TranslationFactor width_factor,
                          RandomTranslationOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<RandomTranslationLayer> from_config(const Config& config);
+  const TranslationFactor& height() const { return height_; }
+  const TranslationFactor& width() const { return width_; }
+  const RandomTranslationOptions& options() const { return options_; }
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   TranslationFactor height_factor() const { return height_; }
@@ -90,8 +91,7 @@ class RandomFlipLayer : public Layer {
  public:
   explicit RandomFlipLayer(std::string mode = "horizontal_and_vertical",
                            RandomFlipOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<RandomFlipLayer> from_config(const Config& config);
+  const RandomFlipOptions& options() const { return options_; }
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   const std::string& mode() const { return mode_; }

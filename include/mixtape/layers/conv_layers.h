@@ -34,8 +34,9 @@ MIXTAPE_OPTIONS(Conv2DOptions, strides, padding, activation, use_bias, kernel_in
 class Conv2DLayer : public Layer {
  public:
   Conv2DLayer(std::int64_t filters, Size2 kernel_size, Conv2DOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<Conv2DLayer> from_config(const Config& config);
+  std::int64_t filters() const { return filters_; }
+  const Size2& kernel_size() const { return kernel_size_; }
+  const Conv2DOptions& options() const { return options_; }
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
@@ -68,8 +69,7 @@ class Pooling2DLayer : public Layer {
  public:
   enum class Kind { Max, Average };
   Pooling2DLayer(Kind kind, PoolingOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<Pooling2DLayer> from_config(Kind kind, const Config& config);
+  const PoolingOptions& options() const { return options_; }
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 
@@ -85,8 +85,6 @@ LayerPtr<Pooling2DLayer> AveragePooling2D(PoolingOptions options = {});
 class GlobalAveragePooling2DLayer : public Layer {
  public:
   explicit GlobalAveragePooling2DLayer(LayerOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<GlobalAveragePooling2DLayer> from_config(const Config& config);
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 };

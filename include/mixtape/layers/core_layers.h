@@ -67,8 +67,7 @@ MIXTAPE_OPTIONS(DenseOptions, activation, use_bias, kernel_initializer, bias_ini
 class DenseLayer : public Layer {
  public:
   explicit DenseLayer(std::int64_t units, DenseOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<DenseLayer> from_config(const Config& config);
+  const DenseOptions& options() const { return options_; }
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
@@ -95,8 +94,6 @@ LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options = {});
 class ActivationLayer : public Layer {
  public:
   explicit ActivationLayer(const std::string& activation, LayerOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<ActivationLayer> from_config(const Config& config);
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   const std::string& activation() const { return activation_name_; }
@@ -113,8 +110,6 @@ LayerPtr<ActivationLayer> Activation(const std::string& activation, LayerOptions
 class FlattenLayer : public Layer {
  public:
   explicit FlattenLayer(LayerOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<FlattenLayer> from_config(const Config& config);
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 };
@@ -124,8 +119,7 @@ LayerPtr<FlattenLayer> Flatten(LayerOptions options = {});
 class ReshapeLayer : public Layer {
  public:
   explicit ReshapeLayer(const Shape& target_shape, LayerOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<ReshapeLayer> from_config(const Config& config);
+  const Shape& target_shape() const { return target_; }
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 
@@ -153,8 +147,9 @@ MIXTAPE_OPTIONS(SliceOptions, stop, squeeze);
 class SliceLayer : public Layer {
  public:
   SliceLayer(int axis, std::int64_t start, SliceOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<SliceLayer> from_config(const Config& config);
+  int axis() const { return axis_; }
+  std::int64_t start() const { return start_; }
+  const SliceOptions& options() const { return options_; }
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
 
@@ -182,8 +177,7 @@ MIXTAPE_OPTIONS(DropoutOptions, seed);
 class DropoutLayer : public Layer {
  public:
   explicit DropoutLayer(double rate, DropoutOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<DropoutLayer> from_config(const Config& config);
+  const DropoutOptions& options() const { return options_; }
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   double rate() const { return rate_; }
@@ -211,8 +205,9 @@ MIXTAPE_OPTIONS(EmbeddingOptions, embeddings_initializer);
 class EmbeddingLayer : public Layer {
  public:
   EmbeddingLayer(std::int64_t input_dim, std::int64_t output_dim, EmbeddingOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<EmbeddingLayer> from_config(const Config& config);
+  std::int64_t input_dim() const { return input_dim_; }
+  std::int64_t output_dim() const { return output_dim_; }
+  const EmbeddingOptions& options() const { return options_; }
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   // [..., output_dim] in the compute dtype, for ids of any dtype.

@@ -196,8 +196,10 @@ class Layer : public std::enable_shared_from_this<Layer> {
   bool has_given_name() const { return name_given_; }
   // "Dense", "Conv2D", ...; by default the C++ class name.
   virtual std::string class_name() const;
-  // The arguments that make this layer again (mixtape/layers/config.h): here "name",
-  // "trainable" and "dtype"; each layer adds its own.
+  // The arguments that make this layer again (mixtape/layers/config.h): "name",
+  // "trainable" and "dtype", and for a built-in class its positional arguments and options
+  // (derived from its row in the layer table, layers/layer_table.cpp). A class of your own
+  // overrides this, calling the base's, and adds its own.
   virtual Config get_config() const;
 
   const Policy& dtype_policy() const { return policy_; }

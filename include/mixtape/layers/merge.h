@@ -27,7 +27,6 @@ class ElementwiseMergeLayer : public Layer {
  public:
   enum class Kind { Add, Subtract, Multiply, Average, Maximum, Minimum };
   ElementwiseMergeLayer(Kind kind, LayerOptions options = {});
-  static LayerPtr<ElementwiseMergeLayer> from_config(Kind kind, const Config& config);
   void build_multi(const std::vector<Shape>& input_shapes) override;
   std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs,
                                  const CallContext& ctx) override;
@@ -58,8 +57,7 @@ MIXTAPE_OPTIONS(ConcatenateOptions, axis);
 class ConcatenateLayer : public Layer {
  public:
   explicit ConcatenateLayer(ConcatenateOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<ConcatenateLayer> from_config(const Config& config);
+  const ConcatenateOptions& options() const { return options_; }
   void build_multi(const std::vector<Shape>& input_shapes) override;
   std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs,
                                  const CallContext& ctx) override;
@@ -91,8 +89,7 @@ MIXTAPE_OPTIONS(DotOptions, normalize);
 class DotLayer : public Layer {
  public:
   DotLayer(std::vector<int> axes, DotOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<DotLayer> from_config(const Config& config);
+  const DotOptions& options() const { return options_; }
   void build_multi(const std::vector<Shape>& input_shapes) override;
   std::vector<Tensor> call_multi(const std::vector<Tensor>& inputs,
                                  const CallContext& ctx) override;

@@ -40,8 +40,7 @@ MIXTAPE_OPTIONS(BatchNormalizationOptions, axis, momentum, epsilon, center, scal
 class BatchNormalizationLayer : public Layer {
  public:
   explicit BatchNormalizationLayer(BatchNormalizationOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<BatchNormalizationLayer> from_config(const Config& config);
+  const BatchNormalizationOptions& options() const { return options_; }
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
@@ -77,8 +76,7 @@ MIXTAPE_OPTIONS(LayerNormalizationOptions, epsilon, center, scale, beta_initiali
 class LayerNormalizationLayer : public Layer {
  public:
   explicit LayerNormalizationLayer(LayerNormalizationOptions options = {});
-  Config get_config() const override;
-  static LayerPtr<LayerNormalizationLayer> from_config(const Config& config);
+  const LayerNormalizationOptions& options() const { return options_; }
   void build(const Shape& input_shape) override;
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;

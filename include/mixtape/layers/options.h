@@ -21,12 +21,12 @@
 //   }
 //
 // Each field is saved under its own name. Field types: bool, int, std::int64_t, double,
-// std::string, Shape, Size2 (two integers), DType (its name), init::Initializer (its name),
-// and std::optional of these or of std::uint64_t (left out of the config when empty). Reading
-// back: a missing or mistyped key of a plain field throws ValueError naming it (the Config
-// getters' errors); an optional field that is missing stays empty; an initializer that is
-// missing or has no name init::get knows keeps the default (the weights of a file are loaded
-// over it anyway).
+// std::string, Shape, std::vector<int>, Size2 (two integers), DType (its name),
+// init::Initializer (its name), and std::optional of these or of std::uint64_t (left out of the
+// config when empty). Reading back: a missing or mistyped key of a plain field throws ValueError
+// naming it (the Config getters' errors); an optional field that is missing stays empty; an
+// initializer that is missing or has no name init::get knows keeps the default (the weights of a
+// file are loaded over it anyway).
 #pragma once
 
 #include <concepts>
@@ -65,6 +65,9 @@ inline void put(Config& c, const std::string& k, std::uint64_t v) {
 inline void put(Config& c, const std::string& k, double v) { c.set(k, v); }
 inline void put(Config& c, const std::string& k, const std::string& v) { c.set(k, v); }
 inline void put(Config& c, const std::string& k, const Shape& v) { c.set(k, v.dims()); }
+inline void put(Config& c, const std::string& k, const std::vector<int>& v) {
+  c.set(k, std::vector<std::int64_t>(v.begin(), v.end()));
+}
 inline void put(Config& c, const std::string& k, const Size2& v) {
   c.set(k, std::vector<std::int64_t>{v.h, v.w});
 }
@@ -85,6 +88,7 @@ inline void get(const Config& c, const std::string& k, std::uint64_t& v) {
 inline void get(const Config& c, const std::string& k, double& v) { v = c.get_double(k); }
 inline void get(const Config& c, const std::string& k, std::string& v) { v = c.get_string(k); }
 inline void get(const Config& c, const std::string& k, Shape& v) { v = Shape(c.get_ints(k)); }
+void get(const Config& c, const std::string& k, std::vector<int>& v);  // ValueError outside int
 inline void get(const Config& c, const std::string& k, Size2& v) { v = detail::size2_from(c, k); }
 inline void get(const Config& c, const std::string& k, DType& v) { v = DType(c.get_string(k)); }
 inline void get(const Config& c, const std::string& k, init::Initializer& v) {
