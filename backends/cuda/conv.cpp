@@ -298,6 +298,122 @@ struct Buffers {
   void* out;
 };
 
+// --- One cuDNN pass description per direction ------------------------------------------------
+
+// cuDNN's scaling factors (alpha, beta) of an execution: out = 1 * conv(in0, in1) + 0 * out.
+constexpr float kOne = 1.0f, kZero = 0.0f;
+
+// The cuDNN functions of a direction, each taking the plan's descriptors in the order that
+// direction's functions take them (those of in0, in1, out in Buffers):
+//   Forward         x, w, y  (cudnn*ConvolutionForward*)
+//   BackwardData    w, y, x  (cudnn*ConvolutionBackwardData*)
+//   BackwardFilter  x, y, w  (cudnn*ConvolutionBackwardFilter*)
+// Perf is the direction's Find result, max_count the number of results its Find may return,
+// find its cudnnFind*AlgorithmEx (the candidate algorithms run on `buf`), workspace_size the
+// workspace of an algorithm, execute the pass itself (kExecute names it).
+template <Direction>
+struct CudnnPass;
+
+template <>
+struct CudnnPass<Direction::Forward> {
+  using Perf = cudnnConvolutionFwdAlgoPerf_t;
+  using Algo = cudnnConvolutionFwdAlgo_t;
+  static constexpr const char* kExecute = "cudnnConvolutionForward";
+  static int max_count(const CudnnContext& ctx) {
+    int count = 0;
+    MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(ctx.handle, &count));
+    return count;
+  }
+  static cudnnStatus_t find(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                            int count, int* returned, Perf* perf, void* scratch,
+                            std::size_t limit) {
+    return cudnnFindConvolutionForwardAlgorithmEx(ctx.handle, plan.x, buf.in0, plan.w, buf.in1,
+                                                  plan.conv, plan.y, buf.out, count, returned, perf,
+                                                  scratch, limit);
+  }
+  static cudnnStatus_t workspace_size(const CudnnContext& ctx, const ConvPlan& plan, int algo,
+                                      std::size_t* bytes) {
+    return cudnnGetConvolutionForwardWorkspaceSize(ctx.handle, plan.x, plan.w, plan.conv, plan.y,
+                                                   static_cast<Algo>(algo), bytes);
+  }
+  static cudnnStatus_t execute(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                               void* workspace) {
+    return cudnnConvolutionForward(ctx.handle, &kOne, plan.x, buf.in0, plan.w, buf.in1, plan.conv,
+                                   static_cast<Algo>(plan.algo), workspace, plan.workspace, &kZero,
+                                   plan.y, buf.out);
+  }
+};
+
+template <>
+struct CudnnPass<Direction::BackwardData> {
+  using Perf = cudnnConvolutionBwdDataAlgoPerf_t;
+  using Algo = cudnnConvolutionBwdDataAlgo_t;
+  static constexpr const char* kExecute = "cudnnConvolutionBackwardData";
+  static int max_count(const CudnnContext& ctx) {
+    int count = 0;
+    MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(ctx.handle, &count));
+    return count;
+  }
+  static cudnnStatus_t find(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                            int count, int* returned, Perf* perf, void* scratch,
+                            std::size_t limit) {
+    return cudnnFindConvolutionBackwardDataAlgorithmEx(ctx.handle, plan.w, buf.in0, plan.y, buf.in1,
+                                                       plan.conv, plan.x, buf.out, count, returned,
+                                                       perf, scratch, limit);
+  }
+  static cudnnStatus_t workspace_size(const CudnnContext& ctx, const ConvPlan& plan, int algo,
+                                      std::size_t* bytes) {
+    return cudnnGetConvolutionBackwardDataWorkspaceSize(ctx.handle, plan.w, plan.y, plan.conv,
+                                                        plan.x, static_cast<Algo>(algo), bytes);
+  }
+  static cudnnStatus_t execute(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                               void* workspace) {
+    return cudnnConvolutionBackwardData(ctx.handle, &kOne, plan.w, buf.in0, plan.y, buf.in1,
+                                        plan.conv, static_cast<Algo>(plan.algo), workspace,
+                                        plan.workspace, &kZero, plan.x, buf.out);
+  }
+};
+
+template <>
+struct CudnnPass<Direction::BackwardFilter> {
+  using Perf = cudnnConvolutionBwdFilterAlgoPerf_t;
+  using Algo = cudnnConvolutionBwdFilterAlgo_t;
+  static constexpr const char* kExecute = "cudnnConvolutionBackwardFilter";
+  static int max_count(const CudnnContext& ctx) {
+    int count = 0;
+    MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(ctx.handle, &count));
+    return count;
+  }
+  static cudnnStatus_t find(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                            int count, int* returned, Perf* perf, void* scratch,
+                            std::size_t limit) {
+    return cudnnFindConvolutionBackwardFilterAlgorithmEx(ctx.handle, plan.x, buf.in0, plan.y,
+                                                         buf.in1, plan.conv, plan.w, buf.out, count,
+                                                         returned, perf, scratch, limit);
+  }
+  static cudnnStatus_t workspace_size(const CudnnContext& ctx, const ConvPlan& plan, int algo,
+                                      std::size_t* bytes) {
+    return cudnnGetConvolutionBackwardFilterWorkspaceSize(ctx.handle, plan.x, plan.y, plan.conv,
+                                                          plan.w, static_cast<Algo>(algo), bytes);
+  }
+  static cudnnStatus_t execute(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                               void* workspace) {
+    return cudnnConvolutionBackwardFilter(ctx.handle, &kOne, plan.x, buf.in0, plan.y, buf.in1,
+                                          plan.conv, static_cast<Algo>(plan.algo), workspace,
+                                          plan.workspace, &kZero, plan.w, buf.out);
+  }
+};
+
+// f(CudnnPass<dir>{}): the one place a Direction picks its cuDNN functions.
+template <typename F>
+decltype(auto) with_pass(Direction dir, F&& f) {
+  if (dir == Direction::Forward) return f(CudnnPass<Direction::Forward>{});
+  if (dir == Direction::BackwardData) return f(CudnnPass<Direction::BackwardData>{});
+  return f(CudnnPass<Direction::BackwardFilter>{});
+}
+
+// --- Making a plan ---------------------------------------------------------------------------
+
 // The first (fastest) usable result of a Find: succeeded, within the workspace offered, of
 // an allowed math type, and deterministic where one is (non-deterministic algorithms, such
 // as backward-filter ones that add partial sums atomically into a 16-bit output, may round
@@ -321,12 +437,10 @@ const Perf* pick(const std::vector<Perf>& perf, int returned, std::size_t limit,
   return nullptr;
 }
 
-// Builds the plan of one direction and geometry: descriptors, then the Find (which runs the
-// candidate algorithms on `buf`, writing its output buffer), then the chosen algorithm's math
-// type and workspace. A refusal leaves use_cudnn false (and says so in the log).
-std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, Direction dir, DType dt, bool tf32,
-                                    const Conv2dGeometry& g, const CudnnLayout& l,
-                                    const Buffers& buf) {
+// A plan with its descriptors (x, y, w and the convolution, with the math type the Find is
+// asked for), and no algorithm yet.
+std::unique_ptr<ConvPlan> describe_plan(Direction dir, DType dt, cudnnMathType_t requested,
+                                        const Conv2dGeometry& g, const CudnnLayout& l) {
   auto plan = std::make_unique<ConvPlan>();
   const cudnnDataType_t type = cudnn_type(dt);
   const auto i32 = [](int64_t v) { return static_cast<int>(v); };
@@ -344,9 +458,6 @@ std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, Direction dir, DType dt, 
   MIXTAPE_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(plan->conv, i32(l.pad_h), i32(l.pad_w),
                                                       i32(g.stride_h), i32(g.stride_w), 1, 1,
                                                       CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-  const bool strict = dt == kFloat32 && !tf32;
-  const cudnnMathType_t requested =
-      dt == kFloat32 ? (tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH) : CUDNN_TENSOR_OP_MATH;
   MIXTAPE_CUDNN_CHECK(cudnnSetConvolutionMathType(plan->conv, requested));
 
   // cuDNN's output extent must be ours (the layout is built so); a mismatch is a bug here.
@@ -358,115 +469,117 @@ std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, Direction dir, DType dt, 
         "{}: cuDNN's output extent {}x{}x{}x{} differs from the geometry's ({}; cuDNN input "
         "{}x{}, padding {},{})",
         direction_name(dir), dn, dh, dw, dc, describe(g), l.hin, l.win, l.pad_h, l.pad_w));
+  return plan;
+}
 
+// The Find's scratch comes straight from cudaMalloc and goes back to the device after the
+// Find (cudaFree waits for it): through the caching allocator, a block this large would
+// stay cached in a size class little else uses.
+struct FindScratch {
+  void* p = nullptr;
+  std::size_t limit = 0;  // the workspace offered to the Find
+
+  FindScratch() = default;
+  FindScratch(const FindScratch&) = delete;
+  FindScratch& operator=(const FindScratch&) = delete;
+  ~FindScratch() {
+    if (p) cudaFree(p);
+  }
+};
+
+// Allocates the Find's scratch: kMaxConvWorkspace, or a quarter of the free memory when that
+// is less, or none when the allocation fails.
+void reserve(FindScratch* scratch) {
   std::size_t limit = 0;
   {
     std::size_t free_bytes = 0, total_bytes = 0;
     MIXTAPE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     limit = std::min(kMaxConvWorkspace, free_bytes / 4);
   }
-  // The Find's scratch comes straight from cudaMalloc and goes back to the device after the
-  // Find (cudaFree waits for it): through the caching allocator, a block this large would
-  // stay cached in a size class little else uses.
-  struct FindScratch {
-    void* p = nullptr;
-    ~FindScratch() {
-      if (p) cudaFree(p);
-    }
-  } scratch;
   if (limit > 0) {
-    const cudaError_t err = cudaMalloc(&scratch.p, limit);
+    const cudaError_t err = cudaMalloc(&scratch->p, limit);
     if (err == cudaErrorMemoryAllocation) {  // the Find runs with no workspace
       cudaGetLastError();                    // (clears only this allocation failure)
-      scratch.p = nullptr;
+      scratch->p = nullptr;
       limit = 0;
     } else {
       MIXTAPE_CUDA_CHECK(err);
     }
   }
+  scratch->limit = limit;
+}
 
+// What a Find chose: its status, and (found) the algorithm, the math type it runs with and
+// the workspace the Find measured for it.
+struct FindResult {
   cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
   bool found = false;
   int algo = 0;
-  cudnnMathType_t math = requested;
+  cudnnMathType_t math = CUDNN_DEFAULT_MATH;
   std::size_t memory = 0;
-  const auto take = [&](const auto* p) {
-    if (!p) return;
-    found = true;
-    algo = static_cast<int>(p->algo);
-    math = strict ? CUDNN_FMA_MATH : p->mathType;
-    memory = p->memory;
-  };
-  switch (dir) {
-    case Direction::Forward: {
-      int count = 0;
-      MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(ctx.handle, &count));
-      count = std::max(count, 1);
-      std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(static_cast<std::size_t>(count));
-      int returned = 0;
-      status = cudnnFindConvolutionForwardAlgorithmEx(ctx.handle, plan->x, buf.in0, plan->w,
-                                                      buf.in1, plan->conv, plan->y, buf.out, count,
-                                                      &returned, perf.data(), scratch.p, limit);
-      if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
-      break;
-    }
-    case Direction::BackwardData: {
-      int count = 0;
-      MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(ctx.handle, &count));
-      count = std::max(count, 1);
-      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(static_cast<std::size_t>(count));
-      int returned = 0;
-      status = cudnnFindConvolutionBackwardDataAlgorithmEx(
-          ctx.handle, plan->w, buf.in0, plan->y, buf.in1, plan->conv, plan->x, buf.out, count,
-          &returned, perf.data(), scratch.p, limit);
-      if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
-      break;
-    }
-    case Direction::BackwardFilter: {
-      int count = 0;
-      MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(ctx.handle, &count));
-      count = std::max(count, 1);
-      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(static_cast<std::size_t>(count));
-      int returned = 0;
-      status = cudnnFindConvolutionBackwardFilterAlgorithmEx(
-          ctx.handle, plan->x, buf.in0, plan->y, buf.in1, plan->conv, plan->w, buf.out, count,
-          &returned, perf.data(), scratch.p, limit);
-      if (status == CUDNN_STATUS_SUCCESS) take(pick(perf, returned, limit, strict));
-      break;
-    }
-  }
-  if (status != CUDNN_STATUS_SUCCESS && !is_refusal(status))
-    throw_cudnn_error(status, "cudnnFindConvolution*AlgorithmEx", __FILE__, __LINE__);
+};
 
-  // The chosen algorithm's workspace with the math type it will run with.
-  if (found) {
-    MIXTAPE_CUDNN_CHECK(cudnnSetConvolutionMathType(plan->conv, math));
-    std::size_t bytes = 0;
-    switch (dir) {
-      case Direction::Forward:
-        status = cudnnGetConvolutionForwardWorkspaceSize(
-            ctx.handle, plan->x, plan->w, plan->conv, plan->y,
-            static_cast<cudnnConvolutionFwdAlgo_t>(algo), &bytes);
-        break;
-      case Direction::BackwardData:
-        status = cudnnGetConvolutionBackwardDataWorkspaceSize(
-            ctx.handle, plan->w, plan->y, plan->conv, plan->x,
-            static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &bytes);
-        break;
-      case Direction::BackwardFilter:
-        status = cudnnGetConvolutionBackwardFilterWorkspaceSize(
-            ctx.handle, plan->x, plan->y, plan->conv, plan->w,
-            static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &bytes);
-        break;
-    }
-    if (status == CUDNN_STATUS_SUCCESS) {
-      plan->algo = algo;
-      plan->workspace = std::max(memory, bytes);
-      plan->use_cudnn = true;
-    } else if (!is_refusal(status)) {
-      throw_cudnn_error(status, "cudnnGetConvolution*WorkspaceSize", __FILE__, __LINE__);
+// Runs the Find of `Pass` on `buf` and picks its result (see pick). A status other than a
+// refusal throws.
+template <typename Pass>
+FindResult find_algorithm(Pass, const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                          const FindScratch& scratch, bool strict, cudnnMathType_t requested) {
+  FindResult r;
+  r.math = requested;
+  const int count = std::max(Pass::max_count(ctx), 1);
+  std::vector<typename Pass::Perf> perf(static_cast<std::size_t>(count));
+  int returned = 0;
+  r.status = Pass::find(ctx, plan, buf, count, &returned, perf.data(), scratch.p, scratch.limit);
+  if (r.status == CUDNN_STATUS_SUCCESS) {
+    if (const auto* p = pick(perf, returned, scratch.limit, strict)) {
+      r.found = true;
+      r.algo = static_cast<int>(p->algo);
+      r.math = strict ? CUDNN_FMA_MATH : p->mathType;
+      r.memory = p->memory;
     }
   }
+  if (r.status != CUDNN_STATUS_SUCCESS && !is_refusal(r.status))
+    throw_cudnn_error(r.status, "cudnnFindConvolution*AlgorithmEx", __FILE__, __LINE__);
+  return r;
+}
+
+// The chosen algorithm's workspace with the math type it will run with; on success the plan
+// takes the algorithm and turns to cuDNN. Returns the query's status (a refusal leaves the
+// plan off cuDNN; another failure throws).
+cudnnStatus_t take_algorithm(const CudnnContext& ctx, Direction dir, const FindResult& choice,
+                             ConvPlan* plan) {
+  const cudnnMathType_t math = choice.math;
+  MIXTAPE_CUDNN_CHECK(cudnnSetConvolutionMathType(plan->conv, math));
+  std::size_t bytes = 0;
+  const cudnnStatus_t status = with_pass(
+      dir, [&](auto pass) { return pass.workspace_size(ctx, *plan, choice.algo, &bytes); });
+  if (status == CUDNN_STATUS_SUCCESS) {
+    plan->algo = choice.algo;
+    plan->workspace = std::max(choice.memory, bytes);
+    plan->use_cudnn = true;
+  } else if (!is_refusal(status)) {
+    throw_cudnn_error(status, "cudnnGetConvolution*WorkspaceSize", __FILE__, __LINE__);
+  }
+  return status;
+}
+
+// Builds the plan of one direction and geometry: descriptors, then the Find (which runs the
+// candidate algorithms on `buf`, writing its output buffer), then the chosen algorithm's math
+// type and workspace. A refusal leaves use_cudnn false (and says so in the log).
+std::unique_ptr<ConvPlan> make_plan(CudnnContext& ctx, Direction dir, DType dt, bool tf32,
+                                    const Conv2dGeometry& g, const CudnnLayout& l,
+                                    const Buffers& buf) {
+  const bool strict = dt == kFloat32 && !tf32;
+  const cudnnMathType_t requested =
+      dt == kFloat32 ? (tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH) : CUDNN_TENSOR_OP_MATH;
+  std::unique_ptr<ConvPlan> plan = describe_plan(dir, dt, requested, g, l);
+  FindScratch scratch;
+  reserve(&scratch);
+  const FindResult choice = with_pass(dir, [&](auto pass) {
+    return find_algorithm(pass, ctx, *plan, buf, scratch, strict, requested);
+  });
+  cudnnStatus_t status = choice.status;
+  if (choice.found) status = take_algorithm(ctx, dir, choice, plan.get());
   if (!plan->use_cudnn)
     spdlog::warn(
         "mixtape: cuDNN has no usable algorithm for {} ({}, {}{}): {}; using the direct CUDA "
@@ -563,31 +676,9 @@ bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const
   const ConvPlan& plan = plan_for(ctx, device, dir, dt, g, l, buf, exact_tf32);
   if (!plan.use_cudnn) return false;
   Workspace workspace(plan.workspace, device);
-  const float one = 1.0f, zero = 0.0f;
-  cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
-  const char* call = "";
-  switch (dir) {
-    case Direction::Forward:
-      call = "cudnnConvolutionForward";
-      status = cudnnConvolutionForward(ctx.handle, &one, plan.x, buf.in0, plan.w, buf.in1,
-                                       plan.conv, static_cast<cudnnConvolutionFwdAlgo_t>(plan.algo),
-                                       workspace.data(), plan.workspace, &zero, plan.y, buf.out);
-      break;
-    case Direction::BackwardData:
-      call = "cudnnConvolutionBackwardData";
-      status = cudnnConvolutionBackwardData(
-          ctx.handle, &one, plan.w, buf.in0, plan.y, buf.in1, plan.conv,
-          static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algo), workspace.data(), plan.workspace,
-          &zero, plan.x, buf.out);
-      break;
-    case Direction::BackwardFilter:
-      call = "cudnnConvolutionBackwardFilter";
-      status = cudnnConvolutionBackwardFilter(
-          ctx.handle, &one, plan.x, buf.in0, plan.y, buf.in1, plan.conv,
-          static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algo), workspace.data(), plan.workspace,
-          &zero, plan.w, buf.out);
-      break;
-  }
+  const char* call = with_pass(dir, [](auto pass) { return pass.kExecute; });
+  const cudnnStatus_t status =
+      with_pass(dir, [&](auto pass) { return pass.execute(ctx, plan, buf, workspace.data()); });
   if (refused(status, plan, call, dir, dt, g, __FILE__, __LINE__)) return false;
   if (dir == Direction::BackwardData && l.padded)
     crop_nhwc(padded.data(), out.data_ptr(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top,
