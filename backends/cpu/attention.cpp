@@ -203,6 +203,30 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
   }
 }
 
+// D_i = sum_c dout[i, c] out[i, c] for the t rows of a head (dout in gc, out in oc, dv
+// columns each): sum_j P_ij dP_ij, the softmax's correction.
+template <typename C>
+void softmax_correction(const C* gc, const C* oc, int64_t t, int64_t dv, C* rowdot) {
+  for (int64_t i = 0; i < t; ++i) {
+    C s = 0;
+    for (int64_t c = 0; c < dv; ++c) s += gc[i * dv + c] * oc[i * dv + c];
+    rowdot[i] = s;
+  }
+}
+
+// dS = P (dP - D) scale over a tile of br rows of bc keys (rows kBc apart), in p; d holds D
+// of the tile's rows.
+template <typename C>
+void score_grads(C* p, const C* dp, const C* d, int64_t br, int64_t bc, C scale) {
+  for (int64_t r = 0; r < br; ++r) {
+    const C di = d[r];
+    C* row = p + r * kBc;
+    const C* drow = dp + r * kBc;
+#pragma omp simd
+    for (int64_t c = 0; c < bc; ++c) row[c] = row[c] * (drow[c] - di) * scale;
+  }
+}
+
 template <typename T>
 void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t,
                                const Tensor& mask_t, bool causal, double scale_d,
@@ -240,12 +264,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
       const C* oc = as_compute(out + h * e.t * e.dv, e.t * e.dv, ob);
       const C* gc = as_compute(dout + h * e.t * e.dv, e.t * e.dv, gb);
       const C* lh = lse + h * e.t;
-      // D_i = sum_c dout[i, c] out[i, c]: sum_j P_ij dP_ij, the softmax's correction.
-      for (int64_t i = 0; i < e.t; ++i) {
-        C s = 0;
-        for (int64_t c = 0; c < e.dv; ++c) s += gc[i * e.dv + c] * oc[i * e.dv + c];
-        rowdot[static_cast<std::size_t>(i)] = s;
-      }
+      softmax_correction(gc, oc, e.t, e.dv, rowdot.data());
       dqa.assign(static_cast<std::size_t>(e.t * e.d), C(0));
       dka.assign(static_cast<std::size_t>(e.s * e.d), C(0));
       dva.assign(static_cast<std::size_t>(e.s * e.dv), C(0));
@@ -270,13 +289,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
           blas_gemm(false, true, br, bc, e.dv, gc + i0 * e.dv, e.dv, vc + j0 * e.dv, e.dv, C(0),
                     dp.data(), kBc);
           // dS = P (dP - D) scale, in p.
-          for (int64_t r = 0; r < br; ++r) {
-            const C di = rowdot[static_cast<std::size_t>(i0 + r)];
-            C* row = p.data() + r * kBc;
-            const C* drow = dp.data() + r * kBc;
-#pragma omp simd
-            for (int64_t c = 0; c < bc; ++c) row[c] = row[c] * (drow[c] - di) * scale;
-          }
+          score_grads(p.data(), dp.data(), rowdot.data() + i0, br, bc, scale);
           // dQ_i += dS K_j; dK_j += dS^T Q_i.
           blas_gemm(false, false, br, e.d, bc, p.data(), kBc, kc + j0 * e.d, e.d, C(1),
                     dqa.data() + i0 * e.d, e.d);
