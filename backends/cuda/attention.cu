@@ -10,6 +10,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -205,13 +206,12 @@ void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (n * t == 0) return;
   using C = compute_of<T>;
   OnDevice on(out);
-  attention_forward_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(q.const_data_ptr()), static_cast<const T*>(k.const_data_ptr()),
-      static_cast<const T*>(v.const_data_ptr()),
-      mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr, causal,
-      static_cast<C>(scale), static_cast<T*>(out.data_ptr()), static_cast<C*>(lse.data_ptr()), n, t,
-      s, d, dv);
-  MIXTAPE_CUDA_CHECK_LAUNCH("attention kernel");
+  launch_1d({"attention kernel", n * t * kWarp, on.s}, attention_forward_kernel<T>,
+            static_cast<const T*>(q.const_data_ptr()), static_cast<const T*>(k.const_data_ptr()),
+            static_cast<const T*>(v.const_data_ptr()),
+            mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr,
+            causal, static_cast<C>(scale), static_cast<T*>(out.data_ptr()),
+            static_cast<C*>(lse.data_ptr()), n, t, s, d, dv);
 }
 
 template <typename T>
@@ -234,18 +234,15 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
   const auto* gp = static_cast<const T*>(dout.const_data_ptr());
   const auto sc = static_cast<C>(scale);
   if (n * t > 0) {
-    attention_rowdot_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
-        gp, static_cast<const T*>(out.const_data_ptr()), rp, n * t, dv);
-    MIXTAPE_CUDA_CHECK_LAUNCH("attention rowdot kernel");
-    attention_dq_kernel<T><<<blocks_for(n * t * kWarp), kThreads, 0, on.s>>>(
-        qp, kp, vp, mp, causal, sc, lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s, d, dv);
-    MIXTAPE_CUDA_CHECK_LAUNCH("attention dq kernel");
+    launch_1d({"attention rowdot kernel", n * t * kWarp, on.s}, attention_rowdot_kernel<T>, gp,
+              static_cast<const T*>(out.const_data_ptr()), rp, n * t, dv);
+    launch_1d({"attention dq kernel", n * t * kWarp, on.s}, attention_dq_kernel<T>, qp, kp, vp, mp,
+              causal, sc, lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s, d, dv);
   }
   if (n * s > 0) {
-    attention_dkdv_kernel<T><<<blocks_for(n * s * kWarp), kThreads, 0, on.s>>>(
-        qp, kp, vp, mp, causal, sc, lp, rp, gp, static_cast<T*>(dk.data_ptr()),
-        static_cast<T*>(dv_out.data_ptr()), n, t, s, d, dv);
-    MIXTAPE_CUDA_CHECK_LAUNCH("attention dk/dv kernel");
+    launch_1d({"attention dk/dv kernel", n * s * kWarp, on.s}, attention_dkdv_kernel<T>, qp, kp, vp,
+              mp, causal, sc, lp, rp, gp, static_cast<T*>(dk.data_ptr()),
+              static_cast<T*>(dv_out.data_ptr()), n, t, s, d, dv);
   }
 }
 

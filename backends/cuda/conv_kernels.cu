@@ -15,6 +15,7 @@
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/gemm_conv_kernels.h"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -156,22 +157,21 @@ void launch(Which which, const ConvShape& g, const void* in0, const void* in1, v
     case Which::Forward: {
       const int64_t total = g.n * g.oh * g.ow * g.cout;
       if (total <= 0) return;
-      conv_forward_kernel<T, A><<<blocks_for(total), kThreads, 0, stream>>>(p0, p1, po, g);
-      MIXTAPE_CUDA_CHECK_LAUNCH("conv_forward_kernel");
+      launch_1d({"conv_forward_kernel", total, stream}, conv_forward_kernel<T, A>, p0, p1, po, g);
       return;
     }
     case Which::BackwardInput: {
       const int64_t total = g.n * g.h * g.w * g.c;
       if (total <= 0) return;
-      conv_backward_input_kernel<T, A><<<blocks_for(total), kThreads, 0, stream>>>(p0, p1, po, g);
-      MIXTAPE_CUDA_CHECK_LAUNCH("conv_backward_input_kernel");
+      launch_1d({"conv_backward_input_kernel", total, stream}, conv_backward_input_kernel<T, A>, p0,
+                p1, po, g);
       return;
     }
     case Which::BackwardWeight: {
       const int64_t total = g.kh * g.kw * g.c * g.cout;
       if (total <= 0) return;
-      conv_backward_weight_kernel<T, A><<<blocks_for(total), kThreads, 0, stream>>>(p0, p1, po, g);
-      MIXTAPE_CUDA_CHECK_LAUNCH("conv_backward_weight_kernel");
+      launch_1d({"conv_backward_weight_kernel", total, stream}, conv_backward_weight_kernel<T, A>,
+                p0, p1, po, g);
       return;
     }
   }
@@ -281,11 +281,9 @@ void launch_pad(bool crop, const void* src, void* dst, int64_t n, int64_t h, int
   const auto* s = static_cast<const E*>(src);
   auto* d = static_cast<E*>(dst);
   if (crop) {
-    crop_kernel<E><<<blocks_for(total), kThreads, 0, stream>>>(s, d, n, h, w, c, hp, wp, top, left);
-    MIXTAPE_CUDA_CHECK_LAUNCH("crop_kernel");
+    launch_1d({"crop_kernel", total, stream}, crop_kernel<E>, s, d, n, h, w, c, hp, wp, top, left);
   } else {
-    pad_kernel<E><<<blocks_for(total), kThreads, 0, stream>>>(s, d, n, h, w, c, hp, wp, top, left);
-    MIXTAPE_CUDA_CHECK_LAUNCH("pad_kernel");
+    launch_1d({"pad_kernel", total, stream}, pad_kernel<E>, s, d, n, h, w, c, hp, wp, top, left);
   }
 }
 
@@ -312,9 +310,8 @@ template <typename T>
 void launch_add_bias(void* out, const void* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
   const int64_t total = rows * cols;
   if (total <= 0) return;
-  add_bias_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
-      static_cast<T*>(out), static_cast<const T*>(bias), total, cols);
-  MIXTAPE_CUDA_CHECK_LAUNCH("add_bias_kernel");
+  launch_1d({"add_bias_kernel", total, stream}, add_bias_kernel<T>, static_cast<T*>(out),
+            static_cast<const T*>(bias), total, cols);
 }
 
 template <typename T>
@@ -328,10 +325,9 @@ void launch_add_bias_rounded(const void* acc, const void* bias, void* out, int64
                              int64_t cols, cudaStream_t stream) {
   const int64_t total = rows * cols;
   if (total <= 0) return;
-  add_bias_rounded_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(
-      static_cast<const float*>(acc), static_cast<const T*>(bias), static_cast<T*>(out), total,
-      cols);
-  MIXTAPE_CUDA_CHECK_LAUNCH("add_bias_rounded_kernel");
+  launch_1d({"add_bias_rounded_kernel", total, stream}, add_bias_rounded_kernel<T>,
+            static_cast<const float*>(acc), static_cast<const T*>(bias), static_cast<T*>(out),
+            total, cols);
 }
 
 }  // namespace

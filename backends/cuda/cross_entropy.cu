@@ -7,6 +7,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -74,11 +75,10 @@ void cross_entropy_host(const Tensor& logits, const Tensor& labels, const Tensor
   const int64_t n = logits.dim(0), c = logits.dim(1);
   if (n == 0) return;
   OnDevice on(loss);
-  cross_entropy_forward_kernel<T><<<blocks_for(n * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(logits.const_data_ptr()),
-      static_cast<const int64_t*>(labels.const_data_ptr()), static_cast<C*>(loss.data_ptr()),
-      static_cast<C*>(lse.data_ptr()), n, c);
-  MIXTAPE_CUDA_CHECK_LAUNCH("softmax_cross_entropy kernel");
+  launch_1d({"softmax_cross_entropy kernel", n * kWarp, on.s}, cross_entropy_forward_kernel<T>,
+            static_cast<const T*>(logits.const_data_ptr()),
+            static_cast<const int64_t*>(labels.const_data_ptr()), static_cast<C*>(loss.data_ptr()),
+            static_cast<C*>(lse.data_ptr()), n, c);
 }
 
 template <typename T>
@@ -88,12 +88,12 @@ void cross_entropy_backward_host(const Tensor& logits, const Tensor& labels, con
   const int64_t n = logits.dim(0), c = logits.dim(1);
   if (n == 0) return;
   OnDevice on(dlogits);
-  cross_entropy_backward_kernel<T><<<blocks_for(n * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(logits.const_data_ptr()),
-      static_cast<const int64_t*>(labels.const_data_ptr()),
-      static_cast<const C*>(lse.const_data_ptr()), static_cast<const C*>(dloss.const_data_ptr()),
-      static_cast<T*>(dlogits.data_ptr()), n, c);
-  MIXTAPE_CUDA_CHECK_LAUNCH("softmax_cross_entropy backward kernel");
+  launch_1d({"softmax_cross_entropy backward kernel", n * kWarp, on.s},
+            cross_entropy_backward_kernel<T>, static_cast<const T*>(logits.const_data_ptr()),
+            static_cast<const int64_t*>(labels.const_data_ptr()),
+            static_cast<const C*>(lse.const_data_ptr()),
+            static_cast<const C*>(dloss.const_data_ptr()), static_cast<T*>(dlogits.data_ptr()), n,
+            c);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 // operands take the strided geometry of elementwise_util.cuh (stride 0 on broadcast axes).
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -314,8 +315,7 @@ void unary_host(const Tensor& x, const Tensor& out) {
   T* yp = static_cast<T*>(out.data_ptr());
   const bool vec = aligned16(xp) && aligned16(yp);
   const int64_t work = vec ? n / kVec<T> + kVec<T> : n;
-  unary_kernel<T, Op><<<blocks_for(work), kThreads, 0, on.s>>>(xp, yp, n, vec, Op{});
-  MIXTAPE_CUDA_CHECK_LAUNCH("unary kernel");
+  launch_1d({"unary kernel", work, on.s}, unary_kernel<T, Op>, xp, yp, n, vec, Op{});
 }
 
 // --- Binary --------------------------------------------------------------------------------
@@ -394,9 +394,8 @@ void binary_host(const Tensor& a, const Tensor& b, const Tensor& out) {
   if (l.contiguous()) {
     const bool vec = aligned16(ap) && aligned16(bp) && aligned16(op);
     const int64_t work = vec ? n / kVec<T> + kVec<T> : n;
-    binary_contig_kernel<T, O, Op>
-        <<<blocks_for(work), kThreads, 0, on.s>>>(ap, bp, op, n, vec, Op{});
-    MIXTAPE_CUDA_CHECK_LAUNCH("binary kernel");
+    launch_1d({"binary kernel", work, on.s}, binary_contig_kernel<T, O, Op>, ap, bp, op, n, vec,
+              Op{});
     return;
   }
   if (l.shape.size() == 2 && l.shape[1] % kVec<T> == 0 && aligned16(ap) && aligned16(bp) &&
@@ -408,27 +407,26 @@ void binary_host(const Tensor& a, const Tensor& b, const Tensor& out) {
     const bool a_row = d0[0] == 0 && d1[0] == 1, b_row = d0[1] == 0 && d1[1] == 1;
     const int64_t nv = n / kVec<T>, cv = c / kVec<T>;
     if (a_full && b_row) {
-      binary_row_kernel<T, O, Op, false>
-          <<<blocks_for(nv), kThreads, 0, on.s>>>(ap, bp, op, nv, cv, Op{});
-      MIXTAPE_CUDA_CHECK_LAUNCH("binary kernel (row broadcast)");
+      launch_1d({"binary kernel (row broadcast)", nv, on.s}, binary_row_kernel<T, O, Op, false>, ap,
+                bp, op, nv, cv, Op{});
       return;
     }
     if (a_row && b_full) {
-      binary_row_kernel<T, O, Op, true>
-          <<<blocks_for(nv), kThreads, 0, on.s>>>(bp, ap, op, nv, cv, Op{});
-      MIXTAPE_CUDA_CHECK_LAUNCH("binary kernel (row broadcast)");
+      launch_1d({"binary kernel (row broadcast)", nv, on.s}, binary_row_kernel<T, O, Op, true>, bp,
+                ap, op, nv, cv, Op{});
       return;
     }
   }
   for_each_slice(l, [&](const StridedGeom<2>& g, const std::array<int64_t, 2>& off, int64_t out_off,
                         int64_t count) {
     if (fits_u32(count))
-      binary_strided_kernel<T, O, Op, std::uint32_t><<<blocks_for(count), kThreads, 0, on.s>>>(
-          ap + off[0], bp + off[1], op + out_off, g, count, Op{});
+      launch_1d({"binary kernel (strided)", count, on.s},
+                binary_strided_kernel<T, O, Op, std::uint32_t>, ap + off[0], bp + off[1],
+                op + out_off, g, count, Op{});
     else
-      binary_strided_kernel<T, O, Op, std::uint64_t><<<blocks_for(count), kThreads, 0, on.s>>>(
-          ap + off[0], bp + off[1], op + out_off, g, count, Op{});
-    MIXTAPE_CUDA_CHECK_LAUNCH("binary kernel (strided)");
+      launch_1d({"binary kernel (strided)", count, on.s},
+                binary_strided_kernel<T, O, Op, std::uint64_t>, ap + off[0], bp + off[1],
+                op + out_off, g, count, Op{});
   });
 }
 
@@ -459,12 +457,11 @@ void where_host(const Tensor& cond, const Tensor& a, const Tensor& b, const Tens
   for_each_slice(l, [&](const StridedGeom<3>& g, const std::array<int64_t, 3>& off, int64_t out_off,
                         int64_t count) {
     if (fits_u32(count))
-      where_kernel<T, std::uint32_t><<<blocks_for(count), kThreads, 0, on.s>>>(
-          cp + off[0], ap + off[1], bp + off[2], op + out_off, g, count);
+      launch_1d({"where kernel", count, on.s}, where_kernel<T, std::uint32_t>, cp + off[0],
+                ap + off[1], bp + off[2], op + out_off, g, count);
     else
-      where_kernel<T, std::uint64_t><<<blocks_for(count), kThreads, 0, on.s>>>(
-          cp + off[0], ap + off[1], bp + off[2], op + out_off, g, count);
-    MIXTAPE_CUDA_CHECK_LAUNCH("where kernel");
+      launch_1d({"where kernel", count, on.s}, where_kernel<T, std::uint64_t>, cp + off[0],
+                ap + off[1], bp + off[2], op + out_off, g, count);
   });
 }
 

@@ -15,6 +15,7 @@
 // so the kernels must stay inside the tensors until then.
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -102,11 +103,9 @@ void with_accumulator(const Tensor& out, cudaStream_t s, Add add) {
     if (m == 0) return;
     Workspace ws(static_cast<std::size_t>(m) * sizeof(Acc), out.device().index());
     Acc* acc = static_cast<Acc*>(ws.data());
-    convert_kernel<T, Acc><<<blocks_for(m), kThreads, 0, s>>>(o, acc, m);
-    MIXTAPE_CUDA_CHECK_LAUNCH("accumulator widening kernel");
+    launch_1d({"accumulator widening kernel", m, s}, convert_kernel<T, Acc>, o, acc, m);
     add(acc);
-    convert_kernel<Acc, T><<<blocks_for(m), kThreads, 0, s>>>(acc, o, m);
-    MIXTAPE_CUDA_CHECK_LAUNCH("accumulator rounding kernel");
+    launch_1d({"accumulator rounding kernel", m, s}, convert_kernel<Acc, T>, acc, o, m);
   }
 }
 
@@ -117,11 +116,10 @@ void gather_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n,
   const int64_t total = outer * k * inner;
   if (total == 0) return;
   OnDevice on(out);
-  gather_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-      static_cast<const T*>(x.const_data_ptr()),
-      static_cast<const int64_t*>(index.const_data_ptr()), static_cast<T*>(out.data_ptr()), total,
-      n, k, inner);
-  MIXTAPE_CUDA_CHECK_LAUNCH("gather kernel");
+  launch_1d({"gather kernel", total, on.s}, gather_kernel<T>,
+            static_cast<const T*>(x.const_data_ptr()),
+            static_cast<const int64_t*>(index.const_data_ptr()), static_cast<T*>(out.data_ptr()),
+            total, n, k, inner);
 }
 
 // T: the device storage type.
@@ -132,10 +130,9 @@ void scatter_add_host(const Tensor& src, const Tensor& index, int64_t outer, int
   if (total == 0) return;
   OnDevice on(out);
   with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
-    scatter_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-        static_cast<const T*>(src.const_data_ptr()),
-        static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
-    MIXTAPE_CUDA_CHECK_LAUNCH("scatter_add kernel");
+    launch_1d({"scatter_add kernel", total, on.s}, scatter_add_kernel<T>,
+              static_cast<const T*>(src.const_data_ptr()),
+              static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
   });
 }
 
@@ -154,13 +151,12 @@ void take_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, i
   if (row_bytes % 16 == 0 && aligned16(xp) && aligned16(yp)) {
     const int64_t units = row_bytes / 16;
     const int64_t vtotal = outer * k * units;
-    take_kernel<uint4><<<blocks_for(vtotal), kThreads, 0, on.s>>>(
-        static_cast<const uint4*>(xp), ip, static_cast<uint4*>(yp), vtotal, n, k, units);
+    launch_1d({"take kernel", vtotal, on.s}, take_kernel<uint4>, static_cast<const uint4*>(xp), ip,
+              static_cast<uint4*>(yp), vtotal, n, k, units);
   } else {
-    take_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-        static_cast<const T*>(xp), ip, static_cast<T*>(yp), total, n, k, inner);
+    launch_1d({"take kernel", total, on.s}, take_kernel<T>, static_cast<const T*>(xp), ip,
+              static_cast<T*>(yp), total, n, k, inner);
   }
-  MIXTAPE_CUDA_CHECK_LAUNCH("take kernel");
 }
 
 // T: the device storage type.
@@ -171,10 +167,9 @@ void index_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64
   if (total == 0) return;
   OnDevice on(out);
   with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
-    index_add_kernel<T><<<blocks_for(total), kThreads, 0, on.s>>>(
-        static_cast<const T*>(src.const_data_ptr()),
-        static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
-    MIXTAPE_CUDA_CHECK_LAUNCH("index_add kernel");
+    launch_1d({"index_add kernel", total, on.s}, index_add_kernel<T>,
+              static_cast<const T*>(src.const_data_ptr()),
+              static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
   });
 }
 

@@ -6,6 +6,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -114,13 +115,12 @@ void layer_norm_host(const Tensor& x, const Tensor& gamma, const Tensor& beta, d
   const int64_t n = x.shape().back(), rows = x.numel() / n;
   if (rows == 0) return;
   OnDevice on(out);
-  layer_norm_forward_kernel<T><<<blocks_for(rows * kWarp), kThreads, 0, on.s>>>(
-      static_cast<const T*>(x.const_data_ptr()),
-      gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr,
-      beta.defined() ? static_cast<const C*>(beta.const_data_ptr()) : nullptr,
-      static_cast<C>(epsilon), static_cast<T*>(out.data_ptr()), static_cast<C*>(mean.data_ptr()),
-      static_cast<C*>(rstd.data_ptr()), rows, n);
-  MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm kernel");
+  launch_1d({"layer_norm kernel", rows * kWarp, on.s}, layer_norm_forward_kernel<T>,
+            static_cast<const T*>(x.const_data_ptr()),
+            gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr,
+            beta.defined() ? static_cast<const C*>(beta.const_data_ptr()) : nullptr,
+            static_cast<C>(epsilon), static_cast<T*>(out.data_ptr()),
+            static_cast<C*>(mean.data_ptr()), static_cast<C*>(rstd.data_ptr()), rows, n);
 }
 
 template <typename T>
@@ -135,15 +135,13 @@ void layer_norm_backward_host(const Tensor& x, const Tensor& gamma, const Tensor
   const auto* mp = static_cast<const C*>(mean.const_data_ptr());
   const auto* rp = static_cast<const C*>(rstd.const_data_ptr());
   const auto* gp = static_cast<const T*>(dy.const_data_ptr());
-  layer_norm_dx_kernel<T><<<blocks_for(rows * kWarp), kThreads, 0, on.s>>>(
-      xp, gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr, mp, rp, gp,
-      static_cast<T*>(dx.data_ptr()), rows, n);
-  MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm dx kernel");
+  launch_1d({"layer_norm dx kernel", rows * kWarp, on.s}, layer_norm_dx_kernel<T>, xp,
+            gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr, mp, rp, gp,
+            static_cast<T*>(dx.data_ptr()), rows, n);
   if (!dgamma.defined() && !dbeta.defined()) return;
-  layer_norm_params_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      xp, mp, rp, gp, dgamma.defined() ? static_cast<C*>(dgamma.data_ptr()) : nullptr,
-      dbeta.defined() ? static_cast<C*>(dbeta.data_ptr()) : nullptr, rows, n);
-  MIXTAPE_CUDA_CHECK_LAUNCH("layer_norm dgamma/dbeta kernel");
+  launch_1d({"layer_norm dgamma/dbeta kernel", n, on.s}, layer_norm_params_kernel<T>, xp, mp, rp,
+            gp, dgamma.defined() ? static_cast<C*>(dgamma.data_ptr()) : nullptr,
+            dbeta.defined() ? static_cast<C*>(dbeta.data_ptr()) : nullptr, rows, n);
 }
 
 }  // namespace

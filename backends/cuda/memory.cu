@@ -14,6 +14,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -50,12 +51,11 @@ void copy_host(const Tensor& src, const Tensor& dst) {
   for_each_slice(l, [&](const StridedGeom<1>& g, const std::array<int64_t, 1>& off, int64_t out_off,
                         int64_t count) {
     if (fits_u32(count))
-      copy_strided_kernel<T, std::uint32_t>
-          <<<blocks_for(count), kThreads, 0, on.s>>>(s + off[0], d + out_off, g, count);
+      launch_1d({"copy kernel", count, on.s}, copy_strided_kernel<T, std::uint32_t>, s + off[0],
+                d + out_off, g, count);
     else
-      copy_strided_kernel<T, std::uint64_t>
-          <<<blocks_for(count), kThreads, 0, on.s>>>(s + off[0], d + out_off, g, count);
-    MIXTAPE_CUDA_CHECK_LAUNCH("copy kernel");
+      launch_1d({"copy kernel", count, on.s}, copy_strided_kernel<T, std::uint64_t>, s + off[0],
+                d + out_off, g, count);
   });
 }
 
@@ -142,8 +142,7 @@ void fill_host(const Tensor& out, double value) {
   std::memcpy(&pattern, rep, sizeof pattern);
   const bool vec = aligned16(p);
   const int64_t work = vec ? n / kVec<T> + kVec<T> : n;
-  fill_kernel<T><<<blocks_for(work), kThreads, 0, on.s>>>(p, n, v, pattern, vec);
-  MIXTAPE_CUDA_CHECK_LAUNCH("fill kernel");
+  launch_1d({"fill kernel", work, on.s}, fill_kernel<T>, p, n, v, pattern, vec);
 }
 
 // --- cast ------------------------------------------------------------------------------
@@ -166,8 +165,7 @@ void cast_to(const Tensor& x, const Tensor& out, cudaStream_t s) {
     MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(yp, xp, static_cast<std::size_t>(n) * sizeof(dev_t<S>),
                                        cudaMemcpyDeviceToDevice, s));
   } else {
-    cast_kernel<S, D><<<blocks_for(n), kThreads, 0, s>>>(xp, yp, n);
-    MIXTAPE_CUDA_CHECK_LAUNCH("cast kernel");
+    launch_1d({"cast kernel", n, s}, cast_kernel<S, D>, xp, yp, n);
   }
 }
 

@@ -19,6 +19,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -87,16 +88,15 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
   int64_t total = 0;
   auto launch = [&]() {
     if (list.count == 0) return;
-    const unsigned blocks = blocks_for(total);
+    const Launch1d grid("unscale_check kernel", total, on.s);
     if constexpr (std::is_same_v<T, float>) {
       if (float_scale)
-        unscale_check_kernel<T, true><<<blocks, kThreads, 0, on.s>>>(list, scale, flag);
+        launch_1d(grid, unscale_check_kernel<T, true>, list, scale, flag);
       else
-        unscale_check_kernel<T, false><<<blocks, kThreads, 0, on.s>>>(list, scale, flag);
+        launch_1d(grid, unscale_check_kernel<T, false>, list, scale, flag);
     } else {
-      unscale_check_kernel<T, false><<<blocks, kThreads, 0, on.s>>>(list, scale, flag);
+      launch_1d(grid, unscale_check_kernel<T, false>, list, scale, flag);
     }
-    MIXTAPE_CUDA_CHECK_LAUNCH("unscale_check kernel");
     list = UnscaleList{};
     total = 0;
   };
@@ -203,11 +203,10 @@ void sgd_host(const OptimizerUpdate& u) {
   if (n == 0) return;
   OnDevice on(u.var);
   const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
-  sgd_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
-      static_cast<const T*>(u.grad.const_data_ptr()), mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n,
-      static_cast<S>(u.lr), static_cast<S>(u.momentum), mode, copy_out<T>(u));
-  MIXTAPE_CUDA_CHECK_LAUNCH("sgd_update kernel");
+  launch_1d({"sgd_update kernel", n, on.s}, sgd_kernel<T>, skip_ptr(u),
+            static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.const_data_ptr()),
+            mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n, static_cast<S>(u.lr),
+            static_cast<S>(u.momentum), mode, copy_out<T>(u));
 }
 
 // rmsprop: ms = rho ms + (1 - rho) g^2; centered: mg = rho mg + (1 - rho) g, d = max(ms -
@@ -259,14 +258,12 @@ void rmsprop_host(const OptimizerUpdate& u) {
   if (n == 0) return;
   OnDevice on(u.var);
   const bool use_momentum = u.momentum > 0.0;
-  rmsprop_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
-      static_cast<const T*>(u.grad.const_data_ptr()), slot_ptr<S>(u.slot1),
-      use_momentum ? slot_ptr<S>(u.slot2) : nullptr, u.centered ? slot_ptr<S>(u.slot3) : nullptr, n,
-      static_cast<S>(u.lr), static_cast<S>(u.beta2), static_cast<S>(1.0 - u.beta2),
-      static_cast<S>(u.epsilon), static_cast<S>(u.momentum), u.centered, use_momentum,
-      copy_out<T>(u));
-  MIXTAPE_CUDA_CHECK_LAUNCH("rmsprop_update kernel");
+  launch_1d({"rmsprop_update kernel", n, on.s}, rmsprop_kernel<T>, skip_ptr(u),
+            static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.const_data_ptr()),
+            slot_ptr<S>(u.slot1), use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
+            u.centered ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(u.lr),
+            static_cast<S>(u.beta2), static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
+            static_cast<S>(u.momentum), u.centered, use_momentum, copy_out<T>(u));
 }
 
 // adam: var -= lr_wd var (AdamW); m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2);
@@ -315,13 +312,12 @@ void adam_host(const OptimizerUpdate& u) {
   const double alpha =
       u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
   const bool decay = u.weight_decay != 0.0;
-  adam_kernel<T><<<blocks_for(n), kThreads, 0, on.s>>>(
-      skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
-      static_cast<const T*>(u.grad.const_data_ptr()), slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2),
-      u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(alpha),
-      static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
-      static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay, copy_out<T>(u));
-  MIXTAPE_CUDA_CHECK_LAUNCH("adam_update kernel");
+  launch_1d({"adam_update kernel", n, on.s}, adam_kernel<T>, skip_ptr(u),
+            static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.const_data_ptr()),
+            slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2), u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr,
+            n, static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2),
+            static_cast<S>(u.epsilon), static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay,
+            copy_out<T>(u));
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
+#include "backends/cuda/launch.cuh"
 #include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cuda_backend {
@@ -218,9 +219,8 @@ void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   if (total == 0) return;
   const int device = out.device().index();
   DeviceGuard guard(device);
-  max_pool_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
-  MIXTAPE_CUDA_CHECK_LAUNCH("max_pool_kernel");
+  launch_1d({"max_pool_kernel", total, stream(device)}, max_pool_kernel<cuda_t<S>>,
+            device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
 }
 
 template <typename S>
@@ -230,10 +230,9 @@ void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& 
   if (total == 0) return;
   const int device = grad_x.device().index();
   DeviceGuard guard(device);
-  max_pool_backward_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(x.const_data_ptr()), device_ptr<S>(grad_out.const_data_ptr()),
-      device_ptr<S>(grad_x.data_ptr()), g);
-  MIXTAPE_CUDA_CHECK_LAUNCH("max_pool_backward_kernel");
+  launch_1d({"max_pool_backward_kernel", total, stream(device)},
+            max_pool_backward_kernel<cuda_t<S>>, device_ptr<S>(x.const_data_ptr()),
+            device_ptr<S>(grad_out.const_data_ptr()), device_ptr<S>(grad_x.data_ptr()), g);
 }
 
 template <typename S>
@@ -242,9 +241,8 @@ void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
   if (total == 0) return;
   const int device = out.device().index();
   DeviceGuard guard(device);
-  avg_pool_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
-  MIXTAPE_CUDA_CHECK_LAUNCH("avg_pool_kernel");
+  launch_1d({"avg_pool_kernel", total, stream(device)}, avg_pool_kernel<cuda_t<S>>,
+            device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
 }
 
 template <typename S>
@@ -254,9 +252,9 @@ void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tens
   if (total == 0) return;
   const int device = grad_x.device().index();
   DeviceGuard guard(device);
-  avg_pool_backward_kernel<cuda_t<S>><<<blocks_for(total), kThreads, 0, stream(device)>>>(
-      device_ptr<S>(grad_out.const_data_ptr()), device_ptr<S>(grad_x.data_ptr()), g);
-  MIXTAPE_CUDA_CHECK_LAUNCH("avg_pool_backward_kernel");
+  launch_1d({"avg_pool_backward_kernel", total, stream(device)},
+            avg_pool_backward_kernel<cuda_t<S>>, device_ptr<S>(grad_out.const_data_ptr()),
+            device_ptr<S>(grad_x.data_ptr()), g);
 }
 
 }  // namespace

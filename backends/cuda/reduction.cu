@@ -22,6 +22,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -267,22 +268,20 @@ void reduce_host(const Tensor& x, int64_t outer, int64_t n, int64_t inner, const
   if (inner == 1) {
     const int64_t units = outer * splits;
     if (n <= kWarpRow) {
-      reduce_rows_kernel<T, R, O, 32><<<blocks_for(units * 32), kThreads, 0, on.s>>>(
-          xp, outer, n, splits, per_split, partial, yp);
+      launch_1d({"reduction kernel", units * 32, on.s}, reduce_rows_kernel<T, R, O, 32>, xp, outer,
+                n, splits, per_split, partial, yp);
     } else {
-      reduce_rows_kernel<T, R, O, kThreads><<<blocks_for(units * kThreads), kThreads, 0, on.s>>>(
-          xp, outer, n, splits, per_split, partial, yp);
+      launch_1d({"reduction kernel", units * kThreads, on.s}, reduce_rows_kernel<T, R, O, kThreads>,
+                xp, outer, n, splits, per_split, partial, yp);
     }
   } else {
     const int64_t units = outer * ((inner + kColTile - 1) / kColTile) * splits;
-    reduce_cols_kernel<T, R, O><<<blocks_for(units * kThreads), kThreads, 0, on.s>>>(
-        xp, outer, n, inner, splits, per_split, partial, yp);
+    launch_1d({"reduction kernel", units * kThreads, on.s}, reduce_cols_kernel<T, R, O>, xp, outer,
+              n, inner, splits, per_split, partial, yp);
   }
-  MIXTAPE_CUDA_CHECK_LAUNCH("reduction kernel");
   if (splits > 1) {
-    reduce_merge_kernel<R, O>
-        <<<blocks_for(outer * inner), kThreads, 0, on.s>>>(partial, outer, splits, inner, n, yp);
-    MIXTAPE_CUDA_CHECK_LAUNCH("reduction merge kernel");
+    launch_1d({"reduction merge kernel", outer * inner, on.s}, reduce_merge_kernel<R, O>, partial,
+              outer, splits, inner, n, yp);
   }
   // The workspace goes back to the cache here; the cache hands blocks out in stream order,
   // so the kernels above finish reading it before a later user writes it.
@@ -365,11 +364,10 @@ void softmax_host(const Tensor& x, const Tensor& out) {
   const T* xp = static_cast<const T*>(x.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   if (cols <= 256)
-    softmax_kernel<T, kLog, 32><<<blocks_for(rows * 32), kThreads, 0, on.s>>>(xp, yp, rows, cols);
+    launch_1d({"softmax kernel", rows * 32, on.s}, softmax_kernel<T, kLog, 32>, xp, yp, rows, cols);
   else
-    softmax_kernel<T, kLog, kThreads>
-        <<<blocks_for(rows * kThreads), kThreads, 0, on.s>>>(xp, yp, rows, cols);
-  MIXTAPE_CUDA_CHECK_LAUNCH("softmax kernel");
+    launch_1d({"softmax kernel", rows * kThreads, on.s}, softmax_kernel<T, kLog, kThreads>, xp, yp,
+              rows, cols);
 }
 
 // masked_softmax: one group of G threads per row, as softmax_kernel, over the positions
@@ -422,12 +420,11 @@ void masked_softmax_host(const Tensor& x, const Tensor& mask, double scale, cons
   T* yp = static_cast<T*>(out.data_ptr());
   const auto sc = static_cast<compute_of<T>>(scale);
   if (cols <= 256)
-    masked_softmax_kernel<T, 32>
-        <<<blocks_for(rows * 32), kThreads, 0, on.s>>>(xp, mp, sc, yp, rows, cols);
+    launch_1d({"masked_softmax kernel", rows * 32, on.s}, masked_softmax_kernel<T, 32>, xp, mp, sc,
+              yp, rows, cols);
   else
-    masked_softmax_kernel<T, kThreads>
-        <<<blocks_for(rows * kThreads), kThreads, 0, on.s>>>(xp, mp, sc, yp, rows, cols);
-  MIXTAPE_CUDA_CHECK_LAUNCH("masked_softmax kernel");
+    launch_1d({"masked_softmax kernel", rows * kThreads, on.s}, masked_softmax_kernel<T, kThreads>,
+              xp, mp, sc, yp, rows, cols);
 }
 
 }  // namespace

@@ -1,0 +1,40 @@
+// Private to the CUDA backend's .cu files: the host side of a grid-stride loop
+// (MIXTAPE_GRID_LOOP): a kernel launched over n work items on a stream, and the launch
+// checked.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <source_location>
+#include <type_traits>
+
+#include "backends/cuda/cuda_util.h"
+
+namespace mixtape::cuda_backend {
+
+// A 1-D launch: the name a launch error is reported under, the work items of the kernel's
+// grid-stride loop and the stream; `where` is the place of the launch in the source (the
+// file and line the error names, as MIXTAPE_CUDA_CHECK_LAUNCH's).
+struct Launch1d {
+  Launch1d(const char* name, std::int64_t n, cudaStream_t stream,
+           std::source_location where = std::source_location::current())
+      : name(name), n(n), stream(stream), where(where) {}
+  const char* name;
+  std::int64_t n;
+  cudaStream_t stream;
+  std::source_location where;
+};
+
+// kernel<<<blocks_for(n), kThreads, 0, stream>>>(args...), then the launch error (a bad
+// configuration) checked, without waiting. The arguments convert to the kernel's parameter
+// types at the call, as they do in a <<<>>> launch.
+template <typename... Params>
+void launch_1d(const Launch1d& launch, void (*kernel)(Params...),
+               std::type_identity_t<Params>... args) {
+  kernel<<<blocks_for(launch.n), kThreads, 0, launch.stream>>>(args...);
+  check_cuda(cudaGetLastError(), launch.name, launch.where.file_name(),
+             static_cast<int>(launch.where.line()));
+}
+
+}  // namespace mixtape::cuda_backend
