@@ -61,23 +61,13 @@ Tensor Conv2DLayer::call(const Tensor& x, const CallContext&) {
 DType Conv2DLayer::computation_dtype() const { return gemm_accumulation_dtype(compute_dtype()); }
 
 const Variable& Conv2DLayer::kernel() const {
-  if (!kernel_.defined())
-    throw ValueError(
-        fmt::format("layer '{}' (Conv2D): kernel does not exist before the layer is "
-                    "built (call the layer on an input first)",
-                    name()));
-  return kernel_;
+  return detail::built_weight(*this, kernel_, "kernel");
 }
 
 const Variable& Conv2DLayer::bias() const {
   if (!options_.use_bias)
     throw ValueError(fmt::format("layer '{}' (Conv2D): has no bias (use_bias is false)", name()));
-  if (!bias_.defined())
-    throw ValueError(
-        fmt::format("layer '{}' (Conv2D): bias does not exist before the layer is "
-                    "built (call the layer on an input first)",
-                    name()));
-  return bias_;
+  return detail::built_weight(*this, bias_, "bias");
 }
 
 LayerPtr<Conv2DLayer> Conv2D(std::int64_t filters, Size2 kernel_size, Conv2DOptions options) {

@@ -9,12 +9,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "mixtape/layers/attention.h"
-#include "mixtape/layers/augmentation.h"
-#include "mixtape/layers/conv_layers.h"
-#include "mixtape/layers/core_layers.h"
-#include "mixtape/layers/merge.h"
-#include "mixtape/layers/normalization.h"
+#include "mixtape/layers/builtin_layers.h"
 #include "mixtape/layers/options.h"
 
 namespace mixtape::layers {

@@ -6,9 +6,10 @@
 // table; a static library drops registrations in object files nothing refers to, so the
 // built-in classes are listed here rather than registered next to each class.
 //
-// Adding a built-in layer: its header and .cpp (the options struct with its MIXTAPE_OPTIONS
-// list, and accessors for the positional arguments), a row in layers/layer_table.cpp, and an
-// ONNX exporter (onnx_export/layers.cpp; onnx.layers fails without one).
+// Adding a built-in layer: its header (listed in mixtape/layers/builtin_layers.h) and .cpp
+// (the options struct with its MIXTAPE_OPTIONS list, and accessors for the positional
+// arguments), a row in layers/layer_table.cpp, and an ONNX exporter (onnx_export/layers.cpp;
+// onnx.layers fails without one).
 #pragma once
 
 #include <functional>

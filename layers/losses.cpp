@@ -174,31 +174,27 @@ Loss built_in(const LossOptions& options, Loss loss) {
   return loss;
 }
 
-Loss SparseCategoricalCrossentropy(LossOptions o) {
+// A cross-entropy: fn(target, prediction, from_logits) with the options' from_logits.
+template <typename Fn>
+Loss crossentropy(const char* name, Fn fn, const LossOptions& o) {
   return built_in(o, Loss(
-                         "sparse_categorical_crossentropy",
-                         [logits = o.from_logits](const Tensor& t, const Tensor& p) {
-                           return sparse_crossentropy(t, p, logits);
+                         name,
+                         [fn, logits = o.from_logits](const Tensor& t, const Tensor& p) {
+                           return fn(t, p, logits);
                          },
                          o.reduction));
+}
+
+Loss SparseCategoricalCrossentropy(LossOptions o) {
+  return crossentropy("sparse_categorical_crossentropy", &sparse_crossentropy, o);
 }
 
 Loss CategoricalCrossentropy(LossOptions o) {
-  return built_in(o, Loss(
-                         "categorical_crossentropy",
-                         [logits = o.from_logits](const Tensor& t, const Tensor& p) {
-                           return categorical_crossentropy(t, p, logits);
-                         },
-                         o.reduction));
+  return crossentropy("categorical_crossentropy", &categorical_crossentropy, o);
 }
 
 Loss BinaryCrossentropy(LossOptions o) {
-  return built_in(o, Loss(
-                         "binary_crossentropy",
-                         [logits = o.from_logits](const Tensor& t, const Tensor& p) {
-                           return binary_crossentropy(t, p, logits);
-                         },
-                         o.reduction));
+  return crossentropy("binary_crossentropy", &binary_crossentropy, o);
 }
 
 Loss MeanSquaredError(LossOptions o) {

@@ -115,28 +115,28 @@ std::vector<Tensor> ElementwiseMergeLayer::call_multi(const std::vector<Tensor>&
   return {y};
 }
 
-LayerPtr<ElementwiseMergeLayer> Add(LayerOptions options) {
-  return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Add, std::move(options));
+namespace {
+LayerPtr<ElementwiseMergeLayer> merge(ElementwiseMergeLayer::Kind kind, LayerOptions options) {
+  return make_layer<ElementwiseMergeLayer>(kind, std::move(options));
 }
-LayerPtr<ElementwiseMergeLayer> Subtract(LayerOptions options) {
-  return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Subtract,
-                                           std::move(options));
+using Kind = ElementwiseMergeLayer::Kind;
+}  // namespace
+
+LayerPtr<ElementwiseMergeLayer> Add(LayerOptions o) { return merge(Kind::Add, std::move(o)); }
+LayerPtr<ElementwiseMergeLayer> Subtract(LayerOptions o) {
+  return merge(Kind::Subtract, std::move(o));
 }
-LayerPtr<ElementwiseMergeLayer> Multiply(LayerOptions options) {
-  return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Multiply,
-                                           std::move(options));
+LayerPtr<ElementwiseMergeLayer> Multiply(LayerOptions o) {
+  return merge(Kind::Multiply, std::move(o));
 }
-LayerPtr<ElementwiseMergeLayer> Average(LayerOptions options) {
-  return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Average,
-                                           std::move(options));
+LayerPtr<ElementwiseMergeLayer> Average(LayerOptions o) {
+  return merge(Kind::Average, std::move(o));
 }
-LayerPtr<ElementwiseMergeLayer> Maximum(LayerOptions options) {
-  return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Maximum,
-                                           std::move(options));
+LayerPtr<ElementwiseMergeLayer> Maximum(LayerOptions o) {
+  return merge(Kind::Maximum, std::move(o));
 }
-LayerPtr<ElementwiseMergeLayer> Minimum(LayerOptions options) {
-  return make_layer<ElementwiseMergeLayer>(ElementwiseMergeLayer::Kind::Minimum,
-                                           std::move(options));
+LayerPtr<ElementwiseMergeLayer> Minimum(LayerOptions o) {
+  return merge(Kind::Minimum, std::move(o));
 }
 
 // --- Concatenate ----------------------------------------------------------------------------

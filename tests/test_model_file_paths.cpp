@@ -649,12 +649,11 @@ struct AllKinds {
   std::optional<std::int64_t> stop = {};
   std::optional<std::uint64_t> seed = {};
   std::optional<mt::DType> maybe_dtype = {};
-  std::optional<mt::Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  std::vector<int> axes = {};
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(AllKinds, flag, axis, units, rate, mode, shape, window, dtype_of_scores, init,
-                strides, stop, seed, maybe_dtype);
+                strides, stop, seed, maybe_dtype, axes);
 }  // namespace
 
 TEST_CASE("layer options described once: every field type to a config and back", "[model-file]") {
@@ -671,6 +670,7 @@ TEST_CASE("layer options described once: every field type to a config and back",
              .stop = -1,
              .seed = std::uint64_t{1} << 63,
              .maybe_dtype = mt::kFloat16,
+             .axes = {-1, 2},
              .dtype = mt::Policy("mixed_float16"),
              .name = "n",
              .trainable = false};
@@ -696,6 +696,7 @@ TEST_CASE("layer options described once: every field type to a config and back",
   CHECK(b.stop == -1);
   CHECK(b.seed == std::uint64_t{1} << 63);
   CHECK(b.maybe_dtype == mt::kFloat16);
+  CHECK(b.axes == std::vector<int>{-1, 2});
   CHECK(b.dtype == mt::Policy("mixed_float16"));
   CHECK(b.name == "n");
   CHECK_FALSE(b.trainable);
@@ -718,4 +719,8 @@ TEST_CASE("layer options described once: every field type to a config and back",
   d.set("axis", std::int64_t{1} << 40);
   CHECK_THAT(error_of<mt::ValueError>([&] { ml::read_options<AllKinds>(d); }),
              Contains("'axis' is 1099511627776, outside the range of an int"));
+  d.set("axis", std::int64_t{2});
+  d.set("axes", std::vector<std::int64_t>{1, -(std::int64_t{1} << 33)});
+  CHECK_THAT(error_of<mt::ValueError>([&] { ml::read_options<AllKinds>(d); }),
+             Contains("'axes' holds -8589934592, outside the range of an int"));
 }

@@ -53,9 +53,7 @@ struct MultiHeadAttentionOptions {
   init::Initializer kernel_initializer = init::glorot_uniform();
   init::Initializer bias_initializer = init::zeros();
   std::optional<std::uint64_t> seed = {};  // the dropout's generator
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(MultiHeadAttentionOptions, value_dim, dropout, use_bias, output_shape,
                 use_causal_mask, scores_dtype, kernel_initializer, bias_initializer, seed);
@@ -144,9 +142,7 @@ LayerPtr<MultiHeadAttentionLayer> MultiHeadAttention(std::int64_t num_heads, std
 
 struct PositionEmbeddingOptions {
   init::Initializer initializer = init::glorot_uniform();
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(PositionEmbeddingOptions, initializer);
 

@@ -42,9 +42,7 @@ struct RandomTranslationOptions {
   double fill_value = 0.0;                 // k, for "constant"
   std::string interpolation = "nearest";   // the only one: moves by whole pixels
   std::optional<std::uint64_t> seed = {};  // empty: drawn from the default generator
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(RandomTranslationOptions, fill_mode, fill_value, interpolation, seed);
 
@@ -78,9 +76,7 @@ LayerPtr<RandomTranslationLayer> RandomTranslation(TranslationFactor height_fact
 
 struct RandomFlipOptions {
   std::optional<std::uint64_t> seed = {};  // empty: drawn from the default generator
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(RandomFlipOptions, seed);
 

@@ -23,9 +23,7 @@ struct Conv2DOptions {
   bool use_bias = true;
   init::Initializer kernel_initializer = init::glorot_uniform();
   init::Initializer bias_initializer = init::zeros();
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(Conv2DOptions, strides, padding, activation, use_bias, kernel_initializer,
                 bias_initializer);
@@ -58,9 +56,7 @@ struct PoolingOptions {
   Size2 pool_size = 2;
   std::optional<Size2> strides = {};  // empty: pool_size
   std::string padding = "valid";      // or "same"
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(PoolingOptions, pool_size, strides, padding);
 

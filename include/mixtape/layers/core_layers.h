@@ -57,9 +57,7 @@ struct DenseOptions {
   bool use_bias = true;
   init::Initializer kernel_initializer = init::glorot_uniform();
   init::Initializer bias_initializer = init::zeros();
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(DenseOptions, activation, use_bias, kernel_initializer, bias_initializer);
 
@@ -133,9 +131,7 @@ LayerPtr<ReshapeLayer> Reshape(const Shape& target_shape, LayerOptions options =
 struct SliceOptions {
   std::optional<std::int64_t> stop = {};  // empty: to the end of the axis
   bool squeeze = false;  // drop the axis (the slice must be 1 long): x[:, -1] not x[:, -1:]
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(SliceOptions, stop, squeeze);
 
@@ -166,9 +162,7 @@ LayerPtr<SliceLayer> Slice(int axis, std::int64_t start, SliceOptions options = 
 
 struct DropoutOptions {
   std::optional<std::uint64_t> seed = {};  // empty: drawn from the default generator
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(DropoutOptions, seed);
 
@@ -193,9 +187,7 @@ LayerPtr<DropoutLayer> Dropout(double rate, DropoutOptions options = {});
 
 struct EmbeddingOptions {
   init::Initializer embeddings_initializer = init::random_uniform(-0.05, 0.05);
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(EmbeddingOptions, embeddings_initializer);
 

@@ -55,12 +55,21 @@ namespace detail {
 struct Tracking;
 }
 
-// The options every layer takes. (Each layer's own options struct ends with these three
-// fields, in this order, so designated initializers read {.units.., .dtype, .name}.)
+// The three fields every layer's options end with, written once: dtype (empty: the global
+// policy at construction), name (empty: a unique default from the class name) and
+// trainable. Each layer's options struct lists its own fields and ends with this line, so
+// that one brace names them all, in declaration order: Dense(64, {.activation = "relu",
+// .name = "head"}). (A LayerOptions member instead would turn that into {.activation =
+// "relu", .layer = {.name = "head"}}, and a base class would rule out designated
+// initializers altogether.)
+#define MIXTAPE_LAYER_OPTIONS_TAIL             \
+  std::optional<::mixtape::Policy> dtype = {}; \
+  std::string name = {};                       \
+  bool trainable = true
+
+// The options every layer takes: those three alone.
 struct LayerOptions {
-  std::optional<Policy> dtype = {};  // empty: the global policy at construction
-  std::string name = {};             // empty: a unique default from the class name
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 
 // What a built layer accepts; checked before every call.

@@ -47,9 +47,7 @@ LayerPtr<ElementwiseMergeLayer> Minimum(LayerOptions options = {});
 
 struct ConcatenateOptions {
   int axis = -1;  // the axis to join along; the others must agree
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(ConcatenateOptions, axis);
 
@@ -75,9 +73,7 @@ struct DotOptions {
   // L2-normalise each input along its dot axis first (the result is then the cosine
   // similarity).
   bool normalize = false;
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(DotOptions, normalize);
 

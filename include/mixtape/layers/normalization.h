@@ -25,9 +25,7 @@ struct BatchNormalizationOptions {
   init::Initializer gamma_initializer = init::ones();
   init::Initializer moving_mean_initializer = init::zeros();
   init::Initializer moving_variance_initializer = init::ones();
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(BatchNormalizationOptions, axis, momentum, epsilon, center, scale, beta_initializer,
                 gamma_initializer, moving_mean_initializer, moving_variance_initializer);
@@ -65,9 +63,7 @@ struct LayerNormalizationOptions {
   bool scale = true;
   init::Initializer beta_initializer = init::zeros();
   init::Initializer gamma_initializer = init::ones();
-  std::optional<Policy> dtype = {};
-  std::string name = {};
-  bool trainable = true;
+  MIXTAPE_LAYER_OPTIONS_TAIL;
 };
 MIXTAPE_OPTIONS(LayerNormalizationOptions, epsilon, center, scale, beta_initializer,
                 gamma_initializer);

@@ -5,9 +5,7 @@
 //   struct ScaleOptions {
 //     double factor = 1.0;
 //     std::optional<std::uint64_t> seed = {};
-//     std::optional<mt::Policy> dtype = {};  // the three every layer's options end with
-//     std::string name = {};
-//     bool trainable = true;
+//     MIXTAPE_LAYER_OPTIONS_TAIL;  // dtype, name, trainable: every layer's options end so
 //   };
 //   MIXTAPE_OPTIONS(ScaleOptions, factor, seed);
 //
