@@ -190,7 +190,8 @@ OnnxValue GraphBuilder::initializer(const Tensor& value, const std::string& name
   // Row-major bytes, little-endian as ONNX's raw_data is (the host is: mixtape's files
   // assume it too, io/safetensors.cpp).
   const Tensor host = value.to(Device::cpu()).contiguous();
-  if (host.numel() > 0) t->set_raw_data(static_cast<const char*>(host.data_ptr()), host.nbytes());
+  if (host.numel() > 0)
+    t->set_raw_data(static_cast<const char*>(host.const_data_ptr()), host.nbytes());
   return OnnxValue{name, value.dtype()};
 }
 
