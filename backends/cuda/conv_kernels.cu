@@ -16,28 +16,12 @@
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/window.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
 
 using std::int64_t;
-
-struct Range {
-  int64_t lo, hi;  // [lo, hi), empty when lo >= hi
-};
-
-__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
-  return v < lo ? lo : (v > hi ? hi : v);
-}
-
-// The taps t of a window at output position o that land inside the input:
-// 0 <= o * stride - pad + t < size (the CPU backend's tap_range).
-__device__ __forceinline__ Range tap_range(int64_t o, int64_t stride, int64_t pad, int64_t taps,
-                                           int64_t size) {
-  const int64_t start = o * stride - pad;
-  const int64_t lo = clamp64(-start, 0, taps);
-  return {lo, clamp64(size - start, lo, taps)};
-}
 
 // The output positions o in [0, outs) at which tap t lands inside the input (the CPU
 // backend's out_range).
@@ -56,12 +40,8 @@ __global__ void conv_forward_kernel(const T* __restrict__ x, const T* __restrict
   using Acc = accumulator_t<T>;
   const int64_t total = g.n * g.oh * g.ow * g.cout;
   MIXTAPE_GRID_LOOP(idx, total) {
-    int64_t t = idx;
-    const int64_t co = t % g.cout;
-    t /= g.cout;
-    const int64_t ox = t % g.ow;
-    t /= g.ow;
-    const int64_t oy = t % g.oh, i = t / g.oh;
+    const Pos o = position(idx, g.oh, g.ow, g.cout);
+    const int64_t i = o.i, oy = o.y, ox = o.x, co = o.ch;
     const Range ry = tap_range(oy, g.sh, g.pad_top, g.kh, g.h);
     const Range rx = tap_range(ox, g.sw, g.pad_left, g.kw, g.w);
     const int64_t y0 = oy * g.sh - g.pad_top, x0 = ox * g.sw - g.pad_left;
@@ -85,20 +65,13 @@ __global__ void conv_backward_input_kernel(const T* __restrict__ grad_out, const
   using Acc = accumulator_t<T>;
   const int64_t total = g.n * g.h * g.w * g.c;
   MIXTAPE_GRID_LOOP(idx, total) {
-    int64_t t = idx;
-    const int64_t ci = t % g.c;
-    t /= g.c;
-    const int64_t ix = t % g.w;
-    t /= g.w;
-    const int64_t iy = t % g.h, i = t / g.h;
+    const Pos p = position(idx, g.h, g.w, g.c);
+    const int64_t i = p.i, iy = p.y, ix = p.x, ci = p.ch;
     // Output rows whose window covers input row iy: ky = iy + pad_top - oy * stride_h in
     // [0, kh).
-    const int64_t first = iy + g.pad_top - g.kh + 1;
-    const int64_t oy_lo = first <= 0 ? 0 : (first + g.sh - 1) / g.sh;
-    const int64_t oy_end = (iy + g.pad_top) / g.sh + 1;
-    const int64_t oy_hi = oy_end < g.oh ? oy_end : g.oh;
+    const Range wy = covering(iy, g.sh, g.pad_top, g.kh, g.oh);
     Acc acc = Acc(0);
-    for (int64_t oy = oy_lo; oy < oy_hi; ++oy) {
+    for (int64_t oy = wy.lo; oy < wy.hi; ++oy) {
       const int64_t ky = iy + g.pad_top - oy * g.sh;
       for (int64_t kx = 0; kx < g.kw; ++kx) {
         const int64_t tx = ix + g.pad_left - kx;

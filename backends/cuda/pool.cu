@@ -24,7 +24,9 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
+#include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/window.cuh"
 #include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cuda_backend {
@@ -33,52 +35,10 @@ namespace {
 using kernels::Pool2dGeometry;
 using std::int64_t;
 
-struct Range {
-  int64_t lo, hi;  // [lo, hi), empty when lo >= hi
-};
-
-__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
-  return v < lo ? lo : (v > hi ? hi : v);
-}
-
-// The taps t of the window at output position o that land inside the input:
-// 0 <= o * stride - pad + t < size (the CPU backend's tap_range).
-__device__ __forceinline__ Range tap_range(int64_t o, int64_t stride, int64_t pad, int64_t taps,
-                                           int64_t size) {
-  const int64_t start = o * stride - pad;
-  const int64_t lo = clamp64(-start, 0, taps);
-  return {lo, clamp64(size - start, lo, taps)};
-}
-
-// The output positions whose window covers input position p: o * stride - pad <= p and
-// p <= o * stride - pad + taps - 1, with 0 <= o < outs.
-__device__ __forceinline__ Range covering(int64_t p, int64_t stride, int64_t pad, int64_t taps,
-                                          int64_t outs) {
-  const int64_t first = p + pad - taps + 1;
-  const int64_t lo = first <= 0 ? 0 : (first + stride - 1) / stride;
-  const int64_t last = (p + pad) / stride + 1;  // p + pad >= 0
-  return {lo, last < outs ? last : outs};
-}
-
 // The max-pool order: v beats best when larger, and a NaN beats any number.
 template <typename C>
 __device__ __forceinline__ bool beats(C v, C best) {
   return v > best || (v != v && best == best);
-}
-
-// Decomposes an NHWC element index: (i, y, x, ch) of an [n, hh, ww, c] tensor.
-struct Pos {
-  int64_t i, y, x, ch;
-};
-__device__ __forceinline__ Pos position(int64_t idx, int64_t hh, int64_t ww, int64_t c) {
-  Pos p;
-  p.ch = idx % c;
-  idx /= c;
-  p.x = idx % ww;
-  idx /= ww;
-  p.y = idx % hh;
-  p.i = idx / hh;
-  return p;
 }
 
 template <typename T>
@@ -213,48 +173,40 @@ __global__ void avg_pool_backward_kernel(const T* __restrict__ grad_out, T* __re
 
 // --- Kernels keyed on the storage dtype -------------------------------------------------
 
-template <typename S>
-void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+// Launches `kernel` with one thread per element of `out`, on out's device: the pointers of
+// the inputs `in`, in order, then out's, then the geometry.
+template <typename S, typename... Params, typename... In>
+void launch_pool(const char* name, void (*kernel)(Params...), const Tensor& out,
+                 const Pool2dGeometry& g, const In&... in) {
   const int64_t total = out.numel();
   if (total == 0) return;
-  const int device = out.device().index();
-  DeviceGuard guard(device);
-  launch_1d({"max_pool_kernel", total, stream(device)}, max_pool_kernel<cuda_t<S>>,
-            device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
+  OnDevice on(out);
+  launch_1d({name, total, on.s}, kernel, device_ptr<S>(in.const_data_ptr())...,
+            device_ptr<S>(out.data_ptr()), g);
+}
+
+template <typename S>
+void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
+  launch_pool<S>("max_pool_kernel", max_pool_kernel<cuda_t<S>>, out, g, x);
 }
 
 template <typename S>
 void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
-  const int64_t total = grad_x.numel();
-  if (total == 0) return;
-  const int device = grad_x.device().index();
-  DeviceGuard guard(device);
-  launch_1d({"max_pool_backward_kernel", total, stream(device)},
-            max_pool_backward_kernel<cuda_t<S>>, device_ptr<S>(x.const_data_ptr()),
-            device_ptr<S>(grad_out.const_data_ptr()), device_ptr<S>(grad_x.data_ptr()), g);
+  launch_pool<S>("max_pool_backward_kernel", max_pool_backward_kernel<cuda_t<S>>, grad_x, g, x,
+                 grad_out);
 }
 
 template <typename S>
 void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
-  const int64_t total = out.numel();
-  if (total == 0) return;
-  const int device = out.device().index();
-  DeviceGuard guard(device);
-  launch_1d({"avg_pool_kernel", total, stream(device)}, avg_pool_kernel<cuda_t<S>>,
-            device_ptr<S>(x.const_data_ptr()), device_ptr<S>(out.data_ptr()), g);
+  launch_pool<S>("avg_pool_kernel", avg_pool_kernel<cuda_t<S>>, out, g, x);
 }
 
 template <typename S>
 void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
-  const int64_t total = grad_x.numel();
-  if (total == 0) return;
-  const int device = grad_x.device().index();
-  DeviceGuard guard(device);
-  launch_1d({"avg_pool_backward_kernel", total, stream(device)},
-            avg_pool_backward_kernel<cuda_t<S>>, device_ptr<S>(grad_out.const_data_ptr()),
-            device_ptr<S>(grad_x.data_ptr()), g);
+  launch_pool<S>("avg_pool_backward_kernel", avg_pool_backward_kernel<cuda_t<S>>, grad_x, g,
+                 grad_out);
 }
 
 }  // namespace
