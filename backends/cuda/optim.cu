@@ -165,70 +165,75 @@ __device__ __forceinline__ bool skipped(const float* skip) {
   return skip != nullptr && *skip != 0.0f;
 }
 
-// sgd: mode 0: var -= lr g; 1: vel = momentum vel - lr g, var += vel; 2 (Nesterov): the same
-// velocity, var += momentum vel - lr g.
-template <typename T>
-__global__ void sgd_kernel(const float* __restrict__ skip, T* __restrict__ var,
-                           const T* __restrict__ grad, slot_of<T>* __restrict__ vel, int64_t n,
-                           slot_of<T> lr, slot_of<T> momentum, int mode, CopyOut copy) {
+// The loop of every update kernel: v = step(i, v, g) in the slot type, written back to
+// var[i] and to the copy. A step skipped on the device leaves var as it is and writes only
+// the copy.
+template <typename T, typename Step>
+__global__ void update_kernel(const float* __restrict__ skip, T* __restrict__ var,
+                              const T* __restrict__ grad, int64_t n, CopyOut copy, Step step) {
   using S = slot_of<T>;
   const bool skip_step = skipped(skip);  // a step skipped on the device
   if (skip_step && copy.p == nullptr) return;
   MIXTAPE_GRID_LOOP(i, n) {
     S v = load(var[i]);
-    if (skip_step) {
-      write_copy(copy, i, v);
-      continue;
+    if (!skip_step) {
+      v = step(i, v, load(grad[i]));
+      var[i] = store<T>(v);
     }
-    const S g = load(grad[i]);
-    if (mode == 0) {
-      v = sub_rn(v, mul_rn(lr, g));
-    } else {
-      const S nv = sub_rn(mul_rn(momentum, vel[i]), mul_rn(lr, g));
-      vel[i] = nv;
-      if (mode == 2)
-        v = add_rn(v, sub_rn(mul_rn(momentum, nv), mul_rn(lr, g)));
-      else
-        v = add_rn(v, nv);
-    }
-    var[i] = store<T>(v);
     write_copy(copy, i, v);
   }
 }
 
-template <typename T>
-void sgd_host(const OptimizerUpdate& u) {
-  using S = slot_of<T>;
+// Launches update_kernel over u.var on its device, with the step make() returns (made once
+// the update is known to have elements).
+template <typename T, typename Make>
+void launch_update(const char* name, const OptimizerUpdate& u, Make make) {
   const int64_t n = u.var.numel();
   if (n == 0) return;
   OnDevice on(u.var);
-  const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
-  launch_1d({"sgd_update kernel", n, on.s}, sgd_kernel<T>, skip_ptr(u),
-            static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.const_data_ptr()),
-            mode == 0 ? nullptr : slot_ptr<S>(u.slot1), n, static_cast<S>(u.lr),
-            static_cast<S>(u.momentum), mode, copy_out<T>(u));
+  using Step = decltype(make());
+  const Step step = make();
+  launch_1d({name, n, on.s}, update_kernel<T, Step>, skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
+            static_cast<const T*>(u.grad.const_data_ptr()), n, copy_out<T>(u), step);
+}
+
+// sgd: mode 0: var -= lr g; 1: vel = momentum vel - lr g, var += vel; 2 (Nesterov): the same
+// velocity, var += momentum vel - lr g.
+template <typename S>
+struct SgdStep {
+  S* vel;
+  S lr, momentum;
+  int mode;
+  __device__ S operator()(int64_t i, S v, S g) const {
+    if (mode == 0) return sub_rn(v, mul_rn(lr, g));
+    const S nv = sub_rn(mul_rn(momentum, vel[i]), mul_rn(lr, g));
+    vel[i] = nv;
+    if (mode == 2) return add_rn(v, sub_rn(mul_rn(momentum, nv), mul_rn(lr, g)));
+    return add_rn(v, nv);
+  }
+};
+
+template <typename T>
+void sgd_host(const OptimizerUpdate& u) {
+  using S = slot_of<T>;
+  launch_update<T>("sgd_update kernel", u, [&] {
+    const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
+    return SgdStep<S>{mode == 0 ? nullptr : slot_ptr<S>(u.slot1), static_cast<S>(u.lr),
+                      static_cast<S>(u.momentum), mode};
+  });
 }
 
 // rmsprop: ms = rho ms + (1 - rho) g^2; centered: mg = rho mg + (1 - rho) g, d = max(ms -
 // mg^2, 0), else d = ms; step = lr g / sqrt(d + eps); momentum: mom = momentum mom + step,
 // var -= mom; otherwise var -= step.
-template <typename T>
-__global__ void rmsprop_kernel(const float* __restrict__ skip, T* __restrict__ var,
-                               const T* __restrict__ grad, slot_of<T>* __restrict__ ms,
-                               slot_of<T>* __restrict__ mom, slot_of<T>* __restrict__ mg, int64_t n,
-                               slot_of<T> lr, slot_of<T> rho, slot_of<T> one_minus_rho,
-                               slot_of<T> eps, slot_of<T> momentum, bool centered,
-                               bool use_momentum, CopyOut copy) {
-  using S = slot_of<T>;
-  const bool skip_step = skipped(skip);  // a step skipped on the device
-  if (skip_step && copy.p == nullptr) return;
-  MIXTAPE_GRID_LOOP(i, n) {
-    S v = load(var[i]);
-    if (skip_step) {
-      write_copy(copy, i, v);
-      continue;
-    }
-    const S g = load(grad[i]);
+template <typename S>
+struct RmspropStep {
+  S* ms;
+  S* mom;
+  S* mg;
+  S lr, rho, one_minus_rho, eps, momentum;
+  bool centered, use_momentum;
+  __device__ S operator()(int64_t i, S v, S g) const {
     const S msi = add_rn(mul_rn(rho, ms[i]), mul_rn(one_minus_rho, mul_rn(g, g)));
     ms[i] = msi;
     S d = msi;
@@ -239,53 +244,42 @@ __global__ void rmsprop_kernel(const float* __restrict__ skip, T* __restrict__ v
       d = c < S(0) ? S(0) : c;
     }
     const S step = div_rn(mul_rn(lr, g), sqrt_rn(add_rn(d, eps)));
-    if (use_momentum) {
-      const S mi = add_rn(mul_rn(momentum, mom[i]), step);
-      mom[i] = mi;
-      v = sub_rn(v, mi);
-    } else {
-      v = sub_rn(v, step);
-    }
-    var[i] = store<T>(v);
-    write_copy(copy, i, v);
+    if (!use_momentum) return sub_rn(v, step);
+    const S mi = add_rn(mul_rn(momentum, mom[i]), step);
+    mom[i] = mi;
+    return sub_rn(v, mi);
   }
-}
+};
 
 template <typename T>
 void rmsprop_host(const OptimizerUpdate& u) {
   using S = slot_of<T>;
-  const int64_t n = u.var.numel();
-  if (n == 0) return;
-  OnDevice on(u.var);
-  const bool use_momentum = u.momentum > 0.0;
-  launch_1d({"rmsprop_update kernel", n, on.s}, rmsprop_kernel<T>, skip_ptr(u),
-            static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.const_data_ptr()),
-            slot_ptr<S>(u.slot1), use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
-            u.centered ? slot_ptr<S>(u.slot3) : nullptr, n, static_cast<S>(u.lr),
-            static_cast<S>(u.beta2), static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
-            static_cast<S>(u.momentum), u.centered, use_momentum, copy_out<T>(u));
+  launch_update<T>("rmsprop_update kernel", u, [&] {
+    const bool use_momentum = u.momentum > 0.0;
+    return RmspropStep<S>{slot_ptr<S>(u.slot1),
+                          use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
+                          u.centered ? slot_ptr<S>(u.slot3) : nullptr,
+                          static_cast<S>(u.lr),
+                          static_cast<S>(u.beta2),
+                          static_cast<S>(1.0 - u.beta2),
+                          static_cast<S>(u.epsilon),
+                          static_cast<S>(u.momentum),
+                          u.centered,
+                          use_momentum};
+  });
 }
 
 // adam: var -= lr_wd var (AdamW); m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2);
 // amsgrad: vmax = max(vmax, v); var -= alpha m / (sqrt(v | vmax) + eps).
-template <typename T>
-__global__ void adam_kernel(const float* __restrict__ skip, T* __restrict__ var,
-                            const T* __restrict__ grad, slot_of<T>* __restrict__ m,
-                            slot_of<T>* __restrict__ v, slot_of<T>* __restrict__ vmax, int64_t n,
-                            slot_of<T> alpha, slot_of<T> one_minus_beta1,
-                            slot_of<T> one_minus_beta2, slot_of<T> eps, slot_of<T> lr_wd,
-                            bool amsgrad, bool decay, CopyOut copy) {
-  using S = slot_of<T>;
-  const bool skip_step = skipped(skip);  // a step skipped on the device
-  if (skip_step && copy.p == nullptr) return;
-  MIXTAPE_GRID_LOOP(i, n) {
-    S x = load(var[i]);
-    if (skip_step) {
-      write_copy(copy, i, x);
-      continue;
-    }
+template <typename S>
+struct AdamStep {
+  S* m;
+  S* v;
+  S* vmax;
+  S alpha, one_minus_beta1, one_minus_beta2, eps, lr_wd;
+  bool amsgrad, decay;
+  __device__ S operator()(int64_t i, S x, S g) const {
     if (decay) x = sub_rn(x, mul_rn(lr_wd, x));
-    const S g = load(grad[i]);
     const S mi = add_rn(m[i], mul_rn(sub_rn(g, m[i]), one_minus_beta1));
     m[i] = mi;
     const S vi = add_rn(v[i], mul_rn(sub_rn(mul_rn(g, g), v[i]), one_minus_beta2));
@@ -296,28 +290,28 @@ __global__ void adam_kernel(const float* __restrict__ skip, T* __restrict__ var,
       vmax[i] = mx;
       d = mx;
     }
-    x = sub_rn(x, div_rn(mul_rn(alpha, mi), add_rn(sqrt_rn(d), eps)));
-    var[i] = store<T>(x);
-    write_copy(copy, i, x);
+    return sub_rn(x, div_rn(mul_rn(alpha, mi), add_rn(sqrt_rn(d), eps)));
   }
-}
+};
 
 template <typename T>
 void adam_host(const OptimizerUpdate& u) {
   using S = slot_of<T>;
-  const int64_t n = u.var.numel();
-  if (n == 0) return;
-  OnDevice on(u.var);
-  const auto step = static_cast<double>(u.step);
-  const double alpha =
-      u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
-  const bool decay = u.weight_decay != 0.0;
-  launch_1d({"adam_update kernel", n, on.s}, adam_kernel<T>, skip_ptr(u),
-            static_cast<T*>(u.var.data_ptr()), static_cast<const T*>(u.grad.const_data_ptr()),
-            slot_ptr<S>(u.slot1), slot_ptr<S>(u.slot2), u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr,
-            n, static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1), static_cast<S>(1.0 - u.beta2),
-            static_cast<S>(u.epsilon), static_cast<S>(u.lr * u.weight_decay), u.amsgrad, decay,
-            copy_out<T>(u));
+  launch_update<T>("adam_update kernel", u, [&] {
+    const auto step = static_cast<double>(u.step);
+    const double alpha =
+        u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
+    return AdamStep<S>{slot_ptr<S>(u.slot1),
+                       slot_ptr<S>(u.slot2),
+                       u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr,
+                       static_cast<S>(alpha),
+                       static_cast<S>(1.0 - u.beta1),
+                       static_cast<S>(1.0 - u.beta2),
+                       static_cast<S>(u.epsilon),
+                       static_cast<S>(u.lr * u.weight_decay),
+                       u.amsgrad,
+                       u.weight_decay != 0.0};
+  });
 }
 
 }  // namespace
