@@ -41,6 +41,35 @@ __device__ __forceinline__ bool keeps(const std::uint8_t* mask_row, bool causal,
   return (!mask_row || mask_row[j] != 0) && (!causal || j <= i);
 }
 
+// out[c] = sum over the j < jend that keeps() keeps of weight(j) * rows[j * width + c], for
+// c in [0, width), the lanes of a warp taking the columns c0 + lane + u kWarp, kPass columns
+// a pass (weight may hold warp_dots: every lane calls it, again each pass). With `any` false
+// nothing is added: out is 0.
+template <typename T, typename Weight>
+__device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* mask_row,
+                                                  bool causal, int64_t i, int64_t jend,
+                                                  Weight weight, const T* rows, int64_t width,
+                                                  T* out, int lane) {
+  using C = compute_of<T>;
+  for (int64_t c0 = 0; c0 < width; c0 += kPass) {
+    C acc[kCols];
+    for (int u = 0; u < kCols; ++u) acc[u] = C(0);
+    if (any)
+      for (int64_t j = 0; j < jend; ++j) {
+        if (!keeps(mask_row, causal, i, j)) continue;
+        const C w = weight(j);
+        for (int u = 0; u < kCols; ++u) {
+          const int64_t c = c0 + lane + int64_t{u} * kWarp;
+          if (c < width) acc[u] += w * load(rows[j * width + c]);
+        }
+      }
+    for (int u = 0; u < kCols; ++u) {
+      const int64_t c = c0 + lane + int64_t{u} * kWarp;
+      if (c < width) out[c] = store<T>(acc[u]);
+    }
+  }
+}
+
 // The warp's row and the warps of the grid (every lane of a warp gets the same row).
 __device__ __forceinline__ int64_t warp_index() {
   return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
@@ -80,23 +109,10 @@ __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __res
     }
     if (lane == 0) lse[row] = l == C(0) ? neg_inf : m + d_log(l);
     const C inv = l == C(0) ? C(0) : C(1) / l;
-    for (int64_t c0 = 0; c0 < dv; c0 += kPass) {
-      C acc[kCols];
-      for (int u = 0; u < kCols; ++u) acc[u] = C(0);
-      if (l != C(0))
-        for (int64_t j = 0; j < kend; ++j) {
-          if (!keeps(mr, causal, i, j)) continue;
-          const C p = d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - m) * inv;
-          for (int u = 0; u < kCols; ++u) {
-            const int64_t c = c0 + lane + int64_t{u} * kWarp;
-            if (c < dv) acc[u] += p * load(vh[j * dv + c]);
-          }
-        }
-      for (int u = 0; u < kCols; ++u) {
-        const int64_t c = c0 + lane + int64_t{u} * kWarp;
-        if (c < dv) out[row * dv + c] = store<T>(acc[u]);
-      }
-    }
+    const auto p = [&](int64_t j) {
+      return d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - m) * inv;
+    };
+    warp_weighted_sum(l != C(0), mr, causal, i, kend, p, vh, dv, out + row * dv, lane);
   }
 }
 
@@ -133,24 +149,11 @@ __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict
     const std::uint8_t* mr = mask ? mask + row * s : nullptr;
     const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
     const C li = lse[row], di = rowdot[row];
-    for (int64_t c0 = 0; c0 < d; c0 += kPass) {
-      C acc[kCols];
-      for (int u = 0; u < kCols; ++u) acc[u] = C(0);
-      if (li != neg_inf)
-        for (int64_t j = 0; j < kend; ++j) {
-          if (!keeps(mr, causal, i, j)) continue;
-          const C p = d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - li);
-          const C ds = p * (warp_dot(gr, vh + j * dv, dv, lane) - di) * scale;
-          for (int u = 0; u < kCols; ++u) {
-            const int64_t c = c0 + lane + int64_t{u} * kWarp;
-            if (c < d) acc[u] += ds * load(kh[j * d + c]);
-          }
-        }
-      for (int u = 0; u < kCols; ++u) {
-        const int64_t c = c0 + lane + int64_t{u} * kWarp;
-        if (c < d) dq[row * d + c] = store<T>(acc[u]);
-      }
-    }
+    const auto ds = [&](int64_t j) {
+      const C p = d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - li);
+      return p * (warp_dot(gr, vh + j * dv, dv, lane) - di) * scale;
+    };
+    warp_weighted_sum(li != neg_inf, mr, causal, i, kend, ds, kh, d, dq + row * d, lane);
   }
 }
 
