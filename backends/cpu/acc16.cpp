@@ -63,24 +63,19 @@ void transpose_into(const float* src, std::int64_t count, std::int64_t rows, std
 
 template <typename T>
 void gemm_acc16(const GemmArgs& g) {
-  if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
-  const Plan p = normalize(g);
-  const T* a = static_cast<const T*>(g.a.const_data_ptr());
-  const T* b = static_cast<const T*>(g.b.const_data_ptr());
-  T* c = static_cast<T*>(g.out.data_ptr());
-  if (p.k <= 0) return zero_output(p, c);
+  const auto operands = gemm_operands<T>(g);
+  if (!operands) return;
+  const auto& [p, a, b, c] = *operands;
 
   thread_local Scratch<> scratch_a, scratch_b, scratch_bt;
   const std::int64_t m = p.m, n = p.n, k = p.k;
-  const std::int64_t size_a = m * k, size_b = k * n;
-  const std::int64_t count_a = p.sa == 0 ? 1 : p.batch, count_b = p.sb == 0 ? 1 : p.batch;
-  float* fa = scratch_a.get(count_a * size_a);
-  float* fb = scratch_b.get(count_b * size_b);
-  pack_to_float(a, count_a, p.sa, p.rows_a(), p.cols_a(), p.lda, fa);
-  pack_to_float(b, count_b, p.sb, p.rows_b(), p.cols_b(), p.ldb, fb);
+  const FloatOperands f = float_operands(p, a, b, scratch_a, scratch_b);
+  const std::int64_t size_a = f.size_a, size_b = f.size_b;  // m * k, k * n
+  const float* fa = f.a;
+  const float* fb = f.b;
   if (p.tb) {  // stored n x k: make it k x n
-    float* t = scratch_bt.get(count_b * size_b);
-    transpose_into(fb, count_b, n, k, t);
+    float* t = scratch_bt.get(f.count_b * size_b);
+    transpose_into(f.b, f.count_b, n, k, t);
     fb = t;
   }
 

@@ -20,12 +20,9 @@ namespace {
 // without AVX-512 loop over the batch items with one BLAS call each.
 template <typename T>
 void gemm_native(const GemmArgs& g) {
-  if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
-  const Plan p = normalize(g);
-  const T* a = static_cast<const T*>(g.a.const_data_ptr());
-  const T* b = static_cast<const T*>(g.b.const_data_ptr());
-  T* c = static_cast<T*>(g.out.data_ptr());
-  if (p.k <= 0) return zero_output(p, c);
+  const auto operands = gemm_operands<T>(g);
+  if (!operands) return;
+  const auto& [p, a, b, c] = *operands;
   if constexpr (std::is_same_v<T, float>) {
     if (onednn_matmul_f32(p, a, b, c)) return;
   }
@@ -40,23 +37,17 @@ void gemm_native(const GemmArgs& g) {
 template <typename T>
 void gemm_reduced(const GemmArgs& g) {
   if (g.low_precision_accumulation) return gemm_acc16<T>(g);
-  if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
-  const Plan p = normalize(g);
-  const T* a = static_cast<const T*>(g.a.const_data_ptr());
-  const T* b = static_cast<const T*>(g.b.const_data_ptr());
-  T* c = static_cast<T*>(g.out.data_ptr());
-  if (p.k <= 0) return zero_output(p, c);
+  const auto operands = gemm_operands<T>(g);
+  if (!operands) return;
+  const auto& [p, a, b, c] = *operands;
   if constexpr (std::is_same_v<T, bfloat16>) {
     if (onednn_matmul_bf16(p, a, b, c)) return;
   }
 
   thread_local Scratch<> scratch_a, scratch_b, scratch_c;
-  const std::int64_t size_a = p.rows_a() * p.cols_a(), size_b = p.rows_b() * p.cols_b();
-  const std::int64_t count_a = p.sa == 0 ? 1 : p.batch, count_b = p.sb == 0 ? 1 : p.batch;
-  float* fa = scratch_a.get(count_a * size_a);
-  float* fb = scratch_b.get(count_b * size_b);
-  pack_to_float(a, count_a, p.sa, p.rows_a(), p.cols_a(), p.lda, fa);
-  pack_to_float(b, count_b, p.sb, p.rows_b(), p.cols_b(), p.ldb, fb);
+  const FloatOperands f = float_operands(p, a, b, scratch_a, scratch_b);
+  const float *fa = f.a, *fb = f.b;
+  const std::int64_t size_a = f.size_a, size_b = f.size_b;
 
   // One oneDNN float32 call over the packed copies (the whole batch), then one conversion
   // pass; without oneDNN, one sgemm per batch item below.

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <type_traits>
 
 #include "backends/cpu/cpu_util.h"
@@ -68,22 +69,20 @@ inline int threads_for(std::int64_t work) { return work > kParallelGrain ? max_t
 
 // --- BLAS ----------------------------------------------------------------------------
 
-// Row-major C = alpha op(A) op(B) + beta C.
-inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
-                      const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
-                      float beta, float* c, std::int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
-              static_cast<blasint>(ldc));
-}
-inline void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
-                      const double* a, std::int64_t lda, const double* b, std::int64_t ldb,
-                      double beta, double* c, std::int64_t ldc) {
-  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
-              static_cast<blasint>(ldc));
+// Row-major C = op(A) op(B) + beta C, T float or double.
+template <typename T>
+void blas_gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const T* a,
+               std::int64_t lda, const T* b, std::int64_t ldb, std::type_identity_t<T> beta, T* c,
+               std::int64_t ldc) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>);
+  const auto op = [](bool t) { return t ? CblasTrans : CblasNoTrans; };
+  const auto i = [](std::int64_t v) { return static_cast<blasint>(v); };
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, op(ta), op(tb), i(m), i(n), i(k), 1.0f, a, i(lda), b, i(ldb), beta,
+                c, i(ldc));
+  else
+    cblas_dgemm(CblasRowMajor, op(ta), op(tb), i(m), i(n), i(k), 1.0, a, i(lda), b, i(ldb), beta, c,
+                i(ldc));
 }
 
 // --- Bulk conversion for float16 / bfloat16 ------------------------------------------
@@ -222,6 +221,51 @@ void pack_to_float(const T* src, std::int64_t count, std::int64_t stride, std::i
       for (std::int64_t r = 0; r < rows; ++r) convert(s + r * ld, d + r * cols, cols);
     }
   }
+}
+
+// The operands of a product of T elements: the normalized plan and the data pointers.
+template <typename T>
+struct GemmOperands {
+  Plan p;
+  const T* a;
+  const T* b;
+  T* c;
+};
+
+// g's operands, or nothing when no product is left to compute: an empty output, or k == 0
+// (the output is then zeroed here).
+template <typename T>
+std::optional<GemmOperands<T>> gemm_operands(const GemmArgs& g) {
+  if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return std::nullopt;
+  GemmOperands<T> o{normalize(g), static_cast<const T*>(g.a.const_data_ptr()),
+                    static_cast<const T*>(g.b.const_data_ptr()), static_cast<T*>(g.out.data_ptr())};
+  if (o.p.k <= 0) {
+    zero_output(o.p, o.c);
+    return std::nullopt;
+  }
+  return o;
+}
+
+// A and B as compact float32 copies in scratch_a / scratch_b: one matrix when the batch
+// stride is 0, else one per batch item (count_a / count_b matrices, size_a / size_b apart).
+struct FloatOperands {
+  float* a;
+  float* b;
+  std::int64_t size_a, size_b, count_a, count_b;
+};
+template <typename T>
+FloatOperands float_operands(const Plan& p, const T* a, const T* b, Scratch<>& scratch_a,
+                             Scratch<>& scratch_b) {
+  FloatOperands f{};
+  f.size_a = p.rows_a() * p.cols_a();
+  f.size_b = p.rows_b() * p.cols_b();
+  f.count_a = p.sa == 0 ? 1 : p.batch;
+  f.count_b = p.sb == 0 ? 1 : p.batch;
+  f.a = scratch_a.get(f.count_a * f.size_a);
+  f.b = scratch_b.get(f.count_b * f.size_b);
+  pack_to_float(a, f.count_a, p.sa, p.rows_a(), p.cols_a(), p.lda, f.a);
+  pack_to_float(b, f.count_b, p.sb, p.rows_b(), p.cols_b(), p.ldb, f.b);
+  return f;
 }
 
 // --- 16-bit accumulation (acc16.cpp) ---------------------------------------------------
