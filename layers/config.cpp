@@ -95,6 +95,13 @@ const Variable& built_weight(const Layer& layer, const Variable& v, const char* 
   return v;
 }
 
+const Variable& built_bias(const Layer& layer, const Variable& b, bool use_bias) {
+  if (!use_bias)
+    throw ValueError(fmt::format("layer '{}' ({}): has no bias (use_bias is false)", layer.name(),
+                                 layer.class_name()));
+  return built_weight(layer, b, "bias");
+}
+
 }  // namespace detail
 
 namespace option_codec {

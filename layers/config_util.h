@@ -21,5 +21,8 @@ LayerOptions common_options(const Options& o) {
 // `v`, or ValueError naming the layer and `what` when the layer is not built yet (the
 // accessors of built layers' weights: DenseLayer::kernel(), ...).
 const Variable& built_weight(const Layer& layer, const Variable& v, const char* what);
+// The bias `b` of a built layer, or ValueError naming the layer when it has none
+// (use_bias false) or is not built yet.
+const Variable& built_bias(const Layer& layer, const Variable& b, bool use_bias);
 
 }  // namespace mixtape::layers::detail

@@ -65,9 +65,7 @@ const Variable& Conv2DLayer::kernel() const {
 }
 
 const Variable& Conv2DLayer::bias() const {
-  if (!options_.use_bias)
-    throw ValueError(fmt::format("layer '{}' (Conv2D): has no bias (use_bias is false)", name()));
-  return detail::built_weight(*this, bias_, "bias");
+  return detail::built_bias(*this, bias_, options_.use_bias);
 }
 
 LayerPtr<Conv2DLayer> Conv2D(std::int64_t filters, Size2 kernel_size, Conv2DOptions options) {

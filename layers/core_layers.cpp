@@ -107,9 +107,7 @@ const Variable& DenseLayer::kernel() const {
   return detail::built_weight(*this, kernel_, "kernel");
 }
 const Variable& DenseLayer::bias() const {
-  if (!options_.use_bias)
-    throw ValueError(fmt::format("layer '{}' (Dense): has no bias (use_bias is false)", name()));
-  return detail::built_weight(*this, bias_, "bias");
+  return detail::built_bias(*this, bias_, options_.use_bias);
 }
 
 LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options) {
