@@ -21,6 +21,9 @@ void put(Config& c, const std::string& k, const TranslationFactor& v) {
   c.set(k + "_lower", v.lower);
   c.set(k + "_upper", v.upper);
 }
+void get(const Config& c, const std::string& k, TranslationFactor& v) {
+  v = TranslationFactor(c.get_double(k + "_lower"), c.get_double(k + "_upper"));
+}
 
 }  // namespace option_codec
 
@@ -41,13 +44,9 @@ Arg<Get> arg(const char* key, Get get) {
 // A positional argument read back from a config, as the factory takes it.
 template <typename T>
 T read_arg(const Config& c, const std::string& key) {
-  if constexpr (std::is_same_v<T, TranslationFactor>) {
-    return TranslationFactor(c.get_double(key + "_lower"), c.get_double(key + "_upper"));
-  } else {
-    T v{};
-    option_codec::get(c, key, v);
-    return v;
-  }
+  T v{};
+  option_codec::get(c, key, v);
+  return v;
 }
 
 // The options a factory takes last: an options struct with its described fields, or the

@@ -29,6 +29,7 @@ namespace mixtape::layers {
 // [-f, f], `{lower, upper}` from [lower, upper].
 struct TranslationFactor {
   double lower = 0.0, upper = 0.0;
+  TranslationFactor() = default;                        // no translation
   TranslationFactor(double f) : lower(-f), upper(f) {}  // NOLINT: a number is a factor
   TranslationFactor(double lower_, double upper_) : lower(lower_), upper(upper_) {}
   friend bool operator==(const TranslationFactor&, const TranslationFactor&) = default;
