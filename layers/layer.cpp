@@ -16,7 +16,6 @@
 #include <unordered_set>
 #include <vector>
 
-#include "layers/layer_table.h"
 #include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
@@ -375,7 +374,7 @@ Config Layer::get_config() const {
   c.set("name", name());
   c.set("trainable", trainable_);
   c.set("dtype", policy_.name());
-  detail::write_builtin_config(*this, c);  // a built-in class's fields, from its table row
+  detail::add_builtin_config(*this, c);  // a built-in class's fields, from its table row
   return c;
 }
 

@@ -130,13 +130,4 @@ const std::vector<LayerClass>& builtin_layers() {
   return table;
 }
 
-namespace detail {
-
-void write_builtin_config(const Layer& layer, Config& config) {
-  for (const LayerClass& c : builtin_layers())
-    if (c.write_config(layer, config)) return;
-}
-
-}  // namespace detail
-
 }  // namespace mixtape::layers

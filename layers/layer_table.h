@@ -30,10 +30,4 @@ struct LayerClass {
 
 const std::vector<LayerClass>& builtin_layers();
 
-namespace detail {
-// The config fields of `layer`'s built-in class (its row's write_config) into `config`;
-// nothing for a class that has no row. Layer::get_config calls it.
-void write_builtin_config(const Layer& layer, Config& config);
-}  // namespace detail
-
 }  // namespace mixtape::layers

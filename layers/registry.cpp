@@ -100,6 +100,11 @@ std::string registered_name_of(const std::type_info& type) {
   return it == registered_types().end() ? std::string() : it->second;
 }
 
+void add_builtin_config(const Layer& layer, Config& config) {
+  for (const LayerClass& c : builtin_layers())
+    if (c.write_config(layer, config)) return;
+}
+
 std::string class_name_of(const std::type_info& type) {
   int status = 0;
   char* raw = abi::__cxa_demangle(type.name(), nullptr, nullptr, &status);

@@ -95,6 +95,10 @@ void note_registered_type(const std::type_info& type, const std::string& class_n
 // The name layers of C++ type `type` were registered under with MIXTAPE_REGISTER_LAYER(_AS);
 // empty when they were not.
 std::string registered_name_of(const std::type_info& type);
+// The fields of `layer`'s built-in class (its positional arguments and options, derived from
+// the class's row in the layer table, layers/layer_table.cpp) added to `config`; nothing for
+// a class of your own. Layer::get_config calls it.
+void add_builtin_config(const Layer& layer, Config& config);
 template <typename T>
 bool register_class(const std::string& class_name = class_name_of(typeid(T))) {
   register_layer(class_name,
