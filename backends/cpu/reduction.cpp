@@ -62,35 +62,25 @@ struct MeanR : SumR<C> {
   static double result(double a, int64_t n) { return a / static_cast<double>(n); }
 };
 
-template <typename C>
-struct MaxR {
+// max (kMax) or min; a NaN wins and stays.
+template <typename C, bool kMax>
+struct ExtremumR {
   using Acc = C;
   static constexpr int kLanes = 8;
   static Acc init() {
     if constexpr (std::is_floating_point_v<C>)
-      return -std::numeric_limits<C>::infinity();
+      return kMax ? -std::numeric_limits<C>::infinity() : std::numeric_limits<C>::infinity();
     else
-      return std::numeric_limits<C>::lowest();
+      return kMax ? std::numeric_limits<C>::lowest() : std::numeric_limits<C>::max();
   }
-  static void add(Acc& a, C v, int64_t) { a = ((v > a) | is_nan(v)) ? v : a; }
+  static void add(Acc& a, C v, int64_t) { a = ((kMax ? v > a : v < a) | is_nan(v)) ? v : a; }
   static void merge(Acc& a, const Acc& b) { add(a, b, 0); }
   static Acc result(const Acc& a, int64_t) { return a; }
 };
-
 template <typename C>
-struct MinR {
-  using Acc = C;
-  static constexpr int kLanes = 8;
-  static Acc init() {
-    if constexpr (std::is_floating_point_v<C>)
-      return std::numeric_limits<C>::infinity();
-    else
-      return std::numeric_limits<C>::max();
-  }
-  static void add(Acc& a, C v, int64_t) { a = ((v < a) | is_nan(v)) ? v : a; }
-  static void merge(Acc& a, const Acc& b) { add(a, b, 0); }
-  static Acc result(const Acc& a, int64_t) { return a; }
-};
+using MaxR = ExtremumR<C, true>;
+template <typename C>
+using MinR = ExtremumR<C, false>;
 
 // (value, index) of the first maximum (or first NaN); index -1 while empty.
 template <typename C>
