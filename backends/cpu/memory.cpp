@@ -281,28 +281,7 @@ void cast_to(const Tensor& x, const Tensor& out) {
 
 template <DType::Code S>
 void cast_kernel(const Tensor& x, const Tensor& out) {
-  switch (out.dtype().code()) {
-    case DType::Float32:
-      return cast_to<S, DType::Float32>(x, out);
-    case DType::Float16:
-      return cast_to<S, DType::Float16>(x, out);
-    case DType::BFloat16:
-      return cast_to<S, DType::BFloat16>(x, out);
-    case DType::Float64:
-      return cast_to<S, DType::Float64>(x, out);
-    case DType::Int32:
-      return cast_to<S, DType::Int32>(x, out);
-    case DType::Int64:
-      return cast_to<S, DType::Int64>(x, out);
-    case DType::UInt8:
-      return cast_to<S, DType::UInt8>(x, out);
-    case DType::Bool:
-      return cast_to<S, DType::Bool>(x, out);
-    case DType::Float8E4M3FN:
-      return cast_to<S, DType::Float8E4M3FN>(x, out);
-    case DType::Float8E5M2:
-      return cast_to<S, DType::Float8E5M2>(x, out);
-  }
+  visit_code(out.dtype().code(), [&]<DType::Code D>() { cast_to<S, D>(x, out); });
 }
 
 }  // namespace

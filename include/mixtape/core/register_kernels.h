@@ -53,6 +53,18 @@ void for_each_op(F&& f) {
   (std::make_index_sequence<kOpCount>{});
 }
 
+// Calls f.template operator()<code>() for the dtype code known only at run time (cast's
+// output dtype): f is instantiated for every dtype, one call runs; none for an unknown code.
+template <typename F>
+void visit_code(DType::Code code, F&& f) {
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (void)((code == static_cast<DType::Code>(I) &&
+            (f.template operator()<static_cast<DType::Code>(I)>(), true)) ||
+           ...);
+  }
+  (std::make_index_sequence<DType::kCount>{});
+}
+
 // Registers on `device`, for every dtype the table requires of op, the kernel
 // make.template operator()<code>() returns (a pointer to a function of op's signature).
 template <OpId op, typename Make>
