@@ -419,14 +419,10 @@ void binary_host(const Tensor& a, const Tensor& b, const Tensor& out) {
   }
   for_each_slice(l, [&](const StridedGeom<2>& g, const std::array<int64_t, 2>& off, int64_t out_off,
                         int64_t count) {
-    if (fits_u32(count))
-      launch_1d({"binary kernel (strided)", count, on.s},
-                binary_strided_kernel<T, O, Op, std::uint32_t>, ap + off[0], bp + off[1],
-                op + out_off, g, count, Op{});
-    else
-      launch_1d({"binary kernel (strided)", count, on.s},
-                binary_strided_kernel<T, O, Op, std::uint64_t>, ap + off[0], bp + off[1],
-                op + out_off, g, count, Op{});
+    launch_strided({"binary kernel (strided)", count, on.s},
+                   binary_strided_kernel<T, O, Op, std::uint32_t>,
+                   binary_strided_kernel<T, O, Op, std::uint64_t>, ap + off[0], bp + off[1],
+                   op + out_off, g, count, Op{});
   });
 }
 
@@ -456,12 +452,9 @@ void where_host(const Tensor& cond, const Tensor& a, const Tensor& b, const Tens
   const Coalesced<3> l = coalesce<3>(out.shape(), {&cond.strides(), &a.strides(), &b.strides()});
   for_each_slice(l, [&](const StridedGeom<3>& g, const std::array<int64_t, 3>& off, int64_t out_off,
                         int64_t count) {
-    if (fits_u32(count))
-      launch_1d({"where kernel", count, on.s}, where_kernel<T, std::uint32_t>, cp + off[0],
-                ap + off[1], bp + off[2], op + out_off, g, count);
-    else
-      launch_1d({"where kernel", count, on.s}, where_kernel<T, std::uint64_t>, cp + off[0],
-                ap + off[1], bp + off[2], op + out_off, g, count);
+    launch_strided({"where kernel", count, on.s}, where_kernel<T, std::uint32_t>,
+                   where_kernel<T, std::uint64_t>, cp + off[0], ap + off[1], bp + off[2],
+                   op + out_off, g, count);
   });
 }
 

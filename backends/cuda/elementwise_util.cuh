@@ -20,6 +20,7 @@
 
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
+#include "backends/cuda/launch.cuh"
 #include "core/strided_layout.h"
 #include "mixtape/core/register_kernels.h"
 #include "mixtape/core/tensor.h"
@@ -270,6 +271,17 @@ void for_each_slice(const Coalesced<K>& l, Fn&& fn) {
 
 // Whether a launch over `count` elements may decompose indices in 32 bits.
 inline bool fits_u32(std::int64_t count) { return count <= 0xFFFFFFFFLL; }
+
+// One strided kernel launched over launch.n elements: its instantiation on 32-bit indices
+// (kernel32) where they fit, else the one on 64-bit indices (kernel64).
+template <typename... P32, typename... P64, typename... Args>
+void launch_strided(const Launch1d& launch, void (*kernel32)(P32...), void (*kernel64)(P64...),
+                    const Args&... args) {
+  if (fits_u32(launch.n))
+    launch_1d(launch, kernel32, args...);
+  else
+    launch_1d(launch, kernel64, args...);
+}
 
 // --- Vector packs ----------------------------------------------------------------------------
 

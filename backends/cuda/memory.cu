@@ -50,12 +50,8 @@ void copy_host(const Tensor& src, const Tensor& dst) {
   }
   for_each_slice(l, [&](const StridedGeom<1>& g, const std::array<int64_t, 1>& off, int64_t out_off,
                         int64_t count) {
-    if (fits_u32(count))
-      launch_1d({"copy kernel", count, on.s}, copy_strided_kernel<T, std::uint32_t>, s + off[0],
-                d + out_off, g, count);
-    else
-      launch_1d({"copy kernel", count, on.s}, copy_strided_kernel<T, std::uint64_t>, s + off[0],
-                d + out_off, g, count);
+    launch_strided({"copy kernel", count, on.s}, copy_strided_kernel<T, std::uint32_t>,
+                   copy_strided_kernel<T, std::uint64_t>, s + off[0], d + out_off, g, count);
   });
 }
 
@@ -173,28 +169,7 @@ template <DType::Code S>
 void cast_host(const Tensor& x, const Tensor& out) {
   if (x.numel() == 0) return;
   OnDevice on(x);
-  switch (out.dtype().code()) {
-    case DType::Float32:
-      return cast_to<S, DType::Float32>(x, out, on.s);
-    case DType::Float16:
-      return cast_to<S, DType::Float16>(x, out, on.s);
-    case DType::BFloat16:
-      return cast_to<S, DType::BFloat16>(x, out, on.s);
-    case DType::Float64:
-      return cast_to<S, DType::Float64>(x, out, on.s);
-    case DType::Int32:
-      return cast_to<S, DType::Int32>(x, out, on.s);
-    case DType::Int64:
-      return cast_to<S, DType::Int64>(x, out, on.s);
-    case DType::UInt8:
-      return cast_to<S, DType::UInt8>(x, out, on.s);
-    case DType::Bool:
-      return cast_to<S, DType::Bool>(x, out, on.s);
-    case DType::Float8E4M3FN:
-      return cast_to<S, DType::Float8E4M3FN>(x, out, on.s);
-    case DType::Float8E5M2:
-      return cast_to<S, DType::Float8E5M2>(x, out, on.s);
-  }
+  visit_code(out.dtype().code(), [&]<DType::Code D>() { cast_to<S, D>(x, out, on.s); });
 }
 
 }  // namespace
