@@ -122,18 +122,24 @@ void gather_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n,
             total, n, k, inner);
 }
 
-// T: the device storage type.
-template <typename T>
-void scatter_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
-                      int64_t inner, const Tensor& out) {
+// scatter_add and index_add: `kernel` (one thread per source element) adds src into out's
+// accumulator. T: the device storage type.
+template <typename T, typename Kernel>
+void add_host(const char* name, Kernel kernel, const Tensor& src, const Tensor& index,
+              int64_t outer, int64_t n, int64_t k, int64_t inner, const Tensor& out) {
   const int64_t total = outer * k * inner;
   if (total == 0) return;
   OnDevice on(out);
   with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
-    launch_1d({"scatter_add kernel", total, on.s}, scatter_add_kernel<T>,
-              static_cast<const T*>(src.const_data_ptr()),
+    launch_1d({name, total, on.s}, kernel, static_cast<const T*>(src.const_data_ptr()),
               static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
   });
+}
+
+template <typename T>
+void scatter_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
+                      int64_t inner, const Tensor& out) {
+  add_host<T>("scatter_add kernel", scatter_add_kernel<T>, src, index, outer, n, k, inner, out);
 }
 
 // T: an unsigned integer of the item size. Rows of a multiple of 16 bytes between 16-byte
@@ -159,18 +165,10 @@ void take_host(const Tensor& x, const Tensor& index, int64_t outer, int64_t n, i
   }
 }
 
-// T: the device storage type.
 template <typename T>
 void index_add_host(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                     int64_t inner, const Tensor& out) {
-  const int64_t total = outer * k * inner;
-  if (total == 0) return;
-  OnDevice on(out);
-  with_accumulator<T>(out, on.s, [&](compute_of<T>* acc) {
-    launch_1d({"index_add kernel", total, on.s}, index_add_kernel<T>,
-              static_cast<const T*>(src.const_data_ptr()),
-              static_cast<const int64_t*>(index.const_data_ptr()), acc, total, n, k, inner);
-  });
+  add_host<T>("index_add kernel", index_add_kernel<T>, src, index, outer, n, k, inner, out);
 }
 
 }  // namespace
