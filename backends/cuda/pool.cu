@@ -41,6 +41,20 @@ __device__ __forceinline__ bool beats(C v, C best) {
   return v > best || (v != v && best == best);
 }
 
+// f(iy, ix, v) over the in-image taps (ky in ry, kx in rx: row-major) of the window at output
+// position (oy, ox); v is the element of `img` (one image, offset to its channel) at (iy, ix).
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_tap(const T* img, int64_t oy, int64_t ox, Range ry,
+                                             Range rx, const Pool2dGeometry& g, F f) {
+  for (int64_t ky = ry.lo; ky < ry.hi; ++ky) {
+    const int64_t iy = oy * g.stride_h - g.pad_top + ky;
+    for (int64_t kx = rx.lo; kx < rx.hi; ++kx) {
+      const int64_t ix = ox * g.stride_w - g.pad_left + kx;
+      f(iy, ix, load(img[(iy * g.w + ix) * g.c]));
+    }
+  }
+}
+
 template <typename T>
 __global__ void max_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Pool2dGeometry g) {
   using C = compute_of<T>;
@@ -52,15 +66,10 @@ __global__ void max_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Po
     const T* img = x + o.i * g.h * g.w * g.c + o.ch;
     C best = C(0);  // a window of padding only gives 0
     bool first = true;
-    for (int64_t ky = ry.lo; ky < ry.hi; ++ky) {
-      const int64_t iy = o.y * g.stride_h - g.pad_top + ky;
-      for (int64_t kx = rx.lo; kx < rx.hi; ++kx) {
-        const int64_t ix = o.x * g.stride_w - g.pad_left + kx;
-        const C v = load(img[(iy * g.w + ix) * g.c]);
-        if (first || beats(v, best)) best = v;
-        first = false;
-      }
-    }
+    for_each_tap(img, o.y, o.x, ry, rx, g, [&](int64_t, int64_t, C v) {
+      if (first || beats(v, best)) best = v;
+      first = false;
+    });
     out[idx] = store<T>(best);
   }
 }
@@ -85,18 +94,13 @@ __global__ void max_pool_backward_kernel(const T* __restrict__ x, const T* __res
         // The window's first maximum (it covers p, so it has at least one in-image tap).
         C best = C(0);
         int64_t best_y = -1, best_x = -1;
-        for (int64_t ky = ry.lo; ky < ry.hi; ++ky) {
-          const int64_t iy = oy * g.stride_h - g.pad_top + ky;
-          for (int64_t kx = rx.lo; kx < rx.hi; ++kx) {
-            const int64_t ix = ox * g.stride_w - g.pad_left + kx;
-            const C v = load(img[(iy * g.w + ix) * g.c]);
-            if (best_y < 0 || beats(v, best)) {
-              best = v;
-              best_y = iy;
-              best_x = ix;
-            }
+        for_each_tap(img, oy, ox, ry, rx, g, [&](int64_t iy, int64_t ix, C v) {
+          if (best_y < 0 || beats(v, best)) {
+            best = v;
+            best_y = iy;
+            best_x = ix;
           }
-        }
+        });
         if (best_y == p.y && best_x == p.x)
           acc = acc + load(grad_out[((p.i * g.oh + oy) * g.ow + ox) * g.c + p.ch]);
       }
@@ -116,13 +120,7 @@ __global__ void avg_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Po
     const Range rx = tap_range(o.x, g.stride_w, g.pad_left, g.kw, g.w);
     const T* img = x + o.i * g.h * g.w * g.c + o.ch;
     C sum = C(0);
-    for (int64_t ky = ry.lo; ky < ry.hi; ++ky) {
-      const int64_t iy = o.y * g.stride_h - g.pad_top + ky;
-      for (int64_t kx = rx.lo; kx < rx.hi; ++kx) {
-        const int64_t ix = o.x * g.stride_w - g.pad_left + kx;
-        sum = sum + load(img[(iy * g.w + ix) * g.c]);
-      }
-    }
+    for_each_tap(img, o.y, o.x, ry, rx, g, [&](int64_t, int64_t, C v) { sum = sum + v; });
     const int64_t count = (ry.hi - ry.lo) * (rx.hi - rx.lo);
     // Separate roundings of the reciprocal and the product (no fused operations), as the CPU
     // computes them.
