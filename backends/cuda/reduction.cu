@@ -130,6 +130,20 @@ struct ArgmaxR {
 
 // --- Pass 1: partials (or results) --------------------------------------------------------
 
+// f(u, lane) for the units u of this thread's group of G threads (G divides kThreads): the
+// block's kThreads / G groups take consecutive units, the blocks striding over [0, units).
+// The loop bound depends on the block only, so every thread reaches each barrier in f (u may
+// be >= units: such a thread still joins its group's reductions).
+template <int G, typename F>
+__device__ __forceinline__ void for_each_group_unit(int64_t units, F f) {
+  constexpr int kGroups = kThreads / G;
+  const int lane = static_cast<int>(threadIdx.x) % G;
+  const int grp = static_cast<int>(threadIdx.x) / G;
+  for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * kGroups; u0 < units;
+       u0 += static_cast<int64_t>(gridDim.x) * kGroups)
+    f(u0 + grp, lane);
+}
+
 // inner == 1: unit u = (row, split) is reduced by a group of G threads (G divides kThreads).
 // Writes partial[u] when partial is non-null, else out[u] (then splits == 1 and u == row).
 template <typename T, typename R, typename O, int G>
@@ -137,14 +151,8 @@ __global__ void reduce_rows_kernel(const T* __restrict__ x, int64_t rows, int64_
                                    int64_t per_split, typename R::A* partial, O* __restrict__ out) {
   using A = typename R::A;
   __shared__ A buf[kThreads];
-  constexpr int kGroups = kThreads / G;
-  const int lane = static_cast<int>(threadIdx.x) % G;
-  const int grp = static_cast<int>(threadIdx.x) / G;
   const int64_t units = rows * splits;
-  // The loop bound depends on the block only, so every thread reaches each barrier.
-  for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * kGroups; u0 < units;
-       u0 += static_cast<int64_t>(gridDim.x) * kGroups) {
-    const int64_t u = u0 + grp;
+  for_each_group_unit<G>(units, [&](int64_t u, int lane) {
     A a = R::init();
     if (u < units) {
       const int64_t row = u / splits, s = u % splits;
@@ -166,7 +174,7 @@ __global__ void reduce_rows_kernel(const T* __restrict__ x, int64_t rows, int64_
         out[u] = store<O>(R::result(buf[threadIdx.x], n));
     }
     __syncthreads();  // buf is reused by the next unit
-  }
+  });
 }
 
 constexpr int kColTile = 32;                   // columns per block (one per lane)
@@ -325,12 +333,7 @@ __global__ void softmax_kernel(const T* __restrict__ x, T* __restrict__ y, int64
                                int64_t cols) {
   using C = compute_of<T>;
   __shared__ C buf[kThreads];
-  constexpr int kGroups = kThreads / G;
-  const int lane = static_cast<int>(threadIdx.x) % G;
-  const int grp = static_cast<int>(threadIdx.x) / G;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * kGroups; r0 < rows;
-       r0 += static_cast<int64_t>(gridDim.x) * kGroups) {
-    const int64_t r = r0 + grp;
+  for_each_group_unit<G>(rows, [&](int64_t r, int lane) {
     const bool active = r < rows;
     const T* xr = x + (active ? r : 0) * cols;
     T* yr = y + (active ? r : 0) * cols;
@@ -351,7 +354,7 @@ __global__ void softmax_kernel(const T* __restrict__ x, T* __restrict__ y, int64
         for (int64_t j = lane; j < cols; j += G) yr[j] = store<T>(d_exp(load(xr[j]) - m) * inv);
       }
     }
-  }
+  });
 }
 
 template <typename T, bool kLog>
@@ -379,12 +382,7 @@ __global__ void masked_softmax_kernel(const T* __restrict__ x,
                                       T* __restrict__ y, int64_t rows, int64_t cols) {
   using C = compute_of<T>;
   __shared__ C buf[kThreads];
-  constexpr int kGroups = kThreads / G;
-  const int lane = static_cast<int>(threadIdx.x) % G;
-  const int grp = static_cast<int>(threadIdx.x) / G;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * kGroups; r0 < rows;
-       r0 += static_cast<int64_t>(gridDim.x) * kGroups) {
-    const int64_t r = r0 + grp;
+  for_each_group_unit<G>(rows, [&](int64_t r, int lane) {
     const bool active = r < rows;
     const T* xr = x + (active ? r : 0) * cols;
     const std::uint8_t* mr = mask ? mask + (active ? r : 0) * cols : nullptr;
@@ -404,7 +402,7 @@ __global__ void masked_softmax_kernel(const T* __restrict__ x,
       for (int64_t j = lane; j < cols; j += G)
         yr[j] = store<T>((!mr || mr[j]) && s != C(0) ? d_exp(load(xr[j]) * scale - m) * inv : C(0));
     }
-  }
+  });
 }
 
 template <typename T>
