@@ -307,11 +307,8 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
 }  // namespace
 
 void register_attention_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
-  register_op<OpId::attention>(cpu,
-                               []<DType::Code C>() { return &attention_kernel<element_t<C>>; });
-  register_op<OpId::attention_backward>(
-      cpu, []<DType::Code C>() { return &attention_backward_kernel<element_t<C>>; });
+  MIXTAPE_CPU_KERNEL(attention, attention_kernel);
+  MIXTAPE_CPU_KERNEL(attention_backward, attention_backward_kernel);
 }
 
 }  // namespace mixtape::cpu

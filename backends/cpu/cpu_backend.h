@@ -16,6 +16,11 @@ namespace mixtape::cpu {
 // Registers the CPU backend (allocator, copies) and all CPU kernels.
 void register_backend_and_kernels();
 
+// The CPU kernel template fn<T, extra...> for op, T the element type of each dtype:
+// MIXTAPE_CPU_KERNEL(max_pool2d, max_pool2d), MIXTAPE_CPU_KERNEL(sum, reduce_kernel, SumR).
+#define MIXTAPE_CPU_KERNEL(op, ...) \
+  MIXTAPE_REGISTER_KERNEL(::mixtape::DeviceType::CPU, ::mixtape::element_t, op, __VA_ARGS__)
+
 // One per kernel file.
 void register_memory_kernels();         // copy, fill, cast
 void register_elementwise_kernels();    // unary, binary, comparisons, where

@@ -381,19 +381,14 @@ void masked_softmax_kernel(const Tensor& x, const Tensor& mask, double scale, co
 }  // namespace
 
 void register_reduction_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
-  register_op<OpId::sum>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, SumR>; });
-  register_op<OpId::mean>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, MeanR>; });
-  register_op<OpId::max>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, MaxR>; });
-  register_op<OpId::min>(cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, MinR>; });
-  register_op<OpId::argmax>(
-      cpu, []<DType::Code C>() { return &reduce_kernel<element_t<C>, ArgmaxR, std::int64_t>; });
-  register_op<OpId::softmax>(cpu,
-                             []<DType::Code C>() { return &softmax_kernel<element_t<C>, false>; });
-  register_op<OpId::log_softmax>(
-      cpu, []<DType::Code C>() { return &softmax_kernel<element_t<C>, true>; });
-  register_op<OpId::masked_softmax>(
-      cpu, []<DType::Code C>() { return &masked_softmax_kernel<element_t<C>>; });
+  MIXTAPE_CPU_KERNEL(sum, reduce_kernel, SumR);
+  MIXTAPE_CPU_KERNEL(mean, reduce_kernel, MeanR);
+  MIXTAPE_CPU_KERNEL(max, reduce_kernel, MaxR);
+  MIXTAPE_CPU_KERNEL(min, reduce_kernel, MinR);
+  MIXTAPE_CPU_KERNEL(argmax, reduce_kernel, ArgmaxR, std::int64_t);
+  MIXTAPE_CPU_KERNEL(softmax, softmax_kernel, false);
+  MIXTAPE_CPU_KERNEL(log_softmax, softmax_kernel, true);
+  MIXTAPE_CPU_KERNEL(masked_softmax, masked_softmax_kernel);
 }
 
 }  // namespace mixtape::cpu

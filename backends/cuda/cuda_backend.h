@@ -8,6 +8,12 @@ void register_all_kernels();
 // NCCL's collectives for mixtape::distributed (builds with NCCL: backends/cuda/nccl.cpp).
 void register_nccl_collectives();
 
+// The CUDA kernel template fn<T, extra...> for op, T the device type of each dtype (dev_t of
+// backends/cuda/cuda_util.h): MIXTAPE_CUDA_KERNEL(sum, reduce_host, SumR).
+#define MIXTAPE_CUDA_KERNEL(op, ...)                                                       \
+  MIXTAPE_REGISTER_KERNEL(::mixtape::DeviceType::CUDA, ::mixtape::cuda_backend::dev_t, op, \
+                          __VA_ARGS__)
+
 // One per kernel file.
 void register_memory_kernels();         // copy, fill, cast (memory.cu)
 void register_elementwise_kernels();    // unary, binary, comparisons, where (elementwise.cu)

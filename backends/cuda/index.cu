@@ -178,10 +178,10 @@ void register_index_kernels() {
   // gather and take move elements (one kernel per item size); the adjoints add.
   register_op<OpId::gather>(
       cuda, []<DType::Code C>() { return &gather_host<ubits_t<sizeof(dev_t<C>)>>; });
-  register_op<OpId::scatter_add>(cuda, []<DType::Code C>() { return &scatter_add_host<dev_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(scatter_add, scatter_add_host);
   register_op<OpId::take>(cuda,
                           []<DType::Code C>() { return &take_host<ubits_t<sizeof(dev_t<C>)>>; });
-  register_op<OpId::index_add>(cuda, []<DType::Code C>() { return &index_add_host<dev_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(index_add, index_add_host);
 }
 
 }  // namespace mixtape::cuda_backend

@@ -317,12 +317,10 @@ void adam_host(const OptimizerUpdate& u) {
 }  // namespace
 
 void register_optim_kernels() {
-  constexpr auto cuda = DeviceType::CUDA;
-  register_op<OpId::unscale_check>(cuda,
-                                   []<DType::Code C>() { return &unscale_check_host<dev_t<C>>; });
-  register_op<OpId::sgd_update>(cuda, []<DType::Code C>() { return &sgd_host<dev_t<C>>; });
-  register_op<OpId::rmsprop_update>(cuda, []<DType::Code C>() { return &rmsprop_host<dev_t<C>>; });
-  register_op<OpId::adam_update>(cuda, []<DType::Code C>() { return &adam_host<dev_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(unscale_check, unscale_check_host);
+  MIXTAPE_CUDA_KERNEL(sgd_update, sgd_host);
+  MIXTAPE_CUDA_KERNEL(rmsprop_update, rmsprop_host);
+  MIXTAPE_CUDA_KERNEL(adam_update, adam_host);
 }
 
 }  // namespace mixtape::cuda_backend

@@ -428,18 +428,14 @@ void masked_softmax_host(const Tensor& x, const Tensor& mask, double scale, cons
 }  // namespace
 
 void register_reduction_kernels() {
-  constexpr auto cuda = DeviceType::CUDA;
-  register_op<OpId::sum>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, SumR>; });
-  register_op<OpId::mean>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, MeanR>; });
-  register_op<OpId::max>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, MaxR>; });
-  register_op<OpId::min>(cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, MinR>; });
-  register_op<OpId::argmax>(
-      cuda, []<DType::Code C>() { return &reduce_host<dev_t<C>, ArgmaxR, std::int64_t>; });
-  register_op<OpId::softmax>(cuda, []<DType::Code C>() { return &softmax_host<dev_t<C>, false>; });
-  register_op<OpId::log_softmax>(cuda,
-                                 []<DType::Code C>() { return &softmax_host<dev_t<C>, true>; });
-  register_op<OpId::masked_softmax>(cuda,
-                                    []<DType::Code C>() { return &masked_softmax_host<dev_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(sum, reduce_host, SumR);
+  MIXTAPE_CUDA_KERNEL(mean, reduce_host, MeanR);
+  MIXTAPE_CUDA_KERNEL(max, reduce_host, MaxR);
+  MIXTAPE_CUDA_KERNEL(min, reduce_host, MinR);
+  MIXTAPE_CUDA_KERNEL(argmax, reduce_host, ArgmaxR, std::int64_t);
+  MIXTAPE_CUDA_KERNEL(softmax, softmax_host, false);
+  MIXTAPE_CUDA_KERNEL(log_softmax, softmax_host, true);
+  MIXTAPE_CUDA_KERNEL(masked_softmax, masked_softmax_host);
 }
 
 }  // namespace mixtape::cuda_backend

@@ -7,6 +7,8 @@
 //   register_op<OpId::matmul>(DeviceType::CPU, []<DType::Code C>() {
 //     return &gemm<element_t<C>>;
 //   });
+//   // the same, written with the shorthand below:
+//   MIXTAPE_REGISTER_KERNEL(DeviceType::CPU, element_t, matmul, gemm);
 //   // every op whose kernel is a UnaryFn (neg, abs, exp, ...), each through the functor
 //   // UnaryOp<op> the backend defines for it; an op without one does not compile:
 //   for_each_op([]<OpId op>() {
@@ -84,3 +86,10 @@ void register_op(DeviceType device, Make&& make) {
 }
 
 }  // namespace mixtape
+
+// Registers on `device` the kernel template fn for op: fn<Map<C>, extra...> for every dtype
+// code C the table requires of op, Map being the backend's type map (element_t on the CPU,
+// the CUDA backend's dev_t). The register_op call that most kernels need, in one line.
+#define MIXTAPE_REGISTER_KERNEL(device, Map, op, fn, ...) \
+  ::mixtape::register_op<::mixtape::OpId::op>(            \
+      device, []<::mixtape::DType::Code C>() { return &fn<Map<C> __VA_OPT__(, ) __VA_ARGS__>; })
