@@ -156,34 +156,21 @@ struct UnaryOp<OpId::abs> {
       return std::fabs(x);
   }
 };
-template <>
-struct UnaryOp<OpId::exp> {
-  template <typename T>
-  T operator()(T x) const {
-    return exp_any(x);
+// The unary ops whose functor is one expression of x.
+#define MIXTAPE_UNARY_EXPR(op_name, expr) \
+  template <>                             \
+  struct UnaryOp<OpId::op_name> {         \
+    template <typename T>                 \
+    T operator()(T x) const {             \
+      return expr;                        \
+    }                                     \
   }
-};
-template <>
-struct UnaryOp<OpId::log> {
-  template <typename T>
-  T operator()(T x) const {
-    return std::log(x);
-  }
-};
-template <>
-struct UnaryOp<OpId::sqrt> {
-  template <typename T>
-  T operator()(T x) const {
-    return std::sqrt(x);
-  }
-};
-template <>
-struct UnaryOp<OpId::rsqrt> {
-  template <typename T>
-  T operator()(T x) const {
-    return T(1) / std::sqrt(x);
-  }
-};
+MIXTAPE_UNARY_EXPR(exp, exp_any(x));
+MIXTAPE_UNARY_EXPR(log, std::log(x));
+MIXTAPE_UNARY_EXPR(sqrt, std::sqrt(x));
+MIXTAPE_UNARY_EXPR(rsqrt, T(1) / std::sqrt(x));
+MIXTAPE_UNARY_EXPR(erf, erf_of(x));
+#undef MIXTAPE_UNARY_EXPR
 template <>
 struct UnaryOp<OpId::tanh> {
   template <typename T>
@@ -237,13 +224,6 @@ struct UnaryOp<OpId::gelu_tanh> {
   T operator()(T x) const {
     const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
     return x * UnaryOp<OpId::sigmoid>{}(T(2) * u);
-  }
-};
-template <>
-struct UnaryOp<OpId::erf> {
-  template <typename T>
-  T operator()(T x) const {
-    return erf_of(x);
   }
 };
 
@@ -338,30 +318,24 @@ struct BinaryOp<OpId::add> {
     return wrap_add(a, b);
   }
 };
-template <>
-struct BinaryOp<OpId::sub> {
-  template <typename T>
-  T operator()(T a, T b) const {
-    if constexpr (std::is_integral_v<T>) {
-      using U = std::make_unsigned_t<T>;
-      return static_cast<T>(static_cast<U>(a) - static_cast<U>(b));
-    } else {
-      return a - b;
-    }
+// sub and mul: integers wrap modulo 2^bits (through the unsigned type), as add's
+// wrap_add does.
+#define MIXTAPE_WRAPPING(op_name, sym)                                  \
+  template <>                                                           \
+  struct BinaryOp<OpId::op_name> {                                      \
+    template <typename T>                                               \
+    T operator()(T a, T b) const {                                      \
+      if constexpr (std::is_integral_v<T>) {                            \
+        using U = std::make_unsigned_t<T>;                              \
+        return static_cast<T>(static_cast<U>(a) sym static_cast<U>(b)); \
+      } else {                                                          \
+        return a sym b;                                                 \
+      }                                                                 \
+    }                                                                   \
   }
-};
-template <>
-struct BinaryOp<OpId::mul> {
-  template <typename T>
-  T operator()(T a, T b) const {
-    if constexpr (std::is_integral_v<T>) {
-      using U = std::make_unsigned_t<T>;
-      return static_cast<T>(static_cast<U>(a) * static_cast<U>(b));
-    } else {
-      return a * b;
-    }
-  }
-};
+MIXTAPE_WRAPPING(sub, -);
+MIXTAPE_WRAPPING(mul, *);
+#undef MIXTAPE_WRAPPING
 // Integer division truncates; division by zero gives 0 rather than trapping.
 template <>
 struct BinaryOp<OpId::div> {
@@ -404,48 +378,22 @@ struct BinaryOp<OpId::pow> {
   }
 };
 
-template <>
-struct BinaryOp<OpId::equal> {
-  template <typename T>
-  bool operator()(T a, T b) const {
-    return a == b;
+// The comparisons: bool results.
+#define MIXTAPE_COMPARISON(op_name, sym) \
+  template <>                            \
+  struct BinaryOp<OpId::op_name> {       \
+    template <typename T>                \
+    bool operator()(T a, T b) const {    \
+      return a sym b;                    \
+    }                                    \
   }
-};
-template <>
-struct BinaryOp<OpId::not_equal> {
-  template <typename T>
-  bool operator()(T a, T b) const {
-    return a != b;
-  }
-};
-template <>
-struct BinaryOp<OpId::less> {
-  template <typename T>
-  bool operator()(T a, T b) const {
-    return a < b;
-  }
-};
-template <>
-struct BinaryOp<OpId::less_equal> {
-  template <typename T>
-  bool operator()(T a, T b) const {
-    return a <= b;
-  }
-};
-template <>
-struct BinaryOp<OpId::greater> {
-  template <typename T>
-  bool operator()(T a, T b) const {
-    return a > b;
-  }
-};
-template <>
-struct BinaryOp<OpId::greater_equal> {
-  template <typename T>
-  bool operator()(T a, T b) const {
-    return a >= b;
-  }
-};
+MIXTAPE_COMPARISON(equal, ==);
+MIXTAPE_COMPARISON(not_equal, !=);
+MIXTAPE_COMPARISON(less, <);
+MIXTAPE_COMPARISON(less_equal, <=);
+MIXTAPE_COMPARISON(greater, >);
+MIXTAPE_COMPARISON(greater_equal, >=);
+#undef MIXTAPE_COMPARISON
 
 // --- Unary -------------------------------------------------------------------------------
 

@@ -59,41 +59,25 @@ struct UnaryOp<OpId::abs> {
       return d_fabs(x);
   }
 };
-template <>
-struct UnaryOp<OpId::exp> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return d_exp(x);
+// The unary ops whose functor is one expression of x.
+#define MIXTAPE_UNARY_EXPR(op_name, expr) \
+  template <>                             \
+  struct UnaryOp<OpId::op_name> {         \
+    template <typename C>                 \
+    __device__ C operator()(C x) const {  \
+      return expr;                        \
+    }                                     \
   }
-};
-template <>
-struct UnaryOp<OpId::log> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return d_log(x);
-  }
-};
-template <>
-struct UnaryOp<OpId::sqrt> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return d_sqrt(x);
-  }
-};
-template <>
-struct UnaryOp<OpId::rsqrt> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return C(1) / d_sqrt(x);
-  }
-};
-template <>
-struct UnaryOp<OpId::tanh> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return d_tanh(x);
-  }
-};
+MIXTAPE_UNARY_EXPR(exp, d_exp(x));
+MIXTAPE_UNARY_EXPR(log, d_log(x));
+MIXTAPE_UNARY_EXPR(sqrt, d_sqrt(x));
+MIXTAPE_UNARY_EXPR(rsqrt, C(1) / d_sqrt(x));
+MIXTAPE_UNARY_EXPR(tanh, d_tanh(x));
+MIXTAPE_UNARY_EXPR(erf, d_erf(x));
+MIXTAPE_UNARY_EXPR(relu, x < C(0) ? C(0) : x);  // max(x, 0); NaN and -0 stay
+// Exact gelu: 0.5 x erfc(-x / sqrt2).
+MIXTAPE_UNARY_EXPR(gelu, C(0.5) * x * d_erfc(-x * C(0.70710678118654752440)));
+#undef MIXTAPE_UNARY_EXPR
 // 1 / (1 + e^-x) through e = e^-|x| <= 1 (nothing overflows); NaN stays NaN.
 template <>
 struct UnaryOp<OpId::sigmoid> {
@@ -102,22 +86,6 @@ struct UnaryOp<OpId::sigmoid> {
     const C e = d_exp(-d_fabs(x));
     const C s = C(1) / (C(1) + e);
     return x >= C(0) ? s : e * s;
-  }
-};
-// max(x, 0); NaN and -0 stay.
-template <>
-struct UnaryOp<OpId::relu> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return x < C(0) ? C(0) : x;
-  }
-};
-// Exact gelu: 0.5 x erfc(-x / sqrt2).
-template <>
-struct UnaryOp<OpId::gelu> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return C(0.5) * x * d_erfc(-x * C(0.70710678118654752440));
   }
 };
 // gelu's tanh form as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3) (the CPU's form).
@@ -129,50 +97,25 @@ struct UnaryOp<OpId::gelu_tanh> {
     return x * UnaryOp<OpId::sigmoid>{}(C(2) * u);
   }
 };
-template <>
-struct UnaryOp<OpId::erf> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    return d_erf(x);
-  }
-};
 
-template <>
-struct BinaryOp<OpId::add> {
-  template <typename C>
-  __device__ C operator()(C a, C b) const {
-    if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(a) + static_cast<U>(b));
-    } else {
-      return a + b;
-    }
+// add, sub and mul: integers wrap modulo 2^bits (through the unsigned type).
+#define MIXTAPE_WRAPPING(op_name, sym)                                  \
+  template <>                                                           \
+  struct BinaryOp<OpId::op_name> {                                      \
+    template <typename C>                                               \
+    __device__ C operator()(C a, C b) const {                           \
+      if constexpr (std::is_integral_v<C>) {                            \
+        using U = std::make_unsigned_t<C>;                              \
+        return static_cast<C>(static_cast<U>(a) sym static_cast<U>(b)); \
+      } else {                                                          \
+        return a sym b;                                                 \
+      }                                                                 \
+    }                                                                   \
   }
-};
-template <>
-struct BinaryOp<OpId::sub> {
-  template <typename C>
-  __device__ C operator()(C a, C b) const {
-    if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(a) - static_cast<U>(b));
-    } else {
-      return a - b;
-    }
-  }
-};
-template <>
-struct BinaryOp<OpId::mul> {
-  template <typename C>
-  __device__ C operator()(C a, C b) const {
-    if constexpr (std::is_integral_v<C>) {
-      using U = std::make_unsigned_t<C>;
-      return static_cast<C>(static_cast<U>(a) * static_cast<U>(b));
-    } else {
-      return a * b;
-    }
-  }
-};
+MIXTAPE_WRAPPING(add, +);
+MIXTAPE_WRAPPING(sub, -);
+MIXTAPE_WRAPPING(mul, *);
+#undef MIXTAPE_WRAPPING
 // Integer division truncates; x / 0 is 0; INT_MIN / -1 wraps.
 template <>
 struct BinaryOp<OpId::div> {
@@ -236,48 +179,22 @@ struct BinaryOp<OpId::gelu_backward> {
   }
 };
 
-template <>
-struct BinaryOp<OpId::equal> {
-  template <typename C>
-  __device__ bool operator()(C a, C b) const {
-    return a == b;
+// The comparisons: bool results, written as bool bytes.
+#define MIXTAPE_COMPARISON(op_name, sym)         \
+  template <>                                    \
+  struct BinaryOp<OpId::op_name> {               \
+    template <typename C>                        \
+    __device__ bool operator()(C a, C b) const { \
+      return a sym b;                            \
+    }                                            \
   }
-};
-template <>
-struct BinaryOp<OpId::not_equal> {
-  template <typename C>
-  __device__ bool operator()(C a, C b) const {
-    return a != b;
-  }
-};
-template <>
-struct BinaryOp<OpId::less> {
-  template <typename C>
-  __device__ bool operator()(C a, C b) const {
-    return a < b;
-  }
-};
-template <>
-struct BinaryOp<OpId::less_equal> {
-  template <typename C>
-  __device__ bool operator()(C a, C b) const {
-    return a <= b;
-  }
-};
-template <>
-struct BinaryOp<OpId::greater> {
-  template <typename C>
-  __device__ bool operator()(C a, C b) const {
-    return a > b;
-  }
-};
-template <>
-struct BinaryOp<OpId::greater_equal> {
-  template <typename C>
-  __device__ bool operator()(C a, C b) const {
-    return a >= b;
-  }
-};
+MIXTAPE_COMPARISON(equal, ==);
+MIXTAPE_COMPARISON(not_equal, !=);
+MIXTAPE_COMPARISON(less, <);
+MIXTAPE_COMPARISON(less_equal, <=);
+MIXTAPE_COMPARISON(greater, >);
+MIXTAPE_COMPARISON(greater_equal, >=);
+#undef MIXTAPE_COMPARISON
 
 // --- Unary ---------------------------------------------------------------------------------
 
