@@ -73,6 +73,7 @@
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
+#include "backends/cuda/plan_cache.h"
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/register_kernels.h"
@@ -223,45 +224,23 @@ cudnnDataType_t cudnn_type(DType dt) {
 
 // --- Handles and plans -------------------------------------------------------------------------
 
-struct PlanKey {
-  std::array<int64_t, 19> v{};
-  bool operator==(const PlanKey&) const = default;
-};
-struct PlanKeyHash {
-  std::size_t operator()(const PlanKey& k) const {
-    std::uint64_t h = 0x9e3779b97f4a7c15ULL;
-    for (int64_t x : k.v)
-      h ^= static_cast<std::uint64_t>(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-    return static_cast<std::size_t>(h);
-  }
-};
-
 // One direction of one geometry: the descriptors and the algorithm.
 struct ConvPlan {
   // false: cuDNN refused (at the Find, or later at an execution); the direct kernels run it.
   // Mutable: an execution that is refused turns it off (under the context's mutex).
   mutable bool use_cudnn = false;
-  cudnnTensorDescriptor_t x = nullptr, y = nullptr;  // input (as cuDNN sees it), output
-  cudnnFilterDescriptor_t w = nullptr;               // KRSC
-  cudnnConvolutionDescriptor_t conv = nullptr;
+  // x: the input as cuDNN sees it; y: the output; w: the filter (KRSC).
+  Owned<cudnnTensorDescriptor_t, cudnnDestroyTensorDescriptor> x, y;
+  Owned<cudnnFilterDescriptor_t, cudnnDestroyFilterDescriptor> w;
+  Owned<cudnnConvolutionDescriptor_t, cudnnDestroyConvolutionDescriptor> conv;
   int algo = 0;  // a cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t
   std::size_t workspace = 0;
-
-  ConvPlan() = default;
-  ConvPlan(const ConvPlan&) = delete;
-  ConvPlan& operator=(const ConvPlan&) = delete;
-  ~ConvPlan() {
-    if (conv) cudnnDestroyConvolutionDescriptor(conv);
-    if (w) cudnnDestroyFilterDescriptor(w);
-    if (y) cudnnDestroyTensorDescriptor(y);
-    if (x) cudnnDestroyTensorDescriptor(x);
-  }
 };
 
 struct CudnnContext {
   std::mutex mutex;  // a cuDNN handle serves one thread at a time; also guards `plans`
   cudnnHandle_t handle = nullptr;
-  std::unordered_map<PlanKey, std::unique_ptr<ConvPlan>, PlanKeyHash> plans;
+  PlanCache<ConvPlan> plans;
 };
 
 // The context of `device`, its handle created on first use (on the device's stream).
@@ -303,106 +282,63 @@ struct Buffers {
 // cuDNN's scaling factors (alpha, beta) of an execution: out = 1 * conv(in0, in1) + 0 * out.
 constexpr float kOne = 1.0f, kZero = 0.0f;
 
-// The cuDNN functions of a direction, each taking the plan's descriptors in the order that
-// direction's functions take them (those of in0, in1, out in Buffers):
+// The cuDNN functions of a direction. Each takes the plan's descriptors in the order of that
+// direction's functions (the descriptors of in0, in1, out in Buffers), named here by the
+// member pointers d0, d1, d2:
 //   Forward         x, w, y  (cudnn*ConvolutionForward*)
 //   BackwardData    w, y, x  (cudnn*ConvolutionBackwardData*)
 //   BackwardFilter  x, y, w  (cudnn*ConvolutionBackwardFilter*)
 // Perf is the direction's Find result, max_count the number of results its Find may return,
 // find its cudnnFind*AlgorithmEx (the candidate algorithms run on `buf`), workspace_size the
 // workspace of an algorithm, execute the pass itself (kExecute names it).
+template <typename PerfT, typename AlgoT, auto kMaxCount, auto kFind, auto kWorkspace, auto kRun,
+          auto d0, auto d1, auto d2>
+struct CudnnPassOf {
+  using Perf = PerfT;
+  using Algo = AlgoT;
+  static int max_count(const CudnnContext& ctx) {
+    int count = 0;
+    MIXTAPE_CUDNN_CHECK(kMaxCount(ctx.handle, &count));
+    return count;
+  }
+  static cudnnStatus_t find(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                            int count, int* returned, Perf* perf, void* scratch,
+                            std::size_t limit) {
+    return kFind(ctx.handle, plan.*d0, buf.in0, plan.*d1, buf.in1, plan.conv, plan.*d2, buf.out,
+                 count, returned, perf, scratch, limit);
+  }
+  static cudnnStatus_t workspace_size(const CudnnContext& ctx, const ConvPlan& plan, int algo,
+                                      std::size_t* bytes) {
+    return kWorkspace(ctx.handle, plan.*d0, plan.*d1, plan.conv, plan.*d2, static_cast<Algo>(algo),
+                      bytes);
+  }
+  static cudnnStatus_t execute(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
+                               void* workspace) {
+    return kRun(ctx.handle, &kOne, plan.*d0, buf.in0, plan.*d1, buf.in1, plan.conv,
+                static_cast<Algo>(plan.algo), workspace, plan.workspace, &kZero, plan.*d2, buf.out);
+  }
+};
+
 template <Direction>
 struct CudnnPass;
 
-template <>
-struct CudnnPass<Direction::Forward> {
-  using Perf = cudnnConvolutionFwdAlgoPerf_t;
-  using Algo = cudnnConvolutionFwdAlgo_t;
-  static constexpr const char* kExecute = "cudnnConvolutionForward";
-  static int max_count(const CudnnContext& ctx) {
-    int count = 0;
-    MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(ctx.handle, &count));
-    return count;
+// The pass of Direction::dir: cuDNN names its functions cudnn*Convolution<dir>* and their
+// types cudnnConvolution<abbrev>Algo*_t; d0, d1, d2 are the plan's descriptors in the order
+// those functions take them.
+#define MIXTAPE_CUDNN_PASS(dir, abbrev, d0, d1, d2)                                                \
+  template <>                                                                                      \
+  struct CudnnPass<Direction::dir>                                                                 \
+      : CudnnPassOf<cudnnConvolution##abbrev##AlgoPerf_t, cudnnConvolution##abbrev##Algo_t,        \
+                    cudnnGetConvolution##dir##AlgorithmMaxCount,                                   \
+                    cudnnFindConvolution##dir##AlgorithmEx,                                        \
+                    cudnnGetConvolution##dir##WorkspaceSize, cudnnConvolution##dir, &ConvPlan::d0, \
+                    &ConvPlan::d1, &ConvPlan::d2> {                                                \
+    static constexpr const char* kExecute = "cudnnConvolution" #dir;                               \
   }
-  static cudnnStatus_t find(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
-                            int count, int* returned, Perf* perf, void* scratch,
-                            std::size_t limit) {
-    return cudnnFindConvolutionForwardAlgorithmEx(ctx.handle, plan.x, buf.in0, plan.w, buf.in1,
-                                                  plan.conv, plan.y, buf.out, count, returned, perf,
-                                                  scratch, limit);
-  }
-  static cudnnStatus_t workspace_size(const CudnnContext& ctx, const ConvPlan& plan, int algo,
-                                      std::size_t* bytes) {
-    return cudnnGetConvolutionForwardWorkspaceSize(ctx.handle, plan.x, plan.w, plan.conv, plan.y,
-                                                   static_cast<Algo>(algo), bytes);
-  }
-  static cudnnStatus_t execute(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
-                               void* workspace) {
-    return cudnnConvolutionForward(ctx.handle, &kOne, plan.x, buf.in0, plan.w, buf.in1, plan.conv,
-                                   static_cast<Algo>(plan.algo), workspace, plan.workspace, &kZero,
-                                   plan.y, buf.out);
-  }
-};
-
-template <>
-struct CudnnPass<Direction::BackwardData> {
-  using Perf = cudnnConvolutionBwdDataAlgoPerf_t;
-  using Algo = cudnnConvolutionBwdDataAlgo_t;
-  static constexpr const char* kExecute = "cudnnConvolutionBackwardData";
-  static int max_count(const CudnnContext& ctx) {
-    int count = 0;
-    MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(ctx.handle, &count));
-    return count;
-  }
-  static cudnnStatus_t find(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
-                            int count, int* returned, Perf* perf, void* scratch,
-                            std::size_t limit) {
-    return cudnnFindConvolutionBackwardDataAlgorithmEx(ctx.handle, plan.w, buf.in0, plan.y, buf.in1,
-                                                       plan.conv, plan.x, buf.out, count, returned,
-                                                       perf, scratch, limit);
-  }
-  static cudnnStatus_t workspace_size(const CudnnContext& ctx, const ConvPlan& plan, int algo,
-                                      std::size_t* bytes) {
-    return cudnnGetConvolutionBackwardDataWorkspaceSize(ctx.handle, plan.w, plan.y, plan.conv,
-                                                        plan.x, static_cast<Algo>(algo), bytes);
-  }
-  static cudnnStatus_t execute(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
-                               void* workspace) {
-    return cudnnConvolutionBackwardData(ctx.handle, &kOne, plan.w, buf.in0, plan.y, buf.in1,
-                                        plan.conv, static_cast<Algo>(plan.algo), workspace,
-                                        plan.workspace, &kZero, plan.x, buf.out);
-  }
-};
-
-template <>
-struct CudnnPass<Direction::BackwardFilter> {
-  using Perf = cudnnConvolutionBwdFilterAlgoPerf_t;
-  using Algo = cudnnConvolutionBwdFilterAlgo_t;
-  static constexpr const char* kExecute = "cudnnConvolutionBackwardFilter";
-  static int max_count(const CudnnContext& ctx) {
-    int count = 0;
-    MIXTAPE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(ctx.handle, &count));
-    return count;
-  }
-  static cudnnStatus_t find(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
-                            int count, int* returned, Perf* perf, void* scratch,
-                            std::size_t limit) {
-    return cudnnFindConvolutionBackwardFilterAlgorithmEx(ctx.handle, plan.x, buf.in0, plan.y,
-                                                         buf.in1, plan.conv, plan.w, buf.out, count,
-                                                         returned, perf, scratch, limit);
-  }
-  static cudnnStatus_t workspace_size(const CudnnContext& ctx, const ConvPlan& plan, int algo,
-                                      std::size_t* bytes) {
-    return cudnnGetConvolutionBackwardFilterWorkspaceSize(ctx.handle, plan.x, plan.y, plan.conv,
-                                                          plan.w, static_cast<Algo>(algo), bytes);
-  }
-  static cudnnStatus_t execute(const CudnnContext& ctx, const ConvPlan& plan, const Buffers& buf,
-                               void* workspace) {
-    return cudnnConvolutionBackwardFilter(ctx.handle, &kOne, plan.x, buf.in0, plan.y, buf.in1,
-                                          plan.conv, static_cast<Algo>(plan.algo), workspace,
-                                          plan.workspace, &kZero, plan.w, buf.out);
-  }
-};
+MIXTAPE_CUDNN_PASS(Forward, Fwd, x, w, y);
+MIXTAPE_CUDNN_PASS(BackwardData, BwdData, w, y, x);
+MIXTAPE_CUDNN_PASS(BackwardFilter, BwdFilter, x, y, w);
+#undef MIXTAPE_CUDNN_PASS
 
 // f(CudnnPass<dir>{}): the one place a Direction picks its cuDNN functions.
 template <typename F>
@@ -444,10 +380,10 @@ std::unique_ptr<ConvPlan> describe_plan(Direction dir, DType dt, cudnnMathType_t
   auto plan = std::make_unique<ConvPlan>();
   const cudnnDataType_t type = cudnn_type(dt);
   const auto i32 = [](int64_t v) { return static_cast<int>(v); };
-  MIXTAPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->x));
-  MIXTAPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&plan->y));
-  MIXTAPE_CUDNN_CHECK(cudnnCreateFilterDescriptor(&plan->w));
-  MIXTAPE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&plan->conv));
+  MIXTAPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(plan->x.out()));
+  MIXTAPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(plan->y.out()));
+  MIXTAPE_CUDNN_CHECK(cudnnCreateFilterDescriptor(plan->w.out()));
+  MIXTAPE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(plan->conv.out()));
   // Dimensions are given as (n, c, h, w) whatever the memory format.
   MIXTAPE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(plan->x, CUDNN_TENSOR_NHWC, type, i32(g.n),
                                                  i32(g.c), i32(l.hin), i32(l.win)));
@@ -619,10 +555,7 @@ const ConvPlan& plan_for(CudnnContext& ctx, int device, Direction dir, DType dt,
            g.pad_left,
            device,
            0};
-  auto it = ctx.plans.find(key);
-  if (it == ctx.plans.end())
-    it = ctx.plans.emplace(key, make_plan(ctx, dir, dt, tf32, g, l, buf)).first;
-  return *it->second;
+  return find_or_make(ctx.plans, key, [&] { return make_plan(ctx, dir, dt, tf32, g, l, buf); });
 }
 
 // Whether a cuDNN execution of `plan` was refused (an algorithm Find measured can still be

@@ -52,6 +52,7 @@
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
+#include "backends/cuda/plan_cache.h"
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/register_kernels.h"
@@ -160,36 +161,12 @@ LtTypes lt_types(DType dt, bool tf32) {
 // One problem's descriptors and algorithm. cuBLASLt's A is our B and its B our A (see the
 // top of the file); C and D share one layout.
 struct LtPlan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy> op;
+  Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy> a, b, c;
   cublasLtMatmulAlgo_t algo{};
   std::size_t workspace = 0;
   bool supported = false;  // false: no algorithm; the sequential kernel runs the problem
   std::string why;         // when not supported: cuBLASLt's status, or "no algorithm"
-
-  LtPlan() = default;
-  LtPlan(const LtPlan&) = delete;
-  LtPlan& operator=(const LtPlan&) = delete;
-  ~LtPlan() {
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
-struct PlanKey {
-  std::array<int64_t, 19> v{};
-  bool operator==(const PlanKey&) const = default;
-};
-struct PlanKeyHash {
-  std::size_t operator()(const PlanKey& k) const {
-    std::uint64_t h = 0x9e3779b97f4a7c15ULL;
-    for (int64_t x : k.v) {
-      h ^= static_cast<std::uint64_t>(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-    }
-    return static_cast<std::size_t>(h);
-  }
 };
 
 // A column-major rows x cols layout with leading dimension ld, strided over the batch.
@@ -251,7 +228,7 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
                                   const GemmShape& s, std::uint32_t align_a, std::uint32_t align_b,
                                   std::uint32_t align_c) {
   auto plan = std::make_unique<LtPlan>();
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, types.compute, types.scale));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(plan->op.out(), types.compute, types.scale));
   const std::int32_t op_a = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A: our B
   const std::int32_t op_b = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's B: our A
   MIXTAPE_CUBLAS_CHECK(
@@ -260,9 +237,9 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
       cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   // Our row-major B (k x n, or n x k when transposed) is column-major n x k (k x n); our A
   // (m x k, or k x m) is column-major k x m (m x k); our C (m x n) is column-major n x m.
-  set_layout(&plan->a, types.data, s.tb ? s.k : s.n, s.tb ? s.n : s.k, s.ldb, s.batch, s.sb);
-  set_layout(&plan->b, types.data, s.ta ? s.m : s.k, s.ta ? s.k : s.m, s.lda, s.batch, s.sa);
-  set_layout(&plan->c, types.data, s.n, s.m, s.ldc, s.batch, s.sc);
+  set_layout(plan->a.out(), types.data, s.tb ? s.k : s.n, s.tb ? s.n : s.k, s.ldb, s.batch, s.sb);
+  set_layout(plan->b.out(), types.data, s.ta ? s.m : s.k, s.ta ? s.k : s.m, s.lda, s.batch, s.sa);
+  set_layout(plan->c.out(), types.data, s.n, s.m, s.ldc, s.batch, s.sc);
 
   Preference pref;
   // cuBLASLt's A is our B, its B our A; C and D are our C.
@@ -292,8 +269,7 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
 const LtPlan& plan_for(int device, cublasLtHandle_t handle, DType dt, bool tf32, const GemmShape& s,
                        std::uint32_t align_a, std::uint32_t align_b, std::uint32_t align_c) {
   static std::mutex mutex;
-  static auto* plans =
-      new std::unordered_map<PlanKey, std::unique_ptr<LtPlan>, PlanKeyHash>();  // never destroyed
+  static auto* plans = new PlanCache<LtPlan>();  // never destroyed
   const LtTypes types = lt_types(dt, tf32);
   PlanKey key;
   key.v = {device,  dt.index(), static_cast<int64_t>(types.compute),
@@ -304,10 +280,8 @@ const LtPlan& plan_for(int device, cublasLtHandle_t handle, DType dt, bool tf32,
            align_a, align_b,    align_c,
            0};
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = plans->find(key);
-  if (it == plans->end())
-    it = plans->emplace(key, make_plan(handle, dt, types, s, align_a, align_b, align_c)).first;
-  return *it->second;
+  return find_or_make(*plans, key,
+                      [&] { return make_plan(handle, dt, types, s, align_a, align_b, align_c); });
 }
 
 // --- The kernel ------------------------------------------------------------------------------
@@ -376,7 +350,7 @@ cudaDataType_t out_type(DType dt) {
 
 std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::ScaledMatmulArgs& g) {
   auto plan = std::make_unique<LtPlan>();
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(plan->op.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const std::int32_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
   MIXTAPE_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
@@ -385,9 +359,9 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
   const std::int8_t fast = g.fast_accumulation ? 1 : 0;
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                       &fast, sizeof(fast)));
-  set_layout(&plan->a, float8_type(g.b_t.dtype()), g.k, g.n, g.k, 1, 0);
-  set_layout(&plan->b, float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
-  set_layout(&plan->c, out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
+  set_layout(plan->a.out(), float8_type(g.b_t.dtype()), g.k, g.n, g.k, 1, 0);
+  set_layout(plan->b.out(), float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
+  set_layout(plan->c.out(), out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
   // The scale pointers are set at each call; the heuristic needs the types, the layouts and
   // the options.
   choose_algorithm(handle, *plan, Preference());
@@ -403,15 +377,12 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   DeviceGuard guard(device);
   const cudaStream_t st = stream(device);
   const cublasLtHandle_t handle = lt_handle(device);
-  static auto* plans =
-      new std::unordered_map<PlanKey, std::unique_ptr<LtPlan>, PlanKeyHash>();  // never destroyed
+  static auto* plans = new PlanCache<LtPlan>();  // never destroyed
   PlanKey key;
   key.v = {device, g.a.dtype().index(), g.b_t.dtype().index(), g.out.dtype().index(), g.m, g.n,
            g.k,    g.fast_accumulation};
   std::lock_guard<std::mutex> lock(g_fp8_mutex);
-  auto it = plans->find(key);
-  if (it == plans->end()) it = plans->emplace(key, make_fp8_plan(handle, g)).first;
-  LtPlan& plan = *it->second;
+  LtPlan& plan = find_or_make(*plans, key, [&] { return make_fp8_plan(handle, g); });
   if (!plan.supported)
     throw DeviceError(fmt::format(
         "scaled_matmul: cuBLASLt has no FP8 GEMM for {}[{}, {}] x {}[{}, {}] -> {} on cuda:{} "
