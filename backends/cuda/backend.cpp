@@ -170,6 +170,17 @@ class CudaPendingRead final : public PendingRead {
 // pieces through the staging buffers.
 constexpr std::size_t kStagingPiece = std::size_t{32} << 20;
 
+// f(staging, offset, bytes) for each piece of an nbytes copy between the host and device d,
+// in order, on d and with d's staging buffers locked.
+template <typename F>
+void for_each_piece(int d, std::size_t nbytes, F&& f) {
+  DeviceGuard guard(d);
+  Staging& st = staging(d);
+  std::lock_guard<std::mutex> lock(st.mutex);
+  for (std::size_t off = 0; off < nbytes; off += kStagingPiece)
+    f(st, off, std::min(kStagingPiece, nbytes - off));
+}
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend() {
@@ -238,11 +249,7 @@ class CudaBackend final : public Backend {
     }
     if (dst_device.is_cuda()) {  // host -> device, through the ring of pinned buffers
       const int d = dst_device.index();
-      DeviceGuard guard(d);
-      Staging& st = staging(d);
-      std::lock_guard<std::mutex> lock(st.mutex);
-      for (std::size_t off = 0; off < nbytes; off += kStagingPiece) {
-        const std::size_t n = std::min(kStagingPiece, nbytes - off);
+      for_each_piece(d, nbytes, [&](Staging& st, std::size_t off, std::size_t n) {
         PinnedBuffer& buf = st.up[st.next_up];
         st.next_up = (st.next_up + 1) % Staging::kRing;
         if (buf.done) {
@@ -255,22 +262,18 @@ class CudaBackend final : public Backend {
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, pinned, n,
                                            cudaMemcpyHostToDevice, stream(d)));
         MIXTAPE_CUDA_CHECK(cudaEventRecord(buf.done, stream(d)));
-      }
+      });
       return;
     }
     if (src_device.is_cuda()) {  // device -> host: waits for the device's pending work
       const int d = src_device.index();
-      DeviceGuard guard(d);
-      Staging& st = staging(d);
-      std::lock_guard<std::mutex> lock(st.mutex);
-      for (std::size_t off = 0; off < nbytes; off += kStagingPiece) {
-        const std::size_t n = std::min(kStagingPiece, nbytes - off);
+      for_each_piece(d, nbytes, [&](Staging& st, std::size_t off, std::size_t n) {
         void* pinned = st.down.get(std::min(nbytes, kStagingPiece));
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(pinned, static_cast<const char*>(src) + off, n,
                                            cudaMemcpyDeviceToHost, stream(d)));
         MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(d)));
         std::memcpy(static_cast<char*>(dst) + off, pinned, n);
-      }
+      });
       return;
     }
     throw DeviceError(

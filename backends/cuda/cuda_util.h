@@ -81,27 +81,12 @@ inline unsigned blocks_for(std::int64_t n, int threads = kThreads) {
 // __half, bfloat16 -> __nv_bfloat16, float8_e4m3fn -> __nv_fp8_e4m3, float8_e5m2 ->
 // __nv_fp8_e5m2: the same bits); bool is handled as its byte (0 or 1).
 template <DType::Code C>
-struct DevElem {
-  using type = element_t<C>;
-};
-template <>
-struct DevElem<DType::Float16> {
-  using type = __half;
-};
-template <>
-struct DevElem<DType::BFloat16> {
-  using type = __nv_bfloat16;
-};
-template <>
-struct DevElem<DType::Float8E4M3FN> {
-  using type = __nv_fp8_e4m3;
-};
-template <>
-struct DevElem<DType::Float8E5M2> {
-  using type = __nv_fp8_e5m2;
-};
-template <DType::Code C>
-using dev_t = typename DevElem<C>::type;
+using dev_t = std::conditional_t<
+    C == DType::Float16, __half,
+    std::conditional_t<C == DType::BFloat16, __nv_bfloat16,
+                       std::conditional_t<C == DType::Float8E4M3FN, __nv_fp8_e4m3,
+                                          std::conditional_t<C == DType::Float8E5M2, __nv_fp8_e5m2,
+                                                             element_t<C>>>>>;
 // The device type of a host storage type (half -> __half, float -> float, ...).
 template <typename T>
 using cuda_t = dev_t<dtype_of<T>::value.code()>;
