@@ -38,9 +38,7 @@ template <typename T, Accumulation A>
 __global__ void conv_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                     T* __restrict__ out, ConvShape g) {
   using Acc = accumulator_t<T>;
-  const int64_t total = g.n * g.oh * g.ow * g.cout;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    const Pos o = position(idx, g.oh, g.ow, g.cout);
+  for_each_position(g.n, g.oh, g.ow, g.cout, [&](int64_t idx, Pos o) {
     const int64_t i = o.i, oy = o.y, ox = o.x, co = o.ch;
     const Range ry = tap_range(oy, g.sh, g.pad_top, g.kh, g.h);
     const Range rx = tap_range(ox, g.sw, g.pad_left, g.kw, g.w);
@@ -55,7 +53,7 @@ __global__ void conv_forward_kernel(const T* __restrict__ x, const T* __restrict
       }
     }
     out[idx] = store<T>(acc);
-  }
+  });
 }
 
 // dx[i, iy, ix, ci] over oy ascending, then kx ascending, then co ascending.
@@ -63,9 +61,7 @@ template <typename T, Accumulation A>
 __global__ void conv_backward_input_kernel(const T* __restrict__ grad_out, const T* __restrict__ w,
                                            T* __restrict__ grad_x, ConvShape g) {
   using Acc = accumulator_t<T>;
-  const int64_t total = g.n * g.h * g.w * g.c;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    const Pos p = position(idx, g.h, g.w, g.c);
+  for_each_position(g.n, g.h, g.w, g.c, [&](int64_t idx, Pos p) {
     const int64_t i = p.i, iy = p.y, ix = p.x, ci = p.ch;
     // Output rows whose window covers input row iy: ky = iy + pad_top - oy * stride_h in
     // [0, kh).
@@ -85,7 +81,7 @@ __global__ void conv_backward_input_kernel(const T* __restrict__ grad_out, const
       }
     }
     grad_x[idx] = store<T>(acc);
-  }
+  });
 }
 
 // dw[ky, kx, ci, co] over the output pixels (i, oy, ox) in row-major order.
@@ -209,43 +205,22 @@ void launch_transpose(const void* src, void* dst, int64_t rows, int64_t cols, cu
   MIXTAPE_CUDA_CHECK_LAUNCH("transpose_kernel");
 }
 
-// dst [n, hp, wp, c] = src [n, h, w, c] shifted by (top, left), zeros around.
+// dst [n, dh, dw, c] at (y, x) = src [n, sh, sw, c] at (y + oy, x + ox), zero where that
+// falls outside src: a zero padding (offsets <= 0, dst the larger) or its crop (offsets >= 0).
 template <typename E>
-__global__ void pad_kernel(const E* __restrict__ src, E* __restrict__ dst, int64_t n, int64_t h,
-                           int64_t w, int64_t c, int64_t hp, int64_t wp, int64_t top,
-                           int64_t left) {
-  const int64_t total = n * hp * wp * c;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    int64_t t = idx;
-    const int64_t ch = t % c;
-    t /= c;
-    const int64_t xx = t % wp;
-    t /= wp;
-    const int64_t yy = t % hp, i = t / hp;
-    const int64_t sy = yy - top, sx = xx - left;
-    dst[idx] =
-        (sy >= 0 && sy < h && sx >= 0 && sx < w) ? src[((i * h + sy) * w + sx) * c + ch] : E(0);
-  }
+__global__ void shifted_copy_kernel(const E* __restrict__ src, E* __restrict__ dst, int64_t n,
+                                    int64_t c, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                    int64_t oy, int64_t ox) {
+  for_each_position(n, dh, dw, c, [&](int64_t idx, Pos p) {
+    const int64_t sy = p.y + oy, sx = p.x + ox;
+    dst[idx] = (sy >= 0 && sy < sh && sx >= 0 && sx < sw)
+                   ? src[((p.i * sh + sy) * sw + sx) * c + p.ch]
+                   : E(0);
+  });
 }
 
-// dst [n, h, w, c] = src [n, hp, wp, c] at (y + top, x + left), zeros past hp / wp.
-template <typename E>
-__global__ void crop_kernel(const E* __restrict__ src, E* __restrict__ dst, int64_t n, int64_t h,
-                            int64_t w, int64_t c, int64_t hp, int64_t wp, int64_t top,
-                            int64_t left) {
-  const int64_t total = n * h * w * c;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    int64_t t = idx;
-    const int64_t ch = t % c;
-    t /= c;
-    const int64_t xx = t % w;
-    t /= w;
-    const int64_t yy = t % h, i = t / h;
-    const int64_t sy = yy + top, sx = xx + left;
-    dst[idx] = (sy < hp && sx < wp) ? src[((i * hp + sy) * wp + sx) * c + ch] : E(0);
-  }
-}
-
+// The padding of src [n, h, w, c] into dst [n, hp, wp, c] at (top, left), or (crop) its
+// inverse.
 template <typename E>
 void launch_pad(bool crop, const void* src, void* dst, int64_t n, int64_t h, int64_t w, int64_t c,
                 int64_t hp, int64_t wp, int64_t top, int64_t left, cudaStream_t stream) {
@@ -254,9 +229,11 @@ void launch_pad(bool crop, const void* src, void* dst, int64_t n, int64_t h, int
   const auto* s = static_cast<const E*>(src);
   auto* d = static_cast<E*>(dst);
   if (crop) {
-    launch_1d({"crop_kernel", total, stream}, crop_kernel<E>, s, d, n, h, w, c, hp, wp, top, left);
+    launch_1d({"shifted_copy_kernel (crop)", total, stream}, shifted_copy_kernel<E>, s, d, n, c, hp,
+              wp, h, w, top, left);
   } else {
-    launch_1d({"pad_kernel", total, stream}, pad_kernel<E>, s, d, n, h, w, c, hp, wp, top, left);
+    launch_1d({"shifted_copy_kernel (pad)", total, stream}, shifted_copy_kernel<E>, s, d, n, c, h,
+              w, hp, wp, -top, -left);
   }
 }
 

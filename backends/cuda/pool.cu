@@ -55,15 +55,21 @@ __device__ __forceinline__ void for_each_tap(const T* img, int64_t oy, int64_t o
   }
 }
 
+// f(idx, o, ry, rx, img) for each output element idx of x's pooling, o its position, ry and
+// rx the in-image taps of its window, img x's image of o offset to o's channel.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_window(const T* x, const Pool2dGeometry& g, F&& f) {
+  for_each_position(g.n, g.oh, g.ow, g.c, [&](int64_t idx, Pos o) {
+    const Range ry = tap_range(o.y, g.stride_h, g.pad_top, g.kh, g.h);
+    const Range rx = tap_range(o.x, g.stride_w, g.pad_left, g.kw, g.w);
+    f(idx, o, ry, rx, x + o.i * g.h * g.w * g.c + o.ch);
+  });
+}
+
 template <typename T>
 __global__ void max_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Pool2dGeometry g) {
   using C = compute_of<T>;
-  const int64_t total = g.n * g.oh * g.ow * g.c;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    const Pos o = position(idx, g.oh, g.ow, g.c);
-    const Range ry = tap_range(o.y, g.stride_h, g.pad_top, g.kh, g.h);
-    const Range rx = tap_range(o.x, g.stride_w, g.pad_left, g.kw, g.w);
-    const T* img = x + o.i * g.h * g.w * g.c + o.ch;
+  for_each_window(x, g, [&](int64_t idx, Pos o, Range ry, Range rx, const T* img) {
     C best = C(0);  // a window of padding only gives 0
     bool first = true;
     for_each_tap(img, o.y, o.x, ry, rx, g, [&](int64_t, int64_t, C v) {
@@ -71,7 +77,7 @@ __global__ void max_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Po
       first = false;
     });
     out[idx] = store<T>(best);
-  }
+  });
 }
 
 // Each input element adds the gradients of the windows (row-major over (oy, ox)) whose first
@@ -80,9 +86,7 @@ template <typename T>
 __global__ void max_pool_backward_kernel(const T* __restrict__ x, const T* __restrict__ grad_out,
                                          T* __restrict__ grad_x, Pool2dGeometry g) {
   using C = compute_of<T>;
-  const int64_t total = g.n * g.h * g.w * g.c;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    const Pos p = position(idx, g.h, g.w, g.c);
+  for_each_position(g.n, g.h, g.w, g.c, [&](int64_t idx, Pos p) {
     const Range wy = covering(p.y, g.stride_h, g.pad_top, g.kh, g.oh);
     const Range wx = covering(p.x, g.stride_w, g.pad_left, g.kw, g.ow);
     const T* img = x + p.i * g.h * g.w * g.c + p.ch;
@@ -106,19 +110,14 @@ __global__ void max_pool_backward_kernel(const T* __restrict__ x, const T* __res
       }
     }
     grad_x[idx] = store<T>(acc);
-  }
+  });
 }
 
 // out = (sum of the in-image taps, row-major) * (1 / count).
 template <typename T>
 __global__ void avg_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Pool2dGeometry g) {
   using C = compute_of<T>;
-  const int64_t total = g.n * g.oh * g.ow * g.c;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    const Pos o = position(idx, g.oh, g.ow, g.c);
-    const Range ry = tap_range(o.y, g.stride_h, g.pad_top, g.kh, g.h);
-    const Range rx = tap_range(o.x, g.stride_w, g.pad_left, g.kw, g.w);
-    const T* img = x + o.i * g.h * g.w * g.c + o.ch;
+  for_each_window(x, g, [&](int64_t idx, Pos o, Range ry, Range rx, const T* img) {
     C sum = C(0);
     for_each_tap(img, o.y, o.x, ry, rx, g, [&](int64_t, int64_t, C v) { sum = sum + v; });
     const int64_t count = (ry.hi - ry.lo) * (rx.hi - rx.lo);
@@ -132,7 +131,7 @@ __global__ void avg_pool_kernel(const T* __restrict__ x, T* __restrict__ out, Po
         value = __fmul_rn(sum, __fdiv_rn(1.0f, static_cast<float>(count)));
     }
     out[idx] = store<T>(value);
-  }
+  });
 }
 
 // Each input element adds grad_out * (1 / count) of the windows covering it, over ky
@@ -141,32 +140,20 @@ template <typename T>
 __global__ void avg_pool_backward_kernel(const T* __restrict__ grad_out, T* __restrict__ grad_x,
                                          Pool2dGeometry g) {
   using C = compute_of<T>;
-  const int64_t total = g.n * g.h * g.w * g.c;
-  MIXTAPE_GRID_LOOP(idx, total) {
-    const Pos p = position(idx, g.h, g.w, g.c);
+  for_each_position(g.n, g.h, g.w, g.c, [&](int64_t idx, Pos p) {
     C acc = C(0);
-    for (int64_t ky = 0; ky < g.kh; ++ky) {
-      const int64_t ty = p.y + g.pad_top - ky;
-      if (ty < 0 || ty % g.stride_h != 0) continue;
-      const int64_t oy = ty / g.stride_h;
-      if (oy >= g.oh) continue;
-      const Range ry = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
-      for (int64_t kx = 0; kx < g.kw; ++kx) {
-        const int64_t tx = p.x + g.pad_left - kx;
-        if (tx < 0 || tx % g.stride_w != 0) continue;
-        const int64_t ox = tx / g.stride_w;
-        if (ox >= g.ow) continue;
-        const Range rx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
+    for_each_cover(p.y, g.stride_h, g.pad_top, g.kh, g.h, g.oh, [&](int64_t oy, Range ry) {
+      for_each_cover(p.x, g.stride_w, g.pad_left, g.kw, g.w, g.ow, [&](int64_t ox, Range rx) {
         const int64_t count = (ry.hi - ry.lo) * (rx.hi - rx.lo);  // >= 1: the window covers p
         const C go = load(grad_out[((p.i * g.oh + oy) * g.ow + ox) * g.c + p.ch]);
         if constexpr (std::is_same_v<C, double>)
           acc = __dadd_rn(acc, __dmul_rn(go, __ddiv_rn(1.0, static_cast<double>(count))));
         else
           acc = __fadd_rn(acc, __fmul_rn(go, __fdiv_rn(1.0f, static_cast<float>(count))));
-      }
-    }
+      });
+    });
     grad_x[idx] = store<T>(acc);
-  }
+  });
 }
 
 // --- Kernels keyed on the storage dtype -------------------------------------------------
@@ -179,44 +166,39 @@ void launch_pool(const char* name, void (*kernel)(Params...), const Tensor& out,
   const int64_t total = out.numel();
   if (total == 0) return;
   OnDevice on(out);
-  launch_1d({name, total, on.s}, kernel, device_ptr<S>(in.const_data_ptr())...,
-            device_ptr<S>(out.data_ptr()), g);
+  launch_1d({name, total, on.s}, kernel, static_cast<const S*>(in.const_data_ptr())...,
+            static_cast<S*>(out.data_ptr()), g);
 }
 
 template <typename S>
 void max_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
-  launch_pool<S>("max_pool_kernel", max_pool_kernel<cuda_t<S>>, out, g, x);
+  launch_pool<S>("max_pool_kernel", max_pool_kernel<S>, out, g, x);
 }
 
 template <typename S>
 void max_pool2d_backward(const Tensor& x, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
-  launch_pool<S>("max_pool_backward_kernel", max_pool_backward_kernel<cuda_t<S>>, grad_x, g, x,
-                 grad_out);
+  launch_pool<S>("max_pool_backward_kernel", max_pool_backward_kernel<S>, grad_x, g, x, grad_out);
 }
 
 template <typename S>
 void avg_pool2d(const Tensor& x, const Tensor& out, const Pool2dGeometry& g) {
-  launch_pool<S>("avg_pool_kernel", avg_pool_kernel<cuda_t<S>>, out, g, x);
+  launch_pool<S>("avg_pool_kernel", avg_pool_kernel<S>, out, g, x);
 }
 
 template <typename S>
 void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tensor& grad_x,
                          const Pool2dGeometry& g) {
-  launch_pool<S>("avg_pool_backward_kernel", avg_pool_backward_kernel<cuda_t<S>>, grad_x, g,
-                 grad_out);
+  launch_pool<S>("avg_pool_backward_kernel", avg_pool_backward_kernel<S>, grad_x, g, grad_out);
 }
 
 }  // namespace
 
 void register_pool_kernels() {
-  constexpr auto cuda = DeviceType::CUDA;
-  register_op<OpId::max_pool2d>(cuda, []<DType::Code C>() { return &max_pool2d<element_t<C>>; });
-  register_op<OpId::max_pool2d_backward>(
-      cuda, []<DType::Code C>() { return &max_pool2d_backward<element_t<C>>; });
-  register_op<OpId::avg_pool2d>(cuda, []<DType::Code C>() { return &avg_pool2d<element_t<C>>; });
-  register_op<OpId::avg_pool2d_backward>(
-      cuda, []<DType::Code C>() { return &avg_pool2d_backward<element_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(max_pool2d, max_pool2d);
+  MIXTAPE_CUDA_KERNEL(max_pool2d_backward, max_pool2d_backward);
+  MIXTAPE_CUDA_KERNEL(avg_pool2d, avg_pool2d);
+  MIXTAPE_CUDA_KERNEL(avg_pool2d_backward, avg_pool2d_backward);
 }
 
 }  // namespace mixtape::cuda_backend

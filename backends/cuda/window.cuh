@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "backends/cuda/cuda_math.cuh"
+
 namespace mixtape::cuda_backend {
 
 struct Range {
@@ -34,6 +36,20 @@ __device__ __forceinline__ Range covering(std::int64_t p, std::int64_t stride, s
   return {lo, last < outs ? last : outs};
 }
 
+// f(o, taps) for each output position o in [0, outs) whose window covers input position p
+// along one axis, in the order of the tap p is of it (ascending, so o descending); taps is
+// the window's tap_range (the CPU backend's for_each_cover).
+template <typename F>
+__device__ __forceinline__ void for_each_cover(std::int64_t p, std::int64_t stride,
+                                               std::int64_t pad, std::int64_t taps,
+                                               std::int64_t size, std::int64_t outs, F&& f) {
+  for (std::int64_t k = 0; k < taps; ++k) {
+    const std::int64_t t = p + pad - k;  // o * stride when tap k of window o is p
+    if (t < 0 || t % stride != 0 || t / stride >= outs) continue;
+    f(t / stride, tap_range(t / stride, stride, pad, taps, size));
+  }
+}
+
 // Decomposes an NHWC element index: (i, y, x, ch) of an [n, hh, ww, c] tensor.
 struct Pos {
   std::int64_t i, y, x, ch;
@@ -48,6 +64,15 @@ __device__ __forceinline__ Pos position(std::int64_t idx, std::int64_t hh, std::
   p.y = idx % hh;
   p.i = idx / hh;
   return p;
+}
+
+// f(idx, p) for each element idx of an [n, hh, ww, c] NHWC tensor, p its position: the
+// grid-stride loop of a kernel with one thread per element.
+template <typename F>
+__device__ __forceinline__ void for_each_position(std::int64_t n, std::int64_t hh, std::int64_t ww,
+                                                  std::int64_t c, F&& f) {
+  const std::int64_t total = n * hh * ww * c;
+  MIXTAPE_GRID_LOOP(idx, total) f(idx, position(idx, hh, ww, c));
 }
 
 }  // namespace mixtape::cuda_backend
