@@ -11,21 +11,15 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/warp.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
 
 using std::int64_t;
 
-constexpr int kWarp = 32;
 constexpr int kCols = 8;  // output columns per lane in one pass: rows up to 256 wide
 constexpr int64_t kPass = int64_t{kWarp} * kCols;
-
-template <typename C>
-__device__ __forceinline__ C warp_sum(C v) {
-  for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 // The dot product of a and b (n elements), summed over the warp: every lane gets it.
 template <typename T, typename U>
@@ -70,14 +64,6 @@ __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* 
   }
 }
 
-// The warp's row and the warps of the grid (every lane of a warp gets the same row).
-__device__ __forceinline__ int64_t warp_index() {
-  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-}
-__device__ __forceinline__ int64_t warp_count() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
-}
-
 template <typename T>
 __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v,
@@ -86,9 +72,8 @@ __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __res
                                          compute_of<T>* __restrict__ lse, int64_t n, int64_t t,
                                          int64_t s, int64_t d, int64_t dv) {
   using C = compute_of<T>;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const C neg_inf = -static_cast<C>(INFINITY);
-  for (int64_t row = warp_index(); row < n * t; row += warp_count()) {
+  for_each_warp_item(n * t, [&](int64_t row, int lane) {
     const int64_t h = row / t, i = row % t;
     const T* qr = q + row * d;
     const T* kh = k + h * s * d;
@@ -113,7 +98,7 @@ __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __res
       return d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - m) * inv;
     };
     warp_weighted_sum(l != C(0), mr, causal, i, kend, p, vh, dv, out + row * dv, lane);
-  }
+  });
 }
 
 // D_i = sum_c dout[i, c] out[i, c], per query row.
@@ -121,11 +106,10 @@ template <typename T>
 __global__ void attention_rowdot_kernel(const T* __restrict__ dout, const T* __restrict__ out,
                                         compute_of<T>* __restrict__ rowdot, int64_t rows,
                                         int64_t dv) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  for (int64_t row = warp_index(); row < rows; row += warp_count()) {
+  for_each_warp_item(rows, [&](int64_t row, int lane) {
     const auto x = warp_dot(dout + row * dv, out + row * dv, dv, lane);
     if (lane == 0) rowdot[row] = x;
-  }
+  });
 }
 
 // dq_i = scale sum_j P_ij (dP_ij - D_i) k_j, a warp per query row.
@@ -138,9 +122,8 @@ __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict
                                     const T* __restrict__ dout, T* __restrict__ dq, int64_t n,
                                     int64_t t, int64_t s, int64_t d, int64_t dv) {
   using C = compute_of<T>;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const C neg_inf = -static_cast<C>(INFINITY);
-  for (int64_t row = warp_index(); row < n * t; row += warp_count()) {
+  for_each_warp_item(n * t, [&](int64_t row, int lane) {
     const int64_t h = row / t, i = row % t;
     const T* qr = q + row * d;
     const T* gr = dout + row * dv;
@@ -154,7 +137,7 @@ __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict
       return p * (warp_dot(gr, vh + j * dv, dv, lane) - di) * scale;
     };
     warp_weighted_sum(li != neg_inf, mr, causal, i, kend, ds, kh, d, dq + row * d, lane);
-  }
+  });
 }
 
 // dk_j = scale sum_i P_ij (dP_ij - D_i) q_i and dv_j = sum_i P_ij dout_i, a warp per key row.
@@ -168,9 +151,8 @@ __global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restri
                                       T* __restrict__ dvo, int64_t n, int64_t t, int64_t s,
                                       int64_t d, int64_t dv) {
   using C = compute_of<T>;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const C neg_inf = -static_cast<C>(INFINITY);
-  for (int64_t key = warp_index(); key < n * s; key += warp_count()) {
+  for_each_warp_item(n * s, [&](int64_t key, int lane) {
     const int64_t h = key / s, j = key % s;
     const T* kr = k + key * d;
     const T* vr = v + key * dv;
@@ -199,7 +181,7 @@ __global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restri
         if (c < dv) dvo[key * dv + c] = store<T>(dv_acc[u]);
       }
     }
-  }
+  });
 }
 
 template <typename T>
@@ -252,10 +234,8 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
 }  // namespace
 
 void register_attention_kernels() {
-  constexpr auto cuda = DeviceType::CUDA;
-  register_op<OpId::attention>(cuda, []<DType::Code C>() { return &attention_host<dev_t<C>>; });
-  register_op<OpId::attention_backward>(
-      cuda, []<DType::Code C>() { return &attention_backward_host<dev_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(attention, attention_host);
+  MIXTAPE_CUDA_KERNEL(attention_backward, attention_backward_host);
 }
 
 }  // namespace mixtape::cuda_backend

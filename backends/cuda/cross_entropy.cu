@@ -8,20 +8,12 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/warp.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
 
 using std::int64_t;
-
-constexpr int kWarp = 32;
-
-__device__ __forceinline__ int64_t ce_warp_index() {
-  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-}
-__device__ __forceinline__ int64_t ce_warp_count() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
-}
 
 template <typename T>
 __global__ void cross_entropy_forward_kernel(const T* __restrict__ x,
@@ -30,22 +22,21 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ x,
                                              compute_of<T>* __restrict__ lse, int64_t n,
                                              int64_t c) {
   using C = compute_of<T>;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  for (int64_t i = ce_warp_index(); i < n; i += ce_warp_count()) {
+  for_each_warp_item(n, [&](int64_t i, int lane) {
     const T* xr = x + i * c;
     C m = -static_cast<C>(INFINITY);
     for (int64_t j = lane; j < c; j += kWarp) m = fmax(m, load(xr[j]));
-    for (int off = kWarp / 2; off > 0; off /= 2) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, off));
+    m = warp_max(m);
     C s = C(0);
     for (int64_t j = lane; j < c; j += kWarp) s += d_exp(load(xr[j]) - m);
-    for (int off = kWarp / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+    s = warp_sum(s);
     if (lane == 0) {
       const C l = m + d_log(s);
       const int64_t y = labels[i];
       lse[i] = l;
       loss[i] = y >= 0 && y < c ? l - load(xr[y]) : static_cast<C>(NAN);
     }
-  }
+  });
 }
 
 template <typename T>
@@ -55,8 +46,7 @@ __global__ void cross_entropy_backward_kernel(const T* __restrict__ x,
                                               const compute_of<T>* __restrict__ dloss,
                                               T* __restrict__ dx, int64_t n, int64_t c) {
   using C = compute_of<T>;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  for (int64_t i = ce_warp_index(); i < n; i += ce_warp_count()) {
+  for_each_warp_item(n, [&](int64_t i, int lane) {
     const T* xr = x + i * c;
     const C l = lse[i], g = dloss[i];
     const int64_t y = labels[i];
@@ -65,7 +55,7 @@ __global__ void cross_entropy_backward_kernel(const T* __restrict__ x,
       const C v = g * d_exp(load(xr[j]) - l) - (j == y ? g : C(0));
       dx[i * c + j] = store<T>(ok ? v : static_cast<C>(NAN));
     }
-  }
+  });
 }
 
 template <typename T>
@@ -99,11 +89,8 @@ void cross_entropy_backward_host(const Tensor& logits, const Tensor& labels, con
 }  // namespace
 
 void register_cross_entropy_kernels() {
-  constexpr auto cuda = DeviceType::CUDA;
-  register_op<OpId::softmax_cross_entropy>(
-      cuda, []<DType::Code C>() { return &cross_entropy_host<dev_t<C>>; });
-  register_op<OpId::softmax_cross_entropy_backward>(
-      cuda, []<DType::Code C>() { return &cross_entropy_backward_host<dev_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(softmax_cross_entropy, cross_entropy_host);
+  MIXTAPE_CUDA_KERNEL(softmax_cross_entropy_backward, cross_entropy_backward_host);
 }
 
 }  // namespace mixtape::cuda_backend

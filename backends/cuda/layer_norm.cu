@@ -7,26 +7,12 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/warp.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
 
 using std::int64_t;
-
-constexpr int kWarp = 32;
-
-template <typename C>
-__device__ __forceinline__ C ln_warp_sum(C v) {
-  for (int off = kWarp / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-__device__ __forceinline__ int64_t ln_warp_index() {
-  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-}
-__device__ __forceinline__ int64_t ln_warp_count() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
-}
 
 template <typename T>
 __global__ void layer_norm_forward_kernel(
@@ -34,18 +20,17 @@ __global__ void layer_norm_forward_kernel(
     const compute_of<T>* __restrict__ beta, compute_of<T> epsilon, T* __restrict__ out,
     compute_of<T>* __restrict__ mean, compute_of<T>* __restrict__ rstd, int64_t rows, int64_t n) {
   using C = compute_of<T>;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  for (int64_t r = ln_warp_index(); r < rows; r += ln_warp_count()) {
+  for_each_warp_item(rows, [&](int64_t r, int lane) {
     const T* xr = x + r * n;
     C s = C(0);
     for (int64_t j = lane; j < n; j += kWarp) s += load(xr[j]);
-    const C mu = ln_warp_sum(s) / static_cast<C>(n);
+    const C mu = warp_sum(s) / static_cast<C>(n);
     C v = C(0);
     for (int64_t j = lane; j < n; j += kWarp) {
       const C c = load(xr[j]) - mu;
       v += c * c;
     }
-    const C rs = C(1) / sqrt(ln_warp_sum(v) / static_cast<C>(n) + epsilon);
+    const C rs = C(1) / sqrt(warp_sum(v) / static_cast<C>(n) + epsilon);
     if (lane == 0) {
       mean[r] = mu;
       rstd[r] = rs;
@@ -56,7 +41,7 @@ __global__ void layer_norm_forward_kernel(
       if (beta) o += beta[j];
       out[r * n + j] = store<T>(o);
     }
-  }
+  });
 }
 
 template <typename T>
@@ -67,8 +52,7 @@ __global__ void layer_norm_dx_kernel(const T* __restrict__ x,
                                      const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
                                      int64_t n) {
   using C = compute_of<T>;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  for (int64_t r = ln_warp_index(); r < rows; r += ln_warp_count()) {
+  for_each_warp_item(rows, [&](int64_t r, int lane) {
     const T* xr = x + r * n;
     const T* gr = dy + r * n;
     const C mu = mean[r], rs = rstd[r];
@@ -78,13 +62,13 @@ __global__ void layer_norm_dx_kernel(const T* __restrict__ x,
       sg += g;
       sgx += g * (load(xr[j]) - mu) * rs;
     }
-    const C mg = ln_warp_sum(sg) / static_cast<C>(n), mgx = ln_warp_sum(sgx) / static_cast<C>(n);
+    const C mg = warp_sum(sg) / static_cast<C>(n), mgx = warp_sum(sgx) / static_cast<C>(n);
     for (int64_t j = lane; j < n; j += kWarp) {
       const C g = gamma ? load(gr[j]) * gamma[j] : load(gr[j]);
       const C xh = (load(xr[j]) - mu) * rs;
       dx[r * n + j] = store<T>(rs * (g - mg - xh * mgx));
     }
-  }
+  });
 }
 
 template <typename T>
@@ -147,10 +131,8 @@ void layer_norm_backward_host(const Tensor& x, const Tensor& gamma, const Tensor
 }  // namespace
 
 void register_layer_norm_kernels() {
-  constexpr auto cuda = DeviceType::CUDA;
-  register_op<OpId::layer_norm>(cuda, []<DType::Code C>() { return &layer_norm_host<dev_t<C>>; });
-  register_op<OpId::layer_norm_backward>(
-      cuda, []<DType::Code C>() { return &layer_norm_backward_host<dev_t<C>>; });
+  MIXTAPE_CUDA_KERNEL(layer_norm, layer_norm_host);
+  MIXTAPE_CUDA_KERNEL(layer_norm_backward, layer_norm_backward_host);
 }
 
 }  // namespace mixtape::cuda_backend
