@@ -132,18 +132,29 @@ void gemm_acc16(const GemmArgs& g) {
 // output rows (forward), input rows (backward input), and (tap, input-channel block)
 // rows of dw (backward weight).
 
+// body(r, acc, o) for each of `rows` rows of row_len outputs (in parallel when `work` is
+// large): acc is a float32 accumulator row of the thread's, zeroed, and o the row of `out`;
+// then acc is stored into o.
+template <typename T, typename Body>
+void for_each_acc_row(T* out, std::int64_t rows, std::int64_t row_len, std::int64_t work,
+                      Body&& body) {
+  parallel_rows(rows, work, [&](std::int64_t r) {
+    thread_local Scratch<float> acc_buf;
+    float* acc = acc_buf.get(row_len);
+    std::fill(acc, acc + row_len, 0.0f);
+    T* o = out + r * row_len;
+    body(r, acc, o);
+    convert(acc, o, row_len);
+  });
+}
+
 template <typename T>
 void conv_forward_acc16(const float* x, const float* w, const float* bias, T* out,
                         const Conv2dGeometry& g) {
   const std::int64_t c = g.c, cout = g.cout, rows = g.n * g.oh, row_len = g.ow * cout;
   if (rows * row_len == 0) return;
-  const bool par = rows * row_len * g.kh * g.kw * c > kParallelGrain && rows > 1;
-#pragma omp parallel for schedule(static) if (par)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    thread_local Scratch<float> acc_buf;
-    float* acc = acc_buf.get(row_len);
-    std::fill(acc, acc + row_len, 0.0f);
-    T* o = out + r * row_len;
+  const std::int64_t work = rows * row_len * g.kh * g.kw * c;
+  for_each_acc_row(out, rows, row_len, work, [&](std::int64_t r, float* acc, T* o) {
     const std::int64_t i = r / g.oh, oy = r % g.oh;
     const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
     for (std::int64_t ky = ty.lo; ky < ty.hi; ++ky) {
@@ -161,8 +172,7 @@ void conv_forward_acc16(const float* x, const float* w, const float* bias, T* ou
     }
     if (bias)  // the last term of each sum, rounded like the others
       for (std::int64_t q = 0; q < g.ow; ++q) axpy(acc + q * cout, 1.0f, bias, cout);
-    convert(acc, o, row_len);
-  }
+  });
 }
 
 template <typename T>
@@ -177,13 +187,8 @@ void conv_backward_input_acc16(const float* grad_out, const float* w, T* grad_x,
     for (std::int64_t ci = 0; ci < c; ++ci)
       for (std::int64_t co = 0; co < cout; ++co)
         wt[(tap * cout + co) * c + ci] = w[(tap * c + ci) * cout + co];
-  const bool par = g.n * g.oh * g.ow * taps * c * cout > kParallelGrain && rows > 1;
-#pragma omp parallel for schedule(static) if (par)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    thread_local Scratch<float> acc_buf;
-    float* acc = acc_buf.get(row_len);
-    std::fill(acc, acc + row_len, 0.0f);
-    T* o = grad_x + r * row_len;
+  const std::int64_t work = g.n * g.oh * g.ow * taps * c * cout;
+  for_each_acc_row(grad_x, rows, row_len, work, [&](std::int64_t r, float* acc, T* o) {
     const std::int64_t i = r / g.h, iy = r % g.h;
     // Output rows whose window covers input row iy: ky = iy + pad_top - oy * stride_h is
     // in [0, kh).
@@ -206,8 +211,7 @@ void conv_backward_input_acc16(const float* grad_out, const float* w, T* grad_x,
         }
       }
     }
-    convert(acc, o, row_len);
-  }
+  });
 }
 
 template <typename T>

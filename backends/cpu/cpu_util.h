@@ -126,6 +126,34 @@ void parallel_blocks(std::int64_t n, Body&& body) {
   }
 }
 
+// body(r) for each row r in [0, rows), in parallel (static schedule) when the loop's work
+// (the elements it touches) is more than kParallelGrain and there is more than one row.
+template <typename Body>
+void parallel_rows(std::int64_t rows, std::int64_t work, Body&& body) {
+  const bool par = work > kParallelGrain && rows > 1;
+#pragma omp parallel for schedule(static) if (par)
+  for (std::int64_t r = 0; r < rows; ++r) body(r);
+}
+
+// The per-thread buffers of a loop over rows of n elements: `in` for as_compute, `out` n
+// compute-type values (a row of results before from_compute stores it).
+template <typename C>
+struct RowBuffers {
+  std::vector<C> in, out;
+};
+
+// body(r, buffers) for each row r in [0, rows) of n elements, each thread with RowBuffers
+// of its own; in parallel when the rows hold more than kParallelGrain elements.
+template <typename C, typename Body>
+void for_each_row(std::int64_t rows, std::int64_t n, Body&& body) {
+#pragma omp parallel if (rows * n > kParallelGrain)
+  {
+    RowBuffers<C> buffers{{}, std::vector<C>(static_cast<std::size_t>(n))};
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) body(r, buffers);
+  }
+}
+
 // Splits [0, units) into one contiguous, near-equal range per thread of a parallel region
 // (one thread when the n elements behind them are at most kParallelGrain) and calls
 // body(begin, end) on each thread whose range is not empty.

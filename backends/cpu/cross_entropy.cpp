@@ -40,18 +40,13 @@ void cross_entropy_kernel(const Tensor& logits, const Tensor& labels_t, const Te
   const auto* labels = static_cast<const int64_t*>(labels_t.const_data_ptr());
   C* loss = static_cast<C*>(loss_t.data_ptr());
   C* lse = static_cast<C*>(lse_t.data_ptr());
-#pragma omp parallel if (n * c > kParallelGrain)
-  {
-    std::vector<C> buf(kReduced<T> ? static_cast<std::size_t>(c) : 0);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const C* xr = as_compute(x + i * c, c, buf);
-      const C l = row_lse(xr, c);
-      const int64_t y = labels[i];
-      lse[i] = l;
-      loss[i] = y >= 0 && y < c ? l - xr[y] : std::numeric_limits<C>::quiet_NaN();
-    }
-  }
+  for_each_row<C>(n, c, [&](int64_t i, RowBuffers<C>& buf) {
+    const C* xr = as_compute(x + i * c, c, buf.in);
+    const C l = row_lse(xr, c);
+    const int64_t y = labels[i];
+    lse[i] = l;
+    loss[i] = y >= 0 && y < c ? l - xr[y] : std::numeric_limits<C>::quiet_NaN();
+  });
 }
 
 template <typename T>
@@ -65,34 +60,26 @@ void cross_entropy_backward_kernel(const Tensor& logits, const Tensor& labels_t,
   const C* lse = static_cast<const C*>(lse_t.const_data_ptr());
   const C* dloss = static_cast<const C*>(dloss_t.const_data_ptr());
   T* dx = static_cast<T*>(dlogits.data_ptr());
-#pragma omp parallel if (n * c > kParallelGrain)
-  {
-    std::vector<C> buf(kReduced<T> ? static_cast<std::size_t>(c) : 0),
-        out(static_cast<std::size_t>(c));
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const C* xr = as_compute(x + i * c, c, buf);
-      const C l = lse[i], g = dloss[i];
+  for_each_row<C>(n, c, [&](int64_t i, RowBuffers<C>& buf) {
+    const C* xr = as_compute(x + i * c, c, buf.in);
+    C* out = buf.out.data();
+    const C l = lse[i], g = dloss[i];
 #pragma omp simd
-      for (int64_t j = 0; j < c; ++j) out[static_cast<std::size_t>(j)] = g * exp_any(xr[j] - l);
-      const int64_t y = labels[i];
-      if (y >= 0 && y < c)
-        out[static_cast<std::size_t>(y)] -= g;
-      else
-        std::fill(out.begin(), out.end(), std::numeric_limits<C>::quiet_NaN());
-      from_compute(out.data(), dx + i * c, c);
-    }
-  }
+    for (int64_t j = 0; j < c; ++j) out[j] = g * exp_any(xr[j] - l);
+    const int64_t y = labels[i];
+    if (y >= 0 && y < c)
+      out[y] -= g;
+    else
+      std::fill(out, out + c, std::numeric_limits<C>::quiet_NaN());
+    from_compute(out, dx + i * c, c);
+  });
 }
 
 }  // namespace
 
 void register_cross_entropy_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
-  register_op<OpId::softmax_cross_entropy>(
-      cpu, []<DType::Code C>() { return &cross_entropy_kernel<element_t<C>>; });
-  register_op<OpId::softmax_cross_entropy_backward>(
-      cpu, []<DType::Code C>() { return &cross_entropy_backward_kernel<element_t<C>>; });
+  MIXTAPE_CPU_KERNEL(softmax_cross_entropy, cross_entropy_kernel);
+  MIXTAPE_CPU_KERNEL(softmax_cross_entropy_backward, cross_entropy_backward_kernel);
 }
 
 }  // namespace mixtape::cpu

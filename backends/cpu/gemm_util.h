@@ -136,6 +136,19 @@ inline TapRange out_range(std::int64_t t, std::int64_t stride, std::int64_t pad,
   return {lo, hi};
 }
 
+// f(o, taps) for each output position o in [0, outs) whose window covers input position p
+// along one axis, in the order of the tap p is of it (ascending, so o descending); taps is
+// the window's tap_range.
+template <typename F>
+void for_each_cover(std::int64_t p, std::int64_t stride, std::int64_t pad, std::int64_t taps,
+                    std::int64_t size, std::int64_t outs, F&& f) {
+  for (std::int64_t k = 0; k < taps; ++k) {
+    const std::int64_t t = p + pad - k;  // o * stride when tap k of window o is p
+    if (t < 0 || t % stride != 0 || t / stride >= outs) continue;
+    f(t / stride, tap_range(t / stride, stride, pad, taps, size));
+  }
+}
+
 // --- Kernels keyed on the storage dtype -------------------------------------------------
 
 // Whether T computes as itself (float32, float64) rather than through float32 copies

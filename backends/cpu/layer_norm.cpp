@@ -35,36 +35,31 @@ void layer_norm_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& b
   T* out = static_cast<T*>(out_t.data_ptr());
   C* mean = static_cast<C*>(mean_t.data_ptr());
   C* rstd = static_cast<C*>(rstd_t.data_ptr());
-#pragma omp parallel if (rows * n > kParallelGrain)
-  {
-    std::vector<C> in(kReduced<T> ? static_cast<std::size_t>(n) : 0),
-        y(static_cast<std::size_t>(n));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const C* xr = as_compute(x + r * n, n, in);
-      double s = 0;
+  for_each_row<C>(rows, n, [&](int64_t r, RowBuffers<C>& buf) {
+    const C* xr = as_compute(x + r * n, n, buf.in);
+    C* y = buf.out.data();
+    double s = 0;
 #pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < n; ++j) s += static_cast<double>(xr[j]);
-      const C mu = static_cast<C>(s / static_cast<double>(n));
-      double v = 0;
+    for (int64_t j = 0; j < n; ++j) s += static_cast<double>(xr[j]);
+    const C mu = static_cast<C>(s / static_cast<double>(n));
+    double v = 0;
 #pragma omp simd reduction(+ : v)
-      for (int64_t j = 0; j < n; ++j) {
-        const double c = static_cast<double>(xr[j] - mu);
-        v += c * c;
-      }
-      const C rs = static_cast<C>(1.0 / std::sqrt(v / static_cast<double>(n) + epsilon));
-      mean[r] = mu;
-      rstd[r] = rs;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        C o = (xr[j] - mu) * rs;
-        if (gamma) o *= gamma[j];
-        if (beta) o += beta[j];
-        y[static_cast<std::size_t>(j)] = o;
-      }
-      from_compute(y.data(), out + r * n, n);
+    for (int64_t j = 0; j < n; ++j) {
+      const double c = static_cast<double>(xr[j] - mu);
+      v += c * c;
     }
-  }
+    const C rs = static_cast<C>(1.0 / std::sqrt(v / static_cast<double>(n) + epsilon));
+    mean[r] = mu;
+    rstd[r] = rs;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      C o = (xr[j] - mu) * rs;
+      if (gamma) o *= gamma[j];
+      if (beta) o += beta[j];
+      y[j] = o;
+    }
+    from_compute(y, out + r * n, n);
+  });
 }
 
 template <typename T>
@@ -141,11 +136,8 @@ void layer_norm_backward_kernel(const Tensor& x_t, const Tensor& gamma_t, const 
 }  // namespace
 
 void register_layer_norm_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
-  register_op<OpId::layer_norm>(cpu,
-                                []<DType::Code C>() { return &layer_norm_kernel<element_t<C>>; });
-  register_op<OpId::layer_norm_backward>(
-      cpu, []<DType::Code C>() { return &layer_norm_backward_kernel<element_t<C>>; });
+  MIXTAPE_CPU_KERNEL(layer_norm, layer_norm_kernel);
+  MIXTAPE_CPU_KERNEL(layer_norm_backward, layer_norm_backward_kernel);
 }
 
 }  // namespace mixtape::cpu

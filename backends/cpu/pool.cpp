@@ -308,9 +308,7 @@ void max_pool_forward_stored(const Tensor& x, const Tensor& out, const Pool2dGeo
   const auto* px = static_cast<const S*>(x.const_data_ptr());
   auto* po = static_cast<S*>(out.data_ptr());
   const std::int64_t rows = g.n * g.oh;
-  const bool par = rows * g.ow * g.c * g.kh * g.kw > kParallelGrain && rows > 1;
-#pragma omp parallel for schedule(static) if (par)
-  for (std::int64_t r = 0; r < rows; ++r) row(px, po, g, r);
+  parallel_rows(rows, rows * g.ow * g.c * g.kh * g.kw, [&](std::int64_t r) { row(px, po, g, r); });
 }
 
 // Whether max_pool_backward_stored takes g: windows that do not overlap, few enough taps
@@ -350,9 +348,7 @@ void max_pool_backward_stored(const Tensor& x, const Tensor& grad_out, const Ten
 template <typename C>
 void avg_pool_forward(const C* x, C* out, const Pool2dGeometry& g) {
   const std::int64_t c = g.c, rows = g.n * g.oh;
-  const bool par = rows * g.ow * c * g.kh * g.kw > kParallelGrain && rows > 1;
-#pragma omp parallel for schedule(static) if (par)
-  for (std::int64_t r = 0; r < rows; ++r) {
+  parallel_rows(rows, rows * g.ow * c * g.kh * g.kw, [&](std::int64_t r) {
     const std::int64_t i = r / g.oh, oy = r % g.oh;
     const C* img = x + i * g.h * g.w * c;
     const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
@@ -371,41 +367,30 @@ void avg_pool_forward(const C* x, C* out, const Pool2dGeometry& g) {
       const C inv = C(1) / static_cast<C>(count);
       for (std::int64_t ch = 0; ch < c; ++ch) d[ch] *= inv;
     }
-  }
+  });
 }
 
 // Each input pixel gathers grad_out / count from the windows that cover it.
 template <typename C>
 void avg_pool_backward(const C* grad_out, C* grad_x, const Pool2dGeometry& g) {
   const std::int64_t c = g.c, rows = g.n * g.h;
-  const bool par = rows * g.w * c * g.kh * g.kw > kParallelGrain && rows > 1;
-#pragma omp parallel for schedule(static) if (par)
-  for (std::int64_t r = 0; r < rows; ++r) {
+  parallel_rows(rows, rows * g.w * c * g.kh * g.kw, [&](std::int64_t r) {
     const std::int64_t i = r / g.h, iy = r % g.h;
     C* dst_row = grad_x + r * g.w * c;
     std::fill(dst_row, dst_row + g.w * c, C(0));
-    for (std::int64_t ky = 0; ky < g.kh; ++ky) {
-      const std::int64_t ty = iy + g.pad_top - ky;
-      if (ty < 0 || ty % g.stride_h != 0) continue;
-      const std::int64_t oy = ty / g.stride_h;
-      if (oy >= g.oh) continue;
-      const TapRange wy = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
+    for_each_cover(iy, g.stride_h, g.pad_top, g.kh, g.h, g.oh, [&](std::int64_t oy, TapRange wy) {
       const C* src_row = grad_out + (i * g.oh + oy) * g.ow * c;
       for (std::int64_t ix = 0; ix < g.w; ++ix) {
         C* d = dst_row + ix * c;
-        for (std::int64_t kx = 0; kx < g.kw; ++kx) {
-          const std::int64_t tx = ix + g.pad_left - kx;
-          if (tx < 0 || tx % g.stride_w != 0) continue;
-          const std::int64_t ox = tx / g.stride_w;
-          if (ox >= g.ow) continue;
-          const TapRange wx = tap_range(ox, g.stride_w, g.pad_left, g.kw, g.w);
-          const C inv = C(1) / static_cast<C>((wy.hi - wy.lo) * (wx.hi - wx.lo));
-          const C* s = src_row + ox * c;
-          for (std::int64_t ch = 0; ch < c; ++ch) d[ch] += s[ch] * inv;
-        }
+        for_each_cover(ix, g.stride_w, g.pad_left, g.kw, g.w, g.ow,
+                       [&](std::int64_t ox, TapRange wx) {
+                         const C inv = C(1) / static_cast<C>((wy.hi - wy.lo) * (wx.hi - wx.lo));
+                         const C* s = src_row + ox * c;
+                         for (std::int64_t ch = 0; ch < c; ++ch) d[ch] += s[ch] * inv;
+                       });
       }
-    }
-  }
+    });
+  });
 }
 
 // --- Kernels keyed on the storage dtype -------------------------------------------------
@@ -448,13 +433,10 @@ void avg_pool2d_backward(const Tensor& /*x*/, const Tensor& grad_out, const Tens
 }  // namespace
 
 void register_pool_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
-  register_op<OpId::max_pool2d>(cpu, []<DType::Code C>() { return &max_pool2d<element_t<C>>; });
-  register_op<OpId::max_pool2d_backward>(
-      cpu, []<DType::Code C>() { return &max_pool2d_backward<element_t<C>>; });
-  register_op<OpId::avg_pool2d>(cpu, []<DType::Code C>() { return &avg_pool2d<element_t<C>>; });
-  register_op<OpId::avg_pool2d_backward>(
-      cpu, []<DType::Code C>() { return &avg_pool2d_backward<element_t<C>>; });
+  MIXTAPE_CPU_KERNEL(max_pool2d, max_pool2d);
+  MIXTAPE_CPU_KERNEL(max_pool2d_backward, max_pool2d_backward);
+  MIXTAPE_CPU_KERNEL(avg_pool2d, avg_pool2d);
+  MIXTAPE_CPU_KERNEL(avg_pool2d_backward, avg_pool2d_backward);
 }
 
 }  // namespace mixtape::cpu
