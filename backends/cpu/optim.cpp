@@ -250,65 +250,74 @@ void sgd_kernel(const OptimizerUpdate& u) {
   });
 }
 
+// The float32 RMSprop and Adam blocks (below) compiled again for AVX2: their square roots and
+// divisions bound them, and AVX2 does eight at a time where the baseline build does four
+// (BM_OptimizerUpdate: Adam and RMSprop 1.9x faster). Without FMA on purpose: every
+// operation rounds as in the baseline loop, so the updated weights do not depend on the CPU.
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+template <typename Block, typename... A>
+__attribute__((target("avx2"))) void run_avx2(A... a) {
+  Block::run(a...);
+}
+#endif
+
+// Block::run (RmspropBlock, AdamBlock below) on the AVX2 build where the CPU has it (float32), else
+// the baseline one.
+template <typename Block, typename S, typename... A>
+void run_best(S* var, A... rest) {
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if constexpr (std::is_same_v<S, float>) {
+    if (has_avx2_fma()) return run_avx2<Block>(var, rest...);
+  }
+#endif
+  Block::run(var, rest...);
+}
+
+// f.operator()<a, b>(): two run-time flags as compile-time ones.
+template <typename F>
+void with_flags(bool a, bool b, F&& f) {
+  if (a && b)
+    f.template operator()<true, true>();
+  else if (a)
+    f.template operator()<true, false>();
+  else if (b)
+    f.template operator()<false, true>();
+  else
+    f.template operator()<false, false>();
+}
+
 // RMSprop: ms = rho ms + (1 - rho) g^2; centered: mg = rho mg + (1 - rho) g and
 // d = ms - mg^2 (clamped at 0: it is never negative but for rounding), otherwise d = ms;
 // step = lr g / sqrt(d + eps) (epsilon inside the root, as Keras / TensorFlow); momentum: mom =
 // momentum mom + step, var -= mom; otherwise var -= step. mg / mom are null when unused.
-template <bool kCentered, bool kMomentum, typename S>
-MIXTAPE_ALWAYS_INLINE void rmsprop_block(S* __restrict v, const S* __restrict g, S* __restrict ms,
-                                         S* __restrict mom, S* __restrict mg, int64_t n, S lr,
-                                         S rho, S one_minus_rho, S eps, S momentum) {
-  for (int64_t i = 0; i < n; ++i) {
-    const S gi = g[i];
-    const S msi = rho * ms[i] + one_minus_rho * (gi * gi);
-    ms[i] = msi;
-    S d = msi;
-    if constexpr (kCentered) {
-      const S mgi = rho * mg[i] + one_minus_rho * gi;
-      mg[i] = mgi;
-      const S c = msi - mgi * mgi;
-      d = c < S(0) ? S(0) : c;
-    }
-    const S step = lr * gi / std::sqrt(d + eps);
-    if constexpr (kMomentum) {
-      const S mi = momentum * mom[i] + step;
-      mom[i] = mi;
-      v[i] -= mi;
-    } else {
-      v[i] -= step;
-    }
-  }
-}
-
-#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-// The float32 RMSprop and Adam blocks compiled again for AVX2: their square roots and
-// divisions bound them, and AVX2 does eight at a time where the baseline build does four
-// (BM_OptimizerUpdate: Adam and RMSprop 1.9x faster). Without FMA on purpose: every
-// operation rounds as in the baseline loop, so the updated weights do not depend on the CPU.
 template <bool kCentered, bool kMomentum>
-__attribute__((target("avx2"))) void rmsprop_block_avx2(float* __restrict v,
-                                                        const float* __restrict g,
-                                                        float* __restrict ms, float* __restrict mom,
-                                                        float* __restrict mg, int64_t n, float lr,
-                                                        float rho, float one_minus_rho, float eps,
-                                                        float momentum) {
-  rmsprop_block<kCentered, kMomentum>(v, g, ms, mom, mg, n, lr, rho, one_minus_rho, eps, momentum);
-}
-#endif
-
-// rmsprop_block on the AVX2 build where the CPU has it (float32), else the baseline one.
-template <bool kCentered, bool kMomentum, typename S>
-void rmsprop_block_best(S* v, const S* g, S* ms, S* mom, S* mg, int64_t n, S lr, S rho,
-                        S one_minus_rho, S eps, S momentum) {
-#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-  if constexpr (std::is_same_v<S, float>) {
-    if (has_avx2_fma())
-      return rmsprop_block_avx2<kCentered, kMomentum>(v, g, ms, mom, mg, n, lr, rho, one_minus_rho,
-                                                      eps, momentum);
+struct RmspropBlock {
+  template <typename S>
+  MIXTAPE_ALWAYS_INLINE static void run(S* __restrict v, const S* __restrict g, S* __restrict ms,
+                                        S* __restrict mom, S* __restrict mg, int64_t n, S lr, S rho,
+                                        S one_minus_rho, S eps, S momentum) {
+    for (int64_t i = 0; i < n; ++i) {
+      const S gi = g[i];
+      const S msi = rho * ms[i] + one_minus_rho * (gi * gi);
+      ms[i] = msi;
+      S d = msi;
+      if constexpr (kCentered) {
+        const S mgi = rho * mg[i] + one_minus_rho * gi;
+        mg[i] = mgi;
+        const S c = msi - mgi * mgi;
+        d = c < S(0) ? S(0) : c;
+      }
+      const S step = lr * gi / std::sqrt(d + eps);
+      if constexpr (kMomentum) {
+        const S mi = momentum * mom[i] + step;
+        mom[i] = mi;
+        v[i] -= mi;
+      } else {
+        v[i] -= step;
+      }
+    }
   }
-#endif
-  rmsprop_block<kCentered, kMomentum>(v, g, ms, mom, mg, n, lr, rho, one_minus_rho, eps, momentum);
-}
+};
 
 // rmsprop_update (Keras RMSprop): slot1 the mean square, slot2 the momentum buffer
 // (momentum > 0), slot3 the mean gradient (centered); rho arrives as beta2.
@@ -326,69 +335,40 @@ void rmsprop_kernel(const OptimizerUpdate& u) {
     S* m1 = ms + b;
     S* m2 = use_momentum ? mom + b : nullptr;
     S* m3 = u.centered ? mg + b : nullptr;
-    if (u.centered && use_momentum)
-      rmsprop_block_best<true, true>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
-    else if (u.centered)
-      rmsprop_block_best<true, false>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
-    else if (use_momentum)
-      rmsprop_block_best<false, true>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
-    else
-      rmsprop_block_best<false, false>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps, momentum);
+    with_flags(u.centered, use_momentum, [&]<bool kCentered, bool kMomentum>() {
+      run_best<RmspropBlock<kCentered, kMomentum>>(v, g, m1, m2, m3, n, lr, rho, one_minus_rho, eps,
+                                                   momentum);
+    });
   });
 }
 
 // Adam / AdamW: var -= lr_wd * var (kDecay); m += (g - m)(1 - beta1);
 // v += (g^2 - v)(1 - beta2); amsgrad: vmax = max(vmax, v); var -= alpha m / (sqrt(v |
 // vmax) + eps). vmax is null when unused.
-template <bool kAmsgrad, bool kDecay, typename S>
-MIXTAPE_ALWAYS_INLINE void adam_block(S* __restrict var, const S* __restrict g, S* __restrict m,
-                                      S* __restrict v, S* __restrict vmax, int64_t n, S alpha,
-                                      S one_minus_beta1, S one_minus_beta2, S eps, S lr_wd) {
-  for (int64_t i = 0; i < n; ++i) {
-    S x = var[i];
-    if constexpr (kDecay) x -= lr_wd * x;
-    const S gi = g[i];
-    const S mi = m[i] + (gi - m[i]) * one_minus_beta1;
-    m[i] = mi;
-    const S vi = v[i] + (gi * gi - v[i]) * one_minus_beta2;
-    v[i] = vi;
-    S d = vi;
-    if constexpr (kAmsgrad) {
-      const S mx = vmax[i] < vi ? vi : vmax[i];
-      vmax[i] = mx;
-      d = mx;
-    }
-    var[i] = x - alpha * mi / (std::sqrt(d) + eps);
-  }
-}
-
-#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
 template <bool kAmsgrad, bool kDecay>
-__attribute__((target("avx2"))) void adam_block_avx2(float* __restrict var,
-                                                     const float* __restrict g, float* __restrict m,
-                                                     float* __restrict v, float* __restrict vmax,
-                                                     int64_t n, float alpha, float one_minus_beta1,
-                                                     float one_minus_beta2, float eps,
-                                                     float lr_wd) {
-  adam_block<kAmsgrad, kDecay>(var, g, m, v, vmax, n, alpha, one_minus_beta1, one_minus_beta2, eps,
-                               lr_wd);
-}
-#endif
-
-// adam_block on the AVX2 build where the CPU has it (float32), else the baseline one.
-template <bool kAmsgrad, bool kDecay, typename S>
-void adam_block_best(S* var, const S* g, S* m, S* v, S* vmax, int64_t n, S alpha, S one_minus_beta1,
-                     S one_minus_beta2, S eps, S lr_wd) {
-#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-  if constexpr (std::is_same_v<S, float>) {
-    if (has_avx2_fma())
-      return adam_block_avx2<kAmsgrad, kDecay>(var, g, m, v, vmax, n, alpha, one_minus_beta1,
-                                               one_minus_beta2, eps, lr_wd);
+struct AdamBlock {
+  template <typename S>
+  MIXTAPE_ALWAYS_INLINE static void run(S* __restrict var, const S* __restrict g, S* __restrict m,
+                                        S* __restrict v, S* __restrict vmax, int64_t n, S alpha,
+                                        S one_minus_beta1, S one_minus_beta2, S eps, S lr_wd) {
+    for (int64_t i = 0; i < n; ++i) {
+      S x = var[i];
+      if constexpr (kDecay) x -= lr_wd * x;
+      const S gi = g[i];
+      const S mi = m[i] + (gi - m[i]) * one_minus_beta1;
+      m[i] = mi;
+      const S vi = v[i] + (gi * gi - v[i]) * one_minus_beta2;
+      v[i] = vi;
+      S d = vi;
+      if constexpr (kAmsgrad) {
+        const S mx = vmax[i] < vi ? vi : vmax[i];
+        vmax[i] = mx;
+        d = mx;
+      }
+      var[i] = x - alpha * mi / (std::sqrt(d) + eps);
+    }
   }
-#endif
-  adam_block<kAmsgrad, kDecay>(var, g, m, v, vmax, n, alpha, one_minus_beta1, one_minus_beta2, eps,
-                               lr_wd);
-}
+};
 
 // adam_update (Keras Adam / AdamW): slot1 = m, slot2 = v, slot3 = max v (amsgrad). The
 // bias corrections fold into alpha = lr sqrt(1 - beta2^step) / (1 - beta1^step), computed
@@ -408,27 +388,20 @@ void adam_kernel(const OptimizerUpdate& u) {
   const bool decay = u.weight_decay != 0.0;
   for_each_var_block<T>(u, [&](S* x, const S* g, int64_t b, int64_t n) {
     S* vm = u.amsgrad ? vmax + b : nullptr;
-    if (u.amsgrad && decay)
-      adam_block_best<true, true>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
-    else if (u.amsgrad)
-      adam_block_best<true, false>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
-    else if (decay)
-      adam_block_best<false, true>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
-    else
-      adam_block_best<false, false>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps, lr_wd);
+    with_flags(u.amsgrad, decay, [&]<bool kAmsgrad, bool kDecay>() {
+      run_best<AdamBlock<kAmsgrad, kDecay>>(x, g, m + b, v + b, vm, n, alpha, omb1, omb2, eps,
+                                            lr_wd);
+    });
   });
 }
 
 }  // namespace
 
 void register_optim_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
-  register_op<OpId::unscale_check>(
-      cpu, []<DType::Code C>() { return &unscale_check_kernel<element_t<C>>; });
-  register_op<OpId::sgd_update>(cpu, []<DType::Code C>() { return &sgd_kernel<element_t<C>>; });
-  register_op<OpId::rmsprop_update>(cpu,
-                                    []<DType::Code C>() { return &rmsprop_kernel<element_t<C>>; });
-  register_op<OpId::adam_update>(cpu, []<DType::Code C>() { return &adam_kernel<element_t<C>>; });
+  MIXTAPE_CPU_KERNEL(unscale_check, unscale_check_kernel);
+  MIXTAPE_CPU_KERNEL(sgd_update, sgd_kernel);
+  MIXTAPE_CPU_KERNEL(rmsprop_update, rmsprop_kernel);
+  MIXTAPE_CPU_KERNEL(adam_update, adam_kernel);
 }
 
 }  // namespace mixtape::cpu
