@@ -506,43 +506,44 @@ void conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& 
                static_cast<T*>(out.data_ptr()), g);
 }
 
+// A backward pass of conv2d on T, from its inputs a and b into out: the 16-bit accumulation
+// emulation acc16 where the geometry asks for it (float16, bfloat16), else oneDNN where it
+// takes the pass, else the loops (on the compute type: float32 copies for the 16-bit types).
+template <typename T, typename Acc16, typename Onednn, typename Loops>
+void conv2d_backward(const Tensor& a, const Tensor& b, const Tensor& out, const Conv2dGeometry& g,
+                     Acc16 acc16, Onednn onednn, Loops loops) {
+  if constexpr (!kNative<T>) {
+    if (g.low_precision_accumulation)
+      return acc16(input<T>(a, 1), input<T>(b, 2), static_cast<T*>(out.data_ptr()), g);
+  }
+  if (onednn(a, b, out, g)) return;
+  auto* o = output<T>(out, 3);
+  loops(input<T>(a, 1), input<T>(b, 2), o, g);
+  store<T>(o, out);
+}
+
 template <typename T>
 void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                            const Conv2dGeometry& g) {
-  if constexpr (!kNative<T>) {
-    if (g.low_precision_accumulation)
-      return conv_backward_input_acc16(input<T>(grad_out, 1), input<T>(w, 2),
-                                       static_cast<T*>(grad_x.data_ptr()), g);
-  }
-  if (onednn_conv2d_backward_input(grad_out, w, grad_x, g)) return;
-  auto* o = output<T>(grad_x, 3);
-  conv_backward_input(input<T>(grad_out, 1), input<T>(w, 2), o, g);
-  store<T>(o, grad_x);
+  conv2d_backward<T>(
+      grad_out, w, grad_x, g, [](auto... p) { conv_backward_input_acc16<T>(p...); },
+      &onednn_conv2d_backward_input, [](auto... p) { conv_backward_input(p...); });
 }
 
 template <typename T>
 void conv2d_backward_weight(const Tensor& x, const Tensor& grad_out, const Tensor& grad_w,
                             const Conv2dGeometry& g) {
-  if constexpr (!kNative<T>) {
-    if (g.low_precision_accumulation)
-      return conv_backward_weight_acc16(input<T>(x, 1), input<T>(grad_out, 2),
-                                        static_cast<T*>(grad_w.data_ptr()), g);
-  }
-  if (onednn_conv2d_backward_weight(x, grad_out, grad_w, g)) return;
-  auto* o = output<T>(grad_w, 3);
-  conv_backward_weight(input<T>(x, 1), input<T>(grad_out, 2), o, g);
-  store<T>(o, grad_w);
+  conv2d_backward<T>(
+      x, grad_out, grad_w, g, [](auto... p) { conv_backward_weight_acc16<T>(p...); },
+      &onednn_conv2d_backward_weight, [](auto... p) { conv_backward_weight(p...); });
 }
 
 }  // namespace
 
 void register_conv_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
-  register_op<OpId::conv2d>(cpu, []<DType::Code C>() { return &conv2d<element_t<C>>; });
-  register_op<OpId::conv2d_backward_input>(
-      cpu, []<DType::Code C>() { return &conv2d_backward_input<element_t<C>>; });
-  register_op<OpId::conv2d_backward_weight>(
-      cpu, []<DType::Code C>() { return &conv2d_backward_weight<element_t<C>>; });
+  MIXTAPE_CPU_KERNEL(conv2d, conv2d);
+  MIXTAPE_CPU_KERNEL(conv2d_backward_input, conv2d_backward_input);
+  MIXTAPE_CPU_KERNEL(conv2d_backward_weight, conv2d_backward_weight);
 }
 
 }  // namespace mixtape::cpu

@@ -43,9 +43,28 @@ void gather_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t 
   }
 }
 
+// For 16-bit floats, scatter_add and index_add are their float32 kernel run on float32
+// copies of src and out, each result rounded once: added in 16 bits, an element that
+// receives several rows would be rounded after every add (the reduced-precision kernels
+// compute and accumulate in float32, mixtape/core/kernels.h). The two share a signature.
+template <typename T>
+void accumulate_in_float32(kernels::ScatterAddFn* float32_kernel, const Tensor& src,
+                           const Tensor& index, int64_t outer, int64_t n, int64_t k, int64_t inner,
+                           const Tensor& out) {
+  Tensor s = Tensor::empty(src.shape(), kFloat32, src.device());
+  Tensor o = Tensor::empty(out.shape(), kFloat32, out.device());
+  to_float(static_cast<const T*>(src.const_data_ptr()), s.data<float>(), src.numel());
+  to_float(static_cast<const T*>(out.const_data_ptr()), o.data<float>(), out.numel());
+  float32_kernel(s, index, outer, n, k, inner, o);
+  from_float(o.data<float>(), static_cast<T*>(out.data_ptr()), out.numel());
+}
+
 template <typename T>
 void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                         int64_t inner, const Tensor& out) {
+  if constexpr (kReduced<T>)
+    return accumulate_in_float32<T>(&scatter_add_kernel<float>, src, index, outer, n, k, inner,
+                                    out);
   const T* sp = static_cast<const T*>(src.const_data_ptr());
   const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
@@ -110,6 +129,8 @@ void add_row(T* __restrict dst, const T* __restrict src, int64_t len) {
 template <typename T>
 void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int64_t n, int64_t k,
                       int64_t inner, const Tensor& out) {
+  if constexpr (kReduced<T>)
+    return accumulate_in_float32<T>(&index_add_kernel<float>, src, index, outer, n, k, inner, out);
   if (outer == 0 || k == 0 || inner == 0) return;
   const T* sp = static_cast<const T*>(src.const_data_ptr());
   const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
@@ -135,45 +156,18 @@ void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int
   }
 }
 
-// For 16-bit floats, scatter_add and index_add are their float32 kernel run on float32
-// copies of src and out, each result rounded once: added in 16 bits, an element that
-// receives several rows would be rounded after every add (the reduced-precision kernels
-// compute and accumulate in float32, mixtape/core/kernels.h). The two share a signature.
-template <typename T, kernels::ScatterAddFn* kFloat32Kernel>
-void accumulate_in_float32(const Tensor& src, const Tensor& index, int64_t outer, int64_t n,
-                           int64_t k, int64_t inner, const Tensor& out) {
-  Tensor s = Tensor::empty(src.shape(), kFloat32, src.device());
-  Tensor o = Tensor::empty(out.shape(), kFloat32, out.device());
-  to_float(static_cast<const T*>(src.const_data_ptr()), s.data<float>(), src.numel());
-  to_float(static_cast<const T*>(out.const_data_ptr()), o.data<float>(), out.numel());
-  kFloat32Kernel(s, index, outer, n, k, inner, o);
-  from_float(o.data<float>(), static_cast<T*>(out.data_ptr()), out.numel());
-}
-
 }  // namespace
 
 void register_index_kernels() {
-  constexpr auto cpu = DeviceType::CPU;
   // gather and take move elements (one kernel per item size); the adjoints add (16-bit
   // floats through float32, accumulate_in_float32).
-  register_op<OpId::gather>(
-      cpu, []<DType::Code C>() { return &gather_kernel<bits_t<sizeof(element_t<C>)>>; });
-  register_op<OpId::scatter_add>(cpu, []<DType::Code C>() -> kernels::ScatterAddFn* {
-    using T = element_t<C>;
-    if constexpr (kReduced<T>)
-      return &accumulate_in_float32<T, &scatter_add_kernel<float>>;
-    else
-      return &scatter_add_kernel<T>;
+  register_op<OpId::gather>(DeviceType::CPU, []<DType::Code C>() {
+    return &gather_kernel<bits_t<sizeof(element_t<C>)>>;
   });
   register_op<OpId::take>(
-      cpu, []<DType::Code C>() { return &take_kernel<bits_t<sizeof(element_t<C>)>>; });
-  register_op<OpId::index_add>(cpu, []<DType::Code C>() -> kernels::IndexAddFn* {
-    using T = element_t<C>;
-    if constexpr (kReduced<T>)
-      return &accumulate_in_float32<T, &index_add_kernel<float>>;
-    else
-      return &index_add_kernel<T>;
-  });
+      DeviceType::CPU, []<DType::Code C>() { return &take_kernel<bits_t<sizeof(element_t<C>)>>; });
+  MIXTAPE_CPU_KERNEL(scatter_add, scatter_add_kernel);
+  MIXTAPE_CPU_KERNEL(index_add, index_add_kernel);
 }
 
 }  // namespace mixtape::cpu

@@ -226,46 +226,45 @@ void fill_kernel(const Tensor& out, double value) {
 
 // --- cast ------------------------------------------------------------------------------
 
-// One block [0, n) of x (dtype S) -> y (dtype D), n <= kBlock.
+// n values of dtype S as float32: float8 and 16-bit exactly (the 16-bit ones in bulk), wider
+// sources rounded to odd so that a further rounding to 16 or 8 bits is correct.
+template <DType::Code S>
+void load_float(const elem_t<S>* x, float* y, int64_t n) {
+  if constexpr (is_reduced(S))
+    to_float(x, y, n);
+  else if constexpr (is_float8(S))
+    for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) y[i] = to_float_for_reduced<S>(x[i]);
+}
+
+// n float32 values as dtype D (rounded to nearest even; the 16-bit ones in bulk).
+template <DType::Code D>
+void store_float(const float* x, elem_t<D>* y, int64_t n) {
+  if constexpr (is_reduced(D))
+    from_float(x, y, n);
+  else if constexpr (is_float8(D))
+    for (int64_t i = 0; i < n; ++i) y[i] = elem_t<D>(x[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) y[i] = convert<DType::Float32, D>(x[i]);
+}
+
+// One block [0, n) of x (dtype S) -> y (dtype D), n <= kBlock. A float8 or 16-bit type on
+// either side goes through float32 (load_float, store_float), directly when the other side
+// is float32.
 template <DType::Code S, DType::Code D>
 void cast_block(const elem_t<S>* x, elem_t<D>* y, int64_t n) {
+  constexpr bool kThroughFloat32 = is_reduced(S) || is_reduced(D) || is_float8(S) || is_float8(D);
   if constexpr (S == D) {
     std::memcpy(y, x, static_cast<std::size_t>(n) * sizeof(elem_t<S>));
-  } else if constexpr (is_float8(S) || is_float8(D)) {
-    // Through float32: exact from float8; rounded to odd into float32 from wider sources.
+  } else if constexpr (kThroughFloat32 && D == DType::Float32) {
+    load_float<S>(x, y, n);
+  } else if constexpr (kThroughFloat32 && S == DType::Float32) {
+    store_float<D>(x, y, n);
+  } else if constexpr (kThroughFloat32) {
     float buf[kBlock];
-    if constexpr (is_float8(S))
-      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[i]);
-    else if constexpr (is_reduced(S))
-      to_float(x, buf, n);
-    else
-      for (int64_t i = 0; i < n; ++i) buf[i] = to_float_for_reduced<S>(x[i]);
-    if constexpr (is_float8(D))
-      for (int64_t i = 0; i < n; ++i) y[i] = elem_t<D>(buf[i]);
-    else if constexpr (is_reduced(D))
-      from_float(buf, y, n);
-    else
-      for (int64_t i = 0; i < n; ++i) y[i] = convert<DType::Float32, D>(buf[i]);
-  } else if constexpr (is_reduced(S)) {
-    // Exact widening to float32 in bulk, then float32 -> D.
-    if constexpr (D == DType::Float32) {
-      to_float(x, y, n);
-    } else {
-      float buf[kBlock];
-      to_float(x, buf, n);
-      if constexpr (is_reduced(D))
-        from_float(buf, y, n);
-      else
-        for (int64_t i = 0; i < n; ++i) y[i] = convert<DType::Float32, D>(buf[i]);
-    }
-  } else if constexpr (is_reduced(D)) {
-    if constexpr (S == DType::Float32) {
-      from_float(x, y, n);
-    } else {
-      float buf[kBlock];
-      for (int64_t i = 0; i < n; ++i) buf[i] = to_float_for_reduced<S>(x[i]);
-      from_float(buf, y, n);
-    }
+    load_float<S>(x, buf, n);
+    store_float<D>(buf, y, n);
   } else {
     for (int64_t i = 0; i < n; ++i) y[i] = convert<S, D>(x[i]);
   }

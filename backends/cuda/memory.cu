@@ -60,43 +60,29 @@ void copy_host(const Tensor& src, const Tensor& dst) {
 // double -> float rounded to odd, on the host (core's, mixtape/core/half.h).
 float host_round_to_odd(double v) { return detail::round_to_odd_float(v); }
 
-// The bits of `value` converted to dtype dt, exactly as the CPU backend's fill converts it.
+// `value` as an element of dtype C, exactly as the CPU backend's fill converts it: the 16- and
+// 8-bit floats through float32 rounded to odd, integers truncated and saturated, bool true
+// for anything but zero (NaN included).
+template <DType::Code C>
+element_t<C> fill_value(double value) {
+  using T = element_t<C>;
+  if constexpr (C == DType::Bool)
+    return T(value != 0.0);
+  else if constexpr (std::is_integral_v<T>)
+    return saturating_trunc<T>(value);
+  else if constexpr (std::is_floating_point_v<T>)
+    return static_cast<T>(value);
+  else
+    return T(host_round_to_odd(value));  // half, bfloat16, float8
+}
+
+// The bits of fill_value in dtype dt, in the low bytes.
 std::uint64_t fill_bits(double value, DType dt) {
   std::uint64_t bits = 0;
-  switch (dt.code()) {
-    case DType::Float32: {
-      const float f = static_cast<float>(value);
-      std::memcpy(&bits, &f, sizeof f);
-      break;
-    }
-    case DType::Float16:
-      bits = mixtape::half(host_round_to_odd(value)).bits;
-      break;
-    case DType::BFloat16:
-      bits = mixtape::bfloat16(host_round_to_odd(value)).bits;
-      break;
-    case DType::Float64:
-      std::memcpy(&bits, &value, sizeof value);
-      break;
-    case DType::Int32:
-      bits = static_cast<std::uint32_t>(saturating_trunc<std::int32_t>(value));
-      break;
-    case DType::Int64:
-      bits = static_cast<std::uint64_t>(saturating_trunc<std::int64_t>(value));
-      break;
-    case DType::UInt8:
-      bits = saturating_trunc<std::uint8_t>(value);
-      break;
-    case DType::Bool:
-      bits = value != 0.0 ? 1 : 0;  // NaN is true
-      break;
-    case DType::Float8E4M3FN:
-      bits = mixtape::float8_e4m3fn(host_round_to_odd(value)).bits;
-      break;
-    case DType::Float8E5M2:
-      bits = mixtape::float8_e5m2(host_round_to_odd(value)).bits;
-      break;
-  }
+  visit_code(dt.code(), [&]<DType::Code C>() {
+    const element_t<C> v = fill_value<C>(value);
+    std::memcpy(&bits, &v, sizeof v);
+  });
   return bits;
 }
 
