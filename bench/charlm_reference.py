@@ -16,10 +16,19 @@ generator). Adam's epsilon enters as PyTorch has it (added to sqrt(v_hat)); mixt
 as Keras does (to sqrt(v)); with 1e-8 the difference is below anything measured here.
 
   /usr/bin/python3 bench/charlm_reference.py --precision mixed_bfloat16
+  python3 bench/charlm_reference.py --device cuda --preset gpt2-small --batch 8 \
+      --precision mixed_bfloat16 --text corpus.txt --steps 60 [--compile]
 
-Precisions: float32 | mixed_bfloat16 (torch.autocast on the CPU, bfloat16). Prints progress
-lines and, last, one JSON line: validation bits per character over every non-overlapping
-window of the validation text, training tokens per second (steps after the first), steps.
+Precisions: float32 | mixed_bfloat16 (torch.autocast, bfloat16) | mixed_float16 (CUDA only:
+torch.autocast float16 with a GradScaler). On CUDA the model is written as a PyTorch user
+writes it today: F.scaled_dot_product_attention(is_causal=True) (--attention sdpa, the
+default there; the composed form, float32 logits as mixtape's MultiHeadAttention, is the
+CPU's default), the fused AdamW, optionally torch.compile. The loss is read back only at
+progress lines. Prints progress lines and, last, one JSON line: validation bits per
+character over every non-overlapping window of the validation text, training tokens per
+second (the steps after the first, timed from the end of the first to the end of the last,
+the device synchronized at both), steps, and on CUDA the card and the peak memory PyTorch
+allocated.
 """
 import argparse
 import json
@@ -72,9 +81,10 @@ def read_corpus(path):
 
 
 class Block(nn.Module):
-    def __init__(self, width, heads):
+    def __init__(self, width, heads, sdpa):
         super().__init__()
         self.heads = heads
+        self.sdpa = sdpa
         self.ln1 = nn.LayerNorm(width, eps=1e-5)
         self.q = nn.Linear(width, width)
         self.k = nn.Linear(width, width)
@@ -89,21 +99,25 @@ class Block(nn.Module):
         h = self.ln1(x)
         split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
-        # The logits and softmax in float32, as mixtape's MultiHeadAttention does.
-        logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d // self.heads)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        weights = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-        a = (weights.to(v.dtype) @ v).transpose(1, 2).reshape(b, t, d)
+        if self.sdpa:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # The logits and softmax in float32, as mixtape's MultiHeadAttention does.
+            logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d // self.heads)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            weights = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+            a = weights.to(v.dtype) @ v
+        a = a.transpose(1, 2).reshape(b, t, d)
         x = x + self.o(a)
         return x + self.mlp_out(F.gelu(self.mlp_in(self.ln2(x))))
 
 
 class CharLM(nn.Module):
-    def __init__(self, vocab, width, heads, layers, context):
+    def __init__(self, vocab, width, heads, layers, context, sdpa):
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(context, width))
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, sdpa) for _ in range(layers))
         self.ln = nn.LayerNorm(width, eps=1e-5)
         self.logits = nn.Linear(width, vocab)
         for m in self.modules():
@@ -122,7 +136,8 @@ class CharLM(nn.Module):
 
 
 def windows(data, offsets, context):
-    idx = torch.tensor(offsets).unsqueeze(1) + torch.arange(context + 1).unsqueeze(0)
+    idx = (torch.tensor(offsets, device=data.device).unsqueeze(1)
+           + torch.arange(context + 1, device=data.device).unsqueeze(0))
     w = data[idx]
     return w[:, :-1], w[:, 1:]
 
@@ -150,7 +165,14 @@ def main():
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=7000)
-    p.add_argument("--precision", default="float32", choices=["float32", "mixed_bfloat16"])
+    p.add_argument("--precision", default="float32",
+                   choices=["float32", "mixed_bfloat16", "mixed_float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--preset", default="", choices=["", "gpt2-small"],
+                   help="gpt2-small: 12 layers, width 768, 12 heads, context 1024")
+    p.add_argument("--attention", default="", choices=["", "composed", "sdpa"],
+                   help="default: sdpa on CUDA, composed on the CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--lr", type=float, default=6e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
@@ -162,7 +184,18 @@ def main():
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="intra-op threads (mixtape uses every core, as OpenMP does)")
     a = p.parse_args()
+    if a.preset == "gpt2-small":
+        a.layers, a.width, a.heads, a.context = 12, 768, 12, 1024
+    if a.precision == "mixed_float16" and a.device != "cuda":
+        p.error("--precision mixed_float16 needs --device cuda")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: PyTorch sees no GPU")
+    sdpa = (a.attention or ("sdpa" if a.device == "cuda" else "composed")) == "sdpa"
+    if sdpa and not hasattr(F, "scaled_dot_product_attention"):
+        p.error(f"--attention sdpa needs PyTorch 2.0 or later (this is {torch.__version__})")
     torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
 
     sources = read_corpus(a.text)
     vocab = sorted(set(b"".join(data for data, _ in sources)))
@@ -171,13 +204,18 @@ def main():
         table[b] = i
     def ids(data):
         return table[torch.tensor(list(data), dtype=torch.long)]
-    train = ids(b"".join(data[:split] for data, split in sources))
-    val = ids(b"".join(data[split:] for data, split in sources))
+    train = ids(b"".join(data[:split] for data, split in sources)).to(device)
+    val = ids(b"".join(data[split:] for data, split in sources)).to(device)
 
     torch.manual_seed(a.seed)
-    model = CharLM(len(vocab), a.width, a.heads, a.layers, a.context)
+    model = CharLM(len(vocab), a.width, a.heads, a.layers, a.context, sdpa).to(device)
+    fused = {"fused": True} if a.device == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, a.beta2), eps=1e-8,
-                            weight_decay=a.weight_decay)
+                            weight_decay=a.weight_decay, **fused)
+    step_model = torch.compile(model) if a.compile else model
+    scaler = torch.cuda.amp.GradScaler(enabled=a.precision == "mixed_float16")
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     floor = a.lr * a.min_lr_ratio
 
     def lr_at(step):
@@ -187,40 +225,52 @@ def main():
         return floor + (a.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
     def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16,
-                              enabled=a.precision == "mixed_bfloat16")
+        dtype = torch.float16 if a.precision == "mixed_float16" else torch.bfloat16
+        return torch.autocast(a.device, dtype=dtype, enabled=a.precision != "float32")
 
     rng = SplitMix64(a.seed)
     span = len(train) - a.context
-    seconds, tokens, window = 0.0, 0, []
+    first_done, window = None, []
     for step in range(a.steps):
         offsets = [rng.next() % span for _ in range(a.batch)]
-        start = time.perf_counter()
         x, y = windows(train, offsets, a.context)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with autocast():
-            logits = model(x)
+            logits = step_model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()
         if a.clip > 0:
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        opt.step()
-        window.append(loss.item())
-        if step > 0:
-            seconds += time.perf_counter() - start
-            tokens += a.batch * a.context
+        scaler.step(opt)
+        scaler.update()
+        window.append(loss.detach())
+        if step == 0:  # the first step (and a compilation) is not timed
+            sync()
+            first_done = time.perf_counter()
         if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
-            print(f"step {step + 1:>6}  loss {sum(window) / len(window) / math.log(2):.4f} "
-                  f"bits/char  lr {lr_at(step):.3g}  {tokens / max(seconds, 1e-9):.0f} tokens/s",
-                  flush=True)
+            mean = torch.stack(window).float().mean().item()  # synchronizes
+            seconds = time.perf_counter() - first_done
+            print(f"step {step + 1:>6}  loss {mean / math.log(2):.4f} bits/char  "
+                  f"lr {lr_at(step):.3g}  {step * a.batch * a.context / max(seconds, 1e-9):.0f} "
+                  "tokens/s", flush=True)
             window = []
+    sync()
+    seconds = time.perf_counter() - first_done
+    tokens = (a.steps - 1) * a.batch * a.context
     val_bpc = bits_per_char(model, val, a.context, a.batch, autocast)
-    print(json.dumps({"framework": "pytorch", "torch": torch.__version__,
-                      "precision": a.precision, "steps": a.steps, "val_bits_per_char": val_bpc,
-                      "tokens_per_s": tokens / max(seconds, 1e-9),
-                      "threads": torch.get_num_threads()}))
+    result = {"framework": "pytorch", "torch": torch.__version__, "device": a.device,
+              "precision": a.precision, "attention": "sdpa" if sdpa else "composed",
+              "compile": a.compile, "layers": a.layers, "width": a.width, "heads": a.heads,
+              "context": a.context, "batch": a.batch, "steps": a.steps,
+              "val_bits_per_char": val_bpc, "tokens_per_s": tokens / max(seconds, 1e-9),
+              "threads": torch.get_num_threads()}
+    if a.device == "cuda":
+        result["card"] = torch.cuda.get_device_name()
+        result["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds a relocatable bundle of the conformance sweep, the CUDA test suite and the MNIST
-# trainer, for a GPU machine that has the NVIDIA driver and the CUDA 13 runtime libraries
+# Builds a relocatable bundle of the conformance sweep, the CUDA test suite, the MNIST
+# trainer and the character-level GPT (with its PyTorch twin and a corpus), for a GPU machine that has the NVIDIA driver and the CUDA 13 runtime libraries
 # (cudart, cuBLAS, cuBLASLt; cuDNN 9) but no compiler toolchain or Debian packages: the
 # binaries are built here, and the shared libraries they need beyond glibc and CUDA
 # (OpenBLAS, libgfortran, libgomp, fmt, spdlog, zlib, Open MPI's libmpi) are copied beside
@@ -16,12 +16,15 @@
 #   ./run.sh mixtape-ops                    # every kernel of every backend against the CPU
 #   ./run.sh mixtape_cuda_tests             # the CUDA test suite
 #   ./run.sh mixtape-mnist --device cuda --data-dir data
+#   ./run.sh mixtape-charlm --device cuda --text data/charlm.txt
 #
 # run.sh puts the bundle's lib/ and the CUDA / cuDNN library folders it finds on
 # LD_LIBRARY_PATH (CUDNN_LIB_DIR overrides the cuDNN search; otherwise a Python with the
 # nvidia-cudnn wheel is asked, then /usr and /opt are searched for libcudnn.so.9). Built with CUDA architecture 90 (Hopper) unless
 # CMAKE_CUDA_ARCHITECTURES is passed, and without oneDNN (its library alone is 40 MB); the
-# MNIST files from MIXTAPE_DATA_DIR (when set) go to data/.
+# MNIST files from MIXTAPE_DATA_DIR (when set) go to data/, and so does data/charlm.txt, the
+# fortunes corpus in one file (where the fortunes are installed); bench/charlm_reference.py
+# goes to bench/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -40,11 +43,12 @@ command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]] || {
 
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DMIXTAPE_CUDA=ON -DMIXTAPE_ONEDNN=OFF \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DMIXTAPE_BUILD_BENCHMARKS=OFF "$@"
-cmake --build "$build_dir" --parallel "$(nproc)" --target mixtape-ops mixtape_cuda_tests mixtape-mnist
+cmake --build "$build_dir" --parallel "$(nproc)" --target mixtape-ops mixtape_cuda_tests mixtape-mnist \
+  mixtape-charlm
 
 rm -rf "$stage"
 mkdir -p "$stage/bin" "$stage/lib"
-for target in mixtape-ops mixtape_cuda_tests mixtape-mnist; do
+for target in mixtape-ops mixtape_cuda_tests mixtape-mnist mixtape-charlm; do
   bin="$(find "$build_dir" -type f -name "$target" -perm -u+x -print -quit)"
   [[ -n "$bin" ]] || { echo "bundle.sh: $target was not built" >&2; exit 1; }
   cp "$bin" "$stage/bin/"
@@ -74,6 +78,16 @@ if [[ -n "${MIXTAPE_DATA_DIR:-}" && -d "$MIXTAPE_DATA_DIR" ]]; then
   mkdir -p "$stage/data"
   cp "$MIXTAPE_DATA_DIR"/*-ubyte* "$stage/data/" 2>/dev/null || true
 fi
+# The charlm's corpus for the GPU machine, which has no fortunes package: the fortune files
+# (no .dat indexes, no .u8 links) in name order, as one text (split 90 / 10 by --text).
+fortunes=/usr/share/games/fortunes
+if [[ -d "$fortunes" ]]; then
+  mkdir -p "$stage/data"
+  find "$fortunes" -maxdepth 1 -type f ! -name '*.*' -print0 | sort -z | xargs -0 cat \
+    >"$stage/data/charlm.txt"
+fi
+mkdir -p "$stage/bench"
+cp bench/charlm_reference.py "$stage/bench/"
 
 cat >"$stage/run.sh" <<'EOF'
 #!/usr/bin/env bash

@@ -13,17 +13,26 @@
 #   custom   the trainer's custom GradientTape loop (guide mixed_float16, mlp mixed_bfloat16)
 #   profile  per-kernel GPU times of two guide steps through Nsight Compute (ncu)
 #   gemm     the cuBLAS rate of the guide's GEMM shapes, through PyTorch
+#   gpt      the character-level GPT against its PyTorch twin (the bundle's
+#            bench/charlm_reference.py: SDPA, fused AdamW, autocast, GradScaler), alternated
+#            in GPT_ROUNDS rounds (default 2), GPT_STEPS steps a run (default 60): the
+#            6-layer shape (width 384, 6 heads, context 256, batch 64) under mixed_bfloat16,
+#            mixed_float16 and float32, the GPT-2-small body (--preset gpt2-small, batch 8)
+#            under mixed_bfloat16 and mixed_float16
+#   gptcompile  PyTorch's torch.compile at both shapes under mixed_bfloat16 (one round; its
+#            compilation takes a minute or more a run, so it is not in the default steps)
+#            (GPT_DEVICE=cpu runs these two on the CPU: a dry run of the step itself)
 #
 #   bash scripts/gpu_check.sh BUNDLE_DIR LOG_DIR [reference_pytorch.py] [STEPS]
 #
-# STEPS: a comma-separated subset of the steps above (default: all). Logs go to LOG_DIR, at
-# most seven files; summary.txt has a line per run. Needs nvidia-smi (peak memory), and
-# python3 with PyTorch and ncu for torch, profile and gemm.
+# STEPS: a comma-separated subset of the steps above (default: all but gptcompile). Logs go to
+# LOG_DIR, at most eight files; summary.txt has a line per run. Needs nvidia-smi (peak memory),
+# and python3 with PyTorch for torch, gemm, gpt and gptcompile, ncu for profile.
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 logs="$2"
 ref="${3:-}"
-steps=",${4:-ops,tests,mnist,guide,torch,custom,profile,gemm},"
+steps=",${4:-ops,tests,mnist,guide,torch,custom,profile,gemm,gpt},"
 mkdir -p "$logs"
 summary="$logs/summary.txt"
 : >"$summary"
@@ -150,5 +159,46 @@ for (m, k, n) in [(8192, 4096, 4096), (8192, 784, 4096), (4096, 8192, 4096)]:
         print(f"gemm {m}x{k}x{n} {str(dt).split('.')[1]}: {2*m*k*n/t/1e12:.1f} TFLOP/s ({t*1e6:.1f} us)")
 PY
   note "$(cat "$logs/gemm.log")"
+fi
+# The charlm at one shape and policy, mixtape or PyTorch: FRAMEWORK POLICY [shape arguments];
+# one summary line with tokens/s, the validation loss and the device's peak memory.
+gpt() {
+  local framework=$1 policy=$2
+  shift 2
+  local steps=${GPT_STEPS:-60} out
+  out="$(mktemp)"
+  t0=$SECONDS
+  if [[ $framework == mixtape ]]; then
+    with_peak_memory timeout 120 "$bundle/run.sh" mixtape-charlm --device "${GPT_DEVICE:-cuda}" \
+      --text "$bundle/data/charlm.txt" --policy "$policy" --steps "$steps" --log-every "$steps" \
+      --eval-every 0 --sample 0 "$@" >"$out" 2>&1
+  else
+    with_peak_memory timeout 300 python3 "$bundle/bench/charlm_reference.py" \
+      --device "${GPT_DEVICE:-cuda}" \
+      --text "$bundle/data/charlm.txt" --precision "$policy" --steps "$steps" \
+      --log-every "$steps" "$@" >"$out" 2>&1
+  fi
+  local rc=$?
+  { echo "--- $framework $policy $*"; cat "$out"; } >>"$logs/gpt.log"
+  note "gpt $framework $policy $*: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB:" \
+    "$(grep -E 'training throughput|validation loss' "$out" | tr '\n' ' ')$(grep -o '"tokens_per_s": [0-9.]*' "$out")"
+  rm -f "$out"
+}
+small_gpt=(--layers 6 --width 384 --heads 6 --context 256 --batch 64)
+if want gpt; then
+  for round in $(seq "${GPT_ROUNDS:-2}"); do
+    for policy in mixed_bfloat16 mixed_float16 float32; do
+      gpt mixtape "$policy" "${small_gpt[@]}"
+      gpt pytorch "$policy" "${small_gpt[@]}"
+    done
+    for policy in mixed_bfloat16 mixed_float16; do
+      gpt mixtape "$policy" --preset gpt2-small --batch 8
+      gpt pytorch "$policy" --preset gpt2-small --batch 8
+    done
+  done
+fi
+if want gptcompile; then
+  gpt pytorch mixed_bfloat16 "${small_gpt[@]}" --compile
+  gpt pytorch mixed_bfloat16 --preset gpt2-small --batch 8 --compile
 fi
 note "== done $(date -u +%FT%TZ)"
