@@ -135,11 +135,15 @@ void parallel_rows(std::int64_t rows, std::int64_t work, Body&& body) {
   for (std::int64_t r = 0; r < rows; ++r) body(r);
 }
 
-// The per-thread buffers of a loop over rows of n elements: `in` for as_compute, `out` n
-// compute-type values (a row of results before from_compute stores it).
+// The per-thread buffers of a loop over rows: `in` for as_compute, and out(n), room for a
+// row of n results before from_compute stores it. Both grow on first use, once per thread.
 template <typename C>
 struct RowBuffers {
-  std::vector<C> in, out;
+  std::vector<C> in, results;
+  C* out(std::int64_t n) {
+    results.resize(static_cast<std::size_t>(n));
+    return results.data();
+  }
 };
 
 // body(r, buffers) for each row r in [0, rows) of n elements, each thread with RowBuffers
@@ -148,7 +152,7 @@ template <typename C, typename Body>
 void for_each_row(std::int64_t rows, std::int64_t n, Body&& body) {
 #pragma omp parallel if (rows * n > kParallelGrain)
   {
-    RowBuffers<C> buffers{{}, std::vector<C>(static_cast<std::size_t>(n))};
+    RowBuffers<C> buffers;
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) body(r, buffers);
   }

@@ -62,7 +62,7 @@ void cross_entropy_backward_kernel(const Tensor& logits, const Tensor& labels_t,
   T* dx = static_cast<T*>(dlogits.data_ptr());
   for_each_row<C>(n, c, [&](int64_t i, RowBuffers<C>& buf) {
     const C* xr = as_compute(x + i * c, c, buf.in);
-    C* out = buf.out.data();
+    C* out = buf.out(c);
     const C l = lse[i], g = dloss[i];
 #pragma omp simd
     for (int64_t j = 0; j < c; ++j) out[j] = g * exp_any(xr[j] - l);

@@ -37,7 +37,7 @@ void layer_norm_kernel(const Tensor& x_t, const Tensor& gamma_t, const Tensor& b
   C* rstd = static_cast<C*>(rstd_t.data_ptr());
   for_each_row<C>(rows, n, [&](int64_t r, RowBuffers<C>& buf) {
     const C* xr = as_compute(x + r * n, n, buf.in);
-    C* y = buf.out.data();
+    C* y = buf.out(n);
     double s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = 0; j < n; ++j) s += static_cast<double>(xr[j]);
