@@ -9,7 +9,8 @@
 //
 // float32 exp, tanh and sigmoid use the branch-free exp_f32 (cpu_util.h) / tanh_f32 below
 // (<= 1.6 ulp) so that their loops vectorise; float32 erf and gelu (erfc) call glibc's
-// vector math library (libmvec: erff / erfcf four lanes at a time, where CMake finds it);
+// vector math library (libmvec: erff / erfcf four lanes at a time, where CMake finds it;
+// activation_math.h, which the fused linear op's epilogues share);
 // log, pow and all float64 math call the C library per element; sqrt / rsqrt vectorise as
 // the library is built with -fno-math-errno.
 //
@@ -24,32 +25,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "backends/cpu/activation_math.h"
 #include "backends/cpu/cpu_util.h"
 #include "core/strided_layout.h"
-
-#ifdef MIXTAPE_WITH_LIBMVEC
-// glibc (2.35 and later) ships SIMD variants of erff and erfcf in libmvec (_ZGVbN4v_erff,
-// ...; as accurate as the scalar functions on the gelu range, measured). Declared as
-// SIMD functions here, a `#pragma omp simd` loop over them calls those variants; math.h
-// declares them so only under -ffast-math, which the library does not use.
-extern "C" {
-#pragma omp declare simd notinbranch
-float erff(float) noexcept;
-#pragma omp declare simd notinbranch
-float erfcf(float) noexcept;
-}
-#endif
 
 namespace mixtape::cpu {
 namespace {
 
 using std::int64_t;
-
-// erf / erfc of float through erff / erfcf (the SIMD ones above in `omp simd` loops).
-inline float erf_of(float x) { return ::erff(x); }
-inline float erfc_of(float x) { return ::erfcf(x); }
-inline double erf_of(double x) { return std::erf(x); }
-inline double erfc_of(double x) { return std::erfc(x); }
 
 // --- Strided iteration -----------------------------------------------------------------
 
@@ -181,22 +164,19 @@ struct UnaryOp<OpId::tanh> {
       return std::tanh(x);
   }
 };
-// 1 / (1 + e^-x) through e = e^-|x| <= 1, so nothing overflows for large |x|.
+// The activations (activation_math.h, shared with the fused linear op).
 template <>
 struct UnaryOp<OpId::sigmoid> {
   template <typename T>
   T operator()(T x) const {
-    const T e = exp_any(-std::fabs(x));
-    const T s = T(1) / (T(1) + e);
-    return blend(x >= T(0), s, e * s);
+    return sigmoid_of(x);
   }
 };
-// max(x, 0); NaN stays NaN, -0 stays -0.
 template <>
 struct UnaryOp<OpId::relu> {
   template <typename T>
   T operator()(T x) const {
-    return x < T(0) ? T(0) : x;
+    return relu_of(x);
   }
   // The same on float16 / bfloat16 bits (it only selects x or +0, so no float32 round trip
   // is needed): x < 0 exactly when the sign is set and the magnitude is in [1, inf].
@@ -206,24 +186,18 @@ struct UnaryOp<OpId::relu> {
     return negative ? std::int16_t{0} : k.quieted(x);
   }
 };
-// Exact gelu, x * Phi(x) = 0.5 x erfc(-x / sqrt2): erfc keeps the negative tail accurate
-// where 1 + erf(x / sqrt2) would cancel.
 template <>
 struct UnaryOp<OpId::gelu> {
   template <typename T>
   T operator()(T x) const {
-    return T(0.5) * x * erfc_of(-x * T(0.70710678118654752440));
+    return gelu_of(x);
   }
 };
-// gelu's tanh form 0.5 x (1 + tanh(u)) as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3):
-// the same function, without 1 + tanh(u)'s cancellation in the negative tail; vectorises
-// (sigmoid's exp is the vectorising one).
 template <>
 struct UnaryOp<OpId::gelu_tanh> {
   template <typename T>
   T operator()(T x) const {
-    const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
-    return x * UnaryOp<OpId::sigmoid>{}(T(2) * u);
+    return gelu_tanh_of(x);
   }
 };
 
@@ -247,21 +221,13 @@ struct BinaryOp<OpId::relu_backward> {
   }
 };
 
-// The gradient through the exact gelu in one pass: g (Phi(x) + x phi(x)), Phi(x) =
-// 0.5 erfc(-x / sqrt2), phi(x) = exp(-x^2 / 2) / sqrt(2 pi), rounded once to the output's
-// type (the composition of a dozen ops it replaces rounded every step, in bfloat16 too).
-// x phi(x) is taken as 0 where |x| >= 64 (phi is 0 there, and inf * 0 would be NaN): the
-// gradient tends to g at +inf and to 0 at -inf; a NaN x gives NaN.
+// The gradient through the exact gelu in one pass, rounded once to the output's type (the
+// composition of a dozen ops it replaces rounded every step, in bfloat16 too).
 template <>
 struct BinaryOp<OpId::gelu_backward> {
   template <typename T>
   T operator()(T x, T g) const {
-    const T cdf = T(0.5) * erfc_of(-x * T(0.70710678118654752440));
-    // x clamped to [-64, 64] for x phi(x), by bit selects (no branch, no fmin / fmax call:
-    // either keeps the loop from vectorising); a NaN x stays NaN.
-    const T xc = blend(x > T(64), T(64), blend(x < T(-64), T(-64), x));
-    const T xpdf = xc * exp_any(T(-0.5) * xc * xc) * T(0.39894228040143267794);
-    return g * (cdf + xpdf);
+    return gelu_grad_of(x, g);
   }
 };
 

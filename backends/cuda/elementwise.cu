@@ -13,6 +13,7 @@
 // Launches: contiguous operands take a grid-stride loop over 16-byte vectors (when every
 // pointer is 16-byte aligned; a scalar tail follows) or over scalars; broadcast / strided
 // operands take the strided geometry of elementwise_util.cuh (stride 0 on broadcast axes).
+#include "backends/cuda/activation_math.cuh"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
@@ -74,29 +75,12 @@ MIXTAPE_UNARY_EXPR(sqrt, d_sqrt(x));
 MIXTAPE_UNARY_EXPR(rsqrt, C(1) / d_sqrt(x));
 MIXTAPE_UNARY_EXPR(tanh, d_tanh(x));
 MIXTAPE_UNARY_EXPR(erf, d_erf(x));
-MIXTAPE_UNARY_EXPR(relu, x < C(0) ? C(0) : x);  // max(x, 0); NaN and -0 stay
-// Exact gelu: 0.5 x erfc(-x / sqrt2).
-MIXTAPE_UNARY_EXPR(gelu, C(0.5) * x * d_erfc(-x * C(0.70710678118654752440)));
+// The activations (activation_math.cuh, shared with the fused linear op).
+MIXTAPE_UNARY_EXPR(relu, relu_of(x));
+MIXTAPE_UNARY_EXPR(gelu, gelu_of(x));
+MIXTAPE_UNARY_EXPR(sigmoid, sigmoid_of(x));
+MIXTAPE_UNARY_EXPR(gelu_tanh, gelu_tanh_of(x));
 #undef MIXTAPE_UNARY_EXPR
-// 1 / (1 + e^-x) through e = e^-|x| <= 1 (nothing overflows); NaN stays NaN.
-template <>
-struct UnaryOp<OpId::sigmoid> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    const C e = d_exp(-d_fabs(x));
-    const C s = C(1) / (C(1) + e);
-    return x >= C(0) ? s : e * s;
-  }
-};
-// gelu's tanh form as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3) (the CPU's form).
-template <>
-struct UnaryOp<OpId::gelu_tanh> {
-  template <typename C>
-  __device__ C operator()(C x) const {
-    const C u = C(0.79788456080286535588) * (x + C(0.044715) * x * x * x);
-    return x * UnaryOp<OpId::sigmoid>{}(C(2) * u);
-  }
-};
 
 // add, sub and mul: integers wrap modulo 2^bits (through the unsigned type).
 #define MIXTAPE_WRAPPING(op_name, sym)                                  \
@@ -166,16 +150,12 @@ struct BinaryOp<OpId::relu_backward> {
     return y > C(0) ? g : C(0);
   }
 };
-// gelu_backward: g (Phi(x) + x phi(x)) in the compute type, rounded once (the CPU's form;
-// x phi(x) is 0 where |x| >= 64).
+// gelu_backward: g (Phi(x) + x phi(x)) in the compute type, rounded once.
 template <>
 struct BinaryOp<OpId::gelu_backward> {
   template <typename C>
   __device__ C operator()(C x, C g) const {
-    const C cdf = C(0.5) * d_erfc(-x * C(0.70710678118654752440));
-    const C pdf = d_exp(C(-0.5) * x * x) * C(0.39894228040143267794);
-    const C xpdf = d_fabs(x) < C(64) ? x * pdf : C(0);
-    return g * (cdf + xpdf);
+    return gelu_grad_of(x, g);
   }
 };
 
