@@ -31,9 +31,31 @@ void gemm_native(const GemmArgs& g) {
               c + bi * p.sc, p.ldc);
 }
 
-// float16 / bfloat16: bulk-convert A and B (once when their batch stride is 0), sgemm
-// into a float32 scratch, bulk-convert the result back. low_precision_accumulation goes
-// to gemm_acc16 instead.
+// float16 / bfloat16 operands multiplied in float32: A and B bulk-converted (once when their
+// batch stride is 0) and multiplied into this thread's float32 scratch, the batch packed
+// (m * n apart): one oneDNN call over the whole batch, or one sgemm per batch item without
+// oneDNN. Returns the scratch.
+template <typename T>
+float* product_in_float32(const Plan& p, const T* a, const T* b) {
+  thread_local Scratch<> scratch_a, scratch_b, scratch_c;
+  const FloatOperands f = float_operands(p, a, b, scratch_a, scratch_b);
+  Plan packed = p;
+  packed.lda = p.cols_a();
+  packed.ldb = p.cols_b();
+  packed.ldc = p.n;
+  packed.sa = p.sa == 0 ? 0 : f.size_a;
+  packed.sb = p.sb == 0 ? 0 : f.size_b;
+  packed.sc = p.batch > 1 ? p.m * p.n : 0;
+  float* all = scratch_c.get(p.batch * p.m * p.n);
+  if (onednn_matmul_f32(packed, f.a, f.b, all)) return all;
+  for (std::int64_t bi = 0; bi < p.batch; ++bi)
+    blas_gemm(p.ta, p.tb, p.m, p.n, p.k, f.a + (p.sa == 0 ? 0 : bi * f.size_a), p.cols_a(),
+              f.b + (p.sb == 0 ? 0 : bi * f.size_b), p.cols_b(), 0.0f, all + bi * p.m * p.n, p.n);
+  return all;
+}
+
+// float16 / bfloat16: the product in float32 (above), rounded back (nearest-even) in one
+// conversion pass. low_precision_accumulation goes to gemm_acc16 instead.
 template <typename T>
 void gemm_reduced(const GemmArgs& g) {
   if (g.low_precision_accumulation) return gemm_acc16<T>(g);
@@ -43,52 +65,45 @@ void gemm_reduced(const GemmArgs& g) {
   if constexpr (std::is_same_v<T, bfloat16>) {
     if (onednn_matmul_bf16(p, a, b, c)) return;
   }
-
-  thread_local Scratch<> scratch_a, scratch_b, scratch_c;
-  const FloatOperands f = float_operands(p, a, b, scratch_a, scratch_b);
-  const float *fa = f.a, *fb = f.b;
-  const std::int64_t size_a = f.size_a, size_b = f.size_b;
-
-  // One oneDNN float32 call over the packed copies (the whole batch), then one conversion
-  // pass; without oneDNN, one sgemm per batch item below.
-  {
-    Plan packed = p;
-    packed.lda = p.cols_a();
-    packed.ldb = p.cols_b();
-    packed.ldc = p.n;
-    packed.sa = p.sa == 0 ? 0 : size_a;
-    packed.sb = p.sb == 0 ? 0 : size_b;
-    packed.sc = p.batch > 1 ? p.m * p.n : 0;
-    float* all = scratch_c.get(p.batch * p.m * p.n);
-    if (onednn_matmul_f32(packed, fa, fb, all)) {
-      for (std::int64_t bi = 0; bi < p.batch; ++bi) {
-        const float* from = all + bi * p.m * p.n;
-        T* out = c + bi * p.sc;
-        if (p.ldc == p.n) {
-          convert(from, out, p.m * p.n);
-        } else {
-          for (std::int64_t r = 0; r < p.m; ++r) convert(from + r * p.n, out + r * p.ldc, p.n);
-        }
-      }
-      return;
-    }
-  }
-  float* fc = scratch_c.get(p.m * p.n);
-
+  const float* all = product_in_float32(p, a, b);
   for (std::int64_t bi = 0; bi < p.batch; ++bi) {
-    const float* ma = fa + (p.sa == 0 ? 0 : bi * size_a);
-    const float* mb = fb + (p.sb == 0 ? 0 : bi * size_b);
-    blas_gemm(p.ta, p.tb, p.m, p.n, p.k, ma, p.cols_a(), mb, p.cols_b(), 0.0f, fc, p.n);
+    const float* from = all + bi * p.m * p.n;
     T* out = c + bi * p.sc;
     if (p.ldc == p.n) {
-      convert(fc, out, p.m * p.n);
+      convert(from, out, p.m * p.n);
     } else {
-      for (std::int64_t r = 0; r < p.m; ++r) convert(fc + r * p.n, out + r * p.ldc, p.n);
+      for (std::int64_t r = 0; r < p.m; ++r) convert(from + r * p.n, out + r * p.ldc, p.n);
     }
   }
 }
 
 }  // namespace
+
+template <typename T>
+compute_t<T>* linear_product(const Tensor& x, const Tensor& w, const Tensor& out) {
+  GemmArgs g;
+  g.a = x;
+  g.b = w;
+  g.out = out;
+  g.m = x.dim(0);
+  g.k = x.dim(1);
+  g.n = w.dim(1);
+  g.lda = g.k;
+  g.ldb = g.n;
+  g.ldc = g.n;
+  if constexpr (kNative<T>) {
+    gemm_native<T>(g);
+    return static_cast<T*>(out.data_ptr());
+  } else {
+    const auto operands = gemm_operands<T>(g);  // m, n, k >= 1: always a product
+    const auto& [p, a, b, c] = *operands;
+    return product_in_float32(p, a, b);
+  }
+}
+template float* linear_product<float>(const Tensor&, const Tensor&, const Tensor&);
+template double* linear_product<double>(const Tensor&, const Tensor&, const Tensor&);
+template float* linear_product<half>(const Tensor&, const Tensor&, const Tensor&);
+template float* linear_product<bfloat16>(const Tensor&, const Tensor&, const Tensor&);
 
 void register_gemm_kernels() {
   // float32 / float64 on BLAS; float16 / bfloat16 through gemm_reduced (float32 math).
