@@ -73,6 +73,12 @@ inline constexpr BoolVar kCpuThreadsAdapt{
     "MIXTAPE_CPU_THREADS_ADAPT", true, "the CPU kernels always run on the OpenMP default count",
     "fewer threads while other processes keep cores busy, unless OMP_NUM_THREADS is set"};
 
+// backends/cuda/gemm.cpp: the fused linear op's bias and activation in cuBLASLt's epilogues.
+inline constexpr BoolVar kCudaLtEpilogues{
+    "MIXTAPE_CUDA_LT_EPILOGUES", true,
+    "the fused linear op applies its bias and activation in a kernel of its own on CUDA",
+    "in cuBLASLt's epilogues (bias, gelu_tanh) where cuBLASLt has an algorithm for them"};
+
 // backends/cpu/backend.cpp: the megabytes of freed blocks the CPU allocator keeps.
 inline constexpr UIntVar kCpuCacheMb{"MIXTAPE_CPU_CACHE_MB", 1024, std::uint64_t{1} << 20,
                                      "megabytes of freed CPU memory kept for reuse"};

@@ -527,7 +527,7 @@ TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in fl
   CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2)");
   CHECK(trace.rows[0].output == mt::kBFloat16);
   CHECK(trace.rows[2].policy == "float32");
-  CHECK(trace.rows[2].note.empty());
+  CHECK(trace.rows[2].note == "fused linear (bias)");  // float32: the fused op
   CHECK(trace.rows[2].output == mt::kFloat32);
   // Shapes FP8 GEMMs cannot take (a dimension not a multiple of 16) stay in bfloat16.
   const mt::DTypeTrace odd = mt::trace_dtypes(model, x.slice(0, 0, 12));

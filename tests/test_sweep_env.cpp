@@ -149,6 +149,9 @@ TEST_CASE("environment parsers: the accepted values", "[env]") {
   CHECK(env::kCpuThreadsAdapt.parse("0") == false);
   CHECK(env::kCpuThreadsAdapt.parse("1") == true);
   CHECK(env::kFp16UseFp32Compute.parse(nullptr) == true);
+  CHECK(env::kCudaLtEpilogues.parse(nullptr) == true);
+  CHECK(env::kCudaLtEpilogues.parse("0") == false);
+  CHECK_THROWS_AS(env::kCudaLtEpilogues.parse("off"), mt::ValueError);
   CHECK(env::kCpuCacheMb.parse(nullptr) == 1024);
   CHECK(env::kCpuCacheMb.parse("0") == 0);
   CHECK(env::kCpuCacheMb.parse("64") == 64);
@@ -199,6 +202,7 @@ TEST_CASE("the op names of the AMP lists are the ops that pass through the rewri
     (void)mt::masked_softmax(a, mt::less(a, b), 0.5);
     (void)mt::fused_attention(a, b, b, mt::Tensor(), true, 0.5);
     (void)mt::layer_norm(a, mt::Tensor(), mt::Tensor(), 1e-5);
+    (void)mt::linear(a, m, mt::Tensor(), "relu");
     (void)mt::softmax_cross_entropy(a, mt::from_vector(std::vector<std::int64_t>{0, 2}, {2}));
     (void)mt::gather(a, gidx, 1), (void)mt::take(a, idx, 1);
     (void)mt::reshape(a, {3, 2}), (void)mt::permute(a, {1, 0}), (void)mt::slice(a, 1, 0, 2);

@@ -243,7 +243,9 @@ TEST_CASE("custom loop: GradientTape + LossScaleOptimizer as in the guide", "[tr
 TEST_CASE("amp: which dtype each op of a float32 model ran in, with and without the rewrite",
           "[training][amp]") {
   AmpOff off;
-  auto model = mt::Sequential({ml::Dense(16, {.activation = "relu"}), ml::Dense(4)});
+  // sigmoid is not one of the fused linear op's activations: the first Dense composes matmul,
+  // add and sigmoid; the second runs as one linear op.
+  auto model = mt::Sequential({ml::Dense(16, {.activation = "sigmoid"}), ml::Dense(4)});
   const mt::Tensor x = mt::uniform({8, 5}, -1.0, 1.0);
   const mt::Tensor y = mt::from_vector<std::int64_t>({0, 1, 2, 3, 0, 1, 2, 3}, {8});
   auto loss_object = mt::losses::SparseCategoricalCrossentropy({.from_logits = true});
@@ -281,10 +283,12 @@ TEST_CASE("amp: which dtype each op of a float32 model ran in, with and without 
   const auto [rewritten, amp_out] = trace_step(amp_opt);
   fmt::print("with enable_auto_mixed_precision:\n");
   for (const auto& r : rewritten) fmt::print("  {} -> {}\n", r.op, r.computation);
-  CHECK(first(rewritten, "matmul").computation == mt::kFloat16);  // allow
-  CHECK(first(rewritten, "add").computation == mt::kFloat16);     // infer: the bias add
-  CHECK(first(rewritten, "relu").computation == mt::kFloat16);    // clear
-  CHECK(first(rewritten, "mean").computation == mt::kFloat32);    // deny (the loss)
+  CHECK(first(rewritten, "matmul").computation == mt::kFloat16);   // allow
+  CHECK(first(rewritten, "add").computation == mt::kFloat16);      // infer: the bias add
+  CHECK(first(rewritten, "sigmoid").computation == mt::kFloat16);  // infer
+  CHECK(first(rewritten, "reshape").computation == mt::kFloat16);  // clear: linear's input
+  CHECK(first(rewritten, "linear").computation == mt::kFloat16);   // allow
+  CHECK(first(rewritten, "mean").computation == mt::kFloat32);     // deny (the loss)
   CHECK(amp_out == mt::kFloat16);
   // The variables stay float32 and their gradients too.
   for (const auto& v : model.trainable_variables()) CHECK(v.dtype() == mt::kFloat32);
@@ -323,7 +327,7 @@ TEST_CASE("amp: the op lists are data, printable and editable", "[amp]") {
   CHECK(lists.category("reshape") == mt::AmpCategory::Clear);
   const std::string text = lists.str();
   fmt::print("{}", text);
-  CHECK(text.find("allow: attention, conv2d, matmul") != std::string::npos);
+  CHECK(text.find("allow: attention, conv2d, linear, matmul") != std::string::npos);
   lists.set("gelu", mt::AmpCategory::Allow);
   CHECK(lists.category("gelu") == mt::AmpCategory::Allow);
   lists.remove("matmul");

@@ -93,6 +93,7 @@ void register_backend_and_kernels() {
   register_reduction_kernels();
   register_index_kernels();
   register_gemm_kernels();
+  register_linear_kernels();
   register_conv_kernels();
   register_pool_kernels();
   register_optim_kernels();

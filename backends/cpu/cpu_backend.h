@@ -27,6 +27,7 @@ void register_elementwise_kernels();    // unary, binary, comparisons, where
 void register_reduction_kernels();      // sum, mean, max, min, argmax, softmax, log_softmax
 void register_index_kernels();          // gather, scatter_add, take, index_add
 void register_gemm_kernels();           // matmul
+void register_linear_kernels();         // linear and its backward pass (fused)
 void register_conv_kernels();           // conv2d and its backward passes
 void register_pool_kernels();           // max / average pooling and their backward passes
 void register_optim_kernels();          // unscale_check, sgd/rmsprop/adam updates

@@ -1,6 +1,8 @@
 // Private to the CUDA backend: the registration entry points of its kernel files.
 #pragma once
 
+#include "mixtape/core/kernels.h"
+
 namespace mixtape::cuda_backend {
 
 // Registers every CUDA kernel into the dispatch table (backends/cuda/register.cpp).
@@ -26,5 +28,19 @@ void register_pool_kernels();           // max / average pooling (pool.cu)
 void register_attention_kernels();      // attention and its backward pass, fused (attention.cu)
 void register_layer_norm_kernels();     // layer_norm and its backward pass, fused (layer_norm.cu)
 void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward (cross_entropy.cu)
+void register_linear_kernels();         // linear and its backward pass, fused (linear.cu)
+
+// --- The linear op's products (gemm.cpp, for linear.cu) -----------------------------------
+
+// The cuBLASLt epilogues the linear op uses (GELU is cuBLASLt's tanh approximation).
+enum class LinearEpilogue { bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias };
+// a.x [m, k] times a.w [k, n] into d [m, n] (contiguous, x's dtype), as matmul computes it.
+void linear_gemm(const kernels::LinearArgs& a, const Tensor& d);
+// The same product with epilogue e on the way out (a.bias when e has one; the GELU epilogues'
+// pre-activation into aux when aux is defined: gelu_aux, gelu_aux_bias): true; false, with
+// nothing written, when cuBLASLt has no algorithm for it, the data is not aligned as its
+// epilogues need, the dtype is float64 or MIXTAPE_CUDA_LT_EPILOGUES=0.
+bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,
+                          const Tensor& aux);
 
 }  // namespace mixtape::cuda_backend

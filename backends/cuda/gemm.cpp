@@ -28,11 +28,11 @@
 //     problem) or with a dimension past int32: the same kernel with float32 / float64
 //     accumulation.
 //
-// Fusion: nothing is fused yet. A bias + ReLU epilogue would plug in as
-// CUBLASLT_MATMUL_DESC_EPILOGUE = CUBLASLT_EPILOGUE_RELU_BIAS (or _BIAS / _GELU_BIAS) with
-// CUBLASLT_MATMUL_DESC_BIAS_POINTER on the matmul descriptor (part of the plan key), the bias
-// broadcast along cuBLASLt's rows, which are our columns (n) after the swap: exactly a
-// Dense layer's per-output-feature bias.
+// Fusion: the linear op's product (linear.cu) may run with a cuBLASLt epilogue
+// (linear_gemm_epilogue below): CUBLASLT_MATMUL_DESC_EPILOGUE BIAS or GELU(_AUX)(_BIAS), the
+// epilogue part of the plan key, the bias (float32) broadcast along
+// cuBLASLt's rows, which are our columns (n) after the swap: exactly a Dense layer's
+// per-output-feature bias; the GELU epilogues' aux output (the pre-activation) has D's layout.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -51,6 +51,7 @@
 #include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "backends/cuda/plan_cache.h"
+#include "core/env.h"
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/register_kernels.h"
@@ -220,11 +221,21 @@ void choose_algorithm(cublasLtHandle_t handle, LtPlan& plan, const Preference& p
   }
 }
 
+// A linear op's epilogue (linear_gemm_epilogue): the cuBLASLt epilogue, whether it reads a
+// bias (float32 for every data type but float64, which takes none), and the leading dimension
+// of its aux output (0: none).
+struct EpilogueSpec {
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  bool bias = false;
+  int64_t aux_ld = 0;
+};
+
 // Builds the descriptors of problem s (batch <= kMaxBatchPerCall) and asks the heuristic for
-// an algorithm that works with the given alignments.
+// an algorithm that works with the given alignments; with an epilogue, for one that has it
+// (none found: the caller computes the epilogue itself, so no warning).
 std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTypes& types,
                                   const GemmShape& s, std::uint32_t align_a, std::uint32_t align_b,
-                                  std::uint32_t align_c) {
+                                  std::uint32_t align_c, const EpilogueSpec* epilogue = nullptr) {
   auto plan = std::make_unique<LtPlan>();
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(plan->op.out(), types.compute, types.scale));
   const std::int32_t op_a = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A: our B
@@ -238,6 +249,19 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
   set_layout(plan->a.out(), types.data, s.tb ? s.k : s.n, s.tb ? s.n : s.k, s.ldb, s.batch, s.sb);
   set_layout(plan->b.out(), types.data, s.ta ? s.m : s.k, s.ta ? s.k : s.m, s.lda, s.batch, s.sa);
   set_layout(plan->c.out(), types.data, s.n, s.m, s.ldc, s.batch, s.sc);
+  if (epilogue) {
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue->epilogue, sizeof(epilogue->epilogue)));
+    if (epilogue->bias) {
+      const cudaDataType_t bias_type = CUDA_R_32F;
+      MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+          plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+    }
+    if (epilogue->aux_ld > 0)
+      MIXTAPE_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                         &epilogue->aux_ld, sizeof(epilogue->aux_ld)));
+  }
 
   Preference pref;
   // cuBLASLt's A is our B, its B our A; C and D are our C.
@@ -252,7 +276,7 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
       CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
   choose_algorithm(handle, *plan, pref);
-  if (!plan->supported)
+  if (!plan->supported && !epilogue)
     spdlog::warn(
         "mixtape: cuBLASLt has no algorithm for a {} matmul (batch {}, m {}, n {}, k {}, "
         "trans {}{}, ld {}/{}/{}, strides {}/{}/{}, alignment {}/{}/{}): {}; using the "
@@ -400,7 +424,105 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
                                       &plan.algo, workspace.data(), plan.workspace, st));
 }
 
+// The plain product of the linear op: gemm<C> on x [m, k] w [k, n] into d [m, n].
+GemmArgs linear_args(const kernels::LinearArgs& a, const Tensor& d) {
+  GemmArgs g;
+  g.a = a.x;
+  g.b = a.w;
+  g.out = d;
+  g.m = a.x.dim(0);
+  g.k = a.x.dim(1);
+  g.n = a.w.dim(1);
+  g.lda = g.k;
+  g.ldb = g.n;
+  g.ldc = g.n;
+  return g;
+}
+
+cublasLtEpilogue_t lt_epilogue(LinearEpilogue e) {
+  switch (e) {
+    case LinearEpilogue::bias:
+      return CUBLASLT_EPILOGUE_BIAS;
+    case LinearEpilogue::gelu:
+      return CUBLASLT_EPILOGUE_GELU;
+    case LinearEpilogue::gelu_bias:
+      return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case LinearEpilogue::gelu_aux:
+      return CUBLASLT_EPILOGUE_GELU_AUX;
+    case LinearEpilogue::gelu_aux_bias:
+      return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// Plans of the linear products with an epilogue; the bias and aux pointers are set on the
+// descriptor at each call under this lock (a plan is used by one call at a time).
+std::mutex g_linear_mutex;
+
 }  // namespace
+
+void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
+  const GemmArgs g = linear_args(a, d);
+  switch (a.x.dtype().code()) {
+    case DType::Float16:
+      return gemm<DType::Float16>(g);
+    case DType::BFloat16:
+      return gemm<DType::BFloat16>(g);
+    case DType::Float64:
+      return gemm<DType::Float64>(g);
+    default:
+      return gemm<DType::Float32>(g);
+  }
+}
+
+bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,
+                          const Tensor& aux) {
+  static const bool enabled = detail::env::kCudaLtEpilogues.read();
+  const DType dt = a.x.dtype();
+  const int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
+  if (!enabled || dt == kFloat64 || m > kInt32Max || n > kInt32Max || k > kInt32Max) return false;
+  // cuBLASLt reads the bias and writes aux in vectors: 16-byte aligned, and aux's leading
+  // dimension a multiple of 8 elements.
+  const void* bias = a.bias.defined() ? a.bias.const_data_ptr() : nullptr;
+  void* aux_ptr = aux.defined() ? aux.data_ptr() : nullptr;
+  if (bias && alignment(bias, 0, 0, 1, 1) < 16) return false;
+  if (aux_ptr && (alignment(aux_ptr, 0, 0, 1, 1) < 16 || n % 8 != 0)) return false;
+  const int device = d.device().index();
+  DeviceGuard guard(device);
+  const cudaStream_t st = stream(device);
+  const cublasLtHandle_t handle = lt_handle(device);
+  const GemmShape s = normalize(linear_args(a, d));
+  const bool tf32 = dt == kFloat32 && cuda::allow_tf32();
+  const LtTypes types = lt_types(dt, tf32);
+  const std::size_t item = dt.itemsize();
+  const std::uint32_t align_a = alignment(a.x.const_data_ptr(), s.lda, 0, 1, item);
+  const std::uint32_t align_b = alignment(a.w.const_data_ptr(), s.ldb, 0, 1, item);
+  const std::uint32_t align_c = alignment(d.data_ptr(), s.ldc, 0, 1, item);
+  const EpilogueSpec spec{lt_epilogue(e), bias != nullptr, aux_ptr ? n : 0};
+  static auto* plans = new PlanCache<LtPlan>();  // never destroyed
+  PlanKey key;
+  key.v = {
+      device,  dt.index(), static_cast<int64_t>(types.compute), s.m,       s.n,        s.k, align_a,
+      align_b, align_c,    static_cast<int64_t>(spec.epilogue), spec.bias, spec.aux_ld};
+  std::lock_guard<std::mutex> lock(g_linear_mutex);
+  LtPlan& plan = find_or_make(*plans, key, [&] {
+    return make_plan(handle, dt, types, s, align_a, align_b, align_c, &spec);
+  });
+  if (!plan.supported) return false;
+  if (bias)
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                        &bias, sizeof(bias)));
+  if (aux_ptr)
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr, sizeof(aux_ptr)));
+  const float one = 1.0f, zero = 0.0f;
+  Workspace workspace(plan.workspace, device);
+  void* out = d.data_ptr();
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, a.w.const_data_ptr(), plan.a,
+                                      a.x.const_data_ptr(), plan.b, &zero, out, plan.c, out, plan.c,
+                                      &plan.algo, workspace.data(), plan.workspace, st));
+  return true;
+}
 
 void register_gemm_kernels() {
   register_op<OpId::matmul>(DeviceType::CUDA, []<DType::Code C>() { return &gemm<C>; });

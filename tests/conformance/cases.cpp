@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numbers>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -407,6 +408,122 @@ void attention(Context& c) {
     c.expect_close(what + ", dv", dv.tested, from_vector(rv, {a.n, a.s, a.dv}, kFloat64),
                    Scale{grad_terms, 0.0});
   }
+}
+
+// --- Fused linear ----------------------------------------------------------------------------
+
+// The activations of the linear op and their derivatives in float64 (kernels.h's definitions).
+double linear_act(kernels::LinearActivation a, double z) {
+  switch (a) {
+    case kernels::LinearActivation::relu:
+      return z < 0 ? 0.0 : z;
+    case kernels::LinearActivation::gelu:
+      return 0.5 * z * std::erfc(-z / std::sqrt(2.0));
+    case kernels::LinearActivation::gelu_tanh:
+      return 0.5 * z *
+             (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (z + 0.044715 * z * z * z)));
+    case kernels::LinearActivation::none:
+      break;
+  }
+  return z;
+}
+double linear_act_grad(kernels::LinearActivation a, double s) {
+  switch (a) {
+    case kernels::LinearActivation::relu:
+      return s > 0 ? 1.0 : 0.0;
+    case kernels::LinearActivation::gelu:
+      return 0.5 * std::erfc(-s / std::sqrt(2.0)) +
+             s * std::exp(-0.5 * s * s) / std::sqrt(2 * std::numbers::pi);
+    case kernels::LinearActivation::gelu_tanh: {
+      const double c = std::sqrt(2.0 / std::numbers::pi),
+                   t = std::tanh(c * (s + 0.044715 * s * s * s));
+      return 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * s * s);
+    }
+    case kernels::LinearActivation::none:
+      break;
+  }
+  return 1.0;
+}
+
+// linear and linear_backward against float64 formulas written out here: every activation, with
+// and without a bias and a pre-activation output, over shapes with odd and aligned extents
+// (a GPU's epilogue path and its fallback), and more rows than one block of the bias
+// gradient's partial sums.
+void linear(Context& c) {
+  using kernels::LinearActivation;
+  const bool backward = is(c, "LinearBackwardFn");
+  const DType ct = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  struct Case {
+    int64_t m, n, k;
+  };
+  const std::vector<Case> cases{{1, 1, 1},     {7, 5, 3},    {33, 17, 65},
+                                {64, 64, 300}, {130, 24, 8}, {16, 256, 64}};
+  const auto at = [](const std::vector<double>& v, int64_t i) {
+    return v[static_cast<std::size_t>(i)];
+  };
+  for (const auto activation : {LinearActivation::none, LinearActivation::relu,
+                                LinearActivation::gelu, LinearActivation::gelu_tanh})
+    for (const auto& cs : cases)
+      for (const bool with_bias : {false, true}) {
+        const std::string what =
+            fmt::format("[{}x{}] x [{}x{}]{}, activation {}", cs.m, cs.k, cs.k, cs.n,
+                        with_bias ? " + bias" : "", static_cast<int>(activation));
+        if (!backward) {
+          const Pair x = c.uniform({cs.m, cs.k}, -1.0, 1.0), w = c.uniform({cs.k, cs.n}, -1.0, 1.0);
+          const Pair bias = c.make(
+              {cs.n}, [&] { return c.uniform(-1.0, 1.0); }, ct);
+          const Pair out = c.output({cs.m, cs.n}), pre = c.output({cs.m, cs.n});
+          kernels::LinearArgs args;
+          args.x = x.tested, args.w = w.tested, args.out = out.tested, args.pre = pre.tested;
+          args.bias = with_bias ? bias.tested : Tensor();
+          args.activation = activation;
+          tested_kernel<kernels::LinearFn>(c)(args);
+          const auto xv = x.ref.to_vector<double>(), wv = w.ref.to_vector<double>(),
+                     bv = bias.ref.to_vector<double>();
+          std::vector<double> z(static_cast<std::size_t>(cs.m * cs.n)), y(z.size());
+          for (int64_t i = 0; i < cs.m; ++i)
+            for (int64_t j = 0; j < cs.n; ++j) {
+              double s = with_bias ? at(bv, j) : 0.0;
+              for (int64_t l = 0; l < cs.k; ++l) s += at(xv, i * cs.k + l) * at(wv, l * cs.n + j);
+              z[static_cast<std::size_t>(i * cs.n + j)] = s;
+              y[static_cast<std::size_t>(i * cs.n + j)] = linear_act(activation, s);
+            }
+          const Scale scale{1.2 * static_cast<double>(cs.k + 1), 0.0};
+          c.expect_close(what + ", out", out.tested, from_vector(y, {cs.m, cs.n}, kFloat64), scale);
+          c.expect_close(what + ", pre", pre.tested, from_vector(z, {cs.m, cs.n}, kFloat64), scale);
+          // Without pre the same out (a kernel may take another path).
+          const Pair out2 = c.output({cs.m, cs.n});
+          args.out = out2.tested, args.pre = Tensor();
+          tested_kernel<kernels::LinearFn>(c)(args);
+          c.expect_close(what + ", out (no pre)", out2.tested,
+                         from_vector(y, {cs.m, cs.n}, kFloat64), scale);
+          continue;
+        }
+        // The backward pass from a random dy and saved tensor (relu: an output, >= 0).
+        const Pair dy = c.uniform({cs.m, cs.n}, -1.0, 1.0);
+        const Pair saved = c.make({cs.m, cs.n}, [&] {
+          const double v = c.uniform(-4.0, 4.0);
+          return activation == LinearActivation::relu && v < 0 ? 0.0 : v;
+        });
+        const Pair dz = c.output({cs.m, cs.n}), dbias = c.output({cs.n}, ct);
+        kernels::LinearBackwardArgs args;
+        args.dy = dy.tested, args.activation = activation;
+        if (activation != LinearActivation::none) args.saved = saved.tested, args.dz = dz.tested;
+        if (with_bias) args.dbias = dbias.tested;
+        tested_kernel<kernels::LinearBackwardFn>(c)(args);
+        const auto gv = dy.ref.to_vector<double>(), sv = saved.ref.to_vector<double>();
+        std::vector<double> d(gv.size()), db(static_cast<std::size_t>(cs.n), 0.0);
+        for (int64_t i = 0; i < cs.m * cs.n; ++i) {
+          d[static_cast<std::size_t>(i)] = at(gv, i) * linear_act_grad(activation, at(sv, i));
+          db[static_cast<std::size_t>(i % cs.n)] += d[static_cast<std::size_t>(i)];
+        }
+        if (activation != LinearActivation::none)
+          c.expect_close(what + ", dz", dz.tested, from_vector(d, {cs.m, cs.n}, kFloat64),
+                         Scale{4.0, 0.0});
+        if (with_bias)
+          c.expect_close(what + ", dbias", dbias.tested, from_vector(db, {cs.n}, kFloat64),
+                         Scale{2.0 * static_cast<double>(cs.m), 0.0});
+      }
 }
 
 // --- Fused layer normalisation -----------------------------------------------------------------
@@ -1054,6 +1171,7 @@ Driver driver_for(OpId op) {
   if (k == "MaskedSoftmaxFn") return masked_rows;
   if (k == "AttentionFn" || k == "AttentionBackwardFn") return attention;
   if (k == "LayerNormFn" || k == "LayerNormBackwardFn") return layer_norm;
+  if (k == "LinearFn" || k == "LinearBackwardFn") return linear;
   if (k == "SoftmaxCrossEntropyFn" || k == "SoftmaxCrossEntropyBackwardFn") return cross_entropy;
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;

@@ -54,7 +54,7 @@ class AmpLists {
   // amp_op_names()). An unknown or empty op name throws ValueError naming the variable, the
   // value and the valid names, and leaves the lists unchanged.
   void apply_environment();
-  // "allow: attention, conv2d, matmul\ninfer: ...\n..."
+  // "allow: attention, conv2d, linear, matmul\ninfer: ...\n..."
   std::string str() const;
 
  private:

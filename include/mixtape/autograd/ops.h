@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mixtape/core/op_table.h"
@@ -104,6 +105,20 @@ Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& labels);
 // and beta: [last extent], any floating dtype (read in float32 / float64), either undefined
 // (1 and 0). Differentiable in x, gamma and beta.
 Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double epsilon);
+// A Dense layer's computation in one op (op linear; its backward pass's elementwise part one
+// op too, linear_backward): activation(x w + bias), x [..., k], w [k, n] (promoted to one
+// floating dtype, the result's), bias [n] (any floating dtype, read in float32 / float64;
+// undefined: none), activation one of linear_activations(). The product accumulates in
+// float32 (float64 for float64), bias and activation are applied to that value and the result
+// is rounded once: under float16 / bfloat16 closer to the exact value than the composed
+// matmul(x, w) + bias then the activation, which round three times; under float32 the same
+// values (gelu's erfc to the last bit). It accumulates in float32 even where
+// MIXTAPE_FP16_USE_FP32_COMPUTE=0 makes matmul accumulate in the 16-bit type (Dense then
+// composes). Differentiable in x, w and bias.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor(),
+              std::string_view activation = "linear");
+// The activations linear() applies: linear (none), relu, gelu (exact), gelu_tanh.
+bool is_linear_activation(std::string_view name);
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& mask = Tensor(), bool causal = false, double scale = 1.0);
 

@@ -156,6 +156,37 @@ struct ScaledMatmulArgs {
 };
 using ScaledMatmulFn = void(const ScaledMatmulArgs& args);
 
+// The activation a linear op applies after its product and bias.
+//   none       act(z) = z
+//   relu       max(z, 0) (NaN and -0 stay), relu's functor
+//   gelu       z Phi(z), the exact form (gelu's functor)
+//   gelu_tanh  its tanh approximation (gelu_tanh's functor)
+enum class LinearActivation : std::uint8_t { none, relu, gelu, gelu_tanh };
+
+// linear, fused: out [m, n] = act(x [m, k] w [k, n] + bias [n]), x and w contiguous, of the
+// dtype the kernel is keyed on, bias (undefined: none) contiguous in the compute type (float32;
+// float64 for float64). The product accumulates in the compute type; bias and activation are
+// applied to that value and out is rounded once (a GPU kernel may round the pre-activation
+// to out's dtype before the activation: cuBLASLt's epilogues do). pre (undefined, or [m, n]
+// in out's dtype) receives z = x w + bias, what the backward pass of gelu and gelu_tanh
+// reads. m, n, k >= 1.
+struct LinearArgs {
+  Tensor x, w, bias, out, pre;
+  LinearActivation activation = LinearActivation::none;
+};
+using LinearFn = void(const LinearArgs& args);
+// linear_backward: from dy [m, n] (the output's gradient, x's dtype, contiguous) and the saved
+// tensor (gelu, gelu_tanh: the forward's pre; relu: its out, whose sign is z's; none:
+// undefined), dz [m, n] = dy act'(z) in x's dtype (computed in the compute type, rounded once;
+// undefined for none, whose dz is dy), and, when defined, dbias [n] (the compute type) = the
+// column sums of dz before rounding, summed in an order that does not depend on the number of
+// threads. relu' is 1 where out > 0 and 0 elsewhere; gelu' is gelu_backward's.
+struct LinearBackwardArgs {
+  Tensor dy, saved, dz, dbias;
+  LinearActivation activation = LinearActivation::none;
+};
+using LinearBackwardFn = void(const LinearBackwardArgs& args);
+
 // 2-D convolution, NHWC input [n, h, w, c], HWIO filter [kh, kw, c, cout], output
 // [n, oh, ow, cout], all contiguous. Padding is pad_top/pad_left zeros (the bottom/right
 // padding is implied by the output size). Backward kernels overwrite their output.

@@ -103,6 +103,9 @@
   /* linear algebra */                                                                          \
   X(matmul,                   GemmFn,                  Floating, allow,  true)                  \
   X(scaled_matmul,            ScaledMatmulFn,          Float8,   hidden, false)                 \
+  /* fused linear (a Dense layer: product, bias and activation in one op) */                    \
+  X(linear,                   LinearFn,                Floating, allow,  true)                  \
+  X(linear_backward,          LinearBackwardFn,        Floating, hidden, false)                 \
   /* convolution and pooling (NHWC) */                                                          \
   X(conv2d,                   Conv2dFn,                Floating, allow,  true)                  \
   X(conv2d_backward_input,    Conv2dBackwardInputFn,   Floating, hidden, true)                  \

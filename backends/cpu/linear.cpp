@@ -1,0 +1,164 @@
+// The fused linear op on the CPU (ops linear and linear_backward): a Dense layer's product,
+// bias and activation in one op, and its backward pass's elementwise part in one pass.
+//
+// Forward: the product as matmul computes it (gemm.cpp's linear_product: oneDNN or OpenBLAS;
+// float16 / bfloat16 through float32 copies, the result left in float32), then one epilogue
+// per row while the row is in cache: + bias, the pre-activation stored when the backward pass
+// needs it, the activation, and the single rounding to out's dtype. The composed ops this
+// replaces (matmul, add, the activation) each made a pass over the [m, n] output and each
+// rounded a 16-bit result; under float32 the values are the same as theirs (the same product,
+// the same functors; erfc's vector and scalar forms may differ in the last bit, so gelu's
+// results can too).
+//
+// Backward: dz = dy act'(z) and the bias gradient (its column sums) in one pass over fixed
+// blocks of rows, so that the sums' order does not depend on the number of threads. The two
+// products (dx = dz w^T, dw = x^T dz) are matmul's, called by the op.
+//
+// Written by hand: oneDNN's matmul takes a bias and eltwise post-ops (relu, gelu_erf,
+// gelu_tanh), but it cannot also write the pre-activation the backward pass of gelu reads,
+// has no float16 or float64 matmul on most CPUs, and its gelu_erf is not these functors'
+// (activation_math.h), which the composed path and the CUDA backend share; the epilogue is
+// one pass over rows the GEMM has just written.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "backends/cpu/activation_math.h"
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/cpu_util.h"
+#include "backends/cpu/gemm_util.h"
+#include "mixtape/core/register_kernels.h"
+
+namespace mixtape::cpu {
+namespace {
+
+using kernels::LinearActivation;
+using kernels::LinearArgs;
+using kernels::LinearBackwardArgs;
+using std::int64_t;
+
+// Rows per block of the bias gradient's partial sums: fixed, so the sums' order does not
+// depend on the number of threads.
+constexpr int64_t kRowsPerBlock = 32;
+
+// f.template operator()<A>() with the activation as a template argument.
+template <typename F>
+void with_activation(LinearActivation a, F&& f) {
+  switch (a) {
+    case LinearActivation::none:
+      return f.template operator()<LinearActivation::none>();
+    case LinearActivation::relu:
+      return f.template operator()<LinearActivation::relu>();
+    case LinearActivation::gelu:
+      return f.template operator()<LinearActivation::gelu>();
+    case LinearActivation::gelu_tanh:
+      return f.template operator()<LinearActivation::gelu_tanh>();
+  }
+}
+
+// z[j] = act(z[j]) over a row; `omp simd` so that gelu's erfc takes libmvec's vector form, as
+// the elementwise kernels' loops do.
+template <LinearActivation A, typename C>
+void activate_row(C* z, int64_t n) {
+  if constexpr (A == LinearActivation::relu) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = relu_of(z[j]);
+  } else if constexpr (A == LinearActivation::gelu) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = gelu_of(z[j]);
+  } else if constexpr (A == LinearActivation::gelu_tanh) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) z[j] = gelu_tanh_of(z[j]);
+  }
+}
+
+// d[j] = g[j] act'(s[j]) over a row, s the saved tensor's row (relu: the output).
+template <LinearActivation A, typename C>
+void gradient_row(const C* s, const C* g, C* d, int64_t n) {
+  if constexpr (A == LinearActivation::relu) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) d[j] = s[j] > C(0) ? g[j] : C(0);
+  } else if constexpr (A == LinearActivation::gelu) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) d[j] = gelu_grad_of(s[j], g[j]);
+  } else if constexpr (A == LinearActivation::gelu_tanh) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) d[j] = gelu_tanh_grad_of(s[j], g[j]);
+  }
+}
+
+template <typename T>
+void linear_kernel(const LinearArgs& args) {
+  using C = compute_t<T>;
+  const int64_t m = args.x.dim(0), n = args.w.dim(1);
+  // The product in the compute type: out itself (float32 / float64) or a float32 scratch.
+  C* acc = linear_product<T>(args.x, args.w, args.out);
+  const C* bias = args.bias.defined() ? static_cast<const C*>(args.bias.const_data_ptr()) : nullptr;
+  T* out = static_cast<T*>(args.out.data_ptr());
+  T* pre = args.pre.defined() ? static_cast<T*>(args.pre.data_ptr()) : nullptr;
+  with_activation(args.activation, [&]<LinearActivation A>() {
+    parallel_rows(m, m * n, [&](int64_t r) {
+      C* z = acc + r * n;
+      if (bias) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) z[j] += bias[j];
+      }
+      if (pre) from_compute(z, pre + r * n, n);
+      activate_row<A>(z, n);
+      if constexpr (kReduced<T>) from_compute(z, out + r * n, n);
+    });
+  });
+}
+
+template <typename T>
+void linear_backward_kernel(const LinearBackwardArgs& args) {
+  using C = compute_t<T>;
+  const int64_t n = args.dy.shape().back(), m = args.dy.numel() / n;
+  const T* dy = static_cast<const T*>(args.dy.const_data_ptr());
+  const T* saved =
+      args.saved.defined() ? static_cast<const T*>(args.saved.const_data_ptr()) : nullptr;
+  T* dz = args.dz.defined() ? static_cast<T*>(args.dz.data_ptr()) : nullptr;
+  C* dbias = args.dbias.defined() ? static_cast<C*>(args.dbias.data_ptr()) : nullptr;
+  const int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  // Per block of rows: the column sums of its dz rows, added up block by block below.
+  std::vector<C> part(dbias ? static_cast<std::size_t>(blocks * n) : 0, C(0));
+  with_activation(args.activation, [&]<LinearActivation A>() {
+#pragma omp parallel if (m * n > kParallelGrain)
+    {
+      std::vector<C> gin, sin, res(A == LinearActivation::none ? 0 : static_cast<std::size_t>(n));
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < blocks; ++b) {
+        C* p = dbias ? part.data() + b * n : nullptr;
+        for (int64_t r = b * kRowsPerBlock; r < std::min(m, (b + 1) * kRowsPerBlock); ++r) {
+          const C* g = as_compute(dy + r * n, n, gin);
+          const C* d = g;
+          if constexpr (A != LinearActivation::none) {
+            gradient_row<A>(as_compute(saved + r * n, n, sin), g, res.data(), n);
+            from_compute(res.data(), dz + r * n, n);
+            d = res.data();
+          }
+          if (p) {
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) p[j] += d[j];
+          }
+        }
+      }
+    }
+  });
+  if (!dbias) return;
+  std::fill(dbias, dbias + n, C(0));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const C* p = part.data() + b * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) dbias[j] += p[j];
+  }
+}
+
+}  // namespace
+
+void register_linear_kernels() {
+  MIXTAPE_CPU_KERNEL(linear, linear_kernel);
+  MIXTAPE_CPU_KERNEL(linear_backward, linear_backward_kernel);
+}
+
+}  // namespace mixtape::cpu

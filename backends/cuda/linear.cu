@@ -1,0 +1,198 @@
+// The fused linear op on CUDA (ops linear and linear_backward, kernels.h).
+//
+// Forward: the product on cuBLASLt with the bias and activation in its epilogue where cuBLASLt
+// has one that computes mixtape's function (gemm.cpp's linear_gemm_epilogue): none + bias ->
+// BIAS, gelu_tanh -> GELU(_AUX)(_BIAS) (cuBLASLt's GELU is the tanh form; the AUX variants also
+// write the pre-activation). The exact gelu has no epilogue, and cuBLASLt's RELU is not
+// mixtape's relu, which keeps NaN and -0 (a NaN from an overflow must reach the loss-scale
+// check; docs/ops.md says the same of oneDNN's relu post-op): for both, the BIAS epilogue
+// writes the pre-activation (or the plain product does) and one kernel applies the rest
+// (bias when not added yet, pre, activation). float64, misaligned data, no algorithm and
+// MIXTAPE_CUDA_LT_EPILOGUES=0 take that plain path too. A 16-bit pre-activation is then
+// rounded before the activation reads it, which kernels.h allows.
+//
+// Backward: dz = dy act'(z) and the bias gradient's partial sums over fixed blocks of 32 rows
+// in one kernel, then the blocks' sums added in order per column (the same on every run, for
+// any grid).
+#include "backends/cuda/activation_math.cuh"
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/elementwise_util.cuh"
+#include "backends/cuda/launch.cuh"
+
+namespace mixtape::cuda_backend {
+namespace {
+
+using kernels::LinearActivation;
+using std::int64_t;
+
+// Rows per block of the bias gradient's partial sums.
+constexpr int64_t kRowsPerBlock = 32;
+
+template <LinearActivation A, typename C>
+__device__ __forceinline__ C activate(C z) {
+  if constexpr (A == LinearActivation::relu)
+    return relu_of(z);
+  else if constexpr (A == LinearActivation::gelu)
+    return gelu_of(z);
+  else if constexpr (A == LinearActivation::gelu_tanh)
+    return gelu_tanh_of(z);
+  else
+    return z;
+}
+
+template <LinearActivation A, typename C>
+__device__ __forceinline__ C gradient(C s, C g) {
+  if constexpr (A == LinearActivation::relu)
+    return s > C(0) ? g : C(0);
+  else if constexpr (A == LinearActivation::gelu)
+    return gelu_grad_of(s, g);
+  else if constexpr (A == LinearActivation::gelu_tanh)
+    return gelu_tanh_grad_of(s, g);
+  else
+    return g;
+}
+
+// f.template operator()<A>() with the activation as a template argument.
+template <typename F>
+void with_activation(LinearActivation a, F&& f) {
+  switch (a) {
+    case LinearActivation::none:
+      return f.template operator()<LinearActivation::none>();
+    case LinearActivation::relu:
+      return f.template operator()<LinearActivation::relu>();
+    case LinearActivation::gelu:
+      return f.template operator()<LinearActivation::gelu>();
+    case LinearActivation::gelu_tanh:
+      return f.template operator()<LinearActivation::gelu_tanh>();
+  }
+}
+
+// From the product in buf ([m, n]; it may be pre or out itself): z = buf + bias, pre = z when
+// pre is given, out = act(z). Each element is read before it is written, by one thread.
+template <typename T, LinearActivation A>
+__global__ void linear_epilogue_kernel(const T* buf, const compute_of<T>* __restrict__ bias, T* pre,
+                                       T* out, int64_t m, int64_t n) {
+  using C = compute_of<T>;
+  MIXTAPE_GRID_LOOP(i, m * n) {
+    C z = load(buf[i]);
+    if (bias) z += bias[i % n];
+    if (pre) pre[i] = store<T>(z);
+    out[i] = store<T>(activate<A>(z));
+  }
+}
+
+// dz = dy act'(saved) for the rows of block blockIdx.y (and every gridDim.y-th after it),
+// column blockIdx.x * blockDim.x + threadIdx.x, and the block's column sums into part[b, j].
+template <typename T, LinearActivation A>
+__global__ void linear_dz_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
+                                 T* __restrict__ dz, compute_of<T>* __restrict__ part, int64_t m,
+                                 int64_t n) {
+  using C = compute_of<T>;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  const int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  for (int64_t b = blockIdx.y; b < blocks; b += gridDim.y) {
+    C sum = C(0);
+    const int64_t end =
+        b * kRowsPerBlock + kRowsPerBlock < m ? b * kRowsPerBlock + kRowsPerBlock : m;
+    for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
+      const int64_t i = r * n + j;
+      C d = load(dy[i]);
+      if constexpr (A != LinearActivation::none) {
+        d = gradient<A>(load(saved[i]), d);
+        dz[i] = store<T>(d);
+      }
+      sum += d;
+    }
+    if (part) part[b * n + j] = sum;
+  }
+}
+
+// dbias[j] = the sum of part[b, j] over the blocks, in block order.
+template <typename C>
+__global__ void linear_dbias_kernel(const C* __restrict__ part, C* __restrict__ dbias,
+                                    int64_t blocks, int64_t n) {
+  MIXTAPE_GRID_LOOP(j, n) {
+    C s = C(0);
+    for (int64_t b = 0; b < blocks; ++b) s += part[b * n + j];
+    dbias[j] = s;
+  }
+}
+
+// The product with the epilogue cuBLASLt applies for this activation, if it has one: true
+// when out (and pre, when given) are written.
+bool with_lt_epilogue(const kernels::LinearArgs& a) {
+  const bool bias = a.bias.defined(), pre = a.pre.defined();
+  switch (a.activation) {
+    case LinearActivation::none:  // (the backward pass needs no pre for none)
+      return bias && !pre && linear_gemm_epilogue(a, LinearEpilogue::bias, a.out, Tensor());
+    case LinearActivation::gelu_tanh: {
+      const LinearEpilogue e =
+          pre ? (bias ? LinearEpilogue::gelu_aux_bias : LinearEpilogue::gelu_aux)
+              : (bias ? LinearEpilogue::gelu_bias : LinearEpilogue::gelu);
+      return linear_gemm_epilogue(a, e, a.out, a.pre);
+    }
+    case LinearActivation::relu:  // (below: cuBLASLt's relu is not mixtape's, see the top)
+    case LinearActivation::gelu:
+      return false;
+  }
+  return false;
+}
+
+template <typename T>
+void linear_host(const kernels::LinearArgs& a) {
+  using C = compute_of<T>;
+  if (with_lt_epilogue(a)) return;
+  const int64_t m = a.x.dim(0), n = a.w.dim(1);
+  const bool pre = a.pre.defined();
+  // The product into pre (or out), with the bias when cuBLASLt adds it; then the kernel.
+  const Tensor& buf = pre ? a.pre : a.out;
+  const bool biased =
+      a.bias.defined() && linear_gemm_epilogue(a, LinearEpilogue::bias, buf, Tensor());
+  if (!biased) linear_gemm(a, buf);
+  if (a.activation == LinearActivation::none && !a.bias.defined() && !pre) return;
+  if (a.activation == LinearActivation::none && biased && !pre) return;
+  OnDevice on(a.out);
+  with_activation(a.activation, [&]<LinearActivation A>() {
+    launch_1d(
+        {"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A>,
+        static_cast<const T*>(buf.const_data_ptr()),
+        !biased && a.bias.defined() ? static_cast<const C*>(a.bias.const_data_ptr()) : nullptr,
+        pre && !biased ? static_cast<T*>(a.pre.data_ptr()) : nullptr,
+        static_cast<T*>(a.out.data_ptr()), m, n);
+  });
+}
+
+template <typename T>
+void linear_backward_host(const kernels::LinearBackwardArgs& a) {
+  using C = compute_of<T>;
+  const int64_t n = a.dy.shape().back(), m = a.dy.numel() / n;
+  if (m == 0 || n == 0) return;
+  const bool dbias = a.dbias.defined();
+  if (a.activation == LinearActivation::none && !dbias) return;
+  OnDevice on(a.dy);
+  const int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  Workspace part(dbias ? static_cast<std::size_t>(blocks * n) * sizeof(C) : 0, on.index);
+  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(blocks < 65535 ? blocks : 65535));
+  with_activation(a.activation, [&]<LinearActivation A>() {
+    linear_dz_kernel<T, A><<<grid, kThreads, 0, on.s>>>(
+        static_cast<const T*>(a.dy.const_data_ptr()),
+        a.saved.defined() ? static_cast<const T*>(a.saved.const_data_ptr()) : nullptr,
+        a.dz.defined() ? static_cast<T*>(a.dz.data_ptr()) : nullptr,
+        dbias ? static_cast<C*>(part.data()) : nullptr, m, n);
+    check_cuda(cudaGetLastError(), "linear dz kernel", __FILE__, __LINE__);
+  });
+  if (!dbias) return;
+  launch_1d({"linear dbias kernel", n, on.s}, linear_dbias_kernel<C>,
+            static_cast<const C*>(part.data()), static_cast<C*>(a.dbias.data_ptr()), blocks, n);
+}
+
+}  // namespace
+
+void register_linear_kernels() {
+  MIXTAPE_CUDA_KERNEL(linear, linear_host);
+  MIXTAPE_CUDA_KERNEL(linear_backward, linear_backward_host);
+}
+
+}  // namespace mixtape::cuda_backend

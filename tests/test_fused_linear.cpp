@@ -1,0 +1,246 @@
+// linear (ops linear and linear_backward): against the composed computation (matmul, add, the
+// activation) in float64 and float32, rounded once in float16 / bfloat16, its gradients (kernel
+// and differentiable form), bad input, and Dense on it.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "error_of.h"
+#include "gradcheck.h"
+#include "mixtape/mixtape.h"
+#include "tensor_check.h"
+
+namespace mt = mixtape;
+using mixtape_test::max_abs_diff;
+using mixtape_test::random_normal;
+namespace ml = mixtape::layers;
+
+namespace {
+
+const std::vector<std::string> kActivations{"linear", "relu", "gelu", "gelu_tanh"};
+
+mt::Tensor activate(const std::string& name, const mt::Tensor& z) {
+  if (name == "relu") return mt::relu(z);
+  if (name == "gelu") return mt::gelu(z);
+  if (name == "gelu_tanh") return mt::gelu_tanh(z);
+  return z;
+}
+
+// The composed form, in x's dtype.
+mt::Tensor composed(const mt::Tensor& x, const mt::Tensor& w, const mt::Tensor& bias,
+                    const std::string& activation) {
+  mt::Tensor z = mt::matmul(x, w);
+  if (bias.defined()) z = z + mt::cast(bias, z.dtype());
+  return activate(activation, z);
+}
+
+// A unit in the last place of v in dtype dt (its binade's spacing).
+double ulp(double v, mt::DType dt) {
+  const int mantissa = dt == mt::kBFloat16 ? 7 : dt == mt::kFloat16 ? 10 : 23;
+  const double a = std::max(std::abs(v), dt == mt::kFloat16 ? 6.1e-5 : 1.2e-38);
+  return std::ldexp(1.0, static_cast<int>(std::floor(std::log2(a))) - mantissa);
+}
+
+}  // namespace
+
+TEST_CASE("linear equals the composed computation in float64, gradients too", "[linear][fused]") {
+  for (const auto& [xs, n] :
+       {std::pair{mt::Shape{5, 3}, std::int64_t{4}}, std::pair{mt::Shape{2, 3, 7}, std::int64_t{6}},
+        std::pair{mt::Shape{70, 9}, std::int64_t{33}}}) {
+    const std::int64_t k = xs.dims().back();
+    const mt::Tensor x = random_normal(xs, 1, mt::kFloat64, 0.0, 1.5), w = random_normal({k, n}, 2),
+                     bias = random_normal({n}, 3);
+    std::vector<std::int64_t> gd = xs.dims();
+    gd.back() = n;
+    const mt::Tensor g = random_normal(mt::Shape(gd), 4);
+    for (const std::string& act : kActivations)
+      for (const bool with_bias : {false, true}) {
+        INFO("x " << xs.str() << ", " << act << (with_bias ? " + bias" : ""));
+        const mt::Tensor b = with_bias ? bias : mt::Tensor();
+        const mt::Tensor y = mt::linear(x, w, b, act);
+        CHECK(y.shape() == mt::Shape(gd));
+        CHECK(max_abs_diff(y, composed(x, w, b, act)) < 1e-12);
+        const auto grads = [&](bool fused) {
+          mt::Variable xv(x, "x"), wv(w, "w"), bv(bias, "bias");
+          mt::GradientTape tape;
+          const mt::Tensor bt = with_bias ? mt::Tensor(bv) : mt::Tensor();
+          const mt::Tensor out = fused ? mt::linear(xv, wv, bt, act) : composed(xv, wv, bt, act);
+          return tape.gradient(mt::sum(out * g), std::vector<mt::Variable>{xv, wv, bv});
+        };
+        const auto f = grads(true), r = grads(false);
+        CHECK(max_abs_diff(f[0], r[0]) < 1e-11);
+        CHECK(max_abs_diff(f[1], r[1]) < 1e-11);
+        if (with_bias) CHECK(max_abs_diff(f[2], r[2]) < 1e-11);
+      }
+  }
+}
+
+TEST_CASE("linear in float32: the composed values (relu and none to the bit)", "[linear][fused]") {
+  const mt::Tensor x = random_normal({64, 48}, 5, mt::kFloat32, 0.0, 2.0),
+                   w = random_normal({48, 96}, 6, mt::kFloat32, 0.0, 0.2),
+                   bias = random_normal({96}, 7, mt::kFloat32);
+  for (const std::string& act : kActivations) {
+    INFO(act);
+    const mt::Tensor y = mt::linear(x, w, bias, act), r = composed(x, w, bias, act);
+    CHECK(y.dtype() == mt::kFloat32);
+    if (act == "linear" || act == "relu")
+      CHECK(max_abs_diff(y, r) == 0.0);
+    else  // the same functors; vector and scalar forms of erfc / exp may differ in the last bit
+      CHECK(max_abs_diff(y, r) < 1e-5);
+  }
+}
+
+TEST_CASE("linear in float16 and bfloat16: the float64 result, rounded once", "[linear][fused]") {
+  for (const mt::DType dt : {mt::kFloat16, mt::kBFloat16}) {
+    for (const std::string& act : kActivations) {
+      INFO(dt.name() << ", " << act);
+      const mt::Tensor x = mt::cast(random_normal({40, 200}, 11, mt::kFloat64), dt);
+      const mt::Tensor w = mt::cast(random_normal({200, 24}, 12, mt::kFloat64, 0.0, 0.1), dt);
+      const mt::Tensor bias = random_normal({24}, 13, mt::kFloat32);
+      const mt::Tensor y = mt::linear(x, w, bias, act);
+      CHECK(y.dtype() == dt);
+      const auto ref = composed(mt::cast(x, mt::kFloat64), mt::cast(w, mt::kFloat64),
+                                mt::cast(bias, mt::kFloat64), act)
+                           .to_vector<double>();
+      const auto got = mt::cast(y, mt::kFloat64).to_vector<double>();
+      const auto three =
+          mt::cast(composed(x, w, mt::cast(bias, dt), act), mt::kFloat64).to_vector<double>();
+      // Each result within half a unit in the last place of the exact value (plus float32's
+      // accumulation error); the composed ops, rounding three times, are further off.
+      double fused_err = 0, composed_err = 0;
+      for (std::size_t i = 0; i < ref.size(); ++i) {
+        CHECK(std::abs(got[i] - ref[i]) <= 0.5 * ulp(ref[i], dt) + 1e-5);
+        fused_err += std::abs(got[i] - ref[i]);
+        composed_err += std::abs(three[i] - ref[i]);
+      }
+      CHECK(fused_err < composed_err);
+    }
+  }
+}
+
+TEST_CASE("linear: float64 gradients against numeric differences, second derivatives",
+          "[linear][fused][grad]") {
+  const mt::Tensor x = random_normal({4, 2, 3}, 21, mt::kFloat64, 0.0, 1.5),
+                   w = random_normal({3, 5}, 22), bias = random_normal({5}, 23),
+                   g = random_normal({4, 2, 5}, 24);
+  for (const std::string& act : kActivations) {
+    INFO(act);
+    CHECK_GRADCHECK(
+        "linear " + act,
+        [act](const mtest::Inputs& in) { return mt::linear(in[0], in[1], in[2], act); },
+        {x, w, bias}, mtest::GradCheckOptions{.atol = 1e-7, .rtol = 1e-6});
+    // Second derivatives: the recorded backward pass is made of differentiable ops.
+    const auto second = [&](bool fused) {
+      mt::Variable a(x, "x"), b(w, "w"), c(bias, "bias");
+      mt::GradientTape outer;
+      std::vector<mt::Tensor> first;
+      {
+        mt::GradientTape inner;
+        const mt::Tensor y = fused ? mt::linear(a, b, c, act) : composed(a, b, c, act);
+        first = inner.gradient(mt::sum(y * g), std::vector<mt::Variable>{a, b, c});
+      }
+      return outer.gradient(mt::sum(first[0] * first[0]) + mt::sum(first[1] * first[1]) +
+                                mt::sum(first[2] * first[2]),
+                            std::vector<mt::Variable>{a, b, c});
+    };
+    const auto f = second(true), r = second(false);
+    for (std::size_t i = 0; i < 3; ++i) {
+      if (!r[i].defined()) continue;  // linear's second derivative in w, bias: none
+      REQUIRE(f[i].defined());
+      CHECK(max_abs_diff(f[i], r[i]) < 1e-10);
+    }
+  }
+}
+
+TEST_CASE("linear: empty products and bad input", "[linear][fused]") {
+  using mixtape_test::error_of;
+  // k = 0: the empty sum plus the bias; m = 0: an empty result.
+  const mt::Tensor bias = mt::from_vector<float>({-1.0f, 2.0f}, {2});
+  const mt::Tensor y0 = mt::linear(mt::ones({3, 0}), mt::ones({0, 2}), bias, "relu");
+  CHECK(y0.to_vector<float>() == std::vector<float>{0, 2, 0, 2, 0, 2});
+  CHECK(mt::linear(mt::ones({0, 4}), mt::ones({4, 2}), bias).shape() == mt::Shape{0, 2});
+
+  const mt::Tensor x = random_normal({2, 4}, 31, mt::kFloat32), w = mt::ones({4, 3});
+  CHECK_THAT(error_of<mt::ValueError>([&] { mt::linear(x, w, mt::Tensor(), "sigmoid"); }),
+             Catch::Contains("linear: unknown activation 'sigmoid'") &&
+                 Catch::Contains("linear, relu, gelu or gelu_tanh"));
+  CHECK_THAT(
+      error_of<mt::ShapeError>([&] {
+        mt::linear(x, mt::ones({3, 3}));
+      }),
+      Catch::Contains("linear: needs x [..., k] and w [k, n]") && Catch::Contains("float32[3, 3]"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] { mt::linear(x, mt::ones({4})); }),
+             Catch::Contains("w [k, n]"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] { mt::linear(x, w, mt::ones({4})); }),
+             Catch::Contains("bias must be floating [3]") && Catch::Contains("float32[4]"));
+  CHECK_THAT(error_of<mt::ShapeError>([&] { mt::linear(x, w, mt::ones({3}, mt::kInt32)); }),
+             Catch::Contains("bias must be floating [3]"));
+  CHECK_THAT(error_of<mt::DTypeError>([&] {
+               mt::linear(mt::ones({2, 4}, mt::kInt32), mt::ones({4, 3}, mt::kInt32));
+             }),
+             Catch::Contains("linear: needs floating x and w"));
+}
+
+TEST_CASE("Dense runs on the fused op where it can, and says so in the dtype trace",
+          "[linear][fused][layers]") {
+  const mt::Tensor x = random_normal({8, 12}, 41, mt::kFloat32);
+  SECTION("float32: the composed values, the trace's note") {
+    mt::manual_seed(4);
+    mt::Sequential model({ml::Dense(16, {.activation = "relu"}), ml::Dense(4, {.use_bias = false}),
+                          ml::Dense(4, {.activation = "sigmoid"}),
+                          ml::Dense(3, {.activation = "gelu", .use_bias = false})});
+    const mt::Tensor y = model(x);
+    auto* d0 = dynamic_cast<ml::DenseLayer*>(model.layers()[0].get());
+    REQUIRE(d0);
+    CHECK(max_abs_diff(model.layers()[0]->operator()(x),
+                       composed(x, mt::Tensor(d0->kernel()), mt::Tensor(d0->bias()), "relu")) ==
+          0.0);
+    const mt::DTypeTrace trace = mt::trace_dtypes(model, x);
+    REQUIRE(trace.rows.size() == 4);
+    CHECK(trace.rows[0].note == "fused linear (bias, relu)");
+    CHECK(trace.rows[1].note.empty());  // a plain product: matmul
+    CHECK(trace.rows[2].note.empty());  // sigmoid: composed
+    CHECK(trace.rows[3].note == "fused linear (gelu)");
+    CHECK(y.shape() == mt::Shape{8, 3});
+  }
+  SECTION("16-bit products accumulating in 16 bits: composed") {
+    mt::PolicyScope scope("mixed_bfloat16");
+    mt::Fp16UseFp32ComputeScope acc16(false);
+    mt::Sequential model({ml::Dense(16, {.activation = "relu"})});
+    const mt::DTypeTrace trace = mt::trace_dtypes(model, x);
+    CHECK(trace.rows[0].note == "composed (16-bit accumulation: MIXTAPE_FP16_USE_FP32_COMPUTE=0)");
+  }
+  SECTION("float64: gradients of the weights as the composed layer's") {
+    mt::PolicyScope scope("float64");
+    mt::manual_seed(5);
+    auto dense = ml::Dense(6, {.activation = "gelu_tanh"});
+    const mt::Tensor x64 = mt::cast(x, mt::kFloat64);
+    dense(x64);
+    mt::GradientTape tape;
+    const mt::Tensor loss = mt::sum(mt::square(dense(x64)));
+    const auto grads = tape.gradient(loss, dense->trainable_variables());
+    mt::Variable k(mt::Tensor(dense->kernel()), "k"), b(mt::Tensor(dense->bias()), "b");
+    mt::GradientTape tape2;
+    const mt::Tensor loss2 = mt::sum(mt::square(composed(x64, k, b, "gelu_tanh")));
+    const auto ref = tape2.gradient(loss2, std::vector<mt::Variable>{k, b});
+    CHECK(max_abs_diff(grads[0], ref[0]) < 1e-11);
+    CHECK(max_abs_diff(grads[1], ref[1]) < 1e-11);
+  }
+  SECTION("mixed_bfloat16: the bias is read in float32, the output is bfloat16") {
+    mt::PolicyScope scope("mixed_bfloat16");
+    mt::manual_seed(6);
+    auto dense = ml::Dense(5, {.activation = "gelu"});
+    const mt::Tensor y = dense(x);
+    CHECK(y.dtype() == mt::kBFloat16);
+    const mt::Tensor ref =
+        composed(mt::cast(mt::cast(x, mt::kBFloat16), mt::kFloat64),
+                 mt::cast(mt::cast(dense->kernel(), mt::kBFloat16), mt::kFloat64),
+                 mt::cast(dense->bias(), mt::kFloat64), "gelu");
+    const auto got = mt::cast(y, mt::kFloat64).to_vector<double>();
+    const auto want = ref.to_vector<double>();
+    for (std::size_t i = 0; i < got.size(); ++i)
+      CHECK(std::abs(got[i] - want[i]) <= 0.5 * ulp(want[i], mt::kBFloat16) + 1e-6);
+  }
+}
