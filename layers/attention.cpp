@@ -199,9 +199,10 @@ Tensor MultiHeadAttentionLayer::project(const Tensor& x, const Variable& kernel,
                                         const std::optional<Float8State>& float8,
                                         bool training) const {
   const std::int64_t b = x.dim(0), l = x.dim(1), d = x.dim(2);
-  Tensor y = policy_matmul(x, reshape(kernel, Shape{d, num_heads_ * dim}), float8,
-                           training);  // [B, L, heads*dim]
-  if (bias.defined()) y = y + reshape(bias, Shape{num_heads_ * dim});
+  const Tensor y =  // [B, L, heads*dim]
+      policy_linear(x, reshape(kernel, Shape{d, num_heads_ * dim}),
+                    bias.defined() ? reshape(bias, Shape{num_heads_ * dim}) : Tensor(), "linear",
+                    float8, training);
   return permute(reshape(y, Shape{b, l, num_heads_, dim}), {0, 2, 1, 3});
 }
 
@@ -266,9 +267,9 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
       reshape(permute(heads, {0, 2, 1, 3}), Shape{query.dim(0), in.t, num_heads_ * value_dim_});
   const std::int64_t features = product(output_features_);
   Tensor out =
-      policy_matmul(merged, reshape(output_kernel_, Shape{num_heads_ * value_dim_, features}),
-                    output_float8_, training);
-  if (output_bias_.defined()) out = out + reshape(output_bias_, Shape{features});
+      policy_linear(merged, reshape(output_kernel_, Shape{num_heads_ * value_dim_, features}),
+                    output_bias_.defined() ? reshape(output_bias_, Shape{features}) : Tensor(),
+                    "linear", output_float8_, training);
   std::vector<std::int64_t> dims{query.dim(0), in.t};
   for (auto d : output_features_) dims.push_back(d);
   out = reshape(out, Shape(dims));

@@ -66,10 +66,8 @@ SymbolicTensor Input(const Shape& shape, InputOptions options) {
 // --- Dense ------------------------------------------------------------------------------
 
 DenseLayer::DenseLayer(std::int64_t units, DenseOptions options)
-    : Layer(detail::common_options(options), "Dense"),
-      units_(units),
-      options_(std::move(options)),
-      activation_(activations::get(options_.activation)) {
+    : Layer(detail::common_options(options), "Dense"), units_(units), options_(std::move(options)) {
+  (void)activations::get(options_.activation);  // an unknown name throws here, not at the call
   if (units_ <= 0)
     throw ValueError(
         fmt::format("layer '{}' (Dense): units must be positive; got {}", name(), units_));
@@ -96,27 +94,8 @@ std::optional<Shape> DenseLayer::compute_output_shape(const Shape& input_shape) 
 }
 
 Tensor DenseLayer::call(const Tensor& x, const CallContext& ctx) {
-  linear_note_.clear();
-  const bool fusable = is_linear_activation(options_.activation) &&
-                       (options_.use_bias || options_.activation != "linear");
-  const DType cd = compute_dtype();
-  if (fusable && !dtype_policy().float8_matmuls()) {
-    if (!cd.is_reduced_float() || gemm_accumulation_dtype(cd) != cd) {
-      const bool act = options_.activation != "linear";
-      linear_note_ =
-          fmt::format("fused linear ({}{}{})", options_.use_bias ? "bias" : "",
-                      options_.use_bias && act ? ", " : "", act ? options_.activation : "");
-      return linear(x, kernel_, options_.use_bias ? Tensor(bias_) : Tensor(), options_.activation);
-    }
-    linear_note_ = "composed (16-bit accumulation: MIXTAPE_FP16_USE_FP32_COMPUTE=0)";
-  }
-  Tensor y = policy_matmul(x, kernel_, float8_, ctx.training);
-  if (options_.use_bias) y = y + bias_;
-  return activation_(y);
-}
-
-std::string DenseLayer::trace_note() const {
-  return linear_note_.empty() ? Layer::trace_note() : linear_note_;
+  return policy_linear(x, kernel_, options_.use_bias ? Tensor(bias_) : Tensor(),
+                       options_.activation, float8_, ctx.training);
 }
 
 DType DenseLayer::computation_dtype() const { return gemm_accumulation_dtype(compute_dtype()); }

@@ -20,8 +20,10 @@
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/backend.h"
+#include "mixtape/core/compute_mode.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
+#include "mixtape/layers/activations.h"
 #include "mixtape/layers/trace_record.h"
 
 namespace mixtape::layers {
@@ -708,6 +710,25 @@ Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w,
                               .margin = scaling.margin,
                               .update = training};
   return float8_linear(x, w, compute_dtype(), &history);
+}
+
+Tensor Layer::policy_linear(const Tensor& x, const Tensor& w, const Tensor& bias,
+                            const std::string& activation, const std::optional<Float8State>& state,
+                            bool training) const {
+  const DType cd = compute_dtype();
+  if (is_linear_activation(activation) && (bias.defined() || activation != "linear") &&
+      !policy_.float8_matmuls()) {
+    if (!cd.is_reduced_float() || gemm_accumulation_dtype(cd) != cd) {
+      const bool act = activation != "linear";
+      matmul_note_ = fmt::format("fused linear ({}{}{})", bias.defined() ? "bias" : "",
+                                 bias.defined() && act ? ", " : "", act ? activation : "");
+      return linear(x, w, bias, activation);
+    }
+    matmul_note_ = "composed (16-bit accumulation: MIXTAPE_FP16_USE_FP32_COMPUTE=0)";
+  }
+  Tensor y = policy_matmul(x, w, state, training);
+  if (bias.defined()) y = y + bias;
+  return activation == "linear" ? y : activations::get(activation)(y);
 }
 
 Variable Layer::add_weight(const std::string& name, const Shape& shape,

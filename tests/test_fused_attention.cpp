@@ -202,8 +202,10 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
     // return_attention_scores needs the weights: the composed path.
     const ml::AttentionResult composed = mha->attend(x, x, {.return_attention_scores = true});
     REQUIRE(trace.trace().rows.size() == 2);
-    CHECK(trace.trace().rows[0].note == "attention: fused");
-    CHECK(trace.trace().rows[1].note == "attention: composed (the scores are returned)");
+    // The projections (with their biases) run on the fused linear op.
+    CHECK(trace.trace().rows[0].note == "attention: fused; projections: fused linear (bias)");
+    CHECK(trace.trace().rows[1].note ==
+          "attention: composed (the scores are returned); projections: fused linear (bias)");
     CHECK_THAT(trace.trace().table(),
                Catch::Contains("note") && Catch::Contains("attention: fused"));
     const double tol = std::string(policy) == "mixed_bfloat16" ? 2e-2
@@ -218,8 +220,9 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
     (void)mha->attend(x, x, {.training = true});
     (void)mha->attend(x, x, {});
     REQUIRE(trace.trace().rows.size() == 2);
-    CHECK(trace.trace().rows[0].note == "attention: composed (dropout on the weights)");
-    CHECK(trace.trace().rows[1].note == "attention: fused");
+    CHECK_THAT(trace.trace().rows[0].note,
+               Catch::StartsWith("attention: composed (dropout on the weights);"));
+    CHECK_THAT(trace.trace().rows[1].note, Catch::StartsWith("attention: fused;"));
   }
 }
 

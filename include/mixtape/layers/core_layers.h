@@ -62,10 +62,9 @@ struct DenseOptions {
 MIXTAPE_OPTIONS(DenseOptions, activation, use_bias, kernel_initializer, bias_initializer);
 
 // y = activation(x @ kernel + bias) over the last axis: [..., in] -> [..., units]. With an
-// activation linear() applies (linear, relu, gelu, gelu_tanh) and a bias or an activation, one
-// fused op computes it (mixtape::linear: the result rounded once); under mixed_float8, and
-// where MIXTAPE_FP16_USE_FP32_COMPUTE=0 makes 16-bit products accumulate in 16 bits, the
-// composed ops do. The dtype trace's note says which ran.
+// activation mt::linear applies (linear, relu, gelu, gelu_tanh) and a bias or an activation,
+// one fused op computes it (the result rounded once; Layer::policy_linear says when the
+// composed ops do). The dtype trace's note says which ran.
 class DenseLayer : public Layer {
  public:
   explicit DenseLayer(std::int64_t units, DenseOptions options = {});
@@ -74,7 +73,6 @@ class DenseLayer : public Layer {
   Tensor call(const Tensor& x, const CallContext& ctx) override;
   std::optional<Shape> compute_output_shape(const Shape& input_shape) const override;
   DType computation_dtype() const override;
-  std::string trace_note() const override;
 
   std::int64_t units() const { return units_; }
   // The weights (stored in the variable dtype); throw ValueError before the layer is built.
@@ -84,10 +82,8 @@ class DenseLayer : public Layer {
  private:
   std::int64_t units_;
   DenseOptions options_;
-  activations::ActivationFn activation_;
   Variable kernel_, bias_;
   std::optional<Float8State> float8_;  // mixed_float8_delayed: the amax histories
-  mutable std::string linear_note_;    // the latest call's, when the fused op ran or could not
 };
 LayerPtr<DenseLayer> Dense(std::int64_t units, DenseOptions options = {});
 

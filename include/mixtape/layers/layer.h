@@ -259,9 +259,9 @@ class Layer : public std::enable_shared_from_this<Layer> {
   // mixed_float8 in FP8 (float8_linear, out in the compute dtype) on the CPU (emulated) and
   // on GPUs of compute capability 8.9 or newer, when the product's dimensions are multiples
   // of 16 (what FP8 GEMMs take; other shapes stay in bfloat16 everywhere); an older GPU
-  // takes the bfloat16 matmul, with a warning once per process; otherwise matmul(x, w). Dense and
-  // MultiHeadAttention's projections multiply through it; the dtype trace's note says which path
-  // ran.
+  // takes the bfloat16 matmul, with a warning once per process; otherwise matmul(x, w).
+  // policy_linear (below) multiplies through it where it does not fuse; the dtype trace's note
+  // says which path ran.
   //
   // Under delayed scaling (mixed_float8_delayed, Float8Scaling) the product takes `state`,
   // the amax histories add_float8_state made in build(); a training call (`training`) rolls
@@ -271,6 +271,18 @@ class Layer : public std::enable_shared_from_this<Layer> {
     Variable input, weight, grad;
   };
   Tensor policy_matmul(const Tensor& x, const Tensor& w,
+                       const std::optional<Float8State>& state = std::nullopt,
+                       bool training = false) const;
+  // activation(x w + bias) as the layer's policy computes it (bias may be undefined;
+  // activation is a name of mixtape/layers/activations.h): with an activation mt::linear
+  // applies (linear, relu, gelu, gelu_tanh) and a bias or an activation, the fused op
+  // (product, bias and activation, rounded once); under mixed_float8 (FP8 products), where
+  // MIXTAPE_FP16_USE_FP32_COMPUTE=0 makes 16-bit products accumulate in 16 bits (which only
+  // matmul emulates) and for the other activations, policy_matmul, then the bias and the
+  // activation as ops of their own. Dense and MultiHeadAttention's projections compute
+  // through it; the dtype trace's note says when the fused op ran or why it could not.
+  Tensor policy_linear(const Tensor& x, const Tensor& w, const Tensor& bias,
+                       const std::string& activation,
                        const std::optional<Float8State>& state = std::nullopt,
                        bool training = false) const;
   // Under delayed scaling: three non-trainable float32 weights of Float8Scaling::history
