@@ -27,14 +27,14 @@ float erfcf(float) noexcept;
 namespace mixtape::cpu {
 
 // erf / erfc of float through erff / erfcf (the SIMD ones above in `omp simd` loops).
-inline float erf_of(float x) { return ::erff(x); }
-inline float erfc_of(float x) { return ::erfcf(x); }
-inline double erf_of(double x) { return std::erf(x); }
-inline double erfc_of(double x) { return std::erfc(x); }
+MIXTAPE_ALWAYS_INLINE float erf_of(float x) { return ::erff(x); }
+MIXTAPE_ALWAYS_INLINE float erfc_of(float x) { return ::erfcf(x); }
+MIXTAPE_ALWAYS_INLINE double erf_of(double x) { return std::erf(x); }
+MIXTAPE_ALWAYS_INLINE double erfc_of(double x) { return std::erfc(x); }
 
 // 1 / (1 + e^-x) through e = e^-|x| <= 1, so nothing overflows for large |x|.
 template <typename T>
-T sigmoid_of(T x) {
+MIXTAPE_ALWAYS_INLINE T sigmoid_of(T x) {
   const T e = exp_any(-std::fabs(x));
   const T s = T(1) / (T(1) + e);
   return blend(x >= T(0), s, e * s);
@@ -42,14 +42,14 @@ T sigmoid_of(T x) {
 
 // max(x, 0); NaN stays NaN, -0 stays -0.
 template <typename T>
-T relu_of(T x) {
+MIXTAPE_ALWAYS_INLINE T relu_of(T x) {
   return x < T(0) ? T(0) : x;
 }
 
 // Exact gelu, x * Phi(x) = 0.5 x erfc(-x / sqrt2): erfc keeps the negative tail accurate
 // where 1 + erf(x / sqrt2) would cancel.
 template <typename T>
-T gelu_of(T x) {
+MIXTAPE_ALWAYS_INLINE T gelu_of(T x) {
   return T(0.5) * x * erfc_of(-x * T(0.70710678118654752440));
 }
 
@@ -57,7 +57,7 @@ T gelu_of(T x) {
 // the same function, without 1 + tanh(u)'s cancellation in the negative tail; vectorises
 // (sigmoid's exp is the vectorising one).
 template <typename T>
-T gelu_tanh_of(T x) {
+MIXTAPE_ALWAYS_INLINE T gelu_tanh_of(T x) {
   const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);
   return x * sigmoid_of(T(2) * u);
 }
@@ -65,7 +65,7 @@ T gelu_tanh_of(T x) {
 // x clamped to [-64, 64] by bit selects (no branch, no fmin / fmax call: either keeps a loop
 // from vectorising); a NaN x stays NaN.
 template <typename T>
-T clamp64(T x) {
+MIXTAPE_ALWAYS_INLINE T clamp64(T x) {
   return blend(x > T(64), T(64), blend(x < T(-64), T(-64), x));
 }
 
@@ -74,7 +74,7 @@ T clamp64(T x) {
 // |x| >= 64 (phi is 0 there, and inf * 0 would be NaN): the gradient tends to g at +inf and
 // to 0 at -inf; a NaN x gives NaN.
 template <typename T>
-T gelu_grad_of(T x, T g) {
+MIXTAPE_ALWAYS_INLINE T gelu_grad_of(T x, T g) {
   const T cdf = T(0.5) * erfc_of(-x * T(0.70710678118654752440));
   const T xc = clamp64(x);
   const T xpdf = xc * exp_any(T(-0.5) * xc * xc) * T(0.39894228040143267794);
@@ -86,7 +86,7 @@ T gelu_grad_of(T x, T g) {
 // pass). x is clamped to [-64, 64] first: s is already exactly 1 or 0 there, so nothing
 // changes but +-inf, which give g and 0 rather than NaN.
 template <typename T>
-T gelu_tanh_grad_of(T x, T g) {
+MIXTAPE_ALWAYS_INLINE T gelu_tanh_grad_of(T x, T g) {
   constexpr T kC = T(0.79788456080286535588), kA = T(0.044715);
   const T xc = clamp64(x);
   const T s = sigmoid_of(T(2) * kC * (xc + kA * xc * xc * xc));

@@ -175,6 +175,9 @@ struct GemmShape {
 // AVX512-BF16 or AMX, where it multiplies bfloat16 at twice float32's rate. Elsewhere, and
 // for layouts oneDNN only has a reference implementation of, false. m, n, k > 0.
 bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* c);
+// The same product left in float32 (c: float32 with g's leading dimensions), unrounded: the
+// fused linear op's, which rounds after its epilogue.
+bool onednn_matmul_bf16_to_f32(const GemmShape& g, const void* a, const void* b, float* c);
 // float32 products on oneDNN's matmul: a batch in one call instead of a loop of sgemm
 // calls (OpenBLAS has no batched GEMM; the attention products are many small matrices), and
 // single products where oneDNN has AVX-512 kernels (faster than sgemm there). False (the

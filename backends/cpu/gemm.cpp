@@ -97,6 +97,13 @@ compute_t<T>* linear_product(const Tensor& x, const Tensor& w, const Tensor& out
   } else {
     const auto operands = gemm_operands<T>(g);  // m, n, k >= 1: always a product
     const auto& [p, a, b, c] = *operands;
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      thread_local Scratch<> result;
+      float* f = result.get(p.m * p.n);
+      Plan packed = p;
+      packed.ldc = p.n;
+      if (onednn_matmul_bf16_to_f32(packed, a, b, f)) return f;
+    }
     return product_in_float32(p, a, b);
   }
 }

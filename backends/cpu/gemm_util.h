@@ -286,9 +286,9 @@ FloatOperands float_operands(const Plan& p, const T* a, const T* b, Scratch<>& s
 // x [m, k] times w [k, n] (row-major, contiguous, m, n, k >= 1) in the compute type, for
 // linear.cpp's epilogues: for float32 / float64 written into `out` ([m, n], contiguous) by
 // matmul's own path, and returned; for float16 / bfloat16 multiplied as matmul does in
-// float32, left unrounded in this thread's float32 scratch (m x n, returned; valid until the
-// thread's next 16-bit product). On a CPU with AVX512-BF16, matmul's native bfloat16 product
-// rounds its output itself; this one takes the float32 path.
+// float32 (on CPUs with AVX512-BF16, bfloat16 on oneDNN's native bf16 matmul with a float32
+// result), left unrounded in this thread's float32 scratch (m x n, returned; valid until the
+// thread's next 16-bit product).
 template <typename T>
 compute_t<T>* linear_product(const Tensor& x, const Tensor& w, const Tensor& out);
 

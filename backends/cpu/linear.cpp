@@ -21,6 +21,7 @@
 // one pass over rows the GEMM has just written.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "backends/cpu/activation_math.h"
@@ -56,25 +57,27 @@ void with_activation(LinearActivation a, F&& f) {
   }
 }
 
-// z[j] = act(z[j]) over a row; `omp simd` so that gelu's erfc takes libmvec's vector form, as
-// the elementwise kernels' loops do.
+// y[j] = act(z[j]) over a row (y may be z); `omp simd` so that gelu's erfc takes libmvec's
+// vector form, as the elementwise kernels' loops do.
 template <LinearActivation A, typename C>
-void activate_row(C* z, int64_t n) {
+MIXTAPE_ALWAYS_INLINE void activate_row_impl(const C* z, C* y, int64_t n) {
   if constexpr (A == LinearActivation::relu) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) z[j] = relu_of(z[j]);
+    for (int64_t j = 0; j < n; ++j) y[j] = relu_of(z[j]);
   } else if constexpr (A == LinearActivation::gelu) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) z[j] = gelu_of(z[j]);
+    for (int64_t j = 0; j < n; ++j) y[j] = gelu_of(z[j]);
   } else if constexpr (A == LinearActivation::gelu_tanh) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) z[j] = gelu_tanh_of(z[j]);
+    for (int64_t j = 0; j < n; ++j) y[j] = gelu_tanh_of(z[j]);
+  } else if (y != z) {
+    std::copy(z, z + n, y);
   }
 }
 
 // d[j] = g[j] act'(s[j]) over a row, s the saved tensor's row (relu: the output).
 template <LinearActivation A, typename C>
-void gradient_row(const C* s, const C* g, C* d, int64_t n) {
+MIXTAPE_ALWAYS_INLINE void gradient_row_impl(const C* s, const C* g, C* d, int64_t n) {
   if constexpr (A == LinearActivation::relu) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) d[j] = s[j] > C(0) ? g[j] : C(0);
@@ -87,6 +90,45 @@ void gradient_row(const C* s, const C* g, C* d, int64_t n) {
   }
 }
 
+// Each row loop compiled for the baseline and, for float, for AVX2 + FMA (libmvec's eight-lane
+// erfcf), picked at run time as the elementwise kernels pick theirs. FMA contraction may change
+// gelu's and gelu_tanh's last bit; relu only selects.
+template <LinearActivation A, typename C>
+void activate_row_base(const C* z, C* y, int64_t n) {
+  activate_row_impl<A>(z, y, n);
+}
+template <LinearActivation A, typename C>
+void gradient_row_base(const C* s, const C* g, C* d, int64_t n) {
+  gradient_row_impl<A>(s, g, d, n);
+}
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+template <LinearActivation A, typename C>
+__attribute__((target("avx2,fma"))) void activate_row_avx2(const C* z, C* y, int64_t n) {
+  activate_row_impl<A>(z, y, n);
+}
+template <LinearActivation A, typename C>
+__attribute__((target("avx2,fma"))) void gradient_row_avx2(const C* s, const C* g, C* d,
+                                                           int64_t n) {
+  gradient_row_impl<A>(s, g, d, n);
+}
+#endif
+template <LinearActivation A, typename C>
+auto activate_row_fn() {
+  auto* fn = &activate_row_base<A, C>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (std::is_same_v<C, float> && has_avx2_fma()) fn = &activate_row_avx2<A, C>;
+#endif
+  return fn;
+}
+template <LinearActivation A, typename C>
+auto gradient_row_fn() {
+  auto* fn = &gradient_row_base<A, C>;
+#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
+  if (std::is_same_v<C, float> && has_avx2_fma()) fn = &gradient_row_avx2<A, C>;
+#endif
+  return fn;
+}
+
 template <typename T>
 void linear_kernel(const LinearArgs& args) {
   using C = compute_t<T>;
@@ -97,14 +139,24 @@ void linear_kernel(const LinearArgs& args) {
   T* out = static_cast<T*>(args.out.data_ptr());
   T* pre = args.pre.defined() ? static_cast<T*>(args.pre.data_ptr()) : nullptr;
   with_activation(args.activation, [&]<LinearActivation A>() {
+    const auto activate_row = activate_row_fn<A, C>();
     parallel_rows(m, m * n, [&](int64_t r) {
-      C* z = acc + r * n;
+      C* z = acc + r * n;  // float32 / float64: out's row itself
+      // float32 / float64 with pre: z + bias straight into pre, the activation from there.
+      C* zb = z;
+      if constexpr (kNative<T>) {
+        if (pre) zb = pre + r * n;
+      }
       if (bias) {
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) z[j] += bias[j];
+        for (int64_t j = 0; j < n; ++j) zb[j] = z[j] + bias[j];
+      } else if (zb != z) {
+        std::copy(z, z + n, zb);
       }
-      if (pre) from_compute(z, pre + r * n, n);
-      activate_row<A>(z, n);
+      if constexpr (kReduced<T>) {
+        if (pre) from_compute(z, pre + r * n, n);
+      }
+      activate_row(zb, z, n);
       if constexpr (kReduced<T>) from_compute(z, out + r * n, n);
     });
   });
@@ -123,9 +175,11 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
   // Per block of rows: the column sums of its dz rows, added up block by block below.
   std::vector<C> part(dbias ? static_cast<std::size_t>(blocks * n) : 0, C(0));
   with_activation(args.activation, [&]<LinearActivation A>() {
+    const auto gradient_row = gradient_row_fn<A, C>();
 #pragma omp parallel if (m * n > kParallelGrain)
     {
-      std::vector<C> gin, sin, res(A == LinearActivation::none ? 0 : static_cast<std::size_t>(n));
+      std::vector<C> gin, sin,
+          res(kReduced<T> && A != LinearActivation::none ? static_cast<std::size_t>(n) : 0);
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < blocks; ++b) {
         C* p = dbias ? part.data() + b * n : nullptr;
@@ -133,9 +187,11 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
           const C* g = as_compute(dy + r * n, n, gin);
           const C* d = g;
           if constexpr (A != LinearActivation::none) {
-            gradient_row<A>(as_compute(saved + r * n, n, sin), g, res.data(), n);
-            from_compute(res.data(), dz + r * n, n);
-            d = res.data();
+            // float32 / float64: straight into dz's row.
+            C* out = kNative<T> ? reinterpret_cast<C*>(dz + r * n) : res.data();
+            gradient_row(as_compute(saved + r * n, n, sin), g, out, n);
+            if constexpr (kReduced<T>) from_compute(res.data(), dz + r * n, n);
+            d = out;
           }
           if (p) {
 #pragma omp simd

@@ -147,6 +147,7 @@ bool onednn_avg_pool2d_backward(const Tensor&, const Tensor&, const kernels::Poo
 }
 bool onednn_matmul_bf16(const GemmShape&, const void*, const void*, void*) { return false; }
 bool onednn_matmul_f32(const GemmShape&, const float*, const float*, float*) { return false; }
+bool onednn_matmul_bf16_to_f32(const GemmShape&, const void*, const void*, float*) { return false; }
 bool onednn_native_bf16() { return false; }
 
 #else
@@ -721,11 +722,13 @@ class PoolData {
 
 // --- Matmul plans ----------------------------------------------------------------------
 
-Key gemm_key(const GemmShape& g, DnType type) {
+// dst_f32: a float32 result of bfloat16 operands (the fused linear op's, rounded after its
+// epilogue).
+Key gemm_key(const GemmShape& g, DnType type, bool dst_f32 = false) {
   return Key{Kind::matmul,
              type,
              {g.batch, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.sa, g.sb, g.sc,
-              (g.ta ? 1 : 0) | (g.tb ? 2 : 0), 0, 0}};
+              (g.ta ? 1 : 0) | (g.tb ? 2 : 0), dst_f32 ? 1 : 0, 0}};
 }
 
 // The memory descriptor of a row-major [batch, rows, cols] operand stored with leading
@@ -740,16 +743,16 @@ Md matrix_md(DnType type, std::int64_t batch, std::int64_t rows, std::int64_t co
   return Md(dims, type, strides);
 }
 
-// The matmul primitive of `type` for g (nullptr when oneDNN has only a reference
-// implementation for these layouts, or cannot take them).
-std::shared_ptr<const Plan> make_gemm_plan(const GemmShape& g, DnType type) {
+// The matmul primitive of `type` operands for g, its result in `dst` (nullptr when oneDNN has
+// only a reference implementation for these layouts, or cannot take them).
+std::shared_ptr<const Plan> make_gemm_plan(const GemmShape& g, DnType type, DnType dst) {
   // Both operands shared by a batch > 1: every item is the same product; gemm.cpp's loop
   // takes that rare case.
   if (g.batch > 1 && g.sa == 0 && g.sb == 0) return nullptr;
   const std::int64_t sa = g.batch > 1 ? g.sa : 0, sb = g.batch > 1 ? g.sb : 0;
   const Md a = matrix_md(type, g.batch, g.m, g.k, g.ta, g.lda, sa);
   const Md b = matrix_md(type, g.batch, g.k, g.n, g.tb, g.ldb, sb);
-  const Md c(Dims{g.batch, g.m, g.n}, type, Dims{g.batch > 1 ? g.sc : g.m * g.ldc, g.ldc, 1});
+  const Md c(Dims{g.batch, g.m, g.n}, dst, Dims{g.batch > 1 ? g.sc : g.m * g.ldc, g.ldc, 1});
   dn::primitive_attr attr;
   attr.set_scratchpad_mode(dn::scratchpad_mode::user);
   try {
@@ -775,8 +778,19 @@ bool onednn_native_bf16() { return native_bf16(); }
 bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* c) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
   if (!onednn_enabled() || !native_bf16()) return false;
-  const std::shared_ptr<const Plan> plan =
-      cache().get(gemm_key(g, DnType::bf16), [&] { return make_gemm_plan(g, DnType::bf16); });
+  const std::shared_ptr<const Plan> plan = cache().get(
+      gemm_key(g, DnType::bf16), [&] { return make_gemm_plan(g, DnType::bf16, DnType::bf16); });
+  if (!plan) return false;
+  execute(*plan, {const_cast<void*>(a), const_cast<void*>(b), c});
+  return true;
+}
+
+bool onednn_matmul_bf16_to_f32(const GemmShape& g, const void* a, const void* b, float* c) {
+  if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
+  if (!onednn_enabled() || !native_bf16()) return false;
+  const std::shared_ptr<const Plan> plan = cache().get(gemm_key(g, DnType::bf16, true), [&] {
+    return make_gemm_plan(g, DnType::bf16, DnType::f32);
+  });
   if (!plan) return false;
   execute(*plan, {const_cast<void*>(a), const_cast<void*>(b), c});
   return true;
@@ -785,8 +799,8 @@ bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* 
 bool onednn_matmul_f32(const GemmShape& g, const float* a, const float* b, float* c) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
   if (!onednn_enabled() || (g.batch == 1 && !avx512())) return false;
-  const std::shared_ptr<const Plan> plan =
-      cache().get(gemm_key(g, DnType::f32), [&] { return make_gemm_plan(g, DnType::f32); });
+  const std::shared_ptr<const Plan> plan = cache().get(
+      gemm_key(g, DnType::f32), [&] { return make_gemm_plan(g, DnType::f32, DnType::f32); });
   if (!plan) return false;
   execute(*plan, {const_cast<float*>(a), const_cast<float*>(b), c});
   return true;
