@@ -87,7 +87,7 @@ TEST_CASE("linear in float32: the composed values (relu and none to the bit)", "
     CHECK(y.dtype() == mt::kFloat32);
     if (act == "linear" || act == "relu")
       CHECK(max_abs_diff(y, r) == 0.0);
-    else  // the same functors; vector and scalar forms of erfc / exp may differ in the last bit
+    else  // the same functions; vector forms and FMA contractions may differ in the last bit
       CHECK(max_abs_diff(y, r) < 1e-5);
   }
 }

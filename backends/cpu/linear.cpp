@@ -7,8 +7,8 @@
 // needs it, the activation, and the single rounding to out's dtype. The composed ops this
 // replaces (matmul, add, the activation) each made a pass over the [m, n] output and each
 // rounded a 16-bit result; under float32 the values are the same as theirs (the same product,
-// the same functors; erfc's vector and scalar forms may differ in the last bit, so gelu's
-// results can too).
+// the same functions; relu and none to the bit, gelu and gelu_tanh to about the last bit, as
+// the loops' vector forms and FMA contractions may differ).
 //
 // Backward: dz = dy act'(z) and the bias gradient (its column sums) in one pass over fixed
 // blocks of rows, so that the sums' order does not depend on the number of threads. The two

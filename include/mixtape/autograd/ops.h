@@ -112,7 +112,8 @@ Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, doub
 // float32 (float64 for float64), bias and activation are applied to that value and the result
 // is rounded once: under float16 / bfloat16 closer to the exact value than the composed
 // matmul(x, w) + bias then the activation, which round three times; under float32 the same
-// values (gelu's erfc to the last bit). It accumulates in float32 even where
+// values (relu and none to the bit; gelu and gelu_tanh to about the last bit: the CPU's vector
+// loops may contract into FMAs differently). It accumulates in float32 even where
 // MIXTAPE_FP16_USE_FP32_COMPUTE=0 makes matmul accumulate in the 16-bit type (Dense then
 // composes). Differentiable in x, w and bias.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor(),
