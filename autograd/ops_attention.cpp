@@ -34,6 +34,39 @@ detail::Grads differentiable_grads(const Tensor& q, const Tensor& k, const Tenso
   return {matmul(ds, k), matmul(transpose(ds, -1, -2), q), matmul(transpose(p, -1, -2), g)};
 }
 
+// The mask as the kernels read it (kernels.h): a view [n1, n2, t, s] of mask_in broadcast to
+// the scores' shape, strides 0 where it is broadcast, when its leading axes fold into two and
+// it is contiguous along s, so that a key-padding mask [batch, 1, 1, s] stays batch x s bytes;
+// otherwise a contiguous copy [1, n, t, s].
+Tensor kernel_mask(const Tensor& mask_in, const Shape& scores, std::int64_t n) {
+  const Tensor b = detail::broadcast_view(mask_in, scores);
+  const std::size_t r = scores.rank();
+  const std::int64_t t = scores[r - 2], s = scores[r - 1];
+  std::vector<std::int64_t> dims, strides;  // the leading axes, folded outer to inner
+  for (std::size_t a = 0; a + 2 < r; ++a) {
+    const std::int64_t d = scores[a], st = b.strides()[a];
+    if (d == 1) continue;
+    if (!dims.empty() && strides.back() == st * d) {
+      dims.back() *= d;
+      strides.back() = st;
+    } else {
+      dims.push_back(d);
+      strides.push_back(st);
+    }
+  }
+  if (dims.size() > 2 || (s > 1 && b.strides()[r - 1] != 1)) {
+    const Tensor whole = detail::contiguous_raw(b);
+    return Tensor::view_of(whole, Shape{1, n, t, s}, Strides{n * t * s, t * s, s, 1},
+                           whole.offset());
+  }
+  while (dims.size() < 2) {
+    dims.insert(dims.begin(), 1);
+    strides.insert(strides.begin(), 0);
+  }
+  return Tensor::view_of(b, Shape{dims[0], dims[1], t, s},
+                         Strides{strides[0], strides[1], b.strides()[r - 2], 1}, b.offset());
+}
+
 }  // namespace
 
 Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
@@ -77,8 +110,7 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
       throw ShapeError(fmt::format("{}: a mask of shape {} does not broadcast to the scores' {}",
                                    name, mask_in.shape(), scores));
     NoGradGuard no_grad;
-    mask = detail::contiguous_raw(
-        reshape(detail::contiguous_raw(detail::broadcast_view(mask_in, scores)), Shape{n, t, s}));
+    mask = kernel_mask(mask_in, scores, n);
   }
   auto* kernel = detail::kernel_for<kernels::AttentionFn>(OpId::attention, q.dtype(), {q, k, v});
   Tensor qh, kh, vh;
@@ -113,9 +145,13 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
                 if (should_record({q, k, v, g})) {
                   // A tape records this backward pass (second derivatives): the same
                   // gradients from differentiable ops on the op's own inputs.
+                  const Tensor whole_mask = mask.defined()
+                                                ? reshape(detail::contiguous_raw(mask),
+                                                          Shape{qh.dim(0), qh.dim(1), kh.dim(1)})
+                                                : Tensor();
                   const detail::Grads d = differentiable_grads(
-                      reshape(q, qh.shape()), reshape(k, kh.shape()), reshape(v, vh.shape()), mask,
-                      causal, scale, reshape(g, heads));
+                      reshape(q, qh.shape()), reshape(k, kh.shape()), reshape(v, vh.shape()),
+                      whole_mask, causal, scale, reshape(g, heads));
                   return detail::Grads{reshape(d[0], q.shape()), reshape(d[1], k.shape()),
                                        reshape(d[2], v.shape())};
                 }

@@ -46,7 +46,11 @@ struct Case {
   const char* what;
   mt::Shape q, k, v;
   bool causal;
-  int mask;  // 0 none, 1 padding [B, 1, 1, S], 2 full [B, H, T, S] with an empty row
+  // 0 none, 1 padding [B, 1, 1, S], 2 full [B, H, T, S] with an empty row, 3 per batch [B, 1,
+  // T, S] (MultiHeadAttention's), 4 over three leading axes that do not fold into two
+  // [2, 1, 2, T, S] (the kernels get a copy), 5 per query [B, 1, T, 1] (broadcast along the
+  // keys: a copy too).
+  int mask;
 };
 
 const std::vector<Case>& cases() {
@@ -57,6 +61,9 @@ const std::vector<Case>& cases() {
       {"padding mask", {2, 2, 6, 4}, {2, 2, 130, 4}, {2, 2, 130, 5}, false, 1},
       {"full mask with an empty row, causal", {2, 2, 9, 4}, {2, 2, 9, 4}, {2, 2, 9, 4}, true, 2},
       {"rank 3", {3, 4, 8}, {3, 6, 8}, {3, 6, 8}, false, 0},
+      {"per-batch mask, causal", {2, 3, 70, 4}, {2, 3, 70, 4}, {2, 3, 70, 4}, true, 3},
+      {"mask over three leading axes", {2, 3, 2, 5, 4}, {2, 3, 2, 7, 4}, {2, 3, 2, 7, 3}, false, 4},
+      {"per-query mask", {2, 2, 6, 4}, {2, 2, 8, 4}, {2, 2, 8, 4}, false, 5},
   };
   return c;
 }
@@ -64,8 +71,15 @@ const std::vector<Case>& cases() {
 mt::Tensor case_mask(const Case& c) {
   if (c.mask == 0) return mt::Tensor();
   const std::int64_t b = c.q.dims().front(), s = c.k.dims()[c.k.rank() - 2];
+  const std::int64_t tq = c.q.dims()[c.q.rank() - 2];
   if (c.mask == 1)  // batch 1's last three keys padded
     return mask_of({b, 1, 1, s}, [s](std::int64_t i) { return i < s || i % s < s - 3; });
+  if (c.mask == 3)
+    return mask_of({b, 1, tq, s}, [](std::int64_t i) { return (i * 5 + 1) % 3 != 0; });
+  if (c.mask == 4)
+    return mask_of({2, 1, 2, tq, s}, [](std::int64_t i) { return (i * 3 + 2) % 4 != 0; });
+  if (c.mask == 5)  // query row 2 of batch 0 attends nothing
+    return mask_of({b, 1, tq, 1}, [](std::int64_t i) { return i != 2; });
   std::vector<std::int64_t> dims = c.q.dims();
   dims.back() = s;
   const std::int64_t t = c.q.dims()[c.q.rank() - 2];

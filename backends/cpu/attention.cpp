@@ -41,6 +41,25 @@ Extents extents_of(const Tensor& q, const Tensor& k, const Tensor& v) {
   return {q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2)};
 }
 
+// The mask as kernels.h gives it: a bool view [n1, n2, t, s] (strides 0 where broadcast, 1
+// along s), head h reading [h / n2, h % n2].
+struct MaskRows {
+  const std::uint8_t* base = nullptr;
+  int64_t n2 = 1, s1 = 0, s2 = 0, st = 0;
+  explicit MaskRows(const Tensor& m) {
+    if (!m.defined()) return;
+    base = static_cast<const std::uint8_t*>(m.const_data_ptr());
+    n2 = m.dim(1);
+    s1 = m.strides()[0];
+    s2 = m.strides()[1];
+    st = m.strides()[2];
+  }
+  // The mask bytes of head h, row i, from key j0 on; null without a mask.
+  const std::uint8_t* at(int64_t h, int64_t i, int64_t j0) const {
+    return base ? base + (h / n2) * s1 + (h % n2) * s2 + i * st + j0 : nullptr;
+  }
+};
+
 // The row loops of a tile, written as masked_softmax's are (omp simd loops of bit blends and
 // exp_any, so that they vectorise; an AVX2 build of each is picked at run time). A row holds
 // bc logits of keys j0.. ; `limit` keys of them may be attended (causal: those <= i), `m` the
@@ -137,8 +156,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
   const T* q = static_cast<const T*>(q_t.const_data_ptr());
   const T* k = static_cast<const T*>(k_t.const_data_ptr());
   const T* v = static_cast<const T*>(v_t.const_data_ptr());
-  const auto* mask =
-      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.const_data_ptr()) : nullptr;
+  const MaskRows mask(mask_t);
   T* out = static_cast<T*>(out_t.data_ptr());
   C* lse = static_cast<C*>(lse_t.data_ptr());
   const C scale = static_cast<C>(scale_d);
@@ -169,7 +187,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
         blas_gemm(false, true, br, bc, e.d, qc, e.d, kc + j0 * e.d, e.d, C(0), scores.data(), kBc);
         for (int64_t r = 0; r < br; ++r) {
           const int64_t i = i0 + r;
-          const std::uint8_t* mr = mask ? mask + (h * e.t + i) * e.s + j0 : nullptr;
+          const std::uint8_t* mr = mask.at(h, i, j0);
           const auto ru = static_cast<std::size_t>(r);
           const C old = m[ru];
           C sum = 0;
@@ -237,8 +255,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
   const T* q = static_cast<const T*>(q_t.const_data_ptr());
   const T* k = static_cast<const T*>(k_t.const_data_ptr());
   const T* v = static_cast<const T*>(v_t.const_data_ptr());
-  const auto* mask =
-      mask_t.defined() ? static_cast<const std::uint8_t*>(mask_t.const_data_ptr()) : nullptr;
+  const MaskRows mask(mask_t);
   const T* out = static_cast<const T*>(out_t.const_data_ptr());
   const C* lse = static_cast<const C*>(lse_t.const_data_ptr());
   const T* dout = static_cast<const T*>(dout_t.const_data_ptr());
@@ -278,7 +295,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
                     p.data(), kBc);
           for (int64_t r = 0; r < br; ++r) {
             const int64_t i = i0 + r;
-            const std::uint8_t* mr = mask ? mask + (h * e.t + i) * e.s + j0 : nullptr;
+            const std::uint8_t* mr = mask.at(h, i, j0);
             // A row that attends nothing (lse -inf) has no weights.
             row_fn(p.data() + r * kBc, mr, lh[i] == kNegInf ? 0 : limit_of(causal, i, j0, bc), bc,
                    scale, lh[i]);

@@ -30,6 +30,27 @@ __device__ __forceinline__ compute_of<T> warp_dot(const T* a, const U* b, int64_
   return warp_sum(part);
 }
 
+// The mask as kernels.h gives it: a bool view [n1, n2, t, s] (strides 0 where broadcast, 1
+// along s), head h reading [h / n2, h % n2].
+struct MaskRows {
+  const std::uint8_t* base = nullptr;
+  int64_t n2 = 1, s1 = 0, s2 = 0, st = 0;
+  // The mask bytes of head h, row i; null without a mask.
+  __device__ __forceinline__ const std::uint8_t* row(int64_t h, int64_t i) const {
+    return base ? base + (h / n2) * s1 + (h % n2) * s2 + i * st : nullptr;
+  }
+};
+MaskRows mask_rows(const Tensor& m) {
+  MaskRows r;
+  if (!m.defined()) return r;
+  r.base = static_cast<const std::uint8_t*>(m.const_data_ptr());
+  r.n2 = m.dim(1);
+  r.s1 = m.strides()[0];
+  r.s2 = m.strides()[1];
+  r.st = m.strides()[2];
+  return r;
+}
+
 __device__ __forceinline__ bool keeps(const std::uint8_t* mask_row, bool causal, int64_t i,
                                       int64_t j) {
   return (!mask_row || mask_row[j] != 0) && (!causal || j <= i);
@@ -66,8 +87,7 @@ __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* 
 
 template <typename T>
 __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                                         const T* __restrict__ v,
-                                         const std::uint8_t* __restrict__ mask, bool causal,
+                                         const T* __restrict__ v, MaskRows mask, bool causal,
                                          compute_of<T> scale, T* __restrict__ out,
                                          compute_of<T>* __restrict__ lse, int64_t n, int64_t t,
                                          int64_t s, int64_t d, int64_t dv) {
@@ -78,7 +98,7 @@ __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __res
     const T* qr = q + row * d;
     const T* kh = k + h * s * d;
     const T* vh = v + h * s * dv;
-    const std::uint8_t* mr = mask ? mask + row * s : nullptr;
+    const std::uint8_t* mr = mask.row(h, i);
     const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
     // The row's maximum and sum, online.
     C m = neg_inf, l = C(0);
@@ -115,9 +135,8 @@ __global__ void attention_rowdot_kernel(const T* __restrict__ dout, const T* __r
 // dq_i = scale sum_j P_ij (dP_ij - D_i) k_j, a warp per query row.
 template <typename T>
 __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                                    const T* __restrict__ v, const std::uint8_t* __restrict__ mask,
-                                    bool causal, compute_of<T> scale,
-                                    const compute_of<T>* __restrict__ lse,
+                                    const T* __restrict__ v, MaskRows mask, bool causal,
+                                    compute_of<T> scale, const compute_of<T>* __restrict__ lse,
                                     const compute_of<T>* __restrict__ rowdot,
                                     const T* __restrict__ dout, T* __restrict__ dq, int64_t n,
                                     int64_t t, int64_t s, int64_t d, int64_t dv) {
@@ -129,7 +148,7 @@ __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict
     const T* gr = dout + row * dv;
     const T* kh = k + h * s * d;
     const T* vh = v + h * s * dv;
-    const std::uint8_t* mr = mask ? mask + row * s : nullptr;
+    const std::uint8_t* mr = mask.row(h, i);
     const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
     const C li = lse[row], di = rowdot[row];
     const auto ds = [&](int64_t j) {
@@ -143,8 +162,7 @@ __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict
 // dk_j = scale sum_i P_ij (dP_ij - D_i) q_i and dv_j = sum_i P_ij dout_i, a warp per key row.
 template <typename T>
 __global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                                      const T* __restrict__ v,
-                                      const std::uint8_t* __restrict__ mask, bool causal,
+                                      const T* __restrict__ v, MaskRows mask, bool causal,
                                       compute_of<T> scale, const compute_of<T>* __restrict__ lse,
                                       const compute_of<T>* __restrict__ rowdot,
                                       const T* __restrict__ dout, T* __restrict__ dk,
@@ -162,7 +180,7 @@ __global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restri
       for (int u = 0; u < kCols; ++u) dk_acc[u] = dv_acc[u] = C(0);
       for (int64_t i = causal ? j : 0; i < t; ++i) {
         const int64_t row = h * t + i;
-        const std::uint8_t* mr = mask ? mask + row * s : nullptr;
+        const std::uint8_t* mr = mask.row(h, i);
         const C li = lse[row];
         if (li == neg_inf || !keeps(mr, causal, i, j)) continue;
         const T* qr = q + row * d;
@@ -193,10 +211,9 @@ void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   OnDevice on(out);
   launch_1d({"attention kernel", n * t * kWarp, on.s}, attention_forward_kernel<T>,
             static_cast<const T*>(q.const_data_ptr()), static_cast<const T*>(k.const_data_ptr()),
-            static_cast<const T*>(v.const_data_ptr()),
-            mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr,
-            causal, static_cast<C>(scale), static_cast<T*>(out.data_ptr()),
-            static_cast<C*>(lse.data_ptr()), n, t, s, d, dv);
+            static_cast<const T*>(v.const_data_ptr()), mask_rows(mask), causal,
+            static_cast<C>(scale), static_cast<T*>(out.data_ptr()), static_cast<C*>(lse.data_ptr()),
+            n, t, s, d, dv);
 }
 
 template <typename T>
@@ -212,8 +229,7 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
   const auto* qp = static_cast<const T*>(q.const_data_ptr());
   const auto* kp = static_cast<const T*>(k.const_data_ptr());
   const auto* vp = static_cast<const T*>(v.const_data_ptr());
-  const auto* mp =
-      mask.defined() ? static_cast<const std::uint8_t*>(mask.const_data_ptr()) : nullptr;
+  const MaskRows mp = mask_rows(mask);
   const auto* lp = static_cast<const C*>(lse.const_data_ptr());
   auto* rp = static_cast<C*>(rowdot.data());
   const auto* gp = static_cast<const T*>(dout.const_data_ptr());

@@ -292,6 +292,7 @@ void masked_rows(Context& c) {
 struct AttentionCase {
   int64_t n, t, s, d, dv;
   bool masked, causal;
+  int64_t padded = 0;  // > 0: a key-padding mask, one row of s per group of `padded` heads
 };
 
 void attention(Context& c) {
@@ -300,22 +301,45 @@ void attention(Context& c) {
   auto* forward = find_kernel<kernels::AttentionFn>(OpId::attention, c.device().type(), c.dtype());
   const DType stat = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
   const std::vector<AttentionCase> cases{
-      {1, 1, 1, 1, 1, false, false},   {2, 5, 7, 3, 4, false, false},
-      {3, 70, 70, 16, 8, false, true}, {2, 65, 130, 8, 12, true, false},
-      {1, 33, 33, 4, 4, true, true},   {2, 5, 9, 6, 3, false, true}};
+      {1, 1, 1, 1, 1, false, false},    {2, 5, 7, 3, 4, false, false},
+      {3, 70, 70, 16, 8, false, true},  {2, 65, 130, 8, 12, true, false},
+      {1, 33, 33, 4, 4, true, true},    {2, 5, 9, 6, 3, false, true},
+      {6, 9, 70, 5, 4, true, false, 3}, {4, 66, 66, 8, 8, true, true, 2}};
   for (const AttentionCase& a : cases) {
     const std::string what = fmt::format("n {} t {} s {} d {} dv {}{}{}", a.n, a.t, a.s, a.d, a.dv,
-                                         a.masked ? ", masked" : "", a.causal ? ", causal" : "");
+                                         a.padded   ? ", key padding"
+                                         : a.masked ? ", masked"
+                                                    : "",
+                                         a.causal ? ", causal" : "");
     const Pair q = c.uniform({a.n, a.t, a.d}, -1.0, 1.0), k = c.uniform({a.n, a.s, a.d}, -1.0, 1.0),
                v = c.uniform({a.n, a.s, a.dv}, -1.0, 1.0);
     std::vector<bool> keep(static_cast<std::size_t>(a.n * a.t * a.s), true);
-    if (a.masked)
+    Tensor m;
+    if (a.padded) {
+      // The mask as kernels.h allows it: [n / padded, padded, t, s] read from one row of s
+      // keys per group of heads (strides s, 0, 0, 1), never made [n, t, s]; the last keys of
+      // each group padded away (the first group's all but one).
+      const int64_t groups = a.n / a.padded;
+      std::vector<bool> row(static_cast<std::size_t>(groups * a.s));
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t j = 0; j < a.s; ++j)
+          row[static_cast<std::size_t>(g * a.s + j)] = j < (g == 0 ? 1 : a.s - 3 * g);
+      for (std::size_t i = 0; i < keep.size(); ++i) {
+        const auto h = static_cast<int64_t>(i) / (a.t * a.s), j = static_cast<int64_t>(i) % a.s;
+        keep[i] = row[static_cast<std::size_t>(h / a.padded * a.s + j)];
+      }
+      std::size_t at = 0;
+      const Pair rows = c.make(
+          {groups, a.s}, [&] { return row[at++] ? 1.0 : 0.0; }, kBool);
+      m = Context::view(rows, {groups, a.padded, a.t, a.s}, Strides({a.s, 0, 0, 1})).tested;
+    } else if (a.masked) {
       for (std::size_t i = 0; i < keep.size(); ++i)
         keep[i] = i >= static_cast<std::size_t>(a.s) && c.integer(0, 2) != 0;  // row 0: none
-    std::size_t at = 0;
-    const Pair mask = c.make(
-        {a.n, a.t, a.s}, [&] { return keep[at++] ? 1.0 : 0.0; }, kBool);
-    const Tensor m = a.masked ? mask.tested : Tensor();
+      std::size_t at = 0;
+      const Pair mask = c.make(
+          {a.n, a.t, a.s}, [&] { return keep[at++] ? 1.0 : 0.0; }, kBool);
+      m = Context::view(mask, {a.n, 1, a.t, a.s}, Strides({a.t * a.s, a.t * a.s, a.s, 1})).tested;
+    }
     const double scale = 1.0 / std::sqrt(static_cast<double>(a.d)) + 0.1;
     const Pair out = c.output({a.n, a.t, a.dv}), lse = c.output({a.n, a.t}, stat);
     forward(q.tested, k.tested, v.tested, m, a.causal, scale, out.tested, lse.tested);

@@ -71,9 +71,12 @@ using MaskedSoftmaxFn = void(const Tensor& x, const Tensor& mask, double scale, 
 // of one dtype), out [n, t, dv] (that dtype) = P v with P = the softmax over each row of
 // scale * q k^T, over the keys the row attends, and lse [n, t] the log-sum-exp of those
 // scaled logits (float64 for float64, float32 otherwise; -inf, and an output row of 0, for
-// a row that attends nothing). Row i attends key j when the mask (undefined, or bool [n, t,
-// s] contiguous, nonzero: attend) keeps it and, when causal, j <= i. No [t, s] matrix needs
-// to be made: the kernels work in tiles with an online softmax (FlashAttention-2).
+// a row that attends nothing). Row i of head h attends key j when the mask keeps it (nonzero:
+// attend) and, when causal, j <= i. The mask is undefined or a bool view [n1, n2, t, s] with
+// n1 n2 = n, any strides on its first three axes (0 where it is broadcast: a key-padding mask
+// [batch, 1, 1, s] is read as it is, never made [n, t, s]) and stride 1 along s; head h reads
+// mask[h / n2, h % n2]. No [t, s] matrix needs to be made: the kernels work in tiles with an
+// online softmax (FlashAttention-2).
 using AttentionFn = void(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                          bool causal, double scale, const Tensor& out, const Tensor& lse);
 // attention_backward: from the forward's inputs, out and lse and the gradient of out
