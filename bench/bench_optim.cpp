@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <span>
 
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
@@ -38,7 +39,7 @@ void BM_OptimizerUpdate(benchmark::State& state) {
   const mt::Tensor bf16 = mt::Tensor::empty({kWeights}, mt::kBFloat16);
   if (copy == 1) u.copy = bf16;
   for (auto _ : state) {
-    fn(u);
+    fn(std::span(&u, 1));
     if (copy == 2) cast(u.var, bf16);
     ++u.step;
     benchmark::ClobberMemory();

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numbers>
 #include <set>
+#include <span>
 #include <type_traits>
 
 #include "mixtape/autograd/autocast.h"
@@ -199,6 +200,54 @@ void Optimizer::check_not_bypassed() const {
       name(), wrapper_name_, name()));
 }
 
+namespace {
+// The updates of one step, sent to the kernels together: while a step is under way (an
+// UpdateBatch of this thread exists), run() queues each built-in optimizer's update, and the
+// batch hands every run of updates with the same op, device and dtype to the kernel in one
+// call (on a GPU, a launch per few dozen variables instead of one per variable). Outside a
+// step run() updates at once.
+class UpdateBatch {
+ public:
+  UpdateBatch() : previous_(current_) { current_ = this; }
+  ~UpdateBatch() { current_ = previous_; }
+  UpdateBatch(const UpdateBatch&) = delete;
+  UpdateBatch& operator=(const UpdateBatch&) = delete;
+  static UpdateBatch* current() { return current_; }
+
+  void add(OpId op, kernels::OptimizerUpdate u) {
+    ops_.push_back(op);
+    updates_.push_back(std::move(u));
+  }
+  // Runs the queued updates (in order) and keeps the 16-bit copies they wrote.
+  void flush() {
+    for (std::size_t i = 0; i < updates_.size();) {
+      const kernels::OptimizerUpdate& first = updates_[i];
+      std::size_t j = i + 1;
+      while (j < updates_.size() && ops_[j] == ops_[i] &&
+             updates_[j].var.device() == first.var.device() &&
+             updates_[j].var.dtype() == first.var.dtype())
+        ++j;
+      find_kernel<kernels::OptimizerUpdateFn>(
+          ops_[i], first.var.device().type(),
+          first.var.dtype())(std::span<const kernels::OptimizerUpdate>(updates_.data() + i, j - i));
+      i = j;
+    }
+    for (const auto& u : updates_)
+      if (u.copy.defined()) keep_autocast_copy(u.var, u.copy);
+    ops_.clear();
+    updates_.clear();
+  }
+
+ private:
+  static thread_local UpdateBatch* current_;
+  UpdateBatch* previous_;
+  std::vector<OpId> ops_;
+  std::vector<kernels::OptimizerUpdate> updates_;
+};
+thread_local UpdateBatch* UpdateBatch::current_ = nullptr;
+
+}  // namespace
+
 void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variable>& variables,
                      const Tensor& skip_if) {
   check_not_bypassed();
@@ -220,8 +269,10 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
     ~Flag() { slot = Tensor(); }
   } flag{skip_if_};
   skip_if_ = skip_if;
+  UpdateBatch batch;
   for (std::size_t i = 0; i < g.size(); ++i)
     if (g[i].defined()) update(variables[i], g[i], slots_for(variables[i]), lr, step);
+  batch.flush();
   ++iterations_;
 }
 
@@ -327,8 +378,10 @@ kernels::OptimizerUpdate update_args(const Variable& var, const Tensor& grad,
   return u;
 }
 
-void run(OpId op, const kernels::OptimizerUpdate& u) {
-  find_kernel<kernels::OptimizerUpdateFn>(op, u.var.device().type(), u.var.dtype())(u);
+void run(OpId op, kernels::OptimizerUpdate u) {
+  if (UpdateBatch* batch = UpdateBatch::current()) return batch->add(op, std::move(u));
+  find_kernel<kernels::OptimizerUpdateFn>(
+      op, u.var.device().type(), u.var.dtype())(std::span<const kernels::OptimizerUpdate>(&u, 1));
   if (u.copy.defined()) keep_autocast_copy(u.var, u.copy);
 }
 }  // namespace

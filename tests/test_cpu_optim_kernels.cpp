@@ -13,6 +13,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -634,7 +635,7 @@ RunResult run_updates(const Variant& v, DType dt, int64_t numel,
     u.slot2 = slots[1];
     u.slot3 = slots[2];
     u.step = step;
-    kernel<kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(u);
+    kernel<kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(std::span(&u, 1));
 
     const std::vector<double> got = values(var);
     if (reduced) {
@@ -718,7 +719,7 @@ TEST_CASE("optimizer updates: values computed by hand", "[optim_kernels]") {
         u.slot2 = slots[1];
         u.slot3 = slots[2];
         u.step = static_cast<int64_t>(step);
-        kernel<kernels::OptimizerUpdateFn>(op, dt)(u);
+        kernel<kernels::OptimizerUpdateFn>(op, dt)(std::span(&u, 1));
         const double e = expected_var[step - 1];
         INFO(op_name(op) << " " << dt.name() << " step " << step);
         CHECK(std::fabs(get(var, 0) - e) <= tol * std::fabs(e));

@@ -22,6 +22,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -236,7 +237,7 @@ void sgd_momentum_block(S* __restrict v, const S* __restrict g, S* __restrict ve
 
 // sgd_update (Keras SGD): slot1 is the velocity when momentum != 0.
 template <typename T>
-void sgd_kernel(const OptimizerUpdate& u) {
+void sgd_one(const OptimizerUpdate& u) {
   using S = slot_t<T>;
   const S lr = static_cast<S>(u.lr), momentum = static_cast<S>(u.momentum);
   S* vel = slot_ptr<S>(u.slot1);
@@ -322,7 +323,7 @@ struct RmspropBlock {
 // rmsprop_update (Keras RMSprop): slot1 the mean square, slot2 the momentum buffer
 // (momentum > 0), slot3 the mean gradient (centered); rho arrives as beta2.
 template <typename T>
-void rmsprop_kernel(const OptimizerUpdate& u) {
+void rmsprop_one(const OptimizerUpdate& u) {
   using S = slot_t<T>;
   const S lr = static_cast<S>(u.lr), rho = static_cast<S>(u.beta2);
   const S one_minus_rho = static_cast<S>(1.0 - u.beta2), eps = static_cast<S>(u.epsilon);
@@ -374,7 +375,7 @@ struct AdamBlock {
 // bias corrections fold into alpha = lr sqrt(1 - beta2^step) / (1 - beta1^step), computed
 // in float64 and used in the slot type.
 template <typename T>
-void adam_kernel(const OptimizerUpdate& u) {
+void adam_one(const OptimizerUpdate& u) {
   using S = slot_t<T>;
   const auto step = static_cast<double>(u.step);
   const double alpha_d =
@@ -393,6 +394,20 @@ void adam_kernel(const OptimizerUpdate& u) {
                                             lr_wd);
     });
   });
+}
+
+// The kernels: each update of the call in turn (they share every scalar, kernels.h).
+template <typename T>
+void sgd_kernel(std::span<const OptimizerUpdate> updates) {
+  for (const OptimizerUpdate& u : updates) sgd_one<T>(u);
+}
+template <typename T>
+void rmsprop_kernel(std::span<const OptimizerUpdate> updates) {
+  for (const OptimizerUpdate& u : updates) rmsprop_one<T>(u);
+}
+template <typename T>
+void adam_kernel(std::span<const OptimizerUpdate> updates) {
+  for (const OptimizerUpdate& u : updates) adam_one<T>(u);
 }
 
 }  // namespace

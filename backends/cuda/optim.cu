@@ -15,7 +15,9 @@
 //    thread that saw a non-finite value (never cleared, never read back).
 //  - a float32 variable's 16-bit copy (OptimizerUpdate::copy) is written by the update's
 //    own thread right after the element, rounded as the cast kernel rounds.
+//  - the variables of a call (a step's, of one dtype) go in launches of up to kUpdateChunk.
 #include <cmath>
+#include <span>
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
@@ -115,179 +117,207 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
 }
 
 // --- Optimizer updates ----------------------------------------------------------------------
+// A call updates a list of variables (kernels.h): one launch per kUpdateChunk of them, the
+// pointers and sizes travelling as a kernel parameter (as unscale_check's), every thread
+// walking each variable of the chunk with a grid-stride loop.
 
 template <typename T>
 using slot_of = compute_of<T>;  // float64 for float64, float32 otherwise
+
+constexpr int kUpdateChunk = 48;
+
+// One variable's slots in the slot type (null when unused).
+template <typename S>
+struct Slots {
+  S* s1;
+  S* s2;
+  S* s3;
+};  // variables per launch (2.7 KiB of kernel parameters)
+
+// The variables of one launch: var, grad, the three slots (null when the optimizer does not
+// use them) and the 16-bit copy (null, or float16 / bfloat16: copy_bf16).
+struct UpdateList {
+  void* var[kUpdateChunk];
+  const void* grad[kUpdateChunk];
+  void* slot1[kUpdateChunk];
+  void* slot2[kUpdateChunk];
+  void* slot3[kUpdateChunk];
+  void* copy[kUpdateChunk];
+  int64_t n[kUpdateChunk];
+  bool copy_bf16[kUpdateChunk];
+  int count;
+};
 
 // The device flag of a step decided on the device, or null (kernels.h, skip_if).
 const float* skip_ptr(const OptimizerUpdate& u) {
   return u.skip_if.defined() ? static_cast<const float*>(u.skip_if.const_data_ptr()) : nullptr;
 }
 
-template <typename S>
-S* slot_ptr(const Tensor& t) {
-  return t.defined() ? static_cast<S*>(t.data_ptr()) : nullptr;
-}
+void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
-// The 16-bit copy of a float32 variable an update writes beside it (kernels.h): null, or
-// float16 / bfloat16 elements.
-struct CopyOut {
-  void* p = nullptr;
-  bool bf16 = false;
-};
-
+// Checks that a 16-bit copy is asked for a float32 variable only (kernels.h).
 template <typename T>
-CopyOut copy_out(const OptimizerUpdate& u) {
-  if (!u.copy.defined()) return {};
-  if constexpr (!std::is_same_v<T, float>)
-    throw DTypeError(
-        fmt::format("optimizer update: a 16-bit copy is written for float32 "
-                    "variables only; the variable is {}",
-                    u.var.dtype().name()));
-  return {u.copy.data_ptr(), u.copy.dtype() == kBFloat16};
+void check_copy(const OptimizerUpdate& u) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (u.copy.defined())
+      throw DTypeError(
+          fmt::format("optimizer update: a 16-bit copy is written for float32 "
+                      "variables only; the variable is {}",
+                      u.var.dtype().name()));
+  }
 }
 
 // Element i of the copy: x rounded as the cast kernel rounds.
-__device__ __forceinline__ void write_copy(CopyOut c, int64_t i, float x) {
-  if (c.p == nullptr) return;
-  if (c.bf16)
-    static_cast<__nv_bfloat16*>(c.p)[i] = store<__nv_bfloat16>(x);
+__device__ __forceinline__ void write_copy(void* copy, bool bf16, int64_t i, float x) {
+  if (copy == nullptr) return;
+  if (bf16)
+    static_cast<__nv_bfloat16*>(copy)[i] = store<__nv_bfloat16>(x);
   else
-    static_cast<__half*>(c.p)[i] = store<__half>(x);
+    static_cast<__half*>(copy)[i] = store<__half>(x);
 }
-template <typename S>
-__device__ __forceinline__ void write_copy(CopyOut c, int64_t i, S x) {
-  if constexpr (std::is_same_v<S, float>) write_copy(c, i, static_cast<float>(x));
-}
+__device__ __forceinline__ void write_copy(void*, bool, int64_t, double) {}
 
 // Whether a step skipped on the device (skip_if) leaves the kernel nothing to do.
 __device__ __forceinline__ bool skipped(const float* skip) {
   return skip != nullptr && *skip != 0.0f;
 }
 
-// The loop of every update kernel: v = step(i, v, g) in the slot type, written back to
-// var[i] and to the copy. A step skipped on the device leaves var as it is and writes only
-// the copy.
+// The loop of every update kernel, over each variable of the list: v = step(slots, i, v, g)
+// in the slot type, written back to var[i] and to the copy. A step skipped on the device
+// leaves var as it is and writes only the copy.
 template <typename T, typename Step>
-__global__ void update_kernel(const float* __restrict__ skip, T* __restrict__ var,
-                              const T* __restrict__ grad, int64_t n, CopyOut copy, Step step) {
+__global__ void update_kernel(const float* __restrict__ skip, UpdateList list, Step step) {
   using S = slot_of<T>;
   const bool skip_step = skipped(skip);  // a step skipped on the device
-  if (skip_step && copy.p == nullptr) return;
-  MIXTAPE_GRID_LOOP(i, n) {
-    S v = load(var[i]);
-    if (!skip_step) {
-      v = step(i, v, load(grad[i]));
-      var[i] = store<T>(v);
+  for (int t = 0; t < list.count; ++t) {
+    void* copy = list.copy[t];
+    if (skip_step && copy == nullptr) continue;
+    T* var = static_cast<T*>(list.var[t]);
+    const T* grad = static_cast<const T*>(list.grad[t]);
+    const Slots<S> slots{static_cast<S*>(list.slot1[t]), static_cast<S*>(list.slot2[t]),
+                         static_cast<S*>(list.slot3[t])};
+    MIXTAPE_GRID_LOOP(i, list.n[t]) {
+      S v = load(var[i]);
+      if (!skip_step) {
+        v = step(slots, i, v, load(grad[i]));
+        var[i] = store<T>(v);
+      }
+      write_copy(copy, list.copy_bf16[t], i, v);
     }
-    write_copy(copy, i, v);
   }
 }
 
-// Launches update_kernel over u.var on its device, with the step make() returns (made once
-// the update is known to have elements).
-template <typename T, typename Make>
-void launch_update(const char* name, const OptimizerUpdate& u, Make make) {
-  const int64_t n = u.var.numel();
-  if (n == 0) return;
-  OnDevice on(u.var);
-  using Step = decltype(make());
-  const Step step = make();
-  launch_1d({name, n, on.s}, update_kernel<T, Step>, skip_ptr(u), static_cast<T*>(u.var.data_ptr()),
-            static_cast<const T*>(u.grad.const_data_ptr()), n, copy_out<T>(u), step);
+// Launches update_kernel over the variables of `updates` (one device, one dtype, one set of
+// scalars), kUpdateChunk at a time, with the step of the first update.
+template <typename T, typename Step>
+void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, const Step& step) {
+  if (updates.empty()) return;
+  OnDevice on(updates.front().var);
+  const float* skip = skip_ptr(updates.front());
+  UpdateList list{};
+  int64_t total = 0;
+  auto launch = [&]() {
+    if (list.count > 0) launch_1d({name, total, on.s}, update_kernel<T, Step>, skip, list, step);
+    list = UpdateList{};
+    total = 0;
+  };
+  for (const OptimizerUpdate& u : updates) {
+    check_copy<T>(u);
+    const int64_t n = u.var.numel();
+    if (n == 0) continue;
+    const int c = list.count;
+    list.var[c] = u.var.data_ptr();
+    list.grad[c] = u.grad.const_data_ptr();
+    list.slot1[c] = ptr_or_null(u.slot1);
+    list.slot2[c] = ptr_or_null(u.slot2);
+    list.slot3[c] = ptr_or_null(u.slot3);
+    list.copy[c] = ptr_or_null(u.copy);
+    list.copy_bf16[c] = u.copy.defined() && u.copy.dtype() == kBFloat16;
+    list.n[c] = n;
+    ++list.count;
+    total += n;
+    if (list.count == kUpdateChunk) launch();
+  }
+  launch();
 }
 
 // sgd: mode 0: var -= lr g; 1: vel = momentum vel - lr g, var += vel; 2 (Nesterov): the same
-// velocity, var += momentum vel - lr g.
+// velocity, var += momentum vel - lr g. slot1 is the velocity.
 template <typename S>
 struct SgdStep {
-  S* vel;
   S lr, momentum;
   int mode;
-  __device__ S operator()(int64_t i, S v, S g) const {
+  __device__ S operator()(const Slots<S>& s, int64_t i, S v, S g) const {
     if (mode == 0) return sub_rn(v, mul_rn(lr, g));
-    const S nv = sub_rn(mul_rn(momentum, vel[i]), mul_rn(lr, g));
-    vel[i] = nv;
+    const S nv = sub_rn(mul_rn(momentum, s.s1[i]), mul_rn(lr, g));
+    s.s1[i] = nv;
     if (mode == 2) return add_rn(v, sub_rn(mul_rn(momentum, nv), mul_rn(lr, g)));
     return add_rn(v, nv);
   }
 };
 
 template <typename T>
-void sgd_host(const OptimizerUpdate& u) {
+void sgd_host(std::span<const OptimizerUpdate> updates) {
   using S = slot_of<T>;
-  launch_update<T>("sgd_update kernel", u, [&] {
-    const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
-    return SgdStep<S>{mode == 0 ? nullptr : slot_ptr<S>(u.slot1), static_cast<S>(u.lr),
-                      static_cast<S>(u.momentum), mode};
-  });
+  if (updates.empty()) return;
+  const OptimizerUpdate& u = updates.front();
+  const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
+  launch_updates<T>("sgd_update kernel", updates,
+                    SgdStep<S>{static_cast<S>(u.lr), static_cast<S>(u.momentum), mode});
 }
 
-// rmsprop: ms = rho ms + (1 - rho) g^2; centered: mg = rho mg + (1 - rho) g, d = max(ms -
-// mg^2, 0), else d = ms; step = lr g / sqrt(d + eps); momentum: mom = momentum mom + step,
-// var -= mom; otherwise var -= step.
+// rmsprop: slot1 ms = rho ms + (1 - rho) g^2; centered: slot3 mg = rho mg + (1 - rho) g,
+// d = max(ms - mg^2, 0), else d = ms; step = lr g / sqrt(d + eps); momentum: slot2 mom =
+// momentum mom + step, var -= mom; otherwise var -= step.
 template <typename S>
 struct RmspropStep {
-  S* ms;
-  S* mom;
-  S* mg;
   S lr, rho, one_minus_rho, eps, momentum;
   bool centered, use_momentum;
-  __device__ S operator()(int64_t i, S v, S g) const {
-    const S msi = add_rn(mul_rn(rho, ms[i]), mul_rn(one_minus_rho, mul_rn(g, g)));
-    ms[i] = msi;
+  __device__ S operator()(const Slots<S>& s, int64_t i, S v, S g) const {
+    const S msi = add_rn(mul_rn(rho, s.s1[i]), mul_rn(one_minus_rho, mul_rn(g, g)));
+    s.s1[i] = msi;
     S d = msi;
     if (centered) {
-      const S mgi = add_rn(mul_rn(rho, mg[i]), mul_rn(one_minus_rho, g));
-      mg[i] = mgi;
+      const S mgi = add_rn(mul_rn(rho, s.s3[i]), mul_rn(one_minus_rho, g));
+      s.s3[i] = mgi;
       const S c = sub_rn(msi, mul_rn(mgi, mgi));
       d = c < S(0) ? S(0) : c;
     }
     const S step = div_rn(mul_rn(lr, g), sqrt_rn(add_rn(d, eps)));
     if (!use_momentum) return sub_rn(v, step);
-    const S mi = add_rn(mul_rn(momentum, mom[i]), step);
-    mom[i] = mi;
+    const S mi = add_rn(mul_rn(momentum, s.s2[i]), step);
+    s.s2[i] = mi;
     return sub_rn(v, mi);
   }
 };
 
 template <typename T>
-void rmsprop_host(const OptimizerUpdate& u) {
+void rmsprop_host(std::span<const OptimizerUpdate> updates) {
   using S = slot_of<T>;
-  launch_update<T>("rmsprop_update kernel", u, [&] {
-    const bool use_momentum = u.momentum > 0.0;
-    return RmspropStep<S>{slot_ptr<S>(u.slot1),
-                          use_momentum ? slot_ptr<S>(u.slot2) : nullptr,
-                          u.centered ? slot_ptr<S>(u.slot3) : nullptr,
-                          static_cast<S>(u.lr),
-                          static_cast<S>(u.beta2),
-                          static_cast<S>(1.0 - u.beta2),
-                          static_cast<S>(u.epsilon),
-                          static_cast<S>(u.momentum),
-                          u.centered,
-                          use_momentum};
-  });
+  if (updates.empty()) return;
+  const OptimizerUpdate& u = updates.front();
+  launch_updates<T>("rmsprop_update kernel", updates,
+                    RmspropStep<S>{static_cast<S>(u.lr), static_cast<S>(u.beta2),
+                                   static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
+                                   static_cast<S>(u.momentum), u.centered, u.momentum > 0.0});
 }
 
-// adam: var -= lr_wd var (AdamW); m += (g - m)(1 - beta1); v += (g^2 - v)(1 - beta2);
-// amsgrad: vmax = max(vmax, v); var -= alpha m / (sqrt(v | vmax) + eps).
+// adam: var -= lr_wd var (AdamW); slot1 m += (g - m)(1 - beta1); slot2 v += (g^2 - v)(1 -
+// beta2); amsgrad: slot3 vmax = max(vmax, v); var -= alpha m / (sqrt(v | vmax) + eps).
 template <typename S>
 struct AdamStep {
-  S* m;
-  S* v;
-  S* vmax;
   S alpha, one_minus_beta1, one_minus_beta2, eps, lr_wd;
   bool amsgrad, decay;
-  __device__ S operator()(int64_t i, S x, S g) const {
+  __device__ S operator()(const Slots<S>& s, int64_t i, S x, S g) const {
     if (decay) x = sub_rn(x, mul_rn(lr_wd, x));
-    const S mi = add_rn(m[i], mul_rn(sub_rn(g, m[i]), one_minus_beta1));
-    m[i] = mi;
-    const S vi = add_rn(v[i], mul_rn(sub_rn(mul_rn(g, g), v[i]), one_minus_beta2));
-    v[i] = vi;
+    const S mi = add_rn(s.s1[i], mul_rn(sub_rn(g, s.s1[i]), one_minus_beta1));
+    s.s1[i] = mi;
+    const S vi = add_rn(s.s2[i], mul_rn(sub_rn(mul_rn(g, g), s.s2[i]), one_minus_beta2));
+    s.s2[i] = vi;
     S d = vi;
     if (amsgrad) {
-      const S mx = vmax[i] < vi ? vi : vmax[i];
-      vmax[i] = mx;
+      const S mx = s.s3[i] < vi ? vi : s.s3[i];
+      s.s3[i] = mx;
       d = mx;
     }
     return sub_rn(x, div_rn(mul_rn(alpha, mi), add_rn(sqrt_rn(d), eps)));
@@ -295,23 +325,18 @@ struct AdamStep {
 };
 
 template <typename T>
-void adam_host(const OptimizerUpdate& u) {
+void adam_host(std::span<const OptimizerUpdate> updates) {
   using S = slot_of<T>;
-  launch_update<T>("adam_update kernel", u, [&] {
-    const auto step = static_cast<double>(u.step);
-    const double alpha =
-        u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
-    return AdamStep<S>{slot_ptr<S>(u.slot1),
-                       slot_ptr<S>(u.slot2),
-                       u.amsgrad ? slot_ptr<S>(u.slot3) : nullptr,
-                       static_cast<S>(alpha),
-                       static_cast<S>(1.0 - u.beta1),
-                       static_cast<S>(1.0 - u.beta2),
-                       static_cast<S>(u.epsilon),
-                       static_cast<S>(u.lr * u.weight_decay),
-                       u.amsgrad,
-                       u.weight_decay != 0.0};
-  });
+  if (updates.empty()) return;
+  const OptimizerUpdate& u = updates.front();
+  const auto step = static_cast<double>(u.step);
+  const double alpha =
+      u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
+  launch_updates<T>(
+      "adam_update kernel", updates,
+      AdamStep<S>{static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1),
+                  static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
+                  static_cast<S>(u.lr * u.weight_decay), u.amsgrad, u.weight_decay != 0.0});
 }
 
 }  // namespace

@@ -1036,55 +1036,78 @@ void optimizer(Context& c) {
     variants = {{"adam", 0.0, 0.0, false, false, false},
                 {"amsgrad", 0.0, 0.0, false, false, true},
                 {"adamw", 0.0, 0.004, false, false, false}};
+  // Every variant updates a list of variables in one call, as a step does (kernels.h): four
+  // shapes (one empty), then 45 small ones, more than one launch's worth on a GPU.
+  std::vector<Shape> shapes{{7}, {3, 5}, {0}, {4099}};
+  for (int i = 0; i < 45; ++i) shapes.push_back(Shape{5 + i % 3});
   int copies = 0;
-  for (const Shape& shape : std::vector<Shape>{{7}, {3, 5}, {0}, {4099}}) {
-    for (const auto& v : variants) {
-      const Pair var = c.uniform(shape, -1.0, 1.0), grad = c.uniform(shape, -1.0, 1.0);
-      // Slots that hold what a few steps would: mean squares >= 0, max >= the mean square.
-      const Pair s1 = c.make(
-          shape, [&] { return c.uniform(-0.1, 0.1); }, slot);
-      const Pair s2 = c.make(
-          shape, [&] { return c.uniform(0.0, 0.01); }, slot);
-      const Pair s3 = c.make(
-          shape, [&] { return c.uniform(0.01, 0.02); }, slot);
+  for (const auto& v : variants) {
+    struct Entry {
+      Pair var, s1, s2, s3, ms;
       kernels::OptimizerUpdate u, r;
+      bool use1, use2, use3;
+      std::string what;
+    };
+    std::vector<Entry> entries;
+    for (const Shape& shape : shapes) {
+      Entry e{c.uniform(shape, -1.0, 1.0),
+              // Slots that hold what a few steps would: mean squares >= 0, max >= the mean
+              // square.
+              c.make(
+                  shape, [&] { return c.uniform(-0.1, 0.1); }, slot),
+              c.make(
+                  shape, [&] { return c.uniform(0.0, 0.01); }, slot),
+              c.make(
+                  shape, [&] { return c.uniform(0.01, 0.02); }, slot),
+              c.make(
+                  shape, [&] { return c.uniform(0.02, 0.04); }, slot),
+              {},
+              {},
+              false,
+              false,
+              false,
+              fmt::format("{}, shape {}", v.name, shape_name(shape))};
+      const Pair grad = c.uniform(shape, -1.0, 1.0);
+      kernels::OptimizerUpdate& u = e.u;
+      kernels::OptimizerUpdate& r = e.r;
       u.lr = 0.01, u.beta1 = 0.9, u.beta2 = 0.999, u.epsilon = 1e-7;
       if (c.op() == OpId::rmsprop_update) u.beta2 = 0.9;
       u.momentum = v.momentum, u.weight_decay = v.weight_decay, u.step = 3;
       u.nesterov = v.nesterov, u.centered = v.centered, u.amsgrad = v.amsgrad;
       r = u;
-      u.var = var.tested, u.grad = grad.tested, r.var = var.ref, r.grad = grad.ref;
+      u.var = e.var.tested, u.grad = grad.tested, r.var = e.var.ref, r.grad = grad.ref;
       const bool rms = c.op() == OpId::rmsprop_update, adam = c.op() == OpId::adam_update;
       // Which slots the variant uses (kernels.h): sgd's velocity with momentum; rmsprop's
       // mean square, momentum buffer and mean gradient; adam's m, v and max v.
-      const bool use1 = adam || rms || v.momentum > 0.0;
-      const bool use2 = adam || (rms && v.momentum > 0.0);
-      const bool use3 = (adam && v.amsgrad) || (rms && v.centered);
-      const Pair ms = rms ? c.make(
-                                shape, [&] { return c.uniform(0.02, 0.04); }, slot)
-                          : s1;
-      if (use1) u.slot1 = (rms ? ms : s1).tested, r.slot1 = (rms ? ms : s1).ref;
+      e.use1 = adam || rms || v.momentum > 0.0;
+      e.use2 = adam || (rms && v.momentum > 0.0);
+      e.use3 = (adam && v.amsgrad) || (rms && v.centered);
+      const Pair& first = rms ? e.ms : e.s1;
+      if (e.use1) u.slot1 = first.tested, r.slot1 = first.ref;
       // Every slot its own tensor, as an optimizer's are (the kernels may assume they do not
       // overlap): rmsprop's momentum buffer s2, its mean gradient s1.
-      if (use2) u.slot2 = s2.tested, r.slot2 = s2.ref;
-      if (use3) u.slot3 = (rms ? s1 : s3).tested, r.slot3 = (rms ? s1 : s3).ref;
+      if (e.use2) u.slot2 = e.s2.tested, r.slot2 = e.s2.ref;
+      const Pair& third = rms ? e.s1 : e.s3;
+      if (e.use3) u.slot3 = third.tested, r.slot3 = third.ref;
       // float32 variables: the 16-bit copy written beside the update (kernels.h), float16
       // and bfloat16 by turns; unwritten elements show as NaN.
       if (c.dtype() == kFloat32)
         u.copy = c.output(shape, copies++ % 2 == 0 ? kFloat16 : kBFloat16).tested;
-      if (shape.numel() > 0) {
-        fn(u);
-        ref(r);
-      }
-      const std::string what = fmt::format("{}, shape {}", v.name, shape_name(shape));
-      c.expect_close(what + ", the variable", var.tested, var.ref);
-      if (use1) c.expect_close(what + ", slot 1", u.slot1, r.slot1);
-      if (use2) c.expect_close(what + ", slot 2", u.slot2, r.slot2);
-      if (use3) c.expect_close(what + ", slot 3", u.slot3, r.slot3);
+      entries.push_back(std::move(e));
+    }
+    std::vector<kernels::OptimizerUpdate> us, rs;
+    for (const Entry& e : entries) us.push_back(e.u), rs.push_back(e.r);
+    fn(us);
+    ref(rs);
+    for (const Entry& e : entries) {
+      c.expect_close(e.what + ", the variable", e.var.tested, e.var.ref);
+      if (e.use1) c.expect_close(e.what + ", slot 1", e.u.slot1, e.r.slot1);
+      if (e.use2) c.expect_close(e.what + ", slot 2", e.u.slot2, e.r.slot2);
+      if (e.use3) c.expect_close(e.what + ", slot 3", e.u.slot3, e.r.slot3);
       // The updated variable (as the kernel left it, in float64) rounded to the copy's dtype.
-      if (u.copy.defined())
-        c.expect_equal(what + ", the 16-bit copy", u.copy,
-                       var.tested.to(Device::cpu()).to(kFloat64));
+      if (e.u.copy.defined())
+        c.expect_equal(e.what + ", the 16-bit copy", e.u.copy,
+                       e.var.tested.to(Device::cpu()).to(kFloat64));
     }
   }
 }

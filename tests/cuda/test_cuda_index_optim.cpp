@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -487,8 +488,8 @@ TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU"
             ug.copy = Tensor::empty({numel}, copy_dt, cu::kGpu);
           }
           const Tensor var_before = var_gpu.to(mt::Device::cpu());
-          cpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(uc);
-          gpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(ug);
+          cpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(std::span(&uc, 1));
+          gpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(std::span(&ug, 1));
           if (step == 2) {  // nothing changed, bit for bit
             const Tensor after = var_gpu.to(mt::Device::cpu());
             CHECK(std::memcmp(after.data_ptr(), var_before.data_ptr(),

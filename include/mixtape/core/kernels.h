@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "mixtape/core/dispatch.h"
@@ -250,7 +251,10 @@ using IndexAddFn = void(const Tensor& src, const Tensor& index, std::int64_t out
 using UnscaleCheckFn = void(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
                             double scale, const Tensor& found_nonfinite);
 
-// Optimizer updates, in place, for one variable. var and grad are contiguous, same shape
+// Optimizer updates, in place, for a list of variables in one call (on a GPU, a launch per
+// few dozen variables instead of one each): every OptimizerUpdate of a call has the same
+// variable dtype (the one the kernel is keyed on), device, scalars (lr ... amsgrad, step) and
+// skip_if; each is applied as described here. var and grad are contiguous, same shape
 // and dtype (the dtype the kernel is keyed on); the slots are contiguous tensors of var's
 // shape in the slot dtype: float64 for float64 variables, float32 for every other
 // (float16 / bfloat16 variables keep float32 state). var, grad and the slots are distinct
@@ -289,6 +293,6 @@ struct OptimizerUpdate {
   std::int64_t step = 1;
   bool nesterov = false, centered = false, amsgrad = false;
 };
-using OptimizerUpdateFn = void(const OptimizerUpdate& u);
+using OptimizerUpdateFn = void(std::span<const OptimizerUpdate> updates);
 
 }  // namespace mixtape::kernels
