@@ -61,6 +61,11 @@ if want ops; then
   t0=$SECONDS
   timeout 90 "$bundle/run.sh" mixtape-ops --backend cuda >"$logs/ops.log" 2>&1
   note "ops: rc=$? $((SECONDS - t0)) s: $(tail -1 "$logs/ops.log")"
+  # The linear op again with cuBLASLt's epilogues off (its own kernel after the product):
+  # where the line above fails on linear, this says whether the epilogues are the cause.
+  MIXTAPE_CUDA_LT_EPILOGUES=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda --op linear \
+    >"$logs/ops_linear_no_epilogues.log" 2>&1
+  note "ops linear, MIXTAPE_CUDA_LT_EPILOGUES=0: rc=$?: $(tail -1 "$logs/ops_linear_no_epilogues.log")"
 fi
 
 if want tests; then

@@ -228,6 +228,9 @@ struct EpilogueSpec {
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   bool bias = false;
   int64_t aux_ld = 0;
+  // The first call's pointers, set before the heuristic runs (each call sets its own again).
+  const void* bias_ptr = nullptr;
+  void* aux_ptr = nullptr;
 };
 
 // Builds the descriptors of problem s (batch <= kMaxBatchPerCall) and asks the heuristic for
@@ -261,6 +264,14 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
       MIXTAPE_CUBLAS_CHECK(
           cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                                          &epilogue->aux_ld, sizeof(epilogue->aux_ld)));
+    if (epilogue->bias_ptr)
+      MIXTAPE_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                         &epilogue->bias_ptr, sizeof(epilogue->bias_ptr)));
+    if (epilogue->aux_ptr)
+      MIXTAPE_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                         &epilogue->aux_ptr, sizeof(epilogue->aux_ptr)));
   }
 
   Preference pref;
@@ -498,7 +509,7 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   const std::uint32_t align_a = alignment(a.x.const_data_ptr(), s.lda, 0, 1, item);
   const std::uint32_t align_b = alignment(a.w.const_data_ptr(), s.ldb, 0, 1, item);
   const std::uint32_t align_c = alignment(d.data_ptr(), s.ldc, 0, 1, item);
-  const EpilogueSpec spec{lt_epilogue(e), bias != nullptr, aux_ptr ? n : 0};
+  const EpilogueSpec spec{lt_epilogue(e), bias != nullptr, aux_ptr ? n : 0, bias, aux_ptr};
   static auto* plans = new PlanCache<LtPlan>();  // never destroyed
   PlanKey key;
   key.v = {
