@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "autograd/op_util.h"
+#include "mixtape/core/dropout_hash.h"
 
 namespace mixtape {
 
@@ -16,8 +17,22 @@ Tensor as_heads(const Tensor& x, std::int64_t n) {
 
 // The gradients of q, k and v [n, ., .] from g, written with differentiable ops (the weights
 // made whole): the backward pass when a tape records it, for second derivatives.
+// Dropout's factors Z [n, t, s] (kernels.h) as a tensor of `like`'s dtype and device: 1 / (1 -
+// rate) where dropout_keeps() keeps the weight, 0 elsewhere (only the recorded backward pass
+// makes them whole).
+Tensor dropout_factors(std::int64_t n, std::int64_t t, std::int64_t s,
+                       const kernels::AttentionDropout& d, const Tensor& like) {
+  std::vector<double> z(static_cast<std::size_t>(n * t * s));
+  const std::uint32_t threshold = dropout_threshold(d.rate);
+  for (std::size_t i = 0; i < z.size(); ++i)
+    z[i] = dropout_keeps(d.seed, i, threshold) ? 1.0 / (1.0 - d.rate) : 0.0;
+  Tensor f = from_vector(z, Shape{n, t, s}).to(like.dtype());
+  return like.device().is_cpu() ? f : to_device(f, like.device());
+}
+
 detail::Grads differentiable_grads(const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const Tensor& mask, bool causal, double scale, const Tensor& g) {
+                                   const Tensor& mask, bool causal, double scale,
+                                   const kernels::AttentionDropout& dropout, const Tensor& g) {
   const std::int64_t t = q.dim(1), s = k.dim(1);
   Tensor keep = mask;
   if (causal) {
@@ -29,9 +44,13 @@ detail::Grads differentiable_grads(const Tensor& q, const Tensor& k, const Tenso
     keep = keep.defined() ? where(c, keep, c) : c;
   }
   const Tensor p = masked_softmax(matmul(q, transpose(k, -1, -2)), keep, scale);
-  const Tensor dp = matmul(g, transpose(v, -1, -2));
+  // Dropout: the weights that reach v are P o Z, and the gradient of P is Z o (g v^T).
+  const Tensor z = dropout.rate > 0.0 ? dropout_factors(q.dim(0), t, s, dropout, q) : Tensor();
+  const Tensor pz = z.defined() ? p * z : p;
+  const Tensor dpz = matmul(g, transpose(v, -1, -2));
+  const Tensor dp = z.defined() ? dpz * z : dpz;
   const Tensor ds = p * (dp - sum(dp * p, {-1}, true)) * scale;
-  return {matmul(ds, k), matmul(transpose(ds, -1, -2), q), matmul(transpose(p, -1, -2), g)};
+  return {matmul(ds, k), matmul(transpose(ds, -1, -2), q), matmul(transpose(pz, -1, -2), g)};
 }
 
 // The mask as the kernels read it (kernels.h): a view [n1, n2, t, s] of mask_in broadcast to
@@ -70,8 +89,13 @@ Tensor kernel_mask(const Tensor& mask_in, const Shape& scores, std::int64_t n) {
 }  // namespace
 
 Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                       const Tensor& mask_in, bool causal, double scale) {
+                       const Tensor& mask_in, bool causal, double scale, double dropout_rate,
+                       std::uint64_t seed) {
   const char* name = op_name(OpId::attention);
+  if (!(dropout_rate >= 0.0 && dropout_rate < 1.0))
+    throw ValueError(
+        fmt::format("{}: the dropout rate must be in [0, 1); got {}", name, dropout_rate));
+  const kernels::AttentionDropout dropout{dropout_rate, seed};
   detail::check_inputs(name, {q_in, k_in, v_in});
   const auto in = detail::op_inputs(OpId::attention, {q_in, k_in, v_in});
   const Tensor &q = in[0], &k = in[1], &v = in[2];
@@ -127,7 +151,7 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
     if (s == 0)
       detail::fill_raw(out, 0.0);  // no keys: every row attends nothing
     else
-      kernel(qh, kh, vh, mask, causal, scale, out, lse);
+      kernel(qh, kh, vh, mask, causal, scale, dropout, out, lse);
   }
   std::vector<std::int64_t> out_dims = lead;
   out_dims.push_back(t);
@@ -139,8 +163,8 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
   }
   if (should_record({q, k, v}))
     record_op(name, {q, k, v}, y,
-              [q, k, v, qh, kh, vh, mask, causal, scale, out, lse](const Tensor& g,
-                                                                   const std::vector<bool>&) {
+              [q, k, v, qh, kh, vh, mask, causal, scale, dropout, out, lse](
+                  const Tensor& g, const std::vector<bool>&) {
                 const Shape heads{qh.dim(0), qh.dim(1), vh.dim(2)};
                 if (should_record({q, k, v, g})) {
                   // A tape records this backward pass (second derivatives): the same
@@ -151,7 +175,7 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
                                                 : Tensor();
                   const detail::Grads d = differentiable_grads(
                       reshape(q, qh.shape()), reshape(k, kh.shape()), reshape(v, vh.shape()),
-                      whole_mask, causal, scale, reshape(g, heads));
+                      whole_mask, causal, scale, dropout, reshape(g, heads));
                   return detail::Grads{reshape(d[0], q.shape()), reshape(d[1], k.shape()),
                                        reshape(d[2], v.shape())};
                 }
@@ -165,7 +189,7 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
                   if (qh.dim(1) == 0 || kh.dim(1) == 0)
                     for (Tensor* x : {&dq, &dk, &dv}) detail::fill_raw(*x, 0.0);
                   else
-                    backward(qh, kh, vh, mask, causal, scale, out, lse, gh, dq, dk, dv);
+                    backward(qh, kh, vh, mask, causal, scale, dropout, out, lse, gh, dq, dk, dv);
                 }
                 return detail::Grads{reshape(dq, q.shape()), reshape(dk, k.shape()),
                                      reshape(dv, v.shape())};

@@ -237,19 +237,21 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
     mask = inputs[static_cast<std::size_t>(in.mask)];
     if (mask.rank() == 3) mask = unsqueeze(mask, 1);  // [B, 1, T, S] against [B, H, T, S]
   }
-  // The fused op unless the call needs the weights themselves (returned, or dropped out) or
-  // logits in a dtype other than the kernel's.
+  // The fused op unless the call needs the weights themselves (returned) or logits in a
+  // dtype other than the kernel's. Dropout on the weights runs inside it: its mask a function
+  // of a seed drawn from the layer's generator (mixtape/core/dropout_hash.h).
   const DType sd = scores_dtype();
-  const char* composed_because = call.return_attention_scores         ? "the scores are returned"
-                                 : training && options_.dropout > 0.0 ? "dropout on the weights"
+  const char* composed_because = call.return_attention_scores ? "the scores are returned"
                                  : sd != (q.dtype() == kFloat64 ? kFloat64 : kFloat32)
                                      ? "scores_dtype is not the fused kernel's"
                                      : nullptr;
   Tensor heads;  // [B, H, T, vd]
   Tensor scores;
   if (!composed_because) {
-    heads = fused_attention(q, k, v, mask, causal, scale);
-    path_ = "attention: fused";
+    const bool drop = training && options_.dropout > 0.0;
+    heads = fused_attention(q, k, v, mask, causal, scale, drop ? options_.dropout : 0.0,
+                            drop ? generator_.next_u64() : 0);
+    path_ = drop ? "attention: fused (dropout on the weights)" : "attention: fused";
   } else {
     path_ = fmt::format("attention: composed ({})", composed_because);
     scores = composed_scores(q, k, mask, causal, in.t, in.s, device);

@@ -9,6 +9,7 @@
 
 #include "error_of.h"
 #include "gradcheck.h"
+#include "mixtape/core/dropout_hash.h"
 #include "mixtape/mixtape.h"
 #include "tensor_check.h"
 
@@ -227,7 +228,7 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
                                                                : 1e-5;
     CHECK(max_abs_diff(fused, composed.output) < tol);
   }
-  SECTION("dropout in training: composed; in inference: fused") {
+  SECTION("dropout in training: inside the fused op; in inference: none") {
     auto mha = ml::MultiHeadAttention(2, 4, {.dropout = 0.5});
     const mt::Tensor x = random_normal({2, 5, 8}, 32, mt::kFloat32);
     mt::DTypeTraceScope trace;
@@ -235,9 +236,81 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
     (void)mha->attend(x, x, {});
     REQUIRE(trace.trace().rows.size() == 2);
     CHECK_THAT(trace.trace().rows[0].note,
-               Catch::StartsWith("attention: composed (dropout on the weights);"));
+               Catch::StartsWith("attention: fused (dropout on the weights);"));
     CHECK_THAT(trace.trace().rows[1].note, Catch::StartsWith("attention: fused;"));
   }
+}
+
+TEST_CASE("fused_attention: dropout on the weights, its mask a function of the seed",
+          "[attention][fused][dropout]") {
+  const mt::Tensor q = random_normal({2, 3, 70, 8}, 51), k = random_normal({2, 3, 70, 8}, 52),
+                   v = random_normal({2, 3, 70, 5}, 53), g = random_normal({2, 3, 70, 5}, 54);
+  const double rate = 0.3, scale = 0.4;
+  const std::uint64_t seed = 77;
+  // The composed form with the same factors Z (mixtape/core/dropout_hash.h): 1 / (1 - rate)
+  // where the hash keeps the weight of (head, query, key), 0 elsewhere.
+  std::vector<double> z(static_cast<std::size_t>(6 * 70 * 70));
+  const std::uint32_t threshold = mt::dropout_threshold(rate);
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < z.size(); ++i) {
+    const bool keep = mt::dropout_keeps(seed, i, threshold);
+    kept += keep ? 1 : 0;
+    z[i] = keep ? 1.0 / (1.0 - rate) : 0.0;
+  }
+  CHECK(std::abs(static_cast<double>(kept) / static_cast<double>(z.size()) - 0.7) < 0.02);
+  const mt::Tensor zt = mt::from_vector(z, {2, 3, 70, 70});
+  const auto composed_dropped = [&](const mt::Tensor& qq, const mt::Tensor& kk,
+                                    const mt::Tensor& vv) {
+    const mt::Tensor c = mask_of({70, 70}, [](std::int64_t i) { return i % 70 <= i / 70; });
+    const mt::Tensor p =
+        mt::masked_softmax(mt::matmul(qq, mt::transpose(kk, -1, -2)), c, scale) * zt;
+    return mt::matmul(p, vv);
+  };
+  const mt::Tensor fused = mt::fused_attention(q, k, v, mt::Tensor(), true, scale, rate, seed);
+  CHECK(max_abs_diff(fused, composed_dropped(q, k, v)) < 1e-12);
+  // The same seed, the same result; another seed, another mask.
+  CHECK(max_abs_diff(mt::fused_attention(q, k, v, mt::Tensor(), true, scale, rate, seed), fused) ==
+        0.0);
+  CHECK(max_abs_diff(mt::fused_attention(q, k, v, mt::Tensor(), true, scale, rate, seed + 1),
+                     fused) > 1e-3);
+  // The gradients find the forward's mask again.
+  const auto grads = [&](bool use_fused) {
+    mt::Variable qv(q, "q"), kv(k, "k"), vv(v, "v");
+    mt::GradientTape tape;
+    const mt::Tensor y =
+        use_fused ? mt::fused_attention(qv, kv, vv, mt::Tensor(), true, scale, rate, seed)
+                  : composed_dropped(qv, kv, vv);
+    return tape.gradient(mt::sum(y * g), std::vector<mt::Variable>{qv, kv, vv});
+  };
+  const auto f = grads(true), r = grads(false);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(max_abs_diff(f[i], r[i]) < 1e-11);
+  // Second derivatives: the recorded backward pass makes Z whole and composes.
+  const auto second = [&](bool use_fused) {
+    mt::Variable qv(q, "q"), kv(k, "k"), vv(v, "v");
+    mt::GradientTape outer;
+    std::vector<mt::Tensor> first;
+    {
+      mt::GradientTape inner;
+      const mt::Tensor y =
+          use_fused ? mt::fused_attention(qv, kv, vv, mt::Tensor(), true, scale, rate, seed)
+                    : composed_dropped(qv, kv, vv);
+      first = inner.gradient(mt::sum(y * g), std::vector<mt::Variable>{qv, kv, vv});
+    }
+    return outer.gradient(mt::sum(first[0] * first[0]) + mt::sum(first[2] * first[2]),
+                          std::vector<mt::Variable>{qv, kv, vv});
+  };
+  const auto f2 = second(true), r2 = second(false);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(max_abs_diff(f2[i], r2[i]) < 1e-10);
+  CHECK_GRADCHECK(
+      "fused_attention with dropout",
+      [&](const mtest::Inputs& in) {
+        return mt::fused_attention(in[0], in[1], in[2], mt::Tensor(), false, 0.5, 0.5, 3);
+      },
+      {random_normal({2, 5, 3}, 55), random_normal({2, 6, 3}, 56), random_normal({2, 6, 2}, 57)},
+      mtest::GradCheckOptions{.atol = 1e-7, .rtol = 1e-6});
+  CHECK_THAT(mixtape_test::error_of<mt::ValueError>(
+                 [&] { mt::fused_attention(q, k, v, mt::Tensor(), false, 1.0, 1.0, 0); }),
+             Catch::Contains("the dropout rate must be in [0, 1); got 1"));
 }
 
 TEST_CASE("fused_attention: second derivatives through a recorded backward pass",

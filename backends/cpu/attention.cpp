@@ -22,6 +22,7 @@
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_util.h"
 #include "backends/cpu/gemm_util.h"
+#include "mixtape/core/dropout_hash.h"
 #include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cpu {
@@ -57,6 +58,28 @@ struct MaskRows {
   // The mask bytes of head h, row i, from key j0 on; null without a mask.
   const std::uint8_t* at(int64_t h, int64_t i, int64_t j0) const {
     return base ? base + (h / n2) * s1 + (h % n2) * s2 + i * st + j0 : nullptr;
+  }
+};
+
+// Dropout on the weights (kernels.h): the factor Z of each element, 1 / (1 - rate) where
+// dropout_keeps() keeps it, 0 elsewhere.
+struct Dropout {
+  bool on = false;
+  std::uint64_t seed = 0;
+  std::uint32_t threshold = 0;
+  double inv_keep = 1.0;
+  explicit Dropout(const kernels::AttentionDropout& d)
+      : on(d.rate > 0.0),
+        seed(d.seed),
+        threshold(dropout_threshold(d.rate)),
+        inv_keep(1.0 / (1.0 - d.rate)) {}
+  // z[c] = Z of keys j0 + c (c < bc) of row i of head h, in a call of t queries and s keys.
+  template <typename C>
+  void factors(int64_t h, int64_t i, int64_t j0, int64_t bc, int64_t t, int64_t s, C* z) const {
+    const auto base = static_cast<std::uint64_t>((h * t + i) * s + j0);
+    const auto keep = static_cast<C>(inv_keep);
+    for (int64_t c = 0; c < bc; ++c)
+      z[c] = dropout_keeps(seed, base + static_cast<std::uint64_t>(c), threshold) ? keep : C(0);
   }
 };
 
@@ -149,7 +172,8 @@ inline int64_t key_end(bool causal, int64_t i1, int64_t s) { return causal ? std
 
 template <typename T>
 void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& mask_t,
-                      bool causal, double scale_d, const Tensor& out_t, const Tensor& lse_t) {
+                      bool causal, double scale_d, const kernels::AttentionDropout& dropout_args,
+                      const Tensor& out_t, const Tensor& lse_t) {
   using C = compute_t<T>;
   const Extents e = extents_of(q_t, k_t, v_t);
   if (e.n * e.t == 0) return;
@@ -157,6 +181,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
   const T* k = static_cast<const T*>(k_t.const_data_ptr());
   const T* v = static_cast<const T*>(v_t.const_data_ptr());
   const MaskRows mask(mask_t);
+  const Dropout dropout(dropout_args);
   T* out = static_cast<T*>(out_t.data_ptr());
   C* lse = static_cast<C*>(lse_t.data_ptr());
   const C scale = static_cast<C>(scale_d);
@@ -171,7 +196,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
 #pragma omp parallel if (tasks > 1 && work > kParallelGrain)
   {
     std::vector<C> qb, kb, vb, scores(static_cast<std::size_t>(kBr * kBc)),
-        acc(static_cast<std::size_t>(kBr * e.dv)), m(kBr), l(kBr);
+        acc(static_cast<std::size_t>(kBr * e.dv)), m(kBr), l(kBr), z(dropout.on ? kBc : 0);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t h = task / blocks, i0 = (task % blocks) * kBr, i1 = std::min(e.t, i0 + kBr);
@@ -202,6 +227,14 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
             C* a = acc.data() + r * e.dv;
 #pragma omp simd
             for (int64_t c = 0; c < e.dv; ++c) a[c] *= alpha;
+          }
+          // Dropout: the weights that go into the values dropped or scaled; the sum above
+          // (the softmax's denominator) is the undropped one's.
+          if (dropout.on) {
+            dropout.factors(h, i, j0, bc, e.t, e.s, z.data());
+            C* row = scores.data() + r * kBc;
+#pragma omp simd
+            for (int64_t c = 0; c < bc; ++c) row[c] *= z[static_cast<std::size_t>(c)];
           }
         }
         blas_gemm(false, false, br, e.dv, bc, scores.data(), kBc, vc + j0 * e.dv, e.dv, C(1),
@@ -248,14 +281,16 @@ void score_grads(C* p, const C* dp, const C* d, int64_t br, int64_t bc, C scale)
 template <typename T>
 void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t,
                                const Tensor& mask_t, bool causal, double scale_d,
-                               const Tensor& out_t, const Tensor& lse_t, const Tensor& dout_t,
-                               const Tensor& dq_t, const Tensor& dk_t, const Tensor& dv_t) {
+                               const kernels::AttentionDropout& dropout_args, const Tensor& out_t,
+                               const Tensor& lse_t, const Tensor& dout_t, const Tensor& dq_t,
+                               const Tensor& dk_t, const Tensor& dv_t) {
   using C = compute_t<T>;
   const Extents e = extents_of(q_t, k_t, v_t);
   const T* q = static_cast<const T*>(q_t.const_data_ptr());
   const T* k = static_cast<const T*>(k_t.const_data_ptr());
   const T* v = static_cast<const T*>(v_t.const_data_ptr());
   const MaskRows mask(mask_t);
+  const Dropout dropout(dropout_args);
   const T* out = static_cast<const T*>(out_t.const_data_ptr());
   const C* lse = static_cast<const C*>(lse_t.const_data_ptr());
   const T* dout = static_cast<const T*>(dout_t.const_data_ptr());
@@ -273,6 +308,8 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
   {
     std::vector<C> qb, kb, vb, ob, gb, dqa, dka, dva, rowdot(static_cast<std::size_t>(e.t));
     std::vector<C> p(static_cast<std::size_t>(kBr * kBc)), dp(static_cast<std::size_t>(kBr * kBc));
+    // Dropout: the tile's factors Z and the dropped weights P o Z.
+    std::vector<C> z(dropout.on ? kBr * kBc : 0), pz(dropout.on ? kBr * kBc : 0);
 #pragma omp for schedule(dynamic)
     for (int64_t h = 0; h < e.n; ++h) {
       const C* qc = as_compute(q + h * e.t * e.d, e.t * e.d, qb);
@@ -300,11 +337,31 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
             row_fn(p.data() + r * kBc, mr, lh[i] == kNegInf ? 0 : limit_of(causal, i, j0, bc), bc,
                    scale, lh[i]);
           }
-          // dV_j += P^T dout; dP = dout V_j^T.
-          blas_gemm(true, false, bc, e.dv, br, p.data(), kBc, gc + i0 * e.dv, e.dv, C(1),
+          // Dropout: the weights that reached the values, P o Z.
+          const C* pv = p.data();
+          if (dropout.on) {
+            for (int64_t r = 0; r < br; ++r) {
+              C* zr = z.data() + r * kBc;
+              dropout.factors(h, i0 + r, j0, bc, e.t, e.s, zr);
+              const C* prow = p.data() + r * kBc;
+              C* pzr = pz.data() + r * kBc;
+#pragma omp simd
+              for (int64_t c = 0; c < bc; ++c) pzr[c] = prow[c] * zr[c];
+            }
+            pv = pz.data();
+          }
+          // dV_j += (P o Z)^T dout; dP = dout V_j^T (times Z: the gradient of P).
+          blas_gemm(true, false, bc, e.dv, br, pv, kBc, gc + i0 * e.dv, e.dv, C(1),
                     dva.data() + j0 * e.dv, e.dv);
           blas_gemm(false, true, br, bc, e.dv, gc + i0 * e.dv, e.dv, vc + j0 * e.dv, e.dv, C(0),
                     dp.data(), kBc);
+          if (dropout.on)
+            for (int64_t r = 0; r < br; ++r) {
+              C* dr = dp.data() + r * kBc;
+              const C* zr = z.data() + r * kBc;
+#pragma omp simd
+              for (int64_t c = 0; c < bc; ++c) dr[c] *= zr[c];
+            }
           // dS = P (dP - D) scale, in p.
           score_grads(p.data(), dp.data(), rowdot.data() + i0, br, bc, scale);
           // dQ_i += dS K_j; dK_j += dS^T Q_i.

@@ -12,6 +12,7 @@
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/warp.cuh"
+#include "mixtape/core/dropout_hash.h"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -48,6 +49,28 @@ MaskRows mask_rows(const Tensor& m) {
   r.s1 = m.strides()[0];
   r.s2 = m.strides()[1];
   r.st = m.strides()[2];
+  return r;
+}
+
+// Dropout on the weights (kernels.h): Z of element (h, i, j), 1 / (1 - rate) or 0.
+struct Dropout {
+  bool on = false;
+  std::uint64_t seed = 0;
+  std::uint32_t threshold = 0;
+  double inv_keep = 1.0;
+  template <typename C>
+  __device__ __forceinline__ C factor(int64_t h, int64_t i, int64_t j, int64_t t, int64_t s) const {
+    if (!on) return C(1);
+    const auto index = static_cast<std::uint64_t>((h * t + i) * s + j);
+    return dropout_keeps(seed, index, threshold) ? static_cast<C>(inv_keep) : C(0);
+  }
+};
+Dropout dropout_of(const kernels::AttentionDropout& d) {
+  Dropout r;
+  r.on = d.rate > 0.0;
+  r.seed = d.seed;
+  r.threshold = dropout_threshold(d.rate);
+  r.inv_keep = 1.0 / (1.0 - d.rate);
   return r;
 }
 
@@ -88,7 +111,7 @@ __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* 
 template <typename T>
 __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v, MaskRows mask, bool causal,
-                                         compute_of<T> scale, T* __restrict__ out,
+                                         compute_of<T> scale, Dropout dropout, T* __restrict__ out,
                                          compute_of<T>* __restrict__ lse, int64_t n, int64_t t,
                                          int64_t s, int64_t d, int64_t dv) {
   using C = compute_of<T>;
@@ -115,7 +138,8 @@ __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __res
     if (lane == 0) lse[row] = l == C(0) ? neg_inf : m + d_log(l);
     const C inv = l == C(0) ? C(0) : C(1) / l;
     const auto p = [&](int64_t j) {
-      return d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - m) * inv;
+      return d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - m) * inv *
+             dropout.factor<C>(h, i, j, t, s);
     };
     warp_weighted_sum(l != C(0), mr, causal, i, kend, p, vh, dv, out + row * dv, lane);
   });
@@ -136,7 +160,8 @@ __global__ void attention_rowdot_kernel(const T* __restrict__ dout, const T* __r
 template <typename T>
 __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                     const T* __restrict__ v, MaskRows mask, bool causal,
-                                    compute_of<T> scale, const compute_of<T>* __restrict__ lse,
+                                    compute_of<T> scale, Dropout dropout,
+                                    const compute_of<T>* __restrict__ lse,
                                     const compute_of<T>* __restrict__ rowdot,
                                     const T* __restrict__ dout, T* __restrict__ dq, int64_t n,
                                     int64_t t, int64_t s, int64_t d, int64_t dv) {
@@ -153,7 +178,8 @@ __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict
     const C li = lse[row], di = rowdot[row];
     const auto ds = [&](int64_t j) {
       const C p = d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - li);
-      return p * (warp_dot(gr, vh + j * dv, dv, lane) - di) * scale;
+      return p * (warp_dot(gr, vh + j * dv, dv, lane) * dropout.factor<C>(h, i, j, t, s) - di) *
+             scale;
     };
     warp_weighted_sum(li != neg_inf, mr, causal, i, kend, ds, kh, d, dq + row * d, lane);
   });
@@ -161,13 +187,11 @@ __global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict
 
 // dk_j = scale sum_i P_ij (dP_ij - D_i) q_i and dv_j = sum_i P_ij dout_i, a warp per key row.
 template <typename T>
-__global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                                      const T* __restrict__ v, MaskRows mask, bool causal,
-                                      compute_of<T> scale, const compute_of<T>* __restrict__ lse,
-                                      const compute_of<T>* __restrict__ rowdot,
-                                      const T* __restrict__ dout, T* __restrict__ dk,
-                                      T* __restrict__ dvo, int64_t n, int64_t t, int64_t s,
-                                      int64_t d, int64_t dv) {
+__global__ void attention_dkdv_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, MaskRows mask,
+    bool causal, compute_of<T> scale, Dropout dropout, const compute_of<T>* __restrict__ lse,
+    const compute_of<T>* __restrict__ rowdot, const T* __restrict__ dout, T* __restrict__ dk,
+    T* __restrict__ dvo, int64_t n, int64_t t, int64_t s, int64_t d, int64_t dv) {
   using C = compute_of<T>;
   const C neg_inf = -static_cast<C>(INFINITY);
   for_each_warp_item(n * s, [&](int64_t key, int lane) {
@@ -186,11 +210,12 @@ __global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restri
         const T* qr = q + row * d;
         const T* gr = dout + row * dv;
         const C p = d_exp(warp_dot(qr, kr, d, lane) * scale - li);
-        const C ds = p * (warp_dot(gr, vr, dv, lane) - rowdot[row]) * scale;
+        const C z = dropout.factor<C>(h, i, j, t, s);
+        const C ds = p * (warp_dot(gr, vr, dv, lane) * z - rowdot[row]) * scale;
         for (int u = 0; u < kCols; ++u) {
           const int64_t c = c0 + lane + int64_t{u} * kWarp;
           if (c < d) dk_acc[u] += ds * load(qr[c]);
-          if (c < dv) dv_acc[u] += p * load(gr[c]);
+          if (c < dv) dv_acc[u] += p * z * load(gr[c]);
         }
       }
       for (int u = 0; u < kCols; ++u) {
@@ -204,7 +229,8 @@ __global__ void attention_dkdv_kernel(const T* __restrict__ q, const T* __restri
 
 template <typename T>
 void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                    bool causal, double scale, const Tensor& out, const Tensor& lse) {
+                    bool causal, double scale, const kernels::AttentionDropout& dropout,
+                    const Tensor& out, const Tensor& lse) {
   const int64_t n = q.dim(0), t = q.dim(1), s = k.dim(1), d = q.dim(2), dv = v.dim(2);
   if (n * t == 0) return;
   using C = compute_of<T>;
@@ -212,15 +238,15 @@ void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   launch_1d({"attention kernel", n * t * kWarp, on.s}, attention_forward_kernel<T>,
             static_cast<const T*>(q.const_data_ptr()), static_cast<const T*>(k.const_data_ptr()),
             static_cast<const T*>(v.const_data_ptr()), mask_rows(mask), causal,
-            static_cast<C>(scale), static_cast<T*>(out.data_ptr()), static_cast<C*>(lse.data_ptr()),
-            n, t, s, d, dv);
+            static_cast<C>(scale), dropout_of(dropout), static_cast<T*>(out.data_ptr()),
+            static_cast<C*>(lse.data_ptr()), n, t, s, d, dv);
 }
 
 template <typename T>
 void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                             bool causal, double scale, const Tensor& out, const Tensor& lse,
-                             const Tensor& dout, const Tensor& dq, const Tensor& dk,
-                             const Tensor& dv_out) {
+                             bool causal, double scale, const kernels::AttentionDropout& dropout,
+                             const Tensor& out, const Tensor& lse, const Tensor& dout,
+                             const Tensor& dq, const Tensor& dk, const Tensor& dv_out) {
   const int64_t n = q.dim(0), t = q.dim(1), s = k.dim(1), d = q.dim(2), dv = v.dim(2);
   using C = compute_of<T>;
   OnDevice on(dq);
@@ -238,11 +264,12 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
     launch_1d({"attention rowdot kernel", n * t * kWarp, on.s}, attention_rowdot_kernel<T>, gp,
               static_cast<const T*>(out.const_data_ptr()), rp, n * t, dv);
     launch_1d({"attention dq kernel", n * t * kWarp, on.s}, attention_dq_kernel<T>, qp, kp, vp, mp,
-              causal, sc, lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s, d, dv);
+              causal, sc, dropout_of(dropout), lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s,
+              d, dv);
   }
   if (n * s > 0) {
     launch_1d({"attention dk/dv kernel", n * s * kWarp, on.s}, attention_dkdv_kernel<T>, qp, kp, vp,
-              mp, causal, sc, lp, rp, gp, static_cast<T*>(dk.data_ptr()),
+              mp, causal, sc, dropout_of(dropout), lp, rp, gp, static_cast<T*>(dk.data_ptr()),
               static_cast<T*>(dv_out.data_ptr()), n, t, s, d, dv);
   }
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mixtape/autograd/ops.h"
+#include "mixtape/core/dropout_hash.h"
 #include "mixtape/core/kernels.h"
 #include "tests/conformance/conformance.h"
 
@@ -292,7 +293,8 @@ void masked_rows(Context& c) {
 struct AttentionCase {
   int64_t n, t, s, d, dv;
   bool masked, causal;
-  int64_t padded = 0;  // > 0: a key-padding mask, one row of s per group of `padded` heads
+  int64_t padded = 0;    // > 0: a key-padding mask, one row of s per group of `padded` heads
+  double dropout = 0.0;  // the rate of dropout on the weights
 };
 
 void attention(Context& c) {
@@ -301,16 +303,18 @@ void attention(Context& c) {
   auto* forward = find_kernel<kernels::AttentionFn>(OpId::attention, c.device().type(), c.dtype());
   const DType stat = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
   const std::vector<AttentionCase> cases{
-      {1, 1, 1, 1, 1, false, false},    {2, 5, 7, 3, 4, false, false},
-      {3, 70, 70, 16, 8, false, true},  {2, 65, 130, 8, 12, true, false},
-      {1, 33, 33, 4, 4, true, true},    {2, 5, 9, 6, 3, false, true},
-      {6, 9, 70, 5, 4, true, false, 3}, {4, 66, 66, 8, 8, true, true, 2}};
+      {1, 1, 1, 1, 1, false, false},           {2, 5, 7, 3, 4, false, false},
+      {3, 70, 70, 16, 8, false, true},         {2, 65, 130, 8, 12, true, false},
+      {1, 33, 33, 4, 4, true, true},           {2, 5, 9, 6, 3, false, true},
+      {6, 9, 70, 5, 4, true, false, 3},        {4, 66, 66, 8, 8, true, true, 2},
+      {3, 70, 70, 16, 8, false, true, 0, 0.3}, {2, 5, 9, 6, 3, true, false, 0, 0.5}};
   for (const AttentionCase& a : cases) {
     const std::string what = fmt::format("n {} t {} s {} d {} dv {}{}{}", a.n, a.t, a.s, a.d, a.dv,
                                          a.padded   ? ", key padding"
                                          : a.masked ? ", masked"
                                                     : "",
-                                         a.causal ? ", causal" : "");
+                                         a.causal ? ", causal" : "") +
+                             (a.dropout > 0 ? fmt::format(", dropout {}", a.dropout) : "");
     const Pair q = c.uniform({a.n, a.t, a.d}, -1.0, 1.0), k = c.uniform({a.n, a.s, a.d}, -1.0, 1.0),
                v = c.uniform({a.n, a.s, a.dv}, -1.0, 1.0);
     std::vector<bool> keep(static_cast<std::size_t>(a.n * a.t * a.s), true);
@@ -342,7 +346,16 @@ void attention(Context& c) {
     }
     const double scale = 1.0 / std::sqrt(static_cast<double>(a.d)) + 0.1;
     const Pair out = c.output({a.n, a.t, a.dv}), lse = c.output({a.n, a.t}, stat);
-    forward(q.tested, k.tested, v.tested, m, a.causal, scale, out.tested, lse.tested);
+    const kernels::AttentionDropout dropout{a.dropout,
+                                            0x5eed0000u + static_cast<std::uint64_t>(a.t)};
+    forward(q.tested, k.tested, v.tested, m, a.causal, scale, dropout, out.tested, lse.tested);
+    // Dropout's factor Z of each weight (kernels.h), from the same hash.
+    const std::uint32_t threshold = dropout_threshold(a.dropout);
+    const auto z = [&](int64_t h, int64_t i, int64_t j) {
+      if (a.dropout == 0.0) return 1.0;
+      const auto index = static_cast<std::uint64_t>((h * a.t + i) * a.s + j);
+      return dropout_keeps(dropout.seed, index, threshold) ? 1.0 / (1.0 - a.dropout) : 0.0;
+    };
 
     // The reference: P, out and lse in float64 (for the backward pass, from the out and lse
     // the kernel is given, as its contract says).
@@ -372,7 +385,7 @@ void attention(Context& c) {
         ref_lse[static_cast<std::size_t>(h * a.t + i)] = mx + std::log(sum);
         for (int64_t j = 0; j < a.s; ++j) {
           if (!attends(h, i, j)) continue;
-          const double p = std::exp(logit(h, i, j) - mx) / sum;
+          const double p = std::exp(logit(h, i, j) - mx) / sum * z(h, i, j);
           for (int64_t e = 0; e < a.dv; ++e)
             ref_out[static_cast<std::size_t>((h * a.t + i) * a.dv + e)] +=
                 p * vv[static_cast<std::size_t>((h * a.s + j) * a.dv + e)];
@@ -390,8 +403,8 @@ void attention(Context& c) {
     const Pair dq = c.output({a.n, a.t, a.d}), dk = c.output({a.n, a.s, a.d}),
                dv = c.output({a.n, a.s, a.dv});
     tested_kernel<kernels::AttentionBackwardFn>(c)(q.tested, k.tested, v.tested, m, a.causal, scale,
-                                                   out.tested, lse.tested, dout.tested, dq.tested,
-                                                   dk.tested, dv.tested);
+                                                   dropout, out.tested, lse.tested, dout.tested,
+                                                   dq.tested, dk.tested, dv.tested);
     const auto given_out = out.tested.to(kFloat64).to_vector<double>();
     const auto given_lse = lse.tested.to(kFloat64).to_vector<double>();
     const auto gv = dout.ref.to_vector<double>();
@@ -408,14 +421,14 @@ void attention(Context& c) {
                 given_out[static_cast<std::size_t>((h * a.t + i) * a.dv + e)];
         for (int64_t j = 0; j < a.s; ++j) {
           if (!attends(h, i, j)) continue;
-          const double p = std::exp(logit(h, i, j) - li);
+          const double p = std::exp(logit(h, i, j) - li), zij = z(h, i, j);
           double dp = 0;
           for (int64_t e = 0; e < a.dv; ++e) {
             const double g = gv[static_cast<std::size_t>((h * a.t + i) * a.dv + e)];
             dp += g * vv[static_cast<std::size_t>((h * a.s + j) * a.dv + e)];
-            rv[static_cast<std::size_t>((h * a.s + j) * a.dv + e)] += p * g;
+            rv[static_cast<std::size_t>((h * a.s + j) * a.dv + e)] += p * zij * g;
           }
-          const double ds = p * (dp - di) * scale;
+          const double ds = p * (dp * zij - di) * scale;
           for (int64_t e = 0; e < a.d; ++e) {
             rq[static_cast<std::size_t>((h * a.t + i) * a.d + e)] +=
                 ds * kv[static_cast<std::size_t>((h * a.s + j) * a.d + e)];

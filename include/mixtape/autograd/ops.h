@@ -90,7 +90,16 @@ Tensor masked_softmax(const Tensor& x, const Tensor& mask = Tensor(), double sca
 // (true: attend), or undefined; causal: query i also attends only keys j <= i. A row that
 // attends nothing is 0. The math runs in float32 (float64 for float64); the result has q's
 // dtype. Differentiable in q, k and v. The same values as masked_softmax(matmul(q, k^T),
-// mask, scale) then matmul with v, to rounding.
+// mask, scale) then matmul with v, to rounding. The mask is read where it lies (a
+// key-padding mask [batch, 1, 1, s] is never made [..., t, s]).
+// dropout in [0, 1): the weights that reach v are dropped with that probability and the
+// others scaled by 1 / (1 - dropout), the decision for each weight a function of `seed` and
+// its position (mixtape/core/dropout_hash.h: the same on every backend and in the backward
+// pass, which finds the mask again without storing it); the softmax's log-sum-exp is the
+// undropped weights'. ValueError for a rate outside [0, 1).
+Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& mask = Tensor(), bool causal = false, double scale = 1.0,
+                       double dropout = 0.0, std::uint64_t seed = 0);
 // The softmax cross-entropy of each row of logits [..., c] against its class index (labels
 // [...], int64, in [0, c): IndexError naming the first outside when the labels are on the
 // host; a device's kernel gives NaN for such a row) in one op (op softmax_cross_entropy):
@@ -108,7 +117,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, doub
 // A Dense layer's computation in one op (op linear; its backward pass's elementwise part one
 // op too, linear_backward): activation(x w + bias), x [..., k], w [k, n] (promoted to one
 // floating dtype, the result's), bias [n] (any floating dtype, read in float32 / float64;
-// undefined: none), activation one of linear_activations(). The product accumulates in
+// undefined: none), activation a name is_linear_activation() accepts. The product accumulates in
 // float32 (float64 for float64), bias and activation are applied to that value and the result
 // is rounded once: under float16 / bfloat16 closer to the exact value than the composed
 // matmul(x, w) + bias then the activation, which round three times; under float32 the same
@@ -120,8 +129,6 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor(),
               std::string_view activation = "linear");
 // The activations linear() applies: linear (none), relu, gelu (exact), gelu_tanh.
 bool is_linear_activation(std::string_view name);
-Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                       const Tensor& mask = Tensor(), bool causal = false, double scale = 1.0);
 
 // --- Dtype, device, shape ----------------------------------------------------------------
 // The gradient of a cast is cast back to the source dtype.

@@ -78,8 +78,17 @@ using MaskedSoftmaxFn = void(const Tensor& x, const Tensor& mask, double scale, 
 // [batch, 1, 1, s] is read as it is, never made [n, t, s]) and stride 1 along s; head h reads
 // mask[h / n2, h % n2]. No [t, s] matrix needs to be made: the kernels work in tiles with an
 // online softmax (FlashAttention-2).
+// Dropout on the weights (dropout.rate in (0, 1)): out = (P o Z) v with Z_hij = 1 / (1 - rate)
+// where dropout_keeps(seed, (h t + i) s + j, dropout_threshold(rate)) (mixtape/core/
+// dropout_hash.h) and 0 elsewhere; lse stays P's. The backward pass finds Z again: dV =
+// (P o Z)^T dout, dS = P o (Z o (dout v^T) - D), D as below (from the dropped out).
+struct AttentionDropout {
+  double rate = 0.0;  // 0: none
+  std::uint64_t seed = 0;
+};
 using AttentionFn = void(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                         bool causal, double scale, const Tensor& out, const Tensor& lse);
+                         bool causal, double scale, const AttentionDropout& dropout,
+                         const Tensor& out, const Tensor& lse);
 // attention_backward: from the forward's inputs, out and lse and the gradient of out
 // (dout [n, t, dv]), writes dq, dk and dv (the inputs' shapes and dtype): P recomputed from
 // the logits and lse, dP = dout v^T, dS = P (dP - D) with D_i = sum_c dout[i, c] out[i, c]
@@ -111,7 +120,8 @@ using LayerNormBackwardFn = void(const Tensor& x, const Tensor& gamma, const Ten
                                  const Tensor& rstd, const Tensor& dy, const Tensor& dx,
                                  const Tensor& dgamma, const Tensor& dbeta);
 using AttentionBackwardFn = void(const Tensor& q, const Tensor& k, const Tensor& v,
-                                 const Tensor& mask, bool causal, double scale, const Tensor& out,
+                                 const Tensor& mask, bool causal, double scale,
+                                 const AttentionDropout& dropout, const Tensor& out,
                                  const Tensor& lse, const Tensor& dout, const Tensor& dq,
                                  const Tensor& dk, const Tensor& dv);
 
