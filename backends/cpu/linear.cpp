@@ -42,21 +42,6 @@ using std::int64_t;
 // depend on the number of threads.
 constexpr int64_t kRowsPerBlock = 32;
 
-// f.template operator()<A>() with the activation as a template argument.
-template <typename F>
-void with_activation(LinearActivation a, F&& f) {
-  switch (a) {
-    case LinearActivation::none:
-      return f.template operator()<LinearActivation::none>();
-    case LinearActivation::relu:
-      return f.template operator()<LinearActivation::relu>();
-    case LinearActivation::gelu:
-      return f.template operator()<LinearActivation::gelu>();
-    case LinearActivation::gelu_tanh:
-      return f.template operator()<LinearActivation::gelu_tanh>();
-  }
-}
-
 // y[j] = act(z[j]) over a row (y may be z); `omp simd` so that gelu's erfc takes libmvec's
 // vector form, as the elementwise kernels' loops do.
 template <LinearActivation A, typename C>
@@ -113,20 +98,18 @@ __attribute__((target("avx2,fma"))) void gradient_row_avx2(const C* s, const C* 
 }
 #endif
 template <LinearActivation A, typename C>
-auto activate_row_fn() {
-  auto* fn = &activate_row_base<A, C>;
-#ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-  if (std::is_same_v<C, float> && has_avx2_fma()) fn = &activate_row_avx2<A, C>;
-#endif
-  return fn;
-}
+struct RowLoops {
+  void (*activate)(const C*, C*, int64_t);
+  void (*gradient)(const C*, const C*, C*, int64_t);
+};
 template <LinearActivation A, typename C>
-auto gradient_row_fn() {
-  auto* fn = &gradient_row_base<A, C>;
+RowLoops<A, C> row_loops() {
+  RowLoops<A, C> loops{&activate_row_base<A, C>, &gradient_row_base<A, C>};
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS
-  if (std::is_same_v<C, float> && has_avx2_fma()) fn = &gradient_row_avx2<A, C>;
+  if (std::is_same_v<C, float> && has_avx2_fma())
+    loops = {&activate_row_avx2<A, C>, &gradient_row_avx2<A, C>};
 #endif
-  return fn;
+  return loops;
 }
 
 template <typename T>
@@ -138,8 +121,8 @@ void linear_kernel(const LinearArgs& args) {
   const C* bias = args.bias.defined() ? static_cast<const C*>(args.bias.const_data_ptr()) : nullptr;
   T* out = static_cast<T*>(args.out.data_ptr());
   T* pre = args.pre.defined() ? static_cast<T*>(args.pre.data_ptr()) : nullptr;
-  with_activation(args.activation, [&]<LinearActivation A>() {
-    const auto activate_row = activate_row_fn<A, C>();
+  kernels::with_linear_activation(args.activation, [&]<LinearActivation A>() {
+    const auto activate_row = row_loops<A, C>().activate;
     parallel_rows(m, m * n, [&](int64_t r) {
       C* z = acc + r * n;  // float32 / float64: out's row itself
       // float32 / float64 with pre: z + bias straight into pre, the activation from there.
@@ -174,8 +157,8 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
   const int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   // Per block of rows: the column sums of its dz rows, added up block by block below.
   std::vector<C> part(dbias ? static_cast<std::size_t>(blocks * n) : 0, C(0));
-  with_activation(args.activation, [&]<LinearActivation A>() {
-    const auto gradient_row = gradient_row_fn<A, C>();
+  kernels::with_linear_activation(args.activation, [&]<LinearActivation A>() {
+    const auto gradient_row = row_loops<A, C>().gradient;
 #pragma omp parallel if (m * n > kParallelGrain)
     {
       std::vector<C> gin, sin,

@@ -473,17 +473,7 @@ std::mutex g_linear_mutex;
 }  // namespace
 
 void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
-  const GemmArgs g = linear_args(a, d);
-  switch (a.x.dtype().code()) {
-    case DType::Float16:
-      return gemm<DType::Float16>(g);
-    case DType::BFloat16:
-      return gemm<DType::BFloat16>(g);
-    case DType::Float64:
-      return gemm<DType::Float64>(g);
-    default:
-      return gemm<DType::Float32>(g);
-  }
+  find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_args(a, d));
 }
 
 bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,

@@ -52,21 +52,6 @@ __device__ __forceinline__ C gradient(C s, C g) {
     return g;
 }
 
-// f.template operator()<A>() with the activation as a template argument.
-template <typename F>
-void with_activation(LinearActivation a, F&& f) {
-  switch (a) {
-    case LinearActivation::none:
-      return f.template operator()<LinearActivation::none>();
-    case LinearActivation::relu:
-      return f.template operator()<LinearActivation::relu>();
-    case LinearActivation::gelu:
-      return f.template operator()<LinearActivation::gelu>();
-    case LinearActivation::gelu_tanh:
-      return f.template operator()<LinearActivation::gelu_tanh>();
-  }
-}
-
 // From the product in buf ([m, n]; it may be pre or out itself): z = buf + bias, pre = z when
 // pre is given, out = act(z). Each element is read before it is written, by one thread.
 template <typename T, LinearActivation A>
@@ -153,7 +138,7 @@ void linear_host(const kernels::LinearArgs& a) {
   if (a.activation == LinearActivation::none && !a.bias.defined() && !pre) return;
   if (a.activation == LinearActivation::none && biased && !pre) return;
   OnDevice on(a.out);
-  with_activation(a.activation, [&]<LinearActivation A>() {
+  kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
     launch_1d(
         {"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A>,
         static_cast<const T*>(buf.const_data_ptr()),
@@ -175,7 +160,7 @@ void linear_backward_host(const kernels::LinearBackwardArgs& a) {
   Workspace part(dbias ? static_cast<std::size_t>(blocks * n) * sizeof(C) : 0, on.index);
   const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads),
                   static_cast<unsigned>(blocks < 65535 ? blocks : 65535));
-  with_activation(a.activation, [&]<LinearActivation A>() {
+  kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
     linear_dz_kernel<T, A><<<grid, kThreads, 0, on.s>>>(
         static_cast<const T*>(a.dy.const_data_ptr()),
         a.saved.defined() ? static_cast<const T*>(a.saved.const_data_ptr()) : nullptr,

@@ -208,10 +208,12 @@ __global__ void update_kernel(const float* __restrict__ skip, UpdateList list, S
 }
 
 // Launches update_kernel over the variables of `updates` (one device, one dtype, one set of
-// scalars), kUpdateChunk at a time, with the step of the first update.
-template <typename T, typename Step>
-void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, const Step& step) {
+// scalars), kUpdateChunk at a time, with the step make() returns for the first update.
+template <typename T, typename Make>
+void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, Make make) {
   if (updates.empty()) return;
+  using Step = decltype(make(updates.front()));
+  const Step step = make(updates.front());
   OnDevice on(updates.front().var);
   const float* skip = skip_ptr(updates.front());
   UpdateList list{};
@@ -259,11 +261,10 @@ struct SgdStep {
 template <typename T>
 void sgd_host(std::span<const OptimizerUpdate> updates) {
   using S = slot_of<T>;
-  if (updates.empty()) return;
-  const OptimizerUpdate& u = updates.front();
-  const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
-  launch_updates<T>("sgd_update kernel", updates,
-                    SgdStep<S>{static_cast<S>(u.lr), static_cast<S>(u.momentum), mode});
+  launch_updates<T>("sgd_update kernel", updates, [](const OptimizerUpdate& u) {
+    const int mode = u.momentum == 0.0 ? 0 : (u.nesterov ? 2 : 1);
+    return SgdStep<S>{static_cast<S>(u.lr), static_cast<S>(u.momentum), mode};
+  });
 }
 
 // rmsprop: slot1 ms = rho ms + (1 - rho) g^2; centered: slot3 mg = rho mg + (1 - rho) g,
@@ -294,12 +295,12 @@ struct RmspropStep {
 template <typename T>
 void rmsprop_host(std::span<const OptimizerUpdate> updates) {
   using S = slot_of<T>;
-  if (updates.empty()) return;
-  const OptimizerUpdate& u = updates.front();
-  launch_updates<T>("rmsprop_update kernel", updates,
-                    RmspropStep<S>{static_cast<S>(u.lr), static_cast<S>(u.beta2),
-                                   static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
-                                   static_cast<S>(u.momentum), u.centered, u.momentum > 0.0});
+  launch_updates<T>("rmsprop_update kernel", updates, [](const OptimizerUpdate& u) {
+    return RmspropStep<S>{
+        static_cast<S>(u.lr),      static_cast<S>(u.beta2),    static_cast<S>(1.0 - u.beta2),
+        static_cast<S>(u.epsilon), static_cast<S>(u.momentum), u.centered,
+        u.momentum > 0.0};
+  });
 }
 
 // adam: var -= lr_wd var (AdamW); slot1 m += (g - m)(1 - beta1); slot2 v += (g^2 - v)(1 -
@@ -327,16 +328,18 @@ struct AdamStep {
 template <typename T>
 void adam_host(std::span<const OptimizerUpdate> updates) {
   using S = slot_of<T>;
-  if (updates.empty()) return;
-  const OptimizerUpdate& u = updates.front();
-  const auto step = static_cast<double>(u.step);
-  const double alpha =
-      u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
-  launch_updates<T>(
-      "adam_update kernel", updates,
-      AdamStep<S>{static_cast<S>(alpha), static_cast<S>(1.0 - u.beta1),
-                  static_cast<S>(1.0 - u.beta2), static_cast<S>(u.epsilon),
-                  static_cast<S>(u.lr * u.weight_decay), u.amsgrad, u.weight_decay != 0.0});
+  launch_updates<T>("adam_update kernel", updates, [](const OptimizerUpdate& u) {
+    const auto step = static_cast<double>(u.step);
+    const double alpha =
+        u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
+    return AdamStep<S>{static_cast<S>(alpha),
+                       static_cast<S>(1.0 - u.beta1),
+                       static_cast<S>(1.0 - u.beta2),
+                       static_cast<S>(u.epsilon),
+                       static_cast<S>(u.lr * u.weight_decay),
+                       u.amsgrad,
+                       u.weight_decay != 0.0};
+  });
 }
 
 }  // namespace

@@ -176,6 +176,21 @@ using ScaledMatmulFn = void(const ScaledMatmulArgs& args);
 //   gelu       z Phi(z), the exact form (gelu's functor)
 //   gelu_tanh  its tanh approximation (gelu_tanh's functor)
 enum class LinearActivation : std::uint8_t { none, relu, gelu, gelu_tanh };
+// f.template operator()<A>() with the activation as a template argument, for kernels that
+// specialise on it.
+template <typename F>
+void with_linear_activation(LinearActivation a, F&& f) {
+  switch (a) {
+    case LinearActivation::none:
+      return f.template operator()<LinearActivation::none>();
+    case LinearActivation::relu:
+      return f.template operator()<LinearActivation::relu>();
+    case LinearActivation::gelu:
+      return f.template operator()<LinearActivation::gelu>();
+    case LinearActivation::gelu_tanh:
+      return f.template operator()<LinearActivation::gelu_tanh>();
+  }
+}
 
 // linear, fused: out [m, n] = act(x [m, k] w [k, n] + bias [n]), x and w contiguous, of the
 // dtype the kernel is keyed on, bias (undefined: none) contiguous in the compute type (float32;
