@@ -86,6 +86,48 @@ Tensor kernel_mask(const Tensor& mask_in, const Shape& scores, std::int64_t n) {
                          Strides{strides[0], strides[1], b.strides()[r - 2], 1}, b.offset());
 }
 
+// What the backward pass needs of the forward one: the inputs (recorded), their [n, ., .]
+// contiguous forms, the mask and options as the kernels took them, out and lse.
+struct Saved {
+  Tensor q, k, v, qh, kh, vh, mask;
+  bool causal;
+  double scale;
+  kernels::AttentionDropout dropout;
+  Tensor out, lse;
+};
+
+// The gradients of q, k and v from g (the output's): the backward kernel, or differentiable
+// ops when a tape records this backward pass (second derivatives).
+detail::Grads attention_grads(const Saved& s, const Tensor& g) {
+  const Shape heads{s.qh.dim(0), s.qh.dim(1), s.vh.dim(2)};
+  if (should_record({s.q, s.k, s.v, g})) {
+    const Tensor whole_mask =
+        s.mask.defined()
+            ? reshape(detail::contiguous_raw(s.mask), Shape{s.qh.dim(0), s.qh.dim(1), s.kh.dim(1)})
+            : Tensor();
+    const detail::Grads d = differentiable_grads(
+        reshape(s.q, s.qh.shape()), reshape(s.k, s.kh.shape()), reshape(s.v, s.vh.shape()),
+        whole_mask, s.causal, s.scale, s.dropout, reshape(g, heads));
+    return detail::Grads{reshape(d[0], s.q.shape()), reshape(d[1], s.k.shape()),
+                         reshape(d[2], s.v.shape())};
+  }
+  auto* backward = detail::kernel_for<kernels::AttentionBackwardFn>(
+      OpId::attention_backward, s.qh.dtype(), {s.qh, s.kh, s.vh});
+  Tensor dq = Tensor::empty(s.qh.shape(), s.qh.dtype(), s.qh.device());
+  Tensor dk = Tensor::empty(s.kh.shape(), s.kh.dtype(), s.kh.device());
+  Tensor dv = Tensor::empty(s.vh.shape(), s.vh.dtype(), s.vh.device());
+  const Tensor gh = detail::contiguous_raw(reshape(cast(g, s.qh.dtype()), heads));
+  if (dq.numel() + dk.numel() + dv.numel() > 0) {
+    if (s.qh.dim(1) == 0 || s.kh.dim(1) == 0)
+      for (Tensor* x : {&dq, &dk, &dv}) detail::fill_raw(*x, 0.0);
+    else
+      backward(s.qh, s.kh, s.vh, s.mask, s.causal, s.scale, s.dropout, s.out, s.lse, gh, dq, dk,
+               dv);
+  }
+  return detail::Grads{reshape(dq, s.q.shape()), reshape(dk, s.k.shape()),
+                       reshape(dv, s.v.shape())};
+}
+
 }  // namespace
 
 Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
@@ -161,39 +203,12 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
     NoGradGuard no_grad;
     y = reshape(out, Shape(out_dims));
   }
-  if (should_record({q, k, v}))
-    record_op(name, {q, k, v}, y,
-              [q, k, v, qh, kh, vh, mask, causal, scale, dropout, out, lse](
-                  const Tensor& g, const std::vector<bool>&) {
-                const Shape heads{qh.dim(0), qh.dim(1), vh.dim(2)};
-                if (should_record({q, k, v, g})) {
-                  // A tape records this backward pass (second derivatives): the same
-                  // gradients from differentiable ops on the op's own inputs.
-                  const Tensor whole_mask = mask.defined()
-                                                ? reshape(detail::contiguous_raw(mask),
-                                                          Shape{qh.dim(0), qh.dim(1), kh.dim(1)})
-                                                : Tensor();
-                  const detail::Grads d = differentiable_grads(
-                      reshape(q, qh.shape()), reshape(k, kh.shape()), reshape(v, vh.shape()),
-                      whole_mask, causal, scale, dropout, reshape(g, heads));
-                  return detail::Grads{reshape(d[0], q.shape()), reshape(d[1], k.shape()),
-                                       reshape(d[2], v.shape())};
-                }
-                auto* backward = detail::kernel_for<kernels::AttentionBackwardFn>(
-                    OpId::attention_backward, qh.dtype(), {qh, kh, vh});
-                Tensor dq = Tensor::empty(qh.shape(), qh.dtype(), qh.device());
-                Tensor dk = Tensor::empty(kh.shape(), kh.dtype(), kh.device());
-                Tensor dv = Tensor::empty(vh.shape(), vh.dtype(), vh.device());
-                const Tensor gh = detail::contiguous_raw(reshape(cast(g, qh.dtype()), heads));
-                if (dq.numel() + dk.numel() + dv.numel() > 0) {
-                  if (qh.dim(1) == 0 || kh.dim(1) == 0)
-                    for (Tensor* x : {&dq, &dk, &dv}) detail::fill_raw(*x, 0.0);
-                  else
-                    backward(qh, kh, vh, mask, causal, scale, dropout, out, lse, gh, dq, dk, dv);
-                }
-                return detail::Grads{reshape(dq, q.shape()), reshape(dk, k.shape()),
-                                     reshape(dv, v.shape())};
-              });
+  if (should_record({q, k, v})) {
+    const Saved saved{q, k, v, qh, kh, vh, mask, causal, scale, dropout, out, lse};
+    record_op(name, {q, k, v}, y, [saved](const Tensor& g, const std::vector<bool>&) {
+      return attention_grads(saved, g);
+    });
+  }
   return y;
 }
 
