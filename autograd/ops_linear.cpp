@@ -150,8 +150,11 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
   if (bias.defined()) inputs.push_back(bias);
   const bool record = should_record(inputs);
   kernels::LinearArgs args;
-  args.x = detail::contiguous_raw(reshape(x, Shape{m, k}));
-  args.w = detail::contiguous_raw(w);
+  {
+    NoGradGuard no_grad;  // views for the kernel: nothing to record
+    args.x = detail::contiguous_raw(reshape(x, Shape{m, k}));
+    args.w = detail::contiguous_raw(w);
+  }
   args.bias = bias.defined() ? detail::contiguous_raw(bias) : Tensor();
   args.out = Tensor::empty(Shape{m, n}, dt, x.device());
   const bool needs_pre =
@@ -159,7 +162,11 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
   if (record && needs_pre) args.pre = Tensor::empty(Shape{m, n}, dt, x.device());
   args.activation = *activation;
   kernel(args);
-  const Tensor out = reshape(args.out, Shape(out_dims));
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = reshape(args.out, Shape(out_dims));
+  }
   if (record) {
     Saved saved{x, w, bias, args.x, Tensor(), *activation};
     if (needs_pre) saved.kept = args.pre;

@@ -719,9 +719,13 @@ Tensor Layer::policy_linear(const Tensor& x, const Tensor& w, const Tensor& bias
   if (is_linear_activation(activation) && (bias.defined() || activation != "linear") &&
       !policy_.float8_matmuls()) {
     if (!cd.is_reduced_float() || gemm_accumulation_dtype(cd) != cd) {
-      const bool act = activation != "linear";
-      matmul_note_ = fmt::format("fused linear ({}{}{})", bias.defined() ? "bias" : "",
-                                 bias.defined() && act ? ", " : "", act ? activation : "");
+      // The note is the same at every call of a layer (its bias and activation do not change):
+      // written once, not formatted per call.
+      if (matmul_note_.rfind("fused linear", 0) != 0) {
+        const bool act = activation != "linear";
+        matmul_note_ = fmt::format("fused linear ({}{}{})", bias.defined() ? "bias" : "",
+                                   bias.defined() && act ? ", " : "", act ? activation : "");
+      }
       return linear(x, w, bias, activation);
     }
     matmul_note_ = "composed (16-bit accumulation: MIXTAPE_FP16_USE_FP32_COMPUTE=0)";
