@@ -86,6 +86,8 @@ detail::Grads linear_grads(const Saved& s, const Tensor& g_in, const std::vector
     if (s.bias.defined()) z = z + cast(s.bias, dt);
     dz = differentiable_activation_grad(s.activation, z, g);
     if (s.bias.defined()) dbias = sum(cast(dz, s.bias.dtype()), {0});
+  } else if (s.activation == LinearActivation::none && !s.bias.defined()) {
+    dz = g;  // nothing for linear_backward to compute: dz is the output's gradient
   } else {
     auto* backward = detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, dt, {g});
     kernels::LinearBackwardArgs args;

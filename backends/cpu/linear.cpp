@@ -97,14 +97,14 @@ __attribute__((target("avx2,fma"))) void gradient_row_avx2(const C* s, const C* 
   gradient_row_impl<A>(s, g, d, n);
 }
 #endif
-template <LinearActivation A, typename C>
+template <typename C>
 struct RowLoops {
   void (*activate)(const C*, C*, int64_t);
   void (*gradient)(const C*, const C*, C*, int64_t);
 };
 template <LinearActivation A, typename C>
-RowLoops<A, C> row_loops() {
-  RowLoops<A, C> loops{&activate_row_base<A, C>, &gradient_row_base<A, C>};
+RowLoops<C> row_loops() {
+  RowLoops<C> loops{&activate_row_base<A, C>, &gradient_row_base<A, C>};
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS
   if (std::is_same_v<C, float> && has_avx2_fma())
     loops = {&activate_row_avx2<A, C>, &gradient_row_avx2<A, C>};

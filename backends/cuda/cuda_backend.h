@@ -33,6 +33,7 @@ void register_linear_kernels();         // linear and its backward pass, fused (
 // --- The linear op's products (gemm.cpp, for linear.cu) -----------------------------------
 
 // The cuBLASLt epilogues the linear op uses (GELU is cuBLASLt's tanh approximation).
+// (gemm.cpp maps them to cuBLASLt's in this order.)
 enum class LinearEpilogue { bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias };
 // a.x [m, k] times a.w [k, n] into d [m, n] (contiguous, x's dtype), as matmul computes it.
 void linear_gemm(const kernels::LinearArgs& a, const Tensor& d);

@@ -450,21 +450,10 @@ GemmArgs linear_args(const kernels::LinearArgs& a, const Tensor& d) {
   return g;
 }
 
-cublasLtEpilogue_t lt_epilogue(LinearEpilogue e) {
-  switch (e) {
-    case LinearEpilogue::bias:
-      return CUBLASLT_EPILOGUE_BIAS;
-    case LinearEpilogue::gelu:
-      return CUBLASLT_EPILOGUE_GELU;
-    case LinearEpilogue::gelu_bias:
-      return CUBLASLT_EPILOGUE_GELU_BIAS;
-    case LinearEpilogue::gelu_aux:
-      return CUBLASLT_EPILOGUE_GELU_AUX;
-    case LinearEpilogue::gelu_aux_bias:
-      return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  }
-  return CUBLASLT_EPILOGUE_DEFAULT;
-}
+// cuBLASLt's epilogue of each LinearEpilogue, in the enum's order (cuda_backend.h).
+constexpr cublasLtEpilogue_t kLtEpilogue[] = {
+    CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_GELU, CUBLASLT_EPILOGUE_GELU_BIAS,
+    CUBLASLT_EPILOGUE_GELU_AUX, CUBLASLT_EPILOGUE_GELU_AUX_BIAS};
 
 // Plans of the linear products with an epilogue; the bias and aux pointers are set on the
 // descriptor at each call under this lock (a plan is used by one call at a time).
@@ -499,7 +488,8 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   const std::uint32_t align_a = alignment(a.x.const_data_ptr(), s.lda, 0, 1, item);
   const std::uint32_t align_b = alignment(a.w.const_data_ptr(), s.ldb, 0, 1, item);
   const std::uint32_t align_c = alignment(d.data_ptr(), s.ldc, 0, 1, item);
-  const EpilogueSpec spec{lt_epilogue(e), bias != nullptr, aux_ptr ? n : 0, bias, aux_ptr};
+  const EpilogueSpec spec{kLtEpilogue[static_cast<int>(e)], bias != nullptr, aux_ptr ? n : 0, bias,
+                          aux_ptr};
   static auto* plans = new PlanCache<LtPlan>();  // never destroyed
   PlanKey key;
   key.v = {
