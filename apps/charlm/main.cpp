@@ -354,7 +354,9 @@ double bits_per_char(mt::Model& model, const mt::Tensor& data, std::int64_t cont
   const std::size_t n = offsets.size();
   const auto [begin, end] = mt::distributed::shard(static_cast<std::int64_t>(n));
   const auto first = static_cast<std::size_t>(begin), last = static_cast<std::size_t>(end);
-  double total = 0;
+  // The sum stays on the device (float64, in the order the host would add) and is read once.
+  mt::NoGradGuard no_grad;
+  mt::Tensor sum = mt::zeros({}, mt::kFloat64, data.device());
   for (std::size_t i = first; i < last; i += static_cast<std::size_t>(batch)) {
     const std::vector<std::int64_t> part(
         offsets.begin() + static_cast<std::ptrdiff_t>(i),
@@ -363,9 +365,9 @@ double bits_per_char(mt::Model& model, const mt::Tensor& data, std::int64_t cont
     auto [x, y] = windows(data, part, context);
     const mt::Tensor logits = model(x);
     const std::int64_t v = logits.dim(2);
-    total += loss(mt::reshape(y, {-1}), mt::reshape(logits, {-1, v})).item<double>();
+    sum = sum + mt::cast(loss(mt::reshape(y, {-1}), mt::reshape(logits, {-1, v})), mt::kFloat64);
   }
-  total = mt::distributed::all_reduce_value(total);
+  const double total = mt::distributed::all_reduce_value(sum.item<double>());
   return total / static_cast<double>(offsets.size() * static_cast<std::size_t>(context)) /
          std::log(2.0);
 }
@@ -483,8 +485,18 @@ struct Ids {
 struct Progress {
   double flops_per_token = 0;        // 6N + 6LCT: llm.c's count (weights and attention)
   std::optional<double> peak_flops;  // of all ranks' devices together, FLOP/s
-  double train_seconds = 0, window_loss = 0;
-  std::int64_t trained_tokens = 0, window_steps = 0, skipped_after_100 = 0;
+  double train_seconds = 0;
+  std::int64_t trained_tokens = 0, skipped_after_100 = 0;
+  // The window's losses (each rank's weighted by its share), summed on the device in float64
+  // and read at the window's progress line: a step reads nothing back.
+  mt::Tensor window_loss;
+  std::int64_t window_steps = 0;
+  void add(const mt::Tensor& loss, double share) {
+    mt::NoGradGuard no_grad;
+    const mt::Tensor l = mt::cast(loss, mt::kFloat64) * share;
+    window_loss = window_loss.defined() ? window_loss + l : l;
+    ++window_steps;
+  }
   double tokens_per_second() const {
     return train_seconds > 0 ? static_cast<double>(trained_tokens) / train_seconds : 0.0;
   }
@@ -496,17 +508,27 @@ struct Progress {
           fmt::format("  MFU {:.1f}%", 100.0 * tokens_per_second() * flops_per_token / *peak_flops);
     return out;
   }
-  void log(std::int64_t step, const mt::optim::Optimizer& chain) {
+  // The window's mean loss over all ranks, in nats (a read: it waits for the window's steps).
+  // Every rank calls it. Without loss scaling a non-finite loss means the model diverged
+  // (with it, such steps are skipped and the scale lowered).
+  double take_window_loss(std::int64_t step, bool loss_scaled) {
+    const double sum = mt::distributed::all_reduce_value(window_loss.item<double>());
+    const double mean = sum / static_cast<double>(window_steps);
+    if (!std::isfinite(mean) && !loss_scaled)
+      throw mt::NumericError(fmt::format("the loss is {} in steps {} to {}: the model diverged",
+                                         mean, step - window_steps + 1, step));
+    window_loss = mt::Tensor();
+    window_steps = 0;
+    return mean;
+  }
+  void log(std::int64_t step, double mean_loss, const mt::optim::Optimizer& chain) const {
     const mt::optim::LossScaleOptimizer* lso = chain.loss_scale_optimizer();
     fmt::print(
-        "step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {}{}\n", step,
-        window_loss / static_cast<double>(window_steps) / std::log(2.0),
+        "step {:>6}  loss {:.4f} bits/char  lr {:.3g}  {}{}\n", step, mean_loss / std::log(2.0),
         chain.current_learning_rate(), rate(),
         lso ? fmt::format("  loss scale {:g} (skipped {})", lso->loss_scale(), lso->skipped_steps())
             : "");
     std::fflush(stdout);
-    window_loss = 0;
-    window_steps = 0;
   }
 };
 
@@ -526,6 +548,11 @@ mt::Tensor train_step(mt::Model& model, mt::optim::Optimizer& chain,
 }
 
 // The steps first_step .. --steps - 1, with the progress lines and periodic validation.
+// A steady-state step waits for nothing on the device: the losses are summed there and read
+// at the progress lines, and the loss scale optimizer reads its finiteness flag a step late,
+// so the host queues the next step while the device runs this one. The clock runs from the
+// end of the first step (which builds and warms up) and stops at the progress lines and
+// around the evaluations, each time after the device has caught up.
 Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t seed,
                std::int64_t first_step, Progress p) {
   const bool root = mt::distributed::is_root();
@@ -533,38 +560,46 @@ Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t
   mt::optim::DistributedOptimizer* dopt = chain.distributed_optimizer();
   const mt::optim::LossScaleOptimizer* lso = chain.loss_scale_optimizer();
   const std::vector<mt::Variable> vars = model.trainable_variables();
+  const mt::Device device = ids.train.device();
+  const auto wait_for_device = [&] { mt::backend_for(device.type()).synchronize(device.index()); };
   Batches batches(ids.train, o, seed, first_step);
+  std::optional<std::int64_t> skipped_before_100;  // the count before step 100 of this run
+  auto clock = std::chrono::steady_clock::now();
+  const auto stop_clock = [&] {
+    wait_for_device();
+    p.train_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - clock).count();
+  };
   for (std::int64_t step = first_step; step < o.steps; ++step) {
-    const auto start = std::chrono::steady_clock::now();
+    if (lso && step == std::max<std::int64_t>(first_step, 100))
+      skipped_before_100 = lso->skipped_steps();
     const auto [x, y, share] = batches.next();
     if (dopt) dopt->set_gradient_weight(share);
-    const mt::Tensor loss = train_step(model, chain, vars, x, y);
-    if (lso && lso->last_step_skipped() && step >= 100) ++p.skipped_after_100;
-    // The batch's loss: every rank's share, weighted.
-    const double l = mt::distributed::world_size() > 1
-                         ? mt::distributed::all_reduce_value(loss.item<double>() * share)
-                         : loss.item<double>();
-    if (step > first_step) {  // the first step builds and warms up: not timed
-      p.train_seconds +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    p.add(train_step(model, chain, vars, x, y), share);
+    if (step == first_step) {
+      wait_for_device();
+      clock = std::chrono::steady_clock::now();
+    } else {
       p.trained_tokens += o.batch * o.context;
     }
-    p.window_loss += l;
-    ++p.window_steps;
-    if (root && ((step + 1) % o.log_every == 0 || step + 1 == o.steps)) p.log(step + 1, chain);
-    if (o.eval_every > 0 && (step + 1) % o.eval_every == 0 && step + 1 != o.steps) {
+    const bool line = (step + 1) % o.log_every == 0 || step + 1 == o.steps;
+    const bool eval = o.eval_every > 0 && (step + 1) % o.eval_every == 0 && step + 1 != o.steps;
+    if (!line && !eval) continue;
+    if (step > first_step) stop_clock();
+    if (line) {
+      const double mean = p.take_window_loss(step + 1, lso != nullptr);
+      if (root) p.log(step + 1, mean, chain);
+    }
+    if (eval) {
       const double v = bits_per_char(model, ids.val, o.context, o.batch, o.eval_windows);
       if (root)
         fmt::print("step {:>6}  validation {:.4f} bits/char ({} windows)\n", step + 1, v,
                    o.eval_windows);
       std::fflush(stdout);
     }
-    // Without loss scaling a non-finite loss means the model diverged (with it, the step
-    // was skipped and the scale lowered).
-    if (!std::isfinite(l) && !lso)
-      throw mt::NumericError(
-          fmt::format("the loss is {} at step {}: the model diverged", l, step + 1));
+    clock = std::chrono::steady_clock::now();
   }
+  if (skipped_before_100) p.skipped_after_100 = lso->skipped_steps() - *skipped_before_100;
   return p;
 }
 
