@@ -66,6 +66,11 @@ if want ops; then
   MIXTAPE_CUDA_LT_EPILOGUES=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda --op linear \
     >"$logs/ops_linear_no_epilogues.log" 2>&1
   note "ops linear, MIXTAPE_CUDA_LT_EPILOGUES=0: rc=$?: $(tail -1 "$logs/ops_linear_no_epilogues.log")"
+  # The attention with its tensor-core forward kernel off (the plain kernel for every case):
+  # where the first line fails on attention, this says whether the tiled kernel is the cause.
+  MIXTAPE_CUDA_MMA_ATTENTION=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda --op attention \
+    >"$logs/ops_attention_plain.log" 2>&1
+  note "ops attention, MIXTAPE_CUDA_MMA_ATTENTION=0: rc=$?: $(tail -1 "$logs/ops_attention_plain.log")"
 fi
 
 if want tests; then

@@ -1,17 +1,30 @@
-// Fused attention on CUDA (ops attention and attention_backward): the first, plain form.
-// One warp per row: a query row for the forward pass and for dq, a key row for dk and dv.
-// The warp walks the keys (queries) the row attends one at a time, each dot product split
-// over the lanes and summed with shuffles, so no [t, s] matrix is made and every row's
-// softmax is exact (float32 for the 16-bit dtypes, float64 for float64) with no tile
-// bookkeeping. Each lane keeps its columns of the row's output in registers (kCols of them;
-// wider rows take several passes). This is the correct baseline the conformance sweep checks
-// against the CPU; it does not use tensor cores, which a tiled mma kernel will (docs/cuda.md).
-#include <cmath>
+// Fused attention on CUDA (ops attention and attention_backward).
+//
+// float16 and bfloat16 heads whose q, k and v share a width run the tiled tensor-core kernels of
+// backends/cuda/attention_tiles.h (FlashAttention-2's loops on mma.sync): the forward pass for
+// widths 32, 64, 96 and 128, the backward pass for 32 and 64. MIXTAPE_CUDA_MMA_ATTENTION=0
+// turns them off.
+//
+// Everything else (float32, float64, other widths) runs the plain form: one warp per row, a
+// query row for the forward pass and for dq, a key row for dk and dv. The warp walks the keys
+// (queries) the row attends one at a time, each dot product split over the lanes and summed
+// with shuffles, so no [t, s] matrix is made and every row's softmax is exact (float32 for the
+// 16-bit dtypes, float64 for float64) with no tile bookkeeping. Each lane keeps its columns of
+// the row's output in registers (kCols of them; wider rows take several passes). It does not
+// use tensor cores (docs/cuda.md).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "backends/cuda/attention_tiles.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/warp.cuh"
+#include "core/env.h"
 #include "mixtape/core/dropout_hash.h"
 
 namespace mixtape::cuda_backend {
@@ -33,14 +46,7 @@ __device__ __forceinline__ compute_of<T> warp_dot(const T* a, const U* b, int64_
 
 // The mask as kernels.h gives it: a bool view [n1, n2, t, s] (strides 0 where broadcast, 1
 // along s), head h reading [h / n2, h % n2].
-struct MaskRows {
-  const std::uint8_t* base = nullptr;
-  int64_t n2 = 1, s1 = 0, s2 = 0, st = 0;
-  // The mask bytes of head h, row i; null without a mask.
-  __device__ __forceinline__ const std::uint8_t* row(int64_t h, int64_t i) const {
-    return base ? base + (h / n2) * s1 + (h % n2) * s2 + i * st : nullptr;
-  }
-};
+using attention_tiles::MaskRows;
 MaskRows mask_rows(const Tensor& m) {
   MaskRows r;
   if (!m.defined()) return r;
@@ -227,6 +233,124 @@ __global__ void attention_dkdv_kernel(
   });
 }
 
+// --- The tiled tensor-core kernels (attention_tiles.h) on the hardware -------------------
+
+// The executor of attention_tiles' loops: this thread's block coordinates, the block's
+// barrier, the warp's shuffles, mma.sync m16n8k16 with float32 sums, and the 16-bit roundings
+// (bfloat16 when BF16, float16 otherwise).
+template <bool BF16>
+struct MmaCtx {
+  __device__ int thread() const { return static_cast<int>(threadIdx.x); }
+  __device__ int64_t head() const { return blockIdx.x; }
+  __device__ int64_t block() const { return blockIdx.y; }
+  __device__ void sync() const { __syncthreads(); }
+  __device__ float shfl_xor(float v, int lane_mask) const {
+    return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+  }
+  __device__ void mma(float (&d)[4], const std::uint32_t (&a)[4],
+                      const std::uint32_t (&b)[2]) const {
+    if constexpr (BF16)
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+          "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+          "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  __device__ std::uint16_t bits(float v) const {
+    if constexpr (BF16)
+      return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    else
+      return __half_as_ushort(__float2half_rn(v));
+  }
+  __device__ float round(float v) const {
+    if constexpr (BF16)
+      return __bfloat162float(__float2bfloat16_rn(v));
+    else
+      return __half2float(__float2half_rn(v));
+  }
+  __device__ float exp2(float x) const { return exp2f(x); }
+  __device__ float log2(float x) const { return log2f(x); }
+};
+
+enum class TilePass { Forward, Dq, DkDv };
+
+template <TilePass Pass, int D, bool BF16>
+__global__ void __launch_bounds__(attention_tiles::kThreads)
+    attention_tile_kernel(attention_tiles::Params p) {
+  __shared__ attention_tiles::Shared<D> shared;
+  MmaCtx<BF16> ctx;
+  if constexpr (Pass == TilePass::Forward)
+    attention_tiles::forward<D>(ctx, shared, p);
+  else if constexpr (Pass == TilePass::Dq)
+    attention_tiles::backward_dq<D>(ctx, shared, p);
+  else
+    attention_tiles::backward_dkdv<D>(ctx, shared, p);
+}
+
+// The tiled kernels' operands (the outputs and D set by the caller); nullopt when they do not
+// apply: not a 16-bit dtype, head dims they do not take, MIXTAPE_CUDA_MMA_ATTENTION=0, or a
+// grid too large.
+template <typename T>
+std::optional<attention_tiles::Params> tile_params(const Tensor& q, const Tensor& k,
+                                                   const Tensor& v, const Tensor& mask, bool causal,
+                                                   double scale,
+                                                   const kernels::AttentionDropout& dropout,
+                                                   bool backward) {
+  if constexpr (!kHalfLike<T>) {
+    return std::nullopt;
+  } else {
+    static const bool enabled = detail::env::kCudaMmaAttention.read();
+    const int64_t d = q.dim(2), dv = v.dim(2), longest = std::max(q.dim(1), k.dim(1));
+    const bool dims = backward ? attention_tiles::supports_backward(d, dv)
+                               : attention_tiles::supports_forward(d, dv);
+    if (!enabled || !dims || q.dim(0) > 0x7fffffff ||
+        (longest + attention_tiles::kTile - 1) / attention_tiles::kTile > 65535)
+      return std::nullopt;
+    attention_tiles::Params p;
+    p.q = static_cast<const std::uint16_t*>(q.const_data_ptr());
+    p.k = static_cast<const std::uint16_t*>(k.const_data_ptr());
+    p.v = static_cast<const std::uint16_t*>(v.const_data_ptr());
+    p.mask = mask_rows(mask);
+    p.causal = causal;
+    p.scale = static_cast<float>(scale);
+    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
+    p.dropout = dropout.rate > 0.0;
+    p.seed = dropout.seed;
+    p.threshold = dropout_threshold(dropout.rate);
+    p.inv_keep = static_cast<float>(1.0 / (1.0 - dropout.rate));
+    p.n = q.dim(0);
+    p.t = q.dim(1);
+    p.s = k.dim(1);
+    return p;
+  }
+}
+
+// One tiled kernel over `rows` rows of every head (queries for Forward and Dq, keys for DkDv),
+// heads of width d (a width supports_forward / supports_backward takes).
+template <TilePass Pass, typename T>
+void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cudaStream_t stream) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  const dim3 grid(
+      static_cast<unsigned>(p.n),
+      static_cast<unsigned>((rows + attention_tiles::kTile - 1) / attention_tiles::kTile));
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, attention_tiles::kThreads, 0, stream>>>(p);
+    MIXTAPE_CUDA_CHECK_LAUNCH("attention tile kernel");
+  };
+  if (d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16>);
+  if (d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16>);
+  if constexpr (Pass == TilePass::Forward) {  // the backward pass takes 32 and 64 only
+    if (d == 96) return launch(attention_tile_kernel<Pass, 96, kBf16>);
+    return launch(attention_tile_kernel<Pass, 128, kBf16>);
+  }
+}
+
 template <typename T>
 void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                     bool causal, double scale, const kernels::AttentionDropout& dropout,
@@ -235,6 +359,11 @@ void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (n * t == 0) return;
   using C = compute_of<T>;
   OnDevice on(out);
+  if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, /*backward=*/false)) {
+    p->out = static_cast<std::uint16_t*>(out.data_ptr());
+    p->lse = static_cast<float*>(lse.data_ptr());
+    return launch_tiles<TilePass::Forward, T>(*p, d, t, on.s);
+  }
   launch_1d({"attention kernel", n * t * kWarp, on.s}, attention_forward_kernel<T>,
             static_cast<const T*>(q.const_data_ptr()), static_cast<const T*>(k.const_data_ptr()),
             static_cast<const T*>(v.const_data_ptr()), mask_rows(mask), causal,
@@ -260,9 +389,21 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
   auto* rp = static_cast<C*>(rowdot.data());
   const auto* gp = static_cast<const T*>(dout.const_data_ptr());
   const auto sc = static_cast<C>(scale);
-  if (n * t > 0) {
+  if (n * t > 0)
     launch_1d({"attention rowdot kernel", n * t * kWarp, on.s}, attention_rowdot_kernel<T>, gp,
               static_cast<const T*>(out.const_data_ptr()), rp, n * t, dv);
+  if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, /*backward=*/true)) {
+    p->lse = const_cast<float*>(static_cast<const float*>(lse.const_data_ptr()));  // read only
+    p->dout = static_cast<const std::uint16_t*>(dout.const_data_ptr());
+    p->rowdot = static_cast<const float*>(rowdot.data());
+    p->dq = static_cast<std::uint16_t*>(dq.data_ptr());
+    p->dk = static_cast<std::uint16_t*>(dk.data_ptr());
+    p->dv = static_cast<std::uint16_t*>(dv_out.data_ptr());
+    if (n * t > 0) launch_tiles<TilePass::Dq, T>(*p, d, t, on.s);
+    if (n * s > 0) launch_tiles<TilePass::DkDv, T>(*p, d, s, on.s);
+    return;
+  }
+  if (n * t > 0) {
     launch_1d({"attention dq kernel", n * t * kWarp, on.s}, attention_dq_kernel<T>, qp, kp, vp, mp,
               causal, sc, dropout_of(dropout), lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s,
               d, dv);

@@ -289,7 +289,8 @@ void masked_rows(Context& c) {
 // here (the logits, a softmax over each row's attended keys, the weighted values, and the
 // gradients of those), not against the CPU kernel's own tiling. Cases: one position; rows
 // that cross the kernels' 64-row tiles; causal with more keys than queries; a random mask with
-// a row that attends nothing (its output 0, its log-sum-exp -inf).
+// a row that attends nothing (its output 0, its log-sum-exp -inf); the head dims of the CUDA
+// tensor-core kernel.
 struct AttentionCase {
   int64_t n, t, s, d, dv;
   bool masked, causal;
@@ -303,11 +304,23 @@ void attention(Context& c) {
   auto* forward = find_kernel<kernels::AttentionFn>(OpId::attention, c.device().type(), c.dtype());
   const DType stat = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
   const std::vector<AttentionCase> cases{
-      {1, 1, 1, 1, 1, false, false},           {2, 5, 7, 3, 4, false, false},
-      {3, 70, 70, 16, 8, false, true},         {2, 65, 130, 8, 12, true, false},
-      {1, 33, 33, 4, 4, true, true},           {2, 5, 9, 6, 3, false, true},
-      {6, 9, 70, 5, 4, true, false, 3},        {4, 66, 66, 8, 8, true, true, 2},
-      {3, 70, 70, 16, 8, false, true, 0, 0.3}, {2, 5, 9, 6, 3, true, false, 0, 0.5}};
+      {1, 1, 1, 1, 1, false, false},
+      {2, 5, 7, 3, 4, false, false},
+      {3, 70, 70, 16, 8, false, true},
+      {2, 65, 130, 8, 12, true, false},
+      {1, 33, 33, 4, 4, true, true},
+      {2, 5, 9, 6, 3, false, true},
+      {6, 9, 70, 5, 4, true, false, 3},
+      {4, 66, 66, 8, 8, true, true, 2},
+      {3, 70, 70, 16, 8, false, true, 0, 0.3},
+      {2, 5, 9, 6, 3, true, false, 0, 0.5},
+      // Head dims the CUDA backend's tensor-core kernels take (16-bit; forward 32 to 128,
+      // backward 32 and 64): rows and keys that cross their 64-row blocks and tiles.
+      {2, 100, 100, 64, 64, false, true},
+      {1, 70, 130, 32, 32, true, false},
+      {4, 66, 66, 128, 128, true, true, 2},
+      {2, 70, 70, 64, 64, false, true, 0, 0.2},
+      {1, 9, 20, 96, 96, false, false}};
   for (const AttentionCase& a : cases) {
     const std::string what = fmt::format("n {} t {} s {} d {} dv {}{}{}", a.n, a.t, a.s, a.d, a.dv,
                                          a.padded   ? ", key padding"

@@ -1,0 +1,434 @@
+// Private to the CUDA backend (and to the test that runs it on the host): the tiled
+// tensor-core kernels of the fused attention (kernels.h's AttentionFn and
+// AttentionBackwardFn), FlashAttention-2's loops for float16 and bfloat16: the forward pass
+// for head dims 32, 64, 96 and 128, the backward pass for 32 and 64.
+//
+// Forward: a block of 4 warps takes 64 query rows of one head, each warp 16 of them; the block
+// walks the keys 64 at a time. The warp's Q rows stay in registers as mma A fragments; each key
+// tile of K and V goes to shared memory. The warp computes its 16 x 64 logits with mma.sync
+// m16n8k16 (16-bit inputs, float32 sums), masks and scales them, and moves its online softmax
+// on: the row maximum (float32, over the 4 lanes that share a row), the rescaling of the
+// running sum and of the output accumulators, then P V with the weights as A fragments that
+// never leave registers (the accumulator layout of two adjacent 8-column tiles is the A layout
+// of one 16-column step). No T x S matrix is made; lse is saved for the backward pass.
+//
+// Backward, in two kernels so that every sum has one owner and a fixed order (no atomics: the
+// same bits on every run): dq by query blocks (the forward's loop again: S and P from lse, dP =
+// dO V^T, dS = P o (Z o dP - D), dq += dS K), and dk, dv by key blocks, each warp 16 keys whose
+// K and V rows stay in registers while the block walks the queries 64 at a time (S^T = K Q^T,
+// dv += (P o Z)^T dO, dP^T = V dO^T, dk += dS^T Q). D, the rows' dot products of dout and out,
+// comes from attention.cu's row kernel.
+//
+// Precision: a float32 value that enters a product as an A operand (the weights, dS) goes in
+// as two 16-bit parts, its rounding and the rounding of the rest, in two mma: it keeps about
+// 16 bits more than one rounding would (FlashAttention rounds it once, about a unit of the
+// 16-bit type in the result), so that every result is the float32 computation rounded once, as
+// the CPU backend's. Dropout uses the hash of mixtape/core/dropout_hash.h, the mask the strided
+// bool view of kernels.h.
+//
+// Why by hand: cuBLASLt has no fused attention, cuDNN's needs the frontend headers (not used
+// here), and the softmax must sit between the products.
+//
+// The loops are written once against an executor `Ctx`: the CUDA kernels (attention.cu) give
+// them the hardware (threadIdx, __syncthreads, __shfl_xor_sync, the mma.sync instruction, the
+// rounding intrinsics); tests/test_attention_tiles.cpp gives them a thread block emulated on
+// the host (a thread per lane, barriers, the mma fragment layout of the PTX manual written
+// out), so that the tiling, the fragment bookkeeping, the masks and the softmax are checked by
+// the suite on machines without a GPU. Ctx provides:
+//   int thread();  std::int64_t head();  std::int64_t block();   (the block's coordinates)
+//   void sync();                                  (a barrier of the block)
+//   float shfl_xor(float v, int lane_mask);       (the value of lane ^ lane_mask, in the warp)
+//   void mma(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]);
+//                                                 (d += A B, m16n8k16, the warp together)
+//   std::uint16_t bits(float v);                  (v rounded to the 16-bit type)
+//   float round(float v);                         (the same, as a float)
+//   float exp2(float x);  float log2(float x);
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "mixtape/core/dropout_hash.h"
+
+#if defined(__CUDACC__)
+#define MIXTAPE_TILE_FN __device__ __forceinline__
+#else
+#define MIXTAPE_TILE_FN inline
+#endif
+
+namespace mixtape::attention_tiles {
+
+using std::int64_t;
+using std::uint16_t;
+using std::uint32_t;
+
+inline constexpr int kWarpLanes = 32;
+inline constexpr int kWarps = 4;
+inline constexpr int kThreads = kWarps * kWarpLanes;
+inline constexpr int kWarpRows = 16;              // rows per warp (mma's m)
+inline constexpr int kTile = kWarps * kWarpRows;  // rows per block, and per tile walked
+inline constexpr int kPad = 8;  // 16-bit elements after each shared row (fewer bank conflicts)
+inline constexpr float kNegInf = -INFINITY;
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// Whether the tiled kernels take heads of these dims (q, k: d; v: dv).
+constexpr bool supports_forward(int64_t d, int64_t dv) {
+  return d == dv && (d == 32 || d == 64 || d == 96 || d == 128);
+}
+constexpr bool supports_backward(int64_t d, int64_t dv) { return d == dv && (d == 32 || d == 64); }
+
+// The mask as kernels.h gives it (a bool view [n1, n2, t, s], stride 1 along s).
+struct MaskRows {
+  const std::uint8_t* base = nullptr;
+  int64_t n2 = 1, s1 = 0, s2 = 0, st = 0;
+  MIXTAPE_TILE_FN const std::uint8_t* row(int64_t h, int64_t i) const {
+    return base ? base + (h / n2) * s1 + (h % n2) * s2 + i * st : nullptr;
+  }
+};
+
+// One call's operands, the 16-bit ones as the bits of their elements (contiguous): q, dout,
+// out and dq [n, t, d]; k, v, dk and dv [n, s, d]; lse and rowdot [n, t] float32.
+struct Params {
+  const uint16_t* q = nullptr;
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  uint16_t* out = nullptr;
+  float* lse = nullptr;
+  const uint16_t* dout = nullptr;
+  const float* rowdot = nullptr;
+  uint16_t* dq = nullptr;
+  uint16_t* dk = nullptr;
+  uint16_t* dv = nullptr;
+  MaskRows mask;
+  bool causal = false;
+  float scale = 0;       // the logits' scale
+  float scale_log2 = 0;  // the same times log2(e): the softmax runs in base 2
+  bool dropout = false;
+  std::uint64_t seed = 0;
+  std::uint32_t threshold = 0;
+  float inv_keep = 1;
+  int64_t n = 0, t = 0, s = 0;
+};
+
+// A block's shared memory: two tiles of 64 rows (K and V; Q and dout for dk, dv) and, for dk
+// and dv, the query rows' lse and D.
+template <int D>
+struct Shared {
+  alignas(16) uint16_t a[kTile][D + kPad];
+  alignas(16) uint16_t b[kTile][D + kPad];
+  float lse[kTile];
+  float dot[kTile];
+};
+
+// --- Pieces ------------------------------------------------------------------------------
+
+MIXTAPE_TILE_FN uint32_t pair_of(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+// Two neighbouring elements as one fragment register (the first in the low half).
+MIXTAPE_TILE_FN uint32_t pair_at(const uint16_t* p) {
+  uint32_t r;
+  std::memcpy(&r, p, sizeof r);  // 4-byte aligned: even columns of even-length rows
+  return r;
+}
+
+// The larger of a and b, NaN when either is (the plain kernel's NaN propagation).
+MIXTAPE_TILE_FN float nan_max(float a, float b) { return (a != a || b > a) ? b : a; }
+
+// Whether query row i attends key j (i < t; mask_row: the mask's row i of the head, or null).
+MIXTAPE_TILE_FN bool attends(const Params& p, const std::uint8_t* mask_row, int64_t i, int64_t j) {
+  return j < p.s && (!p.causal || j <= i) && (!mask_row || mask_row[j] != 0);
+}
+
+// Dropout's factor Z of weight (h, i, j): 1 / (1 - rate) or 0 (1 without dropout).
+MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t j) {
+  if (!p.dropout) return 1.0f;
+  const auto index = static_cast<std::uint64_t>((h * p.t + i) * p.s + j);
+  return dropout_keeps(p.seed, index, p.threshold) ? p.inv_keep : 0.0f;
+}
+
+// Rows row0 .. row0 + 15 of a [rows, D] matrix as the A fragments of its kSteps 16-column
+// steps (rows past the end are 0). Lane (g, c) holds rows g and g + 8 at columns 2c, 2c + 1
+// and 2c + 8, 2c + 9 of each step.
+template <int D>
+MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const uint16_t* m, int64_t row0, int64_t rows,
+                            int g, int c) {
+  const auto at = [&](int r, int col) -> uint16_t {
+    const int64_t i = row0 + g + 8 * r;
+    return i < rows ? m[i * D + col] : uint16_t{0};
+  };
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int col = kk * 16 + 2 * c;
+    a[kk][0] = pair_of(at(0, col), at(0, col + 1));
+    a[kk][1] = pair_of(at(1, col), at(1, col + 1));
+    a[kk][2] = pair_of(at(0, col + 8), at(0, col + 9));
+    a[kk][3] = pair_of(at(1, col + 8), at(1, col + 9));
+  }
+}
+
+// Rows row0 .. row0 + 63 of a [rows, D] matrix into a shared tile (0 past the end), by the
+// whole block.
+template <int D, class Ctx>
+MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const uint16_t* m,
+                               int64_t row0, int64_t rows) {
+  for (int e = ctx.thread(); e < kTile * D; e += kThreads) {
+    const int r = e / D, col = e % D;
+    tile[r][col] = row0 + r < rows ? m[(row0 + r) * D + col] : uint16_t{0};
+  }
+}
+
+// The B fragment of step k0 (16 rows of k) for the product's column n = row `row` of a tile
+// read across (B[k][n] = tile[n][k]): one pair each.
+MIXTAPE_TILE_FN void b_across(uint32_t (&b)[2], const uint16_t* row, int k0, int c) {
+  b[0] = pair_at(row + k0 + 2 * c);
+  b[1] = pair_at(row + k0 + 2 * c + 8);
+}
+// The B fragment of step k0 for column `col` of a tile read down (B[k][n] = tile[k][n]).
+template <int D>
+MIXTAPE_TILE_FN void b_down(uint32_t (&b)[2], const uint16_t (&tile)[kTile][D + kPad], int k0,
+                            int col, int c) {
+  const int k = k0 + 2 * c;
+  b[0] = pair_of(tile[k][col], tile[k + 1][col]);
+  b[1] = pair_of(tile[k + 8][col], tile[k + 9][col]);
+}
+
+// The A fragments of a 16-wide step made of the float32 accumulators of two adjacent 8-column
+// tiles (lo: the first), each value as two 16-bit parts: big (its rounding) and small (the
+// rounding of the rest; exact in float32).
+template <class Ctx>
+MIXTAPE_TILE_FN void split_a(Ctx& ctx, const float (&lo)[4], const float (&hi)[4],
+                             uint32_t (&big)[4], uint32_t (&small)[4]) {
+  for (int r = 0; r < 4; ++r) {
+    const float* w = (r < 2 ? lo : hi) + 2 * (r % 2);
+    const float b0 = ctx.round(w[0]), b1 = ctx.round(w[1]);
+    big[r] = pair_of(ctx.bits(b0), ctx.bits(b1));
+    small[r] = pair_of(ctx.bits(w[0] - b0), ctx.bits(w[1] - b1));
+  }
+}
+
+// acc[j] += A B over a 64-wide k (4 steps) for the D / 8 output tiles: A the float32
+// accumulators a[8][4] (split as above), B[k][n] = tile[k][n].
+template <int D, class Ctx>
+MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float (&a)[kTile / 8][4],
+                                  const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    uint32_t big[4], small[4];
+    split_a(ctx, a[2 * kk], a[2 * kk + 1], big, small);
+    for (int j = 0; j < D / 8; ++j) {
+      uint32_t b[2];
+      b_down<D>(b, tile, kk * 16, j * 8 + g, c);
+      ctx.mma(acc[j], big, b);
+      ctx.mma(acc[j], small, b);
+    }
+  }
+}
+
+// x[nt] = A B^T for the 8 column tiles of a 64-row shared tile: A the registers a (16 rows x D),
+// B[k][n] = tile[n][k].
+template <int D, class Ctx>
+MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
+                                    const uint32_t (&a)[D / 16][4],
+                                    const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+  for (int nt = 0; nt < kTile / 8; ++nt) {
+    for (int e = 0; e < 4; ++e) x[nt][e] = 0.0f;
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t b[2];
+      b_across(b, tile[nt * 8 + g], kk * 16, c);
+      ctx.mma(x[nt], a[kk], b);
+    }
+  }
+}
+
+// Stores 16 accumulated rows (row0 + g, row0 + g + 8) times `factor`, rounded, where < rows.
+template <int D, class Ctx>
+MIXTAPE_TILE_FN void store_rows(Ctx& ctx, uint16_t* m, const float (&acc)[D / 8][4], float factor,
+                                int64_t row0, int64_t rows, int g, int c) {
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = row0 + g + 8 * r;
+    if (i >= rows) continue;
+    for (int j = 0; j < D / 8; ++j) {
+      m[i * D + j * 8 + 2 * c] = ctx.bits(acc[j][2 * r] * factor);
+      m[i * D + j * 8 + 2 * c + 1] = ctx.bits(acc[j][2 * r + 1] * factor);
+    }
+  }
+}
+
+// The position of accumulator element e of column tile nt: row offset (0 or 8) and column.
+MIXTAPE_TILE_FN int elem_row(int g, int e) { return g + 8 * (e / 2); }
+MIXTAPE_TILE_FN int elem_col(int nt, int c, int e) { return nt * 8 + 2 * c + e % 2; }
+
+// The end of the keys a block of query rows row0 .. row0 + 63 attends.
+MIXTAPE_TILE_FN int64_t key_end(const Params& p, int64_t row0) {
+  if (!p.causal) return p.s;
+  const int64_t last = (row0 + kTile < p.t ? row0 + kTile : p.t) - 1;
+  return last + 1 < p.s ? last + 1 : p.s;
+}
+
+// --- Forward ---------------------------------------------------------------------------
+
+// out and lse of the query rows of block (head(), block()) (kernels.h's AttentionFn).
+template <int D, class Ctx>
+MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
+  constexpr int kCols = kTile / 8;  // 8-key column tiles of the logits
+  const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
+  const int g = lane / 4, c = lane % 4;  // the fragment's row group and column pair
+  const int64_t h = ctx.head(), row0 = ctx.block() * kTile, warp_row0 = row0 + warp * kWarpRows;
+  const int64_t rows[2] = {warp_row0 + g, warp_row0 + g + 8};
+  const std::uint8_t* mask_rows[2] = {rows[0] < p.t ? p.mask.row(h, rows[0]) : nullptr,
+                                      rows[1] < p.t ? p.mask.row(h, rows[1]) : nullptr};
+  uint32_t qa[D / 16][4];
+  load_a<D>(qa, p.q + h * p.t * D, warp_row0, p.t, g, c);
+
+  float o[D / 8][4] = {};
+  float m[2] = {kNegInf, kNegInf};  // running maxima (base-2 logits), per row
+  float l[2] = {0.0f, 0.0f};        // this lane's part of the running sums
+  const int64_t end = key_end(p, row0);
+  for (int64_t key0 = 0; key0 < end; key0 += kTile) {
+    ctx.sync();  // the previous tile's readers are done
+    load_tile<D>(ctx, sh.a, p.k + h * p.s * D, key0, p.s);
+    load_tile<D>(ctx, sh.b, p.v + h * p.s * D, key0, p.s);
+    ctx.sync();
+
+    // The logits of the warp's 16 rows and the tile's 64 keys, scaled (base 2), -inf where the
+    // row does not attend the key.
+    float x[kCols][4];
+    product_across<D>(ctx, x, qa, sh.a, g, c);
+    float tile_max[2] = {kNegInf, kNegInf};
+    for (int nt = 0; nt < kCols; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const bool in = attends(p, mask_rows[r], rows[r], key0 + elem_col(nt, c, e));
+        x[nt][e] = in ? x[nt][e] * p.scale_log2 : kNegInf;
+        tile_max[r] = nan_max(tile_max[r], x[nt][e]);
+      }
+    float alpha[2];
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = nan_max(tile_max[r], ctx.shfl_xor(tile_max[r], 1));
+      tile_max[r] = nan_max(tile_max[r], ctx.shfl_xor(tile_max[r], 2));
+      const float m_new = nan_max(m[r], tile_max[r]);
+      // Nothing attended yet: the row's sums and outputs are still 0, nothing to rescale.
+      alpha[r] = m_new == kNegInf ? 1.0f : ctx.exp2(m[r] - m_new);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+    for (int j = 0; j < D / 8; ++j)
+      for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e / 2];
+    // The weights (undropped into l), then o += (P o Z) V.
+    for (int nt = 0; nt < kCols; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const float w = m[r] == kNegInf ? 0.0f : ctx.exp2(x[nt][e] - m[r]);
+        l[r] += w;
+        x[nt][e] = w * keep_factor(p, h, rows[r], key0 + elem_col(nt, c, e));
+      }
+    product_down<D>(ctx, o, x, sh.b, g, c);
+  }
+
+  // The sums over the row's 4 lanes; out = o / l, lse = (m + log2 l) ln 2 (0 and -inf for a
+  // row that attends nothing).
+  float inv[2];
+  for (int r = 0; r < 2; ++r) {
+    l[r] += ctx.shfl_xor(l[r], 1);
+    l[r] += ctx.shfl_xor(l[r], 2);
+    inv[r] = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+    if (c == 0 && rows[r] < p.t)
+      p.lse[h * p.t + rows[r]] = l[r] == 0.0f ? kNegInf : (m[r] + ctx.log2(l[r])) / kLog2e;
+  }
+  for (int j = 0; j < D / 8; ++j)
+    for (int e = 0; e < 4; ++e) o[j][e] *= inv[e / 2];
+  store_rows<D>(ctx, p.out + h * p.t * D, o, 1.0f, warp_row0, p.t, g, c);
+}
+
+// --- Backward ----------------------------------------------------------------------------
+
+// dq of the query rows of block (head(), block()): the forward's walk over the keys, with P
+// from lse: dq = scale sum over the keys of dS K, dS = P o (Z o (dout V^T) - D).
+template <int D, class Ctx>
+MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
+  constexpr int kCols = kTile / 8;
+  const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
+  const int g = lane / 4, c = lane % 4;
+  const int64_t h = ctx.head(), row0 = ctx.block() * kTile, warp_row0 = row0 + warp * kWarpRows;
+  const int64_t rows[2] = {warp_row0 + g, warp_row0 + g + 8};
+  const std::uint8_t* mask_rows[2] = {nullptr, nullptr};
+  float lse2[2] = {kNegInf, kNegInf}, dot[2] = {0.0f, 0.0f};
+  for (int r = 0; r < 2; ++r)
+    if (rows[r] < p.t) {
+      mask_rows[r] = p.mask.row(h, rows[r]);
+      lse2[r] = p.lse[h * p.t + rows[r]] * kLog2e;
+      dot[r] = p.rowdot[h * p.t + rows[r]];
+    }
+  uint32_t qa[D / 16][4], ga[D / 16][4];
+  load_a<D>(qa, p.q + h * p.t * D, warp_row0, p.t, g, c);
+  load_a<D>(ga, p.dout + h * p.t * D, warp_row0, p.t, g, c);
+
+  float dq[D / 8][4] = {};
+  const int64_t end = key_end(p, row0);
+  for (int64_t key0 = 0; key0 < end; key0 += kTile) {
+    ctx.sync();
+    load_tile<D>(ctx, sh.a, p.k + h * p.s * D, key0, p.s);
+    load_tile<D>(ctx, sh.b, p.v + h * p.s * D, key0, p.s);
+    ctx.sync();
+    float x[kCols][4], dp[kCols][4];
+    product_across<D>(ctx, x, qa, sh.a, g, c);   // S
+    product_across<D>(ctx, dp, ga, sh.b, g, c);  // dP = dout V^T
+    for (int nt = 0; nt < kCols; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int64_t j = key0 + elem_col(nt, c, e);
+        const bool in = lse2[r] != kNegInf && rows[r] < p.t && attends(p, mask_rows[r], rows[r], j);
+        const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - lse2[r]) : 0.0f;
+        x[nt][e] = in ? prob * (keep_factor(p, h, rows[r], j) * dp[nt][e] - dot[r]) : 0.0f;  // dS
+      }
+    product_down<D>(ctx, dq, x, sh.a, g, c);  // dS K
+  }
+  store_rows<D>(ctx, p.dq + h * p.t * D, dq, p.scale, warp_row0, p.t, g, c);
+}
+
+// dk and dv of the keys of block (head(), block()): each warp's 16 keys stay in registers
+// while the block walks the query rows 64 at a time: S^T = K Q^T, P^T from lse, dv += (P o
+// Z)^T dout, dP^T = V dout^T, dS^T = P^T o (Z o dP^T - D), dk += scale dS^T Q.
+template <int D, class Ctx>
+MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
+  constexpr int kCols = kTile / 8;  // 8-query column tiles
+  const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
+  const int g = lane / 4, c = lane % 4;
+  const int64_t h = ctx.head(), key0 = ctx.block() * kTile, warp_key0 = key0 + warp * kWarpRows;
+  uint32_t ka[D / 16][4], va[D / 16][4];
+  load_a<D>(ka, p.k + h * p.s * D, warp_key0, p.s, g, c);
+  load_a<D>(va, p.v + h * p.s * D, warp_key0, p.s, g, c);
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  // Causal: the queries before the block's first key attend none of its keys.
+  const int64_t first = p.causal ? key0 : 0;
+  for (int64_t row0 = first; row0 < p.t; row0 += kTile) {
+    ctx.sync();
+    load_tile<D>(ctx, sh.a, p.q + h * p.t * D, row0, p.t);
+    load_tile<D>(ctx, sh.b, p.dout + h * p.t * D, row0, p.t);
+    for (int r = tid; r < kTile; r += kThreads) {
+      const bool in = row0 + r < p.t;
+      sh.lse[r] = in ? p.lse[h * p.t + row0 + r] * kLog2e : kNegInf;
+      sh.dot[r] = in ? p.rowdot[h * p.t + row0 + r] : 0.0f;
+    }
+    ctx.sync();
+    float x[kCols][4], dp[kCols][4];
+    product_across<D>(ctx, x, ka, sh.a, g, c);   // S^T
+    product_across<D>(ctx, dp, va, sh.b, g, c);  // dP^T = V dout^T
+    for (int nt = 0; nt < kCols; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = warp_key0 + elem_row(g, e), q = elem_col(nt, c, e), i = row0 + q;
+        const bool in = sh.lse[q] != kNegInf && i < p.t && attends(p, p.mask.row(h, i), i, j);
+        const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - sh.lse[q]) : 0.0f;  // P^T
+        const float z = in ? keep_factor(p, h, i, j) : 0.0f;
+        dp[nt][e] = in ? prob * (z * dp[nt][e] - sh.dot[q]) : 0.0f;  // dS^T
+        x[nt][e] = prob * z;                                         // (P o Z)^T
+      }
+    product_down<D>(ctx, dv, x, sh.b, g, c);
+    product_down<D>(ctx, dk, dp, sh.a, g, c);
+  }
+  store_rows<D>(ctx, p.dk + h * p.s * D, dk, p.scale, warp_key0, p.s, g, c);
+  store_rows<D>(ctx, p.dv + h * p.s * D, dv, 1.0f, warp_key0, p.s, g, c);
+}
+
+}  // namespace mixtape::attention_tiles

@@ -1,0 +1,304 @@
+// The CUDA backend's tiled tensor-core attention (backends/cuda/attention_tiles.h) run on the
+// host: a thread block emulated with a thread per lane, barriers for __syncthreads and the
+// warp's exchanges, and mma.sync m16n8k16 written out from the fragment layout of the PTX
+// manual ("Matrix Fragments for mma.m16n8k16 with floating point type"). The GPU runs the same
+// loop; here its tiling, fragment bookkeeping, masks, dropout and online softmax are checked
+// against the CPU backend's attention kernel, on machines without a GPU. What this cannot
+// check (the hardware's own mma and rounding instructions) the conformance sweep checks on a
+// GPU (mixtape-ops --backend cuda --op attention).
+#include <barrier>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/cuda/attention_tiles.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/kernels.h"
+#include "mixtape/mixtape.h"
+
+namespace mt = mixtape;
+namespace at = mixtape::attention_tiles;
+
+namespace {
+
+using std::int64_t;
+
+// What the lanes of one warp exchange: a float for shfl_xor, the fragments for mma.
+struct WarpExchange {
+  std::barrier<> met{at::kWarpLanes};
+  float value[at::kWarpLanes] = {};
+  std::uint32_t a[at::kWarpLanes][4] = {};
+  std::uint32_t b[at::kWarpLanes][2] = {};
+};
+
+struct EmulatedBlock {
+  std::barrier<> met{at::kThreads};
+  WarpExchange warps[at::kWarps];
+};
+
+// The executor attention_tiles::forward runs on, for one thread of an emulated block.
+template <bool BF16>
+struct HostCtx {
+  EmulatedBlock* emulated;
+  int tid;
+  int64_t head_index, block_index;
+
+  int thread() const { return tid; }
+  int64_t head() const { return head_index; }
+  int64_t block() const { return block_index; }
+  void sync() { emulated->met.arrive_and_wait(); }
+  WarpExchange& warp() { return emulated->warps[tid / at::kWarpLanes]; }
+  int lane() const { return tid % at::kWarpLanes; }
+
+  float shfl_xor(float v, int lane_mask) {
+    WarpExchange& w = warp();
+    w.value[lane()] = v;
+    w.met.arrive_and_wait();
+    const float r = w.value[lane() ^ lane_mask];
+    w.met.arrive_and_wait();
+    return r;
+  }
+
+  static float value_of(std::uint32_t reg, int half) {
+    const auto b = static_cast<std::uint16_t>(reg >> (16 * half));
+    return BF16 ? mt::detail::bfloat16_bits_to_float(b) : mt::detail::half_bits_to_float(b);
+  }
+
+  // d += A B for the warp's 16 x 16 A and 16 x 8 B. Lane L = 4 group + c holds A's rows group
+  // and group + 8 at columns 2c, 2c + 1 (registers 0 and 1) and 2c + 8, 2c + 9 (registers 2
+  // and 3); B's column group at rows 2c, 2c + 1 (register 0) and 2c + 8, 2c + 9 (register 1);
+  // D's rows group and group + 8 at columns 2c, 2c + 1. The first of a pair is the low half.
+  void mma(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+    WarpExchange& w = warp();
+    std::memcpy(w.a[lane()], a, sizeof a);
+    std::memcpy(w.b[lane()], b, sizeof b);
+    w.met.arrive_and_wait();
+    const auto a_at = [&](int row, int k) {
+      return value_of(w.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)],
+                      k % 2);
+    };
+    const auto b_at = [&](int k, int col) {
+      return value_of(w.b[col * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k % 2);
+    };
+    const int g = lane() / 4, c = lane() % 4;
+    for (int e = 0; e < 4; ++e) {
+      const int row = g + 8 * (e / 2), col = 2 * c + e % 2;
+      double sum = 0;  // 16-bit products are exact; the sum rounded once
+      for (int k = 0; k < 16; ++k) sum += double(a_at(row, k)) * double(b_at(k, col));
+      d[e] += static_cast<float>(sum);
+    }
+    w.met.arrive_and_wait();
+  }
+
+  std::uint16_t bits(float v) const {
+    return BF16 ? mt::detail::float_to_bfloat16_bits(v) : mt::detail::float_to_half_bits(v);
+  }
+  float round(float v) const {
+    return BF16 ? mt::detail::bfloat16_bits_to_float(bits(v))
+                : mt::detail::half_bits_to_float(bits(v));
+  }
+  float exp2(float x) const { return std::exp2(x); }
+  float log2(float x) const { return std::log2(x); }
+};
+
+enum class Pass { Forward, Dq, DkDv };
+
+// A kernel's grid (a block per head and 64 rows: queries, or keys for DkDv) run block after
+// block, each block's 128 threads side by side.
+template <Pass P, int D, bool BF16>
+void run_grid(const at::Params& p) {
+  const int64_t rows = P == Pass::DkDv ? p.s : p.t;
+  for (int64_t h = 0; h < p.n; ++h)
+    for (int64_t blk = 0; blk * at::kTile < rows; ++blk) {
+      auto block = std::make_unique<EmulatedBlock>();
+      auto shared = std::make_unique<at::Shared<D>>();
+      std::vector<std::thread> threads;
+      for (int tid = 0; tid < at::kThreads; ++tid)
+        threads.emplace_back([&, tid] {
+          HostCtx<BF16> ctx{block.get(), tid, h, blk};
+          if constexpr (P == Pass::Forward)
+            at::forward<D>(ctx, *shared, p);
+          else if constexpr (P == Pass::Dq)
+            at::backward_dq<D>(ctx, *shared, p);
+          else
+            at::backward_dkdv<D>(ctx, *shared, p);
+        });
+      for (auto& th : threads) th.join();
+    }
+}
+
+template <Pass P, bool BF16>
+void run_emulated(const at::Params& p, int64_t d) {
+  switch (d) {
+    case 32:
+      return run_grid<P, 32, BF16>(p);
+    case 64:
+      return run_grid<P, 64, BF16>(p);
+    case 96:
+      if constexpr (P == Pass::Forward) return run_grid<P, 96, BF16>(p);
+      break;
+    default:
+      if constexpr (P == Pass::Forward) return run_grid<P, 128, BF16>(p);
+      break;
+  }
+  FAIL("no tiled kernel for width " << d);
+}
+
+template <Pass P>
+void run_emulated(const at::Params& p, int64_t d, mt::DType dtype) {
+  if (dtype == mt::kBFloat16)
+    run_emulated<P, true>(p, d);
+  else
+    run_emulated<P, false>(p, d);
+}
+
+// The number of elements of got that lie more than a unit in the last place of the 16-bit
+// type from want, beyond 2e-5: where a result cancels to nearly 0 (a row that attends one
+// key has dS = P (dP - D) = 0 but for rounding), both sides hold float32 rounding noise of sums
+// of up to 130 terms of size up to about 4, added in different orders.
+std::size_t off_by_more_than_an_ulp(const mt::Tensor& got, const mt::Tensor& want) {
+  const double ulp = got.dtype() == mt::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+  const auto g = got.to(mt::kFloat64).to_vector<double>();
+  const auto w = want.to(mt::kFloat64).to_vector<double>();
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < w.size(); ++i)
+    if (!(std::abs(w[i] - g[i]) <= ulp * std::abs(w[i]) + 2e-5)) ++off;
+  return off;
+}
+
+struct Case {
+  const char* what;
+  int64_t n, t, s, d;
+  bool causal;
+  int mask;  // 0 none; 1 per row [n, 1, t, s] with a row that attends nothing; 2 key padding
+  double dropout;
+};
+
+}  // namespace
+
+TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU kernels",
+          "[attention][cuda_tiles]") {
+  const std::vector<Case> cases{
+      {"causal, two row blocks and key tiles", 2, 70, 70, 64, true, 0, 0.0},
+      {"masked, an empty row, 3 key tiles", 1, 33, 130, 32, false, 1, 0.0},
+      {"key padding, causal, dropout", 4, 65, 65, 64, true, 2, 0.3},
+      {"causal with more keys than queries", 1, 5, 9, 64, true, 0, 0.0},
+      {"more queries than keys, dropout", 1, 80, 20, 32, false, 0, 0.5},
+      {"width 128, causal (forward only)", 1, 65, 65, 128, true, 0, 0.0},
+      {"width 96, one position (forward only)", 1, 1, 1, 96, false, 0, 0.0},
+  };
+  for (const mt::DType dtype : {mt::kBFloat16, mt::kFloat16})
+    for (const Case& c : cases) {
+      INFO(c.what << " in " << dtype.name());
+      mt::manual_seed(static_cast<std::uint64_t>(c.t * 131 + c.d));
+      const auto make = [&](int64_t rows) {
+        return mt::uniform({c.n, rows, c.d}, -2.0, 2.0).to(dtype);
+      };
+      const mt::Tensor q = make(c.t), k = make(c.s), v = make(c.s), dout = make(c.t);
+      mt::Tensor mask;
+      if (c.mask == 1) {
+        // Row 0 of each head attends nothing; the rest half the keys at random.
+        std::mt19937_64 rng(7);
+        std::vector<std::uint8_t> bytes(static_cast<std::size_t>(c.n * c.t * c.s));
+        for (std::size_t i = 0; i < bytes.size(); ++i)
+          bytes[i] = static_cast<int64_t>(i) % (c.t * c.s) >= c.s && rng() % 2 == 0 ? 1 : 0;
+        mask = mt::from_vector(bytes, {c.n, 1, c.t, c.s}).to(mt::kBool);
+      } else if (c.mask == 2) {
+        // Two groups of two heads; group g keeps its first s - 7 g keys (read through strides
+        // (s, 0, 0, 1), as kernels.h allows).
+        std::vector<std::uint8_t> rows(static_cast<std::size_t>(2 * c.s));
+        for (int64_t g = 0; g < 2; ++g)
+          for (int64_t j = 0; j < c.s; ++j)
+            rows[static_cast<std::size_t>(g * c.s + j)] = j < c.s - 7 * g ? 1 : 0;
+        mask = mt::expand(mt::from_vector(rows, {2, 1, 1, c.s}).to(mt::kBool), {2, 2, c.t, c.s});
+      }
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+      const mt::kernels::AttentionDropout dropout{c.dropout, 0xabcdefu};
+      const auto empty = [&](int64_t rows, mt::DType dt) {
+        return mt::Tensor::empty({c.n, rows, c.d}, dt, mt::Device::cpu());
+      };
+
+      // The CPU kernels: the forward pass, then the backward pass from its out and lse.
+      const auto cpu_forward = mt::find_kernel<mt::kernels::AttentionFn>(
+          mt::OpId::attention, mt::DeviceType::CPU, dtype);
+      const mt::Tensor want = empty(c.t, dtype);
+      const mt::Tensor lse = mt::Tensor::empty({c.n, c.t}, mt::kFloat32, mt::Device::cpu());
+      cpu_forward(q, k, v, mask, c.causal, scale, dropout, want, lse);
+
+      at::Params p;
+      p.q = static_cast<const std::uint16_t*>(q.const_data_ptr());
+      p.k = static_cast<const std::uint16_t*>(k.const_data_ptr());
+      p.v = static_cast<const std::uint16_t*>(v.const_data_ptr());
+      if (mask.defined()) {
+        p.mask.base = static_cast<const std::uint8_t*>(mask.const_data_ptr());
+        p.mask.n2 = mask.dim(1);
+        p.mask.s1 = mask.strides()[0];
+        p.mask.s2 = mask.strides()[1];
+        p.mask.st = mask.strides()[2];
+      }
+      p.causal = c.causal;
+      p.scale = static_cast<float>(scale);
+      p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+      p.dropout = c.dropout > 0;
+      p.seed = dropout.seed;
+      p.threshold = mt::dropout_threshold(c.dropout);
+      p.inv_keep = static_cast<float>(1.0 / (1.0 - c.dropout));
+      p.n = c.n;
+      p.t = c.t;
+      p.s = c.s;
+
+      // Forward. Both compute out in float32 and round it once (the weights enter P V in two
+      // 16-bit parts here): at most a unit in the last place apart, where the float32 values
+      // lie on two sides of a rounding boundary.
+      const mt::Tensor got = empty(c.t, dtype);
+      const mt::Tensor got_lse = mt::Tensor::empty({c.n, c.t}, mt::kFloat32, mt::Device::cpu());
+      p.out = static_cast<std::uint16_t*>(got.data_ptr());
+      p.lse = static_cast<float*>(got_lse.data_ptr());
+      run_emulated<Pass::Forward>(p, c.d, dtype);
+      CHECK(off_by_more_than_an_ulp(got, want) == 0);
+      const auto wl = lse.to_vector<float>(), gl = got_lse.to_vector<float>();
+      std::size_t lse_off = 0;
+      for (std::size_t i = 0; i < wl.size(); ++i)
+        if (std::isinf(wl[i]) ? gl[i] != wl[i]  // a row that attends nothing
+                              : !(std::abs(wl[i] - gl[i]) <= 1e-5 * (1.0 + std::abs(wl[i]))))
+          ++lse_off;
+      CHECK(lse_off == 0);
+      if (!at::supports_backward(c.d, c.d)) continue;
+
+      // Backward, from the CPU's out and lse (both sides read the same).
+      const auto cpu_backward = mt::find_kernel<mt::kernels::AttentionBackwardFn>(
+          mt::OpId::attention_backward, mt::DeviceType::CPU, dtype);
+      const mt::Tensor dq = empty(c.t, dtype), dk = empty(c.s, dtype), dv = empty(c.s, dtype);
+      cpu_backward(q, k, v, mask, c.causal, scale, dropout, want, lse, dout, dq, dk, dv);
+      // D, the rows' dot products of dout and out (attention.cu's row kernel), in float32.
+      const auto g64 = dout.to(mt::kFloat64).to_vector<double>();
+      const auto o64 = want.to(mt::kFloat64).to_vector<double>();
+      std::vector<float> rowdot(static_cast<std::size_t>(c.n * c.t));
+      for (std::size_t r = 0; r < rowdot.size(); ++r) {
+        double sum = 0;
+        for (int64_t e = 0; e < c.d; ++e)
+          sum += g64[r * static_cast<std::size_t>(c.d) + static_cast<std::size_t>(e)] *
+                 o64[r * static_cast<std::size_t>(c.d) + static_cast<std::size_t>(e)];
+        rowdot[r] = static_cast<float>(sum);
+      }
+      const mt::Tensor gq = empty(c.t, dtype), gk = empty(c.s, dtype), gv = empty(c.s, dtype);
+      p.out = nullptr;
+      p.lse = static_cast<float*>(lse.data_ptr());
+      p.dout = static_cast<const std::uint16_t*>(dout.const_data_ptr());
+      p.rowdot = rowdot.data();
+      p.dq = static_cast<std::uint16_t*>(gq.data_ptr());
+      p.dk = static_cast<std::uint16_t*>(gk.data_ptr());
+      p.dv = static_cast<std::uint16_t*>(gv.data_ptr());
+      run_emulated<Pass::Dq>(p, c.d, dtype);
+      run_emulated<Pass::DkDv>(p, c.d, dtype);
+      CHECK(off_by_more_than_an_ulp(gq, dq) == 0);
+      CHECK(off_by_more_than_an_ulp(gk, dk) == 0);
+      CHECK(off_by_more_than_an_ulp(gv, dv) == 0);
+    }
+}
