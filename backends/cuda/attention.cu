@@ -293,24 +293,31 @@ __global__ void __launch_bounds__(attention_tiles::kThreads)
     attention_tiles::backward_dkdv<D>(ctx, shared, p);
 }
 
-// The tiled kernels' operands (the outputs and D set by the caller); nullopt when they do not
-// apply: not a 16-bit dtype, head dims they do not take, MIXTAPE_CUDA_MMA_ATTENTION=0, or a
-// grid too large.
+// The tiled kernels' operands (the outputs and D set by the caller) for the forward pass, or
+// for the backward pass when dout is defined; nullopt when they do not apply: not a 16-bit
+// dtype, head dims they do not take, MIXTAPE_CUDA_MMA_ATTENTION=0, a grid too large, or
+// operands not 16-byte aligned.
 template <typename T>
 std::optional<attention_tiles::Params> tile_params(const Tensor& q, const Tensor& k,
                                                    const Tensor& v, const Tensor& mask, bool causal,
                                                    double scale,
                                                    const kernels::AttentionDropout& dropout,
-                                                   bool backward) {
+                                                   const Tensor& dout) {
   if constexpr (!kHalfLike<T>) {
     return std::nullopt;
   } else {
+    const bool backward = dout.defined();
     static const bool enabled = detail::env::kCudaMmaAttention.read();
     const int64_t d = q.dim(2), dv = v.dim(2), longest = std::max(q.dim(1), k.dim(1));
     const bool dims = backward ? attention_tiles::supports_backward(d, dv)
                                : attention_tiles::supports_forward(d, dv);
+    // The tiles are read 16 bytes at a time (rows of 32 to 128 16-bit elements stay aligned).
+    const auto aligned = [](const Tensor& x) {
+      return !x.defined() || reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 == 0;
+    };
     if (!enabled || !dims || q.dim(0) > 0x7fffffff ||
-        (longest + attention_tiles::kTile - 1) / attention_tiles::kTile > 65535)
+        (longest + attention_tiles::kTile - 1) / attention_tiles::kTile > 65535 || !aligned(q) ||
+        !aligned(k) || !aligned(v) || !aligned(dout))
       return std::nullopt;
     attention_tiles::Params p;
     p.q = static_cast<const std::uint16_t*>(q.const_data_ptr());
@@ -359,7 +366,7 @@ void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   if (n * t == 0) return;
   using C = compute_of<T>;
   OnDevice on(out);
-  if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, /*backward=*/false)) {
+  if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, Tensor())) {
     p->out = static_cast<std::uint16_t*>(out.data_ptr());
     p->lse = static_cast<float*>(lse.data_ptr());
     return launch_tiles<TilePass::Forward, T>(*p, d, t, on.s);
@@ -392,7 +399,7 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (n * t > 0)
     launch_1d({"attention rowdot kernel", n * t * kWarp, on.s}, attention_rowdot_kernel<T>, gp,
               static_cast<const T*>(out.const_data_ptr()), rp, n * t, dv);
-  if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, /*backward=*/true)) {
+  if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, dout)) {
     p->lse = const_cast<float*>(static_cast<const float*>(lse.const_data_ptr()));  // read only
     p->dout = static_cast<const std::uint16_t*>(dout.const_data_ptr());
     p->rowdot = static_cast<const float*>(rowdot.data());

@@ -167,14 +167,27 @@ MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const uint16_t* m, int64_t
   }
 }
 
-// Rows row0 .. row0 + 63 of a [rows, D] matrix into a shared tile (0 past the end), by the
-// whole block.
+// 8 elements (16 bytes) from src to dst, both 16-byte aligned; 0 when src is null.
+MIXTAPE_TILE_FN void copy8(uint16_t* dst, const uint16_t* src) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(dst) = src ? __ldg(reinterpret_cast<const uint4*>(src)) : uint4{};
+#else
+  if (src)
+    std::memcpy(dst, src, 16);
+  else
+    std::memset(dst, 0, 16);
+#endif
+}
+
+// Rows row0 .. row0 + 63 of a [rows, D] matrix (16-byte aligned) into a shared tile (0 past
+// the end), by the whole block, 16 bytes a thread at a time.
 template <int D, class Ctx>
 MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const uint16_t* m,
                                int64_t row0, int64_t rows) {
-  for (int e = ctx.thread(); e < kTile * D; e += kThreads) {
-    const int r = e / D, col = e % D;
-    tile[r][col] = row0 + r < rows ? m[(row0 + r) * D + col] : uint16_t{0};
+  constexpr int kChunks = D / 8;  // per row
+  for (int e = ctx.thread(); e < kTile * kChunks; e += kThreads) {
+    const int r = e / kChunks, col = (e % kChunks) * 8;
+    copy8(&tile[r][col], row0 + r < rows ? m + (row0 + r) * D + col : nullptr);
   }
 }
 
