@@ -18,7 +18,8 @@
 #            in GPT_ROUNDS rounds (default 2), GPT_STEPS steps a run (default 60): the
 #            6-layer shape (width 384, 6 heads, context 256, batch 64) under mixed_bfloat16,
 #            mixed_float16 and float32, the GPT-2-small body (--preset gpt2-small, batch 8)
-#            under mixed_bfloat16 and mixed_float16
+#            under mixed_bfloat16 and mixed_float16 (and once more under mixed_bfloat16 with
+#            MIXTAPE_CUDA_MMA_ATTENTION=0: the plain attention kernels, for comparison)
 #   gptcompile  PyTorch's torch.compile at both shapes under mixed_bfloat16 (one round; its
 #            compilation takes a minute or more a run, so it is not in the default steps)
 #            (GPT_DEVICE=cpu runs these two on the CPU: a dry run of the step itself)
@@ -66,10 +67,10 @@ if want ops; then
   MIXTAPE_CUDA_LT_EPILOGUES=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda --op linear \
     >"$logs/ops_linear_no_epilogues.log" 2>&1
   note "ops linear, MIXTAPE_CUDA_LT_EPILOGUES=0: rc=$?: $(tail -1 "$logs/ops_linear_no_epilogues.log")"
-  # The attention with its tensor-core forward kernel off (the plain kernel for every case):
-  # where the first line fails on attention, this says whether the tiled kernel is the cause.
-  MIXTAPE_CUDA_MMA_ATTENTION=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda --op attention \
-    >"$logs/ops_attention_plain.log" 2>&1
+  # The attention with its tensor-core kernels off (the plain kernels for every case): where
+  # the first line fails on attention, this says whether the tiled kernels are the cause.
+  MIXTAPE_CUDA_MMA_ATTENTION=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda \
+    --op attention --op attention_backward >"$logs/ops_attention_plain.log" 2>&1
   note "ops attention, MIXTAPE_CUDA_MMA_ATTENTION=0: rc=$?: $(tail -1 "$logs/ops_attention_plain.log")"
 fi
 
@@ -190,7 +191,7 @@ gpt() {
   fi
   local rc=$?
   { echo "--- $framework $policy $*"; cat "$out"; } >>"$logs/gpt.log"
-  note "gpt $framework $policy $*: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB:" \
+  note "gpt $framework $policy $*${GPT_NOTE:-}: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB:" \
     "$(grep -E 'training throughput|validation loss' "$out" | tr '\n' ' ')$(grep -o '"tokens_per_s": [0-9.]*' "$out")"
   rm -f "$out"
 }
@@ -205,6 +206,11 @@ if want gpt; then
       gpt mixtape "$policy" --preset gpt2-small --batch 8
       gpt pytorch "$policy" --preset gpt2-small --batch 8
     done
+    # The tiled tensor-core attention's share: the same run on the plain kernels, once.
+    if [[ $round == 1 ]]; then
+      GPT_NOTE=", MIXTAPE_CUDA_MMA_ATTENTION=0" MIXTAPE_CUDA_MMA_ATTENTION=0 \
+        gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8
+    fi
   done
 fi
 if want gptcompile; then
