@@ -240,9 +240,13 @@ __global__ void attention_dkdv_kernel(
 // (bfloat16 when BF16, float16 otherwise).
 template <bool BF16>
 struct MmaCtx {
+  // Row blocks in reverse launch order: under a causal mask the later query blocks have the
+  // most keys to walk, and are started first (FlashAttention's order) so that the grid does
+  // not end on them.
+  bool reversed = false;
   __device__ int thread() const { return static_cast<int>(threadIdx.x); }
   __device__ int64_t head() const { return blockIdx.x; }
-  __device__ int64_t block() const { return blockIdx.y; }
+  __device__ int64_t block() const { return reversed ? gridDim.y - 1 - blockIdx.y : blockIdx.y; }
   __device__ void sync() const { __syncthreads(); }
   __device__ float shfl_xor(float v, int lane_mask) const {
     return __shfl_xor_sync(0xffffffffu, v, lane_mask);
@@ -284,7 +288,8 @@ template <TilePass Pass, int D, bool BF16>
 __global__ void __launch_bounds__(attention_tiles::kThreads)
     attention_tile_kernel(attention_tiles::Params p) {
   __shared__ attention_tiles::Shared<D> shared;
-  MmaCtx<BF16> ctx;
+  // (dk and dv: the first key blocks have the most queries; the launch order is right.)
+  MmaCtx<BF16> ctx{.reversed = Pass != TilePass::DkDv};
   if constexpr (Pass == TilePass::Forward)
     attention_tiles::forward<D>(ctx, shared, p);
   else if constexpr (Pass == TilePass::Dq)
