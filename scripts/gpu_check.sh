@@ -4,6 +4,9 @@
 # time limit so that one hang or crash does not cost the rest:
 #   ops      the conformance sweep (mixtape-ops --backend cuda)
 #   tests    the CUDA test suite (mixtape_cuda_tests)
+#   sanitize the kernels first written without a GPU (attention, layer_norm, cross-entropy,
+#            linear, the optimizers' list updates) under compute-sanitizer memcheck and
+#            racecheck (not in the default steps)
 #   mnist    the trainer on mlp and cnn under float32, mixed_float16 and mixed_bfloat16
 #   guide    the trainer on the guide workload under the three policies, and
 #   torch    the PyTorch reference of it (torch.autocast + GradScaler), alternated with
@@ -65,19 +68,35 @@ if want ops; then
   # The linear op again with cuBLASLt's epilogues off (its own kernel after the product):
   # where the line above fails on linear, this says whether the epilogues are the cause.
   MIXTAPE_CUDA_LT_EPILOGUES=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda --op linear \
-    >"$logs/ops_linear_no_epilogues.log" 2>&1
-  note "ops linear, MIXTAPE_CUDA_LT_EPILOGUES=0: rc=$?: $(tail -1 "$logs/ops_linear_no_epilogues.log")"
+    >"$logs/ops_variants.log" 2>&1
+  note "ops linear, MIXTAPE_CUDA_LT_EPILOGUES=0: rc=$?: $(tail -1 "$logs/ops_variants.log")"
   # The attention with its tensor-core kernels off (the plain kernels for every case): where
   # the first line fails on attention, this says whether the tiled kernels are the cause.
   MIXTAPE_CUDA_MMA_ATTENTION=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda \
-    --op attention --op attention_backward >"$logs/ops_attention_plain.log" 2>&1
-  note "ops attention, MIXTAPE_CUDA_MMA_ATTENTION=0: rc=$?: $(tail -1 "$logs/ops_attention_plain.log")"
+    --op attention --op attention_backward >>"$logs/ops_variants.log" 2>&1
+  note "ops attention, MIXTAPE_CUDA_MMA_ATTENTION=0: rc=$?: $(tail -1 "$logs/ops_variants.log")"
 fi
 
 if want tests; then
   t0=$SECONDS
   timeout 120 "$bundle/run.sh" mixtape_cuda_tests --durations yes >"$logs/cuda_tests.log" 2>&1
   note "tests: rc=$? $((SECONDS - t0)) s: $(grep -E '^(test cases|All tests)' "$logs/cuda_tests.log" | tail -1)"
+fi
+
+# The kernels first written without a GPU (2026-11-27/28) under compute-sanitizer: memcheck
+# (out-of-bounds and misaligned accesses) and racecheck (shared-memory races: the tiled
+# attention's). Both runs go to sanitize.log.
+if want sanitize && command -v compute-sanitizer >/dev/null; then
+  fresh_ops=(--op attention --op attention_backward --op layer_norm --op layer_norm_backward
+    --op softmax_cross_entropy --op softmax_cross_entropy_backward --op linear
+    --op linear_backward --op adam_update --op sgd_update --op rmsprop_update)
+  for tool in memcheck racecheck; do
+    t0=$SECONDS
+    echo "--- $tool" >>"$logs/sanitize.log"
+    timeout 240 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
+      "$bundle/run.sh" mixtape-ops --backend cuda "${fresh_ops[@]}" >>"$logs/sanitize.log" 2>&1
+    note "sanitize $tool: rc=$? $((SECONDS - t0)) s: $(grep -c '^========= [A-Z]' "$logs/sanitize.log") sanitizer lines so far; $(tail -1 "$logs/sanitize.log")"
+  done
 fi
 
 # One trainer run: MODEL POLICY EPOCHS [extra arguments]; its epoch lines go to mnist.log.
