@@ -231,27 +231,8 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
       const mt::Tensor lse = mt::Tensor::empty({c.n, c.t}, mt::kFloat32, mt::Device::cpu());
       cpu_forward(q, k, v, mask, c.causal, scale, dropout, want, lse);
 
-      at::Params p;
-      p.q = static_cast<const std::uint16_t*>(q.const_data_ptr());
-      p.k = static_cast<const std::uint16_t*>(k.const_data_ptr());
-      p.v = static_cast<const std::uint16_t*>(v.const_data_ptr());
-      if (mask.defined()) {
-        p.mask.base = static_cast<const std::uint8_t*>(mask.const_data_ptr());
-        p.mask.n2 = mask.dim(1);
-        p.mask.s1 = mask.strides()[0];
-        p.mask.s2 = mask.strides()[1];
-        p.mask.st = mask.strides()[2];
-      }
-      p.causal = c.causal;
-      p.scale = static_cast<float>(scale);
-      p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-      p.dropout = c.dropout > 0;
-      p.seed = dropout.seed;
-      p.threshold = mt::dropout_threshold(c.dropout);
-      p.inv_keep = static_cast<float>(1.0 / (1.0 - c.dropout));
-      p.n = c.n;
-      p.t = c.t;
-      p.s = c.s;
+      // The operands as attention.cu hands them to the kernels.
+      at::Params p = at::params_of(q, k, v, mask, c.causal, scale, dropout);
 
       // Forward. Both compute out in float32 and round it once (the weights enter P V in two
       // 16-bit parts here): at most a unit in the last place apart, where the float32 values

@@ -493,7 +493,8 @@ struct Progress {
   std::int64_t window_steps = 0;
   void add(const mt::Tensor& loss, double share) {
     mt::NoGradGuard no_grad;
-    const mt::Tensor l = mt::cast(loss, mt::kFloat64) * share;
+    mt::Tensor l = mt::cast(loss, mt::kFloat64);
+    if (share != 1.0) l = l * share;  // one rank: no multiply
     window_loss = window_loss.defined() ? window_loss + l : l;
     ++window_steps;
   }

@@ -46,17 +46,8 @@ __device__ __forceinline__ compute_of<T> warp_dot(const T* a, const U* b, int64_
 
 // The mask as kernels.h gives it: a bool view [n1, n2, t, s] (strides 0 where broadcast, 1
 // along s), head h reading [h / n2, h % n2].
+using attention_tiles::mask_rows;
 using attention_tiles::MaskRows;
-MaskRows mask_rows(const Tensor& m) {
-  MaskRows r;
-  if (!m.defined()) return r;
-  r.base = static_cast<const std::uint8_t*>(m.const_data_ptr());
-  r.n2 = m.dim(1);
-  r.s1 = m.strides()[0];
-  r.s2 = m.strides()[1];
-  r.st = m.strides()[2];
-  return r;
-}
 
 // Dropout on the weights (kernels.h): Z of element (h, i, j), 1 / (1 - rate) or 0.
 struct Dropout {
@@ -324,22 +315,7 @@ std::optional<attention_tiles::Params> tile_params(const Tensor& q, const Tensor
         (longest + attention_tiles::kTile - 1) / attention_tiles::kTile > 65535 || !aligned(q) ||
         !aligned(k) || !aligned(v) || !aligned(dout))
       return std::nullopt;
-    attention_tiles::Params p;
-    p.q = static_cast<const std::uint16_t*>(q.const_data_ptr());
-    p.k = static_cast<const std::uint16_t*>(k.const_data_ptr());
-    p.v = static_cast<const std::uint16_t*>(v.const_data_ptr());
-    p.mask = mask_rows(mask);
-    p.causal = causal;
-    p.scale = static_cast<float>(scale);
-    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
-    p.dropout = dropout.rate > 0.0;
-    p.seed = dropout.seed;
-    p.threshold = dropout_threshold(dropout.rate);
-    p.inv_keep = static_cast<float>(1.0 / (1.0 - dropout.rate));
-    p.n = q.dim(0);
-    p.t = q.dim(1);
-    p.s = k.dim(1);
-    return p;
+    return attention_tiles::params_of(q, k, v, mask, causal, scale, dropout);
   }
 }
 

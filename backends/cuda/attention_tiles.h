@@ -50,6 +50,8 @@
 #include <cstring>
 
 #include "mixtape/core/dropout_hash.h"
+#include "mixtape/core/kernels.h"
+#include "mixtape/core/tensor.h"
 
 #if defined(__CUDACC__)
 #define MIXTAPE_TILE_FN __device__ __forceinline__
@@ -110,6 +112,39 @@ struct Params {
   float inv_keep = 1;
   int64_t n = 0, t = 0, s = 0;
 };
+
+// The host's side: the mask as kernels.h gives it (undefined: none) ...
+inline MaskRows mask_rows(const Tensor& m) {
+  MaskRows r;
+  if (!m.defined()) return r;
+  r.base = static_cast<const std::uint8_t*>(m.const_data_ptr());
+  r.n2 = m.dim(1);
+  r.s1 = m.strides()[0];
+  r.s2 = m.strides()[1];
+  r.st = m.strides()[2];
+  return r;
+}
+
+// ... and a call's operands and options (the outputs, lse, dout and D set by the caller).
+inline Params params_of(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                        bool causal, double scale, const kernels::AttentionDropout& dropout) {
+  Params p;
+  p.q = static_cast<const uint16_t*>(q.const_data_ptr());
+  p.k = static_cast<const uint16_t*>(k.const_data_ptr());
+  p.v = static_cast<const uint16_t*>(v.const_data_ptr());
+  p.mask = mask_rows(mask);
+  p.causal = causal;
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
+  p.dropout = dropout.rate > 0.0;
+  p.seed = dropout.seed;
+  p.threshold = dropout_threshold(dropout.rate);
+  p.inv_keep = static_cast<float>(1.0 / (1.0 - dropout.rate));
+  p.n = q.dim(0);
+  p.t = q.dim(1);
+  p.s = k.dim(1);
+  return p;
+}
 
 // A block's shared memory: two tiles of 64 rows (K and V; Q and dout for dk, dv) and, for dk
 // and dv, the query rows' lse and D.
