@@ -1,7 +1,10 @@
 // fused_attention: the op attention and its backward rule (op attention_backward).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <optional>
 
 #include "autograd/op_util.h"
 #include "mixtape/core/dropout_hash.h"
@@ -10,9 +13,77 @@ namespace mixtape {
 
 namespace {
 
-// x [..., a, b] as [n, a, b], contiguous.
-Tensor as_heads(const Tensor& x, std::int64_t n) {
-  return detail::contiguous_raw(reshape(x, Shape{n, x.dim(-2), x.dim(-1)}));
+// x [..., rows, width] as the kernels take their operands (kernels.h, mixtape/core/head_rows.h):
+// a view [n1, n2, rows, width] of the same elements when x's leading axes fold into two (those
+// of extent 1 dropped, neighbours whose strides chain merged) and it has stride 1 along width;
+// nullopt otherwise. So the heads of a [batch, positions, heads, width] projection viewed
+// [batch, heads, positions, width] are taken where they lie, and so is a broadcast mask.
+std::optional<Tensor> fold_heads(const Tensor& x) {
+  const std::size_t r = x.rank();
+  const std::int64_t rows = x.dim(-2), width = x.dim(-1);
+  std::vector<std::int64_t> dims, strides;  // the leading axes, folded outer to inner
+  for (std::size_t a = 0; a + 2 < r; ++a) {
+    const std::int64_t d = x.shape()[a], st = x.strides()[a];
+    if (d == 1) continue;
+    if (!dims.empty() && strides.back() == st * d) {
+      dims.back() *= d;
+      strides.back() = st;
+    } else {
+      dims.push_back(d);
+      strides.push_back(st);
+    }
+  }
+  if (dims.size() > 2 || (width > 1 && x.strides()[r - 1] != 1)) return std::nullopt;
+  while (dims.size() < 2) {
+    dims.insert(dims.begin(), 1);
+    strides.insert(strides.begin(), 0);
+  }
+  return Tensor::view_of(x, Shape{dims[0], dims[1], rows, width},
+                         Strides{strides[0], strides[1], x.strides()[r - 2], 1}, x.offset());
+}
+
+// x as the kernels take it: fold_heads(x), or a contiguous copy [1, n, rows, width].
+Tensor head_view(const Tensor& x, std::int64_t n) {
+  if (auto folded = fold_heads(x)) return *folded;
+  const Tensor whole = detail::contiguous_raw(x);
+  const std::int64_t rows = x.dim(-2), width = x.dim(-1);
+  return Tensor::view_of(whole, Shape{1, n, rows, width},
+                         Strides{n * rows * width, rows * width, width, 1}, whole.offset());
+}
+
+// An output of the kernels shaped as x with its last axis `width` wide: `whole`, its
+// elements (contiguous); `y`, the view of x's shape; `heads`, as the kernels write it. Laid
+// out as x is (its axes ordered by x's strides, the last innermost) when the kernels can
+// write that: the heads of a [batch, heads, positions, width] view of a [batch, positions,
+// heads, width] projection then come out [batch, positions, heads, width] in memory, and
+// merging them back is a view. Contiguous otherwise.
+struct HeadsOut {
+  Tensor whole, y, heads;
+};
+HeadsOut heads_like(const Tensor& x, std::int64_t width, DType dtype) {
+  const std::size_t r = x.rank();
+  std::vector<std::int64_t> dims(x.shape().begin(), x.shape().end());
+  dims.back() = width;
+  std::vector<std::size_t> order(r - 1);  // the axes but the last, outermost first
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return x.strides()[a] > x.strides()[b]; });
+  std::vector<std::int64_t> laid;
+  for (std::size_t a : order) laid.push_back(dims[a]);
+  laid.push_back(width);
+  HeadsOut o;
+  o.whole = Tensor::empty(Shape(laid), dtype, x.device());
+  Strides st(r);
+  for (std::size_t i = 0; i < r; ++i) st[i < r - 1 ? order[i] : r - 1] = o.whole.strides()[i];
+  o.y = Tensor::view_of(o.whole, Shape(dims), st, o.whole.offset());
+  if (auto folded = fold_heads(o.y)) {
+    o.heads = *folded;
+    return o;
+  }
+  o.whole = Tensor::empty(Shape(dims), dtype, x.device());
+  o.y = o.whole;
+  o.heads = *fold_heads(o.y);  // contiguous: always folds
+  return o;
 }
 
 // The gradients of q, k and v [n, ., .] from g, written with differentiable ops (the weights
@@ -53,42 +124,17 @@ detail::Grads differentiable_grads(const Tensor& q, const Tensor& k, const Tenso
   return {matmul(ds, k), matmul(transpose(ds, -1, -2), q), matmul(transpose(pz, -1, -2), g)};
 }
 
-// The mask as the kernels read it (kernels.h): a view [n1, n2, t, s] of mask_in broadcast to
-// the scores' shape, strides 0 where it is broadcast, when its leading axes fold into two and
-// it is contiguous along s, so that a key-padding mask [batch, 1, 1, s] stays batch x s bytes;
-// otherwise a contiguous copy [1, n, t, s].
+// The mask as the kernels read it (kernels.h): mask_in broadcast to the scores' shape, as a
+// strided view (strides 0 where it is broadcast: a key-padding mask [batch, 1, 1, s] stays
+// batch x s bytes) or a contiguous copy.
 Tensor kernel_mask(const Tensor& mask_in, const Shape& scores, std::int64_t n) {
-  const Tensor b = detail::broadcast_view(mask_in, scores);
-  const std::size_t r = scores.rank();
-  const std::int64_t t = scores[r - 2], s = scores[r - 1];
-  std::vector<std::int64_t> dims, strides;  // the leading axes, folded outer to inner
-  for (std::size_t a = 0; a + 2 < r; ++a) {
-    const std::int64_t d = scores[a], st = b.strides()[a];
-    if (d == 1) continue;
-    if (!dims.empty() && strides.back() == st * d) {
-      dims.back() *= d;
-      strides.back() = st;
-    } else {
-      dims.push_back(d);
-      strides.push_back(st);
-    }
-  }
-  if (dims.size() > 2 || (s > 1 && b.strides()[r - 1] != 1)) {
-    const Tensor whole = detail::contiguous_raw(b);
-    return Tensor::view_of(whole, Shape{1, n, t, s}, Strides{n * t * s, t * s, s, 1},
-                           whole.offset());
-  }
-  while (dims.size() < 2) {
-    dims.insert(dims.begin(), 1);
-    strides.insert(strides.begin(), 0);
-  }
-  return Tensor::view_of(b, Shape{dims[0], dims[1], t, s},
-                         Strides{strides[0], strides[1], b.strides()[r - 2], 1}, b.offset());
+  return head_view(detail::broadcast_view(mask_in, scores), n);
 }
 
-// What the backward pass needs of the forward one: the inputs (recorded), their [n, ., .]
-// contiguous forms, the mask and options as the kernels took them, out and lse.
+// What the backward pass needs of the forward one: the inputs (recorded), their views as the
+// kernels took them, the mask and options likewise, out (as the kernels wrote it) and lse.
 struct Saved {
+  std::int64_t n;
   Tensor q, k, v, qh, kh, vh, mask;
   bool causal;
   double scale;
@@ -99,33 +145,32 @@ struct Saved {
 // The gradients of q, k and v from g (the output's): the backward kernel, or differentiable
 // ops when a tape records this backward pass (second derivatives).
 detail::Grads attention_grads(const Saved& s, const Tensor& g) {
-  const Shape heads{s.qh.dim(0), s.qh.dim(1), s.vh.dim(2)};
+  const std::int64_t n = s.n, t = s.q.dim(-2), keys = s.k.dim(-2);
   if (should_record({s.q, s.k, s.v, g})) {
+    const auto flat = [n](const Tensor& x) { return reshape(x, Shape{n, x.dim(-2), x.dim(-1)}); };
     const Tensor whole_mask =
-        s.mask.defined()
-            ? reshape(detail::contiguous_raw(s.mask), Shape{s.qh.dim(0), s.qh.dim(1), s.kh.dim(1)})
-            : Tensor();
-    const detail::Grads d = differentiable_grads(
-        reshape(s.q, s.qh.shape()), reshape(s.k, s.kh.shape()), reshape(s.v, s.vh.shape()),
-        whole_mask, s.causal, s.scale, s.dropout, reshape(g, heads));
+        s.mask.defined() ? reshape(detail::contiguous_raw(s.mask), Shape{n, t, keys}) : Tensor();
+    const detail::Grads d = differentiable_grads(flat(s.q), flat(s.k), flat(s.v), whole_mask,
+                                                 s.causal, s.scale, s.dropout, flat(g));
     return detail::Grads{reshape(d[0], s.q.shape()), reshape(d[1], s.k.shape()),
                          reshape(d[2], s.v.shape())};
   }
   auto* backward = detail::kernel_for<kernels::AttentionBackwardFn>(
       OpId::attention_backward, s.qh.dtype(), {s.qh, s.kh, s.vh});
-  Tensor dq = Tensor::empty(s.qh.shape(), s.qh.dtype(), s.qh.device());
-  Tensor dk = Tensor::empty(s.kh.shape(), s.kh.dtype(), s.kh.device());
-  Tensor dv = Tensor::empty(s.vh.shape(), s.vh.dtype(), s.vh.device());
-  const Tensor gh = detail::contiguous_raw(reshape(cast(g, s.qh.dtype()), heads));
-  if (dq.numel() + dk.numel() + dv.numel() > 0) {
-    if (s.qh.dim(1) == 0 || s.kh.dim(1) == 0)
-      for (Tensor* x : {&dq, &dk, &dv}) detail::fill_raw(*x, 0.0);
+  const DType dtype = s.qh.dtype();
+  // The gradients laid out as their inputs are: a projection's heads go back where they came
+  // from with no copy.
+  const HeadsOut dq = heads_like(s.q, s.q.dim(-1), dtype), dk = heads_like(s.k, s.k.dim(-1), dtype),
+                 dv = heads_like(s.v, s.v.dim(-1), dtype);
+  const Tensor gh = head_view(cast(g, dtype), n);
+  if (dq.whole.numel() + dk.whole.numel() + dv.whole.numel() > 0) {
+    if (t == 0 || keys == 0)
+      for (const HeadsOut* x : {&dq, &dk, &dv}) detail::fill_raw(x->whole, 0.0);
     else
-      backward(s.qh, s.kh, s.vh, s.mask, s.causal, s.scale, s.dropout, s.out, s.lse, gh, dq, dk,
-               dv);
+      backward(s.qh, s.kh, s.vh, s.mask, s.causal, s.scale, s.dropout, s.out, s.lse, gh, dq.heads,
+               dk.heads, dv.heads);
   }
-  return detail::Grads{reshape(dq, s.q.shape()), reshape(dk, s.k.shape()),
-                       reshape(dv, s.v.shape())};
+  return detail::Grads{dq.y, dk.y, dv.y};
 }
 
 }  // namespace
@@ -179,32 +224,21 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
     mask = kernel_mask(mask_in, scores, n);
   }
   auto* kernel = detail::kernel_for<kernels::AttentionFn>(OpId::attention, q.dtype(), {q, k, v});
-  Tensor qh, kh, vh;
-  {
-    NoGradGuard no_grad;
-    qh = as_heads(q, n);
-    kh = as_heads(k, n);
-    vh = as_heads(v, n);
-  }
+  // The heads where they lie when the kernels can read them there (a projection's, viewed
+  // [batch, heads, positions, width]), copied otherwise; out laid out as q is.
+  const Tensor qh = head_view(q, n), kh = head_view(k, n), vh = head_view(v, n);
   const DType stat = q.dtype() == kFloat64 ? kFloat64 : kFloat32;
-  Tensor out = Tensor::empty(Shape{n, t, v.dim(-1)}, q.dtype(), q.device());
+  const HeadsOut out = heads_like(q, v.dim(-1), q.dtype());
   Tensor lse = Tensor::empty(Shape{n, t}, stat, q.device());
-  if (out.numel() > 0) {
+  if (out.whole.numel() > 0) {
     if (s == 0)
-      detail::fill_raw(out, 0.0);  // no keys: every row attends nothing
+      detail::fill_raw(out.whole, 0.0);  // no keys: every row attends nothing
     else
-      kernel(qh, kh, vh, mask, causal, scale, dropout, out, lse);
+      kernel(qh, kh, vh, mask, causal, scale, dropout, out.heads, lse);
   }
-  std::vector<std::int64_t> out_dims = lead;
-  out_dims.push_back(t);
-  out_dims.push_back(v.dim(-1));
-  Tensor y;
-  {
-    NoGradGuard no_grad;
-    y = reshape(out, Shape(out_dims));
-  }
+  const Tensor y = out.y;
   if (should_record({q, k, v})) {
-    const Saved saved{q, k, v, qh, kh, vh, mask, causal, scale, dropout, out, lse};
+    const Saved saved{n, q, k, v, qh, kh, vh, mask, causal, scale, dropout, out.heads, lse};
     record_op(name, {q, k, v}, y, [saved](const Tensor& g, const std::vector<bool>&) {
       return attention_grads(saved, g);
     });

@@ -178,7 +178,20 @@ struct Case {
   bool causal;
   int mask;  // 0 none; 1 per row [n, 1, t, s] with a row that attends nothing; 2 key padding
   double dropout;
+  // The tiles take q, k, v, dout and write out, dq, dk, dv as views [2, n / 2, rows, d] of
+  // [2, rows, n / 2, d] (the heads of a projection, where they lie: kernels.h).
+  bool in_place = false;
 };
+
+// x [n, rows, d] as the kernels see a projection's heads: a view [2, n / 2, rows, d] of
+// [2, rows, n / 2, d] holding x's values; or x itself.
+mt::Tensor as_projection(const mt::Tensor& x, bool in_place) {
+  if (!in_place) return x;
+  const int64_t n = x.dim(0), rows = x.dim(1), d = x.dim(2);
+  const mt::Tensor laid =
+      mt::contiguous(mt::permute(mt::reshape(x, {2, n / 2, rows, d}), {0, 2, 1, 3}));
+  return mt::permute(laid, {0, 2, 1, 3});
+}
 
 }  // namespace
 
@@ -192,6 +205,8 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
       {"more queries than keys, dropout", 1, 80, 20, 32, false, 0, 0.5},
       {"width 128, causal (forward only)", 1, 65, 65, 128, true, 0, 0.0},
       {"width 96, one position (forward only)", 1, 1, 1, 96, false, 0, 0.0},
+      {"heads in place, key padding, causal, dropout", 4, 70, 70, 64, true, 2, 0.2, true},
+      {"heads in place, width 32, masked", 2, 65, 80, 32, false, 1, 0.0, true},
   };
   for (const mt::DType dtype : {mt::kBFloat16, mt::kFloat16})
     for (const Case& c : cases) {
@@ -223,6 +238,12 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
       const auto empty = [&](int64_t rows, mt::DType dt) {
         return mt::Tensor::empty({c.n, rows, c.d}, dt, mt::Device::cpu());
       };
+      // The tiles' operands and outputs (as_projection's views in the in-place cases).
+      const mt::Tensor tq = as_projection(q, c.in_place), tk = as_projection(k, c.in_place),
+                       tv = as_projection(v, c.in_place), tdout = as_projection(dout, c.in_place);
+      const auto tiles_out = [&](int64_t rows) {
+        return as_projection(empty(rows, dtype), c.in_place);
+      };
 
       // The CPU kernels: the forward pass, then the backward pass from its out and lse.
       const auto cpu_forward = mt::find_kernel<mt::kernels::AttentionFn>(
@@ -232,14 +253,14 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
       cpu_forward(q, k, v, mask, c.causal, scale, dropout, want, lse);
 
       // The operands as attention.cu hands them to the kernels.
-      at::Params p = at::params_of(q, k, v, mask, c.causal, scale, dropout);
+      at::Params p = at::params_of(tq, tk, tv, mask, c.causal, scale, dropout);
 
       // Forward. Both compute out in float32 and round it once (the weights enter P V in two
       // 16-bit parts here): at most a unit in the last place apart, where the float32 values
       // lie on two sides of a rounding boundary.
-      const mt::Tensor got = empty(c.t, dtype);
+      const mt::Tensor got = tiles_out(c.t);
       const mt::Tensor got_lse = mt::Tensor::empty({c.n, c.t}, mt::kFloat32, mt::Device::cpu());
-      p.out = static_cast<std::uint16_t*>(got.data_ptr());
+      p.out = mt::head_rows<std::uint16_t>(got);
       p.lse = static_cast<float*>(got_lse.data_ptr());
       run_emulated<Pass::Forward>(p, c.d, dtype);
       CHECK(off_by_more_than_an_ulp(got, want) == 0);
@@ -268,14 +289,14 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
                  o64[r * static_cast<std::size_t>(c.d) + static_cast<std::size_t>(e)];
         rowdot[r] = static_cast<float>(sum);
       }
-      const mt::Tensor gq = empty(c.t, dtype), gk = empty(c.s, dtype), gv = empty(c.s, dtype);
-      p.out = nullptr;
+      const mt::Tensor gq = tiles_out(c.t), gk = tiles_out(c.s), gv = tiles_out(c.s);
+      p.out = {};
       p.lse = static_cast<float*>(lse.data_ptr());
-      p.dout = static_cast<const std::uint16_t*>(dout.const_data_ptr());
+      p.dout = mt::head_rows<const std::uint16_t>(tdout);
       p.rowdot = rowdot.data();
-      p.dq = static_cast<std::uint16_t*>(gq.data_ptr());
-      p.dk = static_cast<std::uint16_t*>(gk.data_ptr());
-      p.dv = static_cast<std::uint16_t*>(gv.data_ptr());
+      p.dq = mt::head_rows<std::uint16_t>(gq);
+      p.dk = mt::head_rows<std::uint16_t>(gk);
+      p.dv = mt::head_rows<std::uint16_t>(gv);
       run_emulated<Pass::Dq>(p, c.d, dtype);
       run_emulated<Pass::DkDv>(p, c.d, dtype);
       CHECK(off_by_more_than_an_ulp(gq, dq) == 0);

@@ -338,3 +338,36 @@ TEST_CASE("fused_attention: second derivatives through a recorded backward pass"
     CHECK(max_abs_diff(f[i], r[i]) < 1e-11);
   }
 }
+
+TEST_CASE("fused_attention reads a projection's heads where they lie and writes in their layout",
+          "[attention][fused]") {
+  // q, k and v as MultiHeadAttention makes them: [batch, positions, heads, width] viewed
+  // [batch, heads, positions, width]. The kernels read them there (no copy), out comes back
+  // laid out as q (merging the heads again is a view), each gradient as its input; the
+  // values are those of the same heads made contiguous first, to the bit.
+  for (const mt::DType dt : {mt::kFloat32, mt::kBFloat16, mt::kFloat64}) {
+    INFO(dt.name());
+    const mt::Tensor xq = mt::cast(random_normal({2, 7, 3, 4}, 51), dt),
+                     xk = mt::cast(random_normal({2, 9, 3, 4}, 52), dt),
+                     xv = mt::cast(random_normal({2, 9, 3, 5}, 53), dt),
+                     g = mt::cast(random_normal({2, 3, 7, 5}, 54), dt);
+    const mt::Tensor padding =
+        mask_of({2, 1, 1, 9}, [](std::int64_t i) { return i < 9 || i % 9 < 6; });
+    const auto run = [&](bool in_place) {
+      mt::Variable q(xq, "q"), k(xk, "k"), v(xv, "v");
+      mt::GradientTape tape;
+      const auto heads = [&](const mt::Tensor& x) {
+        const mt::Tensor h = mt::permute(x, {0, 2, 1, 3});
+        return in_place ? h : mt::contiguous(h);
+      };
+      const mt::Tensor y = mt::fused_attention(heads(q), heads(k), heads(v), padding, true, 0.6);
+      auto grads = tape.gradient(mt::sum(y * g), std::vector<mt::Variable>{q, k, v});
+      grads.insert(grads.begin(), y);
+      return grads;
+    };
+    const auto placed = run(true), copied = run(false);
+    CHECK(mt::permute(placed[0], {0, 2, 1, 3}).is_contiguous());
+    for (std::size_t i = 1; i < 4; ++i) CHECK(placed[i].is_contiguous());
+    for (std::size_t i = 0; i < 4; ++i) CHECK(max_abs_diff(placed[i], copied[i]) == 0.0);
+  }
+}

@@ -10,19 +10,23 @@
 // order: for each block of keys, every query block that sees it recomputes its weights from
 // the log-sum-exp, and dV, dK (that key block's) and dQ (accumulated over key blocks) follow
 // from GEMMs. The math runs in float32 (float64 for float64); 16-bit inputs are widened a
-// head at a time, and results rounded once.
+// head at a time, and results rounded once. The heads are read and written where they lie
+// (the strided views of kernels.h): float32 and float64 rows go to the GEMMs with their stride.
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_util.h"
 #include "backends/cpu/gemm_util.h"
 #include "mixtape/core/dropout_hash.h"
+#include "mixtape/core/head_rows.h"
 #include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cpu {
@@ -39,27 +43,58 @@ struct Extents {
 };
 
 Extents extents_of(const Tensor& q, const Tensor& k, const Tensor& v) {
-  return {q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2)};
+  return {head_count(q), q.dim(-2), k.dim(-2), q.dim(-1), v.dim(-1)};
 }
 
-// The mask as kernels.h gives it: a bool view [n1, n2, t, s] (strides 0 where broadcast, 1
-// along s), head h reading [h / n2, h % n2].
-struct MaskRows {
-  const std::uint8_t* base = nullptr;
-  int64_t n2 = 1, s1 = 0, s2 = 0, st = 0;
-  explicit MaskRows(const Tensor& m) {
-    if (!m.defined()) return;
-    base = static_cast<const std::uint8_t*>(m.const_data_ptr());
-    n2 = m.dim(1);
-    s1 = m.strides()[0];
-    s2 = m.strides()[1];
-    st = m.strides()[2];
-  }
-  // The mask bytes of head h, row i, from key j0 on; null without a mask.
-  const std::uint8_t* at(int64_t h, int64_t i, int64_t j0) const {
-    return base ? base + (h / n2) * s1 + (h % n2) * s2 + i * st + j0 : nullptr;
-  }
+// The mask bytes of head h, row i, from key j0 on; null without a mask.
+inline const std::uint8_t* mask_at(const HeadRows<const std::uint8_t>& mask, int64_t h, int64_t i,
+                                   int64_t j0) {
+  return mask.base ? mask.row(h, i) + j0 : nullptr;
+}
+
+// Rows [i0, i0 + rows) of head h (`cols` wide) in the compute type, and the distance between
+// them: read where they lie for float32 and float64 (the GEMMs take the rows' stride), widened
+// into buf otherwise.
+template <typename T>
+struct ComputeRows {
+  const compute_t<T>* data;
+  int64_t ld;
 };
+template <typename T>
+ComputeRows<T> rows_as_compute(const HeadRows<const T>& x, int64_t h, int64_t i0, int64_t rows,
+                               int64_t cols, std::vector<compute_t<T>>& buf) {
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    // bfloat16 widens by a shift, inline: a call per row of the bulk converter costs more
+    // than the row (the rows of a projection's head lie apart).
+    buf.resize(static_cast<std::size_t>(rows * cols));
+    constexpr int64_t kAhead = 8;  // rows fetched ahead: the rows lie apart, out of the
+                                   // hardware prefetcher's reach
+    for (int64_t r = 0; r < rows; ++r) {
+      const bfloat16* src = x.row(h, i0 + r);
+      if (r + kAhead < rows) {
+        const auto* next = reinterpret_cast<const char*>(x.row(h, i0 + r + kAhead));
+        for (int64_t b = 0; b < cols * 2; b += 64) __builtin_prefetch(next + b);
+      }
+      float* dst = buf.data() + r * cols;
+      for (int64_t c = 0; c < cols; ++c)
+        dst[c] = std::bit_cast<float>(static_cast<std::uint32_t>(src[c].bits) << 16);
+    }
+    return {buf.data(), cols};
+  } else if constexpr (kReduced<T>) {
+    buf.resize(static_cast<std::size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) to_float(x.row(h, i0 + r), buf.data() + r * cols, cols);
+    return {buf.data(), cols};
+  } else {
+    return {x.row(h, i0), x.stride};
+  }
+}
+
+// rows x cols compute-type values (row r at src + r * cols) into rows [i0, i0 + rows) of head h.
+template <typename T>
+void rows_from_compute(const compute_t<T>* src, const HeadRows<T>& x, int64_t h, int64_t i0,
+                       int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) from_compute(src + r * cols, x.row(h, i0 + r), cols);
+}
 
 // Dropout on the weights (kernels.h): the factor Z of each element, 1 / (1 - rate) where
 // dropout_keeps() keeps it, 0 elsewhere.
@@ -177,12 +212,10 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
   using C = compute_t<T>;
   const Extents e = extents_of(q_t, k_t, v_t);
   if (e.n * e.t == 0) return;
-  const T* q = static_cast<const T*>(q_t.const_data_ptr());
-  const T* k = static_cast<const T*>(k_t.const_data_ptr());
-  const T* v = static_cast<const T*>(v_t.const_data_ptr());
-  const MaskRows mask(mask_t);
+  const auto q = head_rows<const T>(q_t), k = head_rows<const T>(k_t), v = head_rows<const T>(v_t);
+  const auto mask = head_rows<const std::uint8_t>(mask_t);
   const Dropout dropout(dropout_args);
-  T* out = static_cast<T*>(out_t.data_ptr());
+  const auto out = head_rows<T>(out_t);
   C* lse = static_cast<C*>(lse_t.data_ptr());
   const C scale = static_cast<C>(scale_d);
   constexpr C kNegInf = -std::numeric_limits<C>::infinity();
@@ -197,22 +230,30 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
   {
     std::vector<C> qb, kb, vb, scores(static_cast<std::size_t>(kBr * kBc)),
         acc(static_cast<std::size_t>(kBr * e.dv)), m(kBr), l(kBr), z(dropout.on ? kBc : 0);
+    // The keys and values of the head this thread widened last: the tasks go head by head,
+    // so a thread's next block is mostly of the same head, and K and V are widened once.
+    int64_t widened = -1;
+    ComputeRows<T> kc{}, vc{};
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t h = task / blocks, i0 = (task % blocks) * kBr, i1 = std::min(e.t, i0 + kBr);
       const int64_t br = i1 - i0, kend = key_end(causal, i1, e.s);
-      const C* qc = as_compute(q + (h * e.t + i0) * e.d, br * e.d, qb);
-      const C* kc = as_compute(k + h * e.s * e.d, kend * e.d, kb);
-      const C* vc = as_compute(v + h * e.s * e.dv, kend * e.dv, vb);
+      const auto qc = rows_as_compute(q, h, i0, br, e.d, qb);
+      if (h != widened) {
+        kc = rows_as_compute(k, h, 0, e.s, e.d, kb);
+        vc = rows_as_compute(v, h, 0, e.s, e.dv, vb);
+        widened = h;
+      }
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), C(0));
       std::fill(acc.begin(), acc.begin() + br * e.dv, C(0));
       for (int64_t j0 = 0; j0 < kend; j0 += kBc) {
         const int64_t bc = std::min(kend, j0 + kBc) - j0;
-        blas_gemm(false, true, br, bc, e.d, qc, e.d, kc + j0 * e.d, e.d, C(0), scores.data(), kBc);
+        blas_gemm(false, true, br, bc, e.d, qc.data, qc.ld, kc.data + j0 * kc.ld, kc.ld, C(0),
+                  scores.data(), kBc);
         for (int64_t r = 0; r < br; ++r) {
           const int64_t i = i0 + r;
-          const std::uint8_t* mr = mask.at(h, i, j0);
+          const std::uint8_t* mr = mask_at(mask, h, i, j0);
           const auto ru = static_cast<std::size_t>(r);
           const C old = m[ru];
           C sum = 0;
@@ -237,7 +278,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
             for (int64_t c = 0; c < bc; ++c) row[c] *= z[static_cast<std::size_t>(c)];
           }
         }
-        blas_gemm(false, false, br, e.dv, bc, scores.data(), kBc, vc + j0 * e.dv, e.dv, C(1),
+        blas_gemm(false, false, br, e.dv, bc, scores.data(), kBc, vc.data + j0 * vc.ld, vc.ld, C(1),
                   acc.data(), e.dv);
       }
       for (int64_t r = 0; r < br; ++r) {
@@ -249,18 +290,19 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
         lse[h * e.t + i0 + r] =
             lr == C(0) ? kNegInf : m[static_cast<std::size_t>(r)] + std::log(lr);
       }
-      from_compute(acc.data(), out + (h * e.t + i0) * e.dv, br * e.dv);
+      rows_from_compute(acc.data(), out, h, i0, br, e.dv);
     }
   }
 }
 
-// D_i = sum_c dout[i, c] out[i, c] for the t rows of a head (dout in gc, out in oc, dv
-// columns each): sum_j P_ij dP_ij, the softmax's correction.
-template <typename C>
-void softmax_correction(const C* gc, const C* oc, int64_t t, int64_t dv, C* rowdot) {
+// D_i = sum_c dout[i, c] out[i, c] for the t rows of a head (dout in g, out in o, dv columns
+// each): sum_j P_ij dP_ij, the softmax's correction.
+template <typename T>
+void softmax_correction(const ComputeRows<T>& g, const ComputeRows<T>& o, int64_t t, int64_t dv,
+                        compute_t<T>* rowdot) {
   for (int64_t i = 0; i < t; ++i) {
-    C s = 0;
-    for (int64_t c = 0; c < dv; ++c) s += gc[i * dv + c] * oc[i * dv + c];
+    compute_t<T> s = 0;
+    for (int64_t c = 0; c < dv; ++c) s += g.data[i * g.ld + c] * o.data[i * o.ld + c];
     rowdot[i] = s;
   }
 }
@@ -286,17 +328,12 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
                                const Tensor& dk_t, const Tensor& dv_t) {
   using C = compute_t<T>;
   const Extents e = extents_of(q_t, k_t, v_t);
-  const T* q = static_cast<const T*>(q_t.const_data_ptr());
-  const T* k = static_cast<const T*>(k_t.const_data_ptr());
-  const T* v = static_cast<const T*>(v_t.const_data_ptr());
-  const MaskRows mask(mask_t);
+  const auto q = head_rows<const T>(q_t), k = head_rows<const T>(k_t), v = head_rows<const T>(v_t);
+  const auto mask = head_rows<const std::uint8_t>(mask_t);
   const Dropout dropout(dropout_args);
-  const T* out = static_cast<const T*>(out_t.const_data_ptr());
+  const auto out = head_rows<const T>(out_t), dout = head_rows<const T>(dout_t);
   const C* lse = static_cast<const C*>(lse_t.const_data_ptr());
-  const T* dout = static_cast<const T*>(dout_t.const_data_ptr());
-  T* dq = static_cast<T*>(dq_t.data_ptr());
-  T* dk = static_cast<T*>(dk_t.data_ptr());
-  T* dv = static_cast<T*>(dv_t.data_ptr());
+  const auto dq = head_rows<T>(dq_t), dk = head_rows<T>(dk_t), dv = head_rows<T>(dv_t);
   const C scale = static_cast<C>(scale_d);
   constexpr C kNegInf = -std::numeric_limits<C>::infinity();
   const int64_t work = e.n * e.t * e.s * (e.d + e.dv);
@@ -312,11 +349,11 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
     std::vector<C> z(dropout.on ? kBr * kBc : 0), pz(dropout.on ? kBr * kBc : 0);
 #pragma omp for schedule(dynamic)
     for (int64_t h = 0; h < e.n; ++h) {
-      const C* qc = as_compute(q + h * e.t * e.d, e.t * e.d, qb);
-      const C* kc = as_compute(k + h * e.s * e.d, e.s * e.d, kb);
-      const C* vc = as_compute(v + h * e.s * e.dv, e.s * e.dv, vb);
-      const C* oc = as_compute(out + h * e.t * e.dv, e.t * e.dv, ob);
-      const C* gc = as_compute(dout + h * e.t * e.dv, e.t * e.dv, gb);
+      const auto qc = rows_as_compute(q, h, 0, e.t, e.d, qb);
+      const auto kc = rows_as_compute(k, h, 0, e.s, e.d, kb);
+      const auto vc = rows_as_compute(v, h, 0, e.s, e.dv, vb);
+      const auto oc = rows_as_compute(out, h, 0, e.t, e.dv, ob);
+      const auto gc = rows_as_compute(dout, h, 0, e.t, e.dv, gb);
       const C* lh = lse + h * e.t;
       softmax_correction(gc, oc, e.t, e.dv, rowdot.data());
       dqa.assign(static_cast<std::size_t>(e.t * e.d), C(0));
@@ -328,11 +365,11 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
         for (int64_t i0 = causal ? (j0 / kBr) * kBr : 0; i0 < e.t; i0 += kBr) {
           const int64_t br = std::min(e.t, i0 + kBr) - i0;
           // P = the forward's weights of this tile, from the logits and the log-sum-exp.
-          blas_gemm(false, true, br, bc, e.d, qc + i0 * e.d, e.d, kc + j0 * e.d, e.d, C(0),
-                    p.data(), kBc);
+          blas_gemm(false, true, br, bc, e.d, qc.data + i0 * qc.ld, qc.ld, kc.data + j0 * kc.ld,
+                    kc.ld, C(0), p.data(), kBc);
           for (int64_t r = 0; r < br; ++r) {
             const int64_t i = i0 + r;
-            const std::uint8_t* mr = mask.at(h, i, j0);
+            const std::uint8_t* mr = mask_at(mask, h, i, j0);
             // A row that attends nothing (lse -inf) has no weights.
             row_fn(p.data() + r * kBc, mr, lh[i] == kNegInf ? 0 : limit_of(causal, i, j0, bc), bc,
                    scale, lh[i]);
@@ -351,10 +388,10 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
             pv = pz.data();
           }
           // dV_j += (P o Z)^T dout; dP = dout V_j^T (times Z: the gradient of P).
-          blas_gemm(true, false, bc, e.dv, br, pv, kBc, gc + i0 * e.dv, e.dv, C(1),
+          blas_gemm(true, false, bc, e.dv, br, pv, kBc, gc.data + i0 * gc.ld, gc.ld, C(1),
                     dva.data() + j0 * e.dv, e.dv);
-          blas_gemm(false, true, br, bc, e.dv, gc + i0 * e.dv, e.dv, vc + j0 * e.dv, e.dv, C(0),
-                    dp.data(), kBc);
+          blas_gemm(false, true, br, bc, e.dv, gc.data + i0 * gc.ld, gc.ld, vc.data + j0 * vc.ld,
+                    vc.ld, C(0), dp.data(), kBc);
           if (dropout.on)
             for (int64_t r = 0; r < br; ++r) {
               C* dr = dp.data() + r * kBc;
@@ -365,15 +402,15 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
           // dS = P (dP - D) scale, in p.
           score_grads(p.data(), dp.data(), rowdot.data() + i0, br, bc, scale);
           // dQ_i += dS K_j; dK_j += dS^T Q_i.
-          blas_gemm(false, false, br, e.d, bc, p.data(), kBc, kc + j0 * e.d, e.d, C(1),
+          blas_gemm(false, false, br, e.d, bc, p.data(), kBc, kc.data + j0 * kc.ld, kc.ld, C(1),
                     dqa.data() + i0 * e.d, e.d);
-          blas_gemm(true, false, bc, e.d, br, p.data(), kBc, qc + i0 * e.d, e.d, C(1),
+          blas_gemm(true, false, bc, e.d, br, p.data(), kBc, qc.data + i0 * qc.ld, qc.ld, C(1),
                     dka.data() + j0 * e.d, e.d);
         }
       }
-      from_compute(dqa.data(), dq + h * e.t * e.d, e.t * e.d);
-      from_compute(dka.data(), dk + h * e.s * e.d, e.s * e.d);
-      from_compute(dva.data(), dv + h * e.s * e.dv, e.s * e.dv);
+      rows_from_compute(dqa.data(), dq, h, 0, e.t, e.d);
+      rows_from_compute(dka.data(), dk, h, 0, e.s, e.d);
+      rows_from_compute(dva.data(), dv, h, 0, e.s, e.dv);
     }
   }
 }

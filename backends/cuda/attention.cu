@@ -26,6 +26,7 @@
 #include "backends/cuda/warp.cuh"
 #include "core/env.h"
 #include "mixtape/core/dropout_hash.h"
+#include "mixtape/core/head_rows.h"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -44,10 +45,13 @@ __device__ __forceinline__ compute_of<T> warp_dot(const T* a, const U* b, int64_
   return warp_sum(part);
 }
 
-// The mask as kernels.h gives it: a bool view [n1, n2, t, s] (strides 0 where broadcast, 1
-// along s), head h reading [h / n2, h % n2].
-using attention_tiles::mask_rows;
-using attention_tiles::MaskRows;
+// The heads and the mask as kernels.h gives them (mixtape/core/head_rows.h): views [n1, n2,
+// rows, width] with stride 1 along width, head h being [h / n2, h % n2].
+template <typename T>
+using In = HeadRows<const T>;
+template <typename T>
+using Out = HeadRows<T>;
+using MaskRows = HeadRows<const std::uint8_t>;
 
 // Dropout on the weights (kernels.h): Z of element (h, i, j), 1 / (1 - rate) or 0.
 struct Dropout {
@@ -76,15 +80,15 @@ __device__ __forceinline__ bool keeps(const std::uint8_t* mask_row, bool causal,
   return (!mask_row || mask_row[j] != 0) && (!causal || j <= i);
 }
 
-// out[c] = sum over the j < jend that keeps() keeps of weight(j) * rows[j * width + c], for
-// c in [0, width), the lanes of a warp taking the columns c0 + lane + u kWarp, kPass columns
-// a pass (weight may hold warp_dots: every lane calls it, again each pass). With `any` false
+// out[c] = sum over the j < jend that keeps() keeps of weight(j) * rows.row(h, j)[c], for c
+// in [0, width), the lanes of a warp taking the columns c0 + lane + u kWarp, kPass columns a
+// pass (weight may hold warp_dots: every lane calls it, again each pass). With `any` false
 // nothing is added: out is 0.
 template <typename T, typename Weight>
 __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* mask_row,
                                                   bool causal, int64_t i, int64_t jend,
-                                                  Weight weight, const T* rows, int64_t width,
-                                                  T* out, int lane) {
+                                                  Weight weight, const In<T>& rows, int64_t h,
+                                                  int64_t width, T* out, int lane) {
   using C = compute_of<T>;
   for (int64_t c0 = 0; c0 < width; c0 += kPass) {
     C acc[kCols];
@@ -93,9 +97,10 @@ __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* 
       for (int64_t j = 0; j < jend; ++j) {
         if (!keeps(mask_row, causal, i, j)) continue;
         const C w = weight(j);
+        const T* row = rows.row(h, j);
         for (int u = 0; u < kCols; ++u) {
           const int64_t c = c0 + lane + int64_t{u} * kWarp;
-          if (c < width) acc[u] += w * load(rows[j * width + c]);
+          if (c < width) acc[u] += w * load(row[c]);
         }
       }
     for (int u = 0; u < kCols; ++u) {
@@ -106,25 +111,22 @@ __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* 
 }
 
 template <typename T>
-__global__ void attention_forward_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                                         const T* __restrict__ v, MaskRows mask, bool causal,
-                                         compute_of<T> scale, Dropout dropout, T* __restrict__ out,
+__global__ void attention_forward_kernel(In<T> q, In<T> k, In<T> v, MaskRows mask, bool causal,
+                                         compute_of<T> scale, Dropout dropout, Out<T> out,
                                          compute_of<T>* __restrict__ lse, int64_t n, int64_t t,
                                          int64_t s, int64_t d, int64_t dv) {
   using C = compute_of<T>;
   const C neg_inf = -static_cast<C>(INFINITY);
   for_each_warp_item(n * t, [&](int64_t row, int lane) {
     const int64_t h = row / t, i = row % t;
-    const T* qr = q + row * d;
-    const T* kh = k + h * s * d;
-    const T* vh = v + h * s * dv;
+    const T* qr = q.row(h, i);
     const std::uint8_t* mr = mask.row(h, i);
     const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
     // The row's maximum and sum, online.
     C m = neg_inf, l = C(0);
     for (int64_t j = 0; j < kend; ++j) {
       if (!keeps(mr, causal, i, j)) continue;
-      const C x = warp_dot(qr, kh + j * d, d, lane) * scale;
+      const C x = warp_dot(qr, k.row(h, j), d, lane) * scale;
       if (x > m) {
         l = (m == neg_inf ? C(0) : l * d_exp(m - x)) + C(1);
         m = x;
@@ -135,66 +137,65 @@ __global__ void attention_forward_kernel(const T* __restrict__ q, const T* __res
     if (lane == 0) lse[row] = l == C(0) ? neg_inf : m + d_log(l);
     const C inv = l == C(0) ? C(0) : C(1) / l;
     const auto p = [&](int64_t j) {
-      return d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - m) * inv *
+      return d_exp(warp_dot(qr, k.row(h, j), d, lane) * scale - m) * inv *
              dropout.factor<C>(h, i, j, t, s);
     };
-    warp_weighted_sum(l != C(0), mr, causal, i, kend, p, vh, dv, out + row * dv, lane);
+    warp_weighted_sum(l != C(0), mr, causal, i, kend, p, v, h, dv, out.row(h, i), lane);
   });
 }
 
 // D_i = sum_c dout[i, c] out[i, c], per query row.
 template <typename T>
-__global__ void attention_rowdot_kernel(const T* __restrict__ dout, const T* __restrict__ out,
-                                        compute_of<T>* __restrict__ rowdot, int64_t rows,
-                                        int64_t dv) {
+__global__ void attention_rowdot_kernel(In<T> dout, In<T> out, compute_of<T>* __restrict__ rowdot,
+                                        int64_t rows, int64_t t, int64_t dv) {
   for_each_warp_item(rows, [&](int64_t row, int lane) {
-    const auto x = warp_dot(dout + row * dv, out + row * dv, dv, lane);
+    const int64_t h = row / t, i = row % t;
+    const auto x = warp_dot(dout.row(h, i), out.row(h, i), dv, lane);
     if (lane == 0) rowdot[row] = x;
   });
 }
 
 // dq_i = scale sum_j P_ij (dP_ij - D_i) k_j, a warp per query row.
 template <typename T>
-__global__ void attention_dq_kernel(const T* __restrict__ q, const T* __restrict__ k,
-                                    const T* __restrict__ v, MaskRows mask, bool causal,
+__global__ void attention_dq_kernel(In<T> q, In<T> k, In<T> v, MaskRows mask, bool causal,
                                     compute_of<T> scale, Dropout dropout,
                                     const compute_of<T>* __restrict__ lse,
-                                    const compute_of<T>* __restrict__ rowdot,
-                                    const T* __restrict__ dout, T* __restrict__ dq, int64_t n,
-                                    int64_t t, int64_t s, int64_t d, int64_t dv) {
+                                    const compute_of<T>* __restrict__ rowdot, In<T> dout, Out<T> dq,
+                                    int64_t n, int64_t t, int64_t s, int64_t d, int64_t dv) {
   using C = compute_of<T>;
   const C neg_inf = -static_cast<C>(INFINITY);
   for_each_warp_item(n * t, [&](int64_t row, int lane) {
     const int64_t h = row / t, i = row % t;
-    const T* qr = q + row * d;
-    const T* gr = dout + row * dv;
-    const T* kh = k + h * s * d;
-    const T* vh = v + h * s * dv;
+    const T* qr = q.row(h, i);
+    const T* gr = dout.row(h, i);
     const std::uint8_t* mr = mask.row(h, i);
     const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
     const C li = lse[row], di = rowdot[row];
     const auto ds = [&](int64_t j) {
-      const C p = d_exp(warp_dot(qr, kh + j * d, d, lane) * scale - li);
-      return p * (warp_dot(gr, vh + j * dv, dv, lane) * dropout.factor<C>(h, i, j, t, s) - di) *
+      const C p = d_exp(warp_dot(qr, k.row(h, j), d, lane) * scale - li);
+      return p * (warp_dot(gr, v.row(h, j), dv, lane) * dropout.factor<C>(h, i, j, t, s) - di) *
              scale;
     };
-    warp_weighted_sum(li != neg_inf, mr, causal, i, kend, ds, kh, d, dq + row * d, lane);
+    warp_weighted_sum(li != neg_inf, mr, causal, i, kend, ds, k, h, d, dq.row(h, i), lane);
   });
 }
 
 // dk_j = scale sum_i P_ij (dP_ij - D_i) q_i and dv_j = sum_i P_ij dout_i, a warp per key row.
 template <typename T>
-__global__ void attention_dkdv_kernel(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, MaskRows mask,
-    bool causal, compute_of<T> scale, Dropout dropout, const compute_of<T>* __restrict__ lse,
-    const compute_of<T>* __restrict__ rowdot, const T* __restrict__ dout, T* __restrict__ dk,
-    T* __restrict__ dvo, int64_t n, int64_t t, int64_t s, int64_t d, int64_t dv) {
+__global__ void attention_dkdv_kernel(In<T> q, In<T> k, In<T> v, MaskRows mask, bool causal,
+                                      compute_of<T> scale, Dropout dropout,
+                                      const compute_of<T>* __restrict__ lse,
+                                      const compute_of<T>* __restrict__ rowdot, In<T> dout,
+                                      Out<T> dk, Out<T> dvo, int64_t n, int64_t t, int64_t s,
+                                      int64_t d, int64_t dv) {
   using C = compute_of<T>;
   const C neg_inf = -static_cast<C>(INFINITY);
   for_each_warp_item(n * s, [&](int64_t key, int lane) {
     const int64_t h = key / s, j = key % s;
-    const T* kr = k + key * d;
-    const T* vr = v + key * dv;
+    const T* kr = k.row(h, j);
+    const T* vr = v.row(h, j);
+    T* dkr = dk.row(h, j);
+    T* dvr = dvo.row(h, j);
     const int64_t wide = d > dv ? d : dv;
     for (int64_t c0 = 0; c0 < wide; c0 += kPass) {
       C dk_acc[kCols], dv_acc[kCols];
@@ -204,8 +205,8 @@ __global__ void attention_dkdv_kernel(
         const std::uint8_t* mr = mask.row(h, i);
         const C li = lse[row];
         if (li == neg_inf || !keeps(mr, causal, i, j)) continue;
-        const T* qr = q + row * d;
-        const T* gr = dout + row * dv;
+        const T* qr = q.row(h, i);
+        const T* gr = dout.row(h, i);
         const C p = d_exp(warp_dot(qr, kr, d, lane) * scale - li);
         const C z = dropout.factor<C>(h, i, j, t, s);
         const C ds = p * (warp_dot(gr, vr, dv, lane) * z - rowdot[row]) * scale;
@@ -217,8 +218,8 @@ __global__ void attention_dkdv_kernel(
       }
       for (int u = 0; u < kCols; ++u) {
         const int64_t c = c0 + lane + int64_t{u} * kWarp;
-        if (c < d) dk[key * d + c] = store<T>(dk_acc[u]);
-        if (c < dv) dvo[key * dv + c] = store<T>(dv_acc[u]);
+        if (c < d) dkr[c] = store<T>(dk_acc[u]);
+        if (c < dv) dvr[c] = store<T>(dv_acc[u]);
       }
     }
   });
@@ -304,14 +305,18 @@ std::optional<attention_tiles::Params> tile_params(const Tensor& q, const Tensor
   } else {
     const bool backward = dout.defined();
     static const bool enabled = detail::env::kCudaMmaAttention.read();
-    const int64_t d = q.dim(2), dv = v.dim(2), longest = std::max(q.dim(1), k.dim(1));
+    const int64_t d = q.dim(-1), dv = v.dim(-1), longest = std::max(q.dim(-2), k.dim(-2));
     const bool dims = backward ? attention_tiles::supports_backward(d, dv)
                                : attention_tiles::supports_forward(d, dv);
-    // The tiles are read 16 bytes at a time (rows of 32 to 128 16-bit elements stay aligned).
+    // The tiles are read 16 bytes at a time: every row's start 16-byte aligned (rows of 32 to
+    // 128 16-bit elements are, when the first is and the strides are multiples of 8).
     const auto aligned = [](const Tensor& x) {
-      return !x.defined() || reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 == 0;
+      if (!x.defined()) return true;
+      for (std::size_t a = 0; a + 1 < x.rank(); ++a)
+        if (x.strides()[a] % 8 != 0) return false;
+      return reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 == 0;
     };
-    if (!enabled || !dims || q.dim(0) > 0x7fffffff ||
+    if (!enabled || !dims || head_count(q) > 0x7fffffff ||
         (longest + attention_tiles::kTile - 1) / attention_tiles::kTile > 65535 || !aligned(q) ||
         !aligned(k) || !aligned(v) || !aligned(dout))
       return std::nullopt;
@@ -343,20 +348,19 @@ template <typename T>
 void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                     bool causal, double scale, const kernels::AttentionDropout& dropout,
                     const Tensor& out, const Tensor& lse) {
-  const int64_t n = q.dim(0), t = q.dim(1), s = k.dim(1), d = q.dim(2), dv = v.dim(2);
+  const int64_t n = head_count(q), t = q.dim(-2), s = k.dim(-2), d = q.dim(-1), dv = v.dim(-1);
   if (n * t == 0) return;
   using C = compute_of<T>;
   OnDevice on(out);
   if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, Tensor())) {
-    p->out = static_cast<std::uint16_t*>(out.data_ptr());
+    p->out = head_rows<std::uint16_t>(out);
     p->lse = static_cast<float*>(lse.data_ptr());
     return launch_tiles<TilePass::Forward, T>(*p, d, t, on.s);
   }
   launch_1d({"attention kernel", n * t * kWarp, on.s}, attention_forward_kernel<T>,
-            static_cast<const T*>(q.const_data_ptr()), static_cast<const T*>(k.const_data_ptr()),
-            static_cast<const T*>(v.const_data_ptr()), mask_rows(mask), causal,
-            static_cast<C>(scale), dropout_of(dropout), static_cast<T*>(out.data_ptr()),
-            static_cast<C*>(lse.data_ptr()), n, t, s, d, dv);
+            head_rows<const T>(q), head_rows<const T>(k), head_rows<const T>(v),
+            head_rows<const std::uint8_t>(mask), causal, static_cast<C>(scale), dropout_of(dropout),
+            head_rows<T>(out), static_cast<C*>(lse.data_ptr()), n, t, s, d, dv);
 }
 
 template <typename T>
@@ -364,42 +368,39 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
                              bool causal, double scale, const kernels::AttentionDropout& dropout,
                              const Tensor& out, const Tensor& lse, const Tensor& dout,
                              const Tensor& dq, const Tensor& dk, const Tensor& dv_out) {
-  const int64_t n = q.dim(0), t = q.dim(1), s = k.dim(1), d = q.dim(2), dv = v.dim(2);
+  const int64_t n = head_count(q), t = q.dim(-2), s = k.dim(-2), d = q.dim(-1), dv = v.dim(-1);
   using C = compute_of<T>;
   OnDevice on(dq);
   // D per query row; the cache hands the block out again in stream order.
   Workspace rowdot(static_cast<std::size_t>(n * t > 0 ? n * t : 1) * sizeof(C), on.index);
-  const auto* qp = static_cast<const T*>(q.const_data_ptr());
-  const auto* kp = static_cast<const T*>(k.const_data_ptr());
-  const auto* vp = static_cast<const T*>(v.const_data_ptr());
-  const MaskRows mp = mask_rows(mask);
+  const auto qp = head_rows<const T>(q), kp = head_rows<const T>(k), vp = head_rows<const T>(v);
+  const auto mp = head_rows<const std::uint8_t>(mask);
   const auto* lp = static_cast<const C*>(lse.const_data_ptr());
   auto* rp = static_cast<C*>(rowdot.data());
-  const auto* gp = static_cast<const T*>(dout.const_data_ptr());
+  const auto gp = head_rows<const T>(dout);
   const auto sc = static_cast<C>(scale);
   if (n * t > 0)
     launch_1d({"attention rowdot kernel", n * t * kWarp, on.s}, attention_rowdot_kernel<T>, gp,
-              static_cast<const T*>(out.const_data_ptr()), rp, n * t, dv);
+              head_rows<const T>(out), rp, n * t, t, dv);
   if (auto p = tile_params<T>(q, k, v, mask, causal, scale, dropout, dout)) {
     p->lse = const_cast<float*>(static_cast<const float*>(lse.const_data_ptr()));  // read only
-    p->dout = static_cast<const std::uint16_t*>(dout.const_data_ptr());
+    p->dout = head_rows<const std::uint16_t>(dout);
     p->rowdot = static_cast<const float*>(rowdot.data());
-    p->dq = static_cast<std::uint16_t*>(dq.data_ptr());
-    p->dk = static_cast<std::uint16_t*>(dk.data_ptr());
-    p->dv = static_cast<std::uint16_t*>(dv_out.data_ptr());
+    p->dq = head_rows<std::uint16_t>(dq);
+    p->dk = head_rows<std::uint16_t>(dk);
+    p->dv = head_rows<std::uint16_t>(dv_out);
     if (n * t > 0) launch_tiles<TilePass::Dq, T>(*p, d, t, on.s);
     if (n * s > 0) launch_tiles<TilePass::DkDv, T>(*p, d, s, on.s);
     return;
   }
   if (n * t > 0) {
     launch_1d({"attention dq kernel", n * t * kWarp, on.s}, attention_dq_kernel<T>, qp, kp, vp, mp,
-              causal, sc, dropout_of(dropout), lp, rp, gp, static_cast<T*>(dq.data_ptr()), n, t, s,
-              d, dv);
+              causal, sc, dropout_of(dropout), lp, rp, gp, head_rows<T>(dq), n, t, s, d, dv);
   }
   if (n * s > 0) {
     launch_1d({"attention dk/dv kernel", n * s * kWarp, on.s}, attention_dkdv_kernel<T>, qp, kp, vp,
-              mp, causal, sc, dropout_of(dropout), lp, rp, gp, static_cast<T*>(dk.data_ptr()),
-              static_cast<T*>(dv_out.data_ptr()), n, t, s, d, dv);
+              mp, causal, sc, dropout_of(dropout), lp, rp, gp, head_rows<T>(dk),
+              head_rows<T>(dv_out), n, t, s, d, dv);
   }
 }
 

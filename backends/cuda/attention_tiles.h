@@ -50,6 +50,7 @@
 #include <cstring>
 
 #include "mixtape/core/dropout_hash.h"
+#include "mixtape/core/head_rows.h"
 #include "mixtape/core/kernels.h"
 #include "mixtape/core/tensor.h"
 
@@ -80,28 +81,21 @@ constexpr bool supports_forward(int64_t d, int64_t dv) {
 }
 constexpr bool supports_backward(int64_t d, int64_t dv) { return d == dv && (d == 32 || d == 64); }
 
-// The mask as kernels.h gives it (a bool view [n1, n2, t, s], stride 1 along s).
-struct MaskRows {
-  const std::uint8_t* base = nullptr;
-  int64_t n2 = 1, s1 = 0, s2 = 0, st = 0;
-  MIXTAPE_TILE_FN const std::uint8_t* row(int64_t h, int64_t i) const {
-    return base ? base + (h / n2) * s1 + (h % n2) * s2 + i * st : nullptr;
-  }
-};
+// Heads as kernels.h gives them (mixtape/core/head_rows.h): the 16-bit operands as the bits of
+// their elements, and the mask.
+using Rows = HeadRows<const uint16_t>;
+using OutRows = HeadRows<uint16_t>;
+using MaskRows = HeadRows<const std::uint8_t>;
 
-// One call's operands, the 16-bit ones as the bits of their elements (contiguous): q, dout,
-// out and dq [n, t, d]; k, v, dk and dv [n, s, d]; lse and rowdot [n, t] float32.
+// One call's operands: q, dout, out and dq [n, t, d]; k, v, dk and dv [n, s, d]; lse and
+// rowdot [n, t] float32 (contiguous).
 struct Params {
-  const uint16_t* q = nullptr;
-  const uint16_t* k = nullptr;
-  const uint16_t* v = nullptr;
-  uint16_t* out = nullptr;
+  Rows q, k, v;
+  OutRows out;
   float* lse = nullptr;
-  const uint16_t* dout = nullptr;
+  Rows dout;
   const float* rowdot = nullptr;
-  uint16_t* dq = nullptr;
-  uint16_t* dk = nullptr;
-  uint16_t* dv = nullptr;
+  OutRows dq, dk, dv;
   MaskRows mask;
   bool causal = false;
   float scale = 0;       // the logits' scale
@@ -113,26 +107,15 @@ struct Params {
   int64_t n = 0, t = 0, s = 0;
 };
 
-// The host's side: the mask as kernels.h gives it (undefined: none) ...
-inline MaskRows mask_rows(const Tensor& m) {
-  MaskRows r;
-  if (!m.defined()) return r;
-  r.base = static_cast<const std::uint8_t*>(m.const_data_ptr());
-  r.n2 = m.dim(1);
-  r.s1 = m.strides()[0];
-  r.s2 = m.strides()[1];
-  r.st = m.strides()[2];
-  return r;
-}
-
-// ... and a call's operands and options (the outputs, lse, dout and D set by the caller).
+// The host's side: a call's operands and options (the outputs, lse, dout and D set by the
+// caller).
 inline Params params_of(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                         bool causal, double scale, const kernels::AttentionDropout& dropout) {
   Params p;
-  p.q = static_cast<const uint16_t*>(q.const_data_ptr());
-  p.k = static_cast<const uint16_t*>(k.const_data_ptr());
-  p.v = static_cast<const uint16_t*>(v.const_data_ptr());
-  p.mask = mask_rows(mask);
+  p.q = head_rows<const uint16_t>(q);
+  p.k = head_rows<const uint16_t>(k);
+  p.v = head_rows<const uint16_t>(v);
+  p.mask = head_rows<const std::uint8_t>(mask);
   p.causal = causal;
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
@@ -140,9 +123,9 @@ inline Params params_of(const Tensor& q, const Tensor& k, const Tensor& v, const
   p.seed = dropout.seed;
   p.threshold = dropout_threshold(dropout.rate);
   p.inv_keep = static_cast<float>(1.0 / (1.0 - dropout.rate));
-  p.n = q.dim(0);
-  p.t = q.dim(1);
-  p.s = k.dim(1);
+  p.n = head_count(q);
+  p.t = q.dim(-2);
+  p.s = k.dim(-2);
   return p;
 }
 
@@ -183,15 +166,17 @@ MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t
   return dropout_keeps(p.seed, index, p.threshold) ? p.inv_keep : 0.0f;
 }
 
-// Rows row0 .. row0 + 15 of a [rows, D] matrix as the A fragments of its kSteps 16-column
+// Rows row0 .. row0 + 15 of head h ([rows, D]) as the A fragments of its kSteps 16-column
 // steps (rows past the end are 0). Lane (g, c) holds rows g and g + 8 at columns 2c, 2c + 1
 // and 2c + 8, 2c + 9 of each step.
 template <int D>
-MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const uint16_t* m, int64_t row0, int64_t rows,
-                            int g, int c) {
+MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Rows& m, int64_t h, int64_t row0,
+                            int64_t rows, int g, int c) {
+  const uint16_t* lo = row0 + g < rows ? m.row(h, row0 + g) : nullptr;
+  const uint16_t* hi = row0 + g + 8 < rows ? m.row(h, row0 + g + 8) : nullptr;
   const auto at = [&](int r, int col) -> uint16_t {
-    const int64_t i = row0 + g + 8 * r;
-    return i < rows ? m[i * D + col] : uint16_t{0};
+    const uint16_t* row = r == 0 ? lo : hi;
+    return row ? row[col] : uint16_t{0};
   };
   for (int kk = 0; kk < D / 16; ++kk) {
     const int col = kk * 16 + 2 * c;
@@ -214,15 +199,15 @@ MIXTAPE_TILE_FN void copy8(uint16_t* dst, const uint16_t* src) {
 #endif
 }
 
-// Rows row0 .. row0 + 63 of a [rows, D] matrix (16-byte aligned) into a shared tile (0 past
+// Rows row0 .. row0 + 63 of head h ([rows, D], 16-byte aligned) into a shared tile (0 past
 // the end), by the whole block, 16 bytes a thread at a time.
 template <int D, class Ctx>
-MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const uint16_t* m,
-                               int64_t row0, int64_t rows) {
+MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const Rows& m,
+                               int64_t h, int64_t row0, int64_t rows) {
   constexpr int kChunks = D / 8;  // per row
   for (int e = ctx.thread(); e < kTile * kChunks; e += kThreads) {
     const int r = e / kChunks, col = (e % kChunks) * 8;
-    copy8(&tile[r][col], row0 + r < rows ? m + (row0 + r) * D + col : nullptr);
+    copy8(&tile[r][col], row0 + r < rows ? m.row(h, row0 + r) + col : nullptr);
   }
 }
 
@@ -288,16 +273,18 @@ MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
   }
 }
 
-// Stores 16 accumulated rows (row0 + g, row0 + g + 8) times `factor`, rounded, where < rows.
+// Stores 16 accumulated rows (row0 + g, row0 + g + 8) of head h times `factor`, rounded,
+// where < rows.
 template <int D, class Ctx>
-MIXTAPE_TILE_FN void store_rows(Ctx& ctx, uint16_t* m, const float (&acc)[D / 8][4], float factor,
-                                int64_t row0, int64_t rows, int g, int c) {
+MIXTAPE_TILE_FN void store_rows(Ctx& ctx, const OutRows& m, int64_t h, const float (&acc)[D / 8][4],
+                                float factor, int64_t row0, int64_t rows, int g, int c) {
   for (int r = 0; r < 2; ++r) {
     const int64_t i = row0 + g + 8 * r;
     if (i >= rows) continue;
+    uint16_t* row = m.row(h, i);
     for (int j = 0; j < D / 8; ++j) {
-      m[i * D + j * 8 + 2 * c] = ctx.bits(acc[j][2 * r] * factor);
-      m[i * D + j * 8 + 2 * c + 1] = ctx.bits(acc[j][2 * r + 1] * factor);
+      row[j * 8 + 2 * c] = ctx.bits(acc[j][2 * r] * factor);
+      row[j * 8 + 2 * c + 1] = ctx.bits(acc[j][2 * r + 1] * factor);
     }
   }
 }
@@ -326,7 +313,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const std::uint8_t* mask_rows[2] = {rows[0] < p.t ? p.mask.row(h, rows[0]) : nullptr,
                                       rows[1] < p.t ? p.mask.row(h, rows[1]) : nullptr};
   uint32_t qa[D / 16][4];
-  load_a<D>(qa, p.q + h * p.t * D, warp_row0, p.t, g, c);
+  load_a<D>(qa, p.q, h, warp_row0, p.t, g, c);
 
   float o[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};  // running maxima (base-2 logits), per row
@@ -334,8 +321,8 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const int64_t end = key_end(p, row0);
   for (int64_t key0 = 0; key0 < end; key0 += kTile) {
     ctx.sync();  // the previous tile's readers are done
-    load_tile<D>(ctx, sh.a, p.k + h * p.s * D, key0, p.s);
-    load_tile<D>(ctx, sh.b, p.v + h * p.s * D, key0, p.s);
+    load_tile<D>(ctx, sh.a, p.k, h, key0, p.s);
+    load_tile<D>(ctx, sh.b, p.v, h, key0, p.s);
     ctx.sync();
 
     // The logits of the warp's 16 rows and the tile's 64 keys, scaled (base 2), -inf where the
@@ -385,7 +372,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
   }
   for (int j = 0; j < D / 8; ++j)
     for (int e = 0; e < 4; ++e) o[j][e] *= inv[e / 2];
-  store_rows<D>(ctx, p.out + h * p.t * D, o, 1.0f, warp_row0, p.t, g, c);
+  store_rows<D>(ctx, p.out, h, o, 1.0f, warp_row0, p.t, g, c);
 }
 
 // --- Backward ----------------------------------------------------------------------------
@@ -408,15 +395,15 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
       dot[r] = p.rowdot[h * p.t + rows[r]];
     }
   uint32_t qa[D / 16][4], ga[D / 16][4];
-  load_a<D>(qa, p.q + h * p.t * D, warp_row0, p.t, g, c);
-  load_a<D>(ga, p.dout + h * p.t * D, warp_row0, p.t, g, c);
+  load_a<D>(qa, p.q, h, warp_row0, p.t, g, c);
+  load_a<D>(ga, p.dout, h, warp_row0, p.t, g, c);
 
   float dq[D / 8][4] = {};
   const int64_t end = key_end(p, row0);
   for (int64_t key0 = 0; key0 < end; key0 += kTile) {
     ctx.sync();
-    load_tile<D>(ctx, sh.a, p.k + h * p.s * D, key0, p.s);
-    load_tile<D>(ctx, sh.b, p.v + h * p.s * D, key0, p.s);
+    load_tile<D>(ctx, sh.a, p.k, h, key0, p.s);
+    load_tile<D>(ctx, sh.b, p.v, h, key0, p.s);
     ctx.sync();
     float x[kCols][4], dp[kCols][4];
     product_across<D>(ctx, x, qa, sh.a, g, c);   // S
@@ -431,7 +418,7 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
       }
     product_down<D>(ctx, dq, x, sh.a, g, c);  // dS K
   }
-  store_rows<D>(ctx, p.dq + h * p.t * D, dq, p.scale, warp_row0, p.t, g, c);
+  store_rows<D>(ctx, p.dq, h, dq, p.scale, warp_row0, p.t, g, c);
 }
 
 // dk and dv of the keys of block (head(), block()): each warp's 16 keys stay in registers
@@ -444,16 +431,16 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const int g = lane / 4, c = lane % 4;
   const int64_t h = ctx.head(), key0 = ctx.block() * kTile, warp_key0 = key0 + warp * kWarpRows;
   uint32_t ka[D / 16][4], va[D / 16][4];
-  load_a<D>(ka, p.k + h * p.s * D, warp_key0, p.s, g, c);
-  load_a<D>(va, p.v + h * p.s * D, warp_key0, p.s, g, c);
+  load_a<D>(ka, p.k, h, warp_key0, p.s, g, c);
+  load_a<D>(va, p.v, h, warp_key0, p.s, g, c);
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // Causal: the queries before the block's first key attend none of its keys.
   const int64_t first = p.causal ? key0 : 0;
   for (int64_t row0 = first; row0 < p.t; row0 += kTile) {
     ctx.sync();
-    load_tile<D>(ctx, sh.a, p.q + h * p.t * D, row0, p.t);
-    load_tile<D>(ctx, sh.b, p.dout + h * p.t * D, row0, p.t);
+    load_tile<D>(ctx, sh.a, p.q, h, row0, p.t);
+    load_tile<D>(ctx, sh.b, p.dout, h, row0, p.t);
     for (int r = tid; r < kTile; r += kThreads) {
       const bool in = row0 + r < p.t;
       sh.lse[r] = in ? p.lse[h * p.t + row0 + r] * kLog2e : kNegInf;
@@ -475,8 +462,8 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
     product_down<D>(ctx, dv, x, sh.b, g, c);
     product_down<D>(ctx, dk, dp, sh.a, g, c);
   }
-  store_rows<D>(ctx, p.dk + h * p.s * D, dk, p.scale, warp_key0, p.s, g, c);
-  store_rows<D>(ctx, p.dv + h * p.s * D, dv, 1.0f, warp_key0, p.s, g, c);
+  store_rows<D>(ctx, p.dk, h, dk, p.scale, warp_key0, p.s, g, c);
+  store_rows<D>(ctx, p.dv, h, dv, 1.0f, warp_key0, p.s, g, c);
 }
 
 }  // namespace mixtape::attention_tiles

@@ -296,7 +296,32 @@ struct AttentionCase {
   bool masked, causal;
   int64_t padded = 0;    // > 0: a key-padding mask, one row of s per group of `padded` heads
   double dropout = 0.0;  // the rate of dropout on the weights
+  // The kernels read q, k, v, dout and write out, dq, dk, dv as views [2, n / 2, rows, width]
+  // of [2, rows, n / 2, width]: the heads of a projection, where they lie (kernels.h).
+  bool in_place = false;
 };
+
+// x [n, rows, width] as attention's kernels see a projection's heads: a view [2, n / 2, rows,
+// width] of a copy laid out [2, rows, n / 2, width]; x itself unless in_place.
+Tensor as_projection(const Tensor& x, bool in_place) {
+  if (!in_place) return x;
+  const int64_t n = x.dim(0), rows = x.dim(1), w = x.dim(2);
+  return permute(contiguous(permute(reshape(x, {2, n / 2, rows, w}), {0, 2, 1, 3})), {0, 2, 1, 3});
+}
+
+// An output of attention's kernels [n, rows, width] (NaN where unwritten), as as_projection
+// lays it out when in_place; `read` gives its values as [n, rows, width].
+struct HeadsOutput {
+  Tensor kernel;
+  Tensor read() const {
+    return reshape(contiguous(kernel), {kernel.numel() / (kernel.dim(-2) * kernel.dim(-1)),
+                                        kernel.dim(-2), kernel.dim(-1)});
+  }
+};
+HeadsOutput heads_output(Context& c, int64_t n, int64_t rows, int64_t w, bool in_place) {
+  if (!in_place) return {c.output({n, rows, w}).tested};
+  return {permute(c.output({2, rows, n / 2, w}).tested, {0, 2, 1, 3})};
+}
 
 void attention(Context& c) {
   const bool backward = is(c, "AttentionBackwardFn");
@@ -320,14 +345,18 @@ void attention(Context& c) {
       {1, 70, 130, 32, 32, true, false},
       {4, 66, 66, 128, 128, true, true, 2},
       {2, 70, 70, 64, 64, false, true, 0, 0.2},
-      {1, 9, 20, 96, 96, false, false}};
+      {1, 9, 20, 96, 96, false, false},
+      // The heads of a projection read and written where they lie.
+      {4, 70, 70, 64, 64, false, true, 2, 0.2, true},
+      {2, 9, 13, 6, 4, true, false, 0, 0.0, true}};
   for (const AttentionCase& a : cases) {
     const std::string what = fmt::format("n {} t {} s {} d {} dv {}{}{}", a.n, a.t, a.s, a.d, a.dv,
                                          a.padded   ? ", key padding"
                                          : a.masked ? ", masked"
                                                     : "",
                                          a.causal ? ", causal" : "") +
-                             (a.dropout > 0 ? fmt::format(", dropout {}", a.dropout) : "");
+                             (a.dropout > 0 ? fmt::format(", dropout {}", a.dropout) : "") +
+                             (a.in_place ? ", heads in place" : "");
     const Pair q = c.uniform({a.n, a.t, a.d}, -1.0, 1.0), k = c.uniform({a.n, a.s, a.d}, -1.0, 1.0),
                v = c.uniform({a.n, a.s, a.dv}, -1.0, 1.0);
     std::vector<bool> keep(static_cast<std::size_t>(a.n * a.t * a.s), true);
@@ -358,10 +387,14 @@ void attention(Context& c) {
       m = Context::view(mask, {a.n, 1, a.t, a.s}, Strides({a.t * a.s, a.t * a.s, a.s, 1})).tested;
     }
     const double scale = 1.0 / std::sqrt(static_cast<double>(a.d)) + 0.1;
-    const Pair out = c.output({a.n, a.t, a.dv}), lse = c.output({a.n, a.t}, stat);
+    const HeadsOutput out = heads_output(c, a.n, a.t, a.dv, a.in_place);
+    const Pair lse = c.output({a.n, a.t}, stat);
     const kernels::AttentionDropout dropout{a.dropout,
                                             0x5eed0000u + static_cast<std::uint64_t>(a.t)};
-    forward(q.tested, k.tested, v.tested, m, a.causal, scale, dropout, out.tested, lse.tested);
+    // The operands as the kernels take them.
+    const Tensor oq = as_projection(q.tested, a.in_place), ok = as_projection(k.tested, a.in_place),
+                 ov = as_projection(v.tested, a.in_place);
+    forward(oq, ok, ov, m, a.causal, scale, dropout, out.kernel, lse.tested);
     // Dropout's factor Z of each weight (kernels.h), from the same hash.
     const std::uint32_t threshold = dropout_threshold(a.dropout);
     const auto z = [&](int64_t h, int64_t i, int64_t j) {
@@ -406,19 +439,20 @@ void attention(Context& c) {
       }
     const double terms = static_cast<double>(a.s + a.d + a.dv);
     if (!backward) {
-      c.expect_close(what + ", out", out.tested, from_vector(ref_out, {a.n, a.t, a.dv}, kFloat64),
+      c.expect_close(what + ", out", out.read(), from_vector(ref_out, {a.n, a.t, a.dv}, kFloat64),
                      Scale{terms, 0.0});
       c.expect_close(what + ", lse", lse.tested, from_vector(ref_lse, {a.n, a.t}, kFloat64),
                      Scale{terms, 0.0});
       continue;
     }
     const Pair dout = c.uniform({a.n, a.t, a.dv}, -1.0, 1.0);
-    const Pair dq = c.output({a.n, a.t, a.d}), dk = c.output({a.n, a.s, a.d}),
-               dv = c.output({a.n, a.s, a.dv});
-    tested_kernel<kernels::AttentionBackwardFn>(c)(q.tested, k.tested, v.tested, m, a.causal, scale,
-                                                   dropout, out.tested, lse.tested, dout.tested,
-                                                   dq.tested, dk.tested, dv.tested);
-    const auto given_out = out.tested.to(kFloat64).to_vector<double>();
+    const HeadsOutput dq = heads_output(c, a.n, a.t, a.d, a.in_place),
+                      dk = heads_output(c, a.n, a.s, a.d, a.in_place),
+                      dv = heads_output(c, a.n, a.s, a.dv, a.in_place);
+    tested_kernel<kernels::AttentionBackwardFn>(c)(
+        oq, ok, ov, m, a.causal, scale, dropout, out.kernel, lse.tested,
+        as_projection(dout.tested, a.in_place), dq.kernel, dk.kernel, dv.kernel);
+    const auto given_out = out.read().to(kFloat64).to_vector<double>();
     const auto given_lse = lse.tested.to(kFloat64).to_vector<double>();
     const auto gv = dout.ref.to_vector<double>();
     std::vector<double> rq(static_cast<std::size_t>(a.n * a.t * a.d), 0.0),
@@ -451,11 +485,11 @@ void attention(Context& c) {
         }
       }
     const double grad_terms = terms * static_cast<double>(std::max(a.t, a.s));
-    c.expect_close(what + ", dq", dq.tested, from_vector(rq, {a.n, a.t, a.d}, kFloat64),
+    c.expect_close(what + ", dq", dq.read(), from_vector(rq, {a.n, a.t, a.d}, kFloat64),
                    Scale{grad_terms, 0.0});
-    c.expect_close(what + ", dk", dk.tested, from_vector(rk, {a.n, a.s, a.d}, kFloat64),
+    c.expect_close(what + ", dk", dk.read(), from_vector(rk, {a.n, a.s, a.d}, kFloat64),
                    Scale{grad_terms, 0.0});
-    c.expect_close(what + ", dv", dv.tested, from_vector(rv, {a.n, a.s, a.dv}, kFloat64),
+    c.expect_close(what + ", dv", dv.read(), from_vector(rv, {a.n, a.s, a.dv}, kFloat64),
                    Scale{grad_terms, 0.0});
   }
 }

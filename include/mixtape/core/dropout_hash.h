@@ -8,10 +8,12 @@
 
 #include <cstdint>
 
+#ifndef MIXTAPE_HOST_DEVICE
 #if defined(__CUDACC__)
 #define MIXTAPE_HOST_DEVICE __host__ __device__
 #else
 #define MIXTAPE_HOST_DEVICE
+#endif
 #endif
 
 namespace mixtape {

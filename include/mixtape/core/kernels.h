@@ -68,16 +68,19 @@ using RowFn = void(const Tensor& x, const Tensor& out);
 // undefined (nothing masked). Computed in float32 (float64 for float64), the row maximum
 // subtracted first; masked values are never read (a NaN there changes nothing).
 using MaskedSoftmaxFn = void(const Tensor& x, const Tensor& mask, double scale, const Tensor& out);
-// attention, fused: for each of n heads (q [n, t, d], k [n, s, d], v [n, s, dv], contiguous,
-// of one dtype), out [n, t, dv] (that dtype) = P v with P = the softmax over each row of
-// scale * q k^T, over the keys the row attends, and lse [n, t] the log-sum-exp of those
-// scaled logits (float64 for float64, float32 otherwise; -inf, and an output row of 0, for
-// a row that attends nothing). Row i of head h attends key j when the mask keeps it (nonzero:
-// attend) and, when causal, j <= i. The mask is undefined or a bool view [n1, n2, t, s] with
-// n1 n2 = n, any strides on its first three axes (0 where it is broadcast: a key-padding mask
-// [batch, 1, 1, s] is read as it is, never made [n, t, s]) and stride 1 along s; head h reads
-// mask[h / n2, h % n2]. No [t, s] matrix needs to be made: the kernels work in tiles with an
-// online softmax (FlashAttention-2).
+// attention, fused: for each of n heads (q [n, t, d], k [n, s, d], v [n, s, dv], of one
+// dtype), out [n, t, dv] (that dtype) = P v with P = the softmax over each row of scale * q
+// k^T, over the keys the row attends, and lse [n, t] (contiguous) the log-sum-exp of those
+// scaled logits (float64 for float64, float32 otherwise; -inf, and an output row of 0, for a
+// row that attends nothing). q, k, v and out (and the backward pass's dout, dq, dk and dv) are
+// each [n, rows, width] contiguous or a view [n1, n2, rows, width] with n1 n2 = n, any strides
+// on its first three axes and stride 1 along the last, head h being [h / n2, h % n2]
+// (mixtape/core/head_rows.h): the heads of a [batch, positions, heads, width] projection are
+// read and written where they lie. Outputs overlap nothing. Row i of head h attends key j when
+// the mask keeps it (nonzero: attend) and, when causal, j <= i. The mask is undefined or a
+// bool view [n1, n2, t, s] of the same kind (strides 0 where it is broadcast: a key-padding
+// mask [batch, 1, 1, s] is read as it is, never made [n, t, s]). No [t, s] matrix needs to be
+// made: the kernels work in tiles with an online softmax (FlashAttention-2).
 // Dropout on the weights (dropout.rate in (0, 1)): out = (P o Z) v with Z_hij = 1 / (1 - rate)
 // where dropout_keeps(seed, (h t + i) s + j, dropout_threshold(rate)) (mixtape/core/
 // dropout_hash.h) and 0 elsewhere; lse stays P's. The backward pass finds Z again: dV =
