@@ -1,7 +1,10 @@
 // The fused unscale + non-finite check, and gradient clipping.
 #include "optim/optim_util.h"
 
+#include <fmt/format.h>
+
 #include <map>
+#include <optional>
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
@@ -96,21 +99,48 @@ void clip(std::vector<Tensor>& grads, const Clipping& c) {
       g = cast(cast(g, factor.dtype()) * factor, g.dtype());
     }
   } else {
-    Tensor total;
-    for (const auto& g : grads) {
-      if (!g.defined()) continue;
-      const Tensor s = cast(squared_norm(g), kFloat64);
-      total = total.defined() ? total + s : s;
-    }
-    if (!total.defined()) return;
-    const Tensor norm = sqrt(total);
-    const Tensor factor = full({}, *c.global_clipnorm, kFloat64, norm.device()) /
-                          maximum(norm, full({}, *c.global_clipnorm, kFloat64, norm.device()));
-    for (auto& g : grads) {
-      if (!g.defined()) continue;
-      const DType wide = g.dtype() == kFloat64 ? kFloat64 : kFloat32;
-      g = cast(cast(g, wide) * cast(factor, wide), g.dtype());
-    }
+    clip_by_global_norm(grads, *c.global_clipnorm);
+  }
+}
+
+void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm) {
+  NoGradGuard no_grad;
+  // The gradients by dtype, in their order (one kernel call per dtype); all on one device.
+  std::map<int, std::vector<std::size_t>> by_dtype;
+  std::optional<Device> device;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    if (device && grads[i].device() != *device)
+      throw DeviceError(fmt::format(
+          "global_clipnorm: the gradients are on more than one device ({} and {}); the global "
+          "norm needs them on one",
+          *device, grads[i].device()));
+    device = grads[i].device();
+    by_dtype[grads[i].dtype().index()].push_back(i);
+  }
+  if (!device) return;
+  for (auto& g : grads)
+    if (g.defined()) g = contiguous(g);
+  const auto list = [&](const std::vector<std::size_t>& at) {
+    std::vector<Tensor> xs;
+    for (const std::size_t i : at) xs.push_back(grads[i]);
+    return xs;
+  };
+  // The norm on the device (no host read): the squares of every gradient summed in float64.
+  const Tensor total = zeros({}, kFloat64, *device);
+  for (const auto& [code, at] : by_dtype)
+    find_kernel<kernels::SumSquaresFn>(OpId::sum_squares, device->type(),
+                                       DType(static_cast<DType::Code>(code)))(list(at), total);
+  // factor = clipnorm / max(norm, clipnorm): 1 below the threshold.
+  const Tensor limit = full({}, clipnorm, kFloat64, *device);
+  const Tensor factor = limit / maximum(sqrt(total), limit);
+  for (const auto& [code, at] : by_dtype) {
+    const std::vector<Tensor> xs = list(at);
+    std::vector<Tensor> outs;
+    for (const Tensor& x : xs) outs.push_back(Tensor::empty(x.shape(), x.dtype(), *device));
+    find_kernel<kernels::ScaleListFn>(OpId::scale_list, device->type(),
+                                      DType(static_cast<DType::Code>(code)))(xs, outs, factor);
+    for (std::size_t k = 0; k < at.size(); ++k) grads[at[k]] = outs[k];
   }
 }
 

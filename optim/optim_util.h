@@ -42,4 +42,10 @@ std::optional<std::size_t> first_nonfinite(const std::vector<Tensor>& grads);
 // Clips the defined gradients in place as `clipping` says (no-op when nothing is set).
 void clip(std::vector<Tensor>& grads, const Clipping& clipping);
 
+// global_clipnorm: every defined gradient (all on one device) times clipnorm / max(norm,
+// clipnorm), norm the L2 norm of all of them together, summed in float64 (kernels.h's
+// sum_squares) and kept on the device; one sum_squares and one scale_list call per dtype,
+// whatever the number of gradients. The gradients are replaced, not written to.
+void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm);
+
 }  // namespace mixtape::optim

@@ -204,6 +204,42 @@ TEST_CASE("optim: clipping by value, by norm and by global norm", "[optim]") {
   CHECK_THROWS_AS(mo::SGD({.clipping = {.clipnorm = -1.0}}), mt::ValueError);
 }
 
+TEST_CASE("optim: global_clipnorm over gradients of several dtypes and sizes", "[optim]") {
+  // Many gradients (more than the CUDA kernels' 128 a launch), float32, bfloat16 and float64
+  // together: each step is -g * clipnorm / norm, norm the float64 L2 norm of them all (the
+  // squares summed in float64); the gradients given are not written to.
+  mt::manual_seed(3);
+  std::vector<mt::Tensor> grads;
+  std::vector<mt::Variable> vars;
+  double squares = 0.0;
+  for (int i = 0; i < 150; ++i) {
+    const mt::DType dt = i % 3 == 0 ? mt::kFloat32 : i % 3 == 1 ? mt::kBFloat16 : mt::kFloat64;
+    const mt::Tensor g = mt::uniform({1 + i % 7, 3}, -2.0, 2.0).to(dt);
+    for (const double v : values(g)) squares += v * v;
+    grads.push_back(g);
+    vars.emplace_back(mt::zeros(g.shape(), dt), fmt::format("v{}", i));
+  }
+  std::vector<std::vector<double>> given;
+  for (const auto& g : grads) given.push_back(values(g));
+  const double clipnorm = 0.75, factor = clipnorm / std::sqrt(squares);
+  mo::SGD sgd({.learning_rate = 1.0, .clipping = {.global_clipnorm = clipnorm}});
+  sgd.apply_gradients(grads, vars);
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    INFO("gradient " << i << " in " << grads[i].dtype().name());
+    CHECK(values(grads[i]) == given[i]);
+    std::vector<double> want = given[i];
+    for (double& w : want) w *= -factor;
+    // The product in float32 rounded to the dtype (float64 for float64).
+    const double tol = grads[i].dtype() == mt::kBFloat16 ? 8e-3 : 1e-6;
+    check_close(values(vars[i]), want, tol);
+  }
+  // Below the threshold nothing changes: the factor is exactly 1.
+  mo::SGD loose({.learning_rate = 1.0, .clipping = {.global_clipnorm = 1e6}});
+  mt::Variable w(vec({0.0, 0.0}, mt::kBFloat16), "w");
+  loose.apply_gradients({vec({0.3, -1.7}, mt::kBFloat16)}, {w});
+  CHECK(values(w) == values(mt::neg(vec({0.3, -1.7}, mt::kBFloat16))));
+}
+
 TEST_CASE("optim: slots are float32 for float32 and 16-bit variables, float64 for float64",
           "[optim]") {
   for (mt::DType dt : {mt::kFloat32, mt::kFloat16, mt::kBFloat16, mt::kFloat64}) {

@@ -1,6 +1,7 @@
 // CPU training kernels: unscale_check (multiply gradients by the loss-scale inverse and
-// look for non-finite values in the same pass) and the in-place optimizer updates
-// sgd_update, rmsprop_update and adam_update (see kernels.h for their exact semantics).
+// look for non-finite values in the same pass), global-norm clipping's sum_squares and
+// scale_list, and the in-place optimizer updates sgd_update, rmsprop_update and adam_update
+// (see kernels.h for their exact semantics).
 //
 // Every kernel walks its tensors in blocks of kBlock elements with parallel_blocks (one
 // thread up to kParallelGrain elements). float32 and float64 blocks are updated in place
@@ -155,6 +156,66 @@ void unscale_check_kernel(const std::vector<Tensor>& grads, const std::vector<Te
     found = found || f;
   }
   if (found) *static_cast<float*>(found_nonfinite.data_ptr()) = 1.0f;
+}
+
+// --- sum_squares and scale_list (global-norm clipping) -----------------------------------
+
+// x[i] widened: float32 values as they are (float64 for float64).
+template <typename T>
+inline compute_t<T> widen(T x) {
+  return static_cast<compute_t<T>>(x);
+}
+
+// The squares of every tensor summed in float64 a block of kBlock elements at a time (the
+// blocks in parallel), the blocks' sums then added in order: the order depends on the sizes
+// alone, not on the threads.
+template <typename T>
+void sum_squares_kernel(const std::vector<Tensor>& xs, const Tensor& out) {
+  double total = 0.0;
+  std::vector<double> parts;
+  for (const Tensor& x_t : xs) {
+    const T* x = static_cast<const T*>(x_t.const_data_ptr());
+    const int64_t n = x_t.numel();
+    parts.assign(static_cast<std::size_t>((n + kBlock - 1) / kBlock), 0.0);
+    parallel_blocks(n, [&](int64_t b, int64_t e) {
+      // kLanes running sums (element i into sum i % kLanes), added in order at the end: the
+      // lanes vectorise without reassociating anything.
+      constexpr int kLanes = 8;
+      double lanes[kLanes] = {};
+      int64_t i = b;
+      for (; i + kLanes <= e; i += kLanes)
+        for (int k = 0; k < kLanes; ++k) {
+          const auto v = static_cast<double>(widen(x[i + k]));
+          lanes[k] += v * v;
+        }
+      for (int k = 0; i < e; ++i, ++k) {
+        const auto v = static_cast<double>(widen(x[i]));
+        lanes[k] += v * v;
+      }
+      double sum = 0.0;
+      for (const double l : lanes) sum += l;
+      parts[static_cast<std::size_t>(b / kBlock)] = sum;
+    });
+    for (const double p : parts) total += p;
+  }
+  *static_cast<double*>(out.data_ptr()) += total;
+}
+
+// outs[i] = xs[i] * factor, in the compute type, rounded once to T.
+template <typename T>
+void scale_list_kernel(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs,
+                       const Tensor& factor_t) {
+  using C = compute_t<T>;
+  const auto factor = static_cast<C>(*static_cast<const double*>(factor_t.const_data_ptr()));
+  for (std::size_t t = 0; t < xs.size(); ++t) {
+    const T* x = static_cast<const T*>(xs[t].const_data_ptr());
+    T* y = static_cast<T*>(outs[t].data_ptr());
+    parallel_blocks(xs[t].numel(), [&](int64_t b, int64_t e) {
+      C buf[kBlock];
+      for (int64_t i = b; i < e; ++i) buf[i - b] = widen(x[i]) * factor;
+      from_compute(buf, y + b, e - b);
+    });
+  }
 }
 
 // --- Optimizer updates -------------------------------------------------------------------
@@ -414,6 +475,8 @@ void adam_kernel(std::span<const OptimizerUpdate> updates) {
 
 void register_optim_kernels() {
   MIXTAPE_CPU_KERNEL(unscale_check, unscale_check_kernel);
+  MIXTAPE_CPU_KERNEL(sum_squares, sum_squares_kernel);
+  MIXTAPE_CPU_KERNEL(scale_list, scale_list_kernel);
   MIXTAPE_CPU_KERNEL(sgd_update, sgd_kernel);
   MIXTAPE_CPU_KERNEL(rmsprop_update, rmsprop_kernel);
   MIXTAPE_CPU_KERNEL(adam_update, adam_kernel);

@@ -1,7 +1,8 @@
-// CUDA training kernels: unscale_check and the in-place optimizer updates sgd_update,
-// rmsprop_update and adam_update, for float32, float16, bfloat16 and float64 variables
-// (slots float32, float64 for float64), with the CPU backend's exact arithmetic
-// (backends/cpu/optim.cpp):
+// CUDA training kernels: unscale_check, global-norm clipping's sum_squares and scale_list,
+// and the in-place optimizer updates sgd_update, rmsprop_update and adam_update, for float32,
+// float16, bfloat16 and float64 variables (slots float32, float64 for float64), with the CPU
+// backend's exact arithmetic (backends/cpu/optim.cpp; sum_squares adds in an order of its own,
+// fixed by the sizes):
 //  - the update math runs in the slot type, operation by operation as the CPU writes it,
 //    with the round-to-nearest intrinsics (__fmul_rn, __dadd_rn, ...) so that nvcc does not
 //    contract a * b + c into an FMA: the results are the CPU's, bit for bit, where the CPU
@@ -22,6 +23,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/warp.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -108,6 +110,119 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
     const bool has_out = i < outs.size() && outs[i].defined();
     list.in[list.count] = grads[i].const_data_ptr();
     list.out[list.count] = has_out ? outs[i].data_ptr() : nullptr;
+    list.n[list.count] = n;
+    ++list.count;
+    total += n;
+    if (list.count == kUnscaleChunk) launch();
+  }
+  launch();
+}
+
+// --- sum_squares and scale_list (global-norm clipping) -------------------------------------
+// The tensors of a call go in chunks of kUnscaleChunk, pointers and sizes as a kernel
+// parameter. sum_squares: a fixed grid of kSquareBlocks blocks per chunk, every thread
+// summing its grid-stride elements' squares in float64, each block's sum (a tree over its
+// threads) written to a partial; one block then adds the partials in order to out. The grid
+// and the orders depend on the sizes alone: the same bits on every run.
+
+constexpr int kSquareBlocks = 256;
+
+struct SquareList {
+  const void* in[kUnscaleChunk];
+  int64_t n[kUnscaleChunk];
+  int count;
+};
+
+// The sum of v over the block's kThreads threads, in a fixed tree order; thread 0 gets it.
+__device__ double block_sum(double v) {
+  __shared__ double lanes[kThreads / kWarp];
+  v = warp_sum(v);
+  if (threadIdx.x % kWarp == 0) lanes[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kThreads / kWarp; ++w) total += lanes[w];
+  return total;
+}
+
+template <typename T>
+__global__ void sum_squares_kernel(SquareList list, double* partials) {
+  double sum = 0.0;
+  for (int t = 0; t < list.count; ++t) {
+    const T* x = static_cast<const T*>(list.in[t]);
+    MIXTAPE_GRID_LOOP(i, list.n[t]) {
+      const auto v = static_cast<double>(load(x[i]));
+      sum = __dadd_rn(sum, __dmul_rn(v, v));
+    }
+  }
+  const double block = block_sum(sum);
+  if (threadIdx.x == 0) partials[blockIdx.x] = block;
+}
+
+// *out += partials[0] + partials[1] + ... (count of them), one block.
+__global__ void add_partials_kernel(const double* partials, int64_t count, double* out) {
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) sum = __dadd_rn(sum, partials[i]);
+  const double total = block_sum(sum);
+  if (threadIdx.x == 0) *out = __dadd_rn(*out, total);
+}
+
+template <typename T>
+void sum_squares_host(const std::vector<Tensor>& xs, const Tensor& out) {
+  std::vector<SquareList> chunks(1);
+  for (const Tensor& x : xs) {
+    if (x.numel() == 0) continue;
+    if (chunks.back().count == kUnscaleChunk) chunks.emplace_back();
+    SquareList& c = chunks.back();
+    c.in[c.count] = x.const_data_ptr();
+    c.n[c.count] = x.numel();
+    ++c.count;
+  }
+  if (chunks.front().count == 0) return;
+  OnDevice on(out);
+  const auto blocks = static_cast<int64_t>(chunks.size()) * kSquareBlocks;
+  Workspace partials(static_cast<std::size_t>(blocks) * sizeof(double), on.index);
+  auto* p = static_cast<double*>(partials.data());
+  for (std::size_t c = 0; c < chunks.size(); ++c) {
+    sum_squares_kernel<T><<<kSquareBlocks, kThreads, 0, on.s>>>(
+        chunks[c], p + static_cast<int64_t>(c) * kSquareBlocks);
+    MIXTAPE_CUDA_CHECK_LAUNCH("sum_squares kernel");
+  }
+  add_partials_kernel<<<1, kThreads, 0, on.s>>>(p, blocks, static_cast<double*>(out.data_ptr()));
+  MIXTAPE_CUDA_CHECK_LAUNCH("sum_squares total kernel");
+}
+
+// outs[i] = xs[i] * factor in the compute type (the factor rounded to it), rounded once to T.
+template <typename T>
+__global__ void scale_list_kernel(UnscaleList list, const double* factor_p) {
+  using C = compute_of<T>;
+  const auto factor = static_cast<C>(*factor_p);
+  for (int t = 0; t < list.count; ++t) {
+    const T* x = static_cast<const T*>(list.in[t]);
+    T* y = static_cast<T*>(list.out[t]);
+    MIXTAPE_GRID_LOOP(i, list.n[t]) { y[i] = store<T>(mul_rn(static_cast<C>(load(x[i])), factor)); }
+  }
+}
+
+template <typename T>
+void scale_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs,
+                     const Tensor& factor) {
+  if (xs.empty()) return;
+  OnDevice on(factor);
+  const auto* f = static_cast<const double*>(factor.const_data_ptr());
+  UnscaleList list{};
+  int64_t total = 0;
+  auto launch = [&]() {
+    if (list.count == 0) return;
+    launch_1d({"scale_list kernel", total, on.s}, scale_list_kernel<T>, list, f);
+    list = UnscaleList{};
+    total = 0;
+  };
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const int64_t n = xs[i].numel();
+    if (n == 0) continue;
+    list.in[list.count] = xs[i].const_data_ptr();
+    list.out[list.count] = outs[i].data_ptr();
     list.n[list.count] = n;
     ++list.count;
     total += n;
@@ -346,6 +461,8 @@ void adam_host(std::span<const OptimizerUpdate> updates) {
 
 void register_optim_kernels() {
   MIXTAPE_CUDA_KERNEL(unscale_check, unscale_check_host);
+  MIXTAPE_CUDA_KERNEL(sum_squares, sum_squares_host);
+  MIXTAPE_CUDA_KERNEL(scale_list, scale_list_host);
   MIXTAPE_CUDA_KERNEL(sgd_update, sgd_host);
   MIXTAPE_CUDA_KERNEL(rmsprop_update, rmsprop_host);
   MIXTAPE_CUDA_KERNEL(adam_update, adam_host);

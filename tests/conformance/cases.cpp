@@ -1072,6 +1072,58 @@ void unscale_check(Context& c) {
   }
 }
 
+// Global-norm clipping's kernels over lists that cross the CUDA backend's chunks of 128
+// tensors and its blocks: sum_squares against float64 sums of the stored values (added to an
+// out that is not 0, and the same bits when called again), scale_list against the float64
+// products, in place and into separate outputs.
+void clip_lists(Context& c) {
+  const bool squares = is(c, "SumSquaresFn");
+  const std::vector<std::vector<Shape>> cases{
+      {{7}, {3, 5}, {0}, {1031}}, {{70001}, {4}}, std::vector<Shape>(130, Shape{33}), {{1}}};
+  int number = 0;
+  for (const auto& shapes : cases) {
+    std::vector<Tensor> xs, ref_xs;
+    for (const Shape& shape : shapes) {
+      const Pair x = c.uniform(shape, -3.0, 3.0);
+      xs.push_back(x.tested);
+      ref_xs.push_back(x.ref);
+    }
+    const std::string what = fmt::format("case {} ({} tensors)", number++, shapes.size());
+    if (squares) {
+      double sum = 0.5, terms = 1;
+      for (const Tensor& r : ref_xs)
+        for (const double v : r.to_vector<double>()) sum += v * v, ++terms;
+      const auto out = [&] {
+        return c
+            .make(
+                {}, [] { return 0.5; }, kFloat64)
+            .tested;
+      };
+      const Tensor first = out(), again = out();
+      tested_kernel<kernels::SumSquaresFn>(c)(xs, first);
+      tested_kernel<kernels::SumSquaresFn>(c)(xs, again);
+      c.expect_close(what, first, from_vector(std::vector<double>{sum}, {}, kFloat64),
+                     Scale{terms, 0.0});
+      c.expect_equal(what + ", called again", again, first);
+      continue;
+    }
+    const double f = 0.3 + c.uniform(0.0, 1.0);
+    const Tensor factor = c.make(
+                               {}, [f] { return f; }, kFloat64)
+                              .tested;
+    std::vector<Tensor> outs, refs;
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      outs.push_back(i % 2 == 0 ? xs[i] : c.output(xs[i].shape()).tested);  // in place, or not
+      std::vector<double> v = ref_xs[i].to_vector<double>();
+      for (double& e : v) e *= f;
+      refs.push_back(from_vector(v, ref_xs[i].shape(), kFloat64));
+    }
+    tested_kernel<kernels::ScaleListFn>(c)(xs, outs, factor);
+    for (std::size_t i = 0; i < outs.size(); ++i)
+      c.expect_close(what + fmt::format(", tensor {}", i), outs[i], refs[i]);
+  }
+}
+
 void optimizer(Context& c) {
   auto* fn = tested_kernel<kernels::OptimizerUpdateFn>(c);
   auto* ref = reference_kernel<kernels::OptimizerUpdateFn>(c);
@@ -1286,6 +1338,7 @@ Driver driver_for(OpId op) {
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;
   if (k == "Pool2dFn" || k == "Pool2dBackwardFn") return pool;
   if (k == "UnscaleCheckFn") return unscale_check;
+  if (k == "SumSquaresFn" || k == "ScaleListFn") return clip_lists;
   if (k == "OptimizerUpdateFn") return optimizer;
   if (k == "CopyFn") return copy;
   if (k == "FillFn") return fill;

@@ -279,6 +279,20 @@ using IndexAddFn = void(const Tensor& src, const Tensor& index, std::int64_t out
 using UnscaleCheckFn = void(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
                             double scale, const Tensor& found_nonfinite);
 
+// sum_squares: out (a float64 scalar on xs' device, added to, not cleared) += the sum over
+// every xs[i] (contiguous, the dtype the kernel is keyed on) of its elements squared, each
+// widened to float64 (exact: the square of a float32 value is exact in float64), the squares
+// summed in float64 in an order fixed by the sizes alone (the same bits on every run, however
+// many threads). One call per dtype gives global-norm clipping its norm in one pass over all
+// gradients, with no host read.
+using SumSquaresFn = void(const std::vector<Tensor>& xs, const Tensor& out);
+// scale_list: for each i, outs[i] = xs[i] * factor (contiguous, the same shape and the dtype
+// the kernel is keyed on; outs[i] may be xs[i]), factor a float64 scalar on their device, read
+// there: rounded to the compute type (float32; float64 for float64), the product in it, rounded
+// once to the dtype. Global-norm clipping's scaling of every gradient in one call per dtype.
+using ScaleListFn = void(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs,
+                         const Tensor& factor);
+
 // Optimizer updates, in place, for a list of variables in one call (on a GPU, a launch per
 // few dozen variables instead of one each): every OptimizerUpdate of a call has the same
 // variable dtype (the one the kernel is keyed on), device, scalars (lr ... amsgrad, step) and
