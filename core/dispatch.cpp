@@ -1,8 +1,10 @@
 // The kernel table: (op, device type, dtype) -> kernel.
 #include "mixtape/core/dispatch.h"
 
+#include <algorithm>
 #include <array>
 #include <typeindex>
+#include <vector>
 
 #include "core/registry_init.h"
 #include "mixtape/core/error.h"
@@ -10,6 +12,9 @@
 
 namespace mixtape {
 namespace {
+
+// The calling thread's innermost KernelCensus, if any.
+thread_local KernelCensus* t_census = nullptr;
 
 constexpr std::size_t kOps = static_cast<std::size_t>(OpId::kCount);
 
@@ -72,6 +77,7 @@ void register_kernel(OpId op, DeviceType device, DType dtype, AnyKernel fn,
 
 AnyKernel lookup_kernel(OpId op, DeviceType device, DType dtype, const std::type_info& signature) {
   ensure_backends();
+  count_dispatch(op);
   const auto& e =
       table()[static_cast<std::size_t>(op)][static_cast<std::size_t>(device)][dtype.index()];
   if (!e.fn)
@@ -128,6 +134,35 @@ std::string kernel_table() {
                          registered_dtypes(static_cast<OpId>(op), dev));
     }
   }
+  return out;
+}
+
+// --- KernelCensus ---------------------------------------------------------------------------
+
+void detail::count_dispatch(OpId op) {
+  if (t_census) ++t_census->counts_[static_cast<std::size_t>(op)];
+}
+
+KernelCensus::KernelCensus() : outer_(t_census) { t_census = this; }
+
+KernelCensus::~KernelCensus() { t_census = outer_; }
+
+std::int64_t KernelCensus::total() const {
+  std::int64_t sum = 0;
+  for (const std::int64_t c : counts_) sum += c;
+  return sum;
+}
+
+std::string KernelCensus::table() const {
+  std::vector<std::size_t> ops;
+  for (std::size_t i = 0; i < kOps; ++i)
+    if (counts_[i] > 0) ops.push_back(i);
+  std::stable_sort(ops.begin(), ops.end(),
+                   [this](std::size_t a, std::size_t b) { return counts_[a] > counts_[b]; });
+  std::string out;
+  for (const std::size_t i : ops)
+    out += fmt::format("{:<32} {:>8}\n", detail::kOpInfos[i].name, counts_[i]);
+  out += fmt::format("{:<32} {:>8}\n", "total", total());
   return out;
 }
 

@@ -5,10 +5,13 @@
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <numeric>
 #include <set>
 #include <span>
+#include <tuple>
 #include <type_traits>
 
 #include "mixtape/autograd/autocast.h"
@@ -218,18 +221,29 @@ class UpdateBatch {
     ops_.push_back(op);
     updates_.push_back(std::move(u));
   }
-  // Runs the queued updates (in order) and keeps the 16-bit copies they wrote.
+  // Runs the queued updates, every group of the same op, device and dtype in one call
+  // whatever the order they came in (the updates are independent of one another; a model
+  // whose variables alternate dtypes still costs a call per dtype), and keeps the 16-bit
+  // copies they wrote.
   void flush() {
-    for (std::size_t i = 0; i < updates_.size();) {
-      const kernels::OptimizerUpdate& first = updates_[i];
-      std::size_t j = i + 1;
-      while (j < updates_.size() && ops_[j] == ops_[i] &&
-             updates_[j].var.device() == first.var.device() &&
-             updates_[j].var.dtype() == first.var.dtype())
-        ++j;
-      find_kernel<kernels::OptimizerUpdateFn>(
-          ops_[i], first.var.device().type(),
-          first.var.dtype())(std::span<const kernels::OptimizerUpdate>(updates_.data() + i, j - i));
+    const auto key = [this](std::size_t i) {
+      const Device d = updates_[i].var.device();
+      return std::tuple(ops_[i], static_cast<int>(d.type()), d.index(),
+                        updates_[i].var.dtype().index());
+    };
+    std::vector<std::size_t> order(updates_.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return key(a) < key(b); });
+    std::vector<kernels::OptimizerUpdate> group;
+    for (std::size_t i = 0; i < order.size();) {
+      std::size_t j = i;
+      group.clear();
+      for (; j < order.size() && key(order[j]) == key(order[i]); ++j)
+        group.push_back(updates_[order[j]]);
+      const kernels::OptimizerUpdate& first = group.front();
+      find_kernel<kernels::OptimizerUpdateFn>(ops_[order[i]], first.var.device().type(),
+                                              first.var.dtype())(group);
       i = j;
     }
     for (const auto& u : updates_)

@@ -240,6 +240,41 @@ TEST_CASE("optim: global_clipnorm over gradients of several dtypes and sizes", "
   CHECK(values(w) == values(mt::neg(vec({0.3, -1.7}, mt::kBFloat16))));
 }
 
+TEST_CASE(
+    "optim: a steady AdamW step with global_clipnorm dispatches the same kernels for "
+    "any number of variables",
+    "[optim][census]") {
+  // The kernels of the second step (the first makes the slots), counted on the host: the
+  // clipping and the updates are a few calls per dtype, never one per variable (on a GPU each
+  // call is a launch; kernels.h's list kernels take every variable of a dtype).
+  const auto census_of_step = [](int count) {
+    std::vector<mt::Tensor> grads;
+    std::vector<mt::Variable> vars;
+    for (int i = 0; i < count; ++i) {
+      const mt::DType dt = i % 3 == 0 ? mt::kFloat32 : i % 3 == 1 ? mt::kBFloat16 : mt::kFloat64;
+      grads.push_back(mt::uniform({2 + i % 5}, -1.0, 1.0).to(dt));
+      vars.emplace_back(mt::zeros({2 + i % 5}, dt), fmt::format("v{}", i));
+    }
+    mo::AdamW adamw({.clipping = {.global_clipnorm = 0.5}});
+    adamw.apply_gradients(grads, vars);
+    mt::KernelCensus census;
+    adamw.apply_gradients(grads, vars);
+    return census.table();
+  };
+  const std::string small = census_of_step(30), large = census_of_step(300);
+  INFO("30 variables:\n" << small << "300 variables:\n" << large);
+  CHECK(small == large);
+  // Two dtypes: a sum_squares and a scale_list call each.
+  mo::SGD sgd({.clipping = {.global_clipnorm = 1.0}});
+  mt::Variable a(vec({0.0, 0.0}), "a"), b(vec({0.0}, mt::kBFloat16), "b");
+  const std::vector<mt::Tensor> grads{vec({3.0, 4.0}), vec({1.0}, mt::kBFloat16)};
+  mt::KernelCensus census;
+  sgd.apply_gradients(grads, {a, b});
+  CHECK(census.count(mt::OpId::sum_squares) == 2);
+  CHECK(census.count(mt::OpId::scale_list) == 2);
+  CHECK(census.count(mt::OpId::sgd_update) == 2);
+}
+
 TEST_CASE("optim: slots are float32 for float32 and 16-bit variables, float64 for float64",
           "[optim]") {
   for (mt::DType dt : {mt::kFloat32, mt::kFloat16, mt::kBFloat16, mt::kFloat64}) {

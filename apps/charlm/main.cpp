@@ -81,6 +81,7 @@ struct Options {
   double temperature = 0.8;
   std::int64_t top_k = 20;
   std::string save, resume, export_onnx;
+  bool kernel_census = false;
 };
 
 // The step a checkpoint was saved at: a whole number >= 0 (a file is untrusted input).
@@ -571,12 +572,20 @@ Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t
     p.train_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - clock).count();
   };
+  // --kernel-census: the second step of the run (the first builds), or the only one.
+  const std::int64_t census_step = std::min(first_step + 1, o.steps - 1);
   for (std::int64_t step = first_step; step < o.steps; ++step) {
     if (lso && step == std::max<std::int64_t>(first_step, 100))
       skipped_before_100 = lso->skipped_steps();
+    std::optional<mt::KernelCensus> census;
+    if (o.kernel_census && step == census_step) census.emplace();
     const auto [x, y, share] = batches.next();
     if (dopt) dopt->set_gradient_weight(share);
     p.add(train_step(model, chain, vars, x, y), share);
+    if (census && root)
+      fmt::print("kernels dispatched by step {} ({} variables):\n{}", step + 1, vars.size(),
+                 census->table());
+    census.reset();
     if (step == first_step) {
       wait_for_device();
       clock = std::chrono::steady_clock::now();
@@ -767,6 +776,9 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--resume", o.resume, "continue from a file written by --save");
   app.add_option("--export-onnx", o.export_onnx,
                  "write the trained model to this file as ONNX (opset 17) at the end");
+  app.add_flag("--kernel-census", o.kernel_census,
+               "print the kernels one steady-state step dispatches, per op (a host-side "
+               "profile: on a GPU each is at least one launch)");
 }
 
 // --preset: the shape it names, in the options it sets; an option given with another value

@@ -3,6 +3,7 @@
 #   - training prints the loss, the tokens per second, the validation loss in bits per
 #     character and a sample; --save writes a model file;
 #   - mixed_float16 runs with its loss scale; --resume continues at the saved step;
+#   - --kernel-census prints the kernels of a step;
 #   - bad input, each a one-line error and a non-zero exit that leaves the saved file as it
 #     was: a missing file, an empty file, a binary file, a one-character vocabulary, a text
 #     shorter than the context, a checkpoint of another width, context or policy, an option out of
@@ -47,6 +48,11 @@ run_app(0 out ${tiny} --steps 20 --sample 0 --policy mixed_bfloat16)
 run_app(0 out ${tiny} --steps 4 --sample 5 --device cpu --peak-tflops 0.001)
 require("${out}" "; device cpu (MFU against 0.001 TFLOP/s)")
 require("${out}" "tokens/s  MFU ")
+# --kernel-census: the second step's kernels, per op (AdamW's one update call per dtype).
+run_app(0 out ${tiny} --steps 3 --sample 0 --kernel-census)
+require("${out}" "kernels dispatched by step 2 (")
+require("${out}" "adam_update                             1")
+require("${out}" "total ")
 
 run_app(0 out ${tiny} --steps 30 --sample 0 --resume ${WORK_DIR}/model.safetensors)
 require("${out}" "resumed from")

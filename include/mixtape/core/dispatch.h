@@ -81,4 +81,30 @@ Fn* find_kernel(OpId op, DeviceType device, DType dtype) {
 // have kernels.
 std::string kernel_table();
 
+namespace detail {
+void count_dispatch(OpId op);  // KernelCensus's count of a lookup
+}  // namespace detail
+
+// Counts, while it lives, the kernels the calling thread dispatches, per op (each lookup of
+// a kernel in the table; an op looks its kernel up once per call, and on a GPU each is at
+// least one launch): a host-side profile of what a training step runs, independent of the
+// device and of timing. Scopes nest; the innermost counts. Other threads are not counted.
+class KernelCensus {
+ public:
+  KernelCensus();
+  ~KernelCensus();
+  KernelCensus(const KernelCensus&) = delete;
+  KernelCensus& operator=(const KernelCensus&) = delete;
+
+  std::int64_t count(OpId op) const { return counts_[static_cast<std::size_t>(op)]; }
+  std::int64_t total() const;
+  // One line per op dispatched, the most frequent first ("adam_update 3"), and the total.
+  std::string table() const;
+
+ private:
+  friend void detail::count_dispatch(OpId op);
+  std::int64_t counts_[kOpCount] = {};
+  KernelCensus* outer_;
+};
+
 }  // namespace mixtape
