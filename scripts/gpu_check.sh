@@ -22,7 +22,8 @@
 #            6-layer shape (width 384, 6 heads, context 256, batch 64) under mixed_bfloat16,
 #            mixed_float16 and float32, the GPT-2-small body (--preset gpt2-small, batch 8)
 #            under mixed_bfloat16 and mixed_float16 (and once more under mixed_bfloat16 with
-#            MIXTAPE_CUDA_MMA_ATTENTION=0: the plain attention kernels, for comparison)
+#            MIXTAPE_CUDA_MMA_ATTENTION=0: the plain attention kernels, for comparison);
+#            gpt.log has each mixtape run's --kernel-census (the kernels of one step)
 #   gptcompile  PyTorch's torch.compile at both shapes under mixed_bfloat16 (one round; its
 #            compilation takes a minute or more a run, so it is not in the default steps)
 #            (GPT_DEVICE=cpu runs these two on the CPU: a dry run of the step itself)
@@ -202,7 +203,7 @@ gpt() {
   if [[ $framework == mixtape ]]; then
     with_peak_memory timeout 120 "$bundle/run.sh" mixtape-charlm --device "${GPT_DEVICE:-cuda}" \
       --text "$bundle/data/charlm.txt" --policy "$policy" --steps "$steps" --log-every "$steps" \
-      --eval-every 0 --sample 0 "$@" >"$out" 2>&1
+      --eval-every 0 --sample 0 --kernel-census "$@" >"$out" 2>&1
   else
     with_peak_memory timeout 300 python3 "$bundle/bench/charlm_reference.py" \
       --device "${GPT_DEVICE:-cuda}" \
