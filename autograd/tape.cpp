@@ -2,11 +2,18 @@
 #include "mixtape/autograd/tape.h"
 
 #include <algorithm>
+#include <map>
+#include <optional>
+#include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "autograd/op_util.h"
 #include "core/raw.h"
 #include "mixtape/autograd/ops.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/kernels.h"
 
 namespace mixtape {
 
@@ -20,6 +27,78 @@ struct Node {
   std::vector<DType> input_dtypes;
   std::uint64_t output_id;
   BackwardFn backward;
+};
+
+// The widening casts of sources' gradients, deferred and made together: a variable read
+// through a 16-bit copy (autocast) gets its gradient from a cast node's backward, a widening
+// cast each (on a GPU, a launch per variable and step); these are instead collected and
+// widened with one cast_list call per (device, dtype pair) when the walk ends. A source with a
+// deferred cast keeps every contribution to its gradient in order, added in that order once
+// widened: the bits of the cast-by-cast walk (widening is exact).
+class WideningCasts {
+ public:
+  // Whether the gradient g of a cast node's output, for a source of dtype `to`, widens.
+  static bool widens(const Tensor& g, DType to) {
+    const DType from = g.dtype();
+    return (to == kFloat32 && (from == kFloat16 || from == kBFloat16)) ||
+           (to == kFloat64 && from.is_floating() && from != kFloat64);
+  }
+  bool holds(std::uint64_t id) const { return parts_.count(id) > 0; }
+  // g, to be widened to `to`, for source id; what grads holds for it so far goes first.
+  void defer(std::uint64_t id, const Tensor& g, DType to,
+             std::unordered_map<std::uint64_t, Tensor>& grads) {
+    auto [it, first] = parts_.try_emplace(id);
+    if (first) {
+      order_.push_back(id);
+      if (auto held = grads.find(id); held != grads.end()) {
+        it->second.push_back({held->second, std::nullopt});
+        grads.erase(held);
+      }
+    }
+    it->second.push_back({detail::contiguous_raw(g), to});
+  }
+  // A later contribution (already in the source's dtype) to a source with a deferred cast.
+  void then(std::uint64_t id, const Tensor& g) { parts_.at(id).push_back({g, std::nullopt}); }
+  // Widens every deferred gradient (a cast_list call per device and dtype pair) and puts each
+  // source's sum, in the order of its contributions, into grads.
+  void finish(std::unordered_map<std::uint64_t, Tensor>& grads) {
+    std::map<std::tuple<int, int, int, int>, std::vector<Part*>> groups;
+    for (auto& [id, parts] : parts_)
+      for (Part& p : parts)
+        if (p.to) {
+          const Device d = p.g.device();
+          groups[{static_cast<int>(d.type()), d.index(), p.g.dtype().index(), p.to->index()}]
+              .push_back(&p);
+        }
+    for (auto& [key, members] : groups) {
+      std::vector<Tensor> xs, outs;
+      for (Part* p : members) {
+        xs.push_back(p->g);
+        outs.push_back(Tensor::empty(p->g.shape(), *p->to, p->g.device()));
+      }
+      const Tensor& first = xs.front();
+      find_kernel<kernels::CastListFn>(OpId::cast_list, first.device().type(), first.dtype())(xs,
+                                                                                              outs);
+      for (std::size_t i = 0; i < members.size(); ++i) {
+        members[i]->g = outs[i];
+        members[i]->to.reset();
+      }
+    }
+    for (const std::uint64_t id : order_) {
+      const std::vector<Part>& parts = parts_.at(id);
+      Tensor sum = parts.front().g;
+      for (std::size_t i = 1; i < parts.size(); ++i) sum = mixtape::add(sum, parts[i].g);
+      grads[id] = sum;
+    }
+  }
+
+ private:
+  struct Part {
+    Tensor g;
+    std::optional<DType> to;  // set: still to be widened to it
+  };
+  std::unordered_map<std::uint64_t, std::vector<Part>> parts_;
+  std::vector<std::uint64_t> order_;  // the sources, in the order of their first deferral
 };
 
 }  // namespace
@@ -178,6 +257,17 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
   grads.emplace(target.id(), seed);
   {
     PauseTape pause(tape);
+    // The widening casts of the sources' gradients wait for the end of the walk (one kernel
+    // call for all of them), unless a source is reported as soon as it is final (on_ready)
+    // or another tape records this walk (the casts must then be recorded ops). Only sources
+    // that no node produces: nothing in the walk reads their gradient.
+    std::optional<WideningCasts> casts;
+    std::unordered_set<std::uint64_t> produced;
+    if (!on_ready && !detail::any_tape_recording()) {
+      casts.emplace();
+      for (std::size_t n = 0; n < tape.nodes.size(); ++n)
+        if (relevant[n]) produced.insert(tape.nodes[n].output_id);
+    }
     for (std::size_t n = tape.nodes.size(); n-- > 0;) {
       if (!relevant[n]) continue;
       Node& node = tape.nodes[n];
@@ -189,6 +279,12 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
       std::vector<bool> needs(node.input_ids.size());
       for (std::size_t i = 0; i < needs.size(); ++i)
         needs[i] = reachable.count(node.input_ids[i]) > 0 && node.input_dtypes[i].is_floating();
+      if (casts && std::string_view(node.name) == op_name(OpId::cast) && needs.size() == 1 &&
+          needs[0] && source_ids.count(node.input_ids[0]) && !produced.count(node.input_ids[0]) &&
+          WideningCasts::widens(grad_out, node.input_dtypes[0])) {
+        casts->defer(node.input_ids[0], grad_out, node.input_dtypes[0], grads);
+        continue;
+      }
       std::vector<Tensor> in_grads = node.backward(grad_out, needs);
       if (in_grads.size() != node.input_ids.size())
         throw AutogradError(fmt::format("{}: the backward rule returned {} gradients for {} inputs",
@@ -201,6 +297,10 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
               fmt::format("{}: the backward rule gave input {} a gradient of shape {}, expected {}",
                           node.name, i, g.shape().str(), node.input_shapes[i].str()));
         if (g.dtype() != node.input_dtypes[i]) g = cast(g, node.input_dtypes[i]);
+        if (casts && casts->holds(node.input_ids[i])) {
+          casts->then(node.input_ids[i], g);
+          continue;
+        }
         auto [slot, inserted] = grads.try_emplace(node.input_ids[i], g);
         if (!inserted) slot->second = add(slot->second, g);
       }
@@ -214,6 +314,7 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
           }
       }
     }
+    if (casts) casts->finish(grads);
   }
   if (on_ready)
     for (std::size_t i = 0; i < sources.size(); ++i)

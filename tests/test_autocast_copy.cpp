@@ -272,3 +272,57 @@ TEST_CASE("autocast copy: keep_autocast_copy refuses a copy that does not fit", 
   mt::keep_autocast_copy(w, fit);
   CHECK(read(w, mt::kFloat16).storage() == fit.storage());
 }
+
+TEST_CASE("the tape widens the gradients of variables read through 16-bit copies together",
+          "[autocast][tape][census]") {
+  // Variables read under autocast get float16 / bfloat16 gradients that the cast's backward
+  // widens; the tape defers those casts to one cast_list call per dtype pair. The gradients
+  // are those of the cast-by-cast walk to the bit (a tape recording the walk, which needs
+  // recorded casts, takes it), also for a variable read twice through its copy and once in
+  // float32, whose contributions add up in the same order.
+  for (const mt::DType dt : {mt::kBFloat16, mt::kFloat16}) {
+    INFO(dt.name());
+    std::vector<mt::Variable> vars;
+    for (int i = 0; i < 12; ++i) vars.push_back(weights(40 + i, 100 + i));
+    mt::Variable f64(mt::uniform({5}, -1.0, 1.0).to(mt::kFloat64), "f64");
+    const mt::Tensor x = mt::uniform({40}, -1.0, 1.0);
+    const auto loss_of = [&] {
+      mt::Tensor total = mt::sum(mt::cast(f64, mt::kFloat32) * 0.5);
+      for (std::size_t i = 0; i < vars.size(); ++i) {
+        const mt::Tensor a = read(vars[i], dt), b = read(vars[i], dt);
+        const mt::Tensor head = mt::cast((a * b).slice(0, 0, 40), mt::kFloat32);
+        total = total + mt::sum(head * x) + mt::sum(vars[i] * 0.25);
+      }
+      return total;
+    };
+    std::vector<mt::Tensor> sources(vars.begin(), vars.end());
+    sources.push_back(f64);
+    // The kernels of the backward walks alone.
+    std::vector<mt::Tensor> together;
+    std::int64_t casts = 0;
+    {
+      mt::GradientTape tape;
+      const mt::Tensor loss = loss_of();
+      mt::KernelCensus census;
+      together = tape.gradient(loss, sources);
+      casts = census.count(mt::OpId::cast);
+      CHECK(census.count(mt::OpId::cast_list) == 2);  // dt -> float32, float32 -> float64
+    }
+    std::vector<mt::Tensor> one_by_one;
+    {
+      mt::GradientTape outer;  // recording: the tape casts one by one, as recorded ops
+      mt::GradientTape tape;
+      const mt::Tensor loss = loss_of();
+      mt::KernelCensus census;
+      one_by_one = tape.gradient(loss, sources);
+      CHECK(census.count(mt::OpId::cast_list) == 0);
+      // Each read's gradient widened on its own: two reads of 12 variables, and f64.
+      CHECK(census.count(mt::OpId::cast) == casts + 2 * 12 + 1);
+    }
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      INFO("source " << i);
+      REQUIRE(together[i].dtype() == sources[i].dtype());
+      CHECK(bits(together[i]) == bits(one_by_one[i]));
+    }
+  }
+}

@@ -1,7 +1,7 @@
 // CPU training kernels: unscale_check (multiply gradients by the loss-scale inverse and
 // look for non-finite values in the same pass), global-norm clipping's sum_squares and
-// scale_list, and the in-place optimizer updates sgd_update, rmsprop_update and adam_update
-// (see kernels.h for their exact semantics).
+// scale_list, the tape's cast_list, and the in-place optimizer updates sgd_update,
+// rmsprop_update and adam_update (see kernels.h for their exact semantics).
 //
 // Every kernel walks its tensors in blocks of kBlock elements with parallel_blocks (one
 // thread up to kParallelGrain elements). float32 and float64 blocks are updated in place
@@ -214,6 +214,31 @@ void scale_list_kernel(const std::vector<Tensor>& xs, const std::vector<Tensor>&
       C buf[kBlock];
       for (int64_t i = b; i < e; ++i) buf[i - b] = widen(x[i]) * factor;
       from_compute(buf, y + b, e - b);
+    });
+  }
+}
+
+// --- cast_list (the tape's widening of gradients) ------------------------------------------
+
+// xs[i] widened exactly into outs[i] (float32 or float64, the same for the whole call).
+template <typename T>
+void cast_list_kernel(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs) {
+  if (xs.empty()) return;
+  const bool to_double = outs.front().dtype() == kFloat64;
+  for (std::size_t t = 0; t < xs.size(); ++t) {
+    const T* x = static_cast<const T*>(xs[t].const_data_ptr());
+    void* y = outs[t].data_ptr();
+    parallel_blocks(xs[t].numel(), [&](int64_t b, int64_t e) {
+      if (to_double) {
+        double* d = static_cast<double*>(y);
+        for (int64_t i = b; i < e; ++i) d[i] = static_cast<double>(widen(x[i]));
+      } else if constexpr (!std::is_same_v<T, double>) {
+        float* f = static_cast<float*>(y);
+        if constexpr (kReduced<T>)
+          to_float(x + b, f + b, e - b);
+        else
+          std::copy(x + b, x + e, f + b);
+      }
     });
   }
 }
@@ -477,6 +502,7 @@ void register_optim_kernels() {
   MIXTAPE_CPU_KERNEL(unscale_check, unscale_check_kernel);
   MIXTAPE_CPU_KERNEL(sum_squares, sum_squares_kernel);
   MIXTAPE_CPU_KERNEL(scale_list, scale_list_kernel);
+  MIXTAPE_CPU_KERNEL(cast_list, cast_list_kernel);
   MIXTAPE_CPU_KERNEL(sgd_update, sgd_kernel);
   MIXTAPE_CPU_KERNEL(rmsprop_update, rmsprop_kernel);
   MIXTAPE_CPU_KERNEL(adam_update, adam_kernel);

@@ -1,8 +1,8 @@
 // CUDA training kernels: unscale_check, global-norm clipping's sum_squares and scale_list,
-// and the in-place optimizer updates sgd_update, rmsprop_update and adam_update, for float32,
-// float16, bfloat16 and float64 variables (slots float32, float64 for float64), with the CPU
-// backend's exact arithmetic (backends/cpu/optim.cpp; sum_squares adds in an order of its own,
-// fixed by the sizes):
+// the tape's cast_list, and the in-place optimizer updates sgd_update, rmsprop_update and
+// adam_update, for float32, float16, bfloat16 and float64 variables (slots float32, float64
+// for float64), with the CPU backend's exact arithmetic (backends/cpu/optim.cpp; sum_squares adds
+// in an order of its own, fixed by the sizes):
 //  - the update math runs in the slot type, operation by operation as the CPU writes it,
 //    with the round-to-nearest intrinsics (__fmul_rn, __dadd_rn, ...) so that nvcc does not
 //    contract a * b + c into an FMA: the results are the CPU's, bit for bit, where the CPU
@@ -215,6 +215,48 @@ void scale_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& o
   auto launch = [&]() {
     if (list.count == 0) return;
     launch_1d({"scale_list kernel", total, on.s}, scale_list_kernel<T>, list, f);
+    list = UnscaleList{};
+    total = 0;
+  };
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const int64_t n = xs[i].numel();
+    if (n == 0) continue;
+    list.in[list.count] = xs[i].const_data_ptr();
+    list.out[list.count] = outs[i].data_ptr();
+    list.n[list.count] = n;
+    ++list.count;
+    total += n;
+    if (list.count == kUnscaleChunk) launch();
+  }
+  launch();
+}
+
+// --- cast_list (the tape's widening of gradients) --------------------------------------------
+
+// xs[i] widened exactly into outs[i] of type O (float or double), a chunk a launch.
+template <typename T, typename O>
+__global__ void cast_list_kernel(UnscaleList list) {
+  for (int t = 0; t < list.count; ++t) {
+    const T* x = static_cast<const T*>(list.in[t]);
+    O* y = static_cast<O*>(list.out[t]);
+    MIXTAPE_GRID_LOOP(i, list.n[t]) { y[i] = static_cast<O>(load(x[i])); }
+  }
+}
+
+template <typename T>
+void cast_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs) {
+  if (xs.empty()) return;
+  OnDevice on(outs.front());
+  const bool to_double = outs.front().dtype() == kFloat64;
+  UnscaleList list{};
+  int64_t total = 0;
+  auto launch = [&]() {
+    if (list.count == 0) return;
+    const Launch1d grid("cast_list kernel", total, on.s);
+    if (to_double)
+      launch_1d(grid, cast_list_kernel<T, double>, list);
+    else if constexpr (!std::is_same_v<T, double>)
+      launch_1d(grid, cast_list_kernel<T, float>, list);
     list = UnscaleList{};
     total = 0;
   };
@@ -463,6 +505,7 @@ void register_optim_kernels() {
   MIXTAPE_CUDA_KERNEL(unscale_check, unscale_check_host);
   MIXTAPE_CUDA_KERNEL(sum_squares, sum_squares_host);
   MIXTAPE_CUDA_KERNEL(scale_list, scale_list_host);
+  MIXTAPE_CUDA_KERNEL(cast_list, cast_list_host);
   MIXTAPE_CUDA_KERNEL(sgd_update, sgd_host);
   MIXTAPE_CUDA_KERNEL(rmsprop_update, rmsprop_host);
   MIXTAPE_CUDA_KERNEL(adam_update, adam_host);

@@ -1124,6 +1124,30 @@ void clip_lists(Context& c) {
   }
 }
 
+// cast_list: lists crossing the CUDA chunks of 128 tensors widened to float32 (where that is
+// at least as wide) and to float64, exactly.
+void cast_list(Context& c) {
+  const std::vector<std::vector<Shape>> cases{{{7}, {3, 5}, {0}, {1031}},
+                                              std::vector<Shape>(130, Shape{9})};
+  int number = 0;
+  for (const auto& shapes : cases)
+    for (const DType to : {kFloat32, kFloat64}) {
+      if (to == kFloat32 && c.dtype() == kFloat64) continue;
+      std::vector<Tensor> xs, outs;
+      std::vector<Pair> pairs;
+      for (const Shape& shape : shapes) {
+        pairs.push_back(c.uniform(shape, -60000.0, 60000.0));
+        xs.push_back(pairs.back().tested);
+        outs.push_back(c.output(shape, to).tested);
+      }
+      tested_kernel<kernels::CastListFn>(c)(xs, outs);
+      for (std::size_t i = 0; i < xs.size(); ++i)
+        c.expect_equal(fmt::format("case {} to {}, tensor {}", number, to.name(), i), outs[i],
+                       pairs[i].ref.to(to));
+      ++number;
+    }
+}
+
 void optimizer(Context& c) {
   auto* fn = tested_kernel<kernels::OptimizerUpdateFn>(c);
   auto* ref = reference_kernel<kernels::OptimizerUpdateFn>(c);
@@ -1339,6 +1363,7 @@ Driver driver_for(OpId op) {
   if (k == "Pool2dFn" || k == "Pool2dBackwardFn") return pool;
   if (k == "UnscaleCheckFn") return unscale_check;
   if (k == "SumSquaresFn" || k == "ScaleListFn") return clip_lists;
+  if (k == "CastListFn") return cast_list;
   if (k == "OptimizerUpdateFn") return optimizer;
   if (k == "CopyFn") return copy;
   if (k == "FillFn") return fill;

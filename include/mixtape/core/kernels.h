@@ -293,6 +293,13 @@ using SumSquaresFn = void(const std::vector<Tensor>& xs, const Tensor& out);
 using ScaleListFn = void(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs,
                          const Tensor& factor);
 
+// cast_list: for each i, outs[i] = xs[i] widened exactly to outs' dtype (float32 or float64,
+// one for the whole call, at least as wide as xs' dtype, the one the kernel is keyed on;
+// contiguous, the same shapes). The tape's backward pass widens the gradients of every
+// variable read through a 16-bit copy (autocast) with one call per dtype pair instead of a
+// cast each.
+using CastListFn = void(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs);
+
 // Optimizer updates, in place, for a list of variables in one call (on a GPU, a launch per
 // few dozen variables instead of one each): every OptimizerUpdate of a call has the same
 // variable dtype (the one the kernel is keyed on), device, scalars (lr ... amsgrad, step) and

@@ -122,10 +122,11 @@
   X(slice_backward,           NoKernel,                None,     hidden, true)                  \
   X(expand,                   NoKernel,                None,     clear,  true)                  \
   X(concat,                   NoKernel,                None,     clear,  true)                  \
-  /* training (the loss-scale check, global-norm clipping, the optimizers' updates) */           \
+  /* training (gradient widening, the loss-scale check, clipping, the optimizers' updates) */   \
   X(unscale_check,            UnscaleCheckFn,          Floating, hidden, false)                 \
   X(sum_squares,              SumSquaresFn,            Floating, hidden, false)                 \
   X(scale_list,               ScaleListFn,             Floating, hidden, false)                 \
+  X(cast_list,                CastListFn,              Floating, hidden, false)                 \
   X(sgd_update,               OptimizerUpdateFn,       Floating, hidden, false)                 \
   X(rmsprop_update,           OptimizerUpdateFn,       Floating, hidden, false)                 \
   X(adam_update,              OptimizerUpdateFn,       Floating, hidden, false)
