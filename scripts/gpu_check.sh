@@ -5,7 +5,7 @@
 #   ops      the conformance sweep (mixtape-ops --backend cuda)
 #   tests    the CUDA test suite (mixtape_cuda_tests)
 #   sanitize the kernels first written without a GPU (attention, layer_norm, cross-entropy,
-#            linear, the optimizers' list updates, global-norm clipping) under
+#            linear, the optimizers' list updates, clipping, the tape's cast_list) under
 #            compute-sanitizer memcheck and racecheck (not in the default steps)
 #   mnist    the trainer on mlp and cnn under float32, mixed_float16 and mixed_bfloat16
 #   guide    the trainer on the guide workload under the three policies, and
@@ -91,7 +91,7 @@ if want sanitize && command -v compute-sanitizer >/dev/null; then
   fresh_ops=(--op attention --op attention_backward --op layer_norm --op layer_norm_backward
     --op softmax_cross_entropy --op softmax_cross_entropy_backward --op linear
     --op linear_backward --op adam_update --op sgd_update --op rmsprop_update
-    --op sum_squares --op scale_list)
+    --op sum_squares --op scale_list --op cast_list)
   for tool in memcheck racecheck; do
     t0=$SECONDS
     echo "--- $tool" >>"$logs/sanitize.log"
