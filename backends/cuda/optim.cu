@@ -55,6 +55,30 @@ struct UnscaleList {
   int count;
 };
 
+// The non-empty xs[i] and their outs[i] (null where outs has none) in chunks of
+// kUnscaleChunk, each handed to launch(chunk, its element count): the list kernels' launches.
+template <typename Launch>
+void for_each_chunk(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs,
+                    Launch&& launch) {
+  UnscaleList list{};
+  int64_t total = 0;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const int64_t n = xs[i].numel();
+    if (n == 0) continue;
+    list.in[list.count] = xs[i].const_data_ptr();
+    list.out[list.count] = i < outs.size() && outs[i].defined() ? outs[i].data_ptr() : nullptr;
+    list.n[list.count] = n;
+    ++list.count;
+    total += n;
+    if (list.count == kUnscaleChunk) {
+      launch(list, total);
+      list = UnscaleList{};
+      total = 0;
+    }
+  }
+  if (list.count > 0) launch(list, total);
+}
+
 // T: the gradients' device type. kFloatScale: float32 gradients multiply in float32.
 template <typename T, bool kFloatScale>
 __global__ void unscale_check_kernel(UnscaleList list, double scale, float* flag) {
@@ -88,10 +112,7 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
   OnDevice on(found_nonfinite);
   auto* flag = static_cast<float*>(found_nonfinite.data_ptr());
   const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
-  UnscaleList list{};
-  int64_t total = 0;
-  auto launch = [&]() {
-    if (list.count == 0) return;
+  for_each_chunk(grads, outs, [&](const UnscaleList& list, int64_t total) {
     const Launch1d grid("unscale_check kernel", total, on.s);
     if constexpr (std::is_same_v<T, float>) {
       if (float_scale)
@@ -101,21 +122,7 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
     } else {
       launch_1d(grid, unscale_check_kernel<T, false>, list, scale, flag);
     }
-    list = UnscaleList{};
-    total = 0;
-  };
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    const int64_t n = grads[i].numel();
-    if (n == 0) continue;
-    const bool has_out = i < outs.size() && outs[i].defined();
-    list.in[list.count] = grads[i].const_data_ptr();
-    list.out[list.count] = has_out ? outs[i].data_ptr() : nullptr;
-    list.n[list.count] = n;
-    ++list.count;
-    total += n;
-    if (list.count == kUnscaleChunk) launch();
-  }
-  launch();
+  });
 }
 
 // --- sum_squares and scale_list (global-norm clipping) -------------------------------------
@@ -210,25 +217,9 @@ void scale_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& o
   if (xs.empty()) return;
   OnDevice on(factor);
   const auto* f = static_cast<const double*>(factor.const_data_ptr());
-  UnscaleList list{};
-  int64_t total = 0;
-  auto launch = [&]() {
-    if (list.count == 0) return;
+  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t total) {
     launch_1d({"scale_list kernel", total, on.s}, scale_list_kernel<T>, list, f);
-    list = UnscaleList{};
-    total = 0;
-  };
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    const int64_t n = xs[i].numel();
-    if (n == 0) continue;
-    list.in[list.count] = xs[i].const_data_ptr();
-    list.out[list.count] = outs[i].data_ptr();
-    list.n[list.count] = n;
-    ++list.count;
-    total += n;
-    if (list.count == kUnscaleChunk) launch();
-  }
-  launch();
+  });
 }
 
 // --- cast_list (the tape's widening of gradients) --------------------------------------------
@@ -248,29 +239,13 @@ void cast_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& ou
   if (xs.empty()) return;
   OnDevice on(outs.front());
   const bool to_double = outs.front().dtype() == kFloat64;
-  UnscaleList list{};
-  int64_t total = 0;
-  auto launch = [&]() {
-    if (list.count == 0) return;
+  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t total) {
     const Launch1d grid("cast_list kernel", total, on.s);
     if (to_double)
       launch_1d(grid, cast_list_kernel<T, double>, list);
     else if constexpr (!std::is_same_v<T, double>)
       launch_1d(grid, cast_list_kernel<T, float>, list);
-    list = UnscaleList{};
-    total = 0;
-  };
-  for (std::size_t i = 0; i < xs.size(); ++i) {
-    const int64_t n = xs[i].numel();
-    if (n == 0) continue;
-    list.in[list.count] = xs[i].const_data_ptr();
-    list.out[list.count] = outs[i].data_ptr();
-    list.n[list.count] = n;
-    ++list.count;
-    total += n;
-    if (list.count == kUnscaleChunk) launch();
-  }
-  launch();
+  });
 }
 
 // --- Optimizer updates ----------------------------------------------------------------------

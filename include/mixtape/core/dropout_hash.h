@@ -8,13 +8,7 @@
 
 #include <cstdint>
 
-#ifndef MIXTAPE_HOST_DEVICE
-#if defined(__CUDACC__)
-#define MIXTAPE_HOST_DEVICE __host__ __device__
-#else
-#define MIXTAPE_HOST_DEVICE
-#endif
-#endif
+#include "mixtape/core/host_device.h"
 
 namespace mixtape {
 

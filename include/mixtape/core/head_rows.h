@@ -8,15 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "mixtape/core/host_device.h"
 #include "mixtape/core/tensor.h"
-
-#ifndef MIXTAPE_HOST_DEVICE
-#if defined(__CUDACC__)
-#define MIXTAPE_HOST_DEVICE __host__ __device__
-#else
-#define MIXTAPE_HOST_DEVICE
-#endif
-#endif
 
 namespace mixtape {
 
