@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "layers/config_util.h"
+#include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/core/compute_mode.h"
 
@@ -193,6 +194,18 @@ std::optional<std::vector<TensorSpec>> MultiHeadAttentionLayer::compute_output_s
   return std::vector<TensorSpec>{TensorSpec{Shape(dims), compute_dtype()}};
 }
 
+// A bias variable as policy_linear takes it, [n] (undefined: none), in its own dtype: the
+// fused linear op adds a float32 bias before its single rounding and gives the bias a float32
+// gradient, as Dense's (read through its 16-bit copy, the bias would be rounded twice, cast
+// forward and back). The composed path casts it to the product's dtype.
+namespace {
+Tensor flat_bias(const Variable& bias, const Shape& flat) {
+  if (!bias.defined()) return Tensor();
+  AutocastScope whole(std::nullopt);
+  return reshape(bias, flat);
+}
+}  // namespace
+
 // x [B, L, D] through a [D, heads, dim] kernel: [B, heads, L, dim].
 Tensor MultiHeadAttentionLayer::project(const Tensor& x, const Variable& kernel,
                                         const Variable& bias, std::int64_t dim,
@@ -201,8 +214,7 @@ Tensor MultiHeadAttentionLayer::project(const Tensor& x, const Variable& kernel,
   const std::int64_t b = x.dim(0), l = x.dim(1), d = x.dim(2);
   const Tensor y =  // [B, L, heads*dim]
       policy_linear(x, reshape(kernel, Shape{d, num_heads_ * dim}),
-                    bias.defined() ? reshape(bias, Shape{num_heads_ * dim}) : Tensor(), "linear",
-                    float8, training);
+                    flat_bias(bias, {num_heads_ * dim}), "linear", float8, training);
   return permute(reshape(y, Shape{b, l, num_heads_, dim}), {0, 2, 1, 3});
 }
 
@@ -270,8 +282,7 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   const std::int64_t features = product(output_features_);
   Tensor out =
       policy_linear(merged, reshape(output_kernel_, Shape{num_heads_ * value_dim_, features}),
-                    output_bias_.defined() ? reshape(output_bias_, Shape{features}) : Tensor(),
-                    "linear", output_float8_, training);
+                    flat_bias(output_bias_, {features}), "linear", output_float8_, training);
   std::vector<std::int64_t> dims{query.dim(0), in.t};
   for (auto d : output_features_) dims.push_back(d);
   out = reshape(out, Shape(dims));

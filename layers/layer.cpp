@@ -731,7 +731,10 @@ Tensor Layer::policy_linear(const Tensor& x, const Tensor& w, const Tensor& bias
     matmul_note_ = "composed (16-bit accumulation: MIXTAPE_FP16_USE_FP32_COMPUTE=0)";
   }
   Tensor y = policy_matmul(x, w, state, training);
-  if (bias.defined()) y = y + bias;
+  // A variable bias is read as the product's dtype by autocast; a bias made from one outside
+  // autocast (a reshaped variable) is cast to it here.
+  if (bias.defined())
+    y = y + (bias.is_variable() || bias.dtype() == y.dtype() ? bias : cast(bias, y.dtype()));
   return activation == "linear" ? y : activations::get(activation)(y);
 }
 

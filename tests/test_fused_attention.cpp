@@ -371,3 +371,43 @@ TEST_CASE("fused_attention reads a projection's heads where they lie and writes 
     for (std::size_t i = 0; i < 4; ++i) CHECK(max_abs_diff(placed[i], copied[i]) == 0.0);
   }
 }
+
+TEST_CASE("MultiHeadAttention under a mixed policy adds its biases in float32, as Dense does",
+          "[attention][layers]") {
+  // The fused linear op takes a float32 bias and gives it a float32 gradient; MultiHeadAttention
+  // hands its four biases over without their 16-bit copies: no cast in the forward pass for
+  // them, and gradients not rounded to bfloat16 on the way back.
+  mt::PolicyScope scope("mixed_bfloat16");
+  const mt::Tensor x = random_normal({2, 5, 16}, 61, mt::kFloat32);
+  const mt::Tensor seed = random_normal({2, 5, 16}, 62, mt::kFloat32);
+  const auto forward_casts = [&](bool use_bias) {
+    mt::manual_seed(6);
+    auto mha = ml::MultiHeadAttention(2, 8, {.use_bias = use_bias, .use_causal_mask = true});
+    (void)mha->attend(x, x, {});  // built, the weights' copies made
+    std::vector<mt::Variable> biases;
+    for (const auto& v : mha->trainable_variables())
+      if (v.name().find("bias") != std::string::npos) biases.push_back(v);
+    mt::GradientTape tape;
+    std::int64_t casts = 0;
+    mt::Tensor y;
+    {
+      mt::KernelCensus census;
+      y = mha->attend(x, x, {}).output;
+      casts = census.count(mt::OpId::cast);
+    }
+    const auto grads = tape.gradient(mt::sum(mt::cast(y, mt::kFloat32) * seed), biases);
+    CHECK(grads.size() == (use_bias ? 4u : 0u));
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      INFO(biases[i].name());
+      REQUIRE(grads[i].dtype() == mt::kFloat32);
+      // Not rounded to bfloat16 on the way: some element is not a bfloat16 value. (The key
+      // bias moves every logit of a row alike, which the softmax ignores: its gradient is 0 up
+      // to rounding, and is left out.)
+      if (biases[i].name().find("key/") == std::string::npos)
+        CHECK(max_abs_diff(grads[i], mt::cast(mt::cast(grads[i], mt::kBFloat16), mt::kFloat32)) >
+              0.0);
+    }
+    return casts;
+  };
+  CHECK(forward_casts(true) == forward_casts(false));
+}
