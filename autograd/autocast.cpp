@@ -74,6 +74,29 @@ std::optional<DType> autocast_copy_dtype(const Tensor& variable) {
   return info.autocast_copy.copy->dtype;
 }
 
+Tensor kept_autocast_copy(const Tensor& variable) {
+  if (!variable.is_variable()) return Tensor();
+  VariableInfo& info = *variable.impl_ptr()->variable;
+  std::lock_guard<std::mutex> lock(info.mutex);
+  if (!info.autocast_copy.copy) return Tensor();
+  return Tensor(info.autocast_copy.copy);
+}
+
+void refresh_autocast_copy(const Tensor& variable, const Tensor& copy) {
+  if (variable.is_variable() && copy.defined()) {
+    VariableInfo& info = *variable.impl_ptr()->variable;
+    std::lock_guard<std::mutex> lock(info.mutex);
+    if (info.autocast_copy.copy == copy.impl_ptr() &&
+        current(info.autocast_copy, variable, copy.dtype()))
+      return;
+  }
+  if (copy.defined() && copy.shape() == variable.shape() && copy.is_contiguous() &&
+      variable.is_contiguous() && copy.numel() > 0)
+    find_kernel<kernels::CastFn>(OpId::cast, variable.device().type(), variable.dtype())(variable,
+                                                                                         copy);
+  keep_autocast_copy(variable, copy);  // throws when they do not fit
+}
+
 void keep_autocast_copy(const Tensor& variable, const Tensor& copy) {
   if (!variable.is_variable() || !copy.defined() || !keeps_copy(variable.dtype(), copy.dtype()) ||
       copy.shape() != variable.shape() || copy.device() != variable.device() ||

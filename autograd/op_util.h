@@ -36,7 +36,7 @@ void check_inputs(const char* op, const std::vector<Tensor>& ts);
 // The kernel of `op` for the inputs' device and `dtype`, with the inputs described in
 // the error when there is none.
 template <typename Fn>
-Fn* kernel_for(OpId op, DType dtype, const std::vector<Tensor>& inputs) {
+KernelRef<Fn> kernel_for(OpId op, DType dtype, const std::vector<Tensor>& inputs) {
   try {
     return find_kernel<Fn>(op, inputs.front().device().type(), dtype);
   } catch (const KernelNotFoundError& e) {

@@ -155,7 +155,7 @@ detail::Grads attention_grads(const Saved& s, const Tensor& g) {
     return detail::Grads{reshape(d[0], s.q.shape()), reshape(d[1], s.k.shape()),
                          reshape(d[2], s.v.shape())};
   }
-  auto* backward = detail::kernel_for<kernels::AttentionBackwardFn>(
+  const auto backward = detail::kernel_for<kernels::AttentionBackwardFn>(
       OpId::attention_backward, s.qh.dtype(), {s.qh, s.kh, s.vh});
   const DType dtype = s.qh.dtype();
   // The gradients laid out as their inputs are: a projection's heads go back where they came
@@ -223,7 +223,8 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
     NoGradGuard no_grad;
     mask = kernel_mask(mask_in, scores, n);
   }
-  auto* kernel = detail::kernel_for<kernels::AttentionFn>(OpId::attention, q.dtype(), {q, k, v});
+  const auto kernel =
+      detail::kernel_for<kernels::AttentionFn>(OpId::attention, q.dtype(), {q, k, v});
   // The heads where they lie when the kernels can read them there (a projection's, viewed
   // [batch, heads, positions, width]), copied otherwise; out laid out as q is.
   const Tensor qh = head_view(q, n), kh = head_view(k, n), vh = head_view(v, n);

@@ -32,17 +32,20 @@ Tensor softmax_cross_entropy(const Tensor& logits_in, const Tensor& labels_in) {
   const std::int64_t c = logits.dim(-1), n = labels_in.numel();
   const Tensor labels = detail::contiguous_raw(reshape(labels_in, Shape{n}));
   if (labels.device().is_cpu() && n > 0) {
-    const auto* p = static_cast<const std::int64_t*>(labels.const_data_ptr());
-    for (std::int64_t i = 0; i < n; ++i)
-      if (p[i] < 0 || p[i] >= c)
-        throw IndexError(
-            fmt::format("{}: labels must lie in [0, {}) for {} classes; got {} at "
-                        "flat position {}",
-                        name, c, c, p[i], i));
+    // Before each replay's kernels read them when a step is captured (mixtape/core/capture.h).
+    capture::detail::record_or_run([labels, name, c, n] {
+      const auto* p = static_cast<const std::int64_t*>(labels.const_data_ptr());
+      for (std::int64_t i = 0; i < n; ++i)
+        if (p[i] < 0 || p[i] >= c)
+          throw IndexError(
+              fmt::format("{}: labels must lie in [0, {}) for {} classes; got {} at "
+                          "flat position {}",
+                          name, c, c, p[i], i));
+    });
   }
   const DType ct = logits.dtype() == kFloat64 ? kFloat64 : kFloat32;
-  auto* kernel = detail::kernel_for<kernels::SoftmaxCrossEntropyFn>(OpId::softmax_cross_entropy,
-                                                                    logits.dtype(), {logits});
+  const auto kernel = detail::kernel_for<kernels::SoftmaxCrossEntropyFn>(
+      OpId::softmax_cross_entropy, logits.dtype(), {logits});
   Tensor x;
   {
     NoGradGuard no_grad;
@@ -67,7 +70,7 @@ Tensor softmax_cross_entropy(const Tensor& logits_in, const Tensor& labels_in) {
             return detail::Grads{reshape(
                 cast((p - one_hot(labels, c, lse.dtype())) * gn, logits.dtype()), logits.shape())};
           }
-          auto* backward = detail::kernel_for<kernels::SoftmaxCrossEntropyBackwardFn>(
+          const auto backward = detail::kernel_for<kernels::SoftmaxCrossEntropyBackwardFn>(
               OpId::softmax_cross_entropy_backward, x.dtype(), {x});
           Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
           if (n > 0) backward(x, labels, lse, detail::contiguous_raw(reshape(gn, Shape{n})), dx);

@@ -19,7 +19,7 @@ Tensor binary_forward(OpId op, const Tensor& a_in, const Tensor& b_in, Tensor& a
   const Tensor &a = in[0], &b = in[1];
   const DType dt = promote_types(a.dtype(), b.dtype());
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), name);
-  auto* kernel = detail::kernel_for<kernels::BinaryFn>(op, dt, {a, b});
+  const auto kernel = detail::kernel_for<kernels::BinaryFn>(op, dt, {a, b});
   ac = cast(a, dt);
   bc = cast(b, dt);
   Tensor out = Tensor::empty(out_shape, comparison ? kBool : dt, a.device());
@@ -35,7 +35,7 @@ Tensor compare(OpId op, const Tensor& a, const Tensor& b) {
 
 Tensor unary_forward(OpId op, const Tensor& x) {
   detail::check_inputs(op_name(op), {x});
-  auto* kernel = detail::kernel_for<kernels::UnaryFn>(op, x.dtype(), {x});
+  const auto kernel = detail::kernel_for<kernels::UnaryFn>(op, x.dtype(), {x});
   Tensor xc = detail::contiguous_raw(x);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (out.numel() > 0) kernel(xc, out);
@@ -295,7 +295,7 @@ Tensor where(const Tensor& cond, const Tensor& a_in, const Tensor& b_in) {
   const DType dt = promote_types(a.dtype(), b.dtype());
   const Shape shape =
       broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
-  auto* kernel = detail::kernel_for<kernels::WhereFn>(OpId::where, dt, {cond, a, b});
+  const auto kernel = detail::kernel_for<kernels::WhereFn>(OpId::where, dt, {cond, a, b});
   Tensor ac = cast(a, dt), bc = cast(b, dt);
   Tensor out = Tensor::empty(shape, dt, a.device());
   if (out.numel() > 0)

@@ -40,18 +40,20 @@ Tensor scaled_matmul_impl(const Tensor& a_in, const Tensor& b_in, const Tensor& 
           "{}: scale_a and scale_b must be float32 tensors of one element; got {}", name, all()));
   // A scale on the host is read: zero, negative, infinite or NaN is refused (a device scale
   // is not read back: its product follows IEEE arithmetic, docs/dtypes.md).
+  // (Before each replay's kernels read it when a step is captured, mixtape/core/capture.h.)
   for (const Tensor* s : {&scale_a, &scale_b})
-    if (check_host_scales && s->device().is_cpu()) {
-      const float v = *static_cast<const float*>(s->const_data_ptr());
-      if (!(v > 0.0f) || !std::isfinite(v))
-        throw ValueError(
-            fmt::format("{}: {} is {}; a dequantisation scale must be positive and finite", name,
-                        s == &scale_a ? "scale_a" : "scale_b", v));
-    }
+    if (check_host_scales && s->device().is_cpu())
+      capture::detail::record_or_run([scale = *s, name = std::string(name),
+                                      which = s == &scale_a ? "scale_a" : "scale_b"] {
+        const float v = *static_cast<const float*>(scale.const_data_ptr());
+        if (!(v > 0.0f) || !std::isfinite(v))
+          throw ValueError(fmt::format(
+              "{}: {} is {}; a dequantisation scale must be positive and finite", name, which, v));
+      });
   if (o.out_dtype != kFloat32 && o.out_dtype != kBFloat16 && o.out_dtype != kFloat16)
     throw DTypeError(fmt::format("{}: out_dtype must be float32, bfloat16 or float16; got {}", name,
                                  o.out_dtype));
-  auto* kernel =
+  const auto kernel =
       detail::kernel_for<kernels::ScaledMatmulFn>(OpId::scaled_matmul, a_in.dtype(), {a_in, b_in});
   const std::int64_t m = a_in.dim(0), n = b_in.dim(0), k = a_in.dim(1);
   Tensor out = Tensor::empty(Shape{m, n}, o.out_dtype, a_in.device());

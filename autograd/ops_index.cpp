@@ -24,6 +24,9 @@ Tensor checked_indices(const char* op, const Tensor& index, std::int64_t n, cons
                                  detail::describe({x, index})));
   Tensor idx = detail::cast_raw(index, kInt64);
   if (!idx.device().is_cpu()) {
+    // A captured step's indices are not checked on a GPU: the replays make no host reads
+    // (mixtape/core/capture.h).
+    if (capture::active()) return idx;
     detail::run_deferred_checks(/*only_ready=*/true);  // the earlier ops' that have arrived
     if (idx.numel() == 0) return idx;
     NoGradGuard no_grad;
@@ -48,11 +51,16 @@ Tensor checked_indices(const char* op, const Tensor& index, std::int64_t n, cons
         });
     return idx;
   }
-  const auto* p = idx.const_data<std::int64_t>();
-  for (std::int64_t i = 0; i < idx.numel(); ++i)
-    if (p[i] < 0 || p[i] >= n)
-      throw IndexError(fmt::format("{}: index {} is out of range [0, {}) (at flat position {}; {})",
-                                   op, p[i], n, i, detail::describe({x, index})));
+  // Checked before each replay's kernels read them when a step is captured on the CPU.
+  capture::detail::record_or_run(
+      [idx, n, op = std::string(op), what = detail::describe({x, index})] {
+        const auto* p = idx.const_data<std::int64_t>();
+        for (std::int64_t i = 0; i < idx.numel(); ++i)
+          if (p[i] < 0 || p[i] >= n)
+            throw IndexError(
+                fmt::format("{}: index {} is out of range [0, {}) (at flat position {}; {})", op,
+                            p[i], n, i, what));
+      });
   return x.device().is_cpu() ? idx : detail::to_device_raw(idx, x.device());
 }
 
@@ -97,7 +105,7 @@ Tensor gather(const Tensor& x_in, const Tensor& index, int axis) {
     if (static_cast<int>(i) != a && index.shape()[i] != x.shape()[i])
       throw ShapeError(fmt::format("gather: index shape {} must match x shape {} except on axis {}",
                                    index.shape().str(), x.shape().str(), axis));
-  auto* kernel = detail::kernel_for<kernels::GatherFn>(OpId::gather, x.dtype(), {x, index});
+  const auto kernel = detail::kernel_for<kernels::GatherFn>(OpId::gather, x.dtype(), {x, index});
   Tensor idx = checked_indices("gather", index, x.shape()[static_cast<std::size_t>(a)], x);
   const AxisSplit s = split(x.shape(), index.shape(), static_cast<std::size_t>(a));
   Tensor out = Tensor::empty(index.shape(), x.dtype(), x.device());
@@ -142,7 +150,7 @@ Tensor take(const Tensor& x_in, const Tensor& indices, int axis) {
     throw ShapeError(
         fmt::format("take: needs a tensor of rank >= 1; got {}", detail::describe({x, indices})));
   const int a = normalize_axis(axis, x.rank(), "take");
-  auto* kernel = detail::kernel_for<kernels::TakeFn>(OpId::take, x.dtype(), {x, indices});
+  const auto kernel = detail::kernel_for<kernels::TakeFn>(OpId::take, x.dtype(), {x, indices});
   const auto au = static_cast<std::size_t>(a);
   const std::int64_t n = x.shape()[au];
   Tensor idx = detail::contiguous_raw(reshape(

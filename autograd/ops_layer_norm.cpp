@@ -46,7 +46,7 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& gamma_in, const Tensor& beta
     return p.dtype() == ct ? p : cast(p, ct);
   };
   const Tensor gamma = param(gamma_in, "gamma"), beta = param(beta_in, "beta");
-  auto* kernel = detail::kernel_for<kernels::LayerNormFn>(OpId::layer_norm, x.dtype(), {x});
+  const auto kernel = detail::kernel_for<kernels::LayerNormFn>(OpId::layer_norm, x.dtype(), {x});
   const Tensor xc = detail::contiguous_raw(x);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
   Tensor mean = Tensor::empty(Shape{rows}, ct, x.device());
@@ -77,7 +77,7 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& gamma_in, const Tensor& beta
                       gamma.defined() ? sum(reshape(gs * xhat, Shape{-1, n}), {0}) : Tensor(),
                       beta.defined() ? sum(reshape(gs, Shape{-1, n}), {0}) : Tensor());
                 }
-                auto* backward = detail::kernel_for<kernels::LayerNormBackwardFn>(
+                const auto backward = detail::kernel_for<kernels::LayerNormBackwardFn>(
                     OpId::layer_norm_backward, x.dtype(), {x});
                 Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
                 Tensor dgamma =

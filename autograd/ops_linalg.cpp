@@ -87,7 +87,7 @@ Tensor matmul_with(const Tensor& a_in, const Tensor& b_in, std::optional<bool> l
     throw ShapeError(fmt::format("matmul: inner dimensions do not match: {} x {} ({} != {})",
                                  a.shape().str(), b.shape().str(), k, b.dim(-2)));
   const DType dt = promote_types(a.dtype(), b.dtype());
-  auto* kernel = detail::kernel_for<kernels::GemmFn>(OpId::matmul, dt, {a, b});
+  const auto kernel = detail::kernel_for<kernels::GemmFn>(OpId::matmul, dt, {a, b});
   Tensor ac = cast(a, dt), bc = cast(b, dt);
   const bool low =
       low_precision.value_or(gemm_accumulation_dtype(dt) == dt) && dt.is_reduced_float();

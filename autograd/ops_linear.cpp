@@ -89,7 +89,8 @@ detail::Grads linear_grads(const Saved& s, const Tensor& g_in, const std::vector
   } else if (s.activation == LinearActivation::none && !s.bias.defined()) {
     dz = g;  // nothing for linear_backward to compute: dz is the output's gradient
   } else {
-    auto* backward = detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, dt, {g});
+    const auto backward =
+        detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, dt, {g});
     kernels::LinearBackwardArgs args;
     args.dy = detail::contiguous_raw(g);
     args.saved = s.kept;
@@ -145,7 +146,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
     return activate(*activation, bias.defined() ? z + cast(bias, dt) : z);
   }
 
-  auto* kernel = detail::kernel_for<kernels::LinearFn>(OpId::linear, dt, {x, w});
+  const auto kernel = detail::kernel_for<kernels::LinearFn>(OpId::linear, dt, {x, w});
   std::vector<std::int64_t> out_dims(x.shape().begin(), x.shape().end() - 1);
   out_dims.push_back(n);
   std::vector<Tensor> inputs{x, w};

@@ -79,7 +79,7 @@ Tensor conv_forward(const Tensor& x, const Tensor& w, const kernels::Conv2dGeome
                     const Tensor& bias = Tensor()) {
   Tensor xc = contiguous(x), wc = contiguous(w);
   const Tensor bc = bias.defined() ? contiguous(bias) : Tensor();
-  auto* kernel = detail::kernel_for<kernels::Conv2dFn>(OpId::conv2d, xc.dtype(), {xc, wc});
+  const auto kernel = detail::kernel_for<kernels::Conv2dFn>(OpId::conv2d, xc.dtype(), {xc, wc});
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.cout}, xc.dtype(), xc.device());
   if (out.numel() > 0) kernel(xc, wc, bc, out, g);
   std::vector<Tensor> inputs{xc, wc};
@@ -97,8 +97,8 @@ Tensor conv_forward(const Tensor& x, const Tensor& w, const kernels::Conv2dGeome
 
 Tensor conv_input_grad(const Tensor& dy, const Tensor& w, const kernels::Conv2dGeometry& g) {
   Tensor dyc = contiguous(dy), wc = contiguous(w);
-  auto* kernel = detail::kernel_for<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input,
-                                                                    dyc.dtype(), {dyc, wc});
+  const auto kernel = detail::kernel_for<kernels::Conv2dBackwardInputFn>(
+      OpId::conv2d_backward_input, dyc.dtype(), {dyc, wc});
   Tensor dx = Tensor::empty(Shape{g.n, g.h, g.w, g.c}, dyc.dtype(), dyc.device());
   if (dx.numel() > 0) kernel(dyc, wc, dx, g);
   if (should_record({dyc, wc}))
@@ -112,8 +112,8 @@ Tensor conv_input_grad(const Tensor& dy, const Tensor& w, const kernels::Conv2dG
 
 Tensor conv_weight_grad(const Tensor& x, const Tensor& dy, const kernels::Conv2dGeometry& g) {
   Tensor xc = contiguous(x), dyc = contiguous(dy);
-  auto* kernel = detail::kernel_for<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight,
-                                                                     xc.dtype(), {xc, dyc});
+  const auto kernel = detail::kernel_for<kernels::Conv2dBackwardWeightFn>(
+      OpId::conv2d_backward_weight, xc.dtype(), {xc, dyc});
   Tensor dw = Tensor::empty(Shape{g.kh, g.kw, g.c, g.cout}, xc.dtype(), xc.device());
   if (dw.numel() > 0) kernel(xc, dyc, dw, g);
   if (should_record({xc, dyc}))
@@ -184,7 +184,7 @@ Tensor avg_pool_forward(const Tensor& x, const kernels::Pool2dGeometry& g);
 // The adjoint of average pooling (linear in dy); its own adjoint is average pooling.
 Tensor avg_pool_backward(const Tensor& dy, const kernels::Pool2dGeometry& g) {
   Tensor dyc = contiguous(dy);
-  auto* kernel =
+  const auto kernel =
       detail::kernel_for<kernels::Pool2dBackwardFn>(OpId::avg_pool2d_backward, dyc.dtype(), {dyc});
   Tensor dx = Tensor::empty(Shape{g.n, g.h, g.w, g.c}, dyc.dtype(), dyc.device());
   if (dx.numel() > 0) kernel(dx, dyc, dx, g);  // x's values are not read
@@ -197,7 +197,7 @@ Tensor avg_pool_backward(const Tensor& dy, const kernels::Pool2dGeometry& g) {
 
 Tensor avg_pool_forward(const Tensor& x, const kernels::Pool2dGeometry& g) {
   Tensor xc = contiguous(x);
-  auto* kernel = detail::kernel_for<kernels::Pool2dFn>(OpId::avg_pool2d, xc.dtype(), {xc});
+  const auto kernel = detail::kernel_for<kernels::Pool2dFn>(OpId::avg_pool2d, xc.dtype(), {xc});
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.c}, xc.dtype(), xc.device());
   if (out.numel() > 0) kernel(xc, out, g);
   if (should_record({xc}))
@@ -239,7 +239,7 @@ Tensor gather_window_max(const Tensor& x, const Tensor& v, const kernels::Pool2d
 // Routes dy to each window's first maximum of x. Linear in dy; piecewise constant in x.
 Tensor max_pool_backward(const Tensor& x, const Tensor& dy, const kernels::Pool2dGeometry& g) {
   Tensor dyc = contiguous(dy);
-  auto* kernel =
+  const auto kernel =
       detail::kernel_for<kernels::Pool2dBackwardFn>(OpId::max_pool2d_backward, x.dtype(), {x, dyc});
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (dx.numel() > 0) kernel(x, dyc, dx, g);
@@ -258,7 +258,7 @@ Tensor max_pool2d(const Tensor& x_in, std::array<std::int64_t, 2> pool_size,
   detail::check_inputs("max_pool2d", {x_in});
   const Tensor x = detail::op_inputs(OpId::max_pool2d, {x_in})[0];
   check_nhwc("max_pool2d", x, {x});
-  auto* kernel = detail::kernel_for<kernels::Pool2dFn>(OpId::max_pool2d, x.dtype(), {x});
+  const auto kernel = detail::kernel_for<kernels::Pool2dFn>(OpId::max_pool2d, x.dtype(), {x});
   const auto g = pool_geometry("max_pool2d", x, pool_size, strides, padding);
   Tensor xc = contiguous(x);
   Tensor out = Tensor::empty(Shape{g.n, g.oh, g.ow, g.c}, x.dtype(), x.device());

@@ -13,7 +13,7 @@ namespace {
 // Runs a ReduceFn over `axes` (sorted, normalised), one block of adjacent axes at a
 // time, last block first. The result has the keepdims shape.
 Tensor reduce_raw(OpId op, const Tensor& x, const std::vector<int>& axes, DType out_dtype) {
-  auto* kernel = detail::kernel_for<kernels::ReduceFn>(op, x.dtype(), {x});
+  const auto kernel = detail::kernel_for<kernels::ReduceFn>(op, x.dtype(), {x});
   Tensor cur = detail::contiguous_raw(x);
   std::size_t hi = axes.size();
   while (hi > 0) {
@@ -157,7 +157,7 @@ Tensor rows_forward(OpId op, const Tensor& x, int axis) {
     throw ShapeError(
         fmt::format("{}: needs a tensor of rank >= 1; got {}", op_name(op), detail::describe({x})));
   const int a = normalize_axis(axis, x.rank(), op_name(op));
-  auto* kernel = detail::kernel_for<kernels::RowFn>(op, x.dtype(), {x});
+  const auto kernel = detail::kernel_for<kernels::RowFn>(op, x.dtype(), {x});
   const int last = static_cast<int>(x.rank()) - 1;
   std::vector<int> perm;
   for (int i = 0; i <= last; ++i) perm.push_back(i);
@@ -206,7 +206,8 @@ Tensor masked_softmax(const Tensor& x_in, const Tensor& mask_in, double scale) {
                                    name, mask_in.shape(), x.shape()));
     mask = detail::contiguous_raw(detail::broadcast_view(mask_in, x.shape()));
   }
-  auto* kernel = detail::kernel_for<kernels::MaskedSoftmaxFn>(OpId::masked_softmax, x.dtype(), {x});
+  const auto kernel =
+      detail::kernel_for<kernels::MaskedSoftmaxFn>(OpId::masked_softmax, x.dtype(), {x});
   Tensor xin = detail::contiguous_raw(x);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (y.numel() > 0) kernel(xin, mask, scale, y);

@@ -282,7 +282,7 @@ Tensor concat(const std::vector<Tensor>& xs_in, int axis) {
   {
     NoGradGuard no_grad;
     Tensor front = Tensor::empty(Shape(front_dims), dt, first.device());
-    auto* copy = find_kernel<kernels::CopyFn>(OpId::copy, first.device().type(), dt);
+    const auto copy = find_kernel<kernels::CopyFn>(OpId::copy, first.device().type(), dt);
     std::int64_t at = 0;
     for (const auto& t : parts) {
       starts.push_back(at);

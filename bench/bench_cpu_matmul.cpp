@@ -39,7 +39,7 @@ void BM_CpuMatmul(benchmark::State& state) {
   g.out = Tensor::empty({m, n}, dt);
   g.m = m, g.n = n, g.k = k;
   g.lda = k, g.ldb = n, g.ldc = n;
-  auto* fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt);
+  const auto fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt);
   fn(g);  // warm-up: scratch buffers, BLAS threads
   for (auto _ : state) {
     fn(g);
@@ -62,7 +62,7 @@ void BM_CpuBatchedMatmul(benchmark::State& state) {
   const bool per_item = state.range(5) == 1;
   const Tensor a = uniform({batch, m, k}, -1.0, 1.0, dt), b = uniform({batch, k, n}, -1.0, 1.0, dt);
   const Tensor out = Tensor::empty({batch, m, n}, dt);
-  auto* fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt);
+  const auto fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt);
   auto run = [&] {
     kernels::GemmArgs g;
     g.m = m, g.n = n, g.k = k, g.lda = k, g.ldb = n, g.ldc = n;
@@ -144,7 +144,7 @@ void BM_CpuConv2dForward(benchmark::State& state) {
   const Tensor x = uniform({g.n, g.h, g.w, g.c}, -1.0, 1.0, dt);
   const Tensor w = uniform({g.kh, g.kw, g.c, g.cout}, -1.0, 1.0, dt);
   const Tensor out = Tensor::empty({g.n, g.oh, g.ow, g.cout}, dt);
-  auto* fn = find_kernel<kernels::Conv2dFn>(OpId::conv2d, DeviceType::CPU, dt);
+  const auto fn = find_kernel<kernels::Conv2dFn>(OpId::conv2d, DeviceType::CPU, dt);
   fn(x, w, Tensor(), out, g);  // warm-up
   for (auto _ : state) {
     fn(x, w, Tensor(), out, g);
@@ -163,10 +163,10 @@ void BM_CpuConv2dBackward(benchmark::State& state) {
   const Tensor gout = uniform({g.n, g.oh, g.ow, g.cout}, -1.0, 1.0, dt);
   const Tensor gx = Tensor::empty({g.n, g.h, g.w, g.c}, dt);
   const Tensor gw = Tensor::empty({g.kh, g.kw, g.c, g.cout}, dt);
-  auto* bwd_x =
+  const auto bwd_x =
       find_kernel<kernels::Conv2dBackwardInputFn>(OpId::conv2d_backward_input, DeviceType::CPU, dt);
-  auto* bwd_w = find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight,
-                                                             DeviceType::CPU, dt);
+  const auto bwd_w = find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight,
+                                                                  DeviceType::CPU, dt);
   bwd_x(gout, w, gx, g);  // warm-up
   bwd_w(x, gout, gw, g);
   for (auto _ : state) {
@@ -269,7 +269,7 @@ void matmul_path(benchmark::State& state, DType dt) {
   g.out = Tensor::empty({m, n}, dt);
   g.m = m, g.n = n, g.k = k, g.trans_a = ta;
   g.lda = ta ? m : k, g.ldb = n, g.ldc = n;
-  auto* fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt);
+  const auto fn = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CPU, dt);
   fn(g);  // warm-up: primitive creation, scratch buffers
   for (auto _ : state) {
     fn(g);

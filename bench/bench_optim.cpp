@@ -33,8 +33,9 @@ void BM_OptimizerUpdate(benchmark::State& state) {
                                    : mt::OpId::sgd_update;
   if (which == 1) u.beta2 = 0.9, u.momentum = 0.0;
   if (which == 2) u.momentum = 0.9;
-  auto* fn = mt::find_kernel<mt::kernels::OptimizerUpdateFn>(op, mt::DeviceType::CPU, mt::kFloat32);
-  auto* cast =
+  const auto fn =
+      mt::find_kernel<mt::kernels::OptimizerUpdateFn>(op, mt::DeviceType::CPU, mt::kFloat32);
+  const auto cast =
       mt::find_kernel<mt::kernels::CastFn>(mt::OpId::cast, mt::DeviceType::CPU, mt::kFloat32);
   const mt::Tensor bf16 = mt::Tensor::empty({kWeights}, mt::kBFloat16);
   if (copy == 1) u.copy = bf16;

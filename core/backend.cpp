@@ -89,11 +89,24 @@ class ReadNow final : public PendingRead {
 
 std::unique_ptr<PendingRead> Backend::read_back(const void* src, int device_index,
                                                 std::size_t nbytes) {
+  capture::forbid_read(Device(type(), device_index), "read_back");
   if (nbytes > kMaxReadBack)
     throw ValueError(fmt::format("{} backend: read_back of {} bytes (at most {})", name(), nbytes,
                                  kMaxReadBack));
   return std::make_unique<ReadNow>(*this, src, device_index, nbytes);
 }
+
+void Backend::begin_capture(int device_index) {
+  throw DeviceError(fmt::format("StepGraph::capture on {}: the {} backend cannot capture a step",
+                                Device(type(), device_index).str(), name()));
+}
+
+std::unique_ptr<CapturedWork> Backend::end_capture(int device_index) {
+  throw DeviceError(fmt::format("StepGraph::capture on {}: the {} backend cannot capture a step",
+                                Device(type(), device_index).str(), name()));
+}
+
+void Backend::abort_capture(int /*device_index*/) {}
 
 void register_backend(std::unique_ptr<Backend> backend) {
   const DeviceType type = backend->type();

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "core/raw.h"
+#include "mixtape/core/capture.h"
 #include "mixtape/core/tensor.h"
 
 namespace mixtape {
@@ -40,7 +41,14 @@ struct Generator::State {
 namespace detail {
 // The factories hold the lock for a whole tensor and draw without locking per number.
 struct GeneratorAccess {
-  static Generator::State& state(Generator& g) { return *g.state_; }
+  static Generator::State& state(Generator& g) {
+    forbid_draw();
+    return *g.state_;
+  }
+  // A draw while a step is captured would be repeated, the same, by every replay.
+  static void forbid_draw() {
+    capture::forbid("a random draw from a Generator (dropout, a random layer or initializer)");
+  }
 };
 }  // namespace detail
 
@@ -57,16 +65,19 @@ std::unique_lock<std::recursive_mutex> Generator::lock() const {
 }
 
 std::uint64_t Generator::next_u64() {
+  detail::GeneratorAccess::forbid_draw();
   std::lock_guard<std::recursive_mutex> hold(state_->mutex);
   return state_->u64();
 }
 
 double Generator::next_uniform() {
+  detail::GeneratorAccess::forbid_draw();
   std::lock_guard<std::recursive_mutex> hold(state_->mutex);
   return state_->uniform();
 }
 
 double Generator::next_normal() {
+  detail::GeneratorAccess::forbid_draw();
   std::lock_guard<std::recursive_mutex> hold(state_->mutex);
   return state_->normal();
 }

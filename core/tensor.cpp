@@ -14,6 +14,7 @@
 
 #include "core/raw.h"
 #include "mixtape/core/backend.h"
+#include "mixtape/core/capture.h"
 #include "mixtape/core/float8.h"
 
 namespace mixtape {
@@ -152,6 +153,7 @@ Tensor cast_raw(const Tensor& t, DType dtype) {
 
 Tensor to_device_raw(const Tensor& t, Device device) {
   if (t.device() == device) return contiguous_raw(t);
+  if (device.is_cpu()) capture::forbid_read(t.device(), fmt::format("to({})", device.str()));
   Tensor src = contiguous_raw(t);
   Tensor out = Tensor::empty(t.shape(), t.dtype(), device);
   // The non-CPU side's backend knows how to copy to and from the host.
@@ -282,6 +284,7 @@ void write_from_double(void* p, DType dtype, double v) {
 }
 
 std::vector<std::uint8_t> host_bytes(const Tensor& t) {
+  capture::forbid_read(t.device(), "Tensor::item / to_vector");
   Tensor c = to_device_raw(t, Device::cpu());
   std::vector<std::uint8_t> out;
   try {

@@ -304,6 +304,7 @@ std::vector<Tensor> DistributedOptimizer::gradient(GradientTape& tape, const Ten
 std::vector<Tensor> DistributedOptimizer::chain_gradients(GradientTape& tape, const Tensor& loss,
                                                           const std::vector<Variable>& variables,
                                                           const Backward&) {
+  capture::forbid("DistributedOptimizer: the reductions across processes");
   const Backward reducing = [this](GradientTape& t, const Tensor& target,
                                    const std::vector<Variable>& vars) {
     return target.defined() ? gradient(t, target, vars)
@@ -345,6 +346,7 @@ std::vector<Tensor> DistributedOptimizer::get_unscaled_gradients(const std::vect
 
 void DistributedOptimizer::apply_gradients(const std::vector<Tensor>& grads,
                                            const std::vector<Variable>& variables) {
+  capture::forbid("DistributedOptimizer: the reductions across processes");
   if (grads.size() != variables.size())
     throw ValueError(
         fmt::format("DistributedOptimizer::apply_gradients: {} gradients for {} "

@@ -5,6 +5,7 @@
 
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
+#include "mixtape/core/capture.h"
 
 namespace mixtape::optim {
 
@@ -35,6 +36,7 @@ GradientAccumulationOptimizer::GradientAccumulationOptimizer(
 
 void GradientAccumulationOptimizer::apply_gradients(const std::vector<Tensor>& grads,
                                                     const std::vector<Variable>& variables) {
+  capture::forbid("GradientAccumulationOptimizer: its count of micro-batches is kept on the host");
   if (grads.size() != variables.size())
     throw ValueError(
         fmt::format("GradientAccumulationOptimizer::apply_gradients: {} gradients for {} variables",

@@ -13,6 +13,7 @@
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/backend.h"
+#include "mixtape/core/capture.h"
 #include "optim/optim_util.h"
 
 namespace mixtape::optim {
@@ -69,6 +70,7 @@ LossScaleOptimizer::LossScaleOptimizer(const LossScaleOptimizer& other)
 
 Tensor LossScaleOptimizer::get_scaled_loss(const Tensor& loss) const {
   if (!loss.defined()) throw ValueError("LossScaleOptimizer::get_scaled_loss: undefined loss");
+  capture::forbid("LossScaleOptimizer: the loss scale is decided on the host");
   sync_step();
   return loss * scale_;
 }
@@ -121,6 +123,7 @@ bool LossScaleOptimizer::decide_on_device(const std::vector<Tensor>& flags,
 
 void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
                                          const std::vector<Variable>& variables) {
+  capture::forbid("LossScaleOptimizer: the loss scale is decided on the host");
   if (grads.size() != variables.size())
     throw ValueError(
         fmt::format("LossScaleOptimizer::apply_gradients: {} gradients for {} "

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
+#include <memory>
 #include <numbers>
 #include <numeric>
 #include <set>
@@ -17,6 +19,8 @@
 #include "mixtape/autograd/autocast.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
+#include "mixtape/core/backend.h"
+#include "mixtape/core/capture.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
 #include "optim/optim_util.h"
@@ -221,6 +225,7 @@ class UpdateBatch {
     ops_.push_back(op);
     updates_.push_back(std::move(u));
   }
+  std::vector<kernels::OptimizerUpdate>& updates() { return updates_; }
   // Runs the queued updates, every group of the same op, device and dtype in one call
   // whatever the order they came in (the updates are independent of one another; a model
   // whose variables alternate dtypes still costs a call per dtype), and keeps the 16-bit
@@ -267,7 +272,10 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
   check_not_bypassed();
   NoGradGuard no_grad;
   std::vector<Tensor> g = prepare(grads, variables);
-  if (check_finite_) {
+  Tensor skip = skip_if;
+  if (check_finite_ && capture::active()) {
+    skip = capture_finiteness_check(g, skip_if);
+  } else if (check_finite_) {
     if (const auto bad = first_nonfinite(g)) {
       throw NumericError(fmt::format(
           "{}: the gradient for '{}' holds NaN or infinite values at step {}; no variable was "
@@ -282,12 +290,81 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
     Tensor& slot;
     ~Flag() { slot = Tensor(); }
   } flag{skip_if_};
-  skip_if_ = skip_if;
+  skip_if_ = skip;
   UpdateBatch batch;
   for (std::size_t i = 0; i < g.size(); ++i)
     if (g[i].defined()) update(variables[i], g[i], slots_for(variables[i]), lr, step);
+  if (capture::active()) {
+    capture_updates(batch.updates());
+    batch.flush();
+    return;  // the replays count the steps
+  }
   batch.flush();
   ++iterations_;
+}
+
+Tensor Optimizer::capture_finiteness_check(const std::vector<Tensor>& grads,
+                                           const Tensor& skip_if) {
+  if (!supports_device_skip() || skip_if.defined())
+    throw CaptureError(fmt::format(
+        "{}: its check for non-finite gradients reads them on the host, which a captured step "
+        "cannot do; set_check_finite(false) to capture it",
+        name()));
+  const std::vector<Tensor> flags = scale_and_flag(grads, 1.0, false).flags;
+  if (flags.empty()) return Tensor();  // no gradient this step
+  const Tensor flag = flags.front();
+  // The flag of each replay, read back behind it; checked before the next replay.
+  auto reads =
+      std::make_shared<std::deque<std::pair<std::int64_t, std::unique_ptr<PendingRead>>>>();
+  capture::after_replay([this, flag, reads] {
+    reads->emplace_back(iterations_ + 1, backend_for(flag.device().type())
+                                             .read_back(flag.const_data_ptr(),
+                                                        flag.device().index(), sizeof(float)));
+  });
+  capture::before_replay([this, reads] {
+    while (!reads->empty() && reads->front().second->ready()) {
+      float set = 0.0f;
+      reads->front().second->wait(&set);
+      const std::int64_t at = reads->front().first;
+      reads->pop_front();
+      if (set != 0.0f)
+        throw NumericError(fmt::format(
+            "{}: a gradient of the captured step held NaN or infinite values at step {}; that "
+            "replay changed no variable (the step is counted)",
+            name(), at));
+    }
+  });
+  return flag;
+}
+
+void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates) {
+  if (updates.empty()) return;
+  // The 16-bit copies the captured updates write (into the copies the captured forward pass
+  // read): kept as the variables' copies after each replay, and brought up to date before one
+  // when something else changed a variable meanwhile (an assign between replays).
+  std::vector<std::pair<Tensor, Tensor>> copies;
+  for (const auto& u : updates)
+    if (u.copy.defined()) copies.emplace_back(u.var, u.copy);
+  if (!copies.empty()) {
+    capture::before_replay([copies] {
+      for (const auto& [var, copy] : copies) refresh_autocast_copy(var, copy);
+    });
+    capture::after_replay([copies] {
+      for (const auto& [var, copy] : copies) keep_autocast_copy(var, copy);
+    });
+  }
+  const kernels::OptimizerUpdate& first = updates.front();
+  const double beta1 = first.beta1, beta2 = first.beta2;
+  const Device device = first.var.device();
+  const Tensor rates = Tensor::empty({2}, kFloat64, device);
+  for (auto& u : updates) u.rates = rates;
+  capture::before_replay([this, rates, beta1, beta2, device] {
+    const kernels::StepRates r =
+        kernels::step_rates(learning_rate_(iterations_), iterations_ + 1, beta1, beta2);
+    const double host[2] = {r.lr, r.alpha};
+    backend_for(device.type()).copy(rates.data_ptr(), device, host, Device::cpu(), sizeof(host));
+  });
+  capture::after_replay([this] { ++iterations_; });
 }
 
 OptimizerState Optimizer::state(const std::vector<Variable>& variables) const {
@@ -387,8 +464,12 @@ kernels::OptimizerUpdate update_args(const Variable& var, const Tensor& grad,
   // The 16-bit copy the variable is read as under autocast, written beside the update so
   // that the next forward pass needs no cast of the weights (autocast.h; only a float32
   // variable keeps one).
-  if (const auto dtype = autocast_copy_dtype(var))
-    u.copy = Tensor::empty(var.shape(), *dtype, var.device());
+  if (const auto dtype = autocast_copy_dtype(var)) {
+    // A captured step writes it where its forward pass read the copy (mixtape/core/capture.h):
+    // each replay then reads what the one before wrote.
+    const Tensor kept = capture::active() ? kept_autocast_copy(var) : Tensor();
+    u.copy = kept.defined() ? kept : Tensor::empty(var.shape(), *dtype, var.device());
+  }
   return u;
 }
 

@@ -23,7 +23,8 @@
 #            mixed_float16 and float32, the GPT-2-small body (--preset gpt2-small, batch 8)
 #            under mixed_bfloat16 and mixed_float16 (and once more under mixed_bfloat16 with
 #            MIXTAPE_CUDA_MMA_ATTENTION=0: the plain attention kernels, for comparison);
-#            gpt.log has each mixtape run's --kernel-census (the kernels of one step)
+#            gpt.log has each mixtape run's --kernel-census (the kernels of one step); the
+#            captured step (--capture-step, a CUDA graph) at both shapes and at charlm's defaults
 #   gptcompile  PyTorch's torch.compile at both shapes under mixed_bfloat16 (one round; its
 #            compilation takes a minute or more a run, so it is not in the default steps)
 #            (GPT_DEVICE=cpu runs these two on the CPU: a dry run of the step itself)
@@ -232,6 +233,14 @@ if want gpt; then
       GPT_NOTE=", MIXTAPE_CUDA_MMA_ATTENTION=0" MIXTAPE_CUDA_MMA_ATTENTION=0 \
         gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8
     fi
+    # The captured step (a CUDA graph a step): both shapes, and charlm's defaults, where the
+    # host sets the pace, with and without it.
+    for policy in mixed_bfloat16 float32; do
+      gpt mixtape "$policy" "${small_gpt[@]}" --capture-step
+    done
+    gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8 --capture-step
+    gpt mixtape mixed_bfloat16
+    gpt mixtape mixed_bfloat16 --capture-step
   done
 fi
 if want gptcompile; then

@@ -767,8 +767,8 @@ TEST_CASE("cpu conv2d from several threads at once gives the single-threaded res
     for (DType dt : {kFloat32, kBFloat16}) {
       INFO("dtype " << std::string(dt.name()));
       const auto cpu = DeviceType::CPU;
-      auto* fwd = find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt);
-      auto* bwd_w =
+      const auto fwd = find_kernel<kernels::Conv2dFn>(OpId::conv2d, cpu, dt);
+      const auto bwd_w =
           find_kernel<kernels::Conv2dBackwardWeightFn>(OpId::conv2d_backward_weight, cpu, dt);
       std::vector<Tensor> xs, ws, ys;
       std::vector<std::vector<double>> want_out, want_gw;

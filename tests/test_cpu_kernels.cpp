@@ -209,7 +209,7 @@ std::vector<Pattern> patterns() {
 
 template <typename Fn>
 Fn* kernel(OpId op, DType dt) {
-  return find_kernel<Fn>(op, DeviceType::CPU, dt);
+  return find_kernel<Fn>(op, DeviceType::CPU, dt).raw();
 }
 
 // Integer wrap-around as the kernels define it.

@@ -13,10 +13,10 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
-#include <span>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -40,7 +40,7 @@ std::mt19937_64& rng() {
 
 template <typename Fn>
 Fn* kernel(OpId op, DType dt) {
-  return find_kernel<Fn>(op, DeviceType::CPU, dt);
+  return find_kernel<Fn>(op, DeviceType::CPU, dt).raw();
 }
 
 std::size_t sz(int64_t i) { return static_cast<std::size_t>(i); }

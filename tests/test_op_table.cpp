@@ -79,7 +79,8 @@ TEST_CASE("op table: the AMP names and default lists come from the table", "[op_
 TEST_CASE("op table: a kernel of another signature, or for an op without kernels, is refused",
           "[op_table]") {
   auto gemm =
-      mt::find_kernel<mt::kernels::GemmFn>(mt::OpId::matmul, mt::DeviceType::CPU, mt::kFloat32);
+      mt::find_kernel<mt::kernels::GemmFn>(mt::OpId::matmul, mt::DeviceType::CPU, mt::kFloat32)
+          .raw();
   CHECK_THROWS_WITH(mt::register_kernel<mt::kernels::GemmFn>(mt::OpId::neg, mt::DeviceType::CPU,
                                                              mt::kFloat32, gemm),
                     Contains("neg") && Contains("signature"));

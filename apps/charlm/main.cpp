@@ -82,6 +82,7 @@ struct Options {
   std::int64_t top_k = 20;
   std::string save, resume, export_onnx;
   bool kernel_census = false;
+  bool capture_step = false;
 };
 
 // The step a checkpoint was saved at: a whole number >= 0 (a file is untrusted input).
@@ -574,6 +575,28 @@ Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t
   };
   // --kernel-census: the second step of the run (the first builds), or the only one.
   const std::int64_t census_step = std::min(first_step + 1, o.steps - 1);
+  // --capture-step: the first step runs and captures the step, the others replay it with their
+  // batch copied where the captured one read it.
+  mt::StepGraph graph;
+  mt::Variable step_x, step_y;
+  mt::Tensor step_loss;
+  const auto run_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    if (!o.capture_step) return train_step(model, chain, vars, x, y);
+    if (graph.empty()) {  // the warm-up step's loss; the captured one's after each replay
+      step_x = mt::Variable(x, "x", /*trainable=*/false);
+      step_y = mt::Variable(y, "y", /*trainable=*/false);
+      mt::Tensor warmup_loss;
+      graph = mt::StepGraph::capture(device, [&] {
+        (mt::capture::active() ? step_loss : warmup_loss) =
+            train_step(model, chain, vars, step_x, step_y);
+      });
+      return warmup_loss;
+    }
+    step_x.assign(x);
+    step_y.assign(y);
+    graph.replay();
+    return step_loss;
+  };
   for (std::int64_t step = first_step; step < o.steps; ++step) {
     if (lso && step == std::max<std::int64_t>(first_step, 100))
       skipped_before_100 = lso->skipped_steps();
@@ -581,7 +604,7 @@ Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t
     if (o.kernel_census && step == census_step) census.emplace();
     const auto [x, y, share] = batches.next();
     if (dopt) dopt->set_gradient_weight(share);
-    p.add(train_step(model, chain, vars, x, y), share);
+    p.add(run_step(x, y), share);
     if (census && root)
       fmt::print("kernels dispatched by step {} ({} variables):\n{}", step + 1, vars.size(),
                  census->table());
@@ -643,6 +666,10 @@ int run(const Options& o) {
         "--batch {} is smaller than the {} ranks: the batch is the global one, split across "
         "the ranks",
         o.batch, mt::distributed::world_size()));
+  if (o.capture_step && mt::distributed::world_size() > 1)
+    throw mt::ValueError(fmt::format(
+        "--capture-step: a captured step cannot replay the reductions across the {} ranks",
+        mt::distributed::world_size()));
   if (o.width % o.heads != 0)
     throw mt::ValueError(
         fmt::format("--width {} is not a multiple of --heads {}", o.width, o.heads));
@@ -779,6 +806,10 @@ void add_options(CLI::App& app, Options& o) {
   app.add_flag("--kernel-census", o.kernel_census,
                "print the kernels one steady-state step dispatches, per op (a host-side "
                "profile: on a GPU each is at least one launch)");
+  app.add_flag("--capture-step", o.capture_step,
+               "capture the training step once and replay it (a CUDA graph on a GPU): one "
+               "launch of host work per step; not with loss scaling (mixed_float16), dropout or "
+               "several processes");
 }
 
 // --preset: the shape it names, in the options it sets; an option given with another value
@@ -798,6 +829,20 @@ void apply_preset(const CLI::App& app, Options& o) {
   set("--context", o.context, 1024);
 }
 
+// --capture-step with what a captured step cannot replay (mixtape/core/capture.h): a CLI error
+// naming both, before anything is trained.
+void check_capture(const Options& o) {
+  if (!o.capture_step) return;
+  const auto refuse = [](const std::string& what) {
+    throw CLI::ValidationError(
+        "--capture-step", fmt::format("a captured step cannot replay {} (leave one out)", what));
+  };
+  if (o.policy == "mixed_float16")
+    refuse("the loss scaling of --policy mixed_float16 (its scale is decided on the host)");
+  if (o.dropout > 0.0)
+    refuse(fmt::format("--dropout {} (each replay would repeat the mask)", o.dropout));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -808,6 +853,7 @@ int main(int argc, char** argv) {
     add_options(app, options);
     app.parse(argc, argv);
     apply_preset(app, options);
+    check_capture(options);
   } catch (const CLI::Success& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {

@@ -75,6 +75,8 @@ class CpuBackend final : public Backend {
     if (nbytes) std::memmove(dst, src, nbytes);
   }
   void synchronize(int /*device_index*/) override {}
+  // A captured step's kernels are recorded by core (mixtape/core/capture.h).
+  bool kernels_are_host_calls() const override { return true; }
   DeviceProperties properties(int /*device_index*/) const override {
     return DeviceProperties{.name = "CPU"};
   }

@@ -321,11 +321,21 @@ void sgd_momentum_block(S* __restrict v, const S* __restrict g, S* __restrict ve
   }
 }
 
+// An update's lr and alpha: from its rates tensor when it has one (a captured step's, written
+// before each replay), otherwise computed from lr and step (kernels.h).
+kernels::StepRates rates_of(const OptimizerUpdate& u) {
+  if (u.rates.defined()) {
+    const double* r = u.rates.const_data<double>();
+    return {r[0], r[1]};
+  }
+  return kernels::step_rates(u.lr, u.step, u.beta1, u.beta2);
+}
+
 // sgd_update (Keras SGD): slot1 is the velocity when momentum != 0.
 template <typename T>
 void sgd_one(const OptimizerUpdate& u) {
   using S = slot_t<T>;
-  const S lr = static_cast<S>(u.lr), momentum = static_cast<S>(u.momentum);
+  const S lr = static_cast<S>(rates_of(u).lr), momentum = static_cast<S>(u.momentum);
   S* vel = slot_ptr<S>(u.slot1);
   for_each_var_block<T>(u, [&](S* v, const S* g, int64_t b, int64_t n) {
     if (u.momentum == 0.0)
@@ -411,7 +421,7 @@ struct RmspropBlock {
 template <typename T>
 void rmsprop_one(const OptimizerUpdate& u) {
   using S = slot_t<T>;
-  const S lr = static_cast<S>(u.lr), rho = static_cast<S>(u.beta2);
+  const S lr = static_cast<S>(rates_of(u).lr), rho = static_cast<S>(u.beta2);
   const S one_minus_rho = static_cast<S>(1.0 - u.beta2), eps = static_cast<S>(u.epsilon);
   const S momentum = static_cast<S>(u.momentum);
   S* ms = slot_ptr<S>(u.slot1);
@@ -463,12 +473,10 @@ struct AdamBlock {
 template <typename T>
 void adam_one(const OptimizerUpdate& u) {
   using S = slot_t<T>;
-  const auto step = static_cast<double>(u.step);
-  const double alpha_d =
-      u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
-  const S alpha = static_cast<S>(alpha_d);
+  const kernels::StepRates r = rates_of(u);
+  const S alpha = static_cast<S>(r.alpha);
   const S omb1 = static_cast<S>(1.0 - u.beta1), omb2 = static_cast<S>(1.0 - u.beta2);
-  const S eps = static_cast<S>(u.epsilon), lr_wd = static_cast<S>(u.lr * u.weight_decay);
+  const S eps = static_cast<S>(u.epsilon), lr_wd = static_cast<S>(r.lr * u.weight_decay);
   S* m = slot_ptr<S>(u.slot1);
   S* v = slot_ptr<S>(u.slot2);
   S* vmax = slot_ptr<S>(u.slot3);

@@ -63,6 +63,78 @@ DeviceCache& cache() {
   return *c;
 }
 
+// --- Step capture (mixtape/core/capture.h): CUDA graphs ----------------------------------------
+//
+// While a device's stream captures, every block allocated on that device comes from the
+// capture's pool: the graph's kernels read and write those addresses at every replay, so no
+// allocation outside the capture may get them while the graph lives. A block freed during the
+// capture goes back to the pool (a later allocation of the same capture may take it: its
+// kernels come after in the graph's order, as on the stream). A block allocated before the
+// capture and freed during it is retained by the pool (the graph may still read it) and goes
+// back to the cache when the graph is destroyed. A pool block freed after the graph is gone
+// goes to the cache. Host -> device copies made during the capture read from pinned buffers of
+// the pool's own (the replays copy them again, the same bytes).
+struct CapturePool {
+  int device = 0;
+  bool graph_alive = true;
+  std::unordered_map<std::size_t, std::vector<void*>> free;  // by size class
+  std::vector<std::pair<void*, std::size_t>> retained;       // (block, size class)
+  std::vector<void*> pinned;
+};
+
+std::mutex g_capture_mutex;
+std::unordered_map<void*, std::shared_ptr<CapturePool>> g_pool_of;  // a pool's blocks
+std::vector<std::shared_ptr<CapturePool>> g_capturing;              // by device, or null
+
+// The pool device d is capturing into, or null (with g_capture_mutex held).
+CapturePool* capturing_pool(int d) {
+  return static_cast<std::size_t>(d) < g_capturing.size()
+             ? g_capturing[static_cast<std::size_t>(d)].get()
+             : nullptr;
+}
+
+// Gives a dead graph's pool back: its free and retained blocks to the cache, its pinned
+// buffers to the system (with g_capture_mutex held, after the device finished its replays).
+void release_pool(CapturePool& pool) {
+  pool.graph_alive = false;
+  for (auto& [cls, blocks] : pool.free)
+    for (void* p : blocks) {
+      g_pool_of.erase(p);
+      cache().give(pool.device, cls, p);
+    }
+  pool.free.clear();
+  for (auto [p, cls] : pool.retained) cache().give(pool.device, cls, p);
+  pool.retained.clear();
+  for (void* p : pool.pinned) cudaFreeHost(p);
+  pool.pinned.clear();
+}
+
+class CudaGraph final : public CapturedWork {
+ public:
+  CudaGraph(int device, cudaGraph_t graph, cudaGraphExec_t exec, std::shared_ptr<CapturePool> pool)
+      : device_(device), graph_(graph), exec_(exec), pool_(std::move(pool)) {}
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  ~CudaGraph() override {
+    DeviceGuard guard(device_);
+    cudaStreamSynchronize(stream(device_));  // the replays are done with the pool
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+    std::lock_guard<std::mutex> lock(g_capture_mutex);
+    release_pool(*pool_);
+  }
+  void replay() override {
+    DeviceGuard guard(device_);
+    MIXTAPE_CUDA_CHECK(cudaGraphLaunch(exec_, stream(device_)));
+  }
+
+ private:
+  int device_;
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  std::shared_ptr<CapturePool> pool_;
+};
+
 // Pinned host buffers per device for copies between pageable host memory and the device
 // (guarded by a mutex). Device -> host copies go through `down` and wait for the device.
 // Host -> device copies go through a ring of buffers, each with an event recorded after its
@@ -202,6 +274,10 @@ class CudaBackend final : public Backend {
   void* allocate(std::size_t nbytes, int device_index) override {
     check_index(device_index);
     const std::size_t cls = cache().size_class(nbytes);
+    {
+      std::lock_guard<std::mutex> lock(g_capture_mutex);
+      if (CapturePool* pool = capturing_pool(device_index)) return pool_block(*pool, cls);
+    }
     if (void* p = cache().take(device_index, cls)) return p;
     DeviceGuard guard(device_index);
     void* p = nullptr;
@@ -224,7 +300,84 @@ class CudaBackend final : public Backend {
   }
 
   void deallocate(void* ptr, std::size_t nbytes, int device_index) override {
-    if (ptr) cache().give(device_index, cache().size_class(nbytes), ptr);
+    if (!ptr) return;
+    const std::size_t cls = cache().size_class(nbytes);
+    {
+      std::lock_guard<std::mutex> lock(g_capture_mutex);
+      if (auto it = g_pool_of.find(ptr); it != g_pool_of.end()) {
+        if (it->second->graph_alive) {
+          it->second->free[cls].push_back(ptr);
+          return;
+        }
+        g_pool_of.erase(it);
+      } else if (CapturePool* pool = capturing_pool(device_index)) {
+        pool->retained.emplace_back(ptr, cls);  // the graph may read it
+        return;
+      }
+    }
+    cache().give(device_index, cls, ptr);
+  }
+
+  void begin_capture(int device_index) override {
+    check_index(device_index);
+    {
+      std::lock_guard<std::mutex> lock(g_capture_mutex);
+      if (capturing_pool(device_index))
+        throw CaptureError(
+            fmt::format("StepGraph::capture on cuda:{}: another thread is capturing a step there",
+                        device_index));
+      if (g_capturing.size() <= static_cast<std::size_t>(device_index))
+        g_capturing.resize(static_cast<std::size_t>(device_index) + 1);
+      auto pool = std::make_shared<CapturePool>();
+      pool->device = device_index;
+      g_capturing[static_cast<std::size_t>(device_index)] = std::move(pool);
+    }
+    DeviceGuard guard(device_index);
+    // Relaxed: the allocator may call cudaMalloc for the pool while the stream captures.
+    const cudaError_t err =
+        cudaStreamBeginCapture(stream(device_index), cudaStreamCaptureModeRelaxed);
+    if (err != cudaSuccess) {
+      std::lock_guard<std::mutex> lock(g_capture_mutex);
+      release_pool(*g_capturing[static_cast<std::size_t>(device_index)]);
+      g_capturing[static_cast<std::size_t>(device_index)].reset();
+      MIXTAPE_CUDA_CHECK(err);
+    }
+  }
+
+  std::unique_ptr<CapturedWork> end_capture(int device_index) override {
+    DeviceGuard guard(device_index);
+    cudaGraph_t graph = nullptr;
+    cudaError_t err = cudaStreamEndCapture(stream(device_index), &graph);
+    std::shared_ptr<CapturePool> pool;
+    {
+      std::lock_guard<std::mutex> lock(g_capture_mutex);
+      pool = std::move(g_capturing[static_cast<std::size_t>(device_index)]);
+    }
+    cudaGraphExec_t exec = nullptr;
+    if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      if (graph) cudaGraphDestroy(graph);
+      std::lock_guard<std::mutex> lock(g_capture_mutex);
+      release_pool(*pool);
+      throw CaptureError(fmt::format(
+          "StepGraph::capture on cuda:{}: the captured step could not be made a CUDA graph: {}",
+          device_index, cudaGetErrorString(err)));
+    }
+    return std::make_unique<CudaGraph>(device_index, graph, exec, std::move(pool));
+  }
+
+  void abort_capture(int device_index) override {
+    DeviceGuard guard(device_index);
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture(stream(device_index), &graph);
+    cudaGetLastError();  // a capture invalidated by the failure: not an error of the next call
+    if (graph) cudaGraphDestroy(graph);
+    std::lock_guard<std::mutex> lock(g_capture_mutex);
+    if (auto& pool = g_capturing[static_cast<std::size_t>(device_index)]) {
+      release_pool(*pool);
+      pool.reset();
+    }
   }
 
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
@@ -232,6 +385,10 @@ class CudaBackend final : public Backend {
     if (nbytes == 0) return;
     if (dst_device.is_cuda() && src_device.is_cuda()) {
       DeviceGuard guard(dst_device.index());
+      if (dst_device != src_device) {
+        capture::forbid_read(src_device, "a copy to another GPU");
+        capture::forbid_read(dst_device, "a copy from another GPU");
+      }
       if (dst_device == src_device) {
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice,
                                            stream(dst_device.index())));
@@ -247,6 +404,7 @@ class CudaBackend final : public Backend {
       }
       return;
     }
+    if (dst_device.is_cuda() && capture_copy(dst, dst_device.index(), src, nbytes)) return;
     if (dst_device.is_cuda()) {  // host -> device, through the ring of pinned buffers
       const int d = dst_device.index();
       for_each_piece(d, nbytes, [&](Staging& st, std::size_t off, std::size_t n) {
@@ -267,6 +425,7 @@ class CudaBackend final : public Backend {
     }
     if (src_device.is_cuda()) {  // device -> host: waits for the device's pending work
       const int d = src_device.index();
+      capture::forbid_read(src_device, "a copy to the host");
       for_each_piece(d, nbytes, [&](Staging& st, std::size_t off, std::size_t n) {
         void* pinned = st.down.get(std::min(nbytes, kStagingPiece));
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(pinned, static_cast<const char*>(src) + off, n,
@@ -283,12 +442,14 @@ class CudaBackend final : public Backend {
   std::unique_ptr<PendingRead> read_back(const void* src, int device_index,
                                          std::size_t nbytes) override {
     check_index(device_index);
+    capture::forbid_read(Device::cuda(device_index), "read_back");
     if (nbytes > kMaxReadBack) return Backend::read_back(src, device_index, nbytes);  // throws
     return std::make_unique<CudaPendingRead>(src, device_index, nbytes);
   }
 
   void synchronize(int device_index) override {
     check_index(device_index);
+    capture::forbid_read(Device::cuda(device_index), "a synchronisation");
     DeviceGuard guard(device_index);
     MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device_index)));
   }
@@ -305,6 +466,43 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // A block of size class cls from the pool of a capture (with g_capture_mutex held).
+  static void* pool_block(CapturePool& pool, std::size_t cls) {
+    auto& free = pool.free[cls];
+    if (!free.empty()) {
+      void* p = free.back();
+      free.pop_back();
+      return p;
+    }
+    DeviceGuard guard(pool.device);
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, cls);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw DeviceError(
+          fmt::format("out of memory on cuda:{} while capturing a step: could not "
+                      "allocate {} bytes: {}",
+                      pool.device, cls, cudaGetErrorString(err)));
+    }
+    g_pool_of.emplace(p, g_capturing[static_cast<std::size_t>(pool.device)]);
+    return p;
+  }
+
+  // A host -> device copy while device d captures: from a pinned buffer of the capture's own,
+  // which every replay copies again. False when d does not capture.
+  static bool capture_copy(void* dst, int d, const void* src, std::size_t nbytes) {
+    std::lock_guard<std::mutex> lock(g_capture_mutex);
+    CapturePool* pool = capturing_pool(d);
+    if (!pool) return false;
+    DeviceGuard guard(d);
+    void* pinned = nullptr;
+    MIXTAPE_CUDA_CHECK(cudaMallocHost(&pinned, nbytes));
+    pool->pinned.push_back(pinned);
+    std::memcpy(pinned, src, nbytes);
+    MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(dst, pinned, nbytes, cudaMemcpyHostToDevice, stream(d)));
+    return true;
+  }
+
   static void check_index(int index) {
     if (index < 0 || index >= g_device_count)
       throw DeviceError(fmt::format("cuda:{} is not available ({} CUDA device{} present)", index,

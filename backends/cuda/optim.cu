@@ -287,6 +287,11 @@ const float* skip_ptr(const OptimizerUpdate& u) {
 
 void* ptr_or_null(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
+// The device's {lr, alpha} of a captured step (kernels.h, rates), or null.
+const double* rates_ptr(const OptimizerUpdate& u) {
+  return u.rates.defined() ? static_cast<const double*>(u.rates.const_data_ptr()) : nullptr;
+}
+
 // Checks that a 16-bit copy is asked for a float32 variable only (kernels.h).
 template <typename T>
 void check_copy(const OptimizerUpdate& u) {
@@ -316,11 +321,14 @@ __device__ __forceinline__ bool skipped(const float* skip) {
 
 // The loop of every update kernel, over each variable of the list: v = step(slots, i, v, g)
 // in the slot type, written back to var[i] and to the copy. A step skipped on the device
-// leaves var as it is and writes only the copy.
+// leaves var as it is and writes only the copy. With rates (a captured step's), the step's
+// lr and alpha are read there.
 template <typename T, typename Step>
-__global__ void update_kernel(const float* __restrict__ skip, UpdateList list, Step step) {
+__global__ void update_kernel(const float* __restrict__ skip, const double* __restrict__ rates,
+                              UpdateList list, Step step) {
   using S = slot_of<T>;
   const bool skip_step = skipped(skip);  // a step skipped on the device
+  if (rates != nullptr) step.use_rates(rates[0], rates[1]);
   for (int t = 0; t < list.count; ++t) {
     void* copy = list.copy[t];
     if (skip_step && copy == nullptr) continue;
@@ -348,10 +356,12 @@ void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, 
   const Step step = make(updates.front());
   OnDevice on(updates.front().var);
   const float* skip = skip_ptr(updates.front());
+  const double* rates = rates_ptr(updates.front());
   UpdateList list{};
   int64_t total = 0;
   auto launch = [&]() {
-    if (list.count > 0) launch_1d({name, total, on.s}, update_kernel<T, Step>, skip, list, step);
+    if (list.count > 0)
+      launch_1d({name, total, on.s}, update_kernel<T, Step>, skip, rates, list, step);
     list = UpdateList{};
     total = 0;
   };
@@ -381,6 +391,7 @@ template <typename S>
 struct SgdStep {
   S lr, momentum;
   int mode;
+  __device__ void use_rates(double r_lr, double /*alpha*/) { lr = static_cast<S>(r_lr); }
   __device__ S operator()(const Slots<S>& s, int64_t i, S v, S g) const {
     if (mode == 0) return sub_rn(v, mul_rn(lr, g));
     const S nv = sub_rn(mul_rn(momentum, s.s1[i]), mul_rn(lr, g));
@@ -406,6 +417,7 @@ template <typename S>
 struct RmspropStep {
   S lr, rho, one_minus_rho, eps, momentum;
   bool centered, use_momentum;
+  __device__ void use_rates(double r_lr, double /*alpha*/) { lr = static_cast<S>(r_lr); }
   __device__ S operator()(const Slots<S>& s, int64_t i, S v, S g) const {
     const S msi = add_rn(mul_rn(rho, s.s1[i]), mul_rn(one_minus_rho, mul_rn(g, g)));
     s.s1[i] = msi;
@@ -441,6 +453,12 @@ template <typename S>
 struct AdamStep {
   S alpha, one_minus_beta1, one_minus_beta2, eps, lr_wd;
   bool amsgrad, decay;
+  double weight_decay;
+  // lr * weight_decay in float64 as the host computes it, then rounded to S.
+  __device__ void use_rates(double r_lr, double r_alpha) {
+    alpha = static_cast<S>(r_alpha);
+    lr_wd = static_cast<S>(r_lr * weight_decay);
+  }
   __device__ S operator()(const Slots<S>& s, int64_t i, S x, S g) const {
     if (decay) x = sub_rn(x, mul_rn(lr_wd, x));
     const S mi = add_rn(s.s1[i], mul_rn(sub_rn(g, s.s1[i]), one_minus_beta1));
@@ -461,16 +479,15 @@ template <typename T>
 void adam_host(std::span<const OptimizerUpdate> updates) {
   using S = slot_of<T>;
   launch_updates<T>("adam_update kernel", updates, [](const OptimizerUpdate& u) {
-    const auto step = static_cast<double>(u.step);
-    const double alpha =
-        u.lr * std::sqrt(1.0 - std::pow(u.beta2, step)) / (1.0 - std::pow(u.beta1, step));
+    const double alpha = kernels::step_rates(u.lr, u.step, u.beta1, u.beta2).alpha;
     return AdamStep<S>{static_cast<S>(alpha),
                        static_cast<S>(1.0 - u.beta1),
                        static_cast<S>(1.0 - u.beta2),
                        static_cast<S>(u.epsilon),
                        static_cast<S>(u.lr * u.weight_decay),
                        u.amsgrad,
-                       u.weight_decay != 0.0};
+                       u.weight_decay != 0.0,
+                       u.weight_decay};
   });
 }
 

@@ -326,7 +326,8 @@ HeadsOutput heads_output(Context& c, int64_t n, int64_t rows, int64_t w, bool in
 void attention(Context& c) {
   const bool backward = is(c, "AttentionBackwardFn");
   // The backward pass needs the forward's out and lse: the same device's forward kernel.
-  auto* forward = find_kernel<kernels::AttentionFn>(OpId::attention, c.device().type(), c.dtype());
+  const auto forward =
+      find_kernel<kernels::AttentionFn>(OpId::attention, c.device().type(), c.dtype());
   const DType stat = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
   const std::vector<AttentionCase> cases{
       {1, 1, 1, 1, 1, false, false},
@@ -617,7 +618,8 @@ void linear(Context& c) {
 // and beta, and a row of equal values (variance 0: the epsilon alone).
 void layer_norm(Context& c) {
   const bool backward = is(c, "LayerNormBackwardFn");
-  auto* forward = find_kernel<kernels::LayerNormFn>(OpId::layer_norm, c.device().type(), c.dtype());
+  const auto forward =
+      find_kernel<kernels::LayerNormFn>(OpId::layer_norm, c.device().type(), c.dtype());
   const DType ct = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
   const double eps = 1e-5;
   for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{1000}})
@@ -718,8 +720,8 @@ void layer_norm(Context& c) {
 // of 1, 10, 300 and 5000 classes, logits spread over [-8, 8] (so that the maximum matters).
 void cross_entropy(Context& c) {
   const bool backward = is(c, "SoftmaxCrossEntropyBackwardFn");
-  auto* forward = find_kernel<kernels::SoftmaxCrossEntropyFn>(OpId::softmax_cross_entropy,
-                                                              c.device().type(), c.dtype());
+  const auto forward = find_kernel<kernels::SoftmaxCrossEntropyFn>(OpId::softmax_cross_entropy,
+                                                                   c.device().type(), c.dtype());
   const DType ct = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
   for (const int64_t classes : {int64_t{1}, int64_t{10}, int64_t{300}, int64_t{5000}}) {
     const int64_t n = 6;
@@ -1302,7 +1304,7 @@ void cast(Context& c) {
   // the cast from int64 (docs/dtypes.md: integers narrow by wrapping, floats saturate, so
   // float64 is not their reference; float8 values are exact in float64).
   const DType ref_source = c.dtype().is_floating() || c.dtype().is_float8() ? kFloat64 : kInt64;
-  auto* ref = find_kernel<kernels::CastFn>(OpId::cast, DeviceType::CPU, ref_source);
+  const auto ref = find_kernel<kernels::CastFn>(OpId::cast, DeviceType::CPU, ref_source);
   // Values of the source dtype: ordinary ones, halves (rounding ties), the integer types'
   // limits, and for floats special values and magnitudes beyond 16 bits.
   std::vector<double> special;

@@ -110,11 +110,11 @@ class Context {
 // The kernel of (op, dtype) on the device under test, and the CPU's float64 reference.
 template <typename Fn>
 Fn* tested_kernel(const Context& c) {
-  return find_kernel<Fn>(c.op(), c.device().type(), c.dtype());
+  return find_kernel<Fn>(c.op(), c.device().type(), c.dtype()).raw();
 }
 template <typename Fn>
 Fn* reference_kernel(const Context& c) {
-  return find_kernel<Fn>(c.op(), DeviceType::CPU, kFloat64);
+  return find_kernel<Fn>(c.op(), DeviceType::CPU, kFloat64).raw();
 }
 
 // Whether the sweep has a driver for the op's kernel signature.

@@ -115,8 +115,9 @@ void wrong_gelu(const mt::Tensor& x, const mt::Tensor& out) {
 }
 
 int self_test(std::uint64_t seed) {
-  auto* right =
-      mt::find_kernel<mt::kernels::UnaryFn>(mt::OpId::gelu, mt::DeviceType::CPU, mt::kFloat32);
+  const auto right =
+      mt::find_kernel<mt::kernels::UnaryFn>(mt::OpId::gelu, mt::DeviceType::CPU, mt::kFloat32)
+          .raw();
   mt::register_kernel<mt::kernels::UnaryFn>(mt::OpId::gelu, mt::DeviceType::CPU, mt::kFloat32,
                                             &wrong_gelu);
   mc::Context wrong(mt::OpId::gelu, mt::kFloat32, mt::Device::cpu(), seed);

@@ -47,11 +47,11 @@ constexpr int64_t kWrapSide = 11600;  // 11600^2 = 134,560,000 > 134,215,680
 
 template <typename Fn>
 Fn* gpu_kernel(OpId op, DType dt) {
-  return mt::find_kernel<Fn>(op, mt::DeviceType::CUDA, dt);
+  return mt::find_kernel<Fn>(op, mt::DeviceType::CUDA, dt).raw();
 }
 template <typename Fn>
 Fn* cpu_kernel(OpId op, DType dt) {
-  return mt::find_kernel<Fn>(op, mt::DeviceType::CPU, dt);
+  return mt::find_kernel<Fn>(op, mt::DeviceType::CPU, dt).raw();
 }
 
 Tensor gpu(const Tensor& t) { return t.to(cu::kGpu); }

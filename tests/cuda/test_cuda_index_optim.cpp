@@ -14,10 +14,10 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
-#include <span>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -42,11 +42,11 @@ Tensor gpu(const Tensor& t) { return t.to(cu::kGpu); }
 
 template <typename Fn>
 Fn* gpu_kernel(OpId op, DType dt) {
-  return mt::find_kernel<Fn>(op, mt::DeviceType::CUDA, dt);
+  return mt::find_kernel<Fn>(op, mt::DeviceType::CUDA, dt).raw();
 }
 template <typename Fn>
 Fn* cpu_kernel(OpId op, DType dt) {
-  return mt::find_kernel<Fn>(op, mt::DeviceType::CPU, dt);
+  return mt::find_kernel<Fn>(op, mt::DeviceType::CPU, dt).raw();
 }
 
 // Random values (never all zero): floats in [lo, hi), integers in [lo, hi) floored (in

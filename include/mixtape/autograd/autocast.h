@@ -50,6 +50,15 @@ Tensor autocast(const Tensor& t);
 // optimizers ask, to write the next copy beside their update.
 std::optional<DType> autocast_copy_dtype(const Tensor& variable);
 
+// The copy `variable` keeps (current or not), or an undefined tensor when it keeps none: a
+// captured step's update writes the next copy into it (mixtape/core/capture.h).
+Tensor kept_autocast_copy(const Tensor& variable);
+
+// Keeps `copy` as the copy of `variable` autocast reads (as keep_autocast_copy below), first
+// casting the variable's values into it unless it is that copy already and current: before a
+// captured step's replay, whose forward pass reads `copy`.
+void refresh_autocast_copy(const Tensor& variable, const Tensor& copy);
+
 // Keeps `copy` as the copy autocast reads for `variable`: it must hold the variable's
 // values as they are now, rounded to copy's dtype (float16 or bfloat16; the variable
 // float32, contiguous, on copy's device). Throws ValueError when they do not fit.

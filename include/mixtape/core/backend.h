@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "mixtape/core/capture.h"
 #include "mixtape/core/device.h"
 
 namespace mixtape {
@@ -61,6 +62,17 @@ class Backend {
                                                  std::size_t nbytes);
   // The device's name and capabilities.
   virtual DeviceProperties properties(int device_index) const = 0;
+
+  // Step capture (mixtape/core/capture.h). A backend whose kernels are plain host calls (the
+  // CPU) says so, and core records the kernel calls of a capture itself. Another records what
+  // its kernels queue on the device between begin_capture and end_capture (CUDA's stream
+  // capture into a graph), in memory of its own that no allocation outside the recording gets
+  // while the recording lives; abort_capture drops a capture that failed. The defaults: no
+  // capture (DeviceError).
+  virtual bool kernels_are_host_calls() const { return false; }
+  virtual void begin_capture(int device_index);
+  virtual std::unique_ptr<CapturedWork> end_capture(int device_index);
+  virtual void abort_capture(int device_index);
 };
 
 // Installs a backend (replacing one of the same type).

@@ -10,12 +10,18 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iterator>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <type_traits>
 #include <typeinfo>
+#include <vector>
 
+#include "mixtape/core/capture.h"
 #include "mixtape/core/device.h"
 #include "mixtape/core/dtype.h"
 #include "mixtape/core/op_table.h"
@@ -71,10 +77,60 @@ void register_kernel(OpId op, DeviceType device, DType dtype, Fn* fn) {
   detail::register_kernel(op, device, dtype, reinterpret_cast<detail::AnyKernel>(fn), typeid(Fn*));
 }
 
+namespace detail {
+// How a captured kernel call keeps an argument for its replays (capture.h): by value; a span
+// as a vector of its elements (what it viewed may be gone by then).
+template <typename A>
+struct Kept {
+  using type = std::decay_t<A>;
+  static const type& keep(const type& v) { return v; }
+  static const type& pass(const type& v) { return v; }
+};
+template <typename U>
+struct Kept<std::span<const U>> {
+  using type = std::vector<U>;
+  static type keep(std::span<const U> s) { return type(s.begin(), s.end()); }
+  static std::span<const U> pass(const type& v) { return std::span<const U>(v); }
+};
+}  // namespace detail
+
+template <typename Fn>
+class KernelRef;
+
+// A kernel found in the table, called as the function it is. While the calling thread captures
+// a step (mixtape/core/capture.h) a call of a kernel of the CPU backend is recorded with its
+// arguments (tensors by handle) instead of run; a GPU kernel runs, and its device records the
+// launch.
+template <typename... Args>
+class KernelRef<void(Args...)> {
+ public:
+  using Fn = void(Args...);
+  KernelRef(Fn* fn, OpId op, DeviceType type) : fn_(fn), op_(op), type_(type) {}
+  void operator()(Args... args) const {
+    if (capture::detail::state() != nullptr) [[unlikely]] {
+      std::function<void()> call = [fn = fn_,
+                                    kept = std::tuple<typename detail::Kept<Args>::type...>(
+                                        detail::Kept<Args>::keep(args)...)] {
+        std::apply([fn](const auto&... a) { fn(detail::Kept<Args>::pass(a)...); }, kept);
+      };
+      if (capture::detail::record_kernel(op_name(op_), type_, call)) return;
+    }
+    fn_(std::forward<Args>(args)...);
+  }
+  // The function itself (its calls are never recorded).
+  Fn* raw() const { return fn_; }
+
+ private:
+  Fn* fn_;
+  OpId op_;
+  DeviceType type_;
+};
+
 // The kernel for (op, device type, dtype) with signature Fn; throws KernelNotFoundError.
 template <typename Fn>
-Fn* find_kernel(OpId op, DeviceType device, DType dtype) {
-  return reinterpret_cast<Fn*>(detail::lookup_kernel(op, device, dtype, typeid(Fn*)));
+KernelRef<Fn> find_kernel(OpId op, DeviceType device, DType dtype) {
+  return KernelRef<Fn>(reinterpret_cast<Fn*>(detail::lookup_kernel(op, device, dtype, typeid(Fn*))),
+                       op, device);
 }
 
 // A printable table of what is registered (op x dtype, per device type), for the ops that

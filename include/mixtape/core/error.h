@@ -98,6 +98,16 @@ class DeviceError : public Error {
   MIXTAPE_ERROR_TYPE(DeviceError)
 };
 
+// Something a captured step (StepGraph, mixtape/core/capture.h) cannot do: a host read of a
+// value the capture has not computed, a random draw or another host value that every replay
+// would repeat, work on another device than the captured one. The message names what and
+// where; the capture is abandoned and nothing of it was run.
+class CaptureError : public Error {
+ public:
+  using Error::Error;
+  MIXTAPE_ERROR_TYPE(CaptureError)
+};
+
 // An allocation that failed: the memory of a tensor (or of a host buffer holding tensor
 // data) could not be had. The message names the op, the bytes asked for and the device,
 // and the shape and dtype when there is one: "zeros: out of memory: cannot allocate

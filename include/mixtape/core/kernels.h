@@ -10,6 +10,7 @@
 // version (mixtape/core/storage.h), which keeps a variable's autocast copy current.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -331,11 +332,17 @@ using CastListFn = void(const std::vector<Tensor>& xs, const std::vector<Tensor>
 // the update (or as they stay, when skip_if skips it) rounded to nearest even as the cast
 // kernel rounds: the copy autocast reads next (mixtape/autograd/autocast.h), written in
 // the same pass instead of a cast of its own.
+// rates, when defined: a float64 tensor of 2 on the variable's device holding
+// step_rates(lr, step, beta1, beta2) below ({lr, alpha}); the kernel reads lr and alpha there,
+// when it runs, instead of computing them from lr and step (lr * weight_decay from that lr):
+// a captured step's updates (mixtape/core/capture.h), whose host writes them before each
+// replay.
 struct OptimizerUpdate {
   Tensor var, grad;
   Tensor slot1, slot2, slot3;  // undefined when the optimizer does not use them
   Tensor skip_if;
   Tensor copy;
+  Tensor rates;
   double lr = 0.0;
   double beta1 = 0.0, beta2 = 0.0, epsilon = 0.0;
   double momentum = 0.0, weight_decay = 0.0;
@@ -343,5 +350,15 @@ struct OptimizerUpdate {
   bool nesterov = false, centered = false, amsgrad = false;
 };
 using OptimizerUpdateFn = void(std::span<const OptimizerUpdate> updates);
+
+// The numbers of an update that change from step to step, in float64: lr, and Adam's
+// alpha = lr sqrt(1 - beta2^step) / (1 - beta1^step) (the bias corrections folded in).
+struct StepRates {
+  double lr = 0.0, alpha = 0.0;
+};
+inline StepRates step_rates(double lr, std::int64_t step, double beta1, double beta2) {
+  const auto s = static_cast<double>(step);
+  return {lr, lr * std::sqrt(1.0 - std::pow(beta2, s)) / (1.0 - std::pow(beta1, s))};
+}
 
 }  // namespace mixtape::kernels

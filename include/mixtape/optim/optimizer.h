@@ -25,6 +25,10 @@
 #include "mixtape/autograd/variable.h"
 #include "mixtape/core/tensor.h"
 
+namespace mixtape::kernels {
+struct OptimizerUpdate;
+}  // namespace mixtape::kernels
+
 namespace mixtape::optim {
 
 class LossScaleOptimizer;
@@ -208,6 +212,13 @@ class Optimizer {
   void step(const std::vector<Tensor>& grads, const std::vector<Variable>& variables,
             const Tensor& skip_if);
   void uncount_step() { --iterations_; }
+  // Under a captured step (mixtape/core/capture.h): the finiteness check on the device, its
+  // flag for the updates (returned), a non-finite replay reported by the next one.
+  Tensor capture_finiteness_check(const std::vector<Tensor>& grads, const Tensor& skip_if);
+  // Under a captured step: the updates read lr and alpha from a device tensor that the host
+  // writes before each replay, each replay counts a step, and the 16-bit copies the updates
+  // write stay the ones autocast reads.
+  void capture_updates(std::vector<kernels::OptimizerUpdate>& updates);
 
   std::vector<Tensor> prepare(const std::vector<Tensor>& grads,
                               const std::vector<Variable>& variables);
@@ -218,8 +229,8 @@ class Optimizer {
   std::int64_t iterations_ = 0;
   bool check_finite_ = true;
   Tensor skip_if_;
-  int wrappers_ = 0;             // wrappers alive around this one (wrap, unwrap)
-  std::string wrapper_name_;     // the last one's name()
+  int wrappers_ = 0;            // wrappers alive around this one (wrap, unwrap)
+  std::string wrapper_name_;    // the last one's name()
   int calls_from_wrapper_ = 0;  // steps a wrapper is making now (WrapperCall)
   std::unordered_map<std::uint64_t, std::vector<Variable>> slots_;
   std::unordered_map<std::uint64_t, bool> warned_missing_;

@@ -1,0 +1,112 @@
+// Step capture: a training step recorded once and replayed, so that a small model's step costs
+// one launch of host work instead of one per op (on a GPU a CUDA graph; on the CPU the list of
+// kernel calls, which also lets every test of the mechanism run without a GPU).
+//
+//   mt::StepGraph graph = mt::StepGraph::capture(device, [&] { train_step(x, y); });
+//   for (...) {
+//     x.assign(next_inputs);   // the step reads x and y where they lie: copy each batch in
+//     y.assign(next_labels);
+//     graph.replay();          // one training step
+//   }
+//
+// capture() runs the step once as usual (the warm-up: the optimizer's slots, the plans and
+// caches are made then), then calls it again while recording: that call's kernels are recorded
+// on the device, not run, and its host code runs once, now. So everything a step reads must be
+// on the device where the replays find it:
+//   - tensors the step reads, at the same addresses (the inputs: copy each batch into them);
+//   - host values that change from step to step go to the device before each replay, by a
+//     hook the step's code registers with capture::before_replay (the optimizers' learning
+//     rate and step count do so);
+//   - tensors the step makes are the replays' outputs: a handle kept from the capture (the loss)
+//     holds the last replay's value.
+// What cannot be replayed throws CaptureError during the capture, with nothing run: a host read
+// of a tensor of the captured device (item, to_vector, a copy to the host, a synchronisation),
+// a random draw (dropout: each replay would repeat the capture's mask), a kernel on another
+// device type, a LossScaleOptimizer (its decision is made on the host).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "mixtape/core/device.h"
+
+namespace mixtape {
+
+// A backend's recording of the work queued on one device during a capture.
+class CapturedWork {
+ public:
+  virtual ~CapturedWork() = default;
+  // Queues the recorded work once more.
+  virtual void replay() = 0;
+};
+
+namespace capture {
+
+// The device the calling thread is capturing a step on, or nullopt.
+std::optional<Device> device();
+inline bool active() { return device().has_value(); }
+
+// Throws CaptureError "<what>: ..." when the calling thread is capturing: for code whose host
+// work a replay would not repeat (a random draw, a host-side decision).
+void forbid(std::string_view what);
+// The same when the calling thread is capturing on `device`: a read of a value of that device,
+// which the capture has not computed.
+void forbid_read(Device device, std::string_view what);
+
+// While capturing: registers f to run on the host before each replay, in the order registered
+// (a learning rate or a step count written to the device tensor the captured kernels read), and
+// after_replay's functions after it is queued. Throws CaptureError when not capturing.
+void before_replay(std::function<void()> f);
+void after_replay(std::function<void()> f);
+
+namespace detail {
+// The capture state of the calling thread (null when it captures nothing): for KernelRef.
+struct State;
+State* state();
+// A kernel of `op_name` for a device of type `type` is called while this thread captures: true
+// when the call was recorded (the backend's kernels are host calls: `call` is kept for the
+// replays and not run now), false when it is to run now (a device that records its launches).
+// Throws CaptureError for a kernel of another device type than the captured one.
+bool record_kernel(const char* op_name, DeviceType type, std::function<void()>& call);
+// Records a host function (a check the replays must repeat) when this thread captures on a
+// device whose kernels are host calls; otherwise runs it now.
+void record_or_run(const std::function<void()>& f);
+}  // namespace detail
+
+}  // namespace capture
+
+// A captured training step (see above). Move-only; destroying it frees the memory the capture
+// held (after the device has finished its replays).
+class StepGraph {
+ public:
+  StepGraph() = default;
+  ~StepGraph();
+  StepGraph(StepGraph&&) noexcept;
+  StepGraph& operator=(StepGraph&&) noexcept;
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+
+  // Runs step() once, then captures a second call on `device` (above). An exception of either
+  // call reaches the caller; a failed capture leaves nothing recorded. Throws DeviceError when
+  // the device's backend cannot capture.
+  static StepGraph capture(Device device, const std::function<void()>& step);
+
+  // One step: runs the before_replay hooks, queues the recorded work, runs the after_replay
+  // hooks. Throws Error when empty.
+  void replay();
+  bool empty() const { return work_ == nullptr; }
+  Device device() const { return device_; }
+  // Replays so far.
+  std::int64_t replays() const { return replays_; }
+
+ private:
+  Device device_ = Device::cpu();
+  std::unique_ptr<CapturedWork> work_;
+  std::vector<std::function<void()>> before_, after_;
+  std::int64_t replays_ = 0;
+};
+
+}  // namespace mixtape
