@@ -70,9 +70,33 @@ LossScaleOptimizer::LossScaleOptimizer(const LossScaleOptimizer& other)
 
 Tensor LossScaleOptimizer::get_scaled_loss(const Tensor& loss) const {
   if (!loss.defined()) throw ValueError("LossScaleOptimizer::get_scaled_loss: undefined loss");
-  capture::forbid("LossScaleOptimizer: the loss scale is decided on the host");
+  if (capture::active()) return captured_scaled_loss(loss);
   sync_step();
   return loss * scale_;
+}
+
+Tensor LossScaleOptimizer::captured_scaled_loss(const Tensor& loss) const {
+  // The replays unscale with scale_list (kernels.h), which rounds as unscale_check does when
+  // the inverse is exact: a power of two, as every dynamic scale is.
+  int exponent = 0;
+  if (!config_.is_dynamic() && std::frexp(scale_, &exponent) != 0.5)
+    throw CaptureError(fmt::format(
+        "LossScaleOptimizer: a fixed loss scale of {}, while capturing a step: a captured step "
+        "takes scales that are powers of two (a dynamic scale, or a fixed one such as 1024)",
+        scale_));
+  captured_scale_ = Tensor::empty({}, kFloat64, loss.device());
+  captured_inverse_ = Tensor::empty({}, kFloat64, loss.device());
+  // Before each replay: the replays before it read (their skips counted, the scale moved as
+  // eager steps move it), then this one's scale to the device.
+  capture::before_replay([this, scale = captured_scale_, inverse = captured_inverse_] {
+    sync_step();
+    const double values[2] = {scale_, 1.0 / scale_};
+    Backend& backend = backend_for(scale.device().type());
+    backend.copy(scale.data_ptr(), scale.device(), &values[0], Device::cpu(), sizeof(double));
+    backend.copy(inverse.data_ptr(), inverse.device(), &values[1], Device::cpu(), sizeof(double));
+  });
+  // loss * scale in the loss's dtype, as the eager product with the scale as a number.
+  return loss * cast(captured_scale_, loss.dtype());
 }
 
 Tensor LossScaleOptimizer::scale_loss(const Tensor& loss) const {
@@ -87,6 +111,20 @@ std::vector<Tensor> LossScaleOptimizer::chain_gradients(GradientTape& tape, cons
 }
 
 std::vector<Tensor> LossScaleOptimizer::get_unscaled_gradients(const std::vector<Tensor>& grads) {
+  if (capture::active()) {
+    if (!captured_inverse_.defined())
+      throw CaptureError(
+          "LossScaleOptimizer::get_unscaled_gradients: the captured step did not scale its loss "
+          "with get_scaled_loss (or compute_gradients) first");
+    // The check, then the gradients times the inverse read on the device.
+    Checked checked = scale_and_flag(grads, 1.0, /*multiply=*/false);
+    std::vector<Tensor> out = scaled_by(grads, captured_inverse_);
+    unscaled_ids_.clear();
+    for (const auto& g : out)
+      if (g.defined()) unscaled_ids_.insert(g.id());
+    unscaled_flags_ = std::move(checked.flags);
+    return out;
+  }
   sync_step();
   Checked checked = scale_and_flag(grads, 1.0 / scale_, /*multiply=*/true);
   unscaled_ids_.clear();
@@ -123,13 +161,13 @@ bool LossScaleOptimizer::decide_on_device(const std::vector<Tensor>& flags,
 
 void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
                                          const std::vector<Variable>& variables) {
-  capture::forbid("LossScaleOptimizer: the loss scale is decided on the host");
   if (grads.size() != variables.size())
     throw ValueError(
         fmt::format("LossScaleOptimizer::apply_gradients: {} gradients for {} "
                     "variables",
                     grads.size(), variables.size()));
   check_not_bypassed();
+  if (capture::active()) return apply_captured(grads, variables);
   sync_step();
   const std::vector<Tensor> flags = flags_for(grads);
   const WrapperCall call(*inner_);
@@ -149,14 +187,44 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
   record(nonfinite);
 }
 
+void LossScaleOptimizer::apply_captured(const std::vector<Tensor>& grads,
+                                        const std::vector<Variable>& variables) {
+  // Always decided on the device: the update kernels skip on the flag, and the host reads it
+  // after the replay (sync_step, before the next replay or at any accessor).
+  const std::vector<Tensor> flags = flags_for(grads);
+  if (flags.size() != 1 || !inner_->supports_device_skip())
+    throw CaptureError(fmt::format(
+        "LossScaleOptimizer: a captured step skips an overflowing step on the device, which "
+        "needs the gradients on one device and a wrapped optimizer whose updates honour the "
+        "flag (SGD, RMSprop, Adam); here {} device(s) and {}",
+        flags.size(), inner_->name()));
+  const WrapperCall call(*inner_);
+  unscaled_ids_.clear();
+  unscaled_flags_.clear();
+  inner_->step(grads, variables, flags.front());
+  capture::after_replay([this, flag = flags.front()] {
+    replay_flags_.push_back(
+        backend_for(flag.device().type())
+            .read_back(flag.const_data_ptr(), flag.device().index(), sizeof(float)));
+  });
+}
+
 void LossScaleOptimizer::sync_step() const {
-  if (!pending_) return;
-  float flag = 0.0f;
-  const std::unique_ptr<PendingRead> read = std::move(pending_);
-  read->wait(&flag);
-  const bool nonfinite = flag != 0.0f;
-  if (nonfinite) inner_->uncount_step();
-  record(nonfinite);
+  // The eager step's flag, then the replays' in their order.
+  while (pending_ || !replay_flags_.empty()) {
+    std::unique_ptr<PendingRead> read;
+    if (pending_) {
+      read = std::move(pending_);
+    } else {
+      read = std::move(replay_flags_.front());
+      replay_flags_.pop_front();
+    }
+    float flag = 0.0f;
+    read->wait(&flag);
+    const bool nonfinite = flag != 0.0f;
+    if (nonfinite) inner_->uncount_step();
+    record(nonfinite);
+  }
 }
 
 void LossScaleOptimizer::record(bool nonfinite) const {

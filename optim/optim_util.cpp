@@ -103,6 +103,25 @@ void clip(std::vector<Tensor>& grads, const Clipping& c) {
   }
 }
 
+std::vector<Tensor> scaled_by(const std::vector<Tensor>& grads, const Tensor& factor) {
+  NoGradGuard no_grad;
+  std::map<int, std::vector<std::size_t>> by_dtype;  // in their order: one call per dtype
+  for (std::size_t i = 0; i < grads.size(); ++i)
+    if (grads[i].defined()) by_dtype[grads[i].dtype().index()].push_back(i);
+  std::vector<Tensor> out(grads.size());
+  for (const auto& [code, at] : by_dtype) {
+    std::vector<Tensor> xs, outs;
+    for (const std::size_t i : at) {
+      xs.push_back(contiguous(grads[i]));
+      outs.push_back(Tensor::empty(xs.back().shape(), xs.back().dtype(), xs.back().device()));
+    }
+    find_kernel<kernels::ScaleListFn>(OpId::scale_list, factor.device().type(),
+                                      DType(static_cast<DType::Code>(code)))(xs, outs, factor);
+    for (std::size_t k = 0; k < at.size(); ++k) out[at[k]] = outs[k];
+  }
+  return out;
+}
+
 void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm) {
   NoGradGuard no_grad;
   // The gradients by dtype, in their order (one kernel call per dtype); all on one device.
@@ -133,15 +152,7 @@ void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm) {
                                        DType(static_cast<DType::Code>(code)))(list(at), total);
   // factor = clipnorm / max(norm, clipnorm): 1 below the threshold.
   const Tensor limit = full({}, clipnorm, kFloat64, *device);
-  const Tensor factor = limit / maximum(sqrt(total), limit);
-  for (const auto& [code, at] : by_dtype) {
-    const std::vector<Tensor> xs = list(at);
-    std::vector<Tensor> outs;
-    for (const Tensor& x : xs) outs.push_back(Tensor::empty(x.shape(), x.dtype(), *device));
-    find_kernel<kernels::ScaleListFn>(OpId::scale_list, device->type(),
-                                      DType(static_cast<DType::Code>(code)))(xs, outs, factor);
-    for (std::size_t k = 0; k < at.size(); ++k) grads[at[k]] = outs[k];
-  }
+  grads = scaled_by(grads, limit / maximum(sqrt(total), limit));
 }
 
 }  // namespace mixtape::optim

@@ -39,6 +39,11 @@ bool any_set(const std::vector<Tensor>& flags);
 // are finite).
 std::optional<std::size_t> first_nonfinite(const std::vector<Tensor>& grads);
 
+// grads[i] * factor (a float64 scalar on their device, read there) for the defined gradients,
+// all on one device (undefined ones stay undefined): one scale_list call per dtype
+// (kernels.h), new tensors.
+std::vector<Tensor> scaled_by(const std::vector<Tensor>& grads, const Tensor& factor);
+
 // Clips the defined gradients in place as `clipping` says (no-op when nothing is set).
 void clip(std::vector<Tensor>& grads, const Clipping& clipping);
 

@@ -4,6 +4,7 @@
 // nothing recorded); the checks that every replay repeats.
 #include <catch2/catch.hpp>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -172,11 +173,11 @@ TEST_CASE("what a captured step cannot do throws CaptureError and leaves nothing
     const std::string m = capture_error([&] { train_step(dropped, opt, x, y); });
     CHECK_THAT(m, Catch::Contains("random draw"));
   }
-  SECTION("a LossScaleOptimizer") {
+  SECTION("a LossScaleOptimizer with a fixed scale that is not a power of two") {
     mo::LossScaleOptimizer lso(std::make_shared<mo::SGD>(mo::SGDOptions{}),
-                               mt::LossScale::fixed(8));
+                               mt::LossScale::fixed(1000));
     const std::string m = capture_error([&] { train_step(model, lso, x, y); });
-    CHECK_THAT(m, Catch::Contains("LossScaleOptimizer"));
+    CHECK_THAT(m, Catch::Contains("fixed loss scale of 1000"));
   }
   SECTION("a capture inside a capture") {
     const std::string m = capture_error([&] { mt::StepGraph::capture(mt::Device::cpu(), [] {}); });
@@ -249,6 +250,47 @@ TEST_CASE("weights assigned between replays are what the next replay reads", "[c
     y.assign(batches[k].y);
     graph.replay();
   }
+  const auto w = model.get_weights(), eager_w = eager.get_weights();
+  for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
+  mt::set_global_policy("float32");
+}
+
+TEST_CASE("a captured step under loss scaling skips and rescales as eager steps do", "[capture]") {
+  // mixed_float16 with a dynamic scale that grows every 2 good steps, and a batch with an
+  // infinity in the middle: the replays skip it and halve the scale as the eager steps do.
+  mt::set_global_policy("mixed_float16");
+  std::vector<Batch> batches = make_batches(7, 17);
+  {
+    std::vector<double> xs = values(batches[3].x);
+    xs[40] = std::numeric_limits<double>::infinity();
+    batches[3].x = mt::from_vector(xs, {32, 12});
+  }
+  const auto make_lso = [] {
+    return std::make_shared<mo::LossScaleOptimizer>(
+        std::make_shared<mo::Adam>(
+            mo::AdamOptions{.learning_rate = mo::schedules::exponential_decay(0.02, 3, 0.5)}),
+        mt::LossScale::dynamic({.initial_scale = 256, .growth_interval = 2}));
+  };
+  mt::Model eager = make_model();
+  auto eager_opt = make_lso();
+  for (const auto& b : batches) train_step(eager, *eager_opt, b.x, b.y);
+
+  mt::Model model = make_model();
+  auto opt = make_lso();
+  mt::Variable x(batches[0].x, "x", false);
+  mt::Variable y(batches[0].y, "y", false);
+  mt::StepGraph graph =
+      mt::StepGraph::capture(mt::Device::cpu(), [&] { train_step(model, *opt, x, y); });
+  for (std::size_t k = 1; k < batches.size(); ++k) {
+    x.assign(batches[k].x);
+    y.assign(batches[k].y);
+    graph.replay();
+  }
+  CHECK(eager_opt->skipped_steps() == 1);
+  CHECK(opt->skipped_steps() == eager_opt->skipped_steps());
+  CHECK(opt->applied_steps() == eager_opt->applied_steps());
+  CHECK(opt->loss_scale() == eager_opt->loss_scale());
+  CHECK(opt->iterations() == eager_opt->iterations());
   const auto w = model.get_weights(), eager_w = eager.get_weights();
   for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
   mt::set_global_policy("float32");

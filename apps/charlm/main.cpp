@@ -808,8 +808,7 @@ void add_options(CLI::App& app, Options& o) {
                "profile: on a GPU each is at least one launch)");
   app.add_flag("--capture-step", o.capture_step,
                "capture the training step once and replay it (a CUDA graph on a GPU): one "
-               "launch of host work per step; not with loss scaling (mixed_float16), dropout or "
-               "several processes");
+               "launch of host work per step; not with dropout or several processes");
 }
 
 // --preset: the shape it names, in the options it sets; an option given with another value
@@ -837,8 +836,6 @@ void check_capture(const Options& o) {
     throw CLI::ValidationError(
         "--capture-step", fmt::format("a captured step cannot replay {} (leave one out)", what));
   };
-  if (o.policy == "mixed_float16")
-    refuse("the loss scaling of --policy mixed_float16 (its scale is decided on the host)");
   if (o.dropout > 0.0)
     refuse(fmt::format("--dropout {} (each replay would repeat the mask)", o.dropout));
 }

@@ -64,13 +64,17 @@ std::vector<double> values(const mt::Tensor& t) { return t.to_vector<double>(); 
 
 TEST_CASE("cuda capture: a CUDA graph replays the eager steps bit for bit", "[cuda][capture]") {
   const std::vector<Batch> batches = gpu_batches(5, 4);
-  for (const std::string policy : {"float32", "mixed_bfloat16"}) {
+  for (const std::string policy : {"float32", "mixed_bfloat16", "mixed_float16"}) {
     INFO(policy);
     mt::set_global_policy(policy);
-    const auto make_opt = [] {
-      return std::make_shared<mo::AdamW>(
+    // mixed_float16: loss scaling, decided on the device in both runs.
+    const auto make_opt = [&]() -> std::shared_ptr<mo::Optimizer> {
+      auto adamw = std::make_shared<mo::AdamW>(
           mo::AdamWOptions{.learning_rate = mo::schedules::cosine_decay(0.01, 5, 0.1),
                            .clipping = {.global_clipnorm = 1.0}});
+      if (policy != "mixed_float16") return adamw;
+      return std::make_shared<mo::LossScaleOptimizer>(
+          adamw, mt::LossScale::dynamic({.initial_scale = 1024, .growth_interval = 2}));
     };
     const auto eager = gpu_model();
     auto eager_opt = make_opt();

@@ -31,6 +31,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <unordered_set>
 
@@ -135,6 +136,12 @@ class LossScaleOptimizer : public Optimizer {
                         const std::vector<Variable>& variables) const;
   // The counts and the scale after a step that was skipped (nonfinite) or applied.
   void record(bool nonfinite) const;
+  // apply_gradients in a captured step: decided on the device, the flag read after each replay.
+  void apply_captured(const std::vector<Tensor>& grads, const std::vector<Variable>& variables);
+  // get_scaled_loss in a captured step (mixtape/core/capture.h): the loss times the scale
+  // read from the device, where the host writes it (and its inverse, for the unscaling)
+  // before each replay, once sync_step has read the replays before.
+  Tensor captured_scaled_loss(const Tensor& loss) const;
 
   std::shared_ptr<Optimizer> inner_;
   LossScale config_;
@@ -146,6 +153,10 @@ class LossScaleOptimizer : public Optimizer {
   mutable bool last_skipped_ = false;
   // The flag of the step decided on the device and not read yet.
   mutable std::unique_ptr<PendingRead> pending_;
+  // Under a captured step: the scale and its inverse on the device (float64 scalars), and the
+  // flags of the replays not read yet, oldest first.
+  mutable Tensor captured_scale_, captured_inverse_;
+  mutable std::deque<std::unique_ptr<PendingRead>> replay_flags_;
   // The result of the latest get_unscaled_gradients, for the apply_gradients that follows.
   std::unordered_set<std::uint64_t> unscaled_ids_;
   std::vector<Tensor> unscaled_flags_;
