@@ -138,6 +138,11 @@ void Model::compile(CompileOptions options) {
     throw ValueError(
         fmt::format("model '{}': compile: gradient_accumulation_steps must be >= 1; got {}", name(),
                     options.gradient_accumulation_steps));
+  if (options.capture_step && options.gradient_accumulation_steps > 1)
+    throw ValueError(fmt::format(
+        "model '{}': compile: capture_step and gradient_accumulation_steps {} (a captured step "
+        "cannot replay the count of micro-batches, kept on the host); leave one out",
+        name(), options.gradient_accumulation_steps));
   std::vector<std::vector<std::shared_ptr<metrics::Metric>>> ms(outs.size());
   for (const auto& m : options.metrics) {
     if (m.metric() && outs.size() > 1)
@@ -183,6 +188,8 @@ void Model::compile(CompileOptions options) {
   loss_weights_ = std::move(weights);
   optimizer_ = std::move(opt);
   metrics_ = std::move(ms);
+  capture_step_ = options.capture_step;
+  captured_.reset();  // a step captured for the previous compile() is not this one
   // What Model::save records of the metrics: their names (a Metric object has none to
   // make it again from).
   metric_names_.clear();
@@ -307,11 +314,10 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
         fmt::format("model '{}' is not compiled: call compile() before training", name()));
   std::vector<Tensor> x = x_in, y = y_in;
   conform_data(fmt::format("model '{}': train_step", name()), x, y);
-  const std::vector<std::string> outs = output_names();
-  const std::vector<Variable> vars = trainable_variables();
   if (x.front().dim(0) == 0 && optimizer_->distributed_optimizer() && place().world > 1) {
     // This rank's share of the global batch is empty: it still joins the step's reduction,
     // adding nothing (no loss: undefined gradients), and steps with the others.
+    const std::vector<Variable> vars = trainable_variables();
     GradientTape tape;
     optimizer_->apply_gradients(optimizer_->compute_gradients(tape, Tensor(), vars), vars);
     NoGradGuard no_grad;
@@ -332,21 +338,66 @@ Model::StepLosses Model::run_train_step(const std::vector<Tensor>& x_in,
       for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
     return out;
   }
-  // The step: forward, loss, gradients through the optimizer chain (loss scaling and the
-  // reduction across ranks, whichever it holds), update.
-  StepLosses out;
-  std::vector<Tensor> pred, grads;
-  {
-    GradientTape tape;
-    pred = apply(x, CallContext{.training = true});
-    out.loss = batch_loss(y, pred, outs.size() > 1 ? &out.parts : nullptr);
-    grads = optimizer_->compute_gradients(tape, out.loss, vars);
-  }
-  optimizer_->apply_gradients(grads, vars);
+  std::vector<Tensor> pred;
+  const StepLosses out = capture_step_ ? captured_step_on(x, y, pred) : step_on(x, y, pred);
   NoGradGuard no_grad;
   for (std::size_t i = 0; i < metrics_.size(); ++i)
     for (const auto& m : metrics_[i]) m->update_state(y[i], pred[i]);
   return out;
+}
+
+void Model::to(Device device) {
+  captured_.reset();
+  layers::Layer::to(device);
+}
+
+Model::StepLosses Model::step_on(const std::vector<Tensor>& x, const std::vector<Tensor>& y,
+                                 std::vector<Tensor>& pred) {
+  // The step: forward, loss, gradients through the optimizer chain (loss scaling and the
+  // reduction across ranks, whichever it holds), update.
+  const std::vector<Variable> vars = trainable_variables();
+  StepLosses out;
+  std::vector<Tensor> grads;
+  {
+    GradientTape tape;
+    pred = apply(x, CallContext{.training = true});
+    out.loss = batch_loss(y, pred, output_names().size() > 1 ? &out.parts : nullptr);
+    grads = optimizer_->compute_gradients(tape, out.loss, vars);
+  }
+  optimizer_->apply_gradients(grads, vars);
+  return out;
+}
+
+Model::StepLosses Model::captured_step_on(const std::vector<Tensor>& x,
+                                          const std::vector<Tensor>& y, std::vector<Tensor>& pred) {
+  std::string shapes;
+  for (const auto* ts : {&x, &y})
+    for (const Tensor& t : *ts)
+      shapes += fmt::format("{}{}@{};", t.dtype().name(), t.shape(), t.device().str());
+  if (captured_ && captured_->shapes != shapes) return step_on(x, y, pred);  // a partial batch
+  if (captured_) {
+    for (std::size_t i = 0; i < x.size(); ++i) captured_->x[i].assign(x[i]);
+    for (std::size_t i = 0; i < y.size(); ++i) captured_->y[i].assign(y[i]);
+    captured_->graph.replay();
+    pred = captured_->pred;
+    return captured_->losses;
+  }
+  // The first batch: its step runs (the warm-up), then the step is captured on the inputs'
+  // device, reading the batch where the later ones are copied.
+  auto c = std::make_unique<CapturedStep>();
+  c->shapes = shapes;
+  for (const Tensor& t : x) c->x.emplace_back(t, "captured_x", /*trainable=*/false);
+  for (const Tensor& t : y) c->y.emplace_back(t, "captured_y", /*trainable=*/false);
+  const std::vector<Tensor> xs(c->x.begin(), c->x.end()), ys(c->y.begin(), c->y.end());
+  StepLosses first;
+  c->graph = StepGraph::capture(x.front().device(), [&] {
+    if (capture::active())
+      c->losses = step_on(xs, ys, c->pred);
+    else
+      first = step_on(xs, ys, pred);
+  });
+  captured_ = std::move(c);
+  return first;
 }
 
 std::string Model::weight_layout() const {

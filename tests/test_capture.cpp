@@ -40,12 +40,21 @@ std::vector<Batch> make_batches(int count, std::uint64_t seed) {
   return out;
 }
 
-mt::Model make_model() {
+// The model of these tests (the same weights every time), and the same one on the heap.
+std::pair<mt::layers::SymbolicTensor, mt::layers::SymbolicTensor> model_graph() {
   mt::manual_seed(11);
   auto inputs = mt::layers::Input({12});
   auto x = mt::layers::Dense(24, {.activation = "relu"})(inputs);
   x = mt::layers::Dense(3, {.dtype = "float32"})(x);
-  return mt::Model(inputs, x);
+  return {inputs, x};
+}
+mt::Model make_model() {
+  const auto [inputs, outputs] = model_graph();
+  return mt::Model(inputs, outputs);
+}
+std::unique_ptr<mt::Model> new_model() {
+  const auto [inputs, outputs] = model_graph();
+  return std::make_unique<mt::Model>(inputs, outputs);
 }
 
 // One training step of `model` on (x, y); returns the loss.
@@ -293,5 +302,51 @@ TEST_CASE("a captured step under loss scaling skips and rescales as eager steps 
   CHECK(opt->iterations() == eager_opt->iterations());
   const auto w = model.get_weights(), eager_w = eager.get_weights();
   for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
+  mt::set_global_policy("float32");
+}
+
+TEST_CASE("fit with compile({.capture_step = true}) trains as fit without it, bit for bit",
+          "[capture]") {
+  // 200 samples in batches of 64: three replayed batches and a partial one stepped as usual
+  // each epoch; validation between epochs; every policy (mixed_float16 with loss scaling).
+  std::vector<double> xs;
+  std::vector<std::int64_t> ys;
+  mt::Generator gen(23);
+  for (int i = 0; i < 200; ++i) {
+    const auto label = static_cast<std::int64_t>(gen.next_u64() % 3);
+    ys.push_back(label);
+    for (int d = 0; d < 12; ++d) xs.push_back(0.5 * static_cast<double>(label) + gen.next_normal());
+  }
+  const mt::Tensor x = mt::from_vector(xs, {200, 12}), y = mt::from_vector(ys, {200});
+  for (const std::string policy : {"float32", "mixed_float16", "mixed_bfloat16"}) {
+    INFO(policy);
+    mt::set_global_policy(policy);
+    const auto train = [&](bool capture) {
+      auto model = new_model();
+      model->compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
+                      .optimizer = mo::Adam({.learning_rate = 0.01}),
+                      .metrics = {"accuracy"},
+                      .capture_step = capture});
+      const mt::History h = model->fit(
+          x, y, {.batch_size = 64, .epochs = 3, .validation_split = 0.1, .seed = 5, .verbose = 0});
+      return std::make_pair(std::move(model), h);
+    };
+    const auto [eager, eager_history] = train(false);
+    const auto [captured, history] = train(true);
+    CHECK(history.history == eager_history.history);
+    const auto w = captured->get_weights(), eager_w = eager->get_weights();
+    for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
+    CHECK(captured->optimizer()->iterations() == eager->optimizer()->iterations());
+    // A batch of the captured shapes is a replay: a few kernels beside the graph (the batch's
+    // copies, the metrics), against the whole step's.
+    const mt::Tensor xb = mt::slice(x, 0, 0, 64), yb = mt::slice(y, 0, 0, 64);
+    mt::KernelCensus replayed;
+    captured->train_step(xb, yb);
+    const std::int64_t replayed_kernels = replayed.total();
+    mt::KernelCensus stepped;
+    eager->train_step(xb, yb);
+    INFO(replayed.table() << " against " << stepped.table());
+    CHECK(replayed_kernels * 2 < stepped.total());
+  }
   mt::set_global_policy("float32");
 }

@@ -65,6 +65,7 @@ struct Options {
   std::int64_t units = 0;         // guide model width (0: 4096 on a GPU, 64 on a CPU)
   int verbose = 1;
   bool trace_dtypes = false;
+  bool capture_step = false;
 };
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -178,6 +179,10 @@ void add_options(CLI::App& app, Options& o) {
   app.add_flag("--trace-dtypes", o.trace_dtypes,
                "print which dtypes each layer used (the cheat sheet of the model)")
       ->check(no_value());
+  app.add_flag("--capture-step", o.capture_step,
+               "fit captures the training step at the first batch and replays it (a CUDA graph "
+               "on a GPU; compile's capture_step); not with --custom-loop or augmentation")
+      ->check(no_value());
   app.add_option("--verbose", o.verbose, "0 quiet, 1 progress bar (default), 2 one line per epoch")
       ->type_name("N")
       ->transform(integer(0));
@@ -232,6 +237,27 @@ std::string did_you_mean(const CLI::App& app, std::string arg, bool positional) 
 
 // Refuses what CLI11 left over (app.allow_extras()): an unknown option, or a positional
 // argument (the trainer takes none; everything after `--` is one).
+// What --augment means for the model: none, shift, flip or shift+flip ("auto": shift for the
+// resnet, flip for it on Fashion-MNIST, none otherwise).
+std::string augmentation_kind(const Options& o) {
+  if (o.augment != "auto") return o.augment;
+  return o.model != "resnet" ? "none" : o.dataset == "fashion" ? "flip" : "shift";
+}
+
+// --capture-step with what a captured step cannot replay: a CLI error naming both.
+void check_capture(const Options& o) {
+  if (!o.capture_step) return;
+  if (o.custom_loop)
+    throw CLI::ValidationError("--capture-step",
+                               "it captures fit's step, and --custom-loop trains without fit "
+                               "(leave one out)");
+  if (augmentation_kind(o) != "none")
+    throw CLI::ValidationError(
+        "--capture-step", fmt::format("the random augmentation of --augment {} (model {}) would be "
+                                      "the same in every replay (--augment none)",
+                                      o.augment, o.model));
+}
+
 void refuse_extras(const CLI::App& app) {
   bool options_ended = false;
   for (const std::string& arg : app.remaining()) {
@@ -311,9 +337,7 @@ std::unique_ptr<mt::Model> build_resnet(const std::vector<ml::LayerPtr<ml::Layer
 // clothes sit on black; mirrors left-right only where a mirrored image is still of its
 // class (clothes, not digits).
 std::vector<ml::LayerPtr<ml::Layer>> augmentation_layers(const Options& o) {
-  std::string kind = o.augment;
-  if (kind == "auto")
-    kind = o.model != "resnet" ? "none" : o.dataset == "fashion" ? "flip" : "shift";
+  const std::string kind = augmentation_kind(o);
   std::vector<ml::LayerPtr<ml::Layer>> layers;
   if (kind == "none") return layers;
   if (kind != "flip")
@@ -586,7 +610,8 @@ void compile_model(mt::Model& model, const Options& o, std::int64_t samples,
       {.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = o.model != "guide"}),
        .optimizer = o.model == "guide" ? mt::OptimizerRef(mt::optim::RMSprop({.learning_rate = lr}))
                                        : mt::OptimizerRef(mt::optim::Adam({.learning_rate = lr})),
-       .metrics = {"accuracy"}});
+       .metrics = {"accuracy"},
+       .capture_step = o.capture_step});
 }
 
 // --resume: the checkpoint's weights and optimizer state, after checking that it was
@@ -720,6 +745,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     refuse_extras(app);
     if (app.count("--epochs") == 0) options.epochs = default_epochs(options);
+    check_capture(options);
   } catch (const CLI::Success& e) {  // --help: the help text on stdout, exit status 0
     return app.exit(e);
   } catch (const CLI::ParseError& e) {  // a bad command line: one line, exit status 2

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "mixtape/core/capture.h"
 #include "mixtape/data/dataset.h"
 #include "mixtape/layers/layer.h"
 #include "mixtape/layers/losses.h"
@@ -141,6 +142,12 @@ struct CompileOptions {
   // Micro-batches per optimizer step (mixtape/optim/gradient_accumulation.h): each train_step
   // (each batch of fit) adds its gradients, every N-th steps with their mean. 1: none.
   std::int64_t gradient_accumulation_steps = 1;
+  // fit and train_step capture the training step at the first batch and replay it for every
+  // batch of the same shapes (mt::StepGraph, mixtape/core/capture.h: one CUDA graph launch a
+  // step on a GPU); a batch of other shapes (the last, partial one) steps as usual. What a
+  // captured step cannot do (dropout, several ranks, gradient accumulation) throws
+  // CaptureError at the first batch. The results are those of the uncaptured steps.
+  bool capture_step = false;
 };
 
 // Values by name: "loss", "accuracy", "val_loss", ...
@@ -370,6 +377,9 @@ class Model : public layers::Layer {
   // categorical, binary or exact).
   void compile(CompileOptions options);
   bool compiled() const { return optimizer_ != nullptr; }
+  // Moves the weights (Layer::to); a captured step (CompileOptions::capture_step) is dropped
+  // first, and captured again at the next batch.
+  void to(Device device) override;
   // The optimizer training uses (a LossScaleOptimizer under mixed_float16).
   const std::shared_ptr<optim::Optimizer>& optimizer() const { return optimizer_; }
   // The loss (of the first output), and of each output.
@@ -466,6 +476,14 @@ class Model : public layers::Layer {
     std::vector<Tensor> parts;
   };
   StepLosses run_train_step(const std::vector<Tensor>& x, const std::vector<Tensor>& y);
+  // The step itself (forward, loss, gradients, update) on conformed data: its losses, and its
+  // predictions into `pred` (the metrics' input).
+  StepLosses step_on(const std::vector<Tensor>& x, const std::vector<Tensor>& y,
+                     std::vector<Tensor>& pred);
+  // step_on through the captured step (CompileOptions::capture_step): captured at the first
+  // batch, replayed for the batches of its shapes, stepped as usual for the others.
+  StepLosses captured_step_on(const std::vector<Tensor>& x, const std::vector<Tensor>& y,
+                              std::vector<Tensor>& pred);
   // fit's parts: its checks of tensors and validation data; the ranks' agreement (rank 0's
   // weights, and its shuffling seed when given); the epochs; one epoch's batches.
   struct FitTensors {
@@ -498,6 +516,17 @@ class Model : public layers::Layer {
   std::vector<std::vector<std::shared_ptr<metrics::Metric>>> metrics_;
   std::vector<std::optional<std::string>> metric_names_;  // as given (empty: a Metric object)
   bool stop_training_ = false;
+  // CompileOptions::capture_step: the captured step, its inputs (where each batch is copied),
+  // outputs and the shapes it takes ("" before the first batch).
+  struct CapturedStep {
+    std::string shapes;
+    std::vector<Variable> x, y;
+    std::vector<Tensor> pred;
+    StepLosses losses;
+    StepGraph graph;
+  };
+  bool capture_step_ = false;
+  std::unique_ptr<CapturedStep> captured_;
   // compile()'s arguments as JSON for a model file, or empty with `why` set when they cannot
   // be recorded (a loss or metric of one's own, a learning rate schedule).
   std::string compile_config(std::string& why) const;
