@@ -18,11 +18,14 @@
 //     hook the step's code registers with capture::before_replay (the optimizers' learning
 //     rate and step count do so);
 //   - tensors the step makes are the replays' outputs: a handle kept from the capture (the loss)
-//     holds the last replay's value.
+//     holds the last replay's value (nothing before the first replay).
 // What cannot be replayed throws CaptureError during the capture, with nothing run: a host read
 // of a tensor of the captured device (item, to_vector, a copy to the host, a synchronisation),
 // a random draw (dropout: each replay would repeat the capture's mask), a kernel on another
-// device type, a LossScaleOptimizer (its decision is made on the host).
+// device type, a DistributedOptimizer or GradientAccumulationOptimizer. A LossScaleOptimizer
+// reads each replay's overflow flag before the next (docs/training.md). The graph refers to the
+// tensors, the model and the optimizer of the step: destroy it before them, and before moving
+// the model to another device.
 #pragma once
 
 #include <functional>
