@@ -33,6 +33,10 @@ std::string describe(const std::vector<Tensor>& ts);
 // Throws a clear error unless every tensor is defined and on the same device.
 void check_inputs(const char* op, const std::vector<Tensor>& ts);
 
+// Throws a clear error unless the seed's tensor, when it has one, is one int64 element on x's
+// device (mixtape/core/random_seed.h).
+void check_seed(const char* op, const Tensor& x, const RandomSeed& seed);
+
 // The kernel of `op` for the inputs' device and `dtype`, with the inputs described in
 // the error when there is none.
 template <typename Fn>

@@ -7,7 +7,6 @@
 #include <optional>
 
 #include "autograd/op_util.h"
-#include "mixtape/core/dropout_hash.h"
 
 namespace mixtape {
 
@@ -88,19 +87,6 @@ HeadsOut heads_like(const Tensor& x, std::int64_t width, DType dtype) {
 
 // The gradients of q, k and v [n, ., .] from g, written with differentiable ops (the weights
 // made whole): the backward pass when a tape records it, for second derivatives.
-// Dropout's factors Z [n, t, s] (kernels.h) as a tensor of `like`'s dtype and device: 1 / (1 -
-// rate) where dropout_keeps() keeps the weight, 0 elsewhere (only the recorded backward pass
-// makes them whole).
-Tensor dropout_factors(std::int64_t n, std::int64_t t, std::int64_t s,
-                       const kernels::AttentionDropout& d, const Tensor& like) {
-  std::vector<double> z(static_cast<std::size_t>(n * t * s));
-  const std::uint32_t threshold = dropout_threshold(d.rate);
-  for (std::size_t i = 0; i < z.size(); ++i)
-    z[i] = dropout_keeps(d.seed, i, threshold) ? 1.0 / (1.0 - d.rate) : 0.0;
-  Tensor f = from_vector(z, Shape{n, t, s}).to(like.dtype());
-  return like.device().is_cpu() ? f : to_device(f, like.device());
-}
-
 detail::Grads differentiable_grads(const Tensor& q, const Tensor& k, const Tensor& v,
                                    const Tensor& mask, bool causal, double scale,
                                    const kernels::AttentionDropout& dropout, const Tensor& g) {
@@ -115,11 +101,13 @@ detail::Grads differentiable_grads(const Tensor& q, const Tensor& k, const Tenso
     keep = keep.defined() ? where(c, keep, c) : c;
   }
   const Tensor p = masked_softmax(matmul(q, transpose(k, -1, -2)), keep, scale);
-  // Dropout: the weights that reach v are P o Z, and the gradient of P is Z o (g v^T).
-  const Tensor z = dropout.rate > 0.0 ? dropout_factors(q.dim(0), t, s, dropout, q) : Tensor();
-  const Tensor pz = z.defined() ? p * z : p;
-  const Tensor dpz = matmul(g, transpose(v, -1, -2));
-  const Tensor dp = z.defined() ? dpz * z : dpz;
+  // Dropout: the weights that reach v are P o Z, and the gradient of P is Z o (g v^T) (Z of
+  // [n, t, s] is the dropout op's: kernels.h).
+  RandomSeed seed(dropout.seed);
+  seed.on_device = dropout.seed_at;
+  const auto drop = [&](const Tensor& w) { return mixtape::dropout(w, dropout.rate, seed); };
+  const Tensor pz = drop(p);
+  const Tensor dp = drop(matmul(g, transpose(v, -1, -2)));
   const Tensor ds = p * (dp - sum(dp * p, {-1}, true)) * scale;
   return {matmul(ds, k), matmul(transpose(ds, -1, -2), q), matmul(transpose(pz, -1, -2), g)};
 }
@@ -177,13 +165,15 @@ detail::Grads attention_grads(const Saved& s, const Tensor& g) {
 
 Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                        const Tensor& mask_in, bool causal, double scale, double dropout_rate,
-                       std::uint64_t seed) {
+                       const RandomSeed& seed) {
   const char* name = op_name(OpId::attention);
   if (!(dropout_rate >= 0.0 && dropout_rate < 1.0))
     throw ValueError(
         fmt::format("{}: the dropout rate must be in [0, 1); got {}", name, dropout_rate));
-  const kernels::AttentionDropout dropout{dropout_rate, seed};
   detail::check_inputs(name, {q_in, k_in, v_in});
+  detail::check_seed(name, q_in, seed);
+  const kernels::AttentionDropout dropout{dropout_rate, seed.value,
+                                          dropout_rate > 0.0 ? seed.on_device : Tensor()};
   const auto in = detail::op_inputs(OpId::attention, {q_in, k_in, v_in});
   const Tensor &q = in[0], &k = in[1], &v = in[2];
   const auto fail = [&](const std::string& why) {

@@ -8,6 +8,7 @@
 
 #include "mixtape/core/backend.h"
 #include "mixtape/core/error.h"
+#include "mixtape/core/random_seed.h"
 
 namespace mixtape {
 namespace capture {
@@ -86,6 +87,20 @@ void after_replay(std::function<void()> f) {
 }
 
 }  // namespace capture
+
+RandomSeed draw_seed(Generator& gen, Device device) {
+  if (!capture::active()) return RandomSeed(gen.next_u64());
+  RandomSeed seed;
+  seed.on_device = Tensor::empty({1}, kInt64, device);
+  // Each replay's seed, drawn outside the capture (the draw is allowed there) and written where
+  // the captured kernels read it.
+  capture::before_replay([gen, at = seed.on_device]() mutable {
+    const std::uint64_t value = gen.next_u64();
+    backend_for(at.device().type())
+        .copy(at.data_ptr(), at.device(), &value, Device::cpu(), sizeof(value));
+  });
+  return seed;
+}
 
 namespace {
 // The recording of a backend whose kernels are host calls: the calls, in order.

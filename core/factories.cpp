@@ -47,7 +47,9 @@ struct GeneratorAccess {
   }
   // A draw while a step is captured would be repeated, the same, by every replay.
   static void forbid_draw() {
-    capture::forbid("a random draw from a Generator (dropout, a random layer or initializer)");
+    capture::forbid(
+        "a random draw from a Generator (a random layer or initializer; dropout draws its seed "
+        "with draw_seed, mixtape/core/random_seed.h, which a capture can replay)");
   }
 };
 }  // namespace detail

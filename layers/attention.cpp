@@ -251,7 +251,9 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   }
   // The fused op unless the call needs the weights themselves (returned) or logits in a
   // dtype other than the kernel's. Dropout on the weights runs inside it: its mask a function
-  // of a seed drawn from the layer's generator (mixtape/core/dropout_hash.h).
+  // of a seed drawn from the layer's generator (mixtape/core/dropout_hash.h; draw_seed's, which
+  // a captured step redraws at each replay). The composed path's dropout op drops the same
+  // weights for the same seed.
   const DType sd = scores_dtype();
   const char* composed_because = call.return_attention_scores ? "the scores are returned"
                                  : sd != (q.dtype() == kFloat64 ? kFloat64 : kFloat32)
@@ -262,19 +264,14 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   if (!composed_because) {
     const bool drop = training && options_.dropout > 0.0;
     heads = fused_attention(q, k, v, mask, causal, scale, drop ? options_.dropout : 0.0,
-                            drop ? generator_.next_u64() : 0);
+                            drop ? draw_seed(generator_, device) : RandomSeed());
     path_ = drop ? "attention: fused (dropout on the weights)" : "attention: fused";
   } else {
     path_ = fmt::format("attention: composed ({})", composed_because);
     scores = composed_scores(q, k, mask, causal, in.t, in.s, device);
     Tensor weights = scores.dtype() == v.dtype() ? scores : cast(scores, v.dtype());
-    if (training && options_.dropout > 0.0) {
-      // keep = U[0, 1) >= rate, drawn in float32 (as Dropout does).
-      const Tensor u = uniform(weights.shape(), 0.0, 1.0, kFloat32, device, &generator_);
-      const Tensor keep =
-          cast(greater_equal(u, full({}, options_.dropout, kFloat32, device)), weights.dtype());
-      weights = weights * keep * (1.0 / (1.0 - options_.dropout));
-    }
+    if (training && options_.dropout > 0.0)
+      weights = mixtape::dropout(weights, options_.dropout, draw_seed(generator_, device));
     heads = matmul(weights, v);
   }
   const Tensor merged =

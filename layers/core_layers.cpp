@@ -264,10 +264,10 @@ DropoutLayer::DropoutLayer(double rate, DropoutOptions options)
 
 Tensor DropoutLayer::call(const Tensor& x, const CallContext& ctx) {
   if (!ctx.training || rate_ == 0.0 || !x.dtype().is_floating()) return x;
-  // keep = U[0, 1) >= rate, drawn in float32 so that the rate is not rounded to 16 bits.
-  Tensor u = uniform(x.shape(), 0.0, 1.0, kFloat32, x.device(), &generator_);
-  Tensor keep = cast(greater_equal(u, full({}, rate_, kFloat32, x.device())), x.dtype());
-  return x * keep * (1.0 / (1.0 - rate_));
+  // One op, its mask a function of a seed from the layer's generator and each element's
+  // position (recomputed by the backward pass, never stored); draw_seed's seed, which a
+  // captured step redraws at each replay.
+  return dropout(x, rate_, draw_seed(generator_, x.device()));
 }
 
 std::optional<Shape> DropoutLayer::compute_output_shape(const Shape& input_shape) const {

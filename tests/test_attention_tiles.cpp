@@ -234,7 +234,7 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
         mask = mt::expand(mt::from_vector(rows, {2, 1, 1, c.s}).to(mt::kBool), {2, 2, c.t, c.s});
       }
       const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
-      const mt::kernels::AttentionDropout dropout{c.dropout, 0xabcdefu};
+      const mt::kernels::AttentionDropout dropout{c.dropout, 0xabcdefu, {}};
       const auto empty = [&](int64_t rows, mt::DType dt) {
         return mt::Tensor::empty({c.n, rows, c.d}, dt, mt::Device::cpu());
       };
@@ -252,8 +252,14 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
       const mt::Tensor lse = mt::Tensor::empty({c.n, c.t}, mt::kFloat32, mt::Device::cpu());
       cpu_forward(q, k, v, mask, c.causal, scale, dropout, want, lse);
 
-      // The operands as attention.cu hands them to the kernels.
-      at::Params p = at::params_of(tq, tk, tv, mask, c.causal, scale, dropout);
+      // The operands as attention.cu hands them to the kernels; in the in-place cases the seed
+      // read from memory, as a captured step gives it (kernels.h: seed_at).
+      mt::kernels::AttentionDropout tiles_dropout = dropout;
+      if (c.in_place) {
+        tiles_dropout.seed = 0;
+        tiles_dropout.seed_at = mt::from_vector(std::vector<std::int64_t>{0xabcdef}, {1});
+      }
+      at::Params p = at::params_of(tq, tk, tv, mask, c.causal, scale, tiles_dropout);
 
       // Forward. Both compute out in float32 and round it once (the weights enter P V in two
       // 16-bit parts here): at most a unit in the last place apart, where the float32 values

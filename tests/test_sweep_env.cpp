@@ -200,6 +200,7 @@ TEST_CASE("the op names of the AMP lists are the ops that pass through the rewri
     (void)mt::sum(a), (void)mt::mean(a), (void)mt::max(a), (void)mt::min(a);
     (void)mt::argmax(a), (void)mt::softmax(a), (void)mt::log_softmax(a);
     (void)mt::masked_softmax(a, mt::less(a, b), 0.5);
+    (void)mt::dropout(a, 0.5, 3);
     (void)mt::fused_attention(a, b, b, mt::Tensor(), true, 0.5);
     (void)mt::layer_norm(a, mt::Tensor(), mt::Tensor(), 1e-5);
     (void)mt::linear(a, m, mt::Tensor(), "relu");

@@ -105,7 +105,7 @@ struct Dropout {
   double inv_keep = 1.0;
   explicit Dropout(const kernels::AttentionDropout& d)
       : on(d.rate > 0.0),
-        seed(d.seed),
+        seed(seed_of(d.seed, d.seed_at)),
         threshold(dropout_threshold(d.rate)),
         inv_keep(1.0 / (1.0 - d.rate)) {}
   // z[c] = Z of keys j0 + c (c < bc) of row i of head h, in a call of t queries and s keys.

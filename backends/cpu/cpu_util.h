@@ -113,6 +113,14 @@ void from_compute(const compute_t<T>* src, T* dst, std::int64_t n) {
     std::copy(src, src + n, dst);
 }
 
+// The seed of a counter-based random kernel (kernels.h): `seed`, or the bits of the int64
+// element of `at` when it is defined (read now: a captured step's replays write it first).
+inline std::uint64_t seed_of(std::uint64_t seed, const Tensor& at) {
+  return at.defined()
+             ? static_cast<std::uint64_t>(*static_cast<const std::int64_t*>(at.const_data_ptr()))
+             : seed;
+}
+
 // --- Parallel loops ----------------------------------------------------------------------
 
 // Runs body(begin, end) over [0, n) in blocks of kBlock, in parallel for large n.

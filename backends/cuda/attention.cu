@@ -57,19 +57,22 @@ using MaskRows = HeadRows<const std::uint8_t>;
 struct Dropout {
   bool on = false;
   std::uint64_t seed = 0;
+  const std::int64_t* seed_at = nullptr;  // when set, the seed's place on the device
   std::uint32_t threshold = 0;
   double inv_keep = 1.0;
   template <typename C>
   __device__ __forceinline__ C factor(int64_t h, int64_t i, int64_t j, int64_t t, int64_t s) const {
     if (!on) return C(1);
     const auto index = static_cast<std::uint64_t>((h * t + i) * s + j);
-    return dropout_keeps(seed, index, threshold) ? static_cast<C>(inv_keep) : C(0);
+    const std::uint64_t key = seed_at ? static_cast<std::uint64_t>(*seed_at) : seed;
+    return dropout_keeps(key, index, threshold) ? static_cast<C>(inv_keep) : C(0);
   }
 };
 Dropout dropout_of(const kernels::AttentionDropout& d) {
   Dropout r;
   r.on = d.rate > 0.0;
   r.seed = d.seed;
+  if (d.seed_at.defined()) r.seed_at = static_cast<const std::int64_t*>(d.seed_at.const_data_ptr());
   r.threshold = dropout_threshold(d.rate);
   r.inv_keep = 1.0 / (1.0 - d.rate);
   return r;

@@ -102,6 +102,7 @@ struct Params {
   float scale_log2 = 0;  // the same times log2(e): the softmax runs in base 2
   bool dropout = false;
   std::uint64_t seed = 0;
+  const std::int64_t* seed_at = nullptr;  // when set, the seed's place (kernels.h)
   std::uint32_t threshold = 0;
   float inv_keep = 1;
   int64_t n = 0, t = 0, s = 0;
@@ -121,6 +122,8 @@ inline Params params_of(const Tensor& q, const Tensor& k, const Tensor& v, const
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
   p.dropout = dropout.rate > 0.0;
   p.seed = dropout.seed;
+  if (dropout.seed_at.defined())
+    p.seed_at = static_cast<const std::int64_t*>(dropout.seed_at.const_data_ptr());
   p.threshold = dropout_threshold(dropout.rate);
   p.inv_keep = static_cast<float>(1.0 / (1.0 - dropout.rate));
   p.n = head_count(q);
@@ -163,7 +166,8 @@ MIXTAPE_TILE_FN bool attends(const Params& p, const std::uint8_t* mask_row, int6
 MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t j) {
   if (!p.dropout) return 1.0f;
   const auto index = static_cast<std::uint64_t>((h * p.t + i) * p.s + j);
-  return dropout_keeps(p.seed, index, p.threshold) ? p.inv_keep : 0.0f;
+  const std::uint64_t seed = p.seed_at ? static_cast<std::uint64_t>(*p.seed_at) : p.seed;
+  return dropout_keeps(seed, index, p.threshold) ? p.inv_keep : 0.0f;
 }
 
 // Rows row0 .. row0 + 15 of head h ([rows, D]) as the A fragments of its kSteps 16-column

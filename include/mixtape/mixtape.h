@@ -12,6 +12,7 @@
 #include "mixtape/backends/cuda.h"
 #endif
 #include "mixtape/core/backend.h"
+#include "mixtape/core/capture.h"
 #include "mixtape/core/compute_mode.h"
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/device.h"
@@ -19,6 +20,7 @@
 #include "mixtape/core/dtype.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/half.h"
+#include "mixtape/core/random_seed.h"
 #include "mixtape/core/shape.h"
 #include "mixtape/core/storage.h"
 #include "mixtape/core/tensor.h"

@@ -390,8 +390,15 @@ void attention(Context& c) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(a.d)) + 0.1;
     const HeadsOutput out = heads_output(c, a.n, a.t, a.dv, a.in_place);
     const Pair lse = c.output({a.n, a.t}, stat);
-    const kernels::AttentionDropout dropout{a.dropout,
-                                            0x5eed0000u + static_cast<std::uint64_t>(a.t)};
+    const std::uint64_t seed = 0x5eed0000u + static_cast<std::uint64_t>(a.t);
+    // The seed by value, or (the in-place cases) read from the device, as a captured step gives
+    // it (kernels.h: seed_at).
+    kernels::AttentionDropout dropout{a.dropout, seed, {}};
+    if (a.in_place) {
+      dropout.seed = 0;
+      dropout.seed_at = from_vector<std::int64_t>(
+          std::vector<std::int64_t>{static_cast<std::int64_t>(seed)}, Shape{1}, kInt64, c.device());
+    }
     // The operands as the kernels take them.
     const Tensor oq = as_projection(q.tested, a.in_place), ok = as_projection(k.tested, a.in_place),
                  ov = as_projection(v.tested, a.in_place);
@@ -401,7 +408,7 @@ void attention(Context& c) {
     const auto z = [&](int64_t h, int64_t i, int64_t j) {
       if (a.dropout == 0.0) return 1.0;
       const auto index = static_cast<std::uint64_t>((h * a.t + i) * a.s + j);
-      return dropout_keeps(dropout.seed, index, threshold) ? 1.0 / (1.0 - a.dropout) : 0.0;
+      return dropout_keeps(seed, index, threshold) ? 1.0 / (1.0 - a.dropout) : 0.0;
     };
 
     // The reference: P, out and lse in float64 (for the backward pass, from the out and lse
@@ -711,6 +718,46 @@ void layer_norm(Context& c) {
         c.expect_close(what + ", dbeta", dbeta.tested, from_vector(rdb, {n}, kFloat64),
                        Scale{static_cast<double>(rows), 0.0});
       }
+    }
+}
+
+// --- Dropout -------------------------------------------------------------------------------------
+
+// dropout against its formula written out here (kernels.h): x times 1 / (1 - rate) where
+// dropout_keeps() keeps the element, 0 elsewhere (x * 0: NaN for a dropped NaN or infinity),
+// at three rates and several sizes; which elements survive must match exactly, and the seed
+// read from a device tensor must give the same bits as the seed given by value.
+void dropout_cases(Context& c) {
+  auto* fn = tested_kernel<kernels::DropoutFn>(c);
+  for (const Shape& s : {Shape{1}, Shape{7}, Shape{3, 5}, Shape{1031}, Shape{70001}})
+    for (const double rate : {0.1, 0.5, 0.9}) {
+      const std::string what = fmt::format("shape {}, rate {}", shape_name(s), rate);
+      const auto seed = static_cast<std::uint64_t>(c.integer(0, std::int64_t{1} << 62)) * 3 + 1;
+      std::size_t i = 0;
+      const auto& special = special_values();
+      const Pair x = c.make(s, [&] {
+        return i < special.size() && s.numel() > 1000 ? special[i++] : c.uniform(-2.0, 2.0);
+      });
+      const Pair out = c.output(s), again = c.output(s);
+      fn(x.tested, rate, seed, Tensor(), out.tested);
+      const std::vector<std::int64_t> bits{static_cast<std::int64_t>(seed)};  // the seed's bits
+      const Tensor seed_at = from_vector<std::int64_t>(bits, Shape{1}, kInt64, c.device());
+      fn(x.tested, rate, 0, seed_at, again.tested);
+      const std::uint32_t threshold = dropout_threshold(rate);
+      const auto xv = x.ref.to_vector<double>();
+      std::vector<double> want(xv.size());
+      std::vector<std::uint8_t> kept_want(xv.size()), kept_got(xv.size());
+      const auto got = out.tested.to(kFloat64).to_vector<double>();
+      for (std::size_t j = 0; j < xv.size(); ++j) {
+        const bool keep = dropout_keeps(seed, j, threshold);
+        want[j] = xv[j] * (keep ? 1.0 / (1.0 - rate) : 0.0);
+        kept_want[j] = keep || !std::isfinite(xv[j]) || xv[j] == 0.0 ? 1 : 0;
+        kept_got[j] = got[j] != 0.0 || !std::isfinite(xv[j]) || xv[j] == 0.0 ? 1 : 0;
+      }
+      c.expect_close(what, out.tested, from_vector(want, s, kFloat64));
+      c.expect_equal(what + ", which survive", from_vector(kept_got, s, kUInt8),
+                     from_vector(kept_want, s, kUInt8));
+      c.expect_equal(what + ", the seed read from the device", again.tested, out.tested);
     }
 }
 
@@ -1356,6 +1403,7 @@ Driver driver_for(OpId op) {
   if (k == "MaskedSoftmaxFn") return masked_rows;
   if (k == "AttentionFn" || k == "AttentionBackwardFn") return attention;
   if (k == "LayerNormFn" || k == "LayerNormBackwardFn") return layer_norm;
+  if (k == "DropoutFn") return dropout_cases;
   if (k == "LinearFn" || k == "LinearBackwardFn") return linear;
   if (k == "SoftmaxCrossEntropyFn" || k == "SoftmaxCrossEntropyBackwardFn") return cross_entropy;
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;

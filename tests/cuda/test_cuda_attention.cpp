@@ -64,7 +64,7 @@ TEST_CASE("cuda attention at training shapes against the CPU kernels", "[cuda][a
                           {sh.n / 2, 2, sh.t, sh.s});
       }
       const double scale = 1.0 / std::sqrt(static_cast<double>(sh.d));
-      const mt::kernels::AttentionDropout dropout{sh.dropout, 77};
+      const mt::kernels::AttentionDropout dropout{sh.dropout, 77, {}};
 
       const auto run = [&](mt::Device dev) {
         const auto forward =

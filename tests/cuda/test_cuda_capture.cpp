@@ -1,5 +1,6 @@
 // Step capture on the GPU (mixtape/core/capture.h: a CUDA graph): replays against the same
-// steps run eagerly on the GPU, bit for bit; host constants made during the capture; the
+// steps run eagerly on the GPU, bit for bit (with dropout too: its seeds on the device, redrawn
+// before each replay); host constants made during the capture; the
 // capture's memory pool; what a GPU capture refuses.
 #include <catch2/catch.hpp>
 #include <functional>
@@ -37,10 +38,18 @@ std::vector<Batch> gpu_batches(int count, std::uint64_t seed) {
   return out;
 }
 
-std::unique_ptr<mt::Model> gpu_model() {
+// With dropout: a Dropout layer and self-attention with dropout on its weights (their seeds
+// device tensors in the capture, redrawn before each replay).
+std::unique_ptr<mt::Model> gpu_model(bool dropout = false) {
   mt::manual_seed(21);
   auto inputs = mt::layers::Input({32});
   auto x = mt::layers::Dense(64, {.activation = "gelu"})(inputs);
+  if (dropout) {
+    x = mt::layers::Dropout(0.2, {.seed = 3})(x);
+    auto seq = mt::layers::Reshape({2, 32})(x);
+    seq = mt::layers::MultiHeadAttention(1, 32, {.dropout = 0.1, .seed = 5})({seq, seq});
+    x = mt::layers::Flatten()(seq);
+  }
   x = mt::layers::LayerNormalization()(x);
   x = mt::layers::Dense(5, {.dtype = "float32"})(x);
   auto m = std::make_unique<mt::Model>(inputs, x);
@@ -64,41 +73,42 @@ std::vector<double> values(const mt::Tensor& t) { return t.to_vector<double>(); 
 
 TEST_CASE("cuda capture: a CUDA graph replays the eager steps bit for bit", "[cuda][capture]") {
   const std::vector<Batch> batches = gpu_batches(5, 4);
-  for (const std::string policy : {"float32", "mixed_bfloat16", "mixed_float16"}) {
-    INFO(policy);
-    mt::set_global_policy(policy);
-    // mixed_float16: loss scaling, decided on the device in both runs.
-    const auto make_opt = [&]() -> std::shared_ptr<mo::Optimizer> {
-      auto adamw = std::make_shared<mo::AdamW>(
-          mo::AdamWOptions{.learning_rate = mo::schedules::cosine_decay(0.01, 5, 0.1),
-                           .clipping = {.global_clipnorm = 1.0}});
-      if (policy != "mixed_float16") return adamw;
-      return std::make_shared<mo::LossScaleOptimizer>(
-          adamw, mt::LossScale::dynamic({.initial_scale = 1024, .growth_interval = 2}));
-    };
-    const auto eager = gpu_model();
-    auto eager_opt = make_opt();
-    mt::Tensor eager_loss;
-    for (const auto& b : batches) eager_loss = step(*eager, *eager_opt, b.x, b.y);
+  for (const bool dropout : {false, true})
+    for (const std::string policy : {"float32", "mixed_bfloat16", "mixed_float16"}) {
+      INFO(policy << (dropout ? ", with dropout" : ""));
+      mt::set_global_policy(policy);
+      // mixed_float16: loss scaling, decided on the device in both runs.
+      const auto make_opt = [&]() -> std::shared_ptr<mo::Optimizer> {
+        auto adamw = std::make_shared<mo::AdamW>(
+            mo::AdamWOptions{.learning_rate = mo::schedules::cosine_decay(0.01, 5, 0.1),
+                             .clipping = {.global_clipnorm = 1.0}});
+        if (policy != "mixed_float16") return adamw;
+        return std::make_shared<mo::LossScaleOptimizer>(
+            adamw, mt::LossScale::dynamic({.initial_scale = 1024, .growth_interval = 2}));
+      };
+      const auto eager = gpu_model(dropout);
+      auto eager_opt = make_opt();
+      mt::Tensor eager_loss;
+      for (const auto& b : batches) eager_loss = step(*eager, *eager_opt, b.x, b.y);
 
-    const auto model = gpu_model();
-    auto opt = make_opt();
-    mt::Variable x(batches[0].x, "x", false), y(batches[0].y, "y", false);
-    mt::Tensor loss;
-    mt::StepGraph graph = mt::StepGraph::capture(kGpu, [&] { loss = step(*model, *opt, x, y); });
-    for (std::size_t k = 1; k < batches.size(); ++k) {
-      x.assign(batches[k].x);
-      y.assign(batches[k].y);
-      graph.replay();
+      const auto model = gpu_model(dropout);
+      auto opt = make_opt();
+      mt::Variable x(batches[0].x, "x", false), y(batches[0].y, "y", false);
+      mt::Tensor loss;
+      mt::StepGraph graph = mt::StepGraph::capture(kGpu, [&] { loss = step(*model, *opt, x, y); });
+      for (std::size_t k = 1; k < batches.size(); ++k) {
+        x.assign(batches[k].x);
+        y.assign(batches[k].y);
+        graph.replay();
+      }
+      CHECK(opt->iterations() == 5);
+      CHECK(loss.item<double>() == eager_loss.item<double>());
+      const auto vars = model->trainable_variables(), eager_vars = eager->trainable_variables();
+      for (std::size_t i = 0; i < vars.size(); ++i) {
+        INFO(vars[i].name());
+        CHECK(values(vars[i]) == values(eager_vars[i]));
+      }
     }
-    CHECK(opt->iterations() == 5);
-    CHECK(loss.item<double>() == eager_loss.item<double>());
-    const auto vars = model->trainable_variables(), eager_vars = eager->trainable_variables();
-    for (std::size_t i = 0; i < vars.size(); ++i) {
-      INFO(vars[i].name());
-      CHECK(values(vars[i]) == values(eager_vars[i]));
-    }
-  }
   mt::set_global_policy("float32");
 }
 

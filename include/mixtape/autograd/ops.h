@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mixtape/core/op_table.h"
+#include "mixtape/core/random_seed.h"
 #include "mixtape/core/tensor.h"
 
 namespace mixtape {
@@ -96,10 +97,21 @@ Tensor masked_softmax(const Tensor& x, const Tensor& mask = Tensor(), double sca
 // others scaled by 1 / (1 - dropout), the decision for each weight a function of `seed` and
 // its position (mixtape/core/dropout_hash.h: the same on every backend and in the backward
 // pass, which finds the mask again without storing it); the softmax's log-sum-exp is the
-// undropped weights'. ValueError for a rate outside [0, 1).
+// undropped weights'. The mask is mixtape::dropout's on the weights [..., t, s]. The seed: a
+// number, or draw_seed's (mixtape/core/random_seed.h) in a step that is to be captured.
+// ValueError for a rate outside [0, 1).
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& mask = Tensor(), bool causal = false, double scale = 1.0,
-                       double dropout = 0.0, std::uint64_t seed = 0);
+                       double dropout = 0.0, const RandomSeed& seed = {});
+// Dropout in one op (op dropout): each element of x dropped (0) with probability `rate` and
+// the others scaled by 1 / (1 - rate), whether element i (its row-major position) survives a
+// function of the seed and i alone (mixtape/core/dropout_hash.h): the same on every backend,
+// and found again by the backward pass, which stores no mask. On weights [..., t, s] it drops
+// what fused_attention drops with the same seed. The seed: a number, or draw_seed's
+// (mixtape/core/random_seed.h), which a captured step redraws at each replay. x floating
+// (DTypeError otherwise); rate in [0, 1) (ValueError otherwise; 0 returns x). Differentiable:
+// the gradient is the incoming one times the same factors.
+Tensor dropout(const Tensor& x, double rate, const RandomSeed& seed);
 // The softmax cross-entropy of each row of logits [..., c] against its class index (labels
 // [...], int64, in [0, c): IndexError naming the first outside when the labels are on the
 // host; a device's kernel gives NaN for such a row) in one op (op softmax_cross_entropy):

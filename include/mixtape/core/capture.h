@@ -16,12 +16,12 @@
 //   - tensors the step reads, at the same addresses (the inputs: copy each batch into them);
 //   - host values that change from step to step go to the device before each replay, by a
 //     hook the step's code registers with capture::before_replay (the optimizers' learning
-//     rate and step count do so);
+//     rate and step count do so, and dropout's seeds: draw_seed, mixtape/core/random_seed.h);
 //   - tensors the step makes are the replays' outputs: a handle kept from the capture (the loss)
 //     holds the last replay's value (nothing before the first replay).
 // What cannot be replayed throws CaptureError during the capture, with nothing run: a host read
 // of a tensor of the captured device (item, to_vector, a copy to the host, a synchronisation),
-// a random draw (dropout: each replay would repeat the capture's mask), a kernel on another
+// a random draw from a Generator (each replay would repeat it), a kernel on another
 // device type, a DistributedOptimizer or GradientAccumulationOptimizer. A LossScaleOptimizer
 // reads each replay's overflow flag before the next (docs/training.md). The graph refers to the
 // tensors, the model and the optimizer of the step: destroy it before them, and before moving

@@ -85,11 +85,23 @@ using MaskedSoftmaxFn = void(const Tensor& x, const Tensor& mask, double scale, 
 // Dropout on the weights (dropout.rate in (0, 1)): out = (P o Z) v with Z_hij = 1 / (1 - rate)
 // where dropout_keeps(seed, (h t + i) s + j, dropout_threshold(rate)) (mixtape/core/
 // dropout_hash.h) and 0 elsewhere; lse stays P's. The backward pass finds Z again: dV =
-// (P o Z)^T dout, dS = P o (Z o (dout v^T) - D), D as below (from the dropped out).
+// (P o Z)^T dout, dS = P o (Z o (dout v^T) - D), D as below (from the dropped out). The seed is
+// `seed`, or when seed_at is defined the bits of its one int64 element (on the kernel's device,
+// read when the kernel runs: a captured step's replays write a new seed there before each).
 struct AttentionDropout {
   double rate = 0.0;  // 0: none
   std::uint64_t seed = 0;
+  Tensor seed_at;
 };
+// dropout: out[i] = x[i] * Z_i for each element i (its row-major position), Z_i = 1 / (1 -
+// rate) where dropout_keeps(seed, i, dropout_threshold(rate)) (mixtape/core/dropout_hash.h) and
+// 0 elsewhere, rate in (0, 1): the product in the compute type (float32; float64 for float64)
+// with Z in it, rounded once. x and out contiguous, same shape and dtype. The seed as
+// AttentionDropout's: `seed`, or seed_at's element when it is defined. Z of [n, t, s] weights
+// is the fused attention's Z (the same positions, the same hash), and the backward pass of the
+// op is the same kernel on the gradient.
+using DropoutFn = void(const Tensor& x, double rate, std::uint64_t seed, const Tensor& seed_at,
+                       const Tensor& out);
 using AttentionFn = void(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                          bool causal, double scale, const AttentionDropout& dropout,
                          const Tensor& out, const Tensor& lse);

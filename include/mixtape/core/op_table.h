@@ -91,6 +91,8 @@
   X(softmax,                  RowFn,                   Floating, infer,  true)                  \
   X(log_softmax,              RowFn,                   Floating, infer,  true)                  \
   X(masked_softmax,           MaskedSoftmaxFn,         Floating, deny,   true)                  \
+  /* dropout from a seed (counter-based: the mask recomputed, never stored) */                  \
+  X(dropout,                  DropoutFn,               Floating, clear,  true)                  \
   /* fused attention (softmax(scale q k^T) v without the [t, s] matrix) */                     \
   X(attention,                AttentionFn,             Floating, allow,  true)                  \
   X(attention_backward,       AttentionBackwardFn,     Floating, hidden, false)                 \

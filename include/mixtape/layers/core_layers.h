@@ -169,7 +169,8 @@ struct DropoutOptions {
 MIXTAPE_OPTIONS(DropoutOptions, seed);
 
 // While training, zeroes each element with probability `rate` and scales the rest by
-// 1 / (1 - rate); the identity otherwise.
+// 1 / (1 - rate) (the op mixtape::dropout, its seed drawn from the layer's generator with
+// draw_seed: a captured step draws a new mask at each replay); the identity otherwise.
 class DropoutLayer : public Layer {
  public:
   explicit DropoutLayer(double rate, DropoutOptions options = {});
