@@ -6,6 +6,7 @@
 
 #include <utility>
 
+#include "core/raw.h"
 #include "mixtape/core/backend.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/random_seed.h"
@@ -100,6 +101,30 @@ RandomSeed draw_seed(Generator& gen, Device device) {
         .copy(at.data_ptr(), at.device(), &value, Device::cpu(), sizeof(value));
   });
   return seed;
+}
+
+Tensor host_computed(const Shape& shape, DType dtype, Device device, std::function<Tensor()> make) {
+  const auto checked = [shape, dtype](const Tensor& t) {
+    if (!t.defined() || !t.device().is_cpu() || t.shape() != shape || t.dtype() != dtype ||
+        !t.is_contiguous())
+      throw ShapeError(fmt::format(
+          "host_computed: the host's tensor must be a contiguous CPU tensor {}{}; got {}",
+          dtype.name(), shape.str(),
+          t.defined()
+              ? fmt::format("{}{} on {}", t.dtype().name(), t.shape().str(), t.device().str())
+              : std::string("an undefined tensor")));
+    return t;
+  };
+  if (!capture::active()) return detail::to_device_raw(checked(make()), device);
+  Tensor at = Tensor::empty(shape, dtype, device);
+  // Each replay's values, computed on the host outside the capture and written where the
+  // captured kernels read them.
+  capture::before_replay([make = std::move(make), checked, at]() mutable {
+    const Tensor t = checked(make());
+    backend_for(at.device().type())
+        .copy(at.data_ptr(), at.device(), t.const_data_ptr(), Device::cpu(), t.nbytes());
+  });
+  return at;
 }
 
 namespace {

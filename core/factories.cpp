@@ -48,8 +48,9 @@ struct GeneratorAccess {
   // A draw while a step is captured would be repeated, the same, by every replay.
   static void forbid_draw() {
     capture::forbid(
-        "a random draw from a Generator (a random layer or initializer; dropout draws its seed "
-        "with draw_seed, mixtape/core/random_seed.h, which a capture can replay)");
+        "a random draw from a Generator (a random factory or initializer; dropout and the "
+        "augmentation layers draw through draw_seed and host_computed, which a capture "
+        "replays)");
   }
 };
 }  // namespace detail

@@ -1,14 +1,17 @@
 // The image augmentation layers: each draw becomes a table of source pixels, and one take()
-// gathers the batch (the constant fill through an extra row appended to the pixels).
+// gathers the batch (the constant fill through an extra row appended to the pixels). The table
+// is drawn on the host; in a captured step before each replay (host_computed).
 #include "mixtape/layers/augmentation.h"
 
 #include <fmt/format.h>
 
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include "layers/config_util.h"
 #include "mixtape/autograd/ops.h"
+#include "mixtape/core/capture.h"
 
 namespace mixtape::layers {
 
@@ -23,16 +26,23 @@ void check_images(const Layer& layer, const Shape& shape) {
 }
 
 // The output pixel p of every image (flattened [batch * height * width]) is the input
-// pixel source[p] (flattened the same way); `fill` marks pixels taken from a row of
-// `fill_value` instead.
-Tensor gather_pixels(const Tensor& x, const std::vector<std::int64_t>& source, bool use_fill,
-                     double fill_value) {
+// pixel source[p] (int64 on x's device, flattened the same way); with `use_fill`, source may
+// name pixel batch * height * width: a row of `fill_value`.
+Tensor gather_pixels(const Tensor& x, const Tensor& source, bool use_fill, double fill_value) {
   const std::int64_t n = x.dim(0), h = x.dim(1), w = x.dim(2), c = x.dim(3);
   Tensor pixels = reshape(x, {n * h * w, c});
   if (use_fill) pixels = concat({pixels, full({1, c}, fill_value, x.dtype(), x.device())}, 0);
-  const Tensor index =
-      from_vector(source, {static_cast<std::int64_t>(source.size())}, kInt64, x.device());
-  return reshape(take(pixels, index, 0), x.shape());
+  return reshape(take(pixels, source, 0), x.shape());
+}
+
+// The table of source pixels of a call on `x` that make() draws on the host, as an int64
+// tensor on x's device: computed now, or, while a step is captured, before each replay
+// (host_computed, mixtape/core/capture.h: each replay draws new moves, the ones eager steps
+// would have drawn).
+Tensor source_table(const Tensor& x, const std::function<std::vector<std::int64_t>()>& make) {
+  const std::int64_t pixels = x.dim(0) * x.dim(1) * x.dim(2);
+  return host_computed(Shape{pixels}, kInt64, x.device(),
+                       [make, pixels] { return from_vector(make(), Shape{pixels}); });
 }
 
 // Where position i (of an axis of `size`) reads from when it lies outside [0, size), for
@@ -107,9 +117,13 @@ Tensor RandomTranslationLayer::call(const Tensor& x, const CallContext& ctx) {
   if (!ctx.training || x.numel() == 0) return x;
   const std::int64_t n = x.dim(0), h = x.dim(1), w = x.dim(2);
   const FillMode mode = parse_fill_mode(*this, options_.fill_mode);
-  std::vector<std::int64_t> source(static_cast<std::size_t>(n * h * w));
-  bool any_fill = false;
-  {
+  // Whether a pixel of the table takes the fill: known after an eager call's draw; a captured
+  // step's replays may need it whenever the mode is constant (the fill row appended then
+  // changes no value).
+  bool any_fill = capture::active() && mode == FillMode::Constant;
+  bool* const found_fill = capture::active() ? nullptr : &any_fill;  // the eager call's
+  const Tensor source = source_table(x, [this, n, h, w, mode, found_fill] {
+    std::vector<std::int64_t> source(static_cast<std::size_t>(n * h * w));
     auto lock = generator_.lock();
     for (std::int64_t b = 0; b < n; ++b) {
       const auto draw = [&](TranslationFactor f, std::int64_t size) {
@@ -124,14 +138,15 @@ Tensor RandomTranslationLayer::call(const Tensor& x, const CallContext& ctx) {
           std::int64_t& s = source[static_cast<std::size_t>((b * h + i) * w + j)];
           if (si < 0 || sj < 0) {
             s = n * h * w;  // the fill row
-            any_fill = true;
+            if (found_fill) *found_fill = true;
           } else {
             s = (b * h + si) * w + sj;
           }
         }
       }
     }
-  }
+    return source;
+  });
   return gather_pixels(x, source, any_fill, options_.fill_value);
 }
 
@@ -165,16 +180,19 @@ Tensor RandomFlipLayer::call(const Tensor& x, const CallContext& ctx) {
   if (!ctx.training || x.numel() == 0) return x;
   const std::int64_t n = x.dim(0), h = x.dim(1), w = x.dim(2);
   const bool horizontal = mode_ != "vertical", vertical = mode_ != "horizontal";
-  std::vector<std::int64_t> source(static_cast<std::size_t>(n * h * w));
-  auto lock = generator_.lock();
-  for (std::int64_t b = 0; b < n; ++b) {
-    const bool flip_w = horizontal && generator_.next_uniform() < 0.5;
-    const bool flip_h = vertical && generator_.next_uniform() < 0.5;
-    for (std::int64_t i = 0; i < h; ++i)
-      for (std::int64_t j = 0; j < w; ++j)
-        source[static_cast<std::size_t>((b * h + i) * w + j)] =
-            (b * h + (flip_h ? h - 1 - i : i)) * w + (flip_w ? w - 1 - j : j);
-  }
+  const Tensor source = source_table(x, [this, n, h, w, horizontal, vertical] {
+    std::vector<std::int64_t> source(static_cast<std::size_t>(n * h * w));
+    auto lock = generator_.lock();
+    for (std::int64_t b = 0; b < n; ++b) {
+      const bool flip_w = horizontal && generator_.next_uniform() < 0.5;
+      const bool flip_h = vertical && generator_.next_uniform() < 0.5;
+      for (std::int64_t i = 0; i < h; ++i)
+        for (std::int64_t j = 0; j < w; ++j)
+          source[static_cast<std::size_t>((b * h + i) * w + j)] =
+              (b * h + (flip_h ? h - 1 - i : i)) * w + (flip_w ? w - 1 - j : j);
+    }
+    return source;
+  });
   return gather_pixels(x, source, false, 0.0);
 }
 

@@ -1,7 +1,8 @@
 // Step capture (mixtape/core/capture.h) on the CPU: a captured training step replayed against
 // the same steps run eagerly, bit for bit, under float32 and mixed_bfloat16 with each built-in
-// optimizer, a learning-rate schedule and clipping; what a capture cannot do (CaptureError,
-// nothing recorded); the checks that every replay repeats.
+// optimizer, a learning-rate schedule and clipping; dropout and random augmentation, which
+// draw afresh at each replay; what a capture cannot do (CaptureError, nothing recorded); the
+// checks that every replay repeats.
 #include <catch2/catch.hpp>
 #include <functional>
 #include <limits>
@@ -198,6 +199,57 @@ TEST_CASE("a captured step with dropout draws each replay's masks as eager steps
           values(train_step(eager, eager_opt, batches[1].x, batches[1].y)));
   }
   mt::set_global_policy("float32");
+}
+
+TEST_CASE("a captured step with random augmentation draws new moves at each replay",
+          "[capture][augmentation]") {
+  // RandomTranslation (constant fill: a table that may take the fill row) and RandomFlip draw
+  // their tables on the host; in the capture before each replay (host_computed), in the
+  // order and with the numbers of eager steps.
+  const auto build = [] {
+    mt::manual_seed(29);
+    namespace ml = mt::layers;
+    auto inputs = ml::Input({6, 6, 1});
+    auto h = ml::RandomTranslation(0.34, 0.34, {.fill_mode = "constant", .seed = 9})(inputs);
+    h = ml::RandomFlip("horizontal_and_vertical", {.seed = 4})(h);
+    auto outputs = ml::Dense(3, {.dtype = "float32"})(ml::Flatten()(h));
+    return mt::Model(inputs, outputs);
+  };
+  std::vector<Batch> batches;
+  mt::Generator gen(31);
+  for (int b = 0; b < 6; ++b)
+    batches.push_back({mt::uniform({16, 6, 6, 1}, -1.0, 1.0, mt::kFloat32, mt::Device::cpu(), &gen),
+                       mt::from_vector(std::vector<std::int64_t>(16, b % 3), {16})});
+  for (const std::string policy : {"float32", "mixed_float16"}) {
+    INFO(policy);
+    mt::set_global_policy(policy);
+    mt::Model eager = build();
+    mo::SGD eager_opt({.learning_rate = 0.1});
+    mt::Tensor eager_loss;
+    for (const auto& b : batches) eager_loss = train_step(eager, eager_opt, b.x, b.y);
+
+    mt::Model model = build();
+    mo::SGD opt({.learning_rate = 0.1});
+    mt::Variable x(batches[0].x, "x", false);
+    mt::Variable y(batches[0].y, "y", false);
+    mt::Tensor loss;
+    mt::StepGraph graph =
+        mt::StepGraph::capture(mt::Device::cpu(), [&] { loss = train_step(model, opt, x, y); });
+    for (std::size_t k = 1; k < batches.size(); ++k) {
+      x.assign(batches[k].x);
+      y.assign(batches[k].y);
+      graph.replay();
+    }
+    CHECK(loss.item<double>() == eager_loss.item<double>());
+    const auto w = model.get_weights(), eager_w = eager.get_weights();
+    REQUIRE(w.size() == eager_w.size());
+    for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
+  }
+  mt::set_global_policy("float32");
+  // A host tensor of another shape than declared is an error of the call.
+  CHECK_THROWS_AS(mt::host_computed({3}, mt::kInt64, mt::Device::cpu(),
+                                    [] { return mt::zeros({2}, mt::kInt64); }),
+                  mt::ShapeError);
 }
 
 TEST_CASE("what a captured step cannot do throws CaptureError and leaves nothing recorded",

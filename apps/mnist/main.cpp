@@ -181,7 +181,8 @@ void add_options(CLI::App& app, Options& o) {
       ->check(no_value());
   app.add_flag("--capture-step", o.capture_step,
                "fit captures the training step at the first batch and replays it (a CUDA graph "
-               "on a GPU; compile's capture_step); not with --custom-loop or augmentation")
+               "on a GPU; compile's capture_step; augmentation draws new moves each replay); not "
+               "with --custom-loop")
       ->check(no_value());
   app.add_option("--verbose", o.verbose, "0 quiet, 1 progress bar (default), 2 one line per epoch")
       ->type_name("N")
@@ -244,18 +245,13 @@ std::string augmentation_kind(const Options& o) {
   return o.model != "resnet" ? "none" : o.dataset == "fashion" ? "flip" : "shift";
 }
 
-// --capture-step with what a captured step cannot replay: a CLI error naming both.
+// --capture-step with what it cannot capture: a CLI error naming both.
 void check_capture(const Options& o) {
   if (!o.capture_step) return;
   if (o.custom_loop)
     throw CLI::ValidationError("--capture-step",
                                "it captures fit's step, and --custom-loop trains without fit "
                                "(leave one out)");
-  if (augmentation_kind(o) != "none")
-    throw CLI::ValidationError(
-        "--capture-step", fmt::format("the random augmentation of --augment {} (model {}) would be "
-                                      "the same in every replay (--augment none)",
-                                      o.augment, o.model));
 }
 
 void refuse_extras(const CLI::App& app) {

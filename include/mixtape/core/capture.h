@@ -16,13 +16,15 @@
 //   - tensors the step reads, at the same addresses (the inputs: copy each batch into them);
 //   - host values that change from step to step go to the device before each replay, by a
 //     hook the step's code registers with capture::before_replay (the optimizers' learning
-//     rate and step count do so, and dropout's seeds: draw_seed, mixtape/core/random_seed.h);
+//     rate and step count do so, dropout's seeds (draw_seed, mixtape/core/random_seed.h) and
+//     the augmentation layers' tables (host_computed, below));
 //   - tensors the step makes are the replays' outputs: a handle kept from the capture (the loss)
 //     holds the last replay's value (nothing before the first replay).
 // What cannot be replayed throws CaptureError during the capture, with nothing run: a host read
 // of a tensor of the captured device (item, to_vector, a copy to the host, a synchronisation),
-// a random draw from a Generator (each replay would repeat it), a kernel on another
-// device type, a DistributedOptimizer or GradientAccumulationOptimizer. A LossScaleOptimizer
+// a random draw from a Generator outside draw_seed and host_computed (each replay would repeat
+// it), a kernel on another device type, a DistributedOptimizer or
+// GradientAccumulationOptimizer. A LossScaleOptimizer
 // reads each replay's overflow flag before the next (docs/training.md). The graph refers to the
 // tensors, the model and the optimizer of the step: destroy it before them, and before moving
 // the model to another device.
@@ -35,6 +37,8 @@
 #include <vector>
 
 #include "mixtape/core/device.h"
+#include "mixtape/core/dtype.h"
+#include "mixtape/core/shape.h"
 
 namespace mixtape {
 
@@ -80,6 +84,17 @@ void record_or_run(const std::function<void()>& f);
 }  // namespace detail
 
 }  // namespace capture
+
+// A tensor the host computes afresh at each step, for `device` (a random augmentation's table of
+// source pixels): outside a capture, make()'s tensor, copied to `device`; while the calling
+// thread captures a step, a tensor of `shape` and `dtype` on `device` that a before_replay hook
+// fills with make()'s values before each replay (make is not called during the capture; it
+// runs at each replay, in the order such tensors were made, so a generator it draws from
+// gives the numbers eager steps would have drawn). make returns a contiguous CPU tensor of
+// `shape` and `dtype` (ShapeError otherwise, from the call or from the replay) and may refer
+// to what the graph refers to (a layer, its generator).
+class Tensor;
+Tensor host_computed(const Shape& shape, DType dtype, Device device, std::function<Tensor()> make);
 
 // A captured training step (see above). Move-only; destroying it frees the memory the capture
 // held (after the device has finished its replays).

@@ -145,7 +145,7 @@ struct CompileOptions {
   // fit and train_step capture the training step at the first batch and replay it for every
   // batch of the same shapes (mt::StepGraph, mixtape/core/capture.h: one CUDA graph launch a
   // step on a GPU); a batch of other shapes (the last, partial one) steps as usual. What a
-  // captured step cannot do (random augmentation, several ranks, gradient accumulation) throws
+  // captured step cannot do (a host read, several ranks, gradient accumulation) throws
   // CaptureError at the first batch. The results are those of the uncaptured steps.
   bool capture_step = false;
 };
