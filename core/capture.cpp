@@ -89,20 +89,6 @@ void after_replay(std::function<void()> f) {
 
 }  // namespace capture
 
-RandomSeed draw_seed(Generator& gen, Device device) {
-  if (!capture::active()) return RandomSeed(gen.next_u64());
-  RandomSeed seed;
-  seed.on_device = Tensor::empty({1}, kInt64, device);
-  // Each replay's seed, drawn outside the capture (the draw is allowed there) and written where
-  // the captured kernels read it.
-  capture::before_replay([gen, at = seed.on_device]() mutable {
-    const std::uint64_t value = gen.next_u64();
-    backend_for(at.device().type())
-        .copy(at.data_ptr(), at.device(), &value, Device::cpu(), sizeof(value));
-  });
-  return seed;
-}
-
 Tensor host_computed(const Shape& shape, DType dtype, Device device, std::function<Tensor()> make) {
   const auto checked = [shape, dtype](const Tensor& t) {
     if (!t.defined() || !t.device().is_cpu() || t.shape() != shape || t.dtype() != dtype ||
@@ -125,6 +111,18 @@ Tensor host_computed(const Shape& shape, DType dtype, Device device, std::functi
         .copy(at.data_ptr(), at.device(), t.const_data_ptr(), Device::cpu(), t.nbytes());
   });
   return at;
+}
+
+RandomSeed draw_seed(Generator& gen, Device device) {
+  if (!capture::active()) return RandomSeed(gen.next_u64());
+  // Each replay's seed drawn on the host before it (outside the capture, where a draw is
+  // allowed), its bits as an int64.
+  RandomSeed seed;
+  seed.on_device = host_computed(Shape{1}, kInt64, device, [gen]() mutable {
+    return from_vector(std::vector<std::int64_t>{static_cast<std::int64_t>(gen.next_u64())},
+                       Shape{1});
+  });
+  return seed;
 }
 
 namespace {
