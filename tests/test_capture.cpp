@@ -152,6 +152,52 @@ TEST_CASE("a captured step replays as the same steps run eagerly, bit for bit", 
   mt::set_global_policy("float32");
 }
 
+namespace {
+
+// A model build() makes, trained with SGD on every batch: eagerly, or with the first batch's
+// step captured (the warm-up, then the capture) and the other batches replayed.
+struct Trained {
+  std::unique_ptr<mt::Model> model;
+  std::unique_ptr<mo::SGD> opt;
+  mt::Tensor loss;
+};
+Trained train_on(const std::function<std::unique_ptr<mt::Model>()>& build,
+                 const std::vector<Batch>& batches, bool capture) {
+  Trained t{build(),
+            std::make_unique<mo::SGD>(mo::SGDOptions{.learning_rate = 0.1, .momentum = 0.5}),
+            mt::Tensor()};
+  if (!capture) {
+    for (const auto& b : batches) t.loss = train_step(*t.model, *t.opt, b.x, b.y);
+    return t;
+  }
+  mt::Variable x(batches[0].x, "x", false);
+  mt::Variable y(batches[0].y, "y", false);
+  mt::StepGraph graph = mt::StepGraph::capture(
+      mt::Device::cpu(), [&] { t.loss = train_step(*t.model, *t.opt, x, y); });
+  for (std::size_t k = 1; k < batches.size(); ++k) {
+    x.assign(batches[k].x);
+    y.assign(batches[k].y);
+    graph.replay();
+  }
+  return t;
+}
+
+// The captured run of build() against the eager one: the last loss and every weight, bit for
+// bit; then one more eager step of each, which draws the same numbers if the layers'
+// generators agree.
+void check_captured_as_eager(const std::function<std::unique_ptr<mt::Model>()>& build,
+                             const std::vector<Batch>& batches) {
+  Trained eager = train_on(build, batches, false), captured = train_on(build, batches, true);
+  CHECK(captured.loss.item<double>() == eager.loss.item<double>());
+  const auto w = captured.model->get_weights(), eager_w = eager.model->get_weights();
+  REQUIRE(w.size() == eager_w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
+  CHECK(values(train_step(*captured.model, *captured.opt, batches[1].x, batches[1].y)) ==
+        values(train_step(*eager.model, *eager.opt, batches[1].x, batches[1].y)));
+}
+
+}  // namespace
+
 TEST_CASE("a captured step with dropout draws each replay's masks as eager steps do",
           "[capture][dropout]") {
   // A Dropout layer and self-attention with dropout on its weights (the fused op): their seeds
@@ -167,36 +213,13 @@ TEST_CASE("a captured step with dropout draws each replay's masks as eager steps
     auto seq = ml::Reshape({3, 8})(h);
     seq = ml::MultiHeadAttention(2, 4, {.dropout = 0.25, .seed = 6})({seq, seq});
     auto outputs = ml::Dense(3, {.dtype = "float32"})(ml::Flatten()(seq));
-    return mt::Model(inputs, outputs);
+    return std::make_unique<mt::Model>(inputs, outputs);
   };
   const std::vector<Batch> batches = make_batches(6, 7);
   for (const std::string policy : {"float32", "mixed_bfloat16"}) {
     INFO(policy);
     mt::set_global_policy(policy);
-    mt::Model eager = build();
-    mo::Adam eager_opt({.learning_rate = 0.02});
-    mt::Tensor eager_loss;
-    for (const auto& b : batches) eager_loss = train_step(eager, eager_opt, b.x, b.y);
-
-    mt::Model model = build();
-    mo::Adam opt({.learning_rate = 0.02});
-    mt::Variable x(batches[0].x, "x", false);
-    mt::Variable y(batches[0].y, "y", false);
-    mt::Tensor loss;
-    mt::StepGraph graph =
-        mt::StepGraph::capture(mt::Device::cpu(), [&] { loss = train_step(model, opt, x, y); });
-    for (std::size_t k = 1; k < batches.size(); ++k) {
-      x.assign(batches[k].x);
-      y.assign(batches[k].y);
-      graph.replay();
-    }
-    CHECK(loss.item<double>() == eager_loss.item<double>());
-    const auto w = model.get_weights(), eager_w = eager.get_weights();
-    REQUIRE(w.size() == eager_w.size());
-    for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
-    // The next eager step of both draws the same masks too (the generators agree).
-    CHECK(values(train_step(model, opt, batches[1].x, batches[1].y)) ==
-          values(train_step(eager, eager_opt, batches[1].x, batches[1].y)));
+    check_captured_as_eager(build, batches);
   }
   mt::set_global_policy("float32");
 }
@@ -213,7 +236,7 @@ TEST_CASE("a captured step with random augmentation draws new moves at each repl
     auto h = ml::RandomTranslation(0.34, 0.34, {.fill_mode = "constant", .seed = 9})(inputs);
     h = ml::RandomFlip("horizontal_and_vertical", {.seed = 4})(h);
     auto outputs = ml::Dense(3, {.dtype = "float32"})(ml::Flatten()(h));
-    return mt::Model(inputs, outputs);
+    return std::make_unique<mt::Model>(inputs, outputs);
   };
   std::vector<Batch> batches;
   mt::Generator gen(31);
@@ -223,27 +246,7 @@ TEST_CASE("a captured step with random augmentation draws new moves at each repl
   for (const std::string policy : {"float32", "mixed_float16"}) {
     INFO(policy);
     mt::set_global_policy(policy);
-    mt::Model eager = build();
-    mo::SGD eager_opt({.learning_rate = 0.1});
-    mt::Tensor eager_loss;
-    for (const auto& b : batches) eager_loss = train_step(eager, eager_opt, b.x, b.y);
-
-    mt::Model model = build();
-    mo::SGD opt({.learning_rate = 0.1});
-    mt::Variable x(batches[0].x, "x", false);
-    mt::Variable y(batches[0].y, "y", false);
-    mt::Tensor loss;
-    mt::StepGraph graph =
-        mt::StepGraph::capture(mt::Device::cpu(), [&] { loss = train_step(model, opt, x, y); });
-    for (std::size_t k = 1; k < batches.size(); ++k) {
-      x.assign(batches[k].x);
-      y.assign(batches[k].y);
-      graph.replay();
-    }
-    CHECK(loss.item<double>() == eager_loss.item<double>());
-    const auto w = model.get_weights(), eager_w = eager.get_weights();
-    REQUIRE(w.size() == eager_w.size());
-    for (std::size_t i = 0; i < w.size(); ++i) CHECK(values(w[i]) == values(eager_w[i]));
+    check_captured_as_eager(build, batches);
   }
   mt::set_global_policy("float32");
   // A host tensor of another shape than declared is an error of the call.
