@@ -23,8 +23,8 @@ struct Batch {
   mt::Tensor x, y;
 };
 
-// Batches of a 3-class problem in 12 dimensions, fresh random values.
-std::vector<Batch> make_batches(int count, std::uint64_t seed) {
+// Batches of a 3-class problem in `dims` dimensions, fresh random values.
+std::vector<Batch> make_batches(int count, std::uint64_t seed, std::int64_t dims = 12) {
   mt::Generator gen(seed);
   std::vector<Batch> out;
   for (int b = 0; b < count; ++b) {
@@ -33,10 +33,10 @@ std::vector<Batch> make_batches(int count, std::uint64_t seed) {
     for (int i = 0; i < 32; ++i) {
       const auto label = static_cast<std::int64_t>(gen.next_u64() % 3);
       ys.push_back(label);
-      for (int d = 0; d < 12; ++d)
+      for (std::int64_t d = 0; d < dims; ++d)
         xs.push_back(0.5 * static_cast<double>(label) + gen.next_normal());
     }
-    out.push_back({mt::from_vector(xs, {32, 12}), mt::from_vector(ys, {32})});
+    out.push_back({mt::from_vector(xs, {32, dims}), mt::from_vector(ys, {32})});
   }
   return out;
 }
@@ -253,6 +253,37 @@ TEST_CASE("a captured step with random augmentation draws new moves at each repl
   CHECK_THROWS_AS(mt::host_computed({3}, mt::kInt64, mt::Device::cpu(),
                                     [] { return mt::zeros({2}, mt::kInt64); }),
                   mt::ShapeError);
+}
+
+TEST_CASE("a captured step under mixed_float8 scales each replay as eager steps do",
+          "[capture][float8]") {
+  // The FP8 products' scales come from amaxes computed on the device: this step's (current
+  // scaling) or the largest of an amax history that each step rolls (delayed scaling, the
+  // histories layer weights). A replay that kept the capture's scales, or did not roll the
+  // histories, would give other weights than the eager steps.
+  const auto build = [] {
+    mt::manual_seed(37);
+    namespace ml = mt::layers;
+    auto inputs = ml::Input({32});
+    auto h = ml::Dense(32, {.activation = "relu"})(inputs);
+    h = ml::Dense(16, {.activation = "gelu"})(h);
+    auto outputs = ml::Dense(3, {.dtype = "float32"})(h);
+    return std::make_unique<mt::Model>(inputs, outputs);
+  };
+  const std::vector<Batch> batches = make_batches(6, 41, 32);
+  for (const std::string policy : {"mixed_float8", "mixed_float8_delayed(history=4, margin=1)"}) {
+    INFO(policy);
+    mt::set_global_policy(mt::Policy(policy));
+    {
+      // The products do run in FP8 (not the bfloat16 fallback of shapes FP8 cannot take).
+      const auto model = build();
+      const std::string trace = mt::trace_dtypes(*model, batches[0].x).table();
+      CHECK_THAT(trace, Catch::Contains("float8 matmul"));
+      CHECK_THAT(trace, !Catch::Contains("bfloat16 matmul"));
+    }
+    check_captured_as_eager(build, batches);
+  }
+  mt::set_global_policy("float32");
 }
 
 TEST_CASE("what a captured step cannot do throws CaptureError and leaves nothing recorded",
