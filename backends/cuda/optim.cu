@@ -17,6 +17,7 @@
 //  - a float32 variable's 16-bit copy (OptimizerUpdate::copy) is written by the update's
 //    own thread right after the element, rounded as the cast kernel rounds.
 //  - the variables of a call (a step's, of one dtype) go in launches of up to kUpdateChunk.
+#include <algorithm>
 #include <cmath>
 #include <span>
 
@@ -56,12 +57,15 @@ struct UnscaleList {
 };
 
 // The non-empty xs[i] and their outs[i] (null where outs has none) in chunks of
-// kUnscaleChunk, each handed to launch(chunk, its element count): the list kernels' launches.
+// kUnscaleChunk, each handed to launch(chunk, its largest tensor's element count): the list
+// kernels' launches. Every thread walks each tensor of its chunk from its own index (a
+// grid-stride loop per tensor), so the grid is sized by the largest tensor, not by the sum:
+// a grid of the sum would leave all threads past the largest tensor without work.
 template <typename Launch>
 void for_each_chunk(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs,
                     Launch&& launch) {
   UnscaleList list{};
-  int64_t total = 0;
+  int64_t widest = 0;
   for (std::size_t i = 0; i < xs.size(); ++i) {
     const int64_t n = xs[i].numel();
     if (n == 0) continue;
@@ -69,14 +73,14 @@ void for_each_chunk(const std::vector<Tensor>& xs, const std::vector<Tensor>& ou
     list.out[list.count] = i < outs.size() && outs[i].defined() ? outs[i].data_ptr() : nullptr;
     list.n[list.count] = n;
     ++list.count;
-    total += n;
+    widest = std::max(widest, n);
     if (list.count == kUnscaleChunk) {
-      launch(list, total);
+      launch(list, widest);
       list = UnscaleList{};
-      total = 0;
+      widest = 0;
     }
   }
-  if (list.count > 0) launch(list, total);
+  if (list.count > 0) launch(list, widest);
 }
 
 // T: the gradients' device type. kFloatScale: float32 gradients multiply in float32.
@@ -112,8 +116,8 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
   OnDevice on(found_nonfinite);
   auto* flag = static_cast<float*>(found_nonfinite.data_ptr());
   const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
-  for_each_chunk(grads, outs, [&](const UnscaleList& list, int64_t total) {
-    const Launch1d grid("unscale_check kernel", total, on.s);
+  for_each_chunk(grads, outs, [&](const UnscaleList& list, int64_t widest) {
+    const Launch1d grid("unscale_check kernel", widest, on.s);
     if constexpr (std::is_same_v<T, float>) {
       if (float_scale)
         launch_1d(grid, unscale_check_kernel<T, true>, list, scale, flag);
@@ -217,8 +221,8 @@ void scale_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& o
   if (xs.empty()) return;
   OnDevice on(factor);
   const auto* f = static_cast<const double*>(factor.const_data_ptr());
-  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t total) {
-    launch_1d({"scale_list kernel", total, on.s}, scale_list_kernel<T>, list, f);
+  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t widest) {
+    launch_1d({"scale_list kernel", widest, on.s}, scale_list_kernel<T>, list, f);
   });
 }
 
@@ -239,8 +243,8 @@ void cast_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& ou
   if (xs.empty()) return;
   OnDevice on(outs.front());
   const bool to_double = outs.front().dtype() == kFloat64;
-  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t total) {
-    const Launch1d grid("cast_list kernel", total, on.s);
+  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t widest) {
+    const Launch1d grid("cast_list kernel", widest, on.s);
     if (to_double)
       launch_1d(grid, cast_list_kernel<T, double>, list);
     else if constexpr (!std::is_same_v<T, double>)
@@ -358,12 +362,12 @@ void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, 
   const float* skip = skip_ptr(updates.front());
   const double* rates = rates_ptr(updates.front());
   UpdateList list{};
-  int64_t total = 0;
+  int64_t widest = 0;  // the grid covers the largest variable (as for_each_chunk's)
   auto launch = [&]() {
     if (list.count > 0)
-      launch_1d({name, total, on.s}, update_kernel<T, Step>, skip, rates, list, step);
+      launch_1d({name, widest, on.s}, update_kernel<T, Step>, skip, rates, list, step);
     list = UpdateList{};
-    total = 0;
+    widest = 0;
   };
   for (const OptimizerUpdate& u : updates) {
     check_copy<T>(u);
@@ -379,7 +383,7 @@ void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, 
     list.copy_bf16[c] = u.copy.defined() && u.copy.dtype() == kBFloat16;
     list.n[c] = n;
     ++list.count;
-    total += n;
+    widest = std::max(widest, n);
     if (list.count == kUpdateChunk) launch();
   }
   launch();
