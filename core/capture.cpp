@@ -25,9 +25,11 @@ struct State {
 
 namespace {
 thread_local State* t_state = nullptr;
+thread_local bool t_fresh_memory = false;  // host_written is allocating
 }  // namespace
 
 State* state() { return t_state; }
+bool fresh_memory() { return t_fresh_memory; }
 
 bool record_kernel(const char* op_name, DeviceType type, std::function<void()>& call) {
   State* s = t_state;
@@ -87,6 +89,14 @@ void after_replay(std::function<void()> f) {
   capturing("after_replay").after.push_back(std::move(f));
 }
 
+Tensor host_written(const Shape& shape, DType dtype, Device device) {
+  struct Fresh {
+    Fresh() { detail::t_fresh_memory = true; }
+    ~Fresh() { detail::t_fresh_memory = false; }
+  } fresh;
+  return Tensor::empty(shape, dtype, device);
+}
+
 }  // namespace capture
 
 Tensor host_computed(const Shape& shape, DType dtype, Device device, std::function<Tensor()> make) {
@@ -102,7 +112,7 @@ Tensor host_computed(const Shape& shape, DType dtype, Device device, std::functi
     return t;
   };
   if (!capture::active()) return detail::to_device_raw(checked(make()), device);
-  Tensor at = Tensor::empty(shape, dtype, device);
+  Tensor at = capture::host_written(shape, dtype, device);
   // Each replay's values, computed on the host outside the capture and written where the
   // captured kernels read them.
   capture::before_replay([make = std::move(make), checked, at]() mutable {

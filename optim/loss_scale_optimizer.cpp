@@ -84,8 +84,8 @@ Tensor LossScaleOptimizer::captured_scaled_loss(const Tensor& loss) const {
         "LossScaleOptimizer: a fixed loss scale of {}, while capturing a step: a captured step "
         "takes scales that are powers of two (a dynamic scale, or a fixed one such as 1024)",
         scale_));
-  captured_scale_ = Tensor::empty({}, kFloat64, loss.device());
-  captured_inverse_ = Tensor::empty({}, kFloat64, loss.device());
+  captured_scale_ = capture::host_written({}, kFloat64, loss.device());
+  captured_inverse_ = capture::host_written({}, kFloat64, loss.device());
   // Before each replay: the replays before it read (their skips counted, the scale moved as
   // eager steps move it), then this one's scale to the device.
   capture::before_replay([this, scale = captured_scale_, inverse = captured_inverse_] {

@@ -356,7 +356,7 @@ void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates) 
   const kernels::OptimizerUpdate& first = updates.front();
   const double beta1 = first.beta1, beta2 = first.beta2;
   const Device device = first.var.device();
-  const Tensor rates = Tensor::empty({2}, kFloat64, device);
+  const Tensor rates = capture::host_written({2}, kFloat64, device);
   for (auto& u : updates) u.rates = rates;
   capture::before_replay([this, rates, beta1, beta2, device] {
     const kernels::StepRates r =

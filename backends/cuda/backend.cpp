@@ -16,6 +16,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
 #include "core/block_cache.h"
+#include "mixtape/core/capture.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape {
@@ -72,8 +73,11 @@ DeviceCache& cache() {
 // kernels come after in the graph's order, as on the stream). A block allocated before the
 // capture and freed during it is retained by the pool (the graph may still read it) and goes
 // back to the cache when the graph is destroyed. A pool block freed after the graph is gone
-// goes to the cache. Host -> device copies made during the capture read from pinned buffers of
-// the pool's own (the replays copy them again, the same bytes).
+// goes to the cache. A tensor that a before_replay hook writes (capture::host_written) gets a
+// new block, never a freed one: the hook's copy runs before the graph, so a block that the
+// graph's earlier kernels use would be overwritten before the graph's later kernels read it. Host
+// -> device copies made during the capture read from pinned buffers of the pool's own (the replays
+// copy them again, the same bytes).
 struct CapturePool {
   int device = 0;
   bool graph_alive = true;
@@ -466,10 +470,13 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // A block of size class cls from the pool of a capture (with g_capture_mutex held).
+  // A block of size class cls from the pool of a capture (with g_capture_mutex held): one the
+  // capture freed, or a new one. Always a new one for capture::host_written, whose values a
+  // hook writes before each replay: a freed block was used by kernels recorded earlier in
+  // the step, which would overwrite those values at every replay.
   static void* pool_block(CapturePool& pool, std::size_t cls) {
     auto& free = pool.free[cls];
-    if (!free.empty()) {
+    if (!free.empty() && !capture::detail::fresh_memory()) {
       void* p = free.back();
       free.pop_back();
       return p;

@@ -42,6 +42,8 @@
 
 namespace mixtape {
 
+class Tensor;
+
 // A backend's recording of the work queued on one device during a capture.
 class CapturedWork {
  public:
@@ -69,7 +71,16 @@ void forbid_read(Device device, std::string_view what);
 void before_replay(std::function<void()> f);
 void after_replay(std::function<void()> f);
 
+// An uninitialised tensor for values written from outside the recorded work (by a
+// before_replay hook) and read by the captured kernels. While capturing, its memory is its own:
+// a backend that reuses memory within a capture (the CUDA graphs' pool) does not give it memory
+// that kernels recorded earlier in the step use, which every replay would run after the hook,
+// over its values. Outside a capture: Tensor::empty.
+Tensor host_written(const Shape& shape, DType dtype, Device device);
+
 namespace detail {
+// True while host_written allocates on the calling thread: read by a backend's allocator.
+bool fresh_memory();
 // The capture state of the calling thread (null when it captures nothing): for KernelRef.
 struct State;
 State* state();
@@ -93,7 +104,6 @@ void record_or_run(const std::function<void()>& f);
 // gives the numbers eager steps would have drawn). make returns a contiguous CPU tensor of
 // `shape` and `dtype` (ShapeError otherwise, from the call or from the replay) and may refer
 // to what the graph refers to (a layer, its generator).
-class Tensor;
 Tensor host_computed(const Shape& shape, DType dtype, Device device, std::function<Tensor()> make);
 
 // A captured training step (see above). Move-only; destroying it frees the memory the capture
