@@ -72,6 +72,7 @@
 #include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
 #include "backends/cuda/plan_cache.h"
+#include "mixtape/core/capture.h"
 #include "mixtape/core/cuda.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/register_kernels.h"
@@ -553,7 +554,13 @@ const ConvPlan& plan_for(CudnnContext& ctx, int device, Direction dir, DType dt,
            g.pad_left,
            device,
            0};
-  return find_or_make(ctx.plans, key, [&] { return make_plan(ctx, dir, dt, tf32, g, l, buf); });
+  return find_or_make(ctx.plans, key, [&] {
+    // cuDNN's Find runs and times kernels and allocates: not in a captured step (whose warm-up,
+    // the same step run eagerly, makes the plans of its shapes).
+    capture::forbid(fmt::format("conv2d {}: cuDNN's algorithm search for a new {} geometry",
+                                direction_name(dir), dt.name()));
+    return make_plan(ctx, dir, dt, tf32, g, l, buf);
+  });
 }
 
 // Whether a cuDNN execution of `plan` was refused (an algorithm Find measured can still be
@@ -591,7 +598,11 @@ bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const
   if (l.padded && dir != Direction::BackwardData)
     pad_nhwc(a.const_data_ptr(), padded.data(), g.n, g.h, g.w, g.c, l.hin, l.win, g.pad_top,
              g.pad_left, item, st);
-  void* image = l.padded ? padded.data() : (dir == Direction::BackwardData ? out : a).data_ptr();
+  // (x is read through const_data_ptr: data_ptr() counts a write, which would drop a kept
+  // autocast copy of a variable x.)
+  void* image = l.padded                         ? padded.data()
+                : dir == Direction::BackwardData ? out.data_ptr()
+                                                 : const_cast<void*>(a.const_data_ptr());
   Buffers buf{};
   switch (dir) {
     case Direction::Forward:
