@@ -139,9 +139,10 @@ cublasLtHandle_t lt_handle(int device) {
 }
 
 struct LtTypes {
-  cudaDataType_t data;
+  cudaDataType_t data;  // of the operands, and of C and D unless `out` says otherwise
   cublasComputeType_t compute;
   cudaDataType_t scale;
+  cudaDataType_t out = data;  // of C and D
 };
 
 LtTypes lt_types(DType dt, bool tf32) {
@@ -202,8 +203,10 @@ struct Preference {
 };
 
 // Asks the heuristic for the plan's first algorithm (C and D share the plan's c layout):
-// supported, or not with the reason in plan.why; another failure throws.
-void choose_algorithm(cublasLtHandle_t handle, LtPlan& plan, const Preference& pref) {
+// supported, or not with the reason in plan.why; another failure throws, unless `optional`
+// (an epilogue plan, which the caller can do without: any refusal is then "not supported").
+void choose_algorithm(cublasLtHandle_t handle, LtPlan& plan, const Preference& pref,
+                      bool optional = false) {
   cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
@@ -212,7 +215,7 @@ void choose_algorithm(cublasLtHandle_t handle, LtPlan& plan, const Preference& p
     plan.algo = result.algo;
     plan.workspace = result.workspaceSize;
     plan.supported = true;
-  } else if (status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED) {
+  } else if (status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED || optional) {
     plan.why = status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status)
                : returned > 0                  ? cublasLtGetStatusName(result.state)
                                                : "no algorithm";
@@ -251,7 +254,7 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
   // (m x k, or k x m) is column-major k x m (m x k); our C (m x n) is column-major n x m.
   set_layout(plan->a.out(), types.data, s.tb ? s.k : s.n, s.tb ? s.n : s.k, s.ldb, s.batch, s.sb);
   set_layout(plan->b.out(), types.data, s.ta ? s.m : s.k, s.ta ? s.k : s.m, s.lda, s.batch, s.sa);
-  set_layout(plan->c.out(), types.data, s.n, s.m, s.ldc, s.batch, s.sc);
+  set_layout(plan->c.out(), types.out, s.n, s.m, s.ldc, s.batch, s.sc);
   if (epilogue) {
     MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue->epilogue, sizeof(epilogue->epilogue)));
@@ -286,8 +289,15 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
   const std::uint32_t reduction =
       CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
-  choose_algorithm(handle, *plan, pref);
-  if (!plan->supported && !epilogue)
+  choose_algorithm(handle, *plan, pref, epilogue != nullptr);
+  if (!plan->supported && epilogue)
+    // Once per problem (plans are cached): why the linear op computes this epilogue itself.
+    spdlog::info(
+        "mixtape: cuBLASLt has no {} matmul with epilogue {} (m {}, n {}, k {}, bias {}, aux "
+        "ld {}): {}; the linear op applies it with its own kernel",
+        dt.name(), static_cast<int>(epilogue->epilogue), s.m, s.n, s.k,
+        epilogue->bias ? "float32" : "none", epilogue->aux_ld, plan->why);
+  if (!plan->supported && !epilogue && types.out == types.data)
     spdlog::warn(
         "mixtape: cuBLASLt has no algorithm for a {} matmul (batch {}, m {}, n {}, k {}, "
         "trans {}{}, ld {}/{}/{}, strides {}/{}/{}, alignment {}/{}/{}): {}; using the "
@@ -300,18 +310,32 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
 // The plan of problem s on `device`, made on first use. Plans are never destroyed, so the
 // reference stays valid.
 const LtPlan& plan_for(int device, cublasLtHandle_t handle, DType dt, bool tf32, const GemmShape& s,
-                       std::uint32_t align_a, std::uint32_t align_b, std::uint32_t align_c) {
+                       std::uint32_t align_a, std::uint32_t align_b, std::uint32_t align_c,
+                       bool float32_out = false) {
   static std::mutex mutex;
   static auto* plans = new PlanCache<LtPlan>();  // never destroyed
-  const LtTypes types = lt_types(dt, tf32);
+  LtTypes types = lt_types(dt, tf32);
+  if (float32_out) types.out = CUDA_R_32F;
   PlanKey key;
-  key.v = {device,  dt.index(), static_cast<int64_t>(types.compute),
-           s.batch, s.m,        s.n,
-           s.k,     s.ta,       s.tb,
-           s.lda,   s.ldb,      s.ldc,
-           s.sa,    s.sb,       s.sc,
-           align_a, align_b,    align_c,
-           0};
+  key.v = {device,
+           dt.index(),
+           static_cast<int64_t>(types.compute),
+           s.batch,
+           s.m,
+           s.n,
+           s.k,
+           s.ta,
+           s.tb,
+           s.lda,
+           s.ldb,
+           s.ldc,
+           s.sa,
+           s.sb,
+           s.sc,
+           align_a,
+           align_b,
+           align_c,
+           static_cast<int64_t>(types.out)};
   std::lock_guard<std::mutex> lock(mutex);
   return find_or_make(*plans, key,
                       [&] { return make_plan(handle, dt, types, s, align_a, align_b, align_c); });
@@ -381,7 +405,9 @@ cudaDataType_t out_type(DType dt) {
   return dt == kFloat32 ? CUDA_R_32F : dt == kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
-std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::ScaledMatmulArgs& g) {
+std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::ScaledMatmulArgs& g,
+                                      std::uint32_t align_a, std::uint32_t align_b,
+                                      std::uint32_t align_c) {
   auto plan = std::make_unique<LtPlan>();
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescCreate(plan->op.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const std::int32_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
@@ -395,9 +421,18 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
   set_layout(plan->a.out(), float8_type(g.b_t.dtype()), g.k, g.n, g.k, 1, 0);
   set_layout(plan->b.out(), float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
   set_layout(plan->c.out(), out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
-  // The scale pointers are set at each call; the heuristic needs the types, the layouts and
-  // the options.
-  choose_algorithm(handle, *plan, Preference());
+  // The scale pointers are set at each call; the heuristic needs the types, the layouts, the
+  // options and the operands' alignment (cuBLASLt's A is b_t, its B a). Split-K partial sums
+  // in float32, never in the output type, as make_plan's.
+  Preference pref;
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b);
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a);
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c);
+  const std::uint32_t reduction =
+      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
+  choose_algorithm(handle, *plan, pref);
   return plan;
 }
 
@@ -411,11 +446,24 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   const cudaStream_t st = stream(device);
   const cublasLtHandle_t handle = lt_handle(device);
   static auto* plans = new PlanCache<LtPlan>();  // never destroyed
+  const std::uint32_t align_a = alignment(g.a.const_data_ptr(), g.k, 0, 1, 1);
+  const std::uint32_t align_b = alignment(g.b_t.const_data_ptr(), g.k, 0, 1, 1);
+  const std::uint32_t align_c = alignment(g.out.data_ptr(), g.n, 0, 1, g.out.dtype().itemsize());
   PlanKey key;
-  key.v = {device, g.a.dtype().index(), g.b_t.dtype().index(), g.out.dtype().index(), g.m, g.n,
-           g.k,    g.fast_accumulation};
+  key.v = {device,
+           g.a.dtype().index(),
+           g.b_t.dtype().index(),
+           g.out.dtype().index(),
+           g.m,
+           g.n,
+           g.k,
+           g.fast_accumulation,
+           align_a,
+           align_b,
+           align_c};
   std::lock_guard<std::mutex> lock(g_fp8_mutex);
-  LtPlan& plan = find_or_make(*plans, key, [&] { return make_fp8_plan(handle, g); });
+  LtPlan& plan = find_or_make(*plans, key,
+                              [&] { return make_fp8_plan(handle, g, align_a, align_b, align_c); });
   if (!plan.supported)
     throw DeviceError(fmt::format(
         "scaled_matmul: cuBLASLt has no FP8 GEMM for {}[{}, {}] x {}[{}, {}] -> {} on cuda:{} "
@@ -465,6 +513,33 @@ void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
   find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_args(a, d));
 }
 
+void linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
+  const DType dt = a.x.dtype();
+  const int device = a.out.device().index();
+  DeviceGuard guard(device);
+  const GemmShape s = normalize(linear_args(a, a.out));  // (d has out's shape)
+  if (s.m > kInt32Max || s.n > kInt32Max || s.k > kInt32Max)
+    throw DeviceError(
+        fmt::format("linear: a {} product of [{}, {}] x [{}, {}] is beyond cuBLASLt's "
+                    "32-bit dimensions",
+                    dt.name(), s.m, s.k, s.k, s.n));
+  const cublasLtHandle_t handle = lt_handle(device);
+  const std::size_t item = dt.itemsize();
+  const std::uint32_t align_a = alignment(a.x.const_data_ptr(), s.lda, 0, 1, item);
+  const std::uint32_t align_b = alignment(a.w.const_data_ptr(), s.ldb, 0, 1, item);
+  const std::uint32_t align_c = alignment(d, s.ldc, 0, 1, sizeof(float));
+  const LtPlan& plan = plan_for(device, handle, dt, false, s, align_a, align_b, align_c, true);
+  if (!plan.supported)
+    throw DeviceError(fmt::format(
+        "linear: cuBLASLt has no {} x {} -> float32 matmul for [{}, {}] x [{}, {}] on cuda:{}: {}",
+        dt.name(), dt.name(), s.m, s.k, s.k, s.n, device, plan.why));
+  const float one = 1.0f, zero = 0.0f;
+  Workspace workspace(plan.workspace, device);
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(
+      handle, plan.op, &one, a.w.const_data_ptr(), plan.a, a.x.const_data_ptr(), plan.b, &zero, d,
+      plan.c, d, plan.c, &plan.algo, workspace.data(), plan.workspace, stream(device)));
+}
+
 bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,
                           const Tensor& aux) {
   static const bool enabled = detail::env::kCudaLtEpilogues.read();
@@ -475,8 +550,10 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   // dimension a multiple of 8 elements.
   const void* bias = a.bias.defined() ? a.bias.const_data_ptr() : nullptr;
   void* aux_ptr = aux.defined() ? aux.data_ptr() : nullptr;
-  if (bias && alignment(bias, 0, 0, 1, 1) < 16) return false;
-  if (aux_ptr && (alignment(aux_ptr, 0, 0, 1, 1) < 16 || n % 8 != 0)) return false;
+  const std::uint32_t align_bias = bias ? alignment(bias, 0, 0, 1, 1) : 0;
+  const std::uint32_t align_aux = aux_ptr ? alignment(aux_ptr, 0, 0, 1, 1) : 0;
+  if (bias && align_bias < 16) return false;
+  if (aux_ptr && (align_aux < 16 || n % 8 != 0)) return false;
   const int device = d.device().index();
   DeviceGuard guard(device);
   const cudaStream_t st = stream(device);
@@ -492,9 +569,21 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
                           aux_ptr};
   static auto* plans = new PlanCache<LtPlan>();  // never destroyed
   PlanKey key;
-  key.v = {
-      device,  dt.index(), static_cast<int64_t>(types.compute), s.m,       s.n,        s.k, align_a,
-      align_b, align_c,    static_cast<int64_t>(spec.epilogue), spec.bias, spec.aux_ld};
+  // (The heuristic reads the bias and aux pointers' alignment: part of the problem.)
+  key.v = {device,
+           dt.index(),
+           static_cast<int64_t>(types.compute),
+           s.m,
+           s.n,
+           s.k,
+           align_a,
+           align_b,
+           align_c,
+           static_cast<int64_t>(spec.epilogue),
+           spec.bias,
+           spec.aux_ld,
+           align_bias,
+           align_aux};
   std::lock_guard<std::mutex> lock(g_linear_mutex);
   LtPlan& plan = find_or_make(*plans, key, [&] {
     return make_plan(handle, dt, types, s, align_a, align_b, align_c, &spec);

@@ -9,7 +9,11 @@
 // writes the pre-activation (or the plain product does) and one kernel applies the rest
 // (bias when not added yet, pre, activation). float64, misaligned data, no algorithm and
 // MIXTAPE_CUDA_LT_EPILOGUES=0 take that plain path too. A 16-bit pre-activation is then
-// rounded before the activation reads it, which kernels.h allows.
+// rounded before the activation reads it, which kernels.h allows; a bias that cuBLASLt does not
+// add is added to the float32 product (cuBLASLt writes it as float32 then), so that z is
+// rounded once. float32 takes no GELU epilogue: cuBLASLt does not say how closely its GELU
+// follows the function, and a float32 result is held to the CPU's within a few units of the
+// last place (the sweep runs both paths on a GPU: MIXTAPE_CUDA_LT_EPILOGUES=0 for the other).
 //
 // Backward: dz = dy act'(z) and the bias gradient's partial sums over fixed blocks of 32 rows
 // in one kernel, then the blocks' sums added in order per column (the same on every run, for
@@ -52,10 +56,11 @@ __device__ __forceinline__ C gradient(C s, C g) {
     return g;
 }
 
-// From the product in buf ([m, n]; it may be pre or out itself): z = buf + bias, pre = z when
-// pre is given, out = act(z). Each element is read before it is written, by one thread.
-template <typename T, LinearActivation A>
-__global__ void linear_epilogue_kernel(const T* buf, const compute_of<T>* __restrict__ bias, T* pre,
+// From the product in buf ([m, n]; it may be pre or out itself, or a float32 buffer B of 16-bit
+// T's product): z = buf + bias, pre = z when pre is given, out = act(z). Each element is read
+// before it is written, by one thread.
+template <typename T, LinearActivation A, typename B = T>
+__global__ void linear_epilogue_kernel(const B* buf, const compute_of<T>* __restrict__ bias, T* pre,
                                        T* out, int64_t m, int64_t n) {
   using C = compute_of<T>;
   MIXTAPE_GRID_LOOP(i, m * n) {
@@ -112,6 +117,7 @@ bool with_lt_epilogue(const kernels::LinearArgs& a) {
     case LinearActivation::none:  // (the backward pass needs no pre for none)
       return bias && !pre && linear_gemm_epilogue(a, LinearEpilogue::bias, a.out, Tensor());
     case LinearActivation::gelu_tanh: {
+      if (a.out.dtype() == kFloat32) return false;  // (see the top of the file)
       const LinearEpilogue e =
           pre ? (bias ? LinearEpilogue::gelu_aux_bias : LinearEpilogue::gelu_aux)
               : (bias ? LinearEpilogue::gelu_bias : LinearEpilogue::gelu);
@@ -134,17 +140,28 @@ void linear_host(const kernels::LinearArgs& a) {
   const Tensor& buf = pre ? a.pre : a.out;
   const bool biased =
       a.bias.defined() && linear_gemm_epilogue(a, LinearEpilogue::bias, buf, Tensor());
-  if (!biased) linear_gemm(a, buf);
-  if (a.activation == LinearActivation::none && !a.bias.defined() && !pre) return;
   if (a.activation == LinearActivation::none && biased && !pre) return;
   OnDevice on(a.out);
+  const C* bias =
+      !biased && a.bias.defined() ? static_cast<const C*>(a.bias.const_data_ptr()) : nullptr;
+  T* pre_out = pre && !biased ? static_cast<T*>(a.pre.data_ptr()) : nullptr;
+  if (bias && !std::is_same_v<T, C>) {
+    // A 16-bit product and a bias to add: the product in float32, then z rounded once.
+    Workspace wide(static_cast<std::size_t>(m * n) * sizeof(float), on.index);
+    linear_gemm_float32(a, wide.data());
+    kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
+      launch_1d({"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A, float>,
+                static_cast<const float*>(wide.data()), bias, pre_out,
+                static_cast<T*>(a.out.data_ptr()), m, n);
+    });
+    return;
+  }
+  if (!biased) linear_gemm(a, buf);
+  if (a.activation == LinearActivation::none && !bias && !pre) return;
   kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
-    launch_1d(
-        {"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A>,
-        static_cast<const T*>(buf.const_data_ptr()),
-        !biased && a.bias.defined() ? static_cast<const C*>(a.bias.const_data_ptr()) : nullptr,
-        pre && !biased ? static_cast<T*>(a.pre.data_ptr()) : nullptr,
-        static_cast<T*>(a.out.data_ptr()), m, n);
+    launch_1d({"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A>,
+              static_cast<const T*>(buf.const_data_ptr()), bias, pre_out,
+              static_cast<T*>(a.out.data_ptr()), m, n);
   });
 }
 
