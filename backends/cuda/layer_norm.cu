@@ -1,7 +1,9 @@
 // Layer normalisation on CUDA (ops layer_norm and layer_norm_backward), a first plain form:
 // a warp per row for the forward pass and for dx (the row's sums with shuffles, in float32;
-// float64 for float64), and a thread per column for dgamma and dbeta (a column's sum over
-// the rows in row order). Written without a GPU at hand; the conformance sweep checks it.
+// float64 for float64); dgamma and dbeta as the CPU backend sums them: per column, partial sums
+// over fixed blocks of 32 rows (a thread per column and block: enough threads to fill the GPU
+// at a training batch's 8192 rows), then the blocks' sums added in block order (the same on
+// every run). Written without a GPU at hand; the conformance sweep checks it.
 #include <cmath>
 
 #include "backends/cuda/cuda_backend.h"
@@ -71,21 +73,49 @@ __global__ void layer_norm_dx_kernel(const T* __restrict__ x,
   });
 }
 
+// Rows per block of the dgamma / dbeta partial sums (the CPU backend's).
+constexpr int64_t kRowsPerBlock = 32;
+
+// The partial sums of dy xhat and of dy over the rows of block b (blockIdx.y, and every
+// gridDim.y-th after it) for column j = blockIdx.x * blockDim.x + threadIdx.x, into
+// part_g[b, j] and part_b[b, j].
 template <typename T>
-__global__ void layer_norm_params_kernel(const T* __restrict__ x,
-                                         const compute_of<T>* __restrict__ mean,
-                                         const compute_of<T>* __restrict__ rstd,
-                                         const T* __restrict__ dy,
-                                         compute_of<T>* __restrict__ dgamma,
-                                         compute_of<T>* __restrict__ dbeta, int64_t rows,
-                                         int64_t n) {
+__global__ void layer_norm_params_part_kernel(const T* __restrict__ x,
+                                              const compute_of<T>* __restrict__ mean,
+                                              const compute_of<T>* __restrict__ rstd,
+                                              const T* __restrict__ dy,
+                                              compute_of<T>* __restrict__ part_g,
+                                              compute_of<T>* __restrict__ part_b, int64_t rows,
+                                              int64_t n) {
   using C = compute_of<T>;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  for (int64_t b = blockIdx.y; b < blocks; b += gridDim.y) {
+    const int64_t end =
+        b * kRowsPerBlock + kRowsPerBlock < rows ? b * kRowsPerBlock + kRowsPerBlock : rows;
+    C sg = C(0), sb = C(0);
+    for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
+      const C g = load(dy[r * n + j]);
+      const C xh = (load(x[r * n + j]) - mean[r]) * rstd[r];
+      sg += g * xh;
+      sb += g;
+    }
+    part_g[b * n + j] = sg;
+    part_b[b * n + j] = sb;
+  }
+}
+
+// dgamma[j] and dbeta[j]: the blocks' partial sums of column j, added in block order.
+template <typename C>
+__global__ void layer_norm_params_sum_kernel(const C* __restrict__ part_g,
+                                             const C* __restrict__ part_b, C* __restrict__ dgamma,
+                                             C* __restrict__ dbeta, int64_t blocks, int64_t n) {
   MIXTAPE_GRID_LOOP(j, n) {
     C sg = C(0), sb = C(0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const C g = load(dy[r * n + j]);
-      sg += g * (load(x[r * n + j]) - mean[r]) * rstd[r];
-      sb += g;
+    for (int64_t b = 0; b < blocks; ++b) {
+      sg += part_g[b * n + j];
+      sb += part_b[b * n + j];
     }
     if (dgamma) dgamma[j] = sg;
     if (dbeta) dbeta[j] = sb;
@@ -123,9 +153,19 @@ void layer_norm_backward_host(const Tensor& x, const Tensor& gamma, const Tensor
             gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr, mp, rp, gp,
             static_cast<T*>(dx.data_ptr()), rows, n);
   if (!dgamma.defined() && !dbeta.defined()) return;
-  launch_1d({"layer_norm dgamma/dbeta kernel", n, on.s}, layer_norm_params_kernel<T>, xp, mp, rp,
-            gp, dgamma.defined() ? static_cast<C*>(dgamma.data_ptr()) : nullptr,
-            dbeta.defined() ? static_cast<C*>(dbeta.data_ptr()) : nullptr, rows, n);
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  Workspace part(2 * static_cast<std::size_t>(blocks * n) * sizeof(C), on.index);
+  C* part_g = static_cast<C*>(part.data());
+  C* part_b = part_g + blocks * n;
+  const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(blocks < 65535 ? blocks : 65535));
+  layer_norm_params_part_kernel<T>
+      <<<grid, kThreads, 0, on.s>>>(xp, mp, rp, gp, part_g, part_b, rows, n);
+  check_cuda(cudaGetLastError(), "layer_norm dgamma/dbeta kernel", __FILE__, __LINE__);
+  launch_1d({"layer_norm dgamma/dbeta sum kernel", n, on.s}, layer_norm_params_sum_kernel<C>,
+            static_cast<const C*>(part_g), static_cast<const C*>(part_b),
+            dgamma.defined() ? static_cast<C*>(dgamma.data_ptr()) : nullptr,
+            dbeta.defined() ? static_cast<C*>(dbeta.data_ptr()) : nullptr, blocks, n);
 }
 
 }  // namespace
