@@ -285,6 +285,10 @@ __global__ void __launch_bounds__(attention_tiles::kThreads)
   __shared__ attention_tiles::Shared<D> shared;
   // (dk and dv: the first key blocks have the most queries; the launch order is right.)
   MmaCtx<BF16> ctx{.reversed = Pass != TilePass::DkDv};
+  if (p.seed_at) {  // a seed in device memory (a captured step's): read once, not per weight
+    p.seed = static_cast<std::uint64_t>(*p.seed_at);
+    p.seed_at = nullptr;
+  }
   if constexpr (Pass == TilePass::Forward)
     attention_tiles::forward<D>(ctx, shared, p);
   else if constexpr (Pass == TilePass::Dq)
@@ -343,8 +347,11 @@ void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cud
   if (d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16>);
   if constexpr (Pass == TilePass::Forward) {  // the backward pass takes 32 and 64 only
     if (d == 96) return launch(attention_tile_kernel<Pass, 96, kBf16>);
-    return launch(attention_tile_kernel<Pass, 128, kBf16>);
+    if (d == 128) return launch(attention_tile_kernel<Pass, 128, kBf16>);
   }
+  // (tile_params admits only the widths above: reaching here is a bug, not a fallback.)
+  throw DeviceError(fmt::format("attention: no tensor-core kernel for head dim {} (pass {})", d,
+                                static_cast<int>(Pass)));
 }
 
 template <typename T>

@@ -23,8 +23,12 @@
 // as two 16-bit parts, its rounding and the rounding of the rest, in two mma: it keeps about
 // 16 bits more than one rounding would (FlashAttention rounds it once, about a unit of the
 // 16-bit type in the result), so that every result is the float32 computation rounded once, as
-// the CPU backend's. Dropout uses the hash of mixtape/core/dropout_hash.h, the mask the strided
-// bool view of kernels.h.
+// the CPU backend's. In float16 that holds within its range: below about 2^-3 the rest is a
+// subnormal number and below 2^-14 the rounding too, so such a value is off by up to 2^-25
+// (FlashAttention's single rounding: the same bound there); a dS of 65520 or more is infinite
+// and its gradients non-finite (a loss-scale skip). Loss scaling, which float16 training uses,
+// keeps the gradients' dS well inside that range; bfloat16 has float32's range. Dropout uses the
+// hash of mixtape/core/dropout_hash.h, the mask the strided bool view of kernels.h.
 //
 // Why by hand: cuBLASLt has no fused attention, cuDNN's needs the frontend headers (not used
 // here), and the softmax must sit between the products.
@@ -56,8 +60,12 @@
 
 #if defined(__CUDACC__)
 #define MIXTAPE_TILE_FN __device__ __forceinline__
+// The fragment loops fully unrolled, so that every fragment index is a constant and the
+// accumulators stay in registers (a loop left rolled indexes them at run time: local memory).
+#define MIXTAPE_UNROLL _Pragma("unroll")
 #else
 #define MIXTAPE_TILE_FN inline
+#define MIXTAPE_UNROLL
 #endif
 
 namespace mixtape::attention_tiles {
@@ -154,7 +162,8 @@ MIXTAPE_TILE_FN uint32_t pair_at(const uint16_t* p) {
   return r;
 }
 
-// The larger of a and b, NaN when either is (the plain kernel's NaN propagation).
+// The larger of a and b, ignoring a NaN on one side (NaN when both are): the running maximum
+// starts at -inf and so never becomes NaN; a row of NaN logits gives NaN through its sums.
 MIXTAPE_TILE_FN float nan_max(float a, float b) { return (a != a || b > a) ? b : a; }
 
 // Whether query row i attends key j (i < t; mask_row: the mask's row i of the head, or null).
@@ -182,6 +191,7 @@ MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Rows& m, int64_t h, 
     const uint16_t* row = r == 0 ? lo : hi;
     return row ? row[col] : uint16_t{0};
   };
+  MIXTAPE_UNROLL
   for (int kk = 0; kk < D / 16; ++kk) {
     const int col = kk * 16 + 2 * c;
     a[kk][0] = pair_of(at(0, col), at(0, col + 1));
@@ -236,6 +246,7 @@ MIXTAPE_TILE_FN void b_down(uint32_t (&b)[2], const uint16_t (&tile)[kTile][D + 
 template <class Ctx>
 MIXTAPE_TILE_FN void split_a(Ctx& ctx, const float (&lo)[4], const float (&hi)[4],
                              uint32_t (&big)[4], uint32_t (&small)[4]) {
+  MIXTAPE_UNROLL
   for (int r = 0; r < 4; ++r) {
     const float* w = (r < 2 ? lo : hi) + 2 * (r % 2);
     const float b0 = ctx.round(w[0]), b1 = ctx.round(w[1]);
@@ -249,9 +260,11 @@ MIXTAPE_TILE_FN void split_a(Ctx& ctx, const float (&lo)[4], const float (&hi)[4
 template <int D, class Ctx>
 MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float (&a)[kTile / 8][4],
                                   const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+  MIXTAPE_UNROLL
   for (int kk = 0; kk < kTile / 16; ++kk) {
     uint32_t big[4], small[4];
     split_a(ctx, a[2 * kk], a[2 * kk + 1], big, small);
+    MIXTAPE_UNROLL
     for (int j = 0; j < D / 8; ++j) {
       uint32_t b[2];
       b_down<D>(b, tile, kk * 16, j * 8 + g, c);
@@ -267,8 +280,11 @@ template <int D, class Ctx>
 MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
                                     const uint32_t (&a)[D / 16][4],
                                     const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+  MIXTAPE_UNROLL
   for (int nt = 0; nt < kTile / 8; ++nt) {
+    MIXTAPE_UNROLL
     for (int e = 0; e < 4; ++e) x[nt][e] = 0.0f;
+    MIXTAPE_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t b[2];
       b_across(b, tile[nt * 8 + g], kk * 16, c);
@@ -282,10 +298,12 @@ MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
 template <int D, class Ctx>
 MIXTAPE_TILE_FN void store_rows(Ctx& ctx, const OutRows& m, int64_t h, const float (&acc)[D / 8][4],
                                 float factor, int64_t row0, int64_t rows, int g, int c) {
+  MIXTAPE_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int64_t i = row0 + g + 8 * r;
     if (i >= rows) continue;
     uint16_t* row = m.row(h, i);
+    MIXTAPE_UNROLL
     for (int j = 0; j < D / 8; ++j) {
       row[j * 8 + 2 * c] = ctx.bits(acc[j][2 * r] * factor);
       row[j * 8 + 2 * c + 1] = ctx.bits(acc[j][2 * r + 1] * factor);
@@ -334,14 +352,16 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
     float x[kCols][4];
     product_across<D>(ctx, x, qa, sh.a, g, c);
     float tile_max[2] = {kNegInf, kNegInf};
-    for (int nt = 0; nt < kCols; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const bool in = attends(p, mask_rows[r], rows[r], key0 + elem_col(nt, c, e));
-        x[nt][e] = in ? x[nt][e] * p.scale_log2 : kNegInf;
-        tile_max[r] = nan_max(tile_max[r], x[nt][e]);
-      }
+    MIXTAPE_UNROLL
+    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2;
+      const bool in = attends(p, mask_rows[r], rows[r], key0 + elem_col(nt, c, e));
+      x[nt][e] = in ? x[nt][e] * p.scale_log2 : kNegInf;
+      tile_max[r] = nan_max(tile_max[r], x[nt][e]);
+    }
     float alpha[2];
+    MIXTAPE_UNROLL
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = nan_max(tile_max[r], ctx.shfl_xor(tile_max[r], 1));
       tile_max[r] = nan_max(tile_max[r], ctx.shfl_xor(tile_max[r], 2));
@@ -351,22 +371,25 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
       m[r] = m_new;
       l[r] *= alpha[r];
     }
-    for (int j = 0; j < D / 8; ++j)
-      for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e / 2];
+    MIXTAPE_UNROLL
+    for (int j = 0; j < D / 8; ++j) MIXTAPE_UNROLL
+    for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e / 2];
     // The weights (undropped into l), then o += (P o Z) V.
-    for (int nt = 0; nt < kCols; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const float w = m[r] == kNegInf ? 0.0f : ctx.exp2(x[nt][e] - m[r]);
-        l[r] += w;
-        x[nt][e] = w * keep_factor(p, h, rows[r], key0 + elem_col(nt, c, e));
-      }
+    MIXTAPE_UNROLL
+    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2;
+      const float w = m[r] == kNegInf ? 0.0f : ctx.exp2(x[nt][e] - m[r]);
+      l[r] += w;
+      x[nt][e] = w * keep_factor(p, h, rows[r], key0 + elem_col(nt, c, e));
+    }
     product_down<D>(ctx, o, x, sh.b, g, c);
   }
 
   // The sums over the row's 4 lanes; out = o / l, lse = (m + log2 l) ln 2 (0 and -inf for a
   // row that attends nothing).
   float inv[2];
+  MIXTAPE_UNROLL
   for (int r = 0; r < 2; ++r) {
     l[r] += ctx.shfl_xor(l[r], 1);
     l[r] += ctx.shfl_xor(l[r], 2);
@@ -374,8 +397,9 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
     if (c == 0 && rows[r] < p.t)
       p.lse[h * p.t + rows[r]] = l[r] == 0.0f ? kNegInf : (m[r] + ctx.log2(l[r])) / kLog2e;
   }
-  for (int j = 0; j < D / 8; ++j)
-    for (int e = 0; e < 4; ++e) o[j][e] *= inv[e / 2];
+  MIXTAPE_UNROLL
+  for (int j = 0; j < D / 8; ++j) MIXTAPE_UNROLL
+  for (int e = 0; e < 4; ++e) o[j][e] *= inv[e / 2];
   store_rows<D>(ctx, p.out, h, o, 1.0f, warp_row0, p.t, g, c);
 }
 
@@ -392,6 +416,7 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const int64_t rows[2] = {warp_row0 + g, warp_row0 + g + 8};
   const std::uint8_t* mask_rows[2] = {nullptr, nullptr};
   float lse2[2] = {kNegInf, kNegInf}, dot[2] = {0.0f, 0.0f};
+  MIXTAPE_UNROLL
   for (int r = 0; r < 2; ++r)
     if (rows[r] < p.t) {
       mask_rows[r] = p.mask.row(h, rows[r]);
@@ -412,14 +437,15 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
     float x[kCols][4], dp[kCols][4];
     product_across<D>(ctx, x, qa, sh.a, g, c);   // S
     product_across<D>(ctx, dp, ga, sh.b, g, c);  // dP = dout V^T
-    for (int nt = 0; nt < kCols; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int64_t j = key0 + elem_col(nt, c, e);
-        const bool in = lse2[r] != kNegInf && rows[r] < p.t && attends(p, mask_rows[r], rows[r], j);
-        const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - lse2[r]) : 0.0f;
-        x[nt][e] = in ? prob * (keep_factor(p, h, rows[r], j) * dp[nt][e] - dot[r]) : 0.0f;  // dS
-      }
+    MIXTAPE_UNROLL
+    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2;
+      const int64_t j = key0 + elem_col(nt, c, e);
+      const bool in = lse2[r] != kNegInf && rows[r] < p.t && attends(p, mask_rows[r], rows[r], j);
+      const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - lse2[r]) : 0.0f;
+      x[nt][e] = in ? prob * (keep_factor(p, h, rows[r], j) * dp[nt][e] - dot[r]) : 0.0f;  // dS
+    }
     product_down<D>(ctx, dq, x, sh.a, g, c);  // dS K
   }
   store_rows<D>(ctx, p.dq, h, dq, p.scale, warp_row0, p.t, g, c);
@@ -454,15 +480,16 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
     float x[kCols][4], dp[kCols][4];
     product_across<D>(ctx, x, ka, sh.a, g, c);   // S^T
     product_across<D>(ctx, dp, va, sh.b, g, c);  // dP^T = V dout^T
-    for (int nt = 0; nt < kCols; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int64_t j = warp_key0 + elem_row(g, e), q = elem_col(nt, c, e), i = row0 + q;
-        const bool in = sh.lse[q] != kNegInf && i < p.t && attends(p, p.mask.row(h, i), i, j);
-        const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - sh.lse[q]) : 0.0f;  // P^T
-        const float z = in ? keep_factor(p, h, i, j) : 0.0f;
-        dp[nt][e] = in ? prob * (z * dp[nt][e] - sh.dot[q]) : 0.0f;  // dS^T
-        x[nt][e] = prob * z;                                         // (P o Z)^T
-      }
+    MIXTAPE_UNROLL
+    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int64_t j = warp_key0 + elem_row(g, e), q = elem_col(nt, c, e), i = row0 + q;
+      const bool in = sh.lse[q] != kNegInf && i < p.t && attends(p, p.mask.row(h, i), i, j);
+      const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - sh.lse[q]) : 0.0f;  // P^T
+      const float z = in ? keep_factor(p, h, i, j) : 0.0f;
+      dp[nt][e] = in ? prob * (z * dp[nt][e] - sh.dot[q]) : 0.0f;  // dS^T
+      x[nt][e] = prob * z;                                         // (P o Z)^T
+    }
     product_down<D>(ctx, dv, x, sh.b, g, c);
     product_down<D>(ctx, dk, dp, sh.a, g, c);
   }
