@@ -597,6 +597,9 @@ History Model::train_on(const std::string& who, const data::Dataset& train, cons
     const std::int64_t skipped_before = lso ? lso->skipped_steps() : 0;
     logs =
         train_epoch(who, train.epoch(static_cast<std::uint64_t>(epoch)), params.steps, callbacks);
+    // The epoch's last finiteness checks, when read behind their steps (on a GPU): a NaN or
+    // infinite gradient in its last step throws NumericError here, not in the next epoch.
+    optimizer_->check_pending();
     if (!x_val.empty())
       for (const auto& [k, v] : evaluate(x_val, y_val, {.batch_size = o.batch_size}))
         logs["val_" + k] = v;

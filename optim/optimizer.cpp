@@ -101,8 +101,22 @@ LearningRate cosine_decay(double initial, std::int64_t decay_steps, double alpha
 
 // --- Optimizer ------------------------------------------------------------------------------
 
+// The finiteness flags read back behind their steps (set_finite_check's Device decision, a
+// captured step's replays), oldest first. `uncount`: the step was counted when it was queued
+// and is taken back if its flag is set (an eager step; a replay stays counted).
+struct Optimizer::PendingChecks {
+  struct Entry {
+    std::int64_t step;
+    std::unique_ptr<PendingRead> read;
+    bool uncount;
+  };
+  std::deque<Entry> entries;
+};
+
 Optimizer::Optimizer(LearningRate lr, Clipping clipping)
-    : learning_rate_(std::move(lr)), clipping_(clipping) {
+    : learning_rate_(std::move(lr)),
+      clipping_(clipping),
+      pending_(std::make_shared<PendingChecks>()) {
   const int given = static_cast<int>(clipping_.clipnorm.has_value()) +
                     static_cast<int>(clipping_.global_clipnorm.has_value()) +
                     static_cast<int>(clipping_.clipvalue.has_value());
@@ -119,7 +133,9 @@ Optimizer::Optimizer(const Optimizer& other)
       iterations_(other.iterations_),
       // A copy of a wrapped optimizer stands alone: it checks its gradients again (a
       // LossScaleOptimizer turned the original's check off; its own copy turns it off again).
-      check_finite_(other.wrappers_ > 0 || other.check_finite_) {
+      check_finite_(other.wrappers_ > 0 || other.check_finite_),
+      finite_check_(other.finite_check_),
+      pending_(std::make_shared<PendingChecks>()) {
   for (const auto& [id, slots] : other.slots_) {
     std::vector<Variable> copies;
     for (const auto& s : slots) copies.emplace_back(s, s.name(), false);
@@ -272,9 +288,21 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
   check_not_bypassed();
   NoGradGuard no_grad;
   std::vector<Tensor> g = prepare(grads, variables);
+  if (!capture::active()) read_pending(/*wait=*/true);  // an earlier step's check
   Tensor skip = skip_if;
   if (check_finite_ && capture::active()) {
     skip = capture_finiteness_check(g, skip_if);
+  } else if (check_finite_ && !skip_if.defined() && finite_check_on_device(g, variables)) {
+    // The updates skip on the flag; the host reads it behind the step (read_pending).
+    const std::vector<Tensor> flags = scale_and_flag(g, 1.0, false).flags;
+    if (!flags.empty()) {
+      skip = flags.front();
+      pending_->entries.push_back(
+          {iterations_ + 1,
+           backend_for(skip.device().type())
+               .read_back(skip.const_data_ptr(), skip.device().index(), sizeof(float)),
+           /*uncount=*/true});
+    }
   } else if (check_finite_) {
     if (const auto bad = first_nonfinite(g)) {
       throw NumericError(fmt::format(
@@ -313,28 +341,62 @@ Tensor Optimizer::capture_finiteness_check(const std::vector<Tensor>& grads,
   const std::vector<Tensor> flags = scale_and_flag(grads, 1.0, false).flags;
   if (flags.empty()) return Tensor();  // no gradient this step
   const Tensor flag = flags.front();
-  // The flag of each replay, read back behind it; checked before the next replay.
-  auto reads =
-      std::make_shared<std::deque<std::pair<std::int64_t, std::unique_ptr<PendingRead>>>>();
-  capture::after_replay([this, flag, reads] {
-    reads->emplace_back(iterations_ + 1, backend_for(flag.device().type())
-                                             .read_back(flag.const_data_ptr(),
-                                                        flag.device().index(), sizeof(float)));
+  // The flag of each replay, read back behind it; those back are checked before the next
+  // replay, the rest by the next eager step or check_pending.
+  capture::after_replay([this, flag] {
+    pending_->entries.push_back(
+        {iterations_ + 1,
+         backend_for(flag.device().type())
+             .read_back(flag.const_data_ptr(), flag.device().index(), sizeof(float)),
+         /*uncount=*/false});
   });
-  capture::before_replay([this, reads] {
-    while (!reads->empty() && reads->front().second->ready()) {
-      float set = 0.0f;
-      reads->front().second->wait(&set);
-      const std::int64_t at = reads->front().first;
-      reads->pop_front();
-      if (set != 0.0f)
-        throw NumericError(fmt::format(
-            "{}: a gradient of the captured step held NaN or infinite values at step {}; that "
-            "replay changed no variable (the step is counted)",
-            name(), at));
-    }
-  });
+  capture::before_replay([this] { read_pending(/*wait=*/false); });
   return flag;
+}
+
+bool Optimizer::finite_check_on_device(const std::vector<Tensor>& grads,
+                                       const std::vector<Variable>& variables) const {
+  if (finite_check_ == StepDecision::Host || !supports_device_skip()) return false;
+  std::optional<Device> device;
+  for (const auto& g : grads) {
+    if (!g.defined()) continue;
+    if (device && g.device() != *device) return false;  // one flag per device: not one decision
+    device = g.device();
+  }
+  if (!device || (finite_check_ == StepDecision::Auto && device->is_cpu())) return false;
+  // The kernels read the flag on the variables' device: all of them on the gradients'.
+  return std::all_of(variables.begin(), variables.end(),
+                     [&](const Variable& v) { return !v.defined() || v.device() == *device; });
+}
+
+void Optimizer::read_pending(bool wait) {
+  std::optional<PendingChecks::Entry> bad;
+  auto& entries = pending_->entries;
+  while (!entries.empty() && (wait || entries.front().read->ready())) {
+    PendingChecks::Entry e = std::move(entries.front());
+    entries.pop_front();
+    float set = 0.0f;
+    e.read->wait(&set);
+    if (set == 0.0f) continue;
+    if (e.uncount) --iterations_;
+    if (!bad) bad = std::move(e);
+  }
+  if (!bad) return;
+  if (bad->uncount)
+    throw NumericError(fmt::format(
+        "{}: a gradient held NaN or infinite values at step {} (read after that step: the check "
+        "is decided on the device, set_finite_check); that step changed no variable and is not "
+        "counted (under float16 use loss scaling: a LossScaleOptimizer skips such steps)",
+        name(), bad->step));
+  throw NumericError(fmt::format(
+      "{}: a gradient of the captured step held NaN or infinite values at step {}; that "
+      "replay changed no variable (the step is counted)",
+      name(), bad->step));
+}
+
+void Optimizer::check_pending() {
+  if (Optimizer* inner = pass_through()) inner->check_pending();
+  read_pending(/*wait=*/true);
 }
 
 void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates) {

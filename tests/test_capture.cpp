@@ -365,6 +365,16 @@ TEST_CASE("every replay of a captured step checks its indices and its gradients"
     CHECK_THAT(error_of<mt::NumericError>([&] { graph.replay(); }),
                Catch::Contains("SGD") && Catch::Contains("at step 3"));
   }
+  SECTION("a non-finite gradient in the last replay: check_pending reports it") {
+    graph.replay();
+    std::vector<double> xs = values(batches[1].x);
+    xs[5] = std::numeric_limits<double>::quiet_NaN();
+    x.assign(mt::from_vector(xs, {32, 12}));
+    graph.replay();
+    CHECK_THAT(error_of<mt::NumericError>([&] { opt.check_pending(); }),
+               Catch::Contains("SGD") && Catch::Contains("at step 3"));
+    opt.check_pending();  // reported once
+  }
 }
 
 TEST_CASE("weights assigned between replays are what the next replay reads", "[capture]") {

@@ -356,6 +356,59 @@ TEST_CASE("optim: bad gradients are refused and change nothing", "[optim]") {
   CHECK(adam.iterations() == 2);
 }
 
+TEST_CASE("optim: a finiteness check decided on the device reports the step one call later",
+          "[optim]") {
+  // StepDecision::Device (a GPU's default) on the CPU: the updates skip a non-finite step on
+  // the flag, the host reads it behind the step, and the next apply_gradients or
+  // check_pending throws, with the step not counted and nothing changed by it.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (const bool by_check_pending : {false, true}) {
+    INFO((by_check_pending ? "check_pending" : "the next apply_gradients"));
+    mo::Adam adam({.learning_rate = 0.1});
+    mo::Adam host({.learning_rate = 0.1});
+    adam.set_finite_check(mo::StepDecision::Device);
+    mt::Variable w(vec({1, 2}), "w"), u(vec({3}), "u");
+    mt::Variable hw(vec({1, 2}), "w"), hu(vec({3}), "u");
+    adam.apply_gradients({vec({0.1, -0.2}), vec({0.3})}, {w, u});
+    host.apply_gradients({vec({0.1, -0.2}), vec({0.3})}, {hw, hu});
+    const auto w_before = values(w), u_before = values(u);
+    const auto m_before = values(adam.slots(w)[0]), v_before = values(adam.slots(w)[1]);
+    // The step with a NaN: no throw yet; the updates changed nothing.
+    adam.apply_gradients({vec({0.1, 0.1}), vec({nan})}, {w, u});
+    CHECK(values(w) == w_before);
+    CHECK(values(u) == u_before);
+    CHECK(values(adam.slots(w)[0]) == m_before);
+    CHECK(values(adam.slots(w)[1]) == v_before);
+    const auto report = [&] {
+      if (by_check_pending)
+        adam.check_pending();
+      else
+        adam.apply_gradients({vec({0.5, 0.5}), vec({0.5})}, {w, u});
+    };
+    CHECK_THROWS_WITH(report(), Catch::Contains("Adam") && Catch::Contains("at step 2") &&
+                                    Catch::Contains("not counted"));
+    CHECK(adam.iterations() == 1);
+    CHECK(values(w) == w_before);
+    adam.check_pending();  // read: nothing left to report
+    // The run goes on as the host-decided one does, bit for bit.
+    for (const double g : {0.25, -0.5}) {
+      adam.apply_gradients({vec({g, g}), vec({g})}, {w, u});
+      host.apply_gradients({vec({g, g}), vec({g})}, {hw, hu});
+    }
+    adam.check_pending();
+    CHECK(adam.iterations() == host.iterations());
+    CHECK(values(w) == values(hw));
+    CHECK(values(u) == values(hu));
+  }
+  // The CPU's default (Auto) and Host read before any update: the same call throws.
+  mo::SGD sgd({.learning_rate = 0.1});
+  mt::Variable w(vec({1}), "w");
+  CHECK_THROWS_WITH(sgd.apply_gradients({vec({nan})}, {w}), Catch::Contains("no variable"));
+  sgd.set_finite_check(mo::StepDecision::Host);
+  CHECK_THROWS_AS(sgd.apply_gradients({vec({nan})}, {w}), mt::NumericError);
+  CHECK(sgd.iterations() == 0);
+}
+
 // --- LossScaleOptimizer ------------------------------------------------------------------------
 
 TEST_CASE("loss scale optimizer: a scripted sequence of finite and non-finite steps",

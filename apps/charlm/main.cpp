@@ -619,6 +619,9 @@ Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t
     const bool eval = o.eval_every > 0 && (step + 1) % o.eval_every == 0 && step + 1 != o.steps;
     if (!line && !eval) continue;
     if (step > first_step) stop_clock();
+    // The finiteness checks read behind their steps (a step with a NaN or infinite gradient
+    // changed nothing; this names it), the last step's included.
+    chain.check_pending();
     if (line) {
       const double mean = p.take_window_loss(step + 1, lso != nullptr);
       if (root) p.log(step + 1, mean, chain);

@@ -501,6 +501,7 @@ void custom_loop(mt::Model& model, const Options& o, const mt::Tensor& x, const 
       train_accuracy.update_state(batch.y(), predictions.detach());
       rows += batch.rows();
     }
+    optimizer->check_pending();  // the last steps' finiteness checks, read behind them on a GPU
     // result() reads the totals back from the model's device: on a GPU that waits for the
     // epoch's last step, so the time is taken after it. Every rank's means, weighted by its
     // samples.

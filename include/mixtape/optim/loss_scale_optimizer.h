@@ -41,13 +41,6 @@
 
 namespace mixtape::optim {
 
-// Where a step's skip decision is made.
-enum class StepDecision {
-  Auto,    // on the device when the variables live on a GPU, on the host otherwise
-  Device,  // on the device wherever the variables are (the CPU too: a read one call later)
-  Host,    // the flag read before every update (one host synchronisation per step on a GPU)
-};
-
 struct LossScaleOptimizerOptions {
   // Steps skipped in a row before apply_gradients throws NumericError (0: never).
   std::int64_t max_consecutive_skips = 100;
@@ -90,6 +83,11 @@ class LossScaleOptimizer : public Optimizer {
   // up to that step's check). Throws NumericError when that step was the
   // max_consecutive_skips-th skipped in a row.
   void sync_step() const;
+  // sync_step, then the wrapped optimizer's (Optimizer::check_pending).
+  void check_pending() override {
+    sync_step();
+    inner_->check_pending();
+  }
 
   // The chain (Optimizer::compute_gradients): the loss scaled, the wrapped optimizer's
   // scaling inside; this one, and a DistributedOptimizer it wraps, if any.

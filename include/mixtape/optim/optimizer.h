@@ -76,6 +76,14 @@ struct OptimizerState {
   std::map<std::string, double> scalars = {};
 };
 
+// Where a step's skip decision is made (a LossScaleOptimizer's on overflow, an optimizer's on
+// its finiteness check).
+enum class StepDecision {
+  Auto,    // on the device when the variables live on a GPU, on the host otherwise
+  Device,  // on the device wherever the variables are (the CPU too: a read one call later)
+  Host,    // the flag read before every update (one host synchronisation per step on a GPU)
+};
+
 class Optimizer {
  public:
   virtual ~Optimizer();
@@ -127,6 +135,19 @@ class Optimizer {
   const Clipping& clipping() const { return clipping_; }
   // Whether apply_gradients checks for non-finite gradients (on by default).
   void set_check_finite(bool on) { check_finite_ = on; }
+  // Where that check is decided. Host: its flag is read before any update, and a non-finite
+  // gradient throws NumericError from this apply_gradients with nothing changed (one host
+  // synchronisation per step on a GPU). Device: the updates skip on the device, and the host
+  // reads the flag behind the step without waiting for it; the next apply_gradients (or
+  // check_pending) throws that NumericError, naming the step, which changed no variable and is
+  // not counted. Auto (the default): Device when the gradients and variables are on one GPU,
+  // Host otherwise. Optimizers whose updates do not honour a skip flag (supports_device_skip)
+  // decide on the host.
+  void set_finite_check(StepDecision decision) { finite_check_ = decision; }
+  // Reads the finiteness flags not read yet (a Device decision's, a captured step's replays'),
+  // waiting for the device, and throws NumericError for the first that was set; a wrapper
+  // reads its own and the wrapped optimizer's. A trainer calls it after its last step.
+  virtual void check_pending();
 
   // "SGD", "RMSprop", "Adam", "AdamW", "LossScaleOptimizer".
   virtual std::string name() const = 0;
@@ -219,6 +240,13 @@ class Optimizer {
   // writes before each replay, each replay counts a step, and the 16-bit copies the updates
   // write stay the ones autocast reads.
   void capture_updates(std::vector<kernels::OptimizerUpdate>& updates);
+  // Whether this step's finiteness check is decided on the device (set_finite_check).
+  bool finite_check_on_device(const std::vector<Tensor>& grads,
+                              const std::vector<Variable>& variables) const;
+  // The flags read back behind their steps: read_pending(true) reads them all (waiting),
+  // read_pending(false) those already back; either throws NumericError for the first set.
+  struct PendingChecks;
+  void read_pending(bool wait);
 
   std::vector<Tensor> prepare(const std::vector<Tensor>& grads,
                               const std::vector<Variable>& variables);
@@ -228,6 +256,8 @@ class Optimizer {
   Clipping clipping_;
   std::int64_t iterations_ = 0;
   bool check_finite_ = true;
+  StepDecision finite_check_ = StepDecision::Auto;
+  std::shared_ptr<PendingChecks> pending_;  // never null
   Tensor skip_if_;
   int wrappers_ = 0;            // wrappers alive around this one (wrap, unwrap)
   std::string wrapper_name_;    // the last one's name()
