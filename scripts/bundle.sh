@@ -95,7 +95,12 @@ cat >"$stage/run.sh" <<'EOF'
 # machine's CUDA and cuDNN libraries on LD_LIBRARY_PATH.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-[[ $# -ge 1 ]] || { echo "usage: run.sh PROGRAM [ARGS...]; programs: $(ls "$here/bin")" >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "usage: run.sh PROGRAM [ARGS...] | --ldd; programs: $(ls "$here/bin")" >&2; exit 2; }
+# The folders found on the first run are kept in .libdirs (a Python import and a search of
+# /usr and /opt cost seconds a call).
+if [[ -f "$here/.libdirs" ]]; then
+  export LD_LIBRARY_PATH="$(cat "$here/.libdirs")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
 dirs=("$here/lib")
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
   [[ -d "$d" ]] && dirs+=("$d")
@@ -124,13 +129,24 @@ if [[ -z "$cudnn" ]]; then  # anywhere else a cuDNN 9 is installed (a wheel, a t
   [[ -n "$found" ]] && cudnn="$(dirname "$found")"
 fi
 [[ -n "$cudnn" ]] && dirs+=("$cudnn")
-export LD_LIBRARY_PATH="$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# A CUDA library still missing (cuBLAS or the runtime from Python wheels, say): its folder
-# under /usr/local, /opt or /usr.
-for lib in $(ldd "$here/bin/$1" 2>/dev/null | awk '/not found/ { print $1 }'); do
-  found="$(find /usr/local /opt /usr -name "$lib" -print -quit 2>/dev/null || true)"
-  [[ -n "$found" ]] && LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+found_dirs="$(IFS=:; echo "${dirs[*]}")"
+# A library still missing for any program (cuBLAS, NCCL or the runtime from Python wheels,
+# say): its folder under /usr/local, /opt or /usr.
+for p in "$here"/bin/*; do
+  for lib in $(LD_LIBRARY_PATH="$found_dirs" ldd "$p" 2>/dev/null | awk '/not found/ { print $1 }'); do
+    found="$(find /usr/local /opt /usr -name "$lib" -print -quit 2>/dev/null || true)"
+    [[ -n "$found" && ":$found_dirs:" != *":$(dirname "$found"):"* ]] && found_dirs="$found_dirs:$(dirname "$found")"
+  done
 done
+echo "$found_dirs" >"$here/.libdirs" 2>/dev/null || true
+export LD_LIBRARY_PATH="$found_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if [[ "$1" == --ldd ]]; then  # what each program still lacks, with these folders
+  for p in "$here"/bin/*; do
+    echo "$(basename "$p"): $(ldd "$p" 2>/dev/null | awk '/not found/ { print $1 }' | tr '\n' ' ')"
+  done
+  exit 0
+fi
 program="$1"
 shift
 exec "$here/bin/$program" "$@"

@@ -2,8 +2,11 @@
 # The GPU checks of the CUDA backend in one pass, for a GPU machine with the bundle of
 # scripts/bundle.sh unpacked (docs/cuda.md, "On a GPU machine"), each step under its own
 # time limit so that one hang or crash does not cost the rest:
+#   fresh    the ops first written without a GPU, swept in groups, a process each (so that a
+#            crash in one group leaves the others' results), before the whole sweep
 #   ops      the conformance sweep (mixtape-ops --backend cuda)
-#   tests    the CUDA test suite (mixtape_cuda_tests)
+#   tests    the CUDA test suite (mixtape_cuda_tests), in three processes: the tests of what
+#            ran on a GPU before, then [attention], then [capture]
 #   sanitize the kernels first written without a GPU (attention, layer_norm, cross-entropy,
 #            linear, the optimizers' list updates, clipping, the tape's cast_list) under
 #            compute-sanitizer memcheck and racecheck (not in the default steps)
@@ -31,19 +34,46 @@
 #
 #   bash scripts/gpu_check.sh BUNDLE_DIR LOG_DIR [reference_pytorch.py] [STEPS]
 #
-# STEPS: a comma-separated subset of the steps above (default: all but gptcompile). Logs go to
-# LOG_DIR, at most eight files; summary.txt has a line per run. Needs nvidia-smi (peak memory),
-# and python3 with PyTorch for torch, gemm, gpt and gptcompile, ncu for profile.
+# STEPS: a comma-separated subset of the steps above (default: all but gptcompile), always the
+# fourth argument ("" for the third). Logs go to LOG_DIR, at most eight files; summary.txt has a
+# line per run. DEADLINE (seconds from the start; default none): no run starts after it, and
+# each run's time limit is cut to what is left, so that one call ends in time whatever hangs.
+# Programs run line-buffered and are killed 5 s after their limit, so a killed run's log keeps
+# what it printed. Needs nvidia-smi (peak memory), and python3 with PyTorch for torch, gemm,
+# gpt and gptcompile, ncu for profile, compute-sanitizer for sanitize.
+#
+# The first session on a GPU after kernels were written without one (one call, 15 minutes of
+# device time in all):
+#   DEADLINE=480 GPT_ROUNDS=1 bash scripts/gpu_check.sh BUNDLE "$OUT" "" fresh,ops,tests,sanitize,gpt
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 logs="$2"
 ref="${3:-}"
-steps=",${4:-ops,tests,mnist,guide,torch,custom,profile,gemm,gpt},"
+steps=",${4:-fresh,ops,tests,mnist,guide,torch,custom,profile,gemm,gpt},"
 mkdir -p "$logs"
 summary="$logs/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
 want() { [[ "$steps" == *",$1,"* ]]; }
+deadline="${DEADLINE:-0}"
+
+# limited SECONDS CMD [ARGS...]: CMD under timeout (killed 5 s after SIGTERM), line-buffered;
+# the limit cut to what is left before DEADLINE, and nothing run (rc 124) when under 5 s are.
+limited() {
+  local t=$1
+  shift
+  if ((deadline > 0)); then
+    local left=$((deadline - SECONDS - 5))
+    ((left < t)) && t=$left
+  fi
+  if ((t < 5)); then
+    echo "not run: DEADLINE (${deadline} s) reached"
+    return 124
+  fi
+  local buffering=()
+  command -v stdbuf >/dev/null && buffering=(stdbuf -oL -eL)
+  timeout -k 5 "$t" "${buffering[@]}" "$@"
+}
 
 # Peak GPU memory in use (MiB, the whole device, as nvidia-smi reports it) while CMD runs.
 with_peak_memory() {
@@ -61,44 +91,76 @@ with_peak_memory() {
 }
 
 note "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
-LD_LIBRARY_PATH="$bundle/lib" ldd "$bundle"/bin/* | grep -i "not found" | sort -u | tee -a "$summary"
+# What the programs still lack with run.sh's library folders (which this first call finds).
+note "libraries: $("$bundle/run.sh" --ldd | tr '\n' ';')"
+note "tools: $(for t in compute-sanitizer ncu stdbuf python3; do command -v "$t" >/dev/null && echo -n "$t " || echo -n "(no $t) "; done)"
+
+# The ops first written without a GPU, a process per group, each case's line (-v) in fresh.log.
+if want fresh; then
+  for group in "attention attention_backward" "linear linear_backward" \
+    "layer_norm layer_norm_backward softmax_cross_entropy softmax_cross_entropy_backward dropout" \
+    "adam_update sgd_update rmsprop_update sum_squares scale_list cast_list unscale_check" \
+    "scaled_matmul cast"; do
+    ops=()
+    for op in $group; do ops+=(--op "$op"); done
+    t0=$SECONDS
+    echo "--- $group" >>"$logs/fresh.log"
+    limited 45 "$bundle/run.sh" mixtape-ops --backend cuda -v "${ops[@]}" >>"$logs/fresh.log" 2>&1
+    note "fresh $group: rc=$? $((SECONDS - t0)) s: $(tail -1 "$logs/fresh.log")"
+  done
+fi
 
 if want ops; then
   t0=$SECONDS
-  timeout 90 "$bundle/run.sh" mixtape-ops --backend cuda >"$logs/ops.log" 2>&1
+  limited 90 "$bundle/run.sh" mixtape-ops --backend cuda -v >"$logs/ops.log" 2>&1
   note "ops: rc=$? $((SECONDS - t0)) s: $(tail -1 "$logs/ops.log")"
+  grep -E "FAIL|failed" "$logs/ops.log" | grep -v " 0 failed" | head -20 | tee -a "$summary"
   # The linear op again with cuBLASLt's epilogues off (its own kernel after the product):
   # where the line above fails on linear, this says whether the epilogues are the cause.
-  MIXTAPE_CUDA_LT_EPILOGUES=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda --op linear \
+  MIXTAPE_CUDA_LT_EPILOGUES=0 limited 30 "$bundle/run.sh" mixtape-ops --backend cuda --op linear \
     >"$logs/ops_variants.log" 2>&1
   note "ops linear, MIXTAPE_CUDA_LT_EPILOGUES=0: rc=$?: $(tail -1 "$logs/ops_variants.log")"
   # The attention with its tensor-core kernels off (the plain kernels for every case): where
   # the first line fails on attention, this says whether the tiled kernels are the cause.
-  MIXTAPE_CUDA_MMA_ATTENTION=0 timeout 30 "$bundle/run.sh" mixtape-ops --backend cuda \
+  MIXTAPE_CUDA_MMA_ATTENTION=0 limited 30 "$bundle/run.sh" mixtape-ops --backend cuda \
     --op attention --op attention_backward >>"$logs/ops_variants.log" 2>&1
   note "ops attention, MIXTAPE_CUDA_MMA_ATTENTION=0: rc=$?: $(tail -1 "$logs/ops_variants.log")"
 fi
 
 if want tests; then
-  t0=$SECONDS
-  timeout 120 "$bundle/run.sh" mixtape_cuda_tests --durations yes >"$logs/cuda_tests.log" 2>&1
-  note "tests: rc=$? $((SECONDS - t0)) s: $(grep -E '^(test cases|All tests)' "$logs/cuda_tests.log" | tail -1)"
+  # Three processes: a crash in the tests of the kernels new to the GPU (the fused attention,
+  # the captured step) does not hide the results of the rest.
+  for filter in "~[attention]~[capture]" "[attention]" "[capture]"; do
+    t0=$SECONDS
+    echo "--- $filter" >>"$logs/cuda_tests.log"
+    limited 100 "$bundle/run.sh" mixtape_cuda_tests --durations yes "$filter" \
+      >>"$logs/cuda_tests.log" 2>&1
+    note "tests $filter: rc=$? $((SECONDS - t0)) s: $(grep -E '^(test cases|All tests)' "$logs/cuda_tests.log" | tail -1)"
+  done
 fi
 
 # The kernels first written without a GPU (2026-11-27/28) under compute-sanitizer: memcheck
 # (out-of-bounds and misaligned accesses) and racecheck (shared-memory races: the tiled
 # attention's). Both runs go to sanitize.log.
-if want sanitize && command -v compute-sanitizer >/dev/null; then
+if want sanitize && ! command -v compute-sanitizer >/dev/null; then
+  note "sanitize: not run: no compute-sanitizer on PATH"
+elif want sanitize; then
   fresh_ops=(--op attention --op attention_backward --op layer_norm --op layer_norm_backward
     --op softmax_cross_entropy --op softmax_cross_entropy_backward --op linear
-    --op linear_backward --op adam_update --op sgd_update --op rmsprop_update
+    --op linear_backward --op dropout --op adam_update --op sgd_update --op rmsprop_update
     --op sum_squares --op scale_list --op cast_list)
+  # racecheck looks at shared memory: the kernels that use it (the tiled attention, the
+  # reductions), not the cuBLASLt products of linear.
+  race_ops=(--op attention --op attention_backward --op sum_squares --dtype bfloat16
+    --dtype float16 --dtype float32)
   for tool in memcheck racecheck; do
     t0=$SECONDS
     echo "--- $tool" >>"$logs/sanitize.log"
-    timeout 240 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
-      "$bundle/run.sh" mixtape-ops --backend cuda "${fresh_ops[@]}" >>"$logs/sanitize.log" 2>&1
-    note "sanitize $tool: rc=$? $((SECONDS - t0)) s: $(grep -c '^========= [A-Z]' "$logs/sanitize.log") sanitizer lines so far; $(tail -1 "$logs/sanitize.log")"
+    if [[ $tool == memcheck ]]; then args=("${fresh_ops[@]}"); else args=("${race_ops[@]}"); fi
+    limited 120 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
+      --launch-timeout 60 "$bundle/run.sh" mixtape-ops --backend cuda "${args[@]}" \
+      >>"$logs/sanitize.log" 2>&1
+    note "sanitize $tool: rc=$? $((SECONDS - t0)) s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/sanitize.log" | tail -1); $(tail -1 "$logs/sanitize.log")"
   done
 fi
 
@@ -110,7 +172,7 @@ mnist() {
   local metrics="$logs/metrics_${model}_${policy}.jsonl"
   echo "--- $bin $model $policy $epochs epochs $*" >>"$logs/mnist.log"
   t0=$SECONDS
-  with_peak_memory timeout "${MNIST_TIMEOUT:-30}" "$bundle/run.sh" "$bin" --device cuda \
+  with_peak_memory limited "${MNIST_TIMEOUT:-30}" "$bundle/run.sh" "$bin" --device cuda \
     --data-dir "$bundle/data" --model "$model" --policy "$policy" --epochs "$epochs" \
     --verbose 2 --metrics-out "$metrics" "$@" >>"$logs/mnist.log" 2>&1
   local rc=$?
@@ -130,7 +192,7 @@ fi
 torch_guide() {
   local policy=$1
   t0=$SECONDS
-  with_peak_memory timeout 45 python3 "$ref" --data "$bundle/data" --model guide \
+  with_peak_memory limited 45 python3 "$ref" --data "$bundle/data" --model guide \
     --precision "$policy" --device cuda --epochs 5 >>"$logs/torch.log" 2>&1
   note "torch guide $policy: rc=$? $((SECONDS - t0)) s, peak ${peak_mib} MiB: $(tail -1 "$logs/torch.log")"
 }
@@ -156,7 +218,7 @@ if want profile && command -v ncu >/dev/null; then
     shift
     local csv
     csv="$(mktemp)"
-    timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    limited 120 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       --log-file "$csv" "$@" >/dev/null 2>&1
     note "ncu $name: rc=$? $(grep -c gpu__time_duration "$csv") kernels"
     { echo "# $name"; cat "$csv"; } >>"$logs/ncu.csv"  # one file for all runs
@@ -174,7 +236,7 @@ fi
 # layer (8192x784 @ 784x4096), median of 20 after 5 warm-ups, through PyTorch (which calls
 # cuBLASLt for these), on random data; TF32 off for float32.
 if want gemm; then
-  timeout 40 python3 - >>"$logs/gemm.log" 2>&1 <<'PY'
+  limited 40 python3 - >>"$logs/gemm.log" 2>&1 <<'PY'
 import torch, statistics
 torch.backends.cuda.matmul.allow_tf32 = False
 for (m, k, n) in [(8192, 4096, 4096), (8192, 784, 4096), (4096, 8192, 4096)]:
@@ -202,11 +264,11 @@ gpt() {
   out="$(mktemp)"
   t0=$SECONDS
   if [[ $framework == mixtape ]]; then
-    with_peak_memory timeout 120 "$bundle/run.sh" mixtape-charlm --device "${GPT_DEVICE:-cuda}" \
+    with_peak_memory limited 120 "$bundle/run.sh" mixtape-charlm --device "${GPT_DEVICE:-cuda}" \
       --text "$bundle/data/charlm.txt" --policy "$policy" --steps "$steps" --log-every "$steps" \
       --eval-every 0 --sample 0 --kernel-census "$@" >"$out" 2>&1
   else
-    with_peak_memory timeout 300 python3 "$bundle/bench/charlm_reference.py" \
+    PYTHONUNBUFFERED=1 with_peak_memory limited 300 python3 "$bundle/bench/charlm_reference.py" \
       --device "${GPT_DEVICE:-cuda}" \
       --text "$bundle/data/charlm.txt" --precision "$policy" --steps "$steps" \
       --log-every "$steps" "$@" >"$out" 2>&1
@@ -219,28 +281,31 @@ gpt() {
 }
 small_gpt=(--layers 6 --width 384 --heads 6 --context 256 --batch 64)
 if want gpt; then
+  # Most telling first (a DEADLINE may cut the list): the GPT-2-small body and the 6-layer
+  # shape under mixed_bfloat16 against PyTorch, the captured step, then the other policies.
   for round in $(seq "${GPT_ROUNDS:-2}"); do
-    for policy in mixed_bfloat16 mixed_float16 float32; do
+    gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8
+    gpt pytorch mixed_bfloat16 --preset gpt2-small --batch 8
+    gpt mixtape mixed_bfloat16 "${small_gpt[@]}"
+    gpt pytorch mixed_bfloat16 "${small_gpt[@]}"
+    # The captured step (a CUDA graph a step): both shapes, and charlm's defaults, where the
+    # host sets the pace, with and without it.
+    gpt mixtape mixed_bfloat16 "${small_gpt[@]}" --capture-step
+    gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8 --capture-step
+    gpt mixtape mixed_bfloat16
+    gpt mixtape mixed_bfloat16 --capture-step
+    gpt mixtape mixed_float16 --preset gpt2-small --batch 8
+    gpt pytorch mixed_float16 --preset gpt2-small --batch 8
+    for policy in mixed_float16 float32; do
       gpt mixtape "$policy" "${small_gpt[@]}"
       gpt pytorch "$policy" "${small_gpt[@]}"
     done
-    for policy in mixed_bfloat16 mixed_float16; do
-      gpt mixtape "$policy" --preset gpt2-small --batch 8
-      gpt pytorch "$policy" --preset gpt2-small --batch 8
-    done
+    gpt mixtape float32 "${small_gpt[@]}" --capture-step
     # The tiled tensor-core attention's share: the same run on the plain kernels, once.
     if [[ $round == 1 ]]; then
       GPT_NOTE=", MIXTAPE_CUDA_MMA_ATTENTION=0" MIXTAPE_CUDA_MMA_ATTENTION=0 \
         gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8
     fi
-    # The captured step (a CUDA graph a step): both shapes, and charlm's defaults, where the
-    # host sets the pace, with and without it.
-    for policy in mixed_bfloat16 float32; do
-      gpt mixtape "$policy" "${small_gpt[@]}" --capture-step
-    done
-    gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8 --capture-step
-    gpt mixtape mixed_bfloat16
-    gpt mixtape mixed_bfloat16 --capture-step
   done
 fi
 if want gptcompile; then
