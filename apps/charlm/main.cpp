@@ -699,7 +699,11 @@ int run(const Options& o) {
       mt::from_vector(corpus.val, {static_cast<std::int64_t>(corpus.val.size())}).to(device)};
   if (root && !o.resume.empty()) fmt::print("resumed from {} at step {}\n", o.resume, first_step);
   Progress start;
-  start.flops_per_token = 6.0 * static_cast<double>(model->count_params()) +
+  // N: the trainable parameters (not mixed_float8_delayed's amax histories, which no product
+  // multiplies).
+  std::int64_t trainable = 0;
+  for (const auto& v : model->trainable_variables()) trainable += v.numel();
+  start.flops_per_token = 6.0 * static_cast<double>(trainable) +
                           6.0 * o.layers * static_cast<double>(o.width * o.context);
   const std::optional<double> peak =
       o.peak_tflops > 0

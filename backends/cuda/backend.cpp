@@ -163,10 +163,17 @@ struct PinnedBuffer {
 };
 struct Staging {
   static constexpr std::size_t kRing = 4;
+  // Copies of at most kSmall bytes (a captured step's seeds, rates and scales, several a
+  // replay) go through a ring of their own, long enough that a copy never waits for one of
+  // the replay before: with the big ring, the fifth copy of a replay waited for the first
+  // copy of the one before, and so for that replay's graph to start.
+  static constexpr std::size_t kSmall = 256, kSmallRing = 256;
   std::mutex mutex;
   PinnedBuffer down;
   PinnedBuffer up[kRing];
   std::size_t next_up = 0;
+  PinnedBuffer small[kSmallRing];
+  std::size_t next_small = 0;
 };
 Staging& staging(int device) {
   static std::mutex m;
@@ -412,14 +419,18 @@ class CudaBackend final : public Backend {
     if (dst_device.is_cuda()) {  // host -> device, through the ring of pinned buffers
       const int d = dst_device.index();
       for_each_piece(d, nbytes, [&](Staging& st, std::size_t off, std::size_t n) {
-        PinnedBuffer& buf = st.up[st.next_up];
-        st.next_up = (st.next_up + 1) % Staging::kRing;
+        const bool small = n <= Staging::kSmall;
+        PinnedBuffer& buf = small ? st.small[st.next_small] : st.up[st.next_up];
+        if (small)
+          st.next_small = (st.next_small + 1) % Staging::kSmallRing;
+        else
+          st.next_up = (st.next_up + 1) % Staging::kRing;
         if (buf.done) {
           MIXTAPE_CUDA_CHECK(cudaEventSynchronize(buf.done));  // its last copy has finished
         } else {
           MIXTAPE_CUDA_CHECK(cudaEventCreateWithFlags(&buf.done, cudaEventDisableTiming));
         }
-        void* pinned = buf.get(n);
+        void* pinned = buf.get(small ? Staging::kSmall : n);
         std::memcpy(pinned, static_cast<const char*>(src) + off, n);
         MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, pinned, n,
                                            cudaMemcpyHostToDevice, stream(d)));
