@@ -1,6 +1,6 @@
 // The softmax cross-entropy on CUDA (ops softmax_cross_entropy and its backward), a first
-// plain form: a warp per row (the maximum and the sum of exponentials with shuffles, in
-// float32; float64 for float64), the gradient recomputing the softmax from the saved
+// plain form: a warp per row (the maximum and the sum of exponentials with shuffles, the sum
+// in float64 as the CPU's), the gradient recomputing the softmax from the saved
 // log-sum-exp. A label outside [0, c) gives NaN for its row (the kernel cannot throw).
 // Written without a GPU at hand; the conformance sweep checks it.
 #include <cmath>
@@ -27,11 +27,13 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ x,
     C m = -static_cast<C>(INFINITY);
     for (int64_t j = lane; j < c; j += kWarp) m = fmax(m, load(xr[j]));
     m = warp_max(m);
-    C s = C(0);
-    for (int64_t j = lane; j < c; j += kWarp) s += d_exp(load(xr[j]) - m);
+    // The sum of exponentials in float64, as the CPU backend adds it: the loss of a
+    // 50,000-class row keeps float32's precision.
+    double s = 0.0;
+    for (int64_t j = lane; j < c; j += kWarp) s += static_cast<double>(d_exp(load(xr[j]) - m));
     s = warp_sum(s);
     if (lane == 0) {
-      const C l = m + d_log(s);
+      const C l = m + static_cast<C>(log(s));
       const int64_t y = labels[i];
       lse[i] = l;
       loss[i] = y >= 0 && y < c ? l - load(xr[y]) : static_cast<C>(NAN);
