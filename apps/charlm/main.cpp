@@ -552,8 +552,9 @@ mt::Tensor train_step(mt::Model& model, mt::optim::Optimizer& chain,
 
 // The steps first_step .. --steps - 1, with the progress lines and periodic validation.
 // A steady-state step waits for nothing on the device: the losses are summed there and read
-// at the progress lines, and the loss scale optimizer reads its finiteness flag a step late,
-// so the host queues the next step while the device runs this one. The clock runs from the
+// at the progress lines, and the finiteness flag (the loss scale optimizer's, or on a GPU the
+// optimizer's own) is read a step late, so the host queues the next step while the device
+// runs this one. The clock runs from the
 // end of the first step (which builds and warms up) and stops at the progress lines and
 // around the evaluations, each time after the device has caught up.
 Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t seed,

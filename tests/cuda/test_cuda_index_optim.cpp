@@ -7,7 +7,9 @@
 //  - unscale_check: outputs bit for bit (in place, separate, undefined), the flag clear for
 //    finite gradients, set by one inf / NaN anywhere (more tensors than one launch takes),
 //    never cleared;
-//  - sgd / rmsprop / adam updates (every variant) for three steps against the CPU kernels.
+//  - sgd / rmsprop / adam updates (every variant) for three steps against the CPU kernels;
+//  - the optimizers' finiteness check decided on the device: a NaN step skipped, reported by
+//    the next apply_gradients.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -512,4 +514,35 @@ TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU"
       }
     }
   }
+}
+
+TEST_CASE("cuda optimizer: the finiteness check decided on the device, reported one call later",
+          "[cuda]") {
+  // On a GPU (StepDecision::Auto) the updates skip a step with a NaN gradient and the next
+  // apply_gradients throws, nothing changed by that step; the run then goes on as the same
+  // steps decided on the host, bit for bit.
+  namespace mo = mixtape::optim;
+  const auto vec = [](std::vector<double> v, mt::Device d) {
+    return mt::from_vector(v, {static_cast<int64_t>(v.size())}).to(d);
+  };
+  mo::Adam gpu_adam({.learning_rate = 0.1}), host_adam({.learning_rate = 0.1});
+  host_adam.set_finite_check(mo::StepDecision::Host);
+  mt::Variable w(vec({1, 2, 3}, cu::kGpu), "w"), hw(vec({1, 2, 3}, cu::kGpu), "w");
+  gpu_adam.apply_gradients({vec({0.1, -0.2, 0.3}, cu::kGpu)}, {w});
+  host_adam.apply_gradients({vec({0.1, -0.2, 0.3}, cu::kGpu)}, {hw});
+  const auto before = w.to_vector<double>();
+  gpu_adam.apply_gradients({vec({0.1, NAN, 0.3}, cu::kGpu)}, {w});  // no throw: read behind
+  CHECK_THROWS_AS(host_adam.apply_gradients({vec({0.1, NAN, 0.3}, cu::kGpu)}, {hw}),
+                  mt::NumericError);
+  CHECK(w.to_vector<double>() == before);
+  CHECK_THROWS_WITH(gpu_adam.apply_gradients({vec({0.5, 0.5, 0.5}, cu::kGpu)}, {w}),
+                    Catch::Contains("at step 2") && Catch::Contains("not counted"));
+  CHECK(gpu_adam.iterations() == 1);
+  for (const double g : {0.25, -0.5}) {
+    gpu_adam.apply_gradients({vec({g, g, g}, cu::kGpu)}, {w});
+    host_adam.apply_gradients({vec({g, g, g}, cu::kGpu)}, {hw});
+  }
+  gpu_adam.check_pending();
+  CHECK(gpu_adam.iterations() == host_adam.iterations());
+  CHECK(w.to_vector<double>() == hw.to_vector<double>());
 }
