@@ -130,7 +130,8 @@ Optimizer::Optimizer(LearningRate lr, Clipping clipping)
 Optimizer::Optimizer(const Optimizer& other)
     : learning_rate_(other.learning_rate_),
       clipping_(other.clipping_),
-      iterations_(other.iterations_),
+      // (other's checks read first: the copy's count holds no step taken back later)
+      iterations_((other.read_pending(/*wait=*/true), other.iterations_)),
       // A copy of a wrapped optimizer stands alone: it checks its gradients again (a
       // LossScaleOptimizer turned the original's check off; its own copy turns it off again).
       check_finite_(other.wrappers_ > 0 || other.check_finite_),
@@ -288,8 +289,10 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
   check_not_bypassed();
   NoGradGuard no_grad;
   std::vector<Tensor> g = prepare(grads, variables);
-  if (!capture::active()) read_pending(/*wait=*/true);  // an earlier step's check
+  // An earlier step's check (this call then applies nothing either).
+  if (!capture::active()) read_pending(/*wait=*/true);
   Tensor skip = skip_if;
+  std::unique_ptr<PendingRead> deferred;  // queued once the step is counted
   if (check_finite_ && capture::active()) {
     skip = capture_finiteness_check(g, skip_if);
   } else if (check_finite_ && !skip_if.defined() && finite_check_on_device(g, variables)) {
@@ -297,11 +300,8 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
     const std::vector<Tensor> flags = scale_and_flag(g, 1.0, false).flags;
     if (!flags.empty()) {
       skip = flags.front();
-      pending_->entries.push_back(
-          {iterations_ + 1,
-           backend_for(skip.device().type())
-               .read_back(skip.const_data_ptr(), skip.device().index(), sizeof(float)),
-           /*uncount=*/true});
+      deferred = backend_for(skip.device().type())
+                     .read_back(skip.const_data_ptr(), skip.device().index(), sizeof(float));
     }
   } else if (check_finite_) {
     if (const auto bad = first_nonfinite(g)) {
@@ -329,6 +329,7 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
   }
   batch.flush();
   ++iterations_;
+  if (deferred) pending_->entries.push_back({iterations_, std::move(deferred), /*uncount=*/true});
 }
 
 Tensor Optimizer::capture_finiteness_check(const std::vector<Tensor>& grads,
@@ -350,7 +351,7 @@ Tensor Optimizer::capture_finiteness_check(const std::vector<Tensor>& grads,
              .read_back(flag.const_data_ptr(), flag.device().index(), sizeof(float)),
          /*uncount=*/false});
   });
-  capture::before_replay([this] { read_pending(/*wait=*/false); });
+  capture::before_replay([this] { read_pending(/*wait=*/false); });  // (eager steps' waited for)
   return flag;
 }
 
@@ -369,10 +370,11 @@ bool Optimizer::finite_check_on_device(const std::vector<Tensor>& grads,
                      [&](const Variable& v) { return !v.defined() || v.device() == *device; });
 }
 
-void Optimizer::read_pending(bool wait) {
+void Optimizer::read_pending(bool wait) const {
   std::optional<PendingChecks::Entry> bad;
   auto& entries = pending_->entries;
-  while (!entries.empty() && (wait || entries.front().read->ready())) {
+  // An eager step's flag is always waited for: a replay must not count a step taken back.
+  while (!entries.empty() && (wait || entries.front().uncount || entries.front().read->ready())) {
     PendingChecks::Entry e = std::move(entries.front());
     entries.pop_front();
     float set = 0.0f;
@@ -386,7 +388,8 @@ void Optimizer::read_pending(bool wait) {
     throw NumericError(fmt::format(
         "{}: a gradient held NaN or infinite values at step {} (read after that step: the check "
         "is decided on the device, set_finite_check); that step changed no variable and is not "
-        "counted (under float16 use loss scaling: a LossScaleOptimizer skips such steps)",
+        "counted, and this call applied nothing (under float16 use loss scaling: a "
+        "LossScaleOptimizer skips such steps)",
         name(), bad->step));
   throw NumericError(fmt::format(
       "{}: a gradient of the captured step held NaN or infinite values at step {}; that "
@@ -397,6 +400,11 @@ void Optimizer::read_pending(bool wait) {
 void Optimizer::check_pending() {
   if (Optimizer* inner = pass_through()) inner->check_pending();
   read_pending(/*wait=*/true);
+}
+
+void Optimizer::set_finite_check(StepDecision decision) {
+  finite_check_ = decision;
+  if (Optimizer* inner = pass_through()) inner->set_finite_check(decision);
 }
 
 void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates) {
@@ -430,6 +438,7 @@ void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates) 
 }
 
 OptimizerState Optimizer::state(const std::vector<Variable>& variables) const {
+  read_pending(/*wait=*/true);  // the step count without a step taken back later
   OptimizerState s;
   s.iterations = iterations_;
   const std::vector<std::string> names = slot_names();
@@ -507,6 +516,7 @@ void Optimizer::load_state(const OptimizerState& state, const std::vector<Variab
   }
   for (const auto& v : restart) slots_.erase(v.id());
   iterations_ = state.iterations;
+  pending_->entries.clear();  // checks of steps before the state: not this count's to take back
 }
 
 // --- The optimizers -------------------------------------------------------------------------

@@ -96,12 +96,18 @@ cat >"$stage/run.sh" <<'EOF'
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 [[ $# -ge 1 ]] || { echo "usage: run.sh PROGRAM [ARGS...] | --ldd; programs: $(ls "$here/bin")" >&2; exit 2; }
-# The folders found on the first run are kept in .libdirs (a Python import and a search of
-# /usr and /opt cost seconds a call).
+# The machine's folders found on the first run are kept in .libdirs (a Python import and a
+# search of /usr and /opt cost seconds a call), searched again when one of them is gone.
+cached=""
 if [[ -f "$here/.libdirs" ]]; then
-  export LD_LIBRARY_PATH="$(cat "$here/.libdirs")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  cached="$(cat "$here/.libdirs")"
+  IFS=: read -r -a kept <<<"$cached"
+  for d in "${kept[@]}"; do [[ -d "$d" ]] || cached=""; done
+fi
+if [[ -n "$cached" ]]; then
+  export LD_LIBRARY_PATH="$here/lib:$cached${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 else
-dirs=("$here/lib")
+dirs=()
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
   [[ -d "$d" ]] && dirs+=("$d")
 done
@@ -131,15 +137,19 @@ fi
 [[ -n "$cudnn" ]] && dirs+=("$cudnn")
 found_dirs="$(IFS=:; echo "${dirs[*]}")"
 # A library still missing for any program (cuBLAS, NCCL or the runtime from Python wheels,
-# say): its folder under /usr/local, /opt or /usr.
+# say): its folder under /usr/local, /opt or /usr, each library looked for once.
+looked=" "
 for p in "$here"/bin/*; do
-  for lib in $(LD_LIBRARY_PATH="$found_dirs" ldd "$p" 2>/dev/null | awk '/not found/ { print $1 }'); do
+  for lib in $(LD_LIBRARY_PATH="$here/lib:$found_dirs" ldd "$p" 2>/dev/null | awk '/not found/ { print $1 }'); do
+    [[ "$looked" == *" $lib "* ]] && continue
+    looked="$looked$lib "
     found="$(find /usr/local /opt /usr -name "$lib" -print -quit 2>/dev/null || true)"
     [[ -n "$found" && ":$found_dirs:" != *":$(dirname "$found"):"* ]] && found_dirs="$found_dirs:$(dirname "$found")"
   done
 done
+found_dirs="${found_dirs#:}"
 echo "$found_dirs" >"$here/.libdirs" 2>/dev/null || true
-export LD_LIBRARY_PATH="$found_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$here/lib:$found_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 if [[ "$1" == --ldd ]]; then  # what each program still lacks, with these folders
   for p in "$here"/bin/*; do

@@ -35,8 +35,8 @@
 #   bash scripts/gpu_check.sh BUNDLE_DIR LOG_DIR [reference_pytorch.py] [STEPS]
 #
 # STEPS: a comma-separated subset of the steps above (default: all but gptcompile), always the
-# fourth argument ("" for the third). Logs go to LOG_DIR, at most eight files; summary.txt has a
-# line per run. DEADLINE (seconds from the start; default none): no run starts after it, and
+# fourth argument ("" for the third). Logs go to LOG_DIR, a file or two per step (the short
+# lease's list below writes seven); summary.txt has a line per run. DEADLINE (seconds from the start; default none): no run starts after it, and
 # each run's time limit is cut to what is left, so that one call ends in time whatever hangs.
 # Programs run line-buffered and are killed 5 s after their limit, so a killed run's log keeps
 # what it printed. Needs nvidia-smi (peak memory), and python3 with PyTorch for torch, gemm,
@@ -71,7 +71,10 @@ limited() {
     return 124
   fi
   local buffering=()
-  command -v stdbuf >/dev/null && buffering=(stdbuf -oL -eL)
+  # (not around the profilers, which inject libraries of their own)
+  if command -v stdbuf >/dev/null && [[ $1 != compute-sanitizer && $1 != ncu ]]; then
+    buffering=(stdbuf -oL -eL)
+  fi
   timeout -k 5 "$t" "${buffering[@]}" "$@"
 }
 
@@ -92,7 +95,7 @@ with_peak_memory() {
 
 note "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
 # What the programs still lack with run.sh's library folders (which this first call finds).
-note "libraries: $("$bundle/run.sh" --ldd | tr '\n' ';')"
+note "libraries: $(limited 60 "$bundle/run.sh" --ldd | tr '\n' ';')"
 note "tools: $(for t in compute-sanitizer ncu stdbuf python3; do command -v "$t" >/dev/null && echo -n "$t " || echo -n "(no $t) "; done)"
 
 # The ops first written without a GPU, a process per group, each case's line (-v) in fresh.log.
@@ -192,7 +195,7 @@ fi
 torch_guide() {
   local policy=$1
   t0=$SECONDS
-  with_peak_memory limited 45 python3 "$ref" --data "$bundle/data" --model guide \
+  PYTHONUNBUFFERED=1 with_peak_memory limited 45 python3 "$ref" --data "$bundle/data" --model guide \
     --precision "$policy" --device cuda --epochs 5 >>"$logs/torch.log" 2>&1
   note "torch guide $policy: rc=$? $((SECONDS - t0)) s, peak ${peak_mib} MiB: $(tail -1 "$logs/torch.log")"
 }
@@ -236,7 +239,7 @@ fi
 # layer (8192x784 @ 784x4096), median of 20 after 5 warm-ups, through PyTorch (which calls
 # cuBLASLt for these), on random data; TF32 off for float32.
 if want gemm; then
-  limited 40 python3 - >>"$logs/gemm.log" 2>&1 <<'PY'
+  PYTHONUNBUFFERED=1 limited 40 python3 - >>"$logs/gemm.log" 2>&1 <<'PY'
 import torch, statistics
 torch.backends.cuda.matmul.allow_tf32 = False
 for (m, k, n) in [(8192, 4096, 4096), (8192, 784, 4096), (4096, 8192, 4096)]:

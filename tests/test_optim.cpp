@@ -400,6 +400,22 @@ TEST_CASE("optim: a finiteness check decided on the device reports the step one 
     CHECK(values(w) == values(hw));
     CHECK(values(u) == values(hu));
   }
+  // state() reads a pending check first (a checkpoint never counts a step taken back);
+  // load_state drops the checks of the steps before it.
+  {
+    mo::SGD sgd({.learning_rate = 0.1});
+    sgd.set_finite_check(mo::StepDecision::Device);
+    mt::Variable w(vec({1}), "w");
+    sgd.apply_gradients({vec({0.5})}, {w});
+    const mo::OptimizerState one_step = sgd.state({w});
+    sgd.apply_gradients({vec({nan})}, {w});
+    CHECK_THROWS_WITH(sgd.state({w}), Catch::Contains("at step 2"));
+    CHECK(sgd.state({w}).iterations == 1);
+    sgd.apply_gradients({vec({nan})}, {w});
+    sgd.load_state(one_step, {w});
+    sgd.check_pending();  // the NaN step before the load is not reported against its count
+    CHECK(sgd.iterations() == 1);
+  }
   // The CPU's default (Auto) and Host read before any update: the same call throws.
   mo::SGD sgd({.learning_rate = 0.1});
   mt::Variable w(vec({1}), "w");

@@ -39,10 +39,6 @@ inline mixtape::Device pick_device(const std::string& name) {
   return d;
 }
 
-// The dense peak of a GPU for matrix products in `compute` (float16 and bfloat16: the
-// tensor cores' rate; float32: the CUDA cores' rate), in TFLOP/s, from NVIDIA's data sheets
-// (without sparsity); nullopt for a device or dtype the table does not know (the CPU among
-// them: give --peak-tflops).
 // Whether `part` is in `name` as whole words ("NVIDIA L40" holds "L40", not "L4").
 inline bool holds_words(const std::string& name, const std::string& part) {
   const auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; };
@@ -54,6 +50,10 @@ inline bool holds_words(const std::string& name, const std::string& part) {
   return false;
 }
 
+// The dense peak of a GPU for matrix products in `compute` (float16 and bfloat16: the
+// tensor cores' rate; float32: the CUDA cores' rate), in TFLOP/s, from NVIDIA's data sheets
+// (without sparsity); nullopt for a device or dtype the table does not know (the CPU among
+// them: give --peak-tflops).
 inline std::optional<double> peak_tflops(const mixtape::DeviceProperties& gpu,
                                          mixtape::DType compute) {
   struct Row {

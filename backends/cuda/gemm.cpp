@@ -44,6 +44,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/cuda/cuda_backend.h"
@@ -513,31 +514,36 @@ void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
   find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_args(a, d));
 }
 
-void linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
+bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
   const DType dt = a.x.dtype();
   const int device = a.out.device().index();
   DeviceGuard guard(device);
   const GemmShape s = normalize(linear_args(a, a.out));  // (d has out's shape)
+  const auto refuse = [&](std::string_view why) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      spdlog::warn(
+          "mixtape: linear: no cuBLASLt {} x {} -> float32 product for [{}, {}] x [{}, {}] ({}): "
+          "the bias is added to the product rounded to {} (two roundings); logged once",
+          dt.name(), dt.name(), s.m, s.k, s.k, s.n, why, dt.name());
+    });
+    return false;
+  };
   if (s.m > kInt32Max || s.n > kInt32Max || s.k > kInt32Max)
-    throw DeviceError(
-        fmt::format("linear: a {} product of [{}, {}] x [{}, {}] is beyond cuBLASLt's "
-                    "32-bit dimensions",
-                    dt.name(), s.m, s.k, s.k, s.n));
+    return refuse("beyond 32-bit dimensions");
   const cublasLtHandle_t handle = lt_handle(device);
   const std::size_t item = dt.itemsize();
   const std::uint32_t align_a = alignment(a.x.const_data_ptr(), s.lda, 0, 1, item);
   const std::uint32_t align_b = alignment(a.w.const_data_ptr(), s.ldb, 0, 1, item);
   const std::uint32_t align_c = alignment(d, s.ldc, 0, 1, sizeof(float));
   const LtPlan& plan = plan_for(device, handle, dt, false, s, align_a, align_b, align_c, true);
-  if (!plan.supported)
-    throw DeviceError(fmt::format(
-        "linear: cuBLASLt has no {} x {} -> float32 matmul for [{}, {}] x [{}, {}] on cuda:{}: {}",
-        dt.name(), dt.name(), s.m, s.k, s.k, s.n, device, plan.why));
+  if (!plan.supported) return refuse(plan.why);
   const float one = 1.0f, zero = 0.0f;
   Workspace workspace(plan.workspace, device);
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(
       handle, plan.op, &one, a.w.const_data_ptr(), plan.a, a.x.const_data_ptr(), plan.b, &zero, d,
       plan.c, d, plan.c, &plan.algo, workspace.data(), plan.workspace, stream(device)));
+  return true;
 }
 
 bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,

@@ -85,8 +85,8 @@ class LossScaleOptimizer : public Optimizer {
   void sync_step() const;
   // sync_step, then the wrapped optimizer's (Optimizer::check_pending).
   void check_pending() override {
-    sync_step();
     inner_->check_pending();
+    sync_step();
   }
 
   // The chain (Optimizer::compute_gradients): the loss scaled, the wrapped optimizer's

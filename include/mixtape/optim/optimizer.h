@@ -7,7 +7,9 @@
 // State (slots) lives in float32 for float32, float16 and bfloat16 variables (float64 for
 // float64 ones) and is created on a variable's first step. A step whose gradients hold a
 // NaN or an infinity throws NumericError and changes nothing (no variable, slot or
-// iteration count); LossScaleOptimizer (loss_scale_optimizer.h) skips such steps instead.
+// iteration count); on a GPU that is known only after the step, so the next apply_gradients
+// throws (set_finite_check); LossScaleOptimizer (loss_scale_optimizer.h) skips such steps
+// instead.
 // Clipping (clipnorm, global_clipnorm or clipvalue; at most one) applies to the gradients
 // as given, which under loss scaling are the unscaled ones.
 #pragma once
@@ -138,12 +140,14 @@ class Optimizer {
   // Where that check is decided. Host: its flag is read before any update, and a non-finite
   // gradient throws NumericError from this apply_gradients with nothing changed (one host
   // synchronisation per step on a GPU). Device: the updates skip on the device, and the host
-  // reads the flag behind the step without waiting for it; the next apply_gradients (or
-  // check_pending) throws that NumericError, naming the step, which changed no variable and is
-  // not counted. Auto (the default): Device when the gradients and variables are on one GPU,
-  // Host otherwise. Optimizers whose updates do not honour a skip flag (supports_device_skip)
-  // decide on the host.
-  void set_finite_check(StepDecision decision) { finite_check_ = decision; }
+  // reads the flag behind the step without waiting for it; the next apply_gradients (which
+  // then applies nothing either) or check_pending throws that NumericError, naming the step,
+  // which changed no variable and is not counted (until then iterations() counts it; state()
+  // and a copy read the check first). Auto (the default): Device when the gradients and
+  // variables are on one GPU, Host otherwise. Optimizers whose updates do not honour a skip
+  // flag (supports_device_skip) decide on the host. Set on a wrapper without state of its own
+  // (a DistributedOptimizer, a GradientAccumulationOptimizer), it reaches the one it wraps.
+  void set_finite_check(StepDecision decision);
   // Reads the finiteness flags not read yet (a Device decision's, a captured step's replays'),
   // waiting for the device, and throws NumericError for the first that was set; a wrapper
   // reads its own and the wrapped optimizer's. A trainer calls it after its last step.
@@ -246,7 +250,7 @@ class Optimizer {
   // The flags read back behind their steps: read_pending(true) reads them all (waiting),
   // read_pending(false) those already back; either throws NumericError for the first set.
   struct PendingChecks;
-  void read_pending(bool wait);
+  void read_pending(bool wait) const;
 
   std::vector<Tensor> prepare(const std::vector<Tensor>& grads,
                               const std::vector<Variable>& variables);
@@ -254,7 +258,7 @@ class Optimizer {
 
   LearningRate learning_rate_;
   Clipping clipping_;
-  std::int64_t iterations_ = 0;
+  mutable std::int64_t iterations_ = 0;  // (read_pending takes back a skipped step)
   bool check_finite_ = true;
   StepDecision finite_check_ = StepDecision::Auto;
   std::shared_ptr<PendingChecks> pending_;  // never null
