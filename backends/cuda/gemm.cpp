@@ -185,14 +185,24 @@ void set_layout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int64_t row
   }
 }
 
-// A matmul preference limited to kMaxWorkspace bytes of workspace, destroyed with it.
+// A matmul preference, destroyed with it: at most kMaxWorkspace bytes of workspace, operands
+// of the given alignments (our a, b and c: cuBLASLt's B, A, and C and D), and split-K partial
+// sums added in the compute type (float32 for 16-bit and FP8 operands), never in place in the
+// output or in the output type: each result is rounded once, as kernels.h promises and the
+// CPU does, whichever algorithm the heuristic picks.
 struct Preference {
   cublasLtMatmulPreference_t p = nullptr;
-  Preference() {
+  Preference(std::uint32_t align_a, std::uint32_t align_b, std::uint32_t align_c) {
     MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p));
     const std::uint64_t max_workspace = kMaxWorkspace;
-    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace)));
+    set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_workspace);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c);
+    const std::uint32_t reduction =
+        CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
   }
   ~Preference() { cublasLtMatmulPreferenceDestroy(p); }
   Preference(const Preference&) = delete;
@@ -278,19 +288,7 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
                                          &epilogue->aux_ptr, sizeof(epilogue->aux_ptr)));
   }
 
-  Preference pref;
-  // cuBLASLt's A is our B, its B our A; C and D are our C.
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b);
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a);
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c);
-  // Split-K partial sums are added in the compute type (float32 for 16-bit operands),
-  // never in place in the output or in the output type: each result is rounded once, as
-  // kernels.h promises and the CPU does, whichever algorithm the heuristic picks.
-  const std::uint32_t reduction =
-      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
-  choose_algorithm(handle, *plan, pref, epilogue != nullptr);
+  choose_algorithm(handle, *plan, Preference(align_a, align_b, align_c), epilogue != nullptr);
   if (!plan->supported && epilogue)
     // Once per problem (plans are cached): why the linear op computes this epilogue itself.
     spdlog::info(
@@ -423,17 +421,8 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
   set_layout(plan->b.out(), float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
   set_layout(plan->c.out(), out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
   // The scale pointers are set at each call; the heuristic needs the types, the layouts, the
-  // options and the operands' alignment (cuBLASLt's A is b_t, its B a). Split-K partial sums
-  // in float32, never in the output type, as make_plan's.
-  Preference pref;
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b);
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a);
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c);
-  const std::uint32_t reduction =
-      CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  pref.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
-  choose_algorithm(handle, *plan, pref);
+  // options and the operands' alignment (cuBLASLt's A is b_t, its B a).
+  choose_algorithm(handle, *plan, Preference(align_a, align_b, align_c));
   return plan;
 }
 
