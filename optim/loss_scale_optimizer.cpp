@@ -8,12 +8,15 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <optional>
+#include <string>
 
 #include "mixtape/autograd/amp.h"
 #include "mixtape/autograd/ops.h"
 #include "mixtape/autograd/tape.h"
 #include "mixtape/core/backend.h"
 #include "mixtape/core/capture.h"
+#include "mixtape/core/kernels.h"
 #include "optim/optim_util.h"
 
 namespace mixtape::optim {
@@ -23,6 +26,15 @@ namespace {
 const double kMaxLossScale = std::ldexp(1.0, 127);
 // The largest count a checkpoint's double holds exactly: 2^53.
 const double kMaxExactCount = std::ldexp(1.0, 53);
+
+// Why a step cannot be captured with this LossScaleOptimizer.
+std::string not_capturable(const std::string& inner) {
+  return fmt::format(
+      "LossScaleOptimizer: a captured step keeps the loss scale on the device and skips an "
+      "overflowing step there, which needs the gradients on one device (the scale's) and a "
+      "wrapped optimizer whose updates honour the step's flag (SGD, RMSprop, Adam); it wraps {}",
+      inner);
+}
 
 // `o` with a step decided on the device recorded (a copy starts from settled counts).
 const LossScaleOptimizer& synced(const LossScaleOptimizer& o) {
@@ -68,35 +80,77 @@ LossScaleOptimizer::LossScaleOptimizer(const LossScaleOptimizer& other)
   wrap(*inner_, *this);
 }
 
-Tensor LossScaleOptimizer::get_scaled_loss(const Tensor& loss) const {
-  if (!loss.defined()) throw ValueError("LossScaleOptimizer::get_scaled_loss: undefined loss");
-  if (capture::active()) return captured_scaled_loss(loss);
-  sync_step();
-  return loss * scale_;
+kernels::LossScaleRule LossScaleOptimizer::rule() const {
+  return {config_.is_dynamic(), config_.multiplier(), config_.min_scale(), kMaxLossScale,
+          config_.growth_interval()};
 }
 
-Tensor LossScaleOptimizer::captured_scaled_loss(const Tensor& loss) const {
-  // The replays unscale with scale_list (kernels.h), which rounds as unscale_check does when
-  // the inverse is exact: a power of two, as every dynamic scale is.
-  int exponent = 0;
-  if (!config_.is_dynamic() && std::frexp(scale_, &exponent) != 0.5)
-    throw CaptureError(fmt::format(
-        "LossScaleOptimizer: a fixed loss scale of {}, while capturing a step: a captured step "
-        "takes scales that are powers of two (a dynamic scale, or a fixed one such as 1024)",
-        scale_));
-  captured_scale_ = capture::host_written({}, kFloat64, loss.device());
-  captured_inverse_ = capture::host_written({}, kFloat64, loss.device());
-  // Before each replay: the replays before it read (their skips counted, the scale moved as
-  // eager steps move it), then this one's scale to the device.
-  capture::before_replay([this, scale = captured_scale_, inverse = captured_inverse_] {
-    sync_step();
-    const double values[2] = {scale_, 1.0 / scale_};
-    Backend& backend = backend_for(scale.device().type());
-    backend.copy(scale.data_ptr(), scale.device(), &values[0], Device::cpu(), sizeof(double));
-    backend.copy(inverse.data_ptr(), inverse.device(), &values[1], Device::cpu(), sizeof(double));
-  });
-  // loss * scale in the loss's dtype, as the eager product with the scale as a number.
-  return loss * cast(captured_scale_, loss.dtype());
+bool LossScaleOptimizer::scale_on_device(Device device) const {
+  if (!inner_->supports_device_skip()) return false;
+  // A captured step is always decided on the device (apply_captured).
+  if (!capture::active()) {
+    if (options_.decision == StepDecision::Host) return false;
+    if (options_.decision == StepDecision::Auto && device.is_cpu()) return false;
+  }
+  // One copy, on the device of the first step that used it.
+  return !on_device_.scale.defined() || on_device_.scale.device() == device;
+}
+
+const LossScaleOptimizer::DeviceScale& LossScaleOptimizer::device_scale(Device device) const {
+  if (!on_device_.scale.defined()) {
+    // Memory of its own (a hook writes it before a replay: capture::host_written), kept for
+    // the optimizer's life, so that a captured step reads it where later writes go.
+    on_device_ = {capture::host_written({}, kFloat64, device),
+                  capture::host_written({}, kFloat64, device),
+                  capture::host_written({}, kFloat64, device)};
+    on_device_current_ = false;
+  }
+  if (!capture::active()) {
+    write_device_scale();
+  } else {
+    // Before each replay: the replays and eager steps before it read (the wrapped optimizer's
+    // step count needs them), and the host's scale written if the device's is not current.
+    capture::before_replay([this] {
+      sync_step();
+      write_device_scale();
+    });
+  }
+  return on_device_;
+}
+
+void LossScaleOptimizer::write_device_scale() const {
+  if (on_device_current_) return;
+  sync_step();
+  const double values[3] = {scale_, 1.0 / scale_, static_cast<double>(good_steps_)};
+  const Tensor* to[3] = {&on_device_.scale, &on_device_.inverse, &on_device_.good_steps};
+  Backend& backend = backend_for(on_device_.scale.device().type());
+  for (int i = 0; i < 3; ++i)
+    backend.copy(to[i]->data_ptr(), to[i]->device(), &values[i], Device::cpu(), sizeof(double));
+  on_device_current_ = true;
+}
+
+void LossScaleOptimizer::move_device_scale(const Tensor& flag) {
+  // The device's copy moves as record() will move the host's once it reads the flag. Eagerly
+  // only a current copy moves (one behind, after a step decided on the host or a load_state,
+  // is written afresh before its next use); a captured step's always does, as every replay
+  // starts from a current copy (device_scale's hook).
+  if (!config_.is_dynamic() || !on_device_.scale.defined() ||
+      flag.device() != on_device_.scale.device() || (!capture::active() && !on_device_current_))
+    return;
+  find_kernel<kernels::LossScaleUpdateFn>(OpId::loss_scale_update, flag.device().type(), kFloat64)(
+      flag, on_device_.scale, on_device_.inverse, on_device_.good_steps, rule());
+}
+
+Tensor LossScaleOptimizer::get_scaled_loss(const Tensor& loss) const {
+  if (!loss.defined()) throw ValueError("LossScaleOptimizer::get_scaled_loss: undefined loss");
+  if (scale_on_device(loss.device())) {
+    // loss * scale in the loss's dtype, as the product with the scale as a number below, the
+    // scale read on the device: no wait for the previous step's flag.
+    return loss * cast(device_scale(loss.device()).scale, loss.dtype());
+  }
+  if (capture::active()) throw CaptureError(not_capturable(inner_->name()));
+  sync_step();
+  return loss * scale_;
 }
 
 Tensor LossScaleOptimizer::scale_loss(const Tensor& loss) const {
@@ -111,22 +165,23 @@ std::vector<Tensor> LossScaleOptimizer::chain_gradients(GradientTape& tape, cons
 }
 
 std::vector<Tensor> LossScaleOptimizer::get_unscaled_gradients(const std::vector<Tensor>& grads) {
-  if (capture::active()) {
-    if (!captured_inverse_.defined())
-      throw CaptureError(
-          "LossScaleOptimizer::get_unscaled_gradients: the captured step did not scale its loss "
-          "with get_scaled_loss (or compute_gradients) first");
-    // The check, then the gradients times the inverse read on the device.
-    Checked checked = scale_and_flag(grads, 1.0, /*multiply=*/false);
-    std::vector<Tensor> out = scaled_by(grads, captured_inverse_);
-    unscaled_ids_.clear();
-    for (const auto& g : out)
-      if (g.defined()) unscaled_ids_.insert(g.id());
-    unscaled_flags_ = std::move(checked.flags);
-    return out;
+  // The device of the gradients, when they are on one.
+  std::optional<Device> device;
+  bool one_device = true;
+  for (const auto& g : grads) {
+    if (!g.defined()) continue;
+    one_device = one_device && (!device || g.device() == *device);
+    device = g.device();
   }
-  sync_step();
-  Checked checked = scale_and_flag(grads, 1.0 / scale_, /*multiply=*/true);
+  Checked checked;
+  if (device && one_device && scale_on_device(*device)) {
+    // Divided by the scale read on the device: no wait for the previous step's flag.
+    checked = scale_and_flag(grads, 1.0, /*multiply=*/true, device_scale(*device).inverse);
+  } else {
+    if (capture::active()) throw CaptureError(not_capturable(inner_->name()));
+    sync_step();
+    checked = scale_and_flag(grads, 1.0 / scale_, /*multiply=*/true);
+  }
   unscaled_ids_.clear();
   for (const auto& g : checked.out)
     if (g.defined()) unscaled_ids_.insert(g.id());
@@ -168,16 +223,19 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
                     grads.size(), variables.size()));
   check_not_bypassed();
   if (capture::active()) return apply_captured(grads, variables);
+  // The previous step's flag, read now (not before this step's forward and backward pass
+  // were queued): the wrapped optimizer's step count, and so its learning rate, needs it.
   sync_step();
   const std::vector<Tensor> flags = flags_for(grads);
   const WrapperCall call(*inner_);
   unscaled_ids_.clear();
   unscaled_flags_.clear();
   if (decide_on_device(flags, variables)) {
-    // The update kernels skip on the flag; the step is counted now and taken back by
-    // sync_step if the flag turns out set.
-    inner_->step(grads, variables, flags.front());
+    // The update kernels skip on the flag, the scale on the device moves by it; the step is
+    // counted now and taken back by sync_step if the flag turns out set.
     const Tensor& flag = flags.front();
+    inner_->step(grads, variables, flag);
+    move_device_scale(flag);
     pending_ = backend_for(flag.device().type())
                    .read_back(flag.const_data_ptr(), flag.device().index(), sizeof(float));
     return;
@@ -185,6 +243,7 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
   const bool nonfinite = any_set(flags);
   if (!nonfinite) inner_->apply_gradients(grads, variables);
   record(nonfinite);
+  on_device_current_ = false;  // the host's scale moved alone
 }
 
 void LossScaleOptimizer::apply_captured(const std::vector<Tensor>& grads,
@@ -193,15 +252,12 @@ void LossScaleOptimizer::apply_captured(const std::vector<Tensor>& grads,
   // after the replay (sync_step, before the next replay or at any accessor).
   const std::vector<Tensor> flags = flags_for(grads);
   if (flags.size() != 1 || !inner_->supports_device_skip())
-    throw CaptureError(fmt::format(
-        "LossScaleOptimizer: a captured step skips an overflowing step on the device, which "
-        "needs the gradients on one device and a wrapped optimizer whose updates honour the "
-        "flag (SGD, RMSprop, Adam); here {} device(s) and {}",
-        flags.size(), inner_->name()));
+    throw CaptureError(not_capturable(inner_->name()));
   const WrapperCall call(*inner_);
   unscaled_ids_.clear();
   unscaled_flags_.clear();
   inner_->step(grads, variables, flags.front());
+  move_device_scale(flags.front());
   capture::after_replay([this, flag = flags.front()] {
     replay_flags_.push_back(
         backend_for(flag.device().type())
@@ -228,12 +284,11 @@ void LossScaleOptimizer::sync_step() const {
 }
 
 void LossScaleOptimizer::record(bool nonfinite) const {
+  kernels::move_loss_scale(nonfinite, rule(), scale_, good_steps_);
   if (nonfinite) {
     ++skipped_;
     ++consecutive_skips_;
     last_skipped_ = true;
-    good_steps_ = 0;
-    if (config_.is_dynamic()) scale_ = std::max(scale_ / config_.multiplier(), config_.min_scale());
     spdlog::debug("LossScaleOptimizer: non-finite gradients, step skipped; loss scale now {}",
                   scale_);
     if (options_.max_consecutive_skips > 0 && consecutive_skips_ >= options_.max_consecutive_skips)
@@ -248,13 +303,6 @@ void LossScaleOptimizer::record(bool nonfinite) const {
   ++applied_;
   consecutive_skips_ = 0;
   last_skipped_ = false;
-  if (config_.is_dynamic()) {
-    ++good_steps_;
-    if (good_steps_ >= config_.growth_interval()) {
-      scale_ = std::min(scale_ * config_.multiplier(), kMaxLossScale);
-      good_steps_ = 0;
-    }
-  }
 }
 
 double LossScaleOptimizer::loss_scale() const {
@@ -334,6 +382,7 @@ void LossScaleOptimizer::load_state(const OptimizerState& state,
   applied_ = applied;
   skipped_ = skipped;
   consecutive_skips_ = 0;
+  on_device_current_ = false;  // written from these before the next step reads it
 }
 
 LossScaleOptimizer enable_auto_mixed_precision(const Optimizer& optimizer,

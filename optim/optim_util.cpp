@@ -19,7 +19,8 @@ Tensor copy_of(const Tensor& t) {
   return c;
 }
 
-Checked scale_and_flag(const std::vector<Tensor>& grads, double scale, bool multiply) {
+Checked scale_and_flag(const std::vector<Tensor>& grads, double scale, bool multiply,
+                       const Tensor& scale_on_device) {
   NoGradGuard no_grad;
   Checked result;
   result.out.resize(grads.size());
@@ -50,8 +51,11 @@ Checked scale_and_flag(const std::vector<Tensor>& grads, double scale, bool mult
     auto [it, inserted] = flags.try_emplace(key.first);
     if (inserted) it->second = zeros({}, kFloat32, d);
     const DType dt(static_cast<DType::Code>(key.second));
-    find_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, d.type(), dt)(grp.in, grp.out, scale,
-                                                                            it->second);
+    if (scale_on_device.defined() && scale_on_device.device() != d)
+      throw DeviceError(fmt::format("unscale_check: the gradients are on {}, the scale on {}", d,
+                                    scale_on_device.device()));
+    find_kernel<kernels::UnscaleCheckFn>(OpId::unscale_check, d.type(), dt)(
+        grp.in, grp.out, scale, scale_on_device, it->second);
   }
   for (auto& [key, flag] : flags) result.flags.push_back(std::move(flag));
   return result;

@@ -31,7 +31,10 @@ struct Checked {
   std::vector<Tensor> out;
   std::vector<Tensor> flags;
 };
-Checked scale_and_flag(const std::vector<Tensor>& grads, double scale, bool multiply);
+// scale_on_device, when defined (a float64 scalar on the gradients' device, all of them
+// there), is read by the kernels in place of `scale`: no host read of a scale kept there.
+Checked scale_and_flag(const std::vector<Tensor>& grads, double scale, bool multiply,
+                       const Tensor& scale_on_device = Tensor());
 // Whether any flag is set (one read per flag).
 bool any_set(const std::vector<Tensor>& flags);
 

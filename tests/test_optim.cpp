@@ -577,6 +577,10 @@ TEST_CASE("loss scale optimizer: steps decided on the device end as steps decide
   const std::vector<double> first = {inf, 0.3, 0.2, nan, -0.4, inf, 0.1, 0.7, -0.2, 0.05, 0.3};
   for (std::size_t s = 0; s < first.size(); ++s) {
     INFO("step " << s);
+    // The loss scaled with the scale kept on the device (moved there by the last step's flag,
+    // not read by the host yet) as with the host's.
+    const mt::Tensor loss = vec({1.0 + 0.1 * static_cast<double>(s)});
+    CHECK(values(device.get_scaled_loss(loss)) == values(host.get_scaled_loss(loss)));
     const std::vector<double> g = {first[s], -0.25, 0.125};
     const auto gh = host.get_unscaled_gradients({vec({g[0] * 256, g[1] * 256, g[2] * 256})});
     const auto gd = device.get_unscaled_gradients({vec({g[0] * 256, g[1] * 256, g[2] * 256})});
@@ -602,6 +606,14 @@ TEST_CASE("loss scale optimizer: steps decided on the device end as steps decide
   const auto state_h = host.state({wh}), state_d = device.state({wd});
   CHECK(state_d.scalars == state_h.scalars);
   CHECK(state_d.iterations == state_h.iterations);
+
+  // A loaded state replaces the scale on the device too: the next step scales and unscales
+  // with the loaded one.
+  mo::OptimizerState loaded = state_d;
+  loaded.scalars["loss_scale"] = 1000.0;
+  device.load_state(loaded, {wd});
+  CHECK(values(device.get_scaled_loss(vec({1.5}))) == std::vector<double>{1500.0});
+  CHECK(values(device.get_unscaled_gradients({vec({500.0})})[0]) == std::vector<double>{0.5});
 
   // The stuck-scale guard: the third skip in a row throws from the call after it.
   mo::LossScaleOptimizer stuck = make(mo::StepDecision::Device);

@@ -1,7 +1,8 @@
 // CPU training kernels: unscale_check (multiply gradients by the loss-scale inverse and
-// look for non-finite values in the same pass), global-norm clipping's sum_squares and
-// scale_list, the tape's cast_list, and the in-place optimizer updates sgd_update,
-// rmsprop_update and adam_update (see kernels.h for their exact semantics).
+// look for non-finite values in the same pass), loss_scale_update (the scale kept on the
+// device), global-norm clipping's sum_squares and scale_list, the tape's cast_list, and the
+// in-place optimizer updates sgd_update, rmsprop_update and adam_update (see kernels.h for
+// their exact semantics).
 //
 // Every kernel walks its tensors in blocks of kBlock elements with parallel_blocks (one
 // thread up to kParallelGrain elements). float32 and float64 blocks are updated in place
@@ -140,7 +141,10 @@ bool unscale_one(const T* x, T* y, int64_t numel, double scale) {
 // and found_nonfinite set to 1 when any gradient holds an inf or NaN (never cleared).
 template <typename T>
 void unscale_check_kernel(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
-                          double scale, const Tensor& found_nonfinite) {
+                          double scale, const Tensor& scale_on_device,
+                          const Tensor& found_nonfinite) {
+  if (scale_on_device.defined())
+    scale = *static_cast<const double*>(scale_on_device.const_data_ptr());
   [[maybe_unused]] const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
   bool found = false;
   for (std::size_t i = 0; i < grads.size(); ++i) {
@@ -156,6 +160,21 @@ void unscale_check_kernel(const std::vector<Tensor>& grads, const std::vector<Te
     found = found || f;
   }
   if (found) *static_cast<float*>(found_nonfinite.data_ptr()) = 1.0f;
+}
+
+// --- loss_scale_update ---------------------------------------------------------------------
+
+// The scale kept on the device moved by the flag of the step (kernels.h's move_loss_scale).
+template <typename T>
+void loss_scale_update_kernel(const Tensor& found_nonfinite, const Tensor& scale,
+                              const Tensor& inverse, const Tensor& good_steps,
+                              const kernels::LossScaleRule& rule) {
+  static_assert(std::is_same_v<T, double>, "the loss scale is kept in float64");
+  const bool nonfinite = *static_cast<const float*>(found_nonfinite.const_data_ptr()) != 0.0f;
+  double& s = *static_cast<double*>(scale.data_ptr());
+  double& good = *static_cast<double*>(good_steps.data_ptr());
+  kernels::move_loss_scale(nonfinite, rule, s, good);
+  *static_cast<double*>(inverse.data_ptr()) = 1.0 / s;
 }
 
 // --- sum_squares and scale_list (global-norm clipping) -----------------------------------
@@ -508,6 +527,7 @@ void adam_kernel(std::span<const OptimizerUpdate> updates) {
 
 void register_optim_kernels() {
   MIXTAPE_CPU_KERNEL(unscale_check, unscale_check_kernel);
+  MIXTAPE_CPU_KERNEL(loss_scale_update, loss_scale_update_kernel);
   MIXTAPE_CPU_KERNEL(sum_squares, sum_squares_kernel);
   MIXTAPE_CPU_KERNEL(scale_list, scale_list_kernel);
   MIXTAPE_CPU_KERNEL(cast_list, cast_list_kernel);

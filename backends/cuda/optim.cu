@@ -1,8 +1,8 @@
-// CUDA training kernels: unscale_check, global-norm clipping's sum_squares and scale_list,
-// the tape's cast_list, and the in-place optimizer updates sgd_update, rmsprop_update and
-// adam_update, for float32, float16, bfloat16 and float64 variables (slots float32, float64
-// for float64), with the CPU backend's exact arithmetic (backends/cpu/optim.cpp; sum_squares adds
-// in an order of its own, fixed by the sizes):
+// CUDA training kernels: unscale_check, loss_scale_update, global-norm clipping's
+// sum_squares and scale_list, the tape's cast_list, and the in-place optimizer updates
+// sgd_update, rmsprop_update and adam_update, for float32, float16, bfloat16 and float64
+// variables (slots float32, float64 for float64), with the CPU backend's exact arithmetic
+// (backends/cpu/optim.cpp; sum_squares adds in an order of its own, fixed by the sizes):
 //  - the update math runs in the slot type, operation by operation as the CPU writes it,
 //    with the round-to-nearest intrinsics (__fmul_rn, __dadd_rn, ...) so that nvcc does not
 //    contract a * b + c into an FMA: the results are the CPU's, bit for bit, where the CPU
@@ -84,8 +84,15 @@ void for_each_chunk(const std::vector<Tensor>& xs, const std::vector<Tensor>& ou
 }
 
 // T: the gradients' device type. kFloatScale: float32 gradients multiply in float32.
+// scale_on_device, when not null, holds the scale (then kFloatScale is decided here, from it,
+// as the host decides it from `scale`).
 template <typename T, bool kFloatScale>
-__global__ void unscale_check_kernel(UnscaleList list, double scale, float* flag) {
+__global__ void unscale_check_kernel(UnscaleList list, double scale, const double* scale_on_device,
+                                     float* flag) {
+  if (scale_on_device != nullptr) scale = *scale_on_device;
+  [[maybe_unused]] const bool float_scale =
+      scale_on_device != nullptr ? static_cast<double>(static_cast<float>(scale)) == scale
+                                 : kFloatScale;
   bool found = false;
   for (int t = 0; t < list.count; ++t) {
     const T* x = static_cast<const T*>(list.in[t]);
@@ -97,10 +104,9 @@ __global__ void unscale_check_kernel(UnscaleList list, double scale, float* flag
       if (y != nullptr) {
         if constexpr (std::is_same_v<T, double>)
           y[i] = __dmul_rn(v, scale);
-        else if constexpr (std::is_same_v<T, float> && kFloatScale)
-          y[i] = __fmul_rn(v, static_cast<float>(scale));
         else if constexpr (std::is_same_v<T, float>)
-          y[i] = static_cast<float>(__dmul_rn(static_cast<double>(v), scale));
+          y[i] = float_scale ? __fmul_rn(v, static_cast<float>(scale))
+                             : static_cast<float>(__dmul_rn(static_cast<double>(v), scale));
         else
           y[i] = store<T>(round_to_odd(__dmul_rn(static_cast<double>(v), scale)));
       }
@@ -111,22 +117,50 @@ __global__ void unscale_check_kernel(UnscaleList list, double scale, float* flag
 
 template <typename T>
 void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
-                        double scale, const Tensor& found_nonfinite) {
+                        double scale, const Tensor& scale_on_device,
+                        const Tensor& found_nonfinite) {
   if (grads.empty()) return;
   OnDevice on(found_nonfinite);
   auto* flag = static_cast<float*>(found_nonfinite.data_ptr());
+  const auto* on_device = scale_on_device.defined()
+                              ? static_cast<const double*>(scale_on_device.const_data_ptr())
+                              : nullptr;
   const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
   for_each_chunk(grads, outs, [&](const UnscaleList& list, int64_t widest) {
     const Launch1d grid("unscale_check kernel", widest, on.s);
-    if constexpr (std::is_same_v<T, float>) {
-      if (float_scale)
-        launch_1d(grid, unscale_check_kernel<T, true>, list, scale, flag);
-      else
-        launch_1d(grid, unscale_check_kernel<T, false>, list, scale, flag);
-    } else {
-      launch_1d(grid, unscale_check_kernel<T, false>, list, scale, flag);
-    }
+    if (float_scale)
+      launch_1d(grid, unscale_check_kernel<T, true>, list, scale, on_device, flag);
+    else
+      launch_1d(grid, unscale_check_kernel<T, false>, list, scale, on_device, flag);
   });
+}
+
+// --- loss_scale_update ---------------------------------------------------------------------
+// One thread moves the scale kept on the device by the step's flag, with kernels.h's
+// move_loss_scale (the rule the LossScaleOptimizer's host copy follows; its double division
+// and product are IEEE's, nothing to contract) and writes 1 / scale beside it.
+
+__global__ void loss_scale_update_kernel(const float* flag, double* scale, double* inverse,
+                                         double* good_steps, kernels::LossScaleRule rule) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double s = *scale;
+  double good = *good_steps;
+  kernels::move_loss_scale(*flag != 0.0f, rule, s, good);
+  *scale = s;
+  *good_steps = good;
+  *inverse = __ddiv_rn(1.0, s);
+}
+
+template <typename T>
+void loss_scale_update_host(const Tensor& found_nonfinite, const Tensor& scale,
+                            const Tensor& inverse, const Tensor& good_steps,
+                            const kernels::LossScaleRule& rule) {
+  static_assert(std::is_same_v<T, double>, "the loss scale is kept in float64");
+  OnDevice on(scale);
+  launch_1d(Launch1d("loss_scale_update kernel", 1, on.s), loss_scale_update_kernel,
+            static_cast<const float*>(found_nonfinite.const_data_ptr()),
+            static_cast<double*>(scale.data_ptr()), static_cast<double*>(inverse.data_ptr()),
+            static_cast<double*>(good_steps.data_ptr()), rule);
 }
 
 // --- sum_squares and scale_list (global-norm clipping) -------------------------------------
@@ -499,6 +533,7 @@ void adam_host(std::span<const OptimizerUpdate> updates) {
 
 void register_optim_kernels() {
   MIXTAPE_CUDA_KERNEL(unscale_check, unscale_check_host);
+  MIXTAPE_CUDA_KERNEL(loss_scale_update, loss_scale_update_host);
   MIXTAPE_CUDA_KERNEL(sum_squares, sum_squares_host);
   MIXTAPE_CUDA_KERNEL(scale_list, scale_list_host);
   MIXTAPE_CUDA_KERNEL(cast_list, cast_list_host);

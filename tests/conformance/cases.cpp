@@ -1089,43 +1089,107 @@ void unscale_check(Context& c) {
                                 {{{2, 3}, {9}}, kNaN},
                                 {{{5}}, -kInf}};
   int number = 0;
-  for (const auto& cs : cases) {
-    std::vector<Tensor> grads, outs, ref_grads, ref_outs;
-    std::vector<Pair> separate;
-    for (std::size_t i = 0; i < cs.shapes.size(); ++i) {
-      Pair g = c.uniform(cs.shapes[i], -100.0, 100.0);
-      if (cs.special != 0.0 && i + 1 == cs.shapes.size()) {
-        std::vector<double> v = g.ref.to_vector<double>();
-        v[v.size() / 2] = cs.special;
-        std::size_t j = 0;
-        g = c.make(cs.shapes[i], [&] { return v[j++]; });
+  // Each case with the scale passed as a number and read from a float64 scalar on the device
+  // (the number then unused), a power of two and a scale that is not a float32 value.
+  struct ScaleCase {
+    double value;
+    bool on_device;
+  };
+  for (const ScaleCase scale : {ScaleCase{1.0 / 128.0, false}, ScaleCase{1.0 / 128.0, true},
+                                ScaleCase{0.3, false}, ScaleCase{0.3, true}})
+    for (const auto& cs : cases) {
+      std::vector<Tensor> grads, outs, ref_grads, ref_outs;
+      std::vector<Pair> separate;
+      for (std::size_t i = 0; i < cs.shapes.size(); ++i) {
+        Pair g = c.uniform(cs.shapes[i], -100.0, 100.0);
+        if (cs.special != 0.0 && i + 1 == cs.shapes.size()) {
+          std::vector<double> v = g.ref.to_vector<double>();
+          v[v.size() / 2] = cs.special;
+          std::size_t j = 0;
+          g = c.make(cs.shapes[i], [&] { return v[j++]; });
+        }
+        grads.push_back(g.tested);
+        ref_grads.push_back(g.ref);
+        // Outputs: in place, into a separate tensor, or none.
+        switch (i % 3) {
+          case 0:
+            outs.push_back(g.tested), ref_outs.push_back(g.ref);
+            break;
+          case 1:
+            separate.push_back(c.output(cs.shapes[i]));
+            outs.push_back(separate.back().tested), ref_outs.push_back(separate.back().ref);
+            break;
+          default:
+            outs.emplace_back(), ref_outs.emplace_back();
+        }
       }
-      grads.push_back(g.tested);
-      ref_grads.push_back(g.ref);
-      // Outputs: in place, into a separate tensor, or none.
-      switch (i % 3) {
-        case 0:
-          outs.push_back(g.tested), ref_outs.push_back(g.ref);
-          break;
-        case 1:
-          separate.push_back(c.output(cs.shapes[i]));
-          outs.push_back(separate.back().tested), ref_outs.push_back(separate.back().ref);
-          break;
-        default:
-          outs.emplace_back(), ref_outs.emplace_back();
-      }
+      const Pair flag = c.make(
+          {}, [] { return 0.0; }, kFloat32);
+      const Tensor ref_flag = zeros({}, kFloat32);
+      const Tensor scale_on_device = scale.on_device
+                                         ? c.make(
+                                                {}, [&] { return scale.value; }, kFloat64)
+                                               .tested
+                                         : Tensor();
+      fn(grads, outs, scale.on_device ? 5.0 : scale.value, scale_on_device, flag.tested);
+      ref(ref_grads, ref_outs, scale.value, Tensor(), ref_flag);
+      const std::string what =
+          fmt::format("case {} ({} gradients, scale {}{})", number++, cs.shapes.size(), scale.value,
+                      scale.on_device ? " read on the device" : "");
+      for (std::size_t i = 0; i < outs.size(); ++i)
+        if (outs[i].defined())
+          c.expect_close(what + fmt::format(", output {}", i), outs[i], ref_outs[i]);
+      c.expect_equal(what + ", the non-finite flag", flag.tested, ref_flag);
     }
-    const Pair flag = c.make(
-        {}, [] { return 0.0; }, kFloat32);
-    const Tensor ref_flag = zeros({}, kFloat32);
-    fn(grads, outs, 1.0 / 128.0, flag.tested);
-    ref(ref_grads, ref_outs, 1.0 / 128.0, ref_flag);
-    const std::string what = fmt::format("case {} ({} gradients)", number++, cs.shapes.size());
-    for (std::size_t i = 0; i < outs.size(); ++i)
-      if (outs[i].defined())
-        c.expect_close(what + fmt::format(", output {}", i), outs[i], ref_outs[i]);
-    c.expect_equal(what + ", the non-finite flag", flag.tested, ref_flag);
-  }
+}
+
+// The loss scale kept on the device, through a script of flags that grows it to its ceiling
+// and drops it to its floor, against the rule written out here (kernels.h): the scale, its
+// inverse and the count of good steps bit for bit after every step; then a fixed scale.
+void loss_scale_update(Context& c) {
+  auto* fn = tested_kernel<kernels::LossScaleUpdateFn>(c);
+  struct Expected {
+    double scale, inverse, good;
+  };
+  const auto run = [&](const std::string& name, const kernels::LossScaleRule& rule, double start,
+                       const std::vector<float>& flags) {
+    const auto scalar = [&](double v) {
+      return c
+          .make(
+              {}, [v] { return v; }, kFloat64)
+          .tested;
+    };
+    const Tensor scale = scalar(start), inverse = scalar(kNaN), good = scalar(0.0);
+    Expected e{start, 1.0 / start, 0.0};
+    for (std::size_t i = 0; i < flags.size(); ++i) {
+      if (flags[i] != 0.0f) {
+        e.good = 0.0;
+        if (rule.dynamic) e.scale = std::max(e.scale / rule.multiplier, rule.min_scale);
+      } else if (rule.dynamic && ++e.good == static_cast<double>(rule.growth_interval)) {
+        e.scale = std::min(e.scale * rule.multiplier, rule.max_scale);
+        e.good = 0.0;
+      }
+      e.inverse = 1.0 / e.scale;
+      fn(c.make(
+              {}, [f = flags[i]] { return f; }, kFloat32)
+             .tested,
+         scale, inverse, good, rule);
+      const std::string what = fmt::format("{}, step {}", name, i);
+      const auto value = [](double v) { return from_vector(std::vector<double>{v}, {}, kFloat64); };
+      c.expect_equal(what + ", scale", scale, value(e.scale));
+      c.expect_equal(what + ", inverse", inverse, value(e.inverse));
+      c.expect_equal(what + ", good steps", good, value(e.good));
+    }
+  };
+  const std::vector<float> flags = {0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0};
+  run("dynamic",
+      {.dynamic = true,
+       .multiplier = 3.0,
+       .min_scale = 0.75,
+       .max_scale = 1000.0,
+       .growth_interval = 2},
+      48.0, flags);
+  run("fixed", {.dynamic = false, .max_scale = 1000.0}, 1000.0, flags);
 }
 
 // Global-norm clipping's kernels over lists that cross the CUDA backend's chunks of 128
@@ -1419,6 +1483,7 @@ Driver driver_for(OpId op) {
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;
   if (k == "Pool2dFn" || k == "Pool2dBackwardFn") return pool;
   if (k == "UnscaleCheckFn") return unscale_check;
+  if (k == "LossScaleUpdateFn") return loss_scale_update;
   if (k == "SumSquaresFn" || k == "ScaleListFn") return clip_lists;
   if (k == "CastListFn") return cast_list;
   if (k == "OptimizerUpdateFn") return optimizer;

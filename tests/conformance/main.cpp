@@ -80,8 +80,12 @@ Status planned(mt::OpId op, mt::DType dt, const Backend& b) {
   if (!registered) return Status::Missing;
   if (!mc::has_driver(op)) return Status::NoDriver;
   if (!b.has_device) return Status::NoDevice;
-  // The CPU's float64 kernels are the reference of every other.
-  if (b.type == mt::DeviceType::CPU && dt == mt::kFloat64) return Status::Reference;
+  // The CPU's float64 kernels are the reference of every other; an op of float64 alone (the
+  // loss scale kept on the device) is checked against the rule its driver writes out, on the
+  // CPU too.
+  if (b.type == mt::DeviceType::CPU && dt == mt::kFloat64 &&
+      !(info.dtypes == mt::dtype_sets::Float64))
+    return Status::Reference;
   return Status::Planned;
 }
 

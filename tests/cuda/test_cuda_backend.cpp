@@ -112,8 +112,9 @@ TEST_CASE("cuda backend: a model trains on the GPU like on the CPU", "[cuda]") {
 
 TEST_CASE("cuda backend: a loss scale optimizer decides its steps on the device", "[cuda]") {
   // The same script of finite and overflowing gradients on the CPU (the flag read before
-  // each update) and on the GPU (StepDecision::Auto: decided on the device, read a call
-  // later): the same weights, slots, scale and counts after every step.
+  // each update) and on the GPU (StepDecision::Auto: decided on the device, read a step
+  // later, the scale moved on the device): the same scaled losses, weights, slots, scale and
+  // counts.
   auto make = [](mt::optim::StepDecision decision) {
     return mt::optim::LossScaleOptimizer(
         mt::optim::Adam({.learning_rate = mt::optim::schedules::cosine_decay(0.1, 12)}),
@@ -134,11 +135,17 @@ TEST_CASE("cuda backend: a loss scale optimizer decides its steps on the device"
       v[17] = poison[s];
       g = mt::from_vector(v, {300}, mt::kFloat32, mt::Device::cpu());
     }
+    // The loss scaled by the GPU's copy of the scale (moved there by the last step's flag,
+    // which the host has not read) as by the CPU's.
+    const mt::Tensor loss = ctest_util::random({}, mt::kFloat32, 900 + s);
+    const mt::Tensor loss_cpu = on_cpu.get_scaled_loss(loss);
+    const mt::Tensor loss_gpu = on_gpu.get_scaled_loss(loss.to(kGpu)).to(mt::Device::cpu());
+    CHECK(loss_gpu.item<float>() == loss_cpu.item<float>());
     const double scale = on_cpu.loss_scale();
     const mt::Tensor scaled = g * scale;
     on_cpu.apply_gradients(on_cpu.get_unscaled_gradients({scaled}), {wc});
     // The GPU's step: no accessor between the calls, so its decision stays on the device
-    // until the next step's get_unscaled_gradients.
+    // until the next step's apply_gradients.
     on_gpu.apply_gradients(on_gpu.get_unscaled_gradients({scaled.to(kGpu)}), {wg});
   }
   CHECK(on_gpu.loss_scale() == on_cpu.loss_scale());

@@ -351,13 +351,16 @@ void poke(UnscaleSet& s, std::size_t i, int64_t at, double v) {
 }
 
 // Runs unscale_check on both sides; compares outputs (and in-place gradients) bit for bit.
+// scale_on_gpu: the GPU's kernel reads the scale from a float64 scalar on the GPU (a scale kept
+// on the device), the number it is passed being another.
 void run_and_compare(UnscaleSet& s, DType dt, double scale, const Tensor& flag_cpu,
-                     const Tensor& flag_gpu, const std::string& what) {
-  INFO(what);
+                     const Tensor& flag_gpu, const std::string& what, bool scale_on_gpu = false) {
+  INFO(what << (scale_on_gpu ? ", the scale read on the GPU" : ""));
   cpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)(s.grads_cpu, s.outs_cpu, scale,
-                                                                   flag_cpu);
-  gpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)(s.grads_gpu, s.outs_gpu, scale,
-                                                                   flag_gpu);
+                                                                   Tensor(), flag_cpu);
+  const Tensor on_gpu = scale_on_gpu ? gpu(mt::full(Shape{}, scale, mt::kFloat64)) : Tensor();
+  gpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)(
+      s.grads_gpu, s.outs_gpu, scale_on_gpu ? 5.0 : scale, on_gpu, flag_gpu);
   for (std::size_t i = 0; i < s.outs_cpu.size(); ++i) {
     INFO("tensor " << i);
     CHECK(s.outs_cpu[i].defined() == s.outs_gpu[i].defined());
@@ -387,6 +390,9 @@ TEST_CASE("cuda unscale_check: outputs bit for bit and the non-finite flag", "[c
       run_and_compare(s, dt, scale, flag_cpu, flag_gpu, "finite gradients");
       CHECK(flag_cpu.item<float>() == 0.0f);
       CHECK(flag_gpu.item<float>() == 0.0f);
+      UnscaleSet on_gpu = make_set(dt, shapes, kinds, seed += 10);
+      run_and_compare(on_gpu, dt, scale, flag_cpu, flag_gpu, "finite gradients", true);
+      CHECK(flag_gpu.item<float>() == 0.0f);
       // One non-finite value anywhere sets the flag.
       struct Poke {
         std::size_t tensor;
@@ -412,7 +418,7 @@ TEST_CASE("cuda unscale_check: outputs bit for bit and the non-finite flag", "[c
     // An empty list does nothing; a list longer than one launch takes (300 tensors), with a
     // NaN in tensor 250 only.
     Tensor fg = mt::zeros({}, mt::kFloat32, cu::kGpu);
-    gpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)({}, {}, 0.5, fg);
+    gpu_kernel<mt::kernels::UnscaleCheckFn>(OpId::unscale_check, dt)({}, {}, 0.5, Tensor(), fg);
     CHECK(fg.item<float>() == 0.0f);
     std::vector<Shape> many(300, Shape{7});
     std::vector<OutKind> many_kinds;

@@ -105,6 +105,8 @@ inline constexpr DTypeSet Floating{kFloat32, kFloat16, kBFloat16, kFloat64};
 inline constexpr DTypeSet Numeric{kFloat32, kFloat16, kBFloat16, kFloat64, kInt32, kInt64};
 inline constexpr DTypeSet All{kFloat32, kFloat16, kBFloat16, kFloat64,
                               kInt32,   kInt64,   kUInt8,    kBool};
+// float64 alone: state the device keeps in float64 (the loss scale).
+inline constexpr DTypeSet Float64{kFloat64};
 // The float8 dtypes: the scaled FP8 matmul.
 inline constexpr DTypeSet Float8{kFloat8E4M3FN, kFloat8E5M2};
 // All and the float8 dtypes: the ops that only move and convert values (copy, fill, cast).

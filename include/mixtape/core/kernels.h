@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "mixtape/core/dispatch.h"
+#include "mixtape/core/host_device.h"
 #include "mixtape/core/tensor.h"
 
 namespace mixtape::kernels {
@@ -289,8 +290,55 @@ using IndexAddFn = void(const Tensor& src, const Tensor& index, std::int64_t out
 // on the same device) is set to 1 (it is never cleared, so several calls accumulate).
 // Every grads[i] is contiguous and has the dtype the kernel is keyed on. Loss scaling
 // unscales all gradients with one call per dtype and reads the flag once.
+// scale_on_device, when defined, is a float64 scalar on the gradients' device that the
+// kernel reads there, when it runs, in place of `scale` (the same arithmetic, bit for bit):
+// a loss scale kept on the device (loss_scale_update) is never read back by the host.
 using UnscaleCheckFn = void(const std::vector<Tensor>& grads, const std::vector<Tensor>& outs,
-                            double scale, const Tensor& found_nonfinite);
+                            double scale, const Tensor& scale_on_device,
+                            const Tensor& found_nonfinite);
+
+// The rule of a dynamic loss scale (mixtape/precision/loss_scale.h), written once for the
+// LossScaleOptimizer's host copy and for loss_scale_update on every backend, so that the
+// two move alike, bit for bit. After a step whose gradients were not finite: good_steps
+// restarts and a dynamic scale is divided by the multiplier, not below min_scale. After a
+// finite step, for a dynamic scale: one more good step, and at growth_interval of them the
+// scale is multiplied, not beyond max_scale, and the count restarts. A fixed scale never
+// moves. Count: the host's int64 or the device's float64 (exact to 2^53).
+struct LossScaleRule {
+  bool dynamic = true;
+  double multiplier = 2.0, min_scale = 1.0, max_scale = 0.0;
+  std::int64_t growth_interval = 2000;
+};
+template <typename Count>
+MIXTAPE_HOST_DEVICE inline void move_loss_scale(bool nonfinite, const LossScaleRule& rule,
+                                                double& scale, Count& good_steps) {
+  if (nonfinite) {
+    good_steps = 0;
+    if (rule.dynamic) {
+      const double lower = scale / rule.multiplier;
+      scale = lower < rule.min_scale ? rule.min_scale : lower;
+    }
+    return;
+  }
+  if (!rule.dynamic) return;
+  good_steps = good_steps + 1;
+  if (good_steps >= static_cast<Count>(rule.growth_interval)) {
+    const double higher = scale * rule.multiplier;
+    scale = higher > rule.max_scale ? rule.max_scale : higher;
+    good_steps = 0;
+  }
+}
+
+// loss_scale_update: a loss scale kept on the device moved after a step decided there.
+// found_nonfinite is the step's flag (unscale_check's, a float32 scalar); scale, inverse
+// and good_steps are float64 scalars on its device, updated in place: move_loss_scale with
+// nonfinite = (flag != 0), then inverse = 1 / scale. The LossScaleOptimizer queues it
+// behind the step's updates, so the next step's get_scaled_loss and get_unscaled_gradients
+// read their scale on the device instead of waiting for the host to read the flag. Keyed
+// on float64 (the state's dtype).
+using LossScaleUpdateFn = void(const Tensor& found_nonfinite, const Tensor& scale,
+                               const Tensor& inverse, const Tensor& good_steps,
+                               const LossScaleRule& rule);
 
 // sum_squares: out (a float64 scalar on xs' device, added to, not cleared) += the sum over
 // every xs[i] (contiguous, the dtype the kernel is keyed on) of its elements squared, each

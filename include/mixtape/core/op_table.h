@@ -16,7 +16,8 @@
 //   dtypes  the dtypes every backend must have a kernel for: Floating (float32, float16,
 //           bfloat16, float64), Numeric (Floating, int32, int64), All (Numeric, uint8,
 //           bool), Storage (All, float8_e4m3fn, float8_e5m2: copy, fill and cast), Float8
-//           (float8_e4m3fn, float8_e5m2: scaled_matmul), None;
+//           (float8_e4m3fn, float8_e5m2: scaled_matmul), Float64 (float64 alone: the loss
+//           scale kept on the device), None;
 //   amp     the op's default category for automatic mixed precision (allow, infer, deny,
 //           clear; mixtape/autograd/amp.h), or hidden: the rewrite never sees the op (it
 //           runs inside another op, or is not a model op);
@@ -126,6 +127,7 @@
   X(concat,                   NoKernel,                None,     clear,  true)                  \
   /* training (gradient widening, the loss-scale check, clipping, the optimizers' updates) */   \
   X(unscale_check,            UnscaleCheckFn,          Floating, hidden, false)                 \
+  X(loss_scale_update,        LossScaleUpdateFn,       Float64,  hidden, false)                 \
   X(sum_squares,              SumSquaresFn,            Floating, hidden, false)                 \
   X(scale_list,               ScaleListFn,             Floating, hidden, false)                 \
   X(cast_list,                CastListFn,              Floating, hidden, false)                 \

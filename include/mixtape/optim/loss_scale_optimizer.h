@@ -21,12 +21,16 @@
 // instead of skipping silently forever.
 //
 // On a GPU the decision is made on the device (StepDecision::Auto): the flag of the
-// finiteness check goes to the update kernels, which change nothing when it is set, and the
-// host reads it one step later, without waiting for the device (a copy queued behind the
-// check). The counts, the scale and the iteration count are then brought up to date by the
-// next call that needs them: get_scaled_loss, get_unscaled_gradients, apply_gradients, any
-// accessor, state, or sync_step(). They end up as with a read per step, bit for bit; only a
-// NumericError for max_consecutive_skips comes from that next call.
+// finiteness check goes to the update kernels, which change nothing when it is set, and to
+// a copy of the scale kept on the device, which moves by it (loss_scale_update, kernels.h);
+// the host reads the flag one step later, without waiting for the device (a copy queued
+// behind the check). get_scaled_loss and get_unscaled_gradients read the device's scale, so
+// the host first waits in the next apply_gradients, for the step before, with this step's
+// forward and backward pass queued (the wrapped optimizer's step count and learning rate
+// need to know whether that step counted). The counts, the host's scale and the iteration
+// count are brought up to date by apply_gradients, any accessor, state, or sync_step(). They
+// end up as with a read per step, bit for bit; only a NumericError for
+// max_consecutive_skips comes from that next call.
 #pragma once
 
 #include <concepts>
@@ -38,6 +42,10 @@
 #include "mixtape/core/backend.h"
 #include "mixtape/optim/optimizer.h"
 #include "mixtape/precision/loss_scale.h"
+
+namespace mixtape::kernels {
+struct LossScaleRule;
+}
 
 namespace mixtape::optim {
 
@@ -136,10 +144,24 @@ class LossScaleOptimizer : public Optimizer {
   void record(bool nonfinite) const;
   // apply_gradients in a captured step: decided on the device, the flag read after each replay.
   void apply_captured(const std::vector<Tensor>& grads, const std::vector<Variable>& variables);
-  // get_scaled_loss in a captured step (mixtape/core/capture.h): the loss times the scale
-  // read from the device, where the host writes it (and its inverse, for the unscaling)
-  // before each replay, once sync_step has read the replays before.
-  Tensor captured_scaled_loss(const Tensor& loss) const;
+
+  // The scale kept on the device: float64 scalars there, read by get_scaled_loss's product
+  // and get_unscaled_gradients' kernel (the inverse), moved behind each step decided on the
+  // device by loss_scale_update (the good steps too, for the rule).
+  struct DeviceScale {
+    Tensor scale, inverse, good_steps;
+  };
+  // config_'s rule (kernels.h): the one record() and loss_scale_update follow.
+  kernels::LossScaleRule rule() const;
+  // Whether a step on `device` reads its scale there: the step is decided there (or
+  // captured) and the wrapped optimizer's updates honour the flag.
+  bool scale_on_device(Device device) const;
+  // The device's scale, made on `device` at the first use and written from the host's when
+  // it is not current (outside a capture now; in a captured step before each replay).
+  const DeviceScale& device_scale(Device device) const;
+  void write_device_scale() const;
+  // Queues loss_scale_update by `flag` when the device's scale is current.
+  void move_device_scale(const Tensor& flag);
 
   std::shared_ptr<Optimizer> inner_;
   LossScale config_;
@@ -151,10 +173,12 @@ class LossScaleOptimizer : public Optimizer {
   mutable bool last_skipped_ = false;
   // The flag of the step decided on the device and not read yet.
   mutable std::unique_ptr<PendingRead> pending_;
-  // Under a captured step: the scale and its inverse on the device (float64 scalars), and the
-  // flags of the replays not read yet, oldest first.
-  mutable Tensor captured_scale_, captured_inverse_;
+  // The flags of the captured step's replays not read yet, oldest first.
   mutable std::deque<std::unique_ptr<PendingRead>> replay_flags_;
+  // The scale on the device, and whether it is the scale after every step queued so far
+  // (false after a step decided on the host or a load_state: written afresh before its use).
+  mutable DeviceScale on_device_;
+  mutable bool on_device_current_ = false;
   // The result of the latest get_unscaled_gradients, for the apply_gradients that follows.
   std::unordered_set<std::uint64_t> unscaled_ids_;
   std::vector<Tensor> unscaled_flags_;
