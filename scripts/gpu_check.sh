@@ -102,7 +102,7 @@ note "tools: $(for t in compute-sanitizer ncu stdbuf python3; do command -v "$t"
 if want fresh; then
   for group in "attention attention_backward" "linear linear_backward" \
     "layer_norm layer_norm_backward softmax_cross_entropy softmax_cross_entropy_backward dropout" \
-    "adam_update sgd_update rmsprop_update sum_squares scale_list cast_list unscale_check" \
+    "adam_update sgd_update rmsprop_update sum_squares scale_list cast_list unscale_check loss_scale_update" \
     "scaled_matmul cast"; do
     ops=()
     for op in $group; do ops+=(--op "$op"); done
@@ -151,7 +151,7 @@ elif want sanitize; then
   fresh_ops=(--op attention --op attention_backward --op layer_norm --op layer_norm_backward
     --op softmax_cross_entropy --op softmax_cross_entropy_backward --op linear
     --op linear_backward --op dropout --op adam_update --op sgd_update --op rmsprop_update
-    --op sum_squares --op scale_list --op cast_list)
+    --op sum_squares --op scale_list --op cast_list --op unscale_check --op loss_scale_update)
   # racecheck looks at shared memory: the kernels that use it (the tiled attention, the
   # reductions), not the cuBLASLt products of linear.
   race_ops=(--op attention --op attention_backward --op sum_squares --dtype bfloat16
