@@ -226,8 +226,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS
   if (has_avx2_fma()) row_fn = &forward_row_avx2<C>;
 #endif
-#pragma omp parallel if (tasks > 1 && work > kParallelGrain)
-  {
+  parallel_region(tasks > 1 && work > kParallelGrain, [&] {
     std::vector<C> qb, kb, vb, scores(static_cast<std::size_t>(kBr * kBc)),
         acc(static_cast<std::size_t>(kBr * e.dv)), m(kBr), l(kBr), z(dropout.on ? kBc : 0);
     // The keys and values of the head this thread widened last: the tasks go head by head,
@@ -292,7 +291,7 @@ void attention_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, c
       }
       rows_from_compute(acc.data(), out, h, i0, br, e.dv);
     }
-  }
+  });
 }
 
 // D_i = sum_c dout[i, c] out[i, c] for the t rows of a head (dout in g, out in o, dv columns
@@ -341,8 +340,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS
   if (has_avx2_fma()) row_fn = &weights_row_avx2<C>;
 #endif
-#pragma omp parallel if (e.n > 1 && work > kParallelGrain)
-  {
+  parallel_region(e.n > 1 && work > kParallelGrain, [&] {
     std::vector<C> qb, kb, vb, ob, gb, dqa, dka, dva, rowdot(static_cast<std::size_t>(e.t));
     std::vector<C> p(static_cast<std::size_t>(kBr * kBc)), dp(static_cast<std::size_t>(kBr * kBc));
     // Dropout: the tile's factors Z and the dropped weights P o Z.
@@ -412,7 +410,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
       rows_from_compute(dka.data(), dk, h, 0, e.s, e.d);
       rows_from_compute(dva.data(), dv, h, 0, e.s, e.dv);
     }
-  }
+  });
 }
 
 }  // namespace

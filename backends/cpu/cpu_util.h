@@ -122,12 +122,21 @@ inline std::uint64_t seed_of(std::uint64_t seed, const Tensor& at) {
 }
 
 // --- Parallel loops ----------------------------------------------------------------------
+// A loop too small for threads runs on the calling thread outside any OpenMP region: an
+// `omp parallel if (false)` still makes libgomp start and end a team of one, which ends with
+// a futex wake, a system call per region (measured: a few per kernel call, most of a small
+// model's step on a virtual machine, where system calls are slow).
 
 // Runs body(begin, end) over [0, n) in blocks of kBlock, in parallel for large n.
 template <typename Body>
 void parallel_blocks(std::int64_t n, Body&& body) {
   const std::int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+  if (n <= kParallelGrain) {
+    for (std::int64_t begin = 0; begin < n; begin += kBlock)
+      body(begin, std::min(n, begin + kBlock));
+    return;
+  }
+#pragma omp parallel for schedule(static)
   for (std::int64_t blk = 0; blk < blocks; ++blk) {
     const std::int64_t begin = blk * kBlock;
     body(begin, std::min(n, begin + kBlock));
@@ -138,9 +147,36 @@ void parallel_blocks(std::int64_t n, Body&& body) {
 // (the elements it touches) is more than kParallelGrain and there is more than one row.
 template <typename Body>
 void parallel_rows(std::int64_t rows, std::int64_t work, Body&& body) {
-  const bool par = work > kParallelGrain && rows > 1;
-#pragma omp parallel for schedule(static) if (par)
+  if (work <= kParallelGrain || rows <= 1) {
+    for (std::int64_t r = 0; r < rows; ++r) body(r);
+    return;
+  }
+#pragma omp parallel for schedule(static)
   for (std::int64_t r = 0; r < rows; ++r) body(r);
+}
+
+// body(i) for each i in [0, count): in parallel (static schedule) when `parallel`.
+template <typename Body>
+void parallel_for(std::int64_t count, bool parallel, Body&& body) {
+  if (!parallel) {
+    for (std::int64_t i = 0; i < count; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < count; ++i) body(i);
+}
+
+// region() on a team of threads when `parallel`; otherwise on the calling thread, outside
+// any region when it is in none (a worksharing construct inside region() then binds to the
+// implicit team of that one thread), or in a region of one nested in the caller's.
+template <typename Region>
+void parallel_region(bool parallel, Region&& region) {
+  if (!parallel && omp_get_level() == 0) {
+    region();
+    return;
+  }
+#pragma omp parallel if (parallel)
+  region();
 }
 
 // The per-thread buffers of a loop over rows: `in` for as_compute, and out(n), room for a
@@ -158,7 +194,12 @@ struct RowBuffers {
 // of its own; in parallel when the rows hold more than kParallelGrain elements.
 template <typename C, typename Body>
 void for_each_row(std::int64_t rows, std::int64_t n, Body&& body) {
-#pragma omp parallel if (rows * n > kParallelGrain)
+  if (rows * n <= kParallelGrain) {
+    RowBuffers<C> buffers;
+    for (std::int64_t r = 0; r < rows; ++r) body(r, buffers);
+    return;
+  }
+#pragma omp parallel
   {
     RowBuffers<C> buffers;
 #pragma omp for schedule(static)
@@ -172,7 +213,11 @@ void for_each_row(std::int64_t rows, std::int64_t n, Body&& body) {
 template <typename Body>
 void parallel_ranges(std::int64_t n, std::int64_t units, Body&& body) {
   const int nt = n > kParallelGrain ? omp_get_max_threads() : 1;
-#pragma omp parallel num_threads(nt) if (nt > 1)
+  if (nt == 1) {
+    if (units > 0) body(std::int64_t{0}, units);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
   {
     const std::int64_t t = omp_get_thread_num(), tn = omp_get_num_threads();
     const std::int64_t u0 = units * t / tn, u1 = units * (t + 1) / tn;

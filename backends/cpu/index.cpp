@@ -34,13 +34,12 @@ void gather_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t 
   const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
   const int64_t rows = outer * k;
-#pragma omp parallel for schedule(static) if (rows * inner > kParallelGrain)
-  for (int64_t q = 0; q < rows; ++q) {
+  parallel_for(rows, rows * inner > kParallelGrain, [&](int64_t q) {
     const T* src = xp + q / k * n * inner;  // x[o, 0, 0]
     const int64_t* idx = ip + q * inner;
     T* dst = yp + q * inner;
     for (int64_t i = 0; i < inner; ++i) dst[i] = src[idx[i] * inner + i];
-  }
+  });
 }
 
 // For 16-bit floats, scatter_add and index_add are their float32 kernel run on float32
@@ -71,8 +70,7 @@ void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, i
   const int64_t cols = std::min(kCols, inner);
   const int64_t col_blocks = inner == 0 ? 0 : (inner + cols - 1) / cols;
   const int64_t tasks = outer * col_blocks;
-#pragma omp parallel for schedule(static) if (outer * k * inner > kParallelGrain)
-  for (int64_t t = 0; t < tasks; ++t) {
+  parallel_for(tasks, outer * k * inner > kParallelGrain, [&](int64_t t) {
     const int64_t o = t / col_blocks, c0 = t % col_blocks * cols;
     const int64_t c1 = std::min(inner, c0 + cols);
     T* dst = yp + o * n * inner;  // out[o, 0, 0]
@@ -83,7 +81,7 @@ void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, i
         d = wrap_add(d, sp[row + i]);
       }
     }
-  }
+  });
 }
 
 // take: out[o, j, :] = x[o, index[j], :]. T: an unsigned integer of the item size (take
@@ -100,20 +98,18 @@ void take_kernel(const Tensor& x, const Tensor& index, int64_t outer, int64_t n,
   if (rows == 0 || inner == 0) return;
   const bool par = rows * inner > kParallelGrain;
   if (inner == 1) {
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t q = 0; q < rows; ++q) yp[q] = xp[q / k * n + ip[q % k]];
+    parallel_for(rows, par, [&](int64_t q) { yp[q] = xp[q / k * n + ip[q % k]]; });
     return;
   }
   const int64_t cols = std::min(kCopyCols, inner);
   const int64_t per_row = (inner + cols - 1) / cols;
   const int64_t units = rows * per_row;
-#pragma omp parallel for schedule(static) if (par)
-  for (int64_t u = 0; u < units; ++u) {
+  parallel_for(units, par, [&](int64_t u) {
     const int64_t q = u / per_row, c0 = u % per_row * cols;
     const int64_t len = std::min(cols, inner - c0);
     const T* src = xp + (q / k * n + ip[q % k]) * inner + c0;  // x[o, index[j], c0]
     std::memcpy(yp + q * inner + c0, src, static_cast<std::size_t>(len) * sizeof(T));
-  }
+  });
 }
 
 // dst[i] += src[i] for i < len (integers wrap).

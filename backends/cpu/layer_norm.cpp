@@ -79,8 +79,7 @@ void layer_norm_backward_kernel(const Tensor& x_t, const Tensor& gamma_t, const 
   // Per block of rows: its sums of dy xhat and of dy, then added up block by block.
   std::vector<C> part_g(params ? static_cast<std::size_t>(blocks * n) : 0, C(0)),
       part_b(params ? static_cast<std::size_t>(blocks * n) : 0, C(0));
-#pragma omp parallel if (rows * n > kParallelGrain)
-  {
+  parallel_region(rows * n > kParallelGrain, [&] {
     std::vector<C> xin(kReduced<T> ? static_cast<std::size_t>(n) : 0),
         gin(kReduced<T> ? static_cast<std::size_t>(n) : 0), xhat(static_cast<std::size_t>(n)),
         gg(static_cast<std::size_t>(n)), res(static_cast<std::size_t>(n));
@@ -118,7 +117,7 @@ void layer_norm_backward_kernel(const Tensor& x_t, const Tensor& gamma_t, const 
         }
       }
     }
-  }
+  });
   if (!params) return;
   C* dgamma = dgamma_t.defined() ? static_cast<C*>(dgamma_t.data_ptr()) : nullptr;
   C* dbeta = dbeta_t.defined() ? static_cast<C*>(dbeta_t.data_ptr()) : nullptr;

@@ -159,8 +159,7 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
   std::vector<C> part(dbias ? static_cast<std::size_t>(blocks * n) : 0, C(0));
   kernels::with_linear_activation(args.activation, [&]<LinearActivation A>() {
     const auto gradient_row = row_loops<A, C>().gradient;
-#pragma omp parallel if (m * n > kParallelGrain)
-    {
+    parallel_region(m * n > kParallelGrain, [&] {
       std::vector<C> gin, sin,
           res(kReduced<T> && A != LinearActivation::none ? static_cast<std::size_t>(n) : 0);
 #pragma omp for schedule(static)
@@ -182,7 +181,7 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
           }
         }
       }
-    }
+    });
   });
   if (!dbias) return;
   std::fill(dbias, dbias + n, C(0));

@@ -108,11 +108,10 @@ template <typename T>
 void copy_flat(const T* src, T* dst, int64_t n) {
   constexpr int64_t kChunk = 1 << 16;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (n > kParallelGrain)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, n > kParallelGrain, [&](int64_t c) {
     const int64_t b = c * kChunk;
     std::memcpy(dst + b, src + b, static_cast<std::size_t>(std::min(kChunk, n - b)) * sizeof(T));
-  }
+  });
 }
 
 // Batches of 2-D transposes: dst[b, r, c] = src[b, r * 1 + c * sc]. Each 64 x 64 tile is
@@ -125,8 +124,7 @@ void copy_transposed(const T* src, T* dst, int64_t batches, int64_t rows, int64_
   constexpr int64_t kTile = 64;
   const int64_t row_tiles = (rows + kTile - 1) / kTile;
   const int64_t units = batches * row_tiles;
-#pragma omp parallel for schedule(static) if (batches * rows * cols > kParallelGrain)
-  for (int64_t u = 0; u < units; ++u) {
+  parallel_for(units, batches * rows * cols > kParallelGrain, [&](int64_t u) {
     const int64_t b = u / row_tiles;
     const int64_t r0 = (u % row_tiles) * kTile, nr = std::min(kTile, rows - r0);
     const T* s = src + batch_offset(b) + r0;
@@ -143,7 +141,7 @@ void copy_transposed(const T* src, T* dst, int64_t batches, int64_t rows, int64_
         for (int64_t c = 0; c < nc; ++c) dp[c] = tile[c][r];
       }
     }
-  }
+  });
 }
 
 // copy: any strided src -> contiguous dst. T is an unsigned integer of the item size.

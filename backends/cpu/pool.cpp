@@ -34,8 +34,7 @@ void max_pool_backward(const C* x, const C* grad_out, C* grad_x, const Pool2dGeo
   if (g.n < 2 * threads) cblock = std::max<std::int64_t>(16, (c + 2 * threads - 1) / (2 * threads));
   const std::int64_t blocks = (c + cblock - 1) / cblock, tasks = g.n * blocks;
   const bool par = g.n * g.oh * g.ow * c * g.kh * g.kw > kParallelGrain && tasks > 1;
-#pragma omp parallel if (par)
-  {
+  parallel_region(par, [&] {
     thread_local Scratch<C> best_val;
     thread_local Scratch<std::int64_t> best_pos;
     C* bv = best_val.get(cblock);
@@ -78,7 +77,7 @@ void max_pool_backward(const C* x, const C* grad_out, C* grad_x, const Pool2dGeo
         }
       }
     }
-  }
+  });
 }
 
 // --- Max pooling on the stored elements ------------------------------------------------
@@ -332,15 +331,14 @@ void max_pool_backward_stored(const Tensor& x, const Tensor& grad_out, const Ten
     return;
   }
   const bool par = g.n * g.h * g.w * g.c > kParallelGrain && rows > 1;
-#pragma omp parallel if (par)
-  {
+  parallel_region(par, [&] {
     thread_local Scratch<S> best_scratch;
     thread_local Scratch<Index> arg_scratch;
     S* best = best_scratch.get(g.c);
     Index* arg = arg_scratch.get(g.c);
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) row(px, pg, pgx, g, r, best, arg);
-  }
+  });
 }
 #undef MIXTAPE_PICK_ISA
 

@@ -268,8 +268,7 @@ void softmax_kernel(const Tensor& x, const Tensor& out) {
   const int64_t rows = numel / cols;
   const T* xp = static_cast<const T*>(x.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
-#pragma omp parallel if (numel > kParallelGrain)
-  {
+  parallel_region(numel > kParallelGrain, [&] {
     std::vector<float> buf(kReduced<T> ? static_cast<std::size_t>(cols) : 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
@@ -281,7 +280,7 @@ void softmax_kernel(const Tensor& x, const Tensor& out) {
         softmax_row<T, kLog>(xp + r * cols, yp + r * cols, cols);
       }
     }
-  }
+  });
 }
 
 // masked_softmax: one row of n in compute type C, m (0/1 bytes) the mask or null. The
@@ -360,8 +359,7 @@ void masked_softmax_kernel(const Tensor& x, const Tensor& mask, double scale, co
 #ifdef MIXTAPE_HAVE_AVX2_VARIANTS
   if (has_avx2_fma()) row = &masked_softmax_row_avx2<C>;
 #endif
-#pragma omp parallel if (numel > kParallelGrain)
-  {
+  parallel_region(numel > kParallelGrain, [&] {
     std::vector<C> in(kReduced<T> ? static_cast<std::size_t>(cols) : 0);
     std::vector<C> buf(static_cast<std::size_t>(cols)), res(static_cast<std::size_t>(cols));
 #pragma omp for schedule(static)
@@ -375,7 +373,7 @@ void masked_softmax_kernel(const Tensor& x, const Tensor& mask, double scale, co
         row(xp + r * cols, mr, static_cast<C>(scale), buf.data(), yp + r * cols, cols);
       }
     }
-  }
+  });
 }
 
 }  // namespace
