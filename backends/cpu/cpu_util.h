@@ -127,34 +127,6 @@ inline std::uint64_t seed_of(std::uint64_t seed, const Tensor& at) {
 // a futex wake, a system call per region (measured: a few per kernel call, most of a small
 // model's step on a virtual machine, where system calls are slow).
 
-// Runs body(begin, end) over [0, n) in blocks of kBlock, in parallel for large n.
-template <typename Body>
-void parallel_blocks(std::int64_t n, Body&& body) {
-  const std::int64_t blocks = (n + kBlock - 1) / kBlock;
-  if (n <= kParallelGrain) {
-    for (std::int64_t begin = 0; begin < n; begin += kBlock)
-      body(begin, std::min(n, begin + kBlock));
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    const std::int64_t begin = blk * kBlock;
-    body(begin, std::min(n, begin + kBlock));
-  }
-}
-
-// body(r) for each row r in [0, rows), in parallel (static schedule) when the loop's work
-// (the elements it touches) is more than kParallelGrain and there is more than one row.
-template <typename Body>
-void parallel_rows(std::int64_t rows, std::int64_t work, Body&& body) {
-  if (work <= kParallelGrain || rows <= 1) {
-    for (std::int64_t r = 0; r < rows; ++r) body(r);
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < rows; ++r) body(r);
-}
-
 // body(i) for each i in [0, count): in parallel (static schedule) when `parallel`.
 template <typename Body>
 void parallel_for(std::int64_t count, bool parallel, Body&& body) {
@@ -164,6 +136,22 @@ void parallel_for(std::int64_t count, bool parallel, Body&& body) {
   }
 #pragma omp parallel for schedule(static)
   for (std::int64_t i = 0; i < count; ++i) body(i);
+}
+
+// Runs body(begin, end) over [0, n) in blocks of kBlock, in parallel for large n.
+template <typename Body>
+void parallel_blocks(std::int64_t n, Body&& body) {
+  parallel_for((n + kBlock - 1) / kBlock, n > kParallelGrain, [&](std::int64_t blk) {
+    const std::int64_t begin = blk * kBlock;
+    body(begin, std::min(n, begin + kBlock));
+  });
+}
+
+// body(r) for each row r in [0, rows), in parallel (static schedule) when the loop's work
+// (the elements it touches) is more than kParallelGrain and there is more than one row.
+template <typename Body>
+void parallel_rows(std::int64_t rows, std::int64_t work, Body&& body) {
+  parallel_for(rows, work > kParallelGrain && rows > 1, body);
 }
 
 // region() on a team of threads when `parallel`; otherwise on the calling thread, outside
