@@ -611,6 +611,72 @@ void reference_step(const Variant& v, const std::vector<double>& g, int64_t step
   }
 }
 
+// The CPU kernels' float32 arithmetic, written out: the formulas of reference_step in the
+// order in which backends/cpu/optim.cpp evaluates them, each operation rounded to float32 and
+// no fused multiply-add (so that the result does not depend on the CPU). A float16 / bfloat16
+// variable is updated through it (its values widened, the result rounded once), so the
+// kernels must match it bit for bit; reference_step checks its formulas.
+struct State32 {
+  std::vector<float> var, s1, s2, s3;
+};
+void float32_step(const Variant& v, const std::vector<double>& g64, int64_t step, State32& st) {
+  const kernels::OptimizerUpdate& p = v.p;
+  const double alpha64 = p.lr * std::sqrt(1.0 - std::pow(p.beta2, static_cast<double>(step))) /
+                         (1.0 - std::pow(p.beta1, static_cast<double>(step)));
+  const auto lr = static_cast<float>(p.lr), momentum = static_cast<float>(p.momentum);
+  const auto rho = static_cast<float>(p.beta2), one_minus_rho = static_cast<float>(1.0 - p.beta2);
+  const auto eps = static_cast<float>(p.epsilon), alpha = static_cast<float>(alpha64);
+  const auto omb1 = static_cast<float>(1.0 - p.beta1), omb2 = static_cast<float>(1.0 - p.beta2);
+  const auto lr_wd = static_cast<float>(p.lr * p.weight_decay);
+  for (std::size_t i = 0; i < g64.size(); ++i) {
+    float& x = st.var[i];
+    const auto g = static_cast<float>(g64[i]);
+    switch (v.opt) {
+      case Opt::kSgd:
+        if (p.momentum == 0.0) {
+          x -= lr * g;
+        } else {
+          const float nv = momentum * st.s1[i] - lr * g;
+          st.s1[i] = nv;
+          x += p.nesterov ? momentum * nv - lr * g : nv;
+        }
+        break;
+      case Opt::kRmsprop: {
+        const float ms = rho * st.s1[i] + one_minus_rho * (g * g);
+        st.s1[i] = ms;
+        float d = ms;
+        if (p.centered) {
+          const float mg = rho * st.s3[i] + one_minus_rho * g;
+          st.s3[i] = mg;
+          d = std::max(ms - mg * mg, 0.0f);
+        }
+        const float inc = lr * g / std::sqrt(d + eps);
+        if (p.momentum > 0.0) {
+          st.s2[i] = momentum * st.s2[i] + inc;
+          x -= st.s2[i];
+        } else {
+          x -= inc;
+        }
+        break;
+      }
+      case Opt::kAdam: {
+        if (p.weight_decay != 0.0) x -= lr_wd * x;
+        const float m = st.s1[i] + (g - st.s1[i]) * omb1;
+        st.s1[i] = m;
+        const float vv = st.s2[i] + (g * g - st.s2[i]) * omb2;
+        st.s2[i] = vv;
+        float d = vv;
+        if (p.amsgrad) {
+          st.s3[i] = std::max(st.s3[i], vv);
+          d = st.s3[i];
+        }
+        x = x - alpha * m / (std::sqrt(d) + eps);
+        break;
+      }
+    }
+  }
+}
+
 // The largest |e| of a vector.
 double max_abs(const std::vector<double>& v) {
   double m = 0.0;
@@ -638,36 +704,35 @@ void check_close(const std::vector<double>& actual, const std::vector<double>& e
   }
 }
 
-// The distance in units in the last place between two 16-bit values (as doubles).
-int64_t ulps16(double a, double b, DType dt) {
-  auto key = [&](double v) -> int64_t {
-    const std::uint16_t bits =
-        dt == kFloat16 ? half(static_cast<float>(v)).bits : bfloat16(static_cast<float>(v)).bits;
-    const int64_t mag = bits & 0x7FFF;
-    return bits & 0x8000 ? -mag : mag;
-  };
-  const int64_t d = key(a) - key(b);
-  return d < 0 ? -d : d;
+// The bits of v rounded to dt (float32, float16 or bfloat16).
+std::uint32_t bits_in(float v, DType dt) {
+  if (dt == kFloat16) return half(v).bits;
+  if (dt == kBFloat16) return bfloat16(v).bits;
+  std::uint32_t b = 0;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
 }
 
-// What a run saw: counts of 16-bit variable elements compared (exact, one ulp off, more),
-// and the largest magnitude of the variable and of each slot over its steps.
+// What a run saw: the variable and slot elements compared bit for bit against float32_step
+// (float32 and 16-bit variables), how many matched, and the largest magnitude of the
+// variable and of each slot over its steps.
 struct RunResult {
-  int64_t total = 0, exact = 0, one = 0, more = 0;
+  int64_t total = 0, exact = 0;
   std::array<double, 4> magnitude{};  // variable, slot1, slot2, slot3
 };
 
 // Runs `steps` consecutive steps (step = 1, 2, ...) of the variant on a variable of
 // `numel` random elements of dtype dt, with zero-initialised slots and a new random
 // gradient per step, comparing the variable and the slots to the double reference after
-// every step. 16-bit variables: the reference takes the kernel's (rounded) variable as its
-// input each step and its result is rounded once to the dtype; the kernel must match it
-// or be one 16-bit ulp away (float32 math against double math), or, where the step cancels
-// the variable, within 2^-21 of the variable it started from. floors: magnitudes of the
-// variable and the slots from an earlier, larger run (see check_close).
+// every step (float32 tolerance; a 16-bit variable's double result is compared before it is
+// rounded to 16 bits, as the kernel computes it in float32). Float32 and 16-bit variables and
+// their float32 slots are also compared bit for bit against float32_step, which starts each
+// step from the kernel's variable. floors: magnitudes of the variable and the slots from an
+// earlier, larger run (see check_close).
 RunResult run_updates(const Variant& v, DType dt, int64_t numel,
                       const std::array<double, 4>& floors, int steps = 3) {
   const bool reduced = dt == kFloat16 || dt == kBFloat16;
+  const bool float32_math = dt != kFloat64;
   const DType slot_dt = dt == kFloat64 ? kFloat64 : kFloat32;
   const double tol = dt == kFloat64 ? 1e-12 : 1e-6;
   Tensor var = random({numel}, dt);
@@ -676,6 +741,10 @@ RunResult run_updates(const Variant& v, DType dt, int64_t numel,
     if (uses_slot(v, s)) slots[s - 1] = zeros({numel}, slot_dt);
   State st{values(var), std::vector<double>(sz(numel), 0.0), std::vector<double>(sz(numel), 0.0),
            std::vector<double>(sz(numel), 0.0)};
+  State32 st32{{},
+               std::vector<float>(sz(numel), 0.0f),
+               std::vector<float>(sz(numel), 0.0f),
+               std::vector<float>(sz(numel), 0.0f)};
   RunResult r;
   for (int64_t step = 1; step <= steps; ++step) {
     INFO(v.name << " " << dt.name() << " numel " << numel << " step " << step);
@@ -683,6 +752,10 @@ RunResult run_updates(const Variant& v, DType dt, int64_t numel,
     const std::vector<double> before = values(var);
     if (reduced) st.var = before;
     reference_step(v, values(grad), step, st);
+    if (float32_math) {
+      st32.var.assign(before.begin(), before.end());  // exact: the values are float32's or narrower
+      float32_step(v, values(grad), step, st32);
+    }
 
     kernels::OptimizerUpdate u = v.p;
     u.var = var;
@@ -694,21 +767,43 @@ RunResult run_updates(const Variant& v, DType dt, int64_t numel,
     kernel<kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(std::span(&u, 1));
 
     const std::vector<double> got = values(var);
-    if (reduced) {
+    if (float32_math) {
+      // The first element that differs: what (variable / slotN), the kernel's value and
+      // float32_step's.
+      const std::vector<float>* mirror_slots[3] = {&st32.s1, &st32.s2, &st32.s3};
+      std::string what;
+      double kernel_value = 0.0, mirror_value = 0.0;
+      int64_t first_bad = -1;
       for (std::size_t i = 0; i < got.size(); ++i) {
-        const double expected = round_to(st.var[i], dt);
-        int64_t d = ulps16(got[i], expected, dt);
-        // Where the update cancels the variable nearly to 0, the float32 math's error (a few
-        // float32 ulps of the variable it started from) exceeds a 16-bit ulp of the result.
-        if (d > 1 && std::fabs(got[i] - expected) <= std::ldexp(std::fabs(before[i]), -21)) d = 1;
-        ++r.total;
-        (d == 0 ? r.exact : d == 1 ? r.one : r.more) += 1;
-        if (d > 1) {
-          INFO("variable element " << i << ": got " << got[i] << ", expected "
-                                   << round_to(st.var[i], dt) << " (" << st.var[i] << ")");
-          CHECK(d <= 1);
+        bool same = bits_in(static_cast<float>(got[i]), dt) == bits_in(st32.var[i], dt);
+        if (!same && first_bad < 0) {
+          what = "variable";
+          kernel_value = got[i];
+          mirror_value = st32.var[i];
         }
+        for (std::size_t s = 0; s < 3; ++s) {
+          if (!slots[s].defined()) continue;
+          const auto k = static_cast<float>(get(slots[s], static_cast<int64_t>(i)));
+          const float m = (*mirror_slots[s])[i];
+          const bool slot_same = bits_in(k, kFloat32) == bits_in(m, kFloat32);
+          if (!slot_same && same && first_bad < 0) {
+            what = "slot" + std::to_string(s + 1);
+            kernel_value = k;
+            mirror_value = m;
+          }
+          same = same && slot_same;
+        }
+        ++r.total;
+        r.exact += same;
+        if (!same && first_bad < 0) first_bad = static_cast<int64_t>(i);
       }
+      INFO(what << " element " << first_bad << ": kernel " << kernel_value
+                << ", float32 arithmetic " << mirror_value);
+      CHECK(first_bad < 0);
+    }
+    if (reduced) {
+      const std::vector<double> unrounded(st32.var.begin(), st32.var.end());
+      check_close(unrounded, st.var, tol, floors[0], "variable before rounding");
     } else {
       check_close(got, st.var, tol, floors[0], "variable");
     }
@@ -746,16 +841,10 @@ TEST_CASE("optimizer updates: three steps against a double reference", "[optim_k
             total.magnitude[q] = std::max(total.magnitude[q], u.magnitude[q]);
           total.total += u.total;
           total.exact += u.exact;
-          total.one += u.one;
-          total.more += u.more;
         }
-        if (dt == kFloat16 || dt == kBFloat16) {
-          // Rounded once per step: off by one ulp only where float32 and double math
-          // straddle a rounding boundary, which is rare.
-          INFO(total.exact << " exact, " << total.one << " one ulp off, of " << total.total);
-          CHECK(total.more == 0);
-          CHECK(static_cast<double>(total.exact) >= 0.999 * static_cast<double>(total.total));
-        }
+        // The CPU kernels' float32 arithmetic (backends/cpu/optim.cpp): every element, bit for bit.
+        INFO(total.exact << " of " << total.total << " elements match the float32 arithmetic");
+        CHECK(total.exact == total.total);
       }
     }
   }
