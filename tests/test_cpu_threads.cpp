@@ -274,16 +274,30 @@ TEST_CASE("CPU threads: kernels where parallel regions are inactive", "[cpu_thre
   }).join();
   // Called from inside a parallel region of the program's own (nested regions inactive, by
   // default): each thread's kernels run on one thread and agree.
+  // Softmax and layer_norm, small (run without a team of their own outside any region) and
+  // large (a team of their own), reach parallel_region (backends/cpu/cpu_util.h): inside the
+  // program's region each thread must compute every row of its own call, not share its loop
+  // with the program's team.
+  const mt::Tensor small = mt::normal({4, 8}), large = mt::normal({512, 256});
+  const mt::Tensor gamma = mt::normal({8}), beta = mt::normal({8});
+  const std::vector<float> small_softmax = mt::softmax(small).to_vector<float>(),
+                           large_softmax = mt::softmax(large).to_vector<float>(),
+                           small_norm = mt::layer_norm(small, gamma, beta, 1e-5).to_vector<float>();
   const int before = omp_get_max_active_levels();
   omp_set_max_active_levels(1);
-  std::vector<int> ok(2, 0);
+  std::vector<int> ok(2, 0), rows_ok(2, 0);
 #pragma omp parallel num_threads(2)
   {
     const mt::Tensor y = mt::matmul(mt::ones({3, 1, 4096}), mt::ones({3, 4096, 2}));
     ok[omp_get_thread_num()] = y.to_vector<double>() == std::vector<double>(6, 4096.0);
+    rows_ok[omp_get_thread_num()] =
+        mt::softmax(small).to_vector<float>() == small_softmax &&
+        mt::softmax(large).to_vector<float>() == large_softmax &&
+        mt::layer_norm(small, gamma, beta, 1e-5).to_vector<float>() == small_norm;
   }
   omp_set_max_active_levels(before);
   CHECK(ok == std::vector<int>(2, 1));
+  CHECK(rows_ok == std::vector<int>(2, 1));
 }
 
 // Run by CTest with OMP_THREAD_LIMIT=1 (cpu_threads.omp_thread_limit): teams of one thread
