@@ -12,7 +12,8 @@
 #     configures, builds and runs the consumer project (this folder):
 # package:       find_package(mixtape) from PREFIX; a fresh build every run.
 # subdirectory:  add_subdirectory(MIXTAPE_SOURCE_DIR) with CUDA, tests, benchmarks and apps
-#                off; the build folder is kept, so a re-run only rebuilds what changed.
+#                off, compiled at -O0; the build folder is kept, so a re-run only rebuilds
+#                what changed.
 cmake_minimum_required(VERSION 3.25)
 
 function(require)
@@ -74,6 +75,12 @@ elseif(MODE STREQUAL "subdirectory")
   endif()
   list(APPEND configure_args -DMIXTAPE_CUDA=OFF -DMIXTAPE_BUILD_TESTS=OFF
        -DMIXTAPE_BUILD_BENCHMARKS=OFF -DMIXTAPE_BUILD_APPS=OFF)
+  # The library compiled without optimisation: this mode checks that add_subdirectory()
+  # configures, builds and links it, which the optimiser does not change, and a second
+  # optimised build of the whole library was the suite's longest test (the optimised build is
+  # the main one). The consumer's few small ops run as well at -O0.
+  string(TOUPPER "${BUILD_TYPE}" config)
+  list(APPEND configure_args "-DCMAKE_CXX_FLAGS_${config}=-O0")
 else()
   message(FATAL_ERROR
           "run_consumer.cmake: MODE must be install, package or subdirectory, not '${MODE}'")
