@@ -138,8 +138,7 @@ void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int
   const int64_t threads = par ? omp_get_max_threads() : 1;
   const int64_t parts = base >= threads ? 1 : std::min(n, (threads + base - 1) / base);
   const int64_t tasks = base * parts;
-#pragma omp parallel for schedule(static) if (par && tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
+  parallel_for(tasks, par && tasks > 1, [&](int64_t t) {
     const int64_t p = t % parts, o = t / parts / col_blocks;
     const int64_t c0 = t / parts % col_blocks * cols, len = std::min(cols, inner - c0);
     const int64_t r0 = n * p / parts, r1 = n * (p + 1) / parts;
@@ -149,7 +148,7 @@ void index_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, int
       const int64_t r = ip[j];
       if (r >= r0 && r < r1) add_row(dst + r * inner, s + j * inner, len);
     }
-  }
+  });
 }
 
 }  // namespace

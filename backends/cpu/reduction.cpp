@@ -197,25 +197,23 @@ void reduce_kernel(const Tensor& x, int64_t outer, int64_t n, int64_t inner, con
   // Partials, [outer, row_blocks, inner].
   std::vector<Acc> part(static_cast<std::size_t>(outer * row_blocks * inner));
   const int64_t tasks = outer * col_blocks * row_blocks;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
+  parallel_for(tasks, nt > 1, [&](int64_t t) {
     const int64_t rb = t % row_blocks, cb = t / row_blocks % col_blocks;
     const int64_t o = t / row_blocks / col_blocks;
     const int64_t j0 = rb * rows_per, j1 = std::min(n, j0 + rows_per);
     Acc* dst = part.data() + (o * row_blocks + rb) * inner;
     if (inner == 1) {
       dst[0] = row_span<R>(xp + o * n + j0, j1 - j0, j0);
-      continue;
+      return;
     }
     const int64_t c0 = cb * cols;
     reduce_tile<T, R>(xp + o * n * inner, inner, j0, j1, c0, std::min(cols, inner - c0), dst + c0);
-  }
+  });
 
   // Combine the row blocks in order and store, a block of outputs at a time.
   const int64_t m = outer * inner;
   const int64_t blocks = (m + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (nt > 1 && m * row_blocks > kParallelGrain)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  parallel_for(blocks, nt > 1 && m * row_blocks > kParallelGrain, [&](int64_t blk) {
     const int64_t q0 = blk * kBlock, q1 = std::min(m, q0 + kBlock);
     float fbuf[kBlock];
     for (int64_t q = q0; q < q1; ++q) {
@@ -229,7 +227,7 @@ void reduce_kernel(const Tensor& x, int64_t outer, int64_t n, int64_t inner, con
         yp[q] = static_cast<O>(R::result(a, n));
     }
     if constexpr (kReduced<O>) from_float(fbuf, yp + q0, q1 - q0);
-  }
+  });
 }
 
 // --- softmax / log_softmax ------------------------------------------------------------
