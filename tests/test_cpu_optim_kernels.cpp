@@ -550,17 +550,25 @@ using mtest::uses_slot;
 using mtest::Variant;
 using mtest::variants;
 
-// The reference optimizer state, in double.
-struct State {
-  std::vector<double> var, s1, s2, s3;
+// An optimizer state written out: in double (reference_step) or float (float32_step).
+template <typename T>
+struct StateOf {
+  std::vector<T> var, s1, s2, s3;
 };
+using State = StateOf<double>;
+using State32 = StateOf<float>;
+
+// Adam's alpha = lr sqrt(1 - beta2^step) / (1 - beta1^step), in double (as the kernels compute it).
+double adam_alpha(const kernels::OptimizerUpdate& p, int64_t step) {
+  return p.lr * std::sqrt(1.0 - std::pow(p.beta2, static_cast<double>(step))) /
+         (1.0 - std::pow(p.beta1, static_cast<double>(step)));
+}
 
 // One step of the variant in double precision, straight from the formulas of Keras'
 // SGD, RMSprop and Adam / AdamW as kernels.h states them.
 void reference_step(const Variant& v, const std::vector<double>& g, int64_t step, State& st) {
   const kernels::OptimizerUpdate& p = v.p;
-  const double alpha = p.lr * std::sqrt(1.0 - std::pow(p.beta2, static_cast<double>(step))) /
-                       (1.0 - std::pow(p.beta1, static_cast<double>(step)));
+  const double alpha = adam_alpha(p, step);
   for (std::size_t i = 0; i < g.size(); ++i) {
     double& x = st.var[i];
     switch (v.opt) {
@@ -616,16 +624,11 @@ void reference_step(const Variant& v, const std::vector<double>& g, int64_t step
 // no fused multiply-add (so that the result does not depend on the CPU). A float16 / bfloat16
 // variable is updated through it (its values widened, the result rounded once), so the
 // kernels must match it bit for bit; reference_step checks its formulas.
-struct State32 {
-  std::vector<float> var, s1, s2, s3;
-};
 void float32_step(const Variant& v, const std::vector<double>& g64, int64_t step, State32& st) {
   const kernels::OptimizerUpdate& p = v.p;
-  const double alpha64 = p.lr * std::sqrt(1.0 - std::pow(p.beta2, static_cast<double>(step))) /
-                         (1.0 - std::pow(p.beta1, static_cast<double>(step)));
   const auto lr = static_cast<float>(p.lr), momentum = static_cast<float>(p.momentum);
   const auto rho = static_cast<float>(p.beta2), one_minus_rho = static_cast<float>(1.0 - p.beta2);
-  const auto eps = static_cast<float>(p.epsilon), alpha = static_cast<float>(alpha64);
+  const auto eps = static_cast<float>(p.epsilon), alpha = static_cast<float>(adam_alpha(p, step));
   const auto omb1 = static_cast<float>(1.0 - p.beta1), omb2 = static_cast<float>(1.0 - p.beta2);
   const auto lr_wd = static_cast<float>(p.lr * p.weight_decay);
   for (std::size_t i = 0; i < g64.size(); ++i) {
