@@ -26,6 +26,10 @@ namespace {
 const double kMaxLossScale = std::ldexp(1.0, 127);
 // The largest count a checkpoint's double holds exactly: 2^53.
 const double kMaxExactCount = std::ldexp(1.0, 53);
+// A captured step's replays whose flags the host may leave unread when it queues the next: it
+// waits for a replay's flag only when it queues the third replay after it, so that on a GPU the
+// device has two replays queued while the host waits (Optimizer::LateCount).
+constexpr std::size_t kUnreadReplays = 2;
 
 // Why a step cannot be captured with this LossScaleOptimizer.
 std::string not_capturable(const std::string& inner) {
@@ -100,18 +104,19 @@ const LossScaleOptimizer::DeviceScale& LossScaleOptimizer::device_scale(Device d
   if (!on_device_.scale.defined()) {
     // Memory of its own (a hook writes it before a replay: capture::host_written), kept for
     // the optimizer's life, so that a captured step reads it where later writes go.
-    on_device_ = {capture::host_written({}, kFloat64, device),
-                  capture::host_written({}, kFloat64, device),
-                  capture::host_written({}, kFloat64, device)};
+    on_device_ = {
+        capture::host_written({}, kFloat64, device), capture::host_written({}, kFloat64, device),
+        capture::host_written({}, kFloat64, device), capture::host_written({1}, kInt64, device)};
     on_device_current_ = false;
   }
   if (!capture::active()) {
     write_device_scale();
   } else {
-    // Before each replay: the replays and eager steps before it read (the wrapped optimizer's
-    // step count needs them), and the host's scale written if the device's is not current.
+    // Before each replay: an eager step's flag read, the replays' read up to the last
+    // kUnreadReplays (the wrapped optimizer's rates cover the counts those leave open), and
+    // the host's scale written if the device's is not current.
     capture::before_replay([this] {
-      sync_step();
+      read_flags(kUnreadReplays);
       write_device_scale();
     });
   }
@@ -126,6 +131,9 @@ void LossScaleOptimizer::write_device_scale() const {
   Backend& backend = backend_for(on_device_.scale.device().type());
   for (int i = 0; i < 3; ++i)
     backend.copy(to[i]->data_ptr(), to[i]->device(), &values[i], Device::cpu(), sizeof(double));
+  // Every replay read (sync_step): the device's count of skipped replays is the host's.
+  backend.copy(on_device_.skipped.data_ptr(), on_device_.skipped.device(), &replay_skips_read_,
+               Device::cpu(), sizeof(std::int64_t));
   on_device_current_ = true;
 }
 
@@ -248,28 +256,42 @@ void LossScaleOptimizer::apply_gradients(const std::vector<Tensor>& grads,
 
 void LossScaleOptimizer::apply_captured(const std::vector<Tensor>& grads,
                                         const std::vector<Variable>& variables) {
-  // Always decided on the device: the update kernels skip on the flag, and the host reads it
-  // after the replay (sync_step, before the next replay or at any accessor).
+  // Always decided on the device: the update kernels skip on the flag, the device counts the
+  // skipped replays, and the host reads the flag behind the replay (kUnreadReplays replays
+  // later, or at any accessor): the wrapped optimizer's replay takes its rates from a row that
+  // this count picks (Optimizer::LateCount), so that no replay waits for the one before.
   const std::vector<Tensor> flags = flags_for(grads);
-  if (flags.size() != 1 || !inner_->supports_device_skip())
+  if (flags.size() != 1 || !inner_->supports_device_skip() ||
+      !scale_on_device(flags.front().device()))
     throw CaptureError(not_capturable(inner_->name()));
+  const Tensor& flag = flags.front();
+  const DeviceScale& on_device = device_scale(flag.device());  // (its hook reads the flags)
   const WrapperCall call(*inner_);
   unscaled_ids_.clear();
   unscaled_flags_.clear();
-  inner_->step(grads, variables, flags.front());
-  move_device_scale(flags.front());
-  capture::after_replay([this, flag = flags.front()] {
+  const LateCount late{on_device.skipped, [this] { return replay_skips_read_; },
+                       static_cast<int>(kUnreadReplays)};
+  inner_->step(grads, variables, flag, &late);
+  move_device_scale(flag);
+  // Recorded after the updates, which read the count before this replay's: skipped += flag != 0.
+  const Tensor set = cast(not_equal(flag, zeros({}, flag.dtype(), flag.device())), kInt64);
+  find_kernel<kernels::CopyFn>(OpId::copy, flag.device().type(), kInt64)(
+      add(on_device.skipped, set), on_device.skipped);
+  capture::after_replay([this, flag] {
     replay_flags_.push_back(
         backend_for(flag.device().type())
             .read_back(flag.const_data_ptr(), flag.device().index(), sizeof(float)));
   });
 }
 
-void LossScaleOptimizer::sync_step() const {
+void LossScaleOptimizer::sync_step() const { read_flags(0); }
+
+void LossScaleOptimizer::read_flags(std::size_t unread) const {
   // The eager step's flag, then the replays' in their order.
-  while (pending_ || !replay_flags_.empty()) {
+  while (pending_ || replay_flags_.size() > unread) {
     std::unique_ptr<PendingRead> read;
-    if (pending_) {
+    const bool replay = !pending_;
+    if (!replay) {
       read = std::move(pending_);
     } else {
       read = std::move(replay_flags_.front());
@@ -278,7 +300,10 @@ void LossScaleOptimizer::sync_step() const {
     float flag = 0.0f;
     read->wait(&flag);
     const bool nonfinite = flag != 0.0f;
-    if (nonfinite) inner_->uncount_step();
+    if (nonfinite) {
+      inner_->uncount_step();
+      if (replay) ++replay_skips_read_;
+    }
     record(nonfinite);
   }
 }

@@ -285,7 +285,7 @@ thread_local UpdateBatch* UpdateBatch::current_ = nullptr;
 }  // namespace
 
 void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variable>& variables,
-                     const Tensor& skip_if) {
+                     const Tensor& skip_if, const LateCount* late) {
   check_not_bypassed();
   NoGradGuard no_grad;
   std::vector<Tensor> g = prepare(grads, variables);
@@ -323,7 +323,7 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
   for (std::size_t i = 0; i < g.size(); ++i)
     if (g[i].defined()) update(variables[i], g[i], slots_for(variables[i]), lr, step);
   if (capture::active()) {
-    capture_updates(batch.updates());
+    capture_updates(batch.updates(), late);
     batch.flush();
     return;  // the replays count the steps
   }
@@ -407,7 +407,8 @@ void Optimizer::set_finite_check(StepDecision decision) {
   if (Optimizer* inner = pass_through()) inner->set_finite_check(decision);
 }
 
-void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates) {
+void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates,
+                                const LateCount* late) {
   if (updates.empty()) return;
   // The 16-bit copies the captured updates write (into the copies the captured forward pass
   // read): kept as the variables' copies after each replay, and brought up to date before one
@@ -426,15 +427,50 @@ void Optimizer::capture_updates(std::vector<kernels::OptimizerUpdate>& updates) 
   const kernels::OptimizerUpdate& first = updates.front();
   const double beta1 = first.beta1, beta2 = first.beta2;
   const Device device = first.var.device();
-  const Tensor rates = capture::host_written({2}, kFloat64, device);
+  Tensor rates;
+  if (late) {
+    rates = late_rates(*late, beta1, beta2, device);
+  } else {
+    rates = capture::host_written({2}, kFloat64, device);
+    capture::before_replay([this, rates, beta1, beta2, device] {
+      const kernels::StepRates r =
+          kernels::step_rates(learning_rate_(iterations_), iterations_ + 1, beta1, beta2);
+      const double host[2] = {r.lr, r.alpha};
+      backend_for(device.type()).copy(rates.data_ptr(), device, host, Device::cpu(), sizeof(host));
+    });
+  }
   for (auto& u : updates) u.rates = rates;
-  capture::before_replay([this, rates, beta1, beta2, device] {
-    const kernels::StepRates r =
-        kernels::step_rates(learning_rate_(iterations_), iterations_ + 1, beta1, beta2);
-    const double host[2] = {r.lr, r.alpha};
-    backend_for(device.type()).copy(rates.data_ptr(), device, host, Device::cpu(), sizeof(host));
-  });
   capture::after_replay([this] { ++iterations_; });
+}
+
+Tensor Optimizer::late_rates(const LateCount& late, double beta1, double beta2, Device device) {
+  // Before each replay the host writes the rates of every count the replay may have: row r
+  // for iterations_ - r, r = 0 .. max_unread (iterations_ counts the replays not read yet;
+  // r of them were skipped), and the skipped replays it has read. The replay takes row
+  // (skipped on the device - skipped read): so the host queues it without waiting for the
+  // flags of the replays before it. A row for a count below 0 is never taken (r is at most
+  // the replays not read, which iterations_ counts): it holds count 0's rates.
+  const std::int64_t rows = late.max_unread + 1;
+  const Tensor table = capture::host_written({rows, 2}, kFloat64, device);
+  const Tensor skipped_read = capture::host_written({1}, kInt64, device);
+  capture::before_replay(
+      [this, table, skipped_read, rows, beta1, beta2, device, read = late.skipped_read] {
+        std::vector<double> host(static_cast<std::size_t>(2 * rows));
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::int64_t count = std::max<std::int64_t>(iterations_ - r, 0);
+          const kernels::StepRates s =
+              kernels::step_rates(learning_rate_(count), count + 1, beta1, beta2);
+          host[static_cast<std::size_t>(2 * r)] = s.lr;
+          host[static_cast<std::size_t>(2 * r + 1)] = s.alpha;
+        }
+        const std::int64_t skipped = read();
+        Backend& backend = backend_for(device.type());
+        backend.copy(table.data_ptr(), device, host.data(), Device::cpu(),
+                     host.size() * sizeof(double));
+        backend.copy(skipped_read.data_ptr(), device, &skipped, Device::cpu(), sizeof(skipped));
+      });
+  // Recorded: the row of this replay's count (a CPU replay checks that it is in the table).
+  return reshape(take(table, sub(late.skipped, skipped_read), 0), {2});
 }
 
 OptimizerState Optimizer::state(const std::vector<Variable>& variables) const {

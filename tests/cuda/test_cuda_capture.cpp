@@ -4,6 +4,7 @@
 // capture's memory pool; what a GPU capture refuses.
 #include <catch2/catch.hpp>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -109,6 +110,56 @@ TEST_CASE("cuda capture: a CUDA graph replays the eager steps bit for bit", "[cu
         CHECK(values(vars[i]) == values(eager_vars[i]));
       }
     }
+  mt::set_global_policy("float32");
+}
+
+TEST_CASE("cuda capture: skipped replays under loss scaling, their flags read late",
+          "[cuda][capture]") {
+  // Batches with an infinity: the replays skip them on the device, and the host reads each
+  // replay's flag only when it queues the third replay after it, so the replays after a skipped
+  // one pick their learning rate and bias correction on the device (Optimizer::LateCount).
+  mt::set_global_policy("mixed_float16");
+  std::vector<Batch> batches = gpu_batches(10, 6);
+  const std::vector<std::size_t> skipped_batches = {3, 6, 7};
+  for (std::size_t k : skipped_batches) {
+    std::vector<double> xs = values(batches[k].x);
+    xs[5 * k] = std::numeric_limits<double>::infinity();
+    batches[k].x = mt::from_vector(xs, {64, 32}).to(kGpu);
+  }
+  const auto make_opt = [] {
+    return std::make_shared<mo::LossScaleOptimizer>(
+        std::make_shared<mo::Adam>(
+            mo::AdamOptions{.learning_rate = mo::schedules::exponential_decay(0.01, 2, 0.5)}),
+        mt::LossScale::dynamic({.initial_scale = 1024, .growth_interval = 2}));
+  };
+  const auto eager = gpu_model();
+  auto eager_opt = make_opt();
+  std::vector<std::int64_t> eager_counts;
+  for (const auto& b : batches) {
+    step(*eager, *eager_opt, b.x, b.y);
+    eager_counts.push_back(eager_opt->iterations());
+  }
+  const auto model = gpu_model();
+  auto opt = make_opt();
+  mt::Variable x(batches[0].x, "x", false), y(batches[0].y, "y", false);
+  mt::StepGraph graph = mt::StepGraph::capture(kGpu, [&] { step(*model, *opt, x, y); });
+  for (std::size_t k = 1; k < batches.size(); ++k) {
+    x.assign(batches[k].x);
+    y.assign(batches[k].y);
+    graph.replay();
+    INFO("replay " << k);
+    std::int64_t unread_skips = 0;  // among the last three replays, whose flags are not read
+    for (std::size_t s : skipped_batches) unread_skips += s + 3 > k && s <= k ? 1 : 0;
+    CHECK(opt->inner_optimizer().iterations() == eager_counts[k] + unread_skips);
+  }
+  CHECK(opt->skipped_steps() == 3);
+  CHECK(opt->iterations() == eager_opt->iterations());
+  CHECK(opt->loss_scale() == eager_opt->loss_scale());
+  const auto vars = model->trainable_variables(), eager_vars = eager->trainable_variables();
+  for (std::size_t i = 0; i < vars.size(); ++i) {
+    INFO(vars[i].name());
+    CHECK(values(vars[i]) == values(eager_vars[i]));
+  }
   mt::set_global_policy("float32");
 }
 

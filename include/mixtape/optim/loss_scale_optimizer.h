@@ -31,6 +31,12 @@
 // count are brought up to date by apply_gradients, any accessor, state, or sync_step(). They
 // end up as with a read per step, bit for bit; only a NumericError for
 // max_consecutive_skips comes from that next call.
+//
+// In a captured step (mixtape/core/capture.h) the host reads a replay's flag only when it queues
+// the third replay after it, so that the device always has replays queued: the device counts
+// the skipped replays, and the wrapped optimizer's replay takes its rates from the row of the
+// counts still possible that this count picks (Optimizer::LateCount). A NumericError for
+// max_consecutive_skips then comes up to three replays late.
 #pragma once
 
 #include <concepts>
@@ -147,9 +153,10 @@ class LossScaleOptimizer : public Optimizer {
 
   // The scale kept on the device: float64 scalars there, read by get_scaled_loss's product
   // and get_unscaled_gradients' kernel (the inverse), moved behind each step decided on the
-  // device by loss_scale_update (the good steps too, for the rule).
+  // device by loss_scale_update (the good steps too, for the rule); and the captured step's
+  // replays skipped so far (int64 [1]; Optimizer::LateCount).
   struct DeviceScale {
-    Tensor scale, inverse, good_steps;
+    Tensor scale, inverse, good_steps, skipped;
   };
   // config_'s rule (kernels.h): the one record() and loss_scale_update follow.
   kernels::LossScaleRule rule() const;
@@ -162,6 +169,9 @@ class LossScaleOptimizer : public Optimizer {
   void write_device_scale() const;
   // Queues loss_scale_update by `flag` when the device's scale is current.
   void move_device_scale(const Tensor& flag);
+  // Reads the eager step's flag, if not read yet, then the replays' oldest first until at
+  // most `unread` are left (waiting for the device as far as that), and records each.
+  void read_flags(std::size_t unread) const;
 
   std::shared_ptr<Optimizer> inner_;
   LossScale config_;
@@ -173,8 +183,10 @@ class LossScaleOptimizer : public Optimizer {
   mutable bool last_skipped_ = false;
   // The flag of the step decided on the device and not read yet.
   mutable std::unique_ptr<PendingRead> pending_;
-  // The flags of the captured step's replays not read yet, oldest first.
+  // The flags of the captured step's replays not read yet, oldest first, and how many of those
+  // read were set (the host's side of DeviceScale::skipped).
   mutable std::deque<std::unique_ptr<PendingRead>> replay_flags_;
+  mutable std::int64_t replay_skips_read_ = 0;
   // The scale on the device, and whether it is the scale after every step queued so far
   // (false after a step decided on the host or a load_state: written afresh before its use).
   mutable DeviceScale on_device_;

@@ -231,19 +231,33 @@ class Optimizer {
   friend class LossScaleOptimizer;
   friend class DistributedOptimizer;
   friend class GradientAccumulationOptimizer;
+  // A captured step whose replays' flags a wrapper reads late (a LossScaleOptimizer's): each
+  // replay is counted on the host when it is queued and taken back (uncount_step) when its
+  // flag is read set, so that up to `max_unread` replays counted may have been skipped. How
+  // many, the device knows: `skipped` (an int64 [1] tensor there, the replays skipped so far,
+  // kept by the wrapper) less `skipped_read()` (those of them the host has read). The replay's
+  // count, and so its learning rate and Adam's bias correction, is settled there
+  // (capture_updates).
+  struct LateCount {
+    Tensor skipped;
+    std::function<std::int64_t()> skipped_read;
+    int max_unread = 0;
+  };
   // apply_gradients with update() given skip_flag() = skip_if (undefined: an ordinary step).
   // The step is counted; the caller takes the count back (uncount_step) when it later reads
-  // a set flag.
+  // a set flag. `late`: under a captured step, its replays' flags read late (above).
   void step(const std::vector<Tensor>& grads, const std::vector<Variable>& variables,
-            const Tensor& skip_if);
+            const Tensor& skip_if, const LateCount* late = nullptr);
   void uncount_step() { --iterations_; }
   // Under a captured step (mixtape/core/capture.h): the finiteness check on the device, its
   // flag for the updates (returned), a non-finite replay reported by the next one.
   Tensor capture_finiteness_check(const std::vector<Tensor>& grads, const Tensor& skip_if);
   // Under a captured step: the updates read lr and alpha from a device tensor that the host
-  // writes before each replay, each replay counts a step, and the 16-bit copies the updates
-  // write stay the ones autocast reads.
-  void capture_updates(std::vector<kernels::OptimizerUpdate>& updates);
+  // writes before each replay (with `late`, the row of a table of the counts still possible
+  // that the replay picks: late_rates), each replay counts a step, and the 16-bit copies the
+  // updates write stay the ones autocast reads.
+  void capture_updates(std::vector<kernels::OptimizerUpdate>& updates, const LateCount* late);
+  Tensor late_rates(const LateCount& late, double beta1, double beta2, Device device);
   // Whether this step's finiteness check is decided on the device (set_finite_check).
   bool finite_check_on_device(const std::vector<Tensor>& grads,
                               const std::vector<Variable>& variables) const;
