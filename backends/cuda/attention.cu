@@ -133,9 +133,9 @@ __global__ void attention_forward_kernel(In<T> q, In<T> k, In<T> v, MaskRows mas
       if (x > m) {
         l = (m == neg_inf ? C(0) : l * d_exp(m - x)) + C(1);
         m = x;
-      } else {
+      } else if (m != neg_inf) {
         l += d_exp(x - m);  // NaN stays NaN
-      }
+      }  // (else x is -inf or NaN before any attended number: no weight, as the CPU's block max)
     }
     if (lane == 0) lse[row] = l == C(0) ? neg_inf : m + d_log(l);
     const C inv = l == C(0) ? C(0) : C(1) / l;

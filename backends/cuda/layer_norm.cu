@@ -1,9 +1,11 @@
 // Layer normalisation on CUDA (ops layer_norm and layer_norm_backward), a first plain form:
-// a warp per row for the forward pass and for dx (the row's sums with shuffles, in float32;
-// float64 for float64); dgamma and dbeta as the CPU backend sums them: per column, partial sums
-// over fixed blocks of 32 rows (a thread per column and block: enough threads to fill the GPU
-// at a training batch's 8192 rows), then the blocks' sums added in block order (the same on
-// every run). Written without a GPU at hand; the conformance sweep checks it.
+// a warp per row for the forward pass and for dx (the row's sums with shuffles, in float64 as
+// the CPU backend's: a float32 sum of a wide row whose mean is large next to its spread would
+// put an error of about 1e-4 into every output); dgamma and dbeta as the CPU backend sums
+// them: per column, partial sums over fixed blocks of 32 rows (a thread per column and block:
+// enough threads to fill the GPU at a training batch's 8192 rows), then the blocks' sums added
+// in block order (the same on every run). Written without a GPU at hand; the conformance sweep
+// checks it.
 #include <cmath>
 
 #include "backends/cuda/cuda_backend.h"
@@ -17,22 +19,25 @@ namespace {
 using std::int64_t;
 
 template <typename T>
-__global__ void layer_norm_forward_kernel(
-    const T* __restrict__ x, const compute_of<T>* __restrict__ gamma,
-    const compute_of<T>* __restrict__ beta, compute_of<T> epsilon, T* __restrict__ out,
-    compute_of<T>* __restrict__ mean, compute_of<T>* __restrict__ rstd, int64_t rows, int64_t n) {
+__global__ void layer_norm_forward_kernel(const T* __restrict__ x,
+                                          const compute_of<T>* __restrict__ gamma,
+                                          const compute_of<T>* __restrict__ beta, double epsilon,
+                                          T* __restrict__ out, compute_of<T>* __restrict__ mean,
+                                          compute_of<T>* __restrict__ rstd, int64_t rows,
+                                          int64_t n) {
   using C = compute_of<T>;
   for_each_warp_item(rows, [&](int64_t r, int lane) {
     const T* xr = x + r * n;
-    C s = C(0);
-    for (int64_t j = lane; j < n; j += kWarp) s += load(xr[j]);
-    const C mu = warp_sum(s) / static_cast<C>(n);
-    C v = C(0);
+    // The CPU's arithmetic: sums in float64, x - mu in C, mean and rstd rounded once to C.
+    double s = 0.0;
+    for (int64_t j = lane; j < n; j += kWarp) s += static_cast<double>(load(xr[j]));
+    const C mu = static_cast<C>(warp_sum(s) / static_cast<double>(n));
+    double v = 0.0;
     for (int64_t j = lane; j < n; j += kWarp) {
-      const C c = load(xr[j]) - mu;
+      const double c = static_cast<double>(load(xr[j]) - mu);
       v += c * c;
     }
-    const C rs = C(1) / sqrt(warp_sum(v) / static_cast<C>(n) + epsilon);
+    const C rs = static_cast<C>(1.0 / sqrt(warp_sum(v) / static_cast<double>(n) + epsilon));
     if (lane == 0) {
       mean[r] = mu;
       rstd[r] = rs;
@@ -58,13 +63,15 @@ __global__ void layer_norm_dx_kernel(const T* __restrict__ x,
     const T* xr = x + r * n;
     const T* gr = dy + r * n;
     const C mu = mean[r], rs = rstd[r];
-    C sg = C(0), sgx = C(0);
+    double sg = 0.0, sgx = 0.0;  // in float64, as the CPU's
     for (int64_t j = lane; j < n; j += kWarp) {
       const C g = gamma ? load(gr[j]) * gamma[j] : load(gr[j]);
-      sg += g;
-      sgx += g * (load(xr[j]) - mu) * rs;
+      const C xh = (load(xr[j]) - mu) * rs;
+      sg += static_cast<double>(g);
+      sgx += static_cast<double>(g * xh);
     }
-    const C mg = warp_sum(sg) / static_cast<C>(n), mgx = warp_sum(sgx) / static_cast<C>(n);
+    const C mg = static_cast<C>(warp_sum(sg) / static_cast<double>(n));
+    const C mgx = static_cast<C>(warp_sum(sgx) / static_cast<double>(n));
     for (int64_t j = lane; j < n; j += kWarp) {
       const C g = gamma ? load(gr[j]) * gamma[j] : load(gr[j]);
       const C xh = (load(xr[j]) - mu) * rs;
@@ -132,9 +139,9 @@ void layer_norm_host(const Tensor& x, const Tensor& gamma, const Tensor& beta, d
   launch_1d({"layer_norm kernel", rows * kWarp, on.s}, layer_norm_forward_kernel<T>,
             static_cast<const T*>(x.const_data_ptr()),
             gamma.defined() ? static_cast<const C*>(gamma.const_data_ptr()) : nullptr,
-            beta.defined() ? static_cast<const C*>(beta.const_data_ptr()) : nullptr,
-            static_cast<C>(epsilon), static_cast<T*>(out.data_ptr()),
-            static_cast<C*>(mean.data_ptr()), static_cast<C*>(rstd.data_ptr()), rows, n);
+            beta.defined() ? static_cast<const C*>(beta.const_data_ptr()) : nullptr, epsilon,
+            static_cast<T*>(out.data_ptr()), static_cast<C*>(mean.data_ptr()),
+            static_cast<C*>(rstd.data_ptr()), rows, n);
 }
 
 template <typename T>

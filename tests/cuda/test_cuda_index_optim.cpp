@@ -522,6 +522,82 @@ TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU"
   }
 }
 
+TEST_CASE("cuda optimizer updates: one call for 130 variables of mixed sizes against the CPU",
+          "[cuda]") {
+  // A step's variables of one dtype go to the GPU kernels in launches of a few dozen (the
+  // pointer lists as kernel parameters), each sized by its largest tensor: 130 variables of
+  // sizes from 0 to 70,001 in one call, 16-bit copies on every third float32 one, the rates
+  // read from the device (a captured step's), a skipped step (its flag set) in the middle.
+  const std::vector<int64_t> sizes = {0, 1, 7, 33, 1000, 4099, 70001, 31, 2};
+  std::uint64_t seed = 900;
+  for (const Variant& v : variants()) {
+    for (DType dt : {mt::kFloat32, mt::kBFloat16}) {
+      const DType slot_dt = mt::kFloat32;
+      const int count = 130;
+      std::vector<Tensor> var_cpu, var_gpu, slots_cpu, slots_gpu;
+      for (int i = 0; i < count; ++i) {
+        const int64_t numel = sizes[static_cast<std::size_t>(i) % sizes.size()];
+        var_cpu.push_back(random_of({numel}, dt, ++seed));
+        var_gpu.push_back(gpu(var_cpu.back()));
+        for (int s = 1; s <= 3; ++s) {
+          slots_cpu.push_back(uses_slot(v, s) ? mt::zeros({numel}, slot_dt) : Tensor());
+          slots_gpu.push_back(uses_slot(v, s) ? mt::zeros({numel}, slot_dt, cu::kGpu) : Tensor());
+        }
+      }
+      for (int64_t step = 1; step <= 3; ++step) {
+        INFO(fmt::format("{} {} step {}", v.name, dt.name(), step));
+        const auto r = mt::kernels::step_rates(v.p.lr, step, v.p.beta1, v.p.beta2);
+        const Tensor rates_cpu = mt::from_vector(std::vector<double>{r.lr, r.alpha}, {2});
+        const Tensor rates_gpu = gpu(rates_cpu);
+        const Tensor skip_cpu = mt::full({}, step == 2 ? 1.0 : 0.0, mt::kFloat32);
+        const Tensor skip_gpu = gpu(skip_cpu);
+        std::vector<mt::kernels::OptimizerUpdate> uc(count, v.p), ug(count, v.p);
+        std::vector<Tensor> before(count);
+        for (int i = 0; i < count; ++i) {
+          const auto k = static_cast<std::size_t>(i);
+          const Tensor grad = random_of(var_cpu[k].shape(), dt, ++seed);
+          uc[k].var = var_cpu[k], ug[k].var = var_gpu[k];
+          uc[k].grad = grad, ug[k].grad = gpu(grad);
+          uc[k].slot1 = slots_cpu[3 * k], ug[k].slot1 = slots_gpu[3 * k];
+          uc[k].slot2 = slots_cpu[3 * k + 1], ug[k].slot2 = slots_gpu[3 * k + 1];
+          uc[k].slot3 = slots_cpu[3 * k + 2], ug[k].slot3 = slots_gpu[3 * k + 2];
+          uc[k].step = ug[k].step = step;
+          uc[k].skip_if = skip_cpu, ug[k].skip_if = skip_gpu;
+          uc[k].rates = rates_cpu, ug[k].rates = rates_gpu;
+          if (dt == mt::kFloat32 && i % 3 == 0) {
+            uc[k].copy = Tensor::empty(var_cpu[k].shape(), mt::kBFloat16);
+            ug[k].copy = Tensor::empty(var_cpu[k].shape(), mt::kBFloat16, cu::kGpu);
+          }
+          before[k] = var_gpu[k].to(mt::Device::cpu());
+        }
+        cpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(std::span(uc));
+        gpu_kernel<mt::kernels::OptimizerUpdateFn>(op_of(v.opt), dt)(std::span(ug));
+        for (int i = 0; i < count; ++i) {
+          const auto k = static_cast<std::size_t>(i);
+          INFO("variable " << i << " of " << var_cpu[k].numel());
+          if (step == 2) {  // nothing changed, bit for bit
+            const Tensor after = var_gpu[k].to(mt::Device::cpu());
+            CHECK(std::memcmp(after.data_ptr(), before[k].data_ptr(),
+                              static_cast<std::size_t>(after.numel()) * dt.itemsize()) == 0);
+          }
+          cu::check_close(var_gpu[k], var_cpu[k], optim_tolerance(dt), "variable");
+          if (ug[k].copy.defined() && var_cpu[k].numel() > 0) {
+            const Tensor got = ug[k].copy.to(mt::Device::cpu());
+            const Tensor want = mt::cast(var_gpu[k], mt::kBFloat16).to(mt::Device::cpu());
+            CHECK(std::memcmp(got.data_ptr(), want.data_ptr(),
+                              static_cast<std::size_t>(got.numel()) * 2) == 0);
+          }
+          for (int s = 0; s < 3; ++s)
+            if (slots_cpu[3 * k + static_cast<std::size_t>(s)].defined())
+              cu::check_close(slots_gpu[3 * k + static_cast<std::size_t>(s)],
+                              slots_cpu[3 * k + static_cast<std::size_t>(s)],
+                              optim_tolerance(slot_dt), "slot" + std::to_string(s + 1));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda optimizer: the finiteness check decided on the device, reported one call later",
           "[cuda]") {
   // On a GPU (StepDecision::Auto) the updates skip a step with a NaN gradient and the next

@@ -363,8 +363,8 @@ using CastListFn = void(const std::vector<Tensor>& xs, const std::vector<Tensor>
 
 // Optimizer updates, in place, for a list of variables in one call (on a GPU, a launch per
 // few dozen variables instead of one each): every OptimizerUpdate of a call has the same
-// variable dtype (the one the kernel is keyed on), device, scalars (lr ... amsgrad, step) and
-// skip_if; each is applied as described here. var and grad are contiguous, same shape
+// variable dtype (the one the kernel is keyed on), device, scalars (lr ... amsgrad, step),
+// skip_if and rates; each is applied as described here. var and grad are contiguous, same shape
 // and dtype (the dtype the kernel is keyed on); the slots are contiguous tensors of var's
 // shape in the slot dtype: float64 for float64 variables, float32 for every other
 // (float16 / bfloat16 variables keep float32 state). var, grad and the slots are distinct
