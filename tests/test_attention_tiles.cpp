@@ -355,6 +355,10 @@ struct Case {
   // The tiles take q, k, v, dout and write out, dq, dk, dv as views [2, n / 2, rows, d] of
   // [2, rows, n / 2, d] (the heads of a projection, where they lie: kernels.h).
   bool in_place = false;
+  // Query row 0 of head 0 starts with -inf and every key's first value is 0.5: all its logits
+  // are -inf, and the row attends nothing (out 0, lse -inf; forward only: its dk would be
+  // 0 x -inf on both sides).
+  bool infinite_row = false;
 };
 
 // x [n, rows, d] as the kernels see a projection's heads: a view [2, n / 2, rows, d] of
@@ -381,6 +385,7 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
       {"width 96, one position (forward only)", 1, 1, 1, 96, false, 0, 0.0},
       {"heads in place, key padding, causal, dropout", 4, 70, 70, 64, true, 2, 0.2, true},
       {"heads in place, width 32, masked", 2, 65, 80, 32, false, 1, 0.0, true},
+      {"a row whose logits are all -inf (forward only)", 2, 70, 70, 64, false, 0, 0.0, false, true},
   };
   for (const mt::DType dtype : {mt::kBFloat16, mt::kFloat16})
     for (const Case& c : cases) {
@@ -389,7 +394,16 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
       const auto make = [&](int64_t rows) {
         return mt::uniform({c.n, rows, c.d}, -2.0, 2.0).to(dtype);
       };
-      const mt::Tensor q = make(c.t), k = make(c.s), v = make(c.s), dout = make(c.t);
+      mt::Tensor q = make(c.t), k = make(c.s);
+      const mt::Tensor v = make(c.s), dout = make(c.t);
+      if (c.infinite_row) {
+        auto qv = q.to(mt::kFloat64).to_vector<double>();
+        auto kv = k.to(mt::kFloat64).to_vector<double>();
+        qv[0] = -INFINITY;
+        for (std::size_t j = 0; j < kv.size(); j += static_cast<std::size_t>(c.d)) kv[j] = 0.5;
+        q = mt::from_vector(qv, q.shape()).to(dtype);
+        k = mt::from_vector(kv, k.shape()).to(dtype);
+      }
       mt::Tensor mask;
       if (c.mask == 1) {
         // Row 0 of each head attends nothing; the rest half the keys at random.
@@ -451,6 +465,12 @@ TEST_CASE("tiled tensor-core attention, emulated on the host, matches the CPU ke
                               : !(std::abs(wl[i] - gl[i]) <= 1e-5 * (1.0 + std::abs(wl[i]))))
           ++lse_off;
       CHECK(lse_off == 0);
+      if (c.infinite_row) {
+        CHECK(std::isinf(wl[0]));
+        const mt::Tensor row = mt::slice(mt::slice(got, 0, 0, 1), 1, 0, 1);
+        CHECK(row.to(mt::kFloat64).to_vector<double>() == std::vector<double>(c.d, 0.0));
+        continue;
+      }
       if (!at::supports_backward(c.d, c.d)) continue;
 
       // Backward, from the CPU's out and lse (both sides read the same).

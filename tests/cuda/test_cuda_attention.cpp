@@ -97,3 +97,41 @@ TEST_CASE("cuda attention at training shapes against the CPU kernels", "[cuda][a
       }
     }
 }
+
+TEST_CASE("cuda attention: a row whose logits are all -inf attends nothing, as on the CPU",
+          "[cuda][attention]") {
+  // Query row 0 starts with -inf and every key's first value is positive: each of its logits
+  // is -inf. The CPU kernels, the plain kernels (float32) and the tiled ones (bfloat16, width
+  // 64) give it out 0 and lse -inf (not NaN), and the other rows their usual values.
+  for (const mt::DType dt : {mt::kFloat32, mt::kBFloat16}) {
+    INFO(dt.name());
+    const int64_t n = 2, t = 70, s = 70, d = 64;
+    std::vector<double> qv = values_of(cu::random({n, t, d}, mt::kFloat32, 11, -2.0, 2.0));
+    std::vector<double> kv = values_of(cu::random({n, s, d}, mt::kFloat32, 12, -2.0, 2.0));
+    qv[0] = -INFINITY;
+    for (int64_t j = 0; j < n * s; ++j) kv[static_cast<std::size_t>(j * d)] = 0.5;
+    const mt::Tensor q = mt::from_vector(qv, {n, t, d}).to(dt);
+    const mt::Tensor k = mt::from_vector(kv, {n, s, d}).to(dt);
+    const mt::Tensor v = cu::random({n, s, d}, dt, 13);
+    const auto run = [&](mt::Device dev) {
+      const auto forward =
+          mt::find_kernel<mt::kernels::AttentionFn>(mt::OpId::attention, dev.type(), dt);
+      std::vector<mt::Tensor> r{mt::Tensor::empty({n, t, d}, dt, dev),
+                                mt::Tensor::empty({n, t}, mt::kFloat32, dev)};
+      forward(q.to(dev), k.to(dev), v.to(dev), mt::Tensor(), /*causal=*/false, 0.125,
+              mt::kernels::AttentionDropout{}, r[0], r[1]);
+      return std::vector<std::vector<double>>{values_of(r[0]), values_of(r[1])};
+    };
+    const auto want = run(mt::Device::cpu()), got = run(cu::kGpu);
+    CHECK(want[1][0] == -INFINITY);
+    CHECK(got[1][0] == -INFINITY);
+    for (int64_t c = 0; c < d; ++c) {
+      CHECK(want[0][static_cast<std::size_t>(c)] == 0.0);
+      CHECK(got[0][static_cast<std::size_t>(c)] == 0.0);
+    }
+    // Every other row finite and as on the CPU (within the dtype's GEMM-like tolerance).
+    const double tol = cu::tolerance(dt, /*gemm_like=*/true);
+    for (std::size_t i = static_cast<std::size_t>(d); i < want[0].size(); ++i)
+      REQUIRE(std::abs(got[0][i] - want[0][i]) <= tol * (1.0 + std::abs(want[0][i])));
+  }
+}
