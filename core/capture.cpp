@@ -184,6 +184,9 @@ StepGraph StepGraph::capture(Device device, const std::function<void()>& step) {
 
 void StepGraph::replay() {
   if (!work_) throw Error("StepGraph::replay: nothing captured (an empty StepGraph)");
+  // Inside another capture its hooks would run once, now, and its work would not be recorded
+  // (on the CPU) or be recorded with the hooks' values of now (a CUDA graph).
+  capture::forbid("StepGraph::replay (a captured step replayed inside another capture)");
   for (const auto& f : before_) f();
   work_->replay();
   ++replays_;

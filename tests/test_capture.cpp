@@ -336,6 +336,13 @@ TEST_CASE("what a captured step cannot do throws CaptureError and leaves nothing
     const std::string m = capture_error([&] { mt::StepGraph::capture(mt::Device::cpu(), [] {}); });
     CHECK_THAT(m, Catch::Contains("do not nest"));
   }
+  SECTION("a replay of another captured step") {
+    mt::StepGraph inner =
+        mt::StepGraph::capture(mt::Device::cpu(), [&] { train_step(model, opt, x, y); });
+    const std::string m = capture_error([&] { inner.replay(); });
+    CHECK_THAT(m, Catch::Contains("StepGraph::replay") && Catch::Contains("inside another"));
+    CHECK(inner.replays() == 1);  // the warm-up's, before the capture
+  }
   // After each failure the thread steps eagerly as before.
   const auto before = opt.iterations();
   train_step(model, opt, x, y);

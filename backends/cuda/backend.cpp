@@ -7,9 +7,11 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -78,8 +80,16 @@ DeviceCache& cache() {
 // graph's earlier kernels use would be overwritten before the graph's later kernels read it. Host
 // -> device copies made during the capture read from pinned buffers of the pool's own (the replays
 // copy them again, the same bytes).
+//
+// Only the capturing thread works on the device while it captures: the device has one stream,
+// which records whatever is queued on it. Another thread's allocation, copy, read_back or
+// synchronisation on that device waits until the capture ends (a Dataset's prefetch thread
+// copying the next batch up while fit captures its first step), instead of being recorded
+// into the graph (its copy then never made, its memory the graph's) or invalidating the
+// capture. A kernel another thread queues there without allocating is not stopped.
 struct CapturePool {
   int device = 0;
+  std::thread::id owner;  // the capturing thread
   bool graph_alive = true;
   std::unordered_map<std::size_t, std::vector<void*>> free;  // by size class
   std::vector<std::pair<void*, std::size_t>> retained;       // (block, size class)
@@ -89,6 +99,7 @@ struct CapturePool {
 std::mutex g_capture_mutex;
 std::unordered_map<void*, std::shared_ptr<CapturePool>> g_pool_of;  // a pool's blocks
 std::vector<std::shared_ptr<CapturePool>> g_capturing;              // by device, or null
+std::condition_variable g_capture_ended;  // notified when a capture ends (g_capture_mutex)
 
 // The pool device d is capturing into, or null (with g_capture_mutex held).
 CapturePool* capturing_pool(int d) {
@@ -96,6 +107,38 @@ CapturePool* capturing_pool(int d) {
              ? g_capturing[static_cast<std::size_t>(d)].get()
              : nullptr;
 }
+
+// With `lock` on g_capture_mutex: the pool of the calling thread's capture on device d, or null
+// when the thread does not capture there, after waiting for another thread's capture on d to end.
+CapturePool* own_capture_or_wait(int d, std::unique_lock<std::mutex>& lock) {
+  g_capture_ended.wait(lock, [d] {
+    const CapturePool* pool = capturing_pool(d);
+    return !pool || pool->owner == std::this_thread::get_id();
+  });
+  return capturing_pool(d);
+}
+
+// Waits while a thread other than the calling one captures on device d.
+void wait_for_other_capture(int d) {
+  std::unique_lock<std::mutex> lock(g_capture_mutex);
+  own_capture_or_wait(d, lock);
+}
+
+// Ends device d's capture in the capture table when it goes out of scope (also when a CUDA
+// call before that throws) and wakes the threads waiting for it; `pool` then holds its pool.
+struct CaptureTableEntry {
+  int d;
+  std::shared_ptr<CapturePool> pool;
+  ~CaptureTableEntry() {
+    {
+      std::lock_guard<std::mutex> lock(g_capture_mutex);
+      auto& entry = g_capturing[static_cast<std::size_t>(d)];
+      if (!pool) pool = std::move(entry);
+      entry.reset();
+    }
+    g_capture_ended.notify_all();
+  }
+};
 
 // Gives a dead graph's pool back: its free and retained blocks to the cache, its pinned
 // buffers to the system (with g_capture_mutex held, after the device finished its replays).
@@ -120,10 +163,18 @@ class CudaGraph final : public CapturedWork {
   CudaGraph(const CudaGraph&) = delete;
   CudaGraph& operator=(const CudaGraph&) = delete;
   ~CudaGraph() override {
-    DeviceGuard guard(device_);
-    cudaStreamSynchronize(stream(device_));  // the replays are done with the pool
+    // Never throws (unchecked calls: after a failed kernel the device's errors are sticky); the
+    // stream exists (the capture ran on it).
+    int previous = device_;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    try {
+      cudaStreamSynchronize(stream(device_));  // the replays are done with the pool
+    } catch (...) {
+    }
     cudaGraphExecDestroy(exec_);
     cudaGraphDestroy(graph_);
+    cudaSetDevice(previous);
     std::lock_guard<std::mutex> lock(g_capture_mutex);
     release_pool(*pool_);
   }
@@ -286,8 +337,9 @@ class CudaBackend final : public Backend {
     check_index(device_index);
     const std::size_t cls = cache().size_class(nbytes);
     {
-      std::lock_guard<std::mutex> lock(g_capture_mutex);
-      if (CapturePool* pool = capturing_pool(device_index)) return pool_block(*pool, cls);
+      std::unique_lock<std::mutex> lock(g_capture_mutex);
+      if (CapturePool* pool = own_capture_or_wait(device_index, lock))
+        return pool_block(*pool, cls);
     }
     if (void* p = cache().take(device_index, cls)) return p;
     DeviceGuard guard(device_index);
@@ -331,6 +383,9 @@ class CudaBackend final : public Backend {
 
   void begin_capture(int device_index) override {
     check_index(device_index);
+    // The stream first (what can throw before the capture table changes).
+    DeviceGuard guard(device_index);
+    const cudaStream_t st = stream(device_index);
     {
       std::lock_guard<std::mutex> lock(g_capture_mutex);
       if (capturing_pool(device_index))
@@ -341,22 +396,23 @@ class CudaBackend final : public Backend {
         g_capturing.resize(static_cast<std::size_t>(device_index) + 1);
       auto pool = std::make_shared<CapturePool>();
       pool->device = device_index;
+      pool->owner = std::this_thread::get_id();
       g_capturing[static_cast<std::size_t>(device_index)] = std::move(pool);
     }
-    DeviceGuard guard(device_index);
     // Relaxed: the allocator may call cudaMalloc for the pool while the stream captures.
-    const cudaError_t err =
-        cudaStreamBeginCapture(stream(device_index), cudaStreamCaptureModeRelaxed);
+    const cudaError_t err = cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed);
     if (err != cudaSuccess) {
-      std::lock_guard<std::mutex> lock(g_capture_mutex);
-      release_pool(*g_capturing[static_cast<std::size_t>(device_index)]);
-      g_capturing[static_cast<std::size_t>(device_index)].reset();
+      CaptureTableEntry ended{device_index, nullptr};
+      {
+        std::lock_guard<std::mutex> lock(g_capture_mutex);
+        release_pool(*g_capturing[static_cast<std::size_t>(device_index)]);
+      }
       MIXTAPE_CUDA_CHECK(err);
     }
   }
 
   std::unique_ptr<CapturedWork> end_capture(int device_index) override {
-    DeviceGuard guard(device_index);
+    CaptureTableEntry ended{device_index, nullptr};  // (also when a call below throws)
     cudaGraph_t graph = nullptr;
     cudaError_t err = cudaStreamEndCapture(stream(device_index), &graph);
     std::shared_ptr<CapturePool> pool;
@@ -364,6 +420,7 @@ class CudaBackend final : public Backend {
       std::lock_guard<std::mutex> lock(g_capture_mutex);
       pool = std::move(g_capturing[static_cast<std::size_t>(device_index)]);
     }
+    DeviceGuard guard(device_index);
     cudaGraphExec_t exec = nullptr;
     if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
     if (err != cudaSuccess) {
@@ -379,21 +436,22 @@ class CudaBackend final : public Backend {
   }
 
   void abort_capture(int device_index) override {
-    DeviceGuard guard(device_index);
+    CaptureTableEntry ended{device_index, nullptr};  // (also when a call below throws)
     cudaGraph_t graph = nullptr;
     cudaStreamEndCapture(stream(device_index), &graph);
     cudaGetLastError();  // a capture invalidated by the failure: not an error of the next call
     if (graph) cudaGraphDestroy(graph);
     std::lock_guard<std::mutex> lock(g_capture_mutex);
-    if (auto& pool = g_capturing[static_cast<std::size_t>(device_index)]) {
-      release_pool(*pool);
-      pool.reset();
-    }
+    if (auto& pool = g_capturing[static_cast<std::size_t>(device_index)]) release_pool(*pool);
   }
 
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
             std::size_t nbytes) override {
     if (nbytes == 0) return;
+    // (Not while another thread captures on a device of the copy: see CapturePool.)
+    if (dst_device.is_cuda()) wait_for_other_capture(dst_device.index());
+    if (src_device.is_cuda() && src_device != dst_device)
+      wait_for_other_capture(src_device.index());
     if (dst_device.is_cuda() && src_device.is_cuda()) {
       DeviceGuard guard(dst_device.index());
       if (dst_device != src_device) {
@@ -458,6 +516,7 @@ class CudaBackend final : public Backend {
                                          std::size_t nbytes) override {
     check_index(device_index);
     capture::forbid_read(Device::cuda(device_index), "read_back");
+    wait_for_other_capture(device_index);
     if (nbytes > kMaxReadBack) return Backend::read_back(src, device_index, nbytes);  // throws
     return std::make_unique<CudaPendingRead>(src, device_index, nbytes);
   }
@@ -465,6 +524,7 @@ class CudaBackend final : public Backend {
   void synchronize(int device_index) override {
     check_index(device_index);
     capture::forbid_read(Device::cuda(device_index), "a synchronisation");
+    wait_for_other_capture(device_index);
     DeviceGuard guard(device_index);
     MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device_index)));
   }
@@ -509,8 +569,8 @@ class CudaBackend final : public Backend {
   // A host -> device copy while device d captures: from a pinned buffer of the capture's own,
   // which every replay copies again. False when d does not capture.
   static bool capture_copy(void* dst, int d, const void* src, std::size_t nbytes) {
-    std::lock_guard<std::mutex> lock(g_capture_mutex);
-    CapturePool* pool = capturing_pool(d);
+    std::unique_lock<std::mutex> lock(g_capture_mutex);
+    CapturePool* pool = own_capture_or_wait(d, lock);
     if (!pool) return false;
     DeviceGuard guard(d);
     void* pinned = nullptr;

@@ -288,7 +288,10 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
                                          &epilogue->aux_ptr, sizeof(epilogue->aux_ptr)));
   }
 
-  choose_algorithm(handle, *plan, Preference(align_a, align_b, align_c), epilogue != nullptr);
+  // An epilogue plan and a 16-bit product written in float32 (linear's bias path) are
+  // optional: their callers do without them, so any refusal is "not supported".
+  choose_algorithm(handle, *plan, Preference(align_a, align_b, align_c),
+                   epilogue != nullptr || types.out != types.data);
   if (!plan->supported && epilogue)
     // Once per problem (plans are cached): why the linear op computes this epilogue itself.
     spdlog::info(
@@ -404,6 +407,16 @@ cudaDataType_t out_type(DType dt) {
   return dt == kFloat32 ? CUDA_R_32F : dt == kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
+// The operands' scales (device pointers) on the plan's descriptor: cuBLASLt's A is b_t.
+void set_scale_pointers(LtPlan& plan, const kernels::ScaledMatmulArgs& g) {
+  const void* scale_a = g.scale_b.const_data_ptr();
+  const void* scale_b = g.scale_a.const_data_ptr();
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                      &scale_a, sizeof(scale_a)));
+  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                      &scale_b, sizeof(scale_b)));
+}
+
 std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::ScaledMatmulArgs& g,
                                       std::uint32_t align_a, std::uint32_t align_b,
                                       std::uint32_t align_c) {
@@ -420,8 +433,11 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
   set_layout(plan->a.out(), float8_type(g.b_t.dtype()), g.k, g.n, g.k, 1, 0);
   set_layout(plan->b.out(), float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
   set_layout(plan->c.out(), out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
-  // The scale pointers are set at each call; the heuristic needs the types, the layouts, the
-  // options and the operands' alignment (cuBLASLt's A is b_t, its B a).
+  // The scale pointers are set at each call, and the first call's here before the heuristic
+  // runs: cuBLASLt does not promise that an algorithm it chose without them honours them
+  // (XLA met one that did not). The heuristic also needs the types, the layouts, the options
+  // and the operands' alignment (cuBLASLt's A is b_t, its B a).
+  set_scale_pointers(*plan, g);
   choose_algorithm(handle, *plan, Preference(align_a, align_b, align_c));
   return plan;
 }
@@ -459,12 +475,7 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
         "scaled_matmul: cuBLASLt has no FP8 GEMM for {}[{}, {}] x {}[{}, {}] -> {} on cuda:{} "
         "({}): FP8 GEMMs need compute capability 8.9 or newer and k and n multiples of 16",
         g.a.dtype(), g.m, g.k, g.b_t.dtype(), g.n, g.k, g.out.dtype(), device, plan.why));
-  const void* scale_a = g.scale_b.const_data_ptr();  // cuBLASLt's A is b_t
-  const void* scale_b = g.scale_a.const_data_ptr();
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                      &scale_a, sizeof(scale_a)));
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                      &scale_b, sizeof(scale_b)));
+  set_scale_pointers(plan, g);
   const float one = 1.0f, zero = 0.0f;
   Workspace workspace(plan.workspace, device);
   void* out = g.out.data_ptr();

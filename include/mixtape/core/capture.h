@@ -24,10 +24,11 @@
 // of a tensor of the captured device (item, to_vector, a copy to the host, a synchronisation),
 // a random draw from a Generator outside draw_seed and host_computed (each replay would repeat
 // it), a kernel on another device type, a DistributedOptimizer or
-// GradientAccumulationOptimizer. A LossScaleOptimizer reads each replay's overflow flag when it
-// queues the third replay after it (docs/training.md). The graph refers to the
-// tensors, the model and the optimizer of the step: destroy it before them, and before moving
-// the model to another device.
+// GradientAccumulationOptimizer, a replay of another StepGraph. On a GPU, another thread's
+// allocation, copy or synchronisation on the captured device waits until the capture ends. A
+// LossScaleOptimizer reads each replay's overflow flag when it queues the third replay after it
+// (docs/training.md). The graph refers to the tensors, the model and the optimizer of the step:
+// destroy it before them, and before moving the model to another device.
 #pragma once
 
 #include <functional>
