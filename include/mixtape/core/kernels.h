@@ -278,7 +278,9 @@ using Pool2dBackwardFn = void(const Tensor& x, const Tensor& grad_out, const Ten
 // out [outer, k, inner] (contiguous, x's dtype): out[o, j, :] = x[o, index[j], :].
 // index_add: the adjoint; out viewed as [outer, n, inner] (contiguous, accumulated into,
 // not cleared), src as [outer, k, inner]: out[o, index[j], :] += src[o, j, :], in the
-// order of j (repeated indices add up). Keyed on x's / src's dtype.
+// order of j (repeated indices add up; the CUDA kernels add with atomics, in no fixed order:
+// a row that several j reach may differ in its last bits from run to run). Keyed on x's /
+// src's dtype.
 using TakeFn = void(const Tensor& x, const Tensor& index, std::int64_t outer, std::int64_t n,
                     std::int64_t k, std::int64_t inner, const Tensor& out);
 using IndexAddFn = void(const Tensor& src, const Tensor& index, std::int64_t outer, std::int64_t n,
