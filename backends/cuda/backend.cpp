@@ -125,16 +125,13 @@ void wait_for_other_capture(int d) {
 }
 
 // Ends device d's capture in the capture table when it goes out of scope (also when a CUDA
-// call before that throws) and wakes the threads waiting for it; `pool` then holds its pool.
+// call before that throws) and wakes the threads waiting for it.
 struct CaptureTableEntry {
   int d;
-  std::shared_ptr<CapturePool> pool;
   ~CaptureTableEntry() {
     {
       std::lock_guard<std::mutex> lock(g_capture_mutex);
-      auto& entry = g_capturing[static_cast<std::size_t>(d)];
-      if (!pool) pool = std::move(entry);
-      entry.reset();
+      g_capturing[static_cast<std::size_t>(d)].reset();
     }
     g_capture_ended.notify_all();
   }
@@ -402,7 +399,7 @@ class CudaBackend final : public Backend {
     // Relaxed: the allocator may call cudaMalloc for the pool while the stream captures.
     const cudaError_t err = cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed);
     if (err != cudaSuccess) {
-      CaptureTableEntry ended{device_index, nullptr};
+      CaptureTableEntry ended{device_index};
       {
         std::lock_guard<std::mutex> lock(g_capture_mutex);
         release_pool(*g_capturing[static_cast<std::size_t>(device_index)]);
@@ -412,7 +409,7 @@ class CudaBackend final : public Backend {
   }
 
   std::unique_ptr<CapturedWork> end_capture(int device_index) override {
-    CaptureTableEntry ended{device_index, nullptr};  // (also when a call below throws)
+    CaptureTableEntry ended{device_index};  // (also when a call below throws)
     cudaGraph_t graph = nullptr;
     cudaError_t err = cudaStreamEndCapture(stream(device_index), &graph);
     std::shared_ptr<CapturePool> pool;
@@ -436,7 +433,7 @@ class CudaBackend final : public Backend {
   }
 
   void abort_capture(int device_index) override {
-    CaptureTableEntry ended{device_index, nullptr};  // (also when a call below throws)
+    CaptureTableEntry ended{device_index};  // (also when a call below throws)
     cudaGraph_t graph = nullptr;
     cudaStreamEndCapture(stream(device_index), &graph);
     cudaGetLastError();  // a capture invalidated by the failure: not an error of the next call
