@@ -192,6 +192,121 @@ std::vector<Tensor> GradientTape::gradient(const Tensor& target, const std::vect
   return walk(target, sources, output_gradient, nullptr);
 }
 
+namespace {
+
+// The gradient the walk starts from: output_gradient in the target's dtype, or ones for a
+// scalar target.
+Tensor seed_gradient(const Tensor& target, const Tensor& output_gradient) {
+  if (output_gradient.defined()) {
+    if (output_gradient.shape() != target.shape())
+      throw ShapeError(fmt::format(
+          "GradientTape::gradient: output_gradient has shape {} but the target has shape {}",
+          output_gradient.shape().str(), target.shape().str()));
+    return cast(output_gradient, target.dtype());
+  }
+  if (target.numel() != 1)
+    throw AutogradError(fmt::format(
+        "GradientTape::gradient: the target has shape {} ({} elements, dtype {}); the gradient "
+        "of a non-scalar target needs an output_gradient (seed) of that shape",
+        target.shape().str(), target.numel(), target.dtype().name()));
+  return ones_like(target);
+}
+
+// Which tensors depend on a source (`reachable`) and which nodes read one (`relevant`): only
+// those nodes need their backward rule run.
+struct Reach {
+  std::unordered_set<std::uint64_t> reachable;
+  std::vector<bool> relevant;
+};
+
+Reach find_reach(const std::vector<Node>& nodes, const std::vector<Tensor>& sources) {
+  Reach r;
+  for (const auto& s : sources) r.reachable.insert(s.id());
+  r.relevant.assign(nodes.size(), false);
+  for (std::size_t n = 0; n < nodes.size(); ++n)
+    for (auto id : nodes[n].input_ids)
+      if (r.reachable.count(id)) {
+        r.relevant[n] = true;
+        r.reachable.insert(nodes[n].output_id);
+        break;
+      }
+  return r;
+}
+
+// Calls on_ready for each source as soon as its gradient is final: after the node of its last
+// use (the lowest relevant node that reads it, the last to add to its gradient), and at the end
+// for the sources no relevant node reads.
+class ReadyReports {
+ public:
+  ReadyReports(const GradientTape::GradientReadyFn& on_ready, const std::vector<Node>& nodes,
+               const std::vector<bool>& relevant, const std::vector<Tensor>& sources)
+      : on_ready_(on_ready), sources_(sources), reported_(sources.size(), false) {
+    std::unordered_set<std::uint64_t> ids;
+    for (const auto& s : sources) ids.insert(s.id());
+    std::unordered_map<std::uint64_t, std::size_t> last_use;
+    for (std::size_t n = nodes.size(); n-- > 0;) {
+      if (!relevant[n]) continue;
+      for (auto id : nodes[n].input_ids)
+        if (ids.count(id)) last_use[id] = n;
+    }
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      auto it = last_use.find(sources[i].id());
+      if (it != last_use.end()) final_after_[it->second].push_back(i);
+    }
+  }
+  // After node n's gradients are added.
+  void after(std::size_t n, const std::unordered_map<std::uint64_t, Tensor>& grads) {
+    auto fin = final_after_.find(n);
+    if (fin != final_after_.end())
+      for (std::size_t i : fin->second) report(i, grads);
+  }
+  // At the end of the walk: the sources not reported yet.
+  void rest(const std::unordered_map<std::uint64_t, Tensor>& grads) {
+    for (std::size_t i = 0; i < sources_.size(); ++i)
+      if (!reported_[i]) report(i, grads);
+  }
+
+ private:
+  void report(std::size_t i, const std::unordered_map<std::uint64_t, Tensor>& grads) {
+    auto g = grads.find(sources_[i].id());
+    reported_[i] = true;
+    on_ready_(i, g == grads.end() ? Tensor() : g->second);
+  }
+  const GradientTape::GradientReadyFn& on_ready_;
+  const std::vector<Tensor>& sources_;
+  std::vector<bool> reported_;
+  std::unordered_map<std::size_t, std::vector<std::size_t>> final_after_;
+};
+
+// Checks the gradients a node's backward rule gave, casts each to its input's dtype, and adds
+// each to what `grads` holds for the input (or hands it to the deferred widening casts).
+void add_input_gradients(const Node& node, std::vector<Tensor> in_grads,
+                         const std::vector<bool>& needs, std::optional<WideningCasts>& casts,
+                         std::unordered_map<std::uint64_t, Tensor>& grads) {
+  if (in_grads.size() != node.input_ids.size())
+    throw AutogradError(fmt::format("{}: the backward rule returned {} gradients for {} inputs",
+                                    node.name, in_grads.size(), node.input_ids.size()));
+  for (std::size_t i = 0; i < in_grads.size(); ++i) {
+    Tensor g = in_grads[i];
+    if (!needs[i] || !g.defined()) continue;
+    if (g.shape() != node.input_shapes[i])
+      throw AutogradError(
+          fmt::format("{}: the backward rule gave input {} a gradient of shape {}, expected {}",
+                      node.name, i, g.shape().str(), node.input_shapes[i].str()));
+    if (g.dtype() != node.input_dtypes[i]) g = cast(g, node.input_dtypes[i]);
+    if (casts && casts->holds(node.input_ids[i])) {
+      casts->then(node.input_ids[i], g);
+      continue;
+    }
+    auto [slot, inserted] = grads.try_emplace(node.input_ids[i], g);
+    if (!inserted) slot->second = add(slot->second, g);
+  }
+}
+
+}  // namespace
+
+// The reverse walk: from the target's seed, each relevant node's backward rule in reverse
+// order of recording, each input's gradient added to what it has; the sources' gradients last.
 std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<Tensor>& sources,
                                        const Tensor& output_gradient,
                                        const GradientReadyFn* on_ready) {
@@ -205,53 +320,12 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
     if (!sources[i].defined())
       throw AutogradError(fmt::format("GradientTape::gradient: source {} is undefined", i));
 
-  Tensor seed;
-  if (output_gradient.defined()) {
-    if (output_gradient.shape() != target.shape())
-      throw ShapeError(fmt::format(
-          "GradientTape::gradient: output_gradient has shape {} but the target has shape {}",
-          output_gradient.shape().str(), target.shape().str()));
-    seed = cast(output_gradient, target.dtype());
-  } else {
-    if (target.numel() != 1)
-      throw AutogradError(fmt::format(
-          "GradientTape::gradient: the target has shape {} ({} elements, dtype {}); the gradient "
-          "of a non-scalar target needs an output_gradient (seed) of that shape",
-          target.shape().str(), target.numel(), target.dtype().name()));
-    seed = ones_like(target);
-  }
-
-  // Which tensors depend on a source: only those nodes need their backward rule run.
-  std::unordered_set<std::uint64_t> reachable;
-  for (const auto& s : sources) reachable.insert(s.id());
-  std::vector<bool> relevant(tape.nodes.size(), false);
-  for (std::size_t n = 0; n < tape.nodes.size(); ++n) {
-    const Node& node = tape.nodes[n];
-    for (auto id : node.input_ids)
-      if (reachable.count(id)) {
-        relevant[n] = true;
-        reachable.insert(node.output_id);
-        break;
-      }
-  }
+  const Tensor seed = seed_gradient(target, output_gradient);
+  const Reach reach = find_reach(tape.nodes, sources);
   std::unordered_set<std::uint64_t> source_ids;
   for (const auto& s : sources) source_ids.insert(s.id());
-  // For on_ready: the sources whose last use (the lowest relevant node that reads them,
-  // the last to add to their gradient) is each node.
-  std::unordered_map<std::size_t, std::vector<std::size_t>> final_after;
-  std::vector<bool> reported(sources.size(), false);
-  if (on_ready) {
-    std::unordered_map<std::uint64_t, std::size_t> last_use;
-    for (std::size_t n = tape.nodes.size(); n-- > 0;) {
-      if (!relevant[n]) continue;
-      for (auto id : tape.nodes[n].input_ids)
-        if (source_ids.count(id)) last_use[id] = n;
-    }
-    for (std::size_t i = 0; i < sources.size(); ++i) {
-      auto it = last_use.find(sources[i].id());
-      if (it != last_use.end()) final_after[it->second].push_back(i);
-    }
-  }
+  std::optional<ReadyReports> reports;
+  if (on_ready) reports.emplace(*on_ready, tape.nodes, reach.relevant, sources);
 
   std::unordered_map<std::uint64_t, Tensor> grads;
   grads.emplace(target.id(), seed);
@@ -266,10 +340,10 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
     if (!on_ready && !detail::any_tape_recording()) {
       casts.emplace();
       for (std::size_t n = 0; n < tape.nodes.size(); ++n)
-        if (relevant[n]) produced.insert(tape.nodes[n].output_id);
+        if (reach.relevant[n]) produced.insert(tape.nodes[n].output_id);
     }
     for (std::size_t n = tape.nodes.size(); n-- > 0;) {
-      if (!relevant[n]) continue;
+      if (!reach.relevant[n]) continue;
       Node& node = tape.nodes[n];
       auto it = grads.find(node.output_id);
       if (it == grads.end()) continue;
@@ -278,50 +352,20 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
 
       std::vector<bool> needs(node.input_ids.size());
       for (std::size_t i = 0; i < needs.size(); ++i)
-        needs[i] = reachable.count(node.input_ids[i]) > 0 && node.input_dtypes[i].is_floating();
+        needs[i] =
+            reach.reachable.count(node.input_ids[i]) > 0 && node.input_dtypes[i].is_floating();
       if (casts && std::string_view(node.name) == op_name(OpId::cast) && needs.size() == 1 &&
           needs[0] && source_ids.count(node.input_ids[0]) && !produced.count(node.input_ids[0]) &&
           WideningCasts::widens(grad_out, node.input_dtypes[0])) {
         casts->defer(node.input_ids[0], grad_out, node.input_dtypes[0], grads);
         continue;
       }
-      std::vector<Tensor> in_grads = node.backward(grad_out, needs);
-      if (in_grads.size() != node.input_ids.size())
-        throw AutogradError(fmt::format("{}: the backward rule returned {} gradients for {} inputs",
-                                        node.name, in_grads.size(), node.input_ids.size()));
-      for (std::size_t i = 0; i < in_grads.size(); ++i) {
-        Tensor g = in_grads[i];
-        if (!needs[i] || !g.defined()) continue;
-        if (g.shape() != node.input_shapes[i])
-          throw AutogradError(
-              fmt::format("{}: the backward rule gave input {} a gradient of shape {}, expected {}",
-                          node.name, i, g.shape().str(), node.input_shapes[i].str()));
-        if (g.dtype() != node.input_dtypes[i]) g = cast(g, node.input_dtypes[i]);
-        if (casts && casts->holds(node.input_ids[i])) {
-          casts->then(node.input_ids[i], g);
-          continue;
-        }
-        auto [slot, inserted] = grads.try_emplace(node.input_ids[i], g);
-        if (!inserted) slot->second = add(slot->second, g);
-      }
-      if (on_ready) {
-        auto fin = final_after.find(n);
-        if (fin != final_after.end())
-          for (std::size_t i : fin->second) {
-            auto g = grads.find(sources[i].id());
-            reported[i] = true;
-            (*on_ready)(i, g == grads.end() ? Tensor() : g->second);
-          }
-      }
+      add_input_gradients(node, node.backward(grad_out, needs), needs, casts, grads);
+      if (reports) reports->after(n, grads);
     }
     if (casts) casts->finish(grads);
   }
-  if (on_ready)
-    for (std::size_t i = 0; i < sources.size(); ++i)
-      if (!reported[i]) {
-        auto g = grads.find(sources[i].id());
-        (*on_ready)(i, g == grads.end() ? Tensor() : g->second);
-      }
+  if (reports) reports->rest(grads);
 
   std::vector<Tensor> result;
   result.reserve(sources.size());

@@ -139,6 +139,40 @@ TEST_CASE("autograd: an unconnected source gives an undefined gradient", "[autog
   CHECK_FALSE(g[1].defined());
 }
 
+TEST_CASE("autograd: on_ready reports each source once, as soon as its gradient is final",
+          "[autograd]") {
+  mt::Variable w0(vec64({1.5, -2.0}), "w0");
+  mt::Variable w1(vec64({0.5, 3.0}), "w1");
+  mt::Variable w2(vec64({7.0, 8.0}), "w2");  // not connected to the loss
+  mt::GradientTape tape;
+  const auto loss = mt::sum(cube(w0) * w1);
+  g_cube_backward_calls = 0;
+  struct Report {
+    std::size_t source;
+    int cube_backward_calls;  // how far the walk was when the source was reported
+    mt::Tensor gradient;
+  };
+  std::vector<Report> reports;
+  const auto grads = tape.gradient(loss, {w0, w1, w2}, [&](std::size_t i, const mt::Tensor& g) {
+    reports.push_back({i, g_cube_backward_calls, g});
+  });
+  // w1's last use (the product) is walked before cube's backward rule, w0's after it; the
+  // unconnected w2 comes at the end, undefined.
+  REQUIRE(reports.size() == 3);
+  CHECK(reports[0].source == 1);
+  CHECK(reports[0].cube_backward_calls == 0);
+  CHECK(reports[1].source == 0);
+  CHECK(reports[1].cube_backward_calls == 1);
+  CHECK(reports[2].source == 2);
+  CHECK_FALSE(reports[2].gradient.defined());
+  check_values(reports[0].gradient, {1.5 * 1.5 * 1.5, -8.0});
+  check_values(reports[1].gradient, {3.0 * 1.5 * 1.5 * 0.5, 3.0 * 4.0 * 3.0});
+  REQUIRE(grads.size() == 3);
+  check_values(grads[0], {3.0 * 1.5 * 1.5 * 0.5, 36.0});
+  check_values(grads[1], {3.375, -8.0});
+  CHECK_FALSE(grads[2].defined());
+}
+
 TEST_CASE("autograd: a tensor used twice accumulates its gradient", "[autograd]") {
   mt::Variable x(vec64({-1.5, 0.0, 2.0}), "x");
   {
