@@ -329,8 +329,11 @@ std::vector<std::uint8_t> read_decompressed(const fs::path& path) {
   return out;
 }
 
-Tensor read_idx(const fs::path& path, const IdxHeaderCheck& check) {
-  ByteStream in(path);
+namespace {
+
+// The header of an IDX file: magic number, element type, rank, extents, and the bytes of data
+// they promise (multiplied with overflow checks).
+IdxHeader read_header(ByteStream& in, const fs::path& path) {
   std::uint8_t magic[4];
   const std::size_t got = in.read(magic, 4);
   if (got < 4)
@@ -361,108 +364,125 @@ Tensor read_idx(const fs::path& path, const IdxHeaderCheck& check) {
     fail("read_idx", path,
          fmt::format("truncated header: rank {} needs {} bytes of extents, file has {}", rank,
                      4 * rank, dims_got));
-  // The bytes of data promised: the extents (uint32 each) times the item size, multiplied
-  // with overflow checks.
   std::vector<std::int64_t> dims;
-  std::uint64_t promised64 = item;
+  std::uint64_t promised = item;
   bool overflow = false;
   for (int i = 0; i < rank; ++i) {
     dims.push_back(be32(dim_bytes + 4 * i));
     overflow |=
-        __builtin_mul_overflow(promised64, static_cast<std::uint64_t>(dims.back()), &promised64);
+        __builtin_mul_overflow(promised, static_cast<std::uint64_t>(dims.back()), &promised);
   }
   const Shape shape(dims);
-  if (overflow || promised64 > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+  if (overflow || promised > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
     fail("read_idx", path,
          fmt::format("header promises an impossible size (shape {})", shape.str()));
-  const std::uint64_t promised = promised64;
-  const DType dtype = idx_dtype(code);
+  return IdxHeader{.type = static_cast<IdxType>(code),
+                   .dtype = idx_dtype(code),
+                   .shape = shape,
+                   .data_bytes = promised};
+}
 
-  // The caller's check sees the header before any data is read.
-  if (check)
-    check(IdxHeader{.type = static_cast<IdxType>(code),
-                    .dtype = dtype,
-                    .shape = shape,
-                    .data_bytes = promised});
-
-  // What the file can hold bounds the promise before anything is read: a raw file's data
-  // is its size less the header; a gzip file inflates to at most 1032 times its size.
-  const std::uint64_t header_bytes = 4 + 4 * static_cast<std::uint64_t>(rank);
+// What the file can hold bounds the header's promise before anything is read: a raw file's
+// data is its size less the header; a gzip file inflates to at most 1032 times its size.
+void check_promise(const ByteStream& in, const fs::path& path, const IdxHeader& h) {
+  const std::uint64_t promised = h.data_bytes;
+  const std::uint64_t header_bytes = 4 + 4 * static_cast<std::uint64_t>(h.shape.rank());
   if (!in.gzip()) {
     const std::uint64_t available =
         in.file_size() > header_bytes ? in.file_size() - header_bytes : 0;
     if (available < promised)
       fail("read_idx", path,
            fmt::format("truncated: header promises {} bytes of data (shape {}), file has {}",
-                       promised, shape.str(), available));
+                       promised, h.shape.str(), available));
     if (available > promised)
       fail(
           "read_idx", path,
           fmt::format("{} trailing bytes: header promises {} bytes of data (shape {}), file has {}",
-                      available - promised, promised, shape.str(), available));
+                      available - promised, promised, h.shape.str(), available));
   } else if (in.file_size() < std::numeric_limits<std::uint64_t>::max() / kMaxDeflateRatio &&
              promised > in.file_size() * kMaxDeflateRatio) {
     fail("read_idx", path,
          fmt::format("header promises {} bytes of data (shape {}), more than the {}-byte gzip "
                      "file can inflate to (deflate expands at most {} to 1)",
-                     promised, shape.str(), in.file_size(), kMaxDeflateRatio));
+                     promised, h.shape.str(), in.file_size(), kMaxDeflateRatio));
   }
+}
 
-  // Read exactly the promised bytes, in pieces allocated as the data arrives (memory grows
-  // with the bytes read), then one more byte to find trailing data: nothing past it is read
-  // or inflated.
+// Reads exactly the promised bytes, in pieces allocated as the data arrives (memory grows with
+// the bytes read; `have` counts them), then one more byte to find trailing data: nothing past
+// it is read or inflated.
+std::vector<std::vector<std::uint8_t>> read_data(ByteStream& in, const fs::path& path,
+                                                 const IdxHeader& h, std::uint64_t& have) {
+  const std::uint64_t promised = h.data_bytes;
   std::vector<std::vector<std::uint8_t>> pieces;
+  while (have < promised) {
+    const auto want =
+        static_cast<std::size_t>(std::min<std::uint64_t>(promised - have, kDataPiece));
+    std::vector<std::uint8_t> piece(want);
+    const std::size_t n = in.read(piece.data(), want);
+    piece.resize(n);
+    have += n;
+    pieces.push_back(std::move(piece));
+    if (n < want) break;
+  }
+  if (have < promised)
+    fail("read_idx", path,
+         fmt::format("truncated: header promises {} bytes of data (shape {}), file has {}",
+                     promised, h.shape.str(), have));
+  std::uint8_t extra = 0;
+  if (in.read(&extra, 1) > 0)
+    fail("read_idx", path,
+         fmt::format("trailing bytes: header promises {} bytes of data (shape {}), the {} holds "
+                     "more",
+                     promised, h.shape.str(), in.gzip() ? "decompressed file" : "file"));
+  return pieces;
+}
+
+// The big-endian elements of the pieces as a tensor, converted piece by piece (each holds
+// whole elements: kDataPiece is a multiple of every item size), each piece freed once
+// converted.
+Tensor convert(std::vector<std::vector<std::uint8_t>>& pieces, const IdxHeader& h) {
+  const auto code = static_cast<std::uint8_t>(h.type);
+  const std::size_t item = idx_item_size(code);
+  Tensor out = Tensor::empty(h.shape, h.dtype);
+  auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
+  std::size_t first = 0;  // the index of the piece's first element
+  for (std::vector<std::uint8_t>& piece : pieces) {
+    const std::size_t count = piece.size() / item;
+    const std::uint8_t* data = piece.data();
+    if (code == 0x09) {
+      auto* o = out.data<std::int32_t>() + first;
+      for (std::size_t i = 0; i < count; ++i) o[i] = static_cast<std::int8_t>(data[i]);
+    } else if (code == 0x0B) {
+      auto* o = out.data<std::int32_t>() + first;
+      for (std::size_t i = 0; i < count; ++i)
+        o[i] = static_cast<std::int16_t>(
+            static_cast<std::uint16_t>((data[2 * i] << 8) | data[2 * i + 1]));
+    } else if (count > 0) {
+      std::memcpy(dst + first * item, data, count * item);
+      swap_bytes(dst + first * item, count, item);
+    }
+    first += count;
+    std::vector<std::uint8_t>().swap(piece);
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor read_idx(const fs::path& path, const IdxHeaderCheck& check) {
+  ByteStream in(path);
+  const IdxHeader header = read_header(in, path);
+  if (check) check(header);  // the caller's check sees the header before any data is read
+  check_promise(in, path, header);
   std::uint64_t have = 0;
   try {
-    while (have < promised) {
-      const auto want =
-          static_cast<std::size_t>(std::min<std::uint64_t>(promised - have, kDataPiece));
-      std::vector<std::uint8_t> piece(want);
-      const std::size_t n = in.read(piece.data(), want);
-      piece.resize(n);
-      have += n;
-      pieces.push_back(std::move(piece));
-      if (n < want) break;
-    }
-    if (have < promised)
-      fail("read_idx", path,
-           fmt::format("truncated: header promises {} bytes of data (shape {}), file has {}",
-                       promised, shape.str(), have));
-    std::uint8_t extra = 0;
-    if (in.read(&extra, 1) > 0)
-      fail("read_idx", path,
-           fmt::format("trailing bytes: header promises {} bytes of data (shape {}), the {} holds "
-                       "more",
-                       promised, shape.str(), in.gzip() ? "decompressed file" : "file"));
-
-    // Convert piece by piece (each holds whole elements: kDataPiece is a multiple of every
-    // item size), freeing each piece once converted.
-    Tensor out = Tensor::empty(shape, dtype);
-    auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
-    std::size_t first = 0;  // the index of the piece's first element
-    for (std::vector<std::uint8_t>& piece : pieces) {
-      const std::size_t count = piece.size() / item;
-      const std::uint8_t* data = piece.data();
-      if (code == 0x09) {
-        auto* o = out.data<std::int32_t>() + first;
-        for (std::size_t i = 0; i < count; ++i) o[i] = static_cast<std::int8_t>(data[i]);
-      } else if (code == 0x0B) {
-        auto* o = out.data<std::int32_t>() + first;
-        for (std::size_t i = 0; i < count; ++i)
-          o[i] = static_cast<std::int16_t>(
-              static_cast<std::uint16_t>((data[2 * i] << 8) | data[2 * i + 1]));
-      } else if (count > 0) {
-        std::memcpy(dst + first * item, data, count * item);
-        swap_bytes(dst + first * item, count, item);
-      }
-      first += count;
-      std::vector<std::uint8_t>().swap(piece);
-    }
-    return out;
+    std::vector<std::vector<std::uint8_t>> pieces = read_data(in, path, header, have);
+    return convert(pieces, header);
   } catch (const std::bad_alloc&) {
-    fail_out_of_memory(path, have, promised, shape, dtype, "");
+    fail_out_of_memory(path, have, header.data_bytes, header.shape, header.dtype, "");
   } catch (const OutOfMemoryError& e) {
-    fail_out_of_memory(path, have, promised, shape, dtype, e.what());
+    fail_out_of_memory(path, have, header.data_bytes, header.shape, header.dtype, e.what());
   }
 }
 
