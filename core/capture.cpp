@@ -21,6 +21,7 @@ struct State {
   bool host_calls;                           // the backend's kernels are host calls: kept here
   std::vector<std::function<void()>> calls;  // those calls, in order
   std::vector<std::function<void()>> before, after;
+  const char* kernel = nullptr;  // the op of the kernel called last (for check_launch)
 };
 
 namespace {
@@ -38,9 +39,19 @@ bool record_kernel(const char* op_name, DeviceType type, std::function<void()>& 
         "{}: a {} kernel while capturing a step on {}: its work would not be replayed (a captured "
         "step runs on one device; move the tensors there)",
         op_name, device_type_name(type), s->device.str()));
+  s->kernel = op_name;
   if (!s->host_calls) return false;
   s->calls.push_back(std::move(call));
   return true;
+}
+
+void check_launch(Device device) {
+  const State* s = t_state;
+  if (s == nullptr || device == s->device) return;
+  throw CaptureError(fmt::format(
+      "{}: work queued on {} while capturing a step on {}: it would run once, now, and not be "
+      "replayed (a captured step runs on one device; move the tensors there)",
+      s->kernel != nullptr ? s->kernel : "a kernel", device.str(), s->device.str()));
 }
 
 void record_or_run(const std::function<void()>& f) {

@@ -343,6 +343,19 @@ TEST_CASE("what a captured step cannot do throws CaptureError and leaves nothing
     CHECK_THAT(m, Catch::Contains("StepGraph::replay") && Catch::Contains("inside another"));
     CHECK(inner.replays() == 1);  // the warm-up's, before the capture
   }
+  SECTION("work a backend queues on another device than the captured one") {
+    // What a GPU kernel's launch checks (capture::detail::check_launch), called as the CUDA
+    // backend's kernels call it, after the step's kernels, for another device (a GPU's work
+    // while the CPU captures: what a kernel on cuda:0 meets while cuda:1 captures).
+    const std::string m = capture_error([&] {
+      train_step(model, opt, x, y);
+      mt::capture::detail::check_launch(mt::Device::cpu());  // the captured device: nothing
+      mt::capture::detail::check_launch(mt::Device::cuda(0));
+    });
+    CHECK_THAT(m, Catch::Contains("work queued on cuda:0 while capturing a step on cpu") &&
+                      Catch::Contains("not be replayed") && Catch::StartsWith("sgd_update"));
+    mt::capture::detail::check_launch(mt::Device::cuda(0));  // not capturing: nothing
+  }
   // After each failure the thread steps eagerly as before.
   const auto before = opt.iterations();
   train_step(model, opt, x, y);

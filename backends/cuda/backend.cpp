@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
@@ -82,11 +83,11 @@ DeviceCache& cache() {
 // copy them again, the same bytes).
 //
 // Only the capturing thread works on the device while it captures: the device has one stream,
-// which records whatever is queued on it. Another thread's allocation, copy, read_back or
-// synchronisation on that device waits until the capture ends (a Dataset's prefetch thread
-// copying the next batch up while fit captures its first step), instead of being recorded
-// into the graph (its copy then never made, its memory the graph's) or invalidating the
-// capture. A kernel another thread queues there without allocating is not stopped.
+// which records whatever is queued on it. Another thread's allocation, copy, read_back,
+// synchronisation or kernel launch on that device waits until the capture ends (a Dataset's
+// prefetch thread copying the next batch up while fit captures its first step), instead of
+// being recorded into the graph (its copy then never made, its memory the graph's) or
+// invalidating the capture.
 struct CapturePool {
   int device = 0;
   std::thread::id owner;  // the capturing thread
@@ -100,6 +101,9 @@ std::mutex g_capture_mutex;
 std::unordered_map<void*, std::shared_ptr<CapturePool>> g_pool_of;  // a pool's blocks
 std::vector<std::shared_ptr<CapturePool>> g_capturing;              // by device, or null
 std::condition_variable g_capture_ended;  // notified when a capture ends (g_capture_mutex)
+// The captures in progress (entries of g_capturing): a kernel launch takes g_capture_mutex only
+// while there is one.
+std::atomic<int> g_captures{0};
 
 // The pool device d is capturing into, or null (with g_capture_mutex held).
 CapturePool* capturing_pool(int d) {
@@ -131,6 +135,7 @@ struct CaptureTableEntry {
   ~CaptureTableEntry() {
     {
       std::lock_guard<std::mutex> lock(g_capture_mutex);
+      if (g_capturing[static_cast<std::size_t>(d)]) g_captures.fetch_sub(1);
       g_capturing[static_cast<std::size_t>(d)].reset();
     }
     g_capture_ended.notify_all();
@@ -395,6 +400,7 @@ class CudaBackend final : public Backend {
       pool->device = device_index;
       pool->owner = std::this_thread::get_id();
       g_capturing[static_cast<std::size_t>(device_index)] = std::move(pool);
+      g_captures.fetch_add(1);
     }
     // Relaxed: the allocator may call cudaMalloc for the pool while the stream captures.
     const cudaError_t err = cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed);
@@ -598,6 +604,12 @@ cudaStream_t stream(int index) {
     MIXTAPE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   }
   return st;
+}
+
+cudaStream_t launch_stream(int index) {
+  capture::detail::check_launch(Device::cuda(index));
+  if (g_captures.load() > 0) wait_for_other_capture(index);
+  return stream(index);
 }
 
 DeviceGuard::DeviceGuard(int index) {

@@ -301,7 +301,8 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(
 
 // The device of a tensor made current for the scope, and its stream.
 struct OnDevice {
-  explicit OnDevice(const Tensor& t) : index(t.device().index()), guard(index), s(stream(index)) {}
+  explicit OnDevice(const Tensor& t)
+      : index(t.device().index()), guard(index), s(launch_stream(index)) {}
   int index;
   DeviceGuard guard;
   cudaStream_t s;

@@ -351,7 +351,7 @@ void gemm(const GemmArgs& g) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
   const int device = g.out.device().index();
   DeviceGuard guard(device);
-  const cudaStream_t st = stream(device);
+  const cudaStream_t st = launch_stream(device);
   const GemmShape s = normalize(g);
   const void* a = g.a.const_data_ptr();
   const void* b = g.b.const_data_ptr();
@@ -449,7 +449,7 @@ std::mutex g_fp8_mutex;
 void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   const int device = g.out.device().index();
   DeviceGuard guard(device);
-  const cudaStream_t st = stream(device);
+  const cudaStream_t st = launch_stream(device);
   const cublasLtHandle_t handle = lt_handle(device);
   static auto* plans = new PlanCache<LtPlan>();  // never destroyed
   const std::uint32_t align_a = alignment(g.a.const_data_ptr(), g.k, 0, 1, 1);
@@ -542,7 +542,7 @@ bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
   Workspace workspace(plan.workspace, device);
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(
       handle, plan.op, &one, a.w.const_data_ptr(), plan.a, a.x.const_data_ptr(), plan.b, &zero, d,
-      plan.c, d, plan.c, &plan.algo, workspace.data(), plan.workspace, stream(device)));
+      plan.c, d, plan.c, &plan.algo, workspace.data(), plan.workspace, launch_stream(device)));
   return true;
 }
 
@@ -562,7 +562,7 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   if (aux_ptr && (align_aux < 16 || n % 8 != 0)) return false;
   const int device = d.device().index();
   DeviceGuard guard(device);
-  const cudaStream_t st = stream(device);
+  const cudaStream_t st = launch_stream(device);
   const cublasLtHandle_t handle = lt_handle(device);
   const GemmShape s = normalize(linear_args(a, d));
   const bool tf32 = dt == kFloat32 && cuda::allow_tf32();

@@ -221,6 +221,13 @@ TEST_CASE("cuda capture: host constants, the memory pool, what is refused", "[cu
   refused([&] { (void)mt::sum(t).item<float>(); });
   refused([&] { mt::cuda::synchronize(0); });
   refused([&] { (void)(mt::ones({2}) + mt::ones({2})); });  // a CPU kernel
+  if (mt::cuda::device_count() >= 2) {
+    // A kernel on another GPU: it would run once, now, and not be replayed.
+    const mt::Tensor other = mt::ones({8}, mt::kFloat32, mt::Device::cuda(1));
+    refused([&] { (void)(other + other); });
+  } else {
+    WARN("one GPU: a kernel on another GPU during a capture is not checked here");
+  }
   // The device works as before.
   CHECK(mt::sum(t).item<float>() == 8.0f);
 }

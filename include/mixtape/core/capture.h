@@ -23,12 +23,12 @@
 // What cannot be replayed throws CaptureError during the capture, with nothing run: a host read
 // of a tensor of the captured device (item, to_vector, a copy to the host, a synchronisation),
 // a random draw from a Generator outside draw_seed and host_computed (each replay would repeat
-// it), a kernel on another device type, a DistributedOptimizer or
+// it), a kernel on another device (another type, or another GPU), a DistributedOptimizer or
 // GradientAccumulationOptimizer, a replay of another StepGraph. On a GPU, another thread's
-// allocation, copy or synchronisation on the captured device waits until the capture ends. A
-// LossScaleOptimizer reads each replay's overflow flag when it queues the third replay after it
-// (docs/training.md). The graph refers to the tensors, the model and the optimizer of the step:
-// destroy it before them, and before moving the model to another device.
+// allocation, copy, synchronisation or kernel on the captured device waits until the capture
+// ends. A LossScaleOptimizer reads each replay's overflow flag when it queues the third replay
+// after it (docs/training.md). The graph refers to the tensors, the model and the optimizer of
+// the step: destroy it before them, and before moving the model to another device.
 #pragma once
 
 #include <functional>
@@ -90,6 +90,11 @@ State* state();
 // replays and not run now), false when it is to run now (a device that records its launches).
 // Throws CaptureError for a kernel of another device type than the captured one.
 bool record_kernel(const char* op_name, DeviceType type, std::function<void()>& call);
+// Called by a backend that records its launches, before a kernel queues work on `device`: throws
+// CaptureError (naming the kernel's op) when the calling thread captures a step on another
+// device (of the same type: another GPU), where the work would run once, now, and not be
+// replayed.
+void check_launch(Device device);
 // Records a host function (a check the replays must repeat) when this thread captures on a
 // device whose kernels are host calls; otherwise runs it now.
 void record_or_run(const std::function<void()>& f);
