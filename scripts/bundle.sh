@@ -24,7 +24,8 @@
 # CMAKE_CUDA_ARCHITECTURES is passed, and without oneDNN (its library alone is 40 MB); the
 # MNIST files from MIXTAPE_DATA_DIR (when set) go to data/, and so does data/charlm.txt, the
 # fortunes corpus in one file (where the fortunes are installed); bench/charlm_reference.py
-# goes to bench/.
+# goes to bench/, and so does the file MIXTAPE_REFERENCE names (the MNIST workloads' PyTorch
+# reference) as bench/reference_pytorch.py.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -88,6 +89,11 @@ if [[ -d "$fortunes" ]]; then
 fi
 mkdir -p "$stage/bench"
 cp bench/charlm_reference.py "$stage/bench/"
+# The MNIST workloads' PyTorch reference (shared/bench/reference_pytorch.py), when
+# MIXTAPE_REFERENCE names it: for gpu_check.sh's torch and profile steps.
+if [[ -n "${MIXTAPE_REFERENCE:-}" ]]; then
+  cp "$MIXTAPE_REFERENCE" "$stage/bench/reference_pytorch.py"
+fi
 
 cat >"$stage/run.sh" <<'EOF'
 #!/usr/bin/env bash

@@ -5,8 +5,8 @@
 #   fresh    the ops first written without a GPU, swept in groups, a process each (so that a
 #            crash in one group leaves the others' results), before the whole sweep
 #   ops      the conformance sweep (mixtape-ops --backend cuda)
-#   tests    the CUDA test suite (mixtape_cuda_tests), in three processes: the tests of what
-#            ran on a GPU before, then [attention], then [capture]
+#   tests    the CUDA test suite (mixtape_cuda_tests), in four processes: the tests of what
+#            ran on a GPU before, then [attention], [capture] and [float8]
 #   sanitize the kernels first written without a GPU (attention, layer_norm, cross-entropy,
 #            linear, the optimizers' list updates, clipping, the tape's cast_list) under
 #            compute-sanitizer memcheck and racecheck (not in the default steps)
@@ -28,6 +28,10 @@
 #            MIXTAPE_CUDA_MMA_ATTENTION=0: the plain attention kernels, for comparison);
 #            gpt.log has each mixtape run's --kernel-census (the kernels of one step); the
 #            captured step (--capture-step, a CUDA graph) at both shapes and at charlm's defaults
+#   float8   mixed_float8 against mixed_bfloat16 (FP8 GEMMs on Hopper): the guide workload and
+#            the GPT-2-small body (FLOAT8_STEPS steps, default 300: tokens/s and the validation
+#            loss) alternated in ROUNDS rounds, the GPT-2-small body once under
+#            mixed_float8_delayed, and MNIST mlp and cnn accuracy under both policies
 #   gptcompile  PyTorch's torch.compile at both shapes under mixed_bfloat16 (one round; its
 #            compilation takes a minute or more a run, so it is not in the default steps)
 #            (GPT_DEVICE=cpu runs these two on the CPU: a dry run of the step itself)
@@ -45,6 +49,10 @@
 # The first session on a GPU after kernels were written without one (one call, 15 minutes of
 # device time in all):
 #   DEADLINE=480 GPT_ROUNDS=1 bash scripts/gpu_check.sh BUNDLE "$OUT" "" fresh,ops,tests,sanitize,gpt
+# and the next one, for what the first leaves out (FP8's measurements, the MNIST workloads;
+# the bundle made with MIXTAPE_REFERENCE naming shared/bench/reference_pytorch.py):
+#   DEADLINE=480 ROUNDS=1 bash scripts/gpu_check.sh BUNDLE "$OUT" \
+#     BUNDLE/bench/reference_pytorch.py float8,mnist,guide,torch
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 logs="$2"
@@ -131,9 +139,9 @@ if want ops; then
 fi
 
 if want tests; then
-  # Three processes: a crash in the tests of the kernels new to the GPU (the fused attention,
-  # the captured step) does not hide the results of the rest.
-  for filter in "~[attention]~[capture]" "[attention]" "[capture]"; do
+  # Four processes: a crash in the tests of what is new to the GPU (the fused attention, the
+  # captured step, the FP8 path) does not hide the results of the rest.
+  for filter in "~[attention]~[capture]~[float8]" "[attention]" "[capture]" "[float8]"; do
     t0=$SECONDS
     echo "--- $filter" >>"$logs/cuda_tests.log"
     limited 100 "$bundle/run.sh" mixtape_cuda_tests --durations yes "$filter" \
@@ -309,6 +317,21 @@ if want gpt; then
       GPT_NOTE=", MIXTAPE_CUDA_MMA_ATTENTION=0" MIXTAPE_CUDA_MMA_ATTENTION=0 \
         gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8
     fi
+  done
+fi
+if want float8; then
+  # mixed_float8's goals (issue 37): its rate against mixed_bfloat16's on the guide MLP and the
+  # GPT-2-small body, alternated; its losses and accuracies against mixed_bfloat16's.
+  for round in $(seq "${ROUNDS:-2}"); do
+    for policy in mixed_bfloat16 mixed_float8; do
+      mnist guide "$policy" 5
+      GPT_STEPS=${FLOAT8_STEPS:-300} gpt mixtape "$policy" --preset gpt2-small --batch 8
+    done
+  done
+  GPT_STEPS=${FLOAT8_STEPS:-300} gpt mixtape mixed_float8_delayed --preset gpt2-small --batch 8
+  for policy in mixed_bfloat16 mixed_float8; do
+    mnist mlp "$policy" 3
+    mnist cnn "$policy" 2
   done
 fi
 if want gptcompile; then
