@@ -7,9 +7,11 @@
 # take (the device-side loss scale and its flags read late, checks kept on the device, the
 # datasets' copies and prefetch to the device, FP8 products, captured steps) computes what the
 # CPU path computes, and none mixes a CPU tensor into a GPU computation (that is an error on
-# the simulated GPU as on a real one).
+# the simulated GPU as on a real one). With MPIEXEC (CTest: distributed.simcuda), the MNIST
+# trainer data-parallel on 2 ranks instead, each on a simulated GPU of its own (the
+# DistributedOptimizer on GPU tensors, which no machine of this project with one GPU runs).
 # Usage: cmake -DCHARLM=... -DMNIST=... -DFAKE=... -DWORK_DIR=... [-DDATA_DIR=...]
-#        -P simcuda_smoke.cmake
+#        [-DMPIEXEC=...] -P simcuda_smoke.cmake
 cmake_minimum_required(VERSION 3.25)
 
 include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require, mnist_smoke_data
@@ -29,10 +31,11 @@ function(comparable text out_var)
   set(${out_var} "${text}" PARENT_SCOPE)
 endfunction()
 
-# Runs APP with the arguments on both devices and compares.
+# Runs APP (after `launch`, the program under mpiexec) with the arguments on both devices and
+# compares.
 function(same_on_both what)
-  run_app(0 on_cpu --device cpu ${ARGN})
-  run_app(0 on_gpu --device cuda ${ARGN})
+  run_app(0 on_cpu ${launch} --device cpu ${ARGN})
+  run_app(0 on_gpu ${launch} --device cuda ${ARGN})
   require("${on_gpu}" "${what}")
   require("${on_gpu}" "cuda:0")
   comparable("${on_cpu}" cpu_text)
@@ -44,6 +47,15 @@ function(same_on_both what)
                         "cpu (the comparable parts in ${WORK_DIR}/cpu.txt and cuda.txt)")
   endif()
 endfunction()
+
+if(MPIEXEC)
+  set(APP ${MPIEXEC})
+  set(launch -np 2 ${MNIST})
+  same_on_both("2 ranks" --data-dir ${DATA_DIR} --limit 1024 --epochs 1 --verbose 2 --model mlp
+               --policy mixed_float16)
+  return()
+endif()
+set(launch)
 
 # The character-level GPT: a tiny model on a small text, every policy, captured and not.
 set(text "")
