@@ -239,15 +239,14 @@ Reach find_reach(const std::vector<Node>& nodes, const std::vector<Tensor>& sour
 class ReadyReports {
  public:
   ReadyReports(const GradientTape::GradientReadyFn& on_ready, const std::vector<Node>& nodes,
-               const std::vector<bool>& relevant, const std::vector<Tensor>& sources)
+               const std::vector<bool>& relevant, const std::vector<Tensor>& sources,
+               const std::unordered_set<std::uint64_t>& source_ids)
       : on_ready_(on_ready), sources_(sources), reported_(sources.size(), false) {
-    std::unordered_set<std::uint64_t> ids;
-    for (const auto& s : sources) ids.insert(s.id());
     std::unordered_map<std::uint64_t, std::size_t> last_use;
     for (std::size_t n = nodes.size(); n-- > 0;) {
       if (!relevant[n]) continue;
       for (auto id : nodes[n].input_ids)
-        if (ids.count(id)) last_use[id] = n;
+        if (source_ids.count(id)) last_use[id] = n;
     }
     for (std::size_t i = 0; i < sources.size(); ++i) {
       auto it = last_use.find(sources[i].id());
@@ -325,7 +324,7 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
   std::unordered_set<std::uint64_t> source_ids;
   for (const auto& s : sources) source_ids.insert(s.id());
   std::optional<ReadyReports> reports;
-  if (on_ready) reports.emplace(*on_ready, tape.nodes, reach.relevant, sources);
+  if (on_ready) reports.emplace(*on_ready, tape.nodes, reach.relevant, sources, source_ids);
 
   std::unordered_map<std::uint64_t, Tensor> grads;
   grads.emplace(target.id(), seed);
