@@ -125,6 +125,25 @@ void Context::fail(const std::string& what, const std::string& detail) {
       fmt::format("{} {} on {}: {}: {}", op_name(op_), dtype_.name(), device_.str(), what, detail));
 }
 
+Context::Mismatch Context::mismatch(const Tensor& got, const Tensor& ref, Scale scale,
+                                    bool integer_division, bool exact) const {
+  const std::vector<double> g = got.to_vector<double>();
+  const std::vector<double> r = rounded(ref, got.dtype(), integer_division);
+  const Tolerance tol = exact ? Tolerance{0.0, 0.0, 0.0} : tolerance(got.dtype());
+  Mismatch m;
+  m.elements = g.size();
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (same(g[i], r[i])) continue;
+    const double err = std::fabs(g[i] - r[i]);
+    const double want = std::fabs(r[i]);
+    const double allowed = tol.atol + tol.rtol * want + tol.acc * (scale.abs + scale.rel * want);
+    if (std::isfinite(r[i]) && err <= allowed) continue;  // NaN and inf must match exactly
+    if (m.bad++ == 0) m.first = i, m.got = g[i], m.want = r[i];
+    if (!(err <= m.worst)) m.worst = err;
+  }
+  return m;
+}
+
 void Context::compare(const std::string& what, const Tensor& got, const Tensor& ref, Scale scale,
                       bool integer_division, bool exact) {
   ++cases_;
@@ -133,25 +152,16 @@ void Context::compare(const std::string& what, const Tensor& got, const Tensor& 
          fmt::format("shape {} against the reference's {}", got.shape().str(), ref.shape().str()));
     return;
   }
-  const std::vector<double> g = got.to_vector<double>();
-  const std::vector<double> r = rounded(ref, got.dtype(), integer_division);
-  const Tolerance tol = exact ? Tolerance{0.0, 0.0, 0.0} : tolerance(got.dtype());
-  std::size_t bad = 0, first = 0;
-  double worst = 0.0;
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    if (same(g[i], r[i])) continue;
-    const double err = std::fabs(g[i] - r[i]);
-    const double want = std::fabs(r[i]);
-    const double allowed = tol.atol + tol.rtol * want + tol.acc * (scale.abs + scale.rel * want);
-    if (std::isfinite(r[i]) && err <= allowed) continue;  // NaN and inf must match exactly
-    if (bad++ == 0) first = i;
-    if (!(err <= worst)) worst = err;
-  }
-  if (bad)
+  const Mismatch m = mismatch(got, ref, scale, integer_division, exact);
+  if (m.bad)
     fail(what, fmt::format("{} of {} elements differ (first at {}: got {}, want {}; largest "
                            "error {}{})",
-                           bad, g.size(), first, show(g[first]), show(r[first]), show(worst),
+                           m.bad, m.elements, m.first, show(m.got), show(m.want), show(m.worst),
                            exact ? "; must be exact" : ""));
+}
+
+bool Context::is_close(const Tensor& got, const Tensor& ref, Scale scale) const {
+  return got.shape() == ref.shape() && mismatch(got, ref, scale, false, false).bad == 0;
 }
 
 void Context::expect_close(const std::string& what, const Tensor& got, const Tensor& ref,

@@ -87,6 +87,9 @@ class Context {
                     bool integer_division = false);
   // Bit-exact comparison (copies, fills, casts, indices).
   void expect_equal(const std::string& what, const Tensor& got, const Tensor& ref);
+  // Whether expect_close would pass, without counting a case or recording a failure: for a
+  // kernel that may take one of two documented paths, to choose the reference.
+  bool is_close(const Tensor& got, const Tensor& ref, Scale scale = {}) const;
 
   int cases() const { return cases_; }
   const std::vector<std::string>& failures() const { return failures_; }
@@ -98,6 +101,13 @@ class Context {
   Pair output_as(const Shape& shape, DType dtype, DType ref_dtype);
   void compare(const std::string& what, const Tensor& got, const Tensor& ref, Scale scale,
                bool integer_division, bool exact);
+  // The elements of got beyond the tolerance of ref, the first of them and the largest error.
+  struct Mismatch {
+    std::size_t elements = 0, bad = 0, first = 0;
+    double got = 0.0, want = 0.0, worst = 0.0;
+  };
+  Mismatch mismatch(const Tensor& got, const Tensor& ref, Scale scale, bool integer_division,
+                    bool exact) const;
 
   OpId op_;
   DType dtype_;
