@@ -6,8 +6,6 @@
 // against the CPU backend's attention kernel, on machines without a GPU. What this cannot
 // check (the hardware's own mma and rounding instructions) the conformance sweep checks on a
 // GPU (mixtape-ops --backend cuda --op attention).
-#include <ucontext.h>
-
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -21,17 +19,11 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/common_interface_defs.h>
-#endif
-#if defined(__SANITIZE_THREAD__)
-#include <sanitizer/tsan_interface.h>
-#endif
-
 #include "backends/cuda/attention_tiles.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/kernels.h"
 #include "mixtape/mixtape.h"
+#include "tests/cudaemu/fibers.h"
 
 namespace mt = mixtape;
 namespace at = mixtape::attention_tiles;
@@ -40,162 +32,7 @@ namespace {
 
 using std::int64_t;
 
-// The lanes of one emulated thread block, each a fiber (ucontext) on the calling thread that
-// runs until it reaches a barrier, then hands over to the next. Not an OS thread per lane:
-// a barrier of 128 threads on a machine of two cores costs a trip through the kernel's
-// scheduler for each thread, and the test spent over a minute and a half in them.
-class Fibers {
- public:
-  // A barrier of `expected` fibers; each phase ends when the last of them arrives.
-  struct Barrier {
-    int expected;
-    int arrived = 0;
-    std::uint64_t phase = 0;
-  };
-
-  explicit Fibers(int count) : fibers_(static_cast<std::size_t>(count)) {
-    for (Fiber& f : fibers_) f.stack = std::make_unique_for_overwrite<char[]>(kStackBytes);
-  }
-
-  // body(i) on fiber i for i in [0, count), until every fiber has returned. Throws when the
-  // fibers wait on barriers that no fiber will complete (a kernel whose lanes disagree on
-  // their barriers would hang on the GPU).
-  void run(std::function<void(int)> body) {
-    body_ = std::move(body);
-    for (std::size_t i = 0; i < fibers_.size(); ++i) {
-      Fiber& f = fibers_[i];
-      f.done = false;
-      f.waiting_on = nullptr;
-      getcontext(&f.context);
-      f.context.uc_stack.ss_sp = f.stack.get();
-      f.context.uc_stack.ss_size = kStackBytes;
-      f.context.uc_link = nullptr;  // entry() switches back itself
-      makecontext(&f.context, &Fibers::entry, 0);
-#if defined(__SANITIZE_THREAD__)
-      f.tsan = __tsan_create_fiber(0);
-#endif
-    }
-    std::size_t finished = 0;
-    while (finished < fibers_.size()) {
-      bool progress = false;
-      for (std::size_t i = 0; i < fibers_.size(); ++i) {
-        Fiber& f = fibers_[i];
-        if (f.done || (f.waiting_on != nullptr && f.waiting_on->phase == f.phase)) continue;
-        f.waiting_on = nullptr;
-        current_ = this;
-        current_index_ = i;
-        switch_to(f);
-        progress = true;
-        if (f.done) ++finished;
-      }
-      if (!progress) break;
-    }
-#if defined(__SANITIZE_THREAD__)
-    for (Fiber& f : fibers_) __tsan_destroy_fiber(f.tsan);
-#endif
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-    if (finished < fibers_.size())
-      throw std::logic_error("emulated block: its lanes wait at barriers that never complete");
-  }
-
-  // Called on a fiber: waits until every fiber of b has arrived.
-  void arrive_and_wait(Barrier& b) {
-    if (++b.arrived == b.expected) {
-      b.arrived = 0;
-      ++b.phase;  // the others run again; this one goes on
-      return;
-    }
-    Fiber& f = fibers_[current_index_];
-    f.waiting_on = &b;
-    f.phase = b.phase;
-    switch_back(f, /*finished=*/false);
-  }
-
- private:
-  static constexpr std::size_t kStackBytes = std::size_t{1} << 20;  // virtual; touched in part
-
-  struct Fiber {
-    ucontext_t context;
-    std::unique_ptr<char[]> stack;
-    Barrier* waiting_on = nullptr;
-    std::uint64_t phase = 0;
-    bool done = false;
-#if defined(__SANITIZE_THREAD__)
-    void* tsan = nullptr;
-#endif
-  };
-
-  static void entry() {
-    Fibers& self = *current_;
-    const std::size_t i = current_index_;
-    self.arrived_on_fiber();
-    try {
-      self.body_(static_cast<int>(i));
-    } catch (...) {  // not across the fiber's first frame: run() rethrows it
-      if (!self.error_) self.error_ = std::current_exception();
-    }
-    Fiber& f = self.fibers_[i];
-    f.done = true;
-    self.switch_back(f, /*finished=*/true);
-  }
-
-  // The scheduler's side: runs fiber f until it waits or returns.
-  void switch_to(Fiber& f) {
-#if defined(__SANITIZE_ADDRESS__)
-    void* fake = nullptr;
-    __sanitizer_start_switch_fiber(&fake, f.stack.get(), kStackBytes);
-#endif
-#if defined(__SANITIZE_THREAD__)
-    scheduler_tsan_ = __tsan_get_current_fiber();
-    __tsan_switch_to_fiber(f.tsan, 0);
-#endif
-    swapcontext(&scheduler_, &f.context);
-#if defined(__SANITIZE_ADDRESS__)
-    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
-  }
-
-  // A fiber's side: back to the scheduler (for good when finished).
-  void switch_back(Fiber& f, bool finished) {
-#if defined(__SANITIZE_ADDRESS__)
-    void* fake = nullptr;
-    __sanitizer_start_switch_fiber(finished ? nullptr : &fake, scheduler_stack_,
-                                   scheduler_stack_size_);
-#endif
-#if defined(__SANITIZE_THREAD__)
-    __tsan_switch_to_fiber(scheduler_tsan_, 0);
-#endif
-    if (finished) {
-      setcontext(&scheduler_);
-      return;  // not reached
-    }
-    swapcontext(&f.context, &scheduler_);
-#if defined(__SANITIZE_ADDRESS__)
-    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
-  }
-
-  // First thing on a new fiber: AddressSanitizer learns the scheduler's stack.
-  void arrived_on_fiber() {
-#if defined(__SANITIZE_ADDRESS__)
-    __sanitizer_finish_switch_fiber(nullptr, &scheduler_stack_, &scheduler_stack_size_);
-#endif
-  }
-
-  std::vector<Fiber> fibers_;
-  std::function<void(int)> body_;
-  std::exception_ptr error_;
-  ucontext_t scheduler_{};
-  [[maybe_unused]] const void* scheduler_stack_ = nullptr;
-  [[maybe_unused]] std::size_t scheduler_stack_size_ = 0;
-#if defined(__SANITIZE_THREAD__)
-  void* scheduler_tsan_ = nullptr;
-#endif
-  static thread_local Fibers* current_;
-  static thread_local std::size_t current_index_;
-};
-thread_local Fibers* Fibers::current_ = nullptr;
-thread_local std::size_t Fibers::current_index_ = 0;
+using mixtape::cuda_emu::Fibers;
 
 // What the lanes of one warp exchange: a float for shfl_xor, the fragments for mma. Two
 // buffers, used in turn: a lane that has read exchange k's writes exchange k + 1's while the

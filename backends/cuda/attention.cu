@@ -248,6 +248,9 @@ struct MmaCtx {
   }
   __device__ void mma(float (&d)[4], const std::uint32_t (&a)[4],
                       const std::uint32_t (&b)[2]) const {
+#if defined(MIXTAPE_CUDA_EMULATION)  // tests/cudaemu: the instruction written out on the host
+    ::mixtape::cuda_emu::mma_m16n8k16(d, a, b, BF16);
+#else
     if constexpr (BF16)
       asm volatile(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
@@ -260,6 +263,7 @@ struct MmaCtx {
           "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
           : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
   }
   __device__ std::uint16_t bits(float v) const {
     if constexpr (BF16)
@@ -340,7 +344,7 @@ void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cud
       static_cast<unsigned>(p.n),
       static_cast<unsigned>((rows + attention_tiles::kTile - 1) / attention_tiles::kTile));
   const auto launch = [&](auto kernel) {
-    kernel<<<grid, attention_tiles::kThreads, 0, stream>>>(p);
+    MIXTAPE_CUDA_LAUNCH(grid, attention_tiles::kThreads, stream, kernel)(p);
     MIXTAPE_CUDA_CHECK_LAUNCH("attention tile kernel");
   };
   if (d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16>);

@@ -200,8 +200,8 @@ void launch_transpose(const void* src, void* dst, int64_t rows, int64_t cols, cu
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles_c, int64_t{1} << 30)),
                   static_cast<unsigned>(std::min<int64_t>(tiles_r, 65535)));
   const dim3 block(kTransposeTile, kTransposeRows);
-  transpose_kernel<E>
-      <<<grid, block, 0, stream>>>(static_cast<const E*>(src), static_cast<E*>(dst), rows, cols);
+  MIXTAPE_CUDA_LAUNCH(grid, block, stream, transpose_kernel<E>)
+  (static_cast<const E*>(src), static_cast<E*>(dst), rows, cols);
   MIXTAPE_CUDA_CHECK_LAUNCH("transpose_kernel");
 }
 

@@ -36,6 +36,20 @@ void register_linear_kernels();         // linear and its backward pass, fused (
 // The cuBLASLt epilogues the linear op uses (GELU is cuBLASLt's tanh approximation).
 // (gemm.cpp maps them to cuBLASLt's in this order.)
 enum class LinearEpilogue { bias, gelu, gelu_bias, gelu_aux, gelu_aux_bias };
+// The plain product of the linear op as a matmul: x [m, k] w [k, n] into d [m, n].
+inline kernels::GemmArgs linear_gemm_args(const kernels::LinearArgs& a, const Tensor& d) {
+  kernels::GemmArgs g;
+  g.a = a.x;
+  g.b = a.w;
+  g.out = d;
+  g.m = a.x.dim(0);
+  g.k = a.x.dim(1);
+  g.n = a.w.dim(1);
+  g.lda = g.k;
+  g.ldb = g.n;
+  g.ldc = g.n;
+  return g;
+}
 // a.x [m, k] times a.w [k, n] into d [m, n] (contiguous, x's dtype), as matmul computes it.
 void linear_gemm(const kernels::LinearArgs& a, const Tensor& d);
 // The same product of 16-bit x and w into float32 memory d of [m, n] (contiguous): the sums not

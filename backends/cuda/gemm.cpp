@@ -484,21 +484,6 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
                                       &plan.algo, workspace.data(), plan.workspace, st));
 }
 
-// The plain product of the linear op: gemm<C> on x [m, k] w [k, n] into d [m, n].
-GemmArgs linear_args(const kernels::LinearArgs& a, const Tensor& d) {
-  GemmArgs g;
-  g.a = a.x;
-  g.b = a.w;
-  g.out = d;
-  g.m = a.x.dim(0);
-  g.k = a.x.dim(1);
-  g.n = a.w.dim(1);
-  g.lda = g.k;
-  g.ldb = g.n;
-  g.ldc = g.n;
-  return g;
-}
-
 // cuBLASLt's epilogue of each LinearEpilogue, in the enum's order (cuda_backend.h).
 constexpr cublasLtEpilogue_t kLtEpilogue[] = {
     CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_GELU, CUBLASLT_EPILOGUE_GELU_BIAS,
@@ -511,14 +496,14 @@ std::mutex g_linear_mutex;
 }  // namespace
 
 void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
-  find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_args(a, d));
+  find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_gemm_args(a, d));
 }
 
 bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
   const DType dt = a.x.dtype();
   const int device = a.out.device().index();
   DeviceGuard guard(device);
-  const GemmShape s = normalize(linear_args(a, a.out));  // (d has out's shape)
+  const GemmShape s = normalize(linear_gemm_args(a, a.out));  // (d has out's shape)
   const auto refuse = [&](std::string_view why) {
     static std::once_flag warned;
     std::call_once(warned, [&] {
@@ -564,7 +549,7 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   DeviceGuard guard(device);
   const cudaStream_t st = launch_stream(device);
   const cublasLtHandle_t handle = lt_handle(device);
-  const GemmShape s = normalize(linear_args(a, d));
+  const GemmShape s = normalize(linear_gemm_args(a, d));
   const bool tf32 = dt == kFloat32 && cuda::allow_tf32();
   const LtTypes types = lt_types(dt, tf32);
   const std::size_t item = dt.itemsize();

@@ -25,6 +25,7 @@
 #include "backends/cuda/cuda_math.cuh"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/gemm_conv_kernels.h"
+#include "backends/cuda/launch.cuh"
 
 namespace mixtape::cuda_backend {
 namespace {
@@ -89,8 +90,8 @@ void launch(const GemmShape& s, const void* a, const void* b, void* c, cudaStrea
                   static_cast<unsigned>(std::min<int64_t>(row_blocks, 65535)),
                   static_cast<unsigned>(std::min<int64_t>(s.batch, 65535)));
   const dim3 block(kTile, kTile);
-  gemm_sequential_kernel<T, A><<<grid, block, 0, stream>>>(
-      static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(c), s);
+  MIXTAPE_CUDA_LAUNCH(grid, block, stream, gemm_sequential_kernel<T, A>)
+  (static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(c), s);
   MIXTAPE_CUDA_CHECK_LAUNCH("gemm_sequential_kernel");
 }
 

@@ -11,6 +11,17 @@
 
 #include "backends/cuda/cuda_util.h"
 
+// kernel<<<grid, block, 0, stream>>>(args...), written
+// MIXTAPE_CUDA_LAUNCH(grid, block, stream, kernel)(args...): every launch of the backend goes
+// through it, so that the kernels' host emulation (tests/cudaemu, which compiles these files as
+// host C++ with MIXTAPE_CUDA_EMULATION) can run them.
+#if defined(MIXTAPE_CUDA_EMULATION)
+#define MIXTAPE_CUDA_LAUNCH(grid, block, stream, ...) \
+  (static_cast<void>(stream), ::mixtape::cuda_emu::launch(grid, block, __VA_ARGS__))
+#else
+#define MIXTAPE_CUDA_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<grid, block, 0, stream>>>
+#endif
+
 namespace mixtape::cuda_backend {
 
 // A 1-D launch: the name a launch error is reported under, the work items of the kernel's
@@ -32,7 +43,7 @@ struct Launch1d {
 template <typename... Params>
 void launch_1d(const Launch1d& launch, void (*kernel)(Params...),
                std::type_identity_t<Params>... args) {
-  kernel<<<blocks_for(launch.n), kThreads, 0, launch.stream>>>(args...);
+  MIXTAPE_CUDA_LAUNCH(blocks_for(launch.n), kThreads, launch.stream, kernel)(args...);
   check_cuda(cudaGetLastError(), launch.name, launch.where.file_name(),
              static_cast<int>(launch.where.line()));
 }

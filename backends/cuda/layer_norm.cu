@@ -166,8 +166,8 @@ void layer_norm_backward_host(const Tensor& x, const Tensor& gamma, const Tensor
   C* part_b = part_g + blocks * n;
   const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads),
                   static_cast<unsigned>(blocks < 65535 ? blocks : 65535));
-  layer_norm_params_part_kernel<T>
-      <<<grid, kThreads, 0, on.s>>>(xp, mp, rp, gp, part_g, part_b, rows, n);
+  MIXTAPE_CUDA_LAUNCH(grid, kThreads, on.s, layer_norm_params_part_kernel<T>)
+  (xp, mp, rp, gp, part_g, part_b, rows, n);
   check_cuda(cudaGetLastError(), "layer_norm dgamma/dbeta kernel", __FILE__, __LINE__);
   launch_1d({"layer_norm dgamma/dbeta sum kernel", n, on.s}, layer_norm_params_sum_kernel<C>,
             static_cast<const C*>(part_g), static_cast<const C*>(part_b),

@@ -180,11 +180,11 @@ void linear_backward_host(const kernels::LinearBackwardArgs& a) {
   const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads),
                   static_cast<unsigned>(blocks < 65535 ? blocks : 65535));
   kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
-    linear_dz_kernel<T, A><<<grid, kThreads, 0, on.s>>>(
-        static_cast<const T*>(a.dy.const_data_ptr()),
-        a.saved.defined() ? static_cast<const T*>(a.saved.const_data_ptr()) : nullptr,
-        a.dz.defined() ? static_cast<T*>(a.dz.data_ptr()) : nullptr,
-        dbias ? static_cast<C*>(part.data()) : nullptr, m, n);
+    MIXTAPE_CUDA_LAUNCH(grid, kThreads, on.s, linear_dz_kernel<T, A>)
+    (static_cast<const T*>(a.dy.const_data_ptr()),
+     a.saved.defined() ? static_cast<const T*>(a.saved.const_data_ptr()) : nullptr,
+     a.dz.defined() ? static_cast<T*>(a.dz.data_ptr()) : nullptr,
+     dbias ? static_cast<C*>(part.data()) : nullptr, m, n);
     check_cuda(cudaGetLastError(), "linear dz kernel", __FILE__, __LINE__);
   });
   if (!dbias) return;

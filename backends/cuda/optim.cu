@@ -229,11 +229,12 @@ void sum_squares_host(const std::vector<Tensor>& xs, const Tensor& out) {
   Workspace partials(static_cast<std::size_t>(blocks) * sizeof(double), on.index);
   auto* p = static_cast<double*>(partials.data());
   for (std::size_t c = 0; c < chunks.size(); ++c) {
-    sum_squares_kernel<T><<<kSquareBlocks, kThreads, 0, on.s>>>(
-        chunks[c], p + static_cast<int64_t>(c) * kSquareBlocks);
+    MIXTAPE_CUDA_LAUNCH(kSquareBlocks, kThreads, on.s, sum_squares_kernel<T>)
+    (chunks[c], p + static_cast<int64_t>(c) * kSquareBlocks);
     MIXTAPE_CUDA_CHECK_LAUNCH("sum_squares kernel");
   }
-  add_partials_kernel<<<1, kThreads, 0, on.s>>>(p, blocks, static_cast<double*>(out.data_ptr()));
+  MIXTAPE_CUDA_LAUNCH(1, kThreads, on.s, add_partials_kernel)
+  (p, blocks, static_cast<double*>(out.data_ptr()));
   MIXTAPE_CUDA_CHECK_LAUNCH("sum_squares total kernel");
 }
 

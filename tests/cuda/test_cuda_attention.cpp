@@ -34,7 +34,7 @@ std::vector<double> values_of(const mt::Tensor& t) {
 
 }  // namespace
 
-TEST_CASE("cuda attention at training shapes against the CPU kernels", "[cuda][attention]") {
+TEST_CASE("cuda attention at training shapes against the CPU kernels", "[cuda][attention][large]") {
   const std::vector<Shape4> shapes{
       {24, 1024, 1024, 64, true, false, 0.0},  // GPT-2 small's heads, batch 2
       {12, 300, 300, 128, false, true, 0.0},

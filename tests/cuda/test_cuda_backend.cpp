@@ -57,7 +57,7 @@ TEST_CASE("cuda backend: large copies go through the staging buffer in pieces", 
   CHECK(bad == 0);
 }
 
-TEST_CASE("cuda backend: the allocator reuses freed blocks", "[cuda]") {
+TEST_CASE("cuda backend: the allocator reuses freed blocks", "[cuda][hardware]") {
   const void* first = nullptr;
   {
     const mt::Tensor t = mt::zeros({1 << 20}, mt::kFloat32, kGpu);

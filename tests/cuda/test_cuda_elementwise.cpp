@@ -637,7 +637,8 @@ TEST_CASE("cuda where: every dtype, broadcast operands", "[cuda]") {
 
 // --- large tensors ---------------------------------------------------------------------------
 
-TEST_CASE("cuda elementwise: tensors larger than one grid (grid-stride loops wrap)", "[cuda]") {
+TEST_CASE("cuda elementwise: tensors larger than one grid (grid-stride loops wrap)",
+          "[cuda][large]") {
   const Shape shape{kWrapSide, kWrapSide};
   const int64_t n = kWrapSide * kWrapSide;
   // uint8 data from a cheap generator (134M elements).

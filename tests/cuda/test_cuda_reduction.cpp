@@ -179,7 +179,7 @@ TEST_CASE("cuda reductions: every geometry and registered dtype", "[cuda]") {
   }
 }
 
-TEST_CASE("cuda reductions: grids that wrap and wide splits", "[cuda]") {
+TEST_CASE("cuda reductions: grids that wrap and wide splits", "[cuda][large]") {
   // Rows of 4 (a warp per row): 5M rows need more warps than one grid has; 600000 x 3 x 2
   // needs more column blocks than one grid has; a sum of 2^24 + 5 elements splits n.
   struct Geo {
@@ -356,7 +356,7 @@ TEST_CASE("cuda softmax and log_softmax: every floating dtype", "[cuda]") {
   }
 }
 
-TEST_CASE("cuda softmax: more rows than one grid has warps", "[cuda]") {
+TEST_CASE("cuda softmax: more rows than one grid has warps", "[cuda][large]") {
   Tensor x = random_of({4300000, 3}, mt::kFloat32, 77, -3.0, 3.0);
   Tensor xg = gpu(x);
   cu::check_close(mt::softmax(xg), mt::softmax(x), 4e-6, "softmax");

@@ -19,6 +19,9 @@
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/kernels.h"
+#if defined(MIXTAPE_SIM_EMULATED_KERNELS)
+#include "tests/cudaemu/cuda_emulation.h"
+#endif
 
 namespace mixtape {
 namespace {
@@ -77,6 +80,10 @@ void register_backend_and_kernels() {
   copy_cpu_kernels<kernels::kernel>(OpId::name);
   MIXTAPE_OP_TABLE(MIXTAPE_SIM_COPY)
 #undef MIXTAPE_SIM_COPY
+#if defined(MIXTAPE_SIM_EMULATED_KERNELS)
+  // The CUDA backend's own kernels, run by a host emulation of the GPU, where they have one.
+  cuda_emu::register_emulated_kernels();
+#endif
 }
 }  // namespace cuda
 

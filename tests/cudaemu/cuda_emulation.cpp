@@ -1,0 +1,251 @@
+// Test support: the host emulation of a GPU that runs the CUDA backend's own kernels
+// (backends/cuda/*.cu compiled as host C++ against tests/cudaemu/include/, which says what is
+// and is not emulated): the launch of a grid, its threads' coordinates, barriers, warp
+// exchanges and mma; the few host functions of the backend the kernel files call
+// (backends/cuda/backend.cpp's streams, device guard, workspace, errors; gemm.cpp's products
+// for the fused linear op, without cuBLASLt); and
+// register_emulated_kernels, which registers those kernels for the CUDA device type over a
+// simulated GPU's (tests/simcuda/sim_cuda_backend.cpp).
+#include "tests/cudaemu/cuda_emulation.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <array>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_util.h"
+#include "mixtape/core/dispatch.h"
+#include "mixtape/core/error.h"
+#include "mixtape/core/half.h"
+#include "mixtape/core/kernels.h"
+#include "tests/cudaemu/fibers.h"
+
+namespace mixtape::cuda_emu {
+namespace {
+
+constexpr int kWarpLanes = 32;
+constexpr unsigned kMaxBlockThreads = 1024;
+
+// What the lanes of one warp exchange: a value for __shfl_xor_sync, the fragments for mma.
+// Two buffers, used in turn: a lane that has read exchange k's writes exchange k + 1's while
+// the others may still read k's, and cannot reach k + 2 (the same buffer as k) before they
+// have all arrived at k + 1, so an exchange needs one barrier, not two.
+struct Warp {
+  explicit Warp(int lanes) : met{lanes}, lanes(lanes) {}
+  Fibers::Barrier met;
+  int lanes;
+  struct Buffer {
+    std::uint64_t value[kWarpLanes] = {};
+    std::uint32_t a[kWarpLanes][4] = {};
+    std::uint32_t b[kWarpLanes][2] = {};
+  } buffers[2];
+};
+
+// The block being run: its threads' coordinates, its barrier, its warps.
+struct Block {
+  explicit Block(int threads)
+      : met{threads},
+        coordinates(static_cast<std::size_t>(threads)),
+        exchanges(static_cast<std::size_t>(threads), 0) {
+    for (int w = 0; w * kWarpLanes < threads; ++w)
+      warps.emplace_back(std::min(kWarpLanes, threads - w * kWarpLanes));
+  }
+  Fibers* fibers = nullptr;
+  Fibers::Barrier met;
+  std::vector<Coordinates> coordinates;
+  std::vector<std::uint64_t> exchanges;  // each thread's warp exchanges so far
+  std::vector<Warp> warps;
+};
+
+Block* g_block = nullptr;  // the block running now (one at a time: g_launch)
+std::mutex g_launch;
+
+int thread_index() { return Fibers::current(); }
+
+// The buffer of this thread's next warp exchange, and its lane.
+Warp::Buffer& next_buffer(Warp*& warp, int& lane) {
+  const int t = thread_index();
+  warp = &g_block->warps[static_cast<std::size_t>(t / kWarpLanes)];
+  lane = t % kWarpLanes;
+  if (warp->lanes != kWarpLanes)
+    throw std::logic_error(
+        fmt::format("emulated warp exchange in a partial warp of {} threads (block of {})",
+                    warp->lanes, g_block->coordinates.size()));
+  return warp->buffers[g_block->exchanges[static_cast<std::size_t>(t)]++ % 2];
+}
+
+float value_of(std::uint32_t reg, int half, bool bf16) {
+  const auto b = static_cast<std::uint16_t>(reg >> (16 * half));
+  return bf16 ? detail::bfloat16_bits_to_float(b) : detail::half_bits_to_float(b);
+}
+
+// A cache of fibers by block size: their stacks are reserved once.
+Fibers& fibers_for(int threads) {
+  static std::map<int, std::unique_ptr<Fibers>> cache;
+  auto& f = cache[threads];
+  if (!f) f = std::make_unique<Fibers>(threads);
+  return *f;
+}
+
+}  // namespace
+
+const Coordinates& here() { return g_block->coordinates[static_cast<std::size_t>(thread_index())]; }
+
+void sync_block() { g_block->fibers->arrive_and_wait(g_block->met); }
+
+std::uint64_t exchange(std::uint64_t v, int lane_mask) {
+  Warp* warp = nullptr;
+  int lane = 0;
+  Warp::Buffer& x = next_buffer(warp, lane);
+  x.value[lane] = v;
+  g_block->fibers->arrive_and_wait(warp->met);
+  return x.value[(lane ^ lane_mask) % kWarpLanes];
+}
+
+// Lane L = 4 g + c holds A's rows g and g + 8 at columns 2c, 2c + 1 (registers 0 and 1) and
+// 2c + 8, 2c + 9 (registers 2 and 3); B's column g at rows 2c, 2c + 1 (register 0) and 2c + 8,
+// 2c + 9 (register 1); D's rows g and g + 8 at columns 2c, 2c + 1; the first of a pair is the
+// low half (the PTX manual's "Matrix Fragments for mma.m16n8k16 with floating point type").
+// The 16-bit products are exact; the sum of 16 of them and d is rounded once here (the
+// hardware's order and rounding of the sum are its own).
+void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2],
+                  bool bf16) {
+  Warp* warp = nullptr;
+  int lane = 0;
+  Warp::Buffer& w = next_buffer(warp, lane);
+  std::memcpy(w.a[lane], a, sizeof a);
+  std::memcpy(w.b[lane], b, sizeof b);
+  g_block->fibers->arrive_and_wait(warp->met);
+  const auto a_at = [&](int row, int k) {
+    return value_of(w.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2,
+                    bf16);
+  };
+  const auto b_at = [&](int k, int col) {
+    return value_of(w.b[col * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k % 2, bf16);
+  };
+  const int g = lane / 4, c = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * c + e % 2;
+    double sum = d[e];
+    for (int k = 0; k < 16; ++k) sum += double(a_at(row, k)) * double(b_at(k, col));
+    d[e] = static_cast<float>(sum);
+  }
+}
+
+void run_grid(dim3 grid, dim3 block, void (*thunk)(const void*), const void* closure) {
+  const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > kMaxBlockThreads ||
+      grid.y > 65535 || grid.z > 65535 || block.z > 64)
+    throw Error(
+        fmt::format("emulated launch: invalid configuration (grid {} x {} x {}, block {} "
+                    "x {} x {}), which a GPU refuses",
+                    grid.x, grid.y, grid.z, block.x, block.y, block.z));
+  std::lock_guard lock(g_launch);
+  Fibers& fibers = fibers_for(static_cast<int>(threads));
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        Block b(static_cast<int>(threads));
+        b.fibers = &fibers;
+        for (std::uint64_t t = 0; t < threads; ++t) {
+          const auto tx = static_cast<unsigned>(t % block.x);
+          const auto ty = static_cast<unsigned>(t / block.x % block.y);
+          const auto tz = static_cast<unsigned>(t / (std::uint64_t{block.x} * block.y));
+          b.coordinates[t] = {{tx, ty, tz}, {bx, by, bz}, block, grid};
+        }
+        g_block = &b;
+        try {
+          fibers.run([&](int) { thunk(closure); });
+        } catch (...) {
+          g_block = nullptr;
+          throw;
+        }
+        g_block = nullptr;
+      }
+}
+
+void register_emulated_kernels() {
+  using namespace mixtape::cuda_backend;
+  register_memory_kernels();
+  register_elementwise_kernels();
+  register_reduction_kernels();
+  register_index_kernels();
+  register_optim_kernels();
+  register_pool_kernels();
+  register_attention_kernels();
+  register_layer_norm_kernels();
+  register_dropout_kernels();
+  register_cross_entropy_kernels();
+  register_linear_kernels();
+}
+
+}  // namespace mixtape::cuda_emu
+
+// --- backends/cuda/backend.cpp's functions that the kernel files call ---------------------
+
+namespace mixtape::cuda_backend {
+
+void throw_cuda_error(cudaError_t err, const char* what, const char* file, int line) {
+  throw Error(fmt::format("CUDA error (emulated) in {} at {}:{}: {}", what, file, line,
+                          cudaGetErrorString(err)));
+}
+
+// One queue: every operation runs when it is issued.
+cudaStream_t stream(int) { return nullptr; }
+cudaStream_t launch_stream(int) { return nullptr; }
+
+DeviceGuard::DeviceGuard(int index) : previous_(index) {}
+DeviceGuard::~DeviceGuard() = default;
+
+Workspace::Workspace(std::size_t bytes, int index) : bytes_(bytes), index_(index) {
+  if (bytes == 0) return;
+  ptr_ = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  if (ptr_ == nullptr) throw OutOfMemoryError("emulated workspace: out of host memory");
+  std::memset(ptr_, 0xff, bytes);  // garbage, as fresh device memory may hold
+}
+Workspace::~Workspace() { std::free(ptr_); }
+
+// --- backends/cuda/gemm.cpp's products for the fused linear op (linear.cu) -----------------
+// The plain product through the matmul kernel registered for the device (a simulated GPU's:
+// the CPU's); no cuBLASLt epilogue, so linear.cu's own kernels apply bias and activation.
+
+void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
+  find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_gemm_args(a, d));
+}
+
+// cuBLASLt's 16-bit x 16-bit -> float32 product: each product exact in float32, the sum of
+// k of them rounded once here (cuBLASLt's order and roundings are its own).
+bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
+  const std::int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
+  const bool bf16 = a.x.dtype() == kBFloat16;
+  const auto* x = static_cast<const std::uint16_t*>(a.x.const_data_ptr());
+  const auto* w = static_cast<const std::uint16_t*>(a.w.const_data_ptr());
+  const auto value = [bf16](std::uint16_t b) {
+    return static_cast<double>(bf16 ? detail::bfloat16_bits_to_float(b)
+                                    : detail::half_bits_to_float(b));
+  };
+  auto* out = static_cast<float*>(d);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double sum = 0;
+      for (std::int64_t p = 0; p < k; ++p) sum += value(x[i * k + p]) * value(w[p * n + j]);
+      out[i * n + j] = static_cast<float>(sum);
+    }
+  return true;
+}
+
+bool linear_gemm_epilogue(const kernels::LinearArgs&, LinearEpilogue, const Tensor&,
+                          const Tensor&) {
+  return false;
+}
+
+}  // namespace mixtape::cuda_backend
