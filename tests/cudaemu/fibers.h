@@ -42,6 +42,7 @@ class Fibers {
  private:
   struct Fiber;
   void start(Fiber& f);
+  void release(Fiber& f);
   static void entry();
   void switch_to(Fiber& f);
   [[noreturn]] void finish(Fiber& f);

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <string>
 #include <type_traits>
 
@@ -33,14 +34,22 @@ class SimulatedCudaBackend final : public Backend {
   int device_count() const override { return 1; }
   // Fresh memory holds garbage (all bits set: NaN in every floating dtype), as a GPU's may:
   // a kernel that reads what nothing wrote shows.
+  // Under AddressSanitizer a block is exactly the size asked for, so that a kernel that reads
+  // or writes past a tensor's end is reported (the emulated CUDA kernels: tests/cudaemu).
   void* allocate(std::size_t nbytes, int) override {
+#if defined(__SANITIZE_ADDRESS__)
+    const std::size_t rounded = nbytes == 0 ? 1 : nbytes;
+#else
     const std::size_t rounded = (nbytes + 63) / 64 * 64 + 64;
-    void* p = std::aligned_alloc(64, rounded);
+#endif
+    void* p = ::operator new (rounded, std::align_val_t{64}, std::nothrow);
     if (p == nullptr) throw OutOfMemoryError("simulated cuda: out of host memory");
     std::memset(p, 0xff, rounded);
     return p;
   }
-  void deallocate(void* ptr, std::size_t, int) override { std::free(ptr); }
+  void deallocate(void* ptr, std::size_t, int) override {
+    ::operator delete (ptr, std::align_val_t{64});
+  }
   void copy(void* dst, Device, const void* src, Device, std::size_t nbytes) override {
     std::memmove(dst, src, nbytes);
   }
