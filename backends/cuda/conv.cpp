@@ -639,7 +639,7 @@ bool cudnn_pass(Direction dir, DType dt, const Tensor& a, const Tensor& b, const
 // cuDNN declines. exact_tf32: float32 operands that hold float16 / bfloat16 values (TF32
 // represents those exactly, so TF32 math is allowed whatever allow_tf32() says).
 void conv_pass(Direction dir, const Tensor& a, const Tensor& b, const Tensor& out,
-               const Conv2dGeometry& g, bool exact_tf32 = false) {
+               const Conv2dGeometry& g, [[maybe_unused]] bool exact_tf32 = false) {
   const DType dt = out.dtype();
   if (out.numel() == 0) return;
   const int device = out.device().index();

@@ -20,7 +20,7 @@
 // heuristic chose (cublasLtMatmulAlgoGetHeuristic, first result) and its workspace size.
 // The workspace (at most 32 MiB) comes from the caching allocator for each call.
 //
-// Not through cuBLASLt:
+// Not through cuBLASLt (sequential_accumulation in gemm_shape.h):
 //   - float16 / bfloat16 with low_precision_accumulation (MIXTAPE_FP16_USE_FP32_COMPUTE=0):
 //     the sequential kernel of gemm_acc16.cu, which rounds the accumulator to the 16-bit type
 //     after every multiply-add exactly as the CPU emulation does (no library does that);
@@ -51,6 +51,7 @@
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
+#include "backends/cuda/gemm_shape.h"
 #include "backends/cuda/plan_cache.h"
 #include "core/env.h"
 #include "mixtape/core/cuda.h"
@@ -84,33 +85,6 @@ constexpr int64_t kMaxBatchPerCall = 65535;
 constexpr int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 
 // --- Geometry ------------------------------------------------------------------------------
-
-// GemmArgs after the CPU backend's normalisation: a matrix with one stored row may carry any
-// leading dimension (raised to its row length, as cuBLASLt wants ld >= rows of its
-// column-major view), and a batch that shares B, with A and C evenly strided, is one taller
-// product. A batch of one has no strides.
-GemmShape normalize(const GemmArgs& g) {
-  GemmShape s;
-  s.batch = g.batch, s.m = g.m, s.n = g.n, s.k = g.k;
-  s.ta = g.trans_a, s.tb = g.trans_b;
-  s.lda = g.lda, s.ldb = g.ldb, s.ldc = g.ldc;
-  s.sa = g.stride_a, s.sb = g.stride_b, s.sc = g.stride_c;
-  const int64_t rows_a = s.ta ? s.k : s.m, cols_a = s.ta ? s.m : s.k;
-  const int64_t rows_b = s.tb ? s.n : s.k, cols_b = s.tb ? s.k : s.n;
-  if (rows_a <= 1) s.lda = std::max(s.lda, cols_a);
-  if (rows_b <= 1) s.ldb = std::max(s.ldb, cols_b);
-  if (s.m <= 1) s.ldc = std::max(s.ldc, s.n);
-  s.lda = std::max<int64_t>(s.lda, 1);
-  s.ldb = std::max<int64_t>(s.ldb, 1);
-  s.ldc = std::max<int64_t>(s.ldc, 1);
-  if (s.batch > 1 && !s.ta && s.sb == 0 && s.sa == s.m * s.lda && s.sc == s.m * s.ldc &&
-      s.batch * s.m <= kInt32Max) {
-    s.m *= s.batch;
-    s.batch = 1;
-  }
-  if (s.batch == 1) s.sa = s.sb = s.sc = 0;
-  return s;
-}
 
 // The alignment (a power of two up to 256 bytes) that the pointer, the leading dimension
 // and, in a batch, the batch stride all share: what cuBLASLt may assume of the operand.
@@ -352,16 +326,13 @@ void gemm(const GemmArgs& g) {
   const int device = g.out.device().index();
   DeviceGuard guard(device);
   const cudaStream_t st = launch_stream(device);
-  const GemmShape s = normalize(g);
+  const GemmShape s = gemm_shape(g);
   const void* a = g.a.const_data_ptr();
   const void* b = g.b.const_data_ptr();
   void* c = g.out.data_ptr();
 
-  if (dt.is_reduced_float() && g.low_precision_accumulation)
-    return gemm_sequential(elem_of(dt), Accumulation::Round16, s, a, b, c, st);
-  if (s.k <= 0 || s.m > kInt32Max || s.n > kInt32Max || s.k > kInt32Max || s.lda > kInt32Max ||
-      s.ldb > kInt32Max || s.ldc > kInt32Max)
-    return gemm_sequential(elem_of(dt), Accumulation::Wide, s, a, b, c, st);
+  if (const auto acc = sequential_accumulation(dt, g, s))
+    return gemm_sequential(elem_of(dt), *acc, s, a, b, c, st);
 
   const bool tf32 = dt == kFloat32 && cuda::allow_tf32();
   const cublasLtHandle_t handle = lt_handle(device);
@@ -503,7 +474,7 @@ bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
   const DType dt = a.x.dtype();
   const int device = a.out.device().index();
   DeviceGuard guard(device);
-  const GemmShape s = normalize(linear_gemm_args(a, a.out));  // (d has out's shape)
+  const GemmShape s = gemm_shape(linear_gemm_args(a, a.out));  // (d has out's shape)
   const auto refuse = [&](std::string_view why) {
     static std::once_flag warned;
     std::call_once(warned, [&] {
@@ -549,7 +520,7 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   DeviceGuard guard(device);
   const cudaStream_t st = launch_stream(device);
   const cublasLtHandle_t handle = lt_handle(device);
-  const GemmShape s = normalize(linear_gemm_args(a, d));
+  const GemmShape s = gemm_shape(linear_gemm_args(a, d));
   const bool tf32 = dt == kFloat32 && cuda::allow_tf32();
   const LtTypes types = lt_types(dt, tf32);
   const std::size_t item = dt.itemsize();

@@ -105,7 +105,7 @@ void crop_nhwc(const void* src, void* dst, std::int64_t n, std::int64_t h, std::
 
 // --- Device helpers of the .cu files ------------------------------------------------------
 
-#ifdef __CUDACC__
+#if defined(__CUDACC__) || defined(MIXTAPE_CUDA_EMULATION)  // (tests/cudaemu)
 // The accumulator of a storage type (CUDA types: __half, __nv_bfloat16, float, double).
 template <typename T>
 using accumulator_t = std::conditional_t<std::is_same_v<T, double>, double, float>;

@@ -2,7 +2,7 @@
 // and exits 77, which CTest reports as skipped; with one it runs every CUDA test case.
 // cuda.emulated links the same cases with the backend's kernels run by a host emulation
 // (tests/cudaemu) and leaves out the ones tagged [hardware] (the real memory and streams) and
-// [large] (grids too large to emulate in the suite's time).
+// [large] (grids, or work, too large to emulate in the suite's time).
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 #include <cstdio>

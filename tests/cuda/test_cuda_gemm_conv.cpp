@@ -513,7 +513,7 @@ TEST_CASE("cuda conv2d forward and backward match the CPU for every geometry and
     for (const Conv2dGeometry& g : conv_geometries()) run_conv_case(g, dt, seed += 3);
 }
 
-TEST_CASE("cuda conv2d on larger inputs", "[cuda][conv]") {
+TEST_CASE("cuda conv2d on larger inputs", "[cuda][conv][large]") {
   run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kFloat32, 7);
   run_conv_case(conv_geometry(3, 100, 100, 16, 3, 3, 2, 1, 1, true), kBFloat16, 8);
   run_conv_case(conv_geometry(8, 32, 32, 64, 3, 3, 64, 1, 1, true), kFloat16, 9);

@@ -3,7 +3,7 @@
 // and is not emulated): the launch of a grid, its threads' coordinates, barriers, warp
 // exchanges and mma; the few host functions of the backend the kernel files call
 // (backends/cuda/backend.cpp's streams, device guard, workspace, errors; gemm.cpp's products
-// for the fused linear op, without cuBLASLt); and
+// for the fused linear op, without cuBLASLt, and its matmul's routing); and
 // register_emulated_kernels, which registers those kernels for the CUDA device type over a
 // simulated GPU's (tests/simcuda/sim_cuda_backend.cpp).
 #include "tests/cudaemu/cuda_emulation.h"
@@ -23,10 +23,13 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
+#include "backends/cuda/elem.h"
+#include "backends/cuda/gemm_shape.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/half.h"
 #include "mixtape/core/kernels.h"
+#include "mixtape/core/register_kernels.h"
 #include "tests/cudaemu/fibers.h"
 
 namespace mixtape::cuda_emu {
@@ -94,6 +97,31 @@ Fibers& fibers_for(int threads) {
   auto& f = cache[threads];
   if (!f) f = std::make_unique<Fibers>(threads);
   return *f;
+}
+
+// backends/cuda/gemm.cpp's matmul with the matmul registered before (a simulated GPU's: the
+// CPU's) in cuBLASLt's place: the products gemm.cpp gives gemm_acc16.cu's sequential kernel
+// (16-bit accumulation, k == 0, dimensions past int32) run that kernel, emulated.
+template <DType::Code C>
+kernels::GemmFn* g_library_gemm = nullptr;
+
+template <DType::Code C>
+void emulated_gemm(const kernels::GemmArgs& g) {
+  using namespace mixtape::cuda_backend;
+  constexpr DType dt{C};
+  if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
+  const GemmShape s = gemm_shape(g);
+  if (const auto acc = sequential_accumulation(dt, g, s))
+    return gemm_sequential(elem_of(dt), *acc, s, g.a.const_data_ptr(), g.b.const_data_ptr(),
+                           g.out.data_ptr(), nullptr);
+  g_library_gemm<C>(g);
+}
+
+void register_emulated_gemm() {
+  register_op<OpId::matmul>(DeviceType::CUDA, []<DType::Code C>() {
+    g_library_gemm<C> = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, C).raw();
+    return &emulated_gemm<C>;
+  });
 }
 
 }  // namespace
@@ -186,6 +214,8 @@ void register_emulated_kernels() {
   register_dropout_kernels();
   register_cross_entropy_kernels();
   register_linear_kernels();
+  register_conv_kernels();
+  register_emulated_gemm();
 }
 
 }  // namespace mixtape::cuda_emu

@@ -5,11 +5,13 @@
 namespace mixtape::cuda_emu {
 
 // Registers the emulated CUDA kernels for the CUDA device type: memory, elementwise,
-// reduction, index, optimizer, pooling, attention, layer_norm, dropout, softmax_cross_entropy
-// and the fused linear op's own kernels (backends/cuda's *.cu files; its products go to the
-// matmul kernel registered before, without cuBLASLt's epilogues). The matmul, scaled_matmul
-// and convolution kernels (cuBLASLt and cuDNN) have no emulation: what a simulated GPU
-// registered for them stays.
+// reduction, index, optimizer, pooling, attention, layer_norm, dropout, softmax_cross_entropy,
+// the fused linear op's own kernels (backends/cuda's *.cu files; its products go to the
+// matmul kernel, without cuBLASLt's epilogues), convolution as backends/cuda/conv.cpp runs it
+// without cuDNN (conv_kernels.cu's direct kernels), and matmul as gemm.cpp routes it, with the
+// matmul registered before (a simulated GPU's) in cuBLASLt's place and gemm_acc16.cu's
+// sequential kernel where gemm.cpp takes it. scaled_matmul (cuBLASLt's FP8 GEMM) has no
+// emulation: what a simulated GPU registered for it stays.
 void register_emulated_kernels();
 
 }  // namespace mixtape::cuda_emu

@@ -5,8 +5,10 @@
 // device-side loss scale and its late reads, checks kept on the device, the datasets' device
 // copies and prefetch, FP8 on compute capability 9.0, step capture) with kernels that compute
 // what the CPU computes: so a CPU tensor mixed into a GPU computation is an error there, and
-// --device cuda must print what --device cpu prints. What it cannot show: anything of the real
-// backend (its kernels, streams, memory and CUDA graphs), or a host wait.
+// --device cuda must print what --device cpu prints. Linked with the host emulation of the
+// CUDA backend's kernels (tests/cudaemu, MIXTAPE_SIM_EMULATED_KERNELS) its kernels are, where
+// they are emulated, the real backend's own. What it cannot show: the real backend's streams,
+// memory, CUDA graphs and library calls (cuBLASLt, cuDNN), or a host wait.
 #include <cstdlib>
 #include <cstring>
 #include <memory>

@@ -1,0 +1,60 @@
+// Private to the CUDA backend's matmul (gemm.cpp): a GemmArgs in the plain numbers of its
+// kernels, and which products skip cuBLASLt for gemm_acc16.cu's sequential kernel. A header of
+// its own so that the host emulation of the backend's kernels (tests/cudaemu) routes the
+// products as gemm.cpp does.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include "backends/cuda/gemm_conv_kernels.h"
+#include "mixtape/core/dtype.h"
+#include "mixtape/core/kernels.h"
+
+namespace mixtape::cuda_backend {
+
+// GemmArgs after the CPU backend's normalisation: a matrix with one stored row may carry any
+// leading dimension (raised to its row length, as cuBLASLt wants ld >= rows of its
+// column-major view), and a batch that shares B, with A and C evenly strided, is one taller
+// product. A batch of one has no strides.
+inline GemmShape gemm_shape(const kernels::GemmArgs& g) {
+  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+  GemmShape s;
+  s.batch = g.batch, s.m = g.m, s.n = g.n, s.k = g.k;
+  s.ta = g.trans_a, s.tb = g.trans_b;
+  s.lda = g.lda, s.ldb = g.ldb, s.ldc = g.ldc;
+  s.sa = g.stride_a, s.sb = g.stride_b, s.sc = g.stride_c;
+  const std::int64_t rows_a = s.ta ? s.k : s.m, cols_a = s.ta ? s.m : s.k;
+  const std::int64_t rows_b = s.tb ? s.n : s.k, cols_b = s.tb ? s.k : s.n;
+  if (rows_a <= 1) s.lda = std::max(s.lda, cols_a);
+  if (rows_b <= 1) s.ldb = std::max(s.ldb, cols_b);
+  if (s.m <= 1) s.ldc = std::max(s.ldc, s.n);
+  s.lda = std::max<std::int64_t>(s.lda, 1);
+  s.ldb = std::max<std::int64_t>(s.ldb, 1);
+  s.ldc = std::max<std::int64_t>(s.ldc, 1);
+  if (s.batch > 1 && !s.ta && s.sb == 0 && s.sa == s.m * s.lda && s.sc == s.m * s.ldc &&
+      s.batch * s.m <= kInt32Max) {
+    s.m *= s.batch;
+    s.batch = 1;
+  }
+  if (s.batch == 1) s.sa = s.sb = s.sc = 0;
+  return s;
+}
+
+// The accumulation of the sequential kernel when a product of dtype dt goes to it rather than
+// to cuBLASLt: Round16 for float16 / bfloat16 under low_precision_accumulation (no library
+// rounds the accumulator to 16 bits after every term); Wide for k == 0 and for a dimension or
+// leading dimension past int32 (cuBLASLt's limit). nullopt: cuBLASLt's.
+inline std::optional<Accumulation> sequential_accumulation(DType dt, const kernels::GemmArgs& g,
+                                                           const GemmShape& s) {
+  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+  if (dt.is_reduced_float() && g.low_precision_accumulation) return Accumulation::Round16;
+  if (s.k <= 0 || s.m > kInt32Max || s.n > kInt32Max || s.k > kInt32Max || s.lda > kInt32Max ||
+      s.ldb > kInt32Max || s.ldc > kInt32Max)
+    return Accumulation::Wide;
+  return std::nullopt;
+}
+
+}  // namespace mixtape::cuda_backend
