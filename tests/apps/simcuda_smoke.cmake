@@ -14,22 +14,10 @@
 #        [-DMPIEXEC=...] -P simcuda_smoke.cmake
 cmake_minimum_required(VERSION 3.25)
 
-include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require, mnist_smoke_data
+include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require, comparable, ...
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 mnist_smoke_data(fake)
-
-# The output without what may differ between the devices: log timestamps, timings, rates and
-# model FLOP utilisation, the device named in the header lines.
-function(comparable text out_var)
-  string(REGEX REPLACE "\\[[0-9-]+ [0-9:.]+\\] " "" text "${text}")
-  string(REGEX REPLACE "[0-9]+ tokens/s[^\n]*" "" text "${text}")
-  string(REGEX REPLACE "\\([0-9.]+ s of steps\\)" "" text "${text}")
-  string(REGEX REPLACE " in [0-9.]+ s\n" "\n" text "${text}")  # data loading
-  string(REGEX REPLACE " - [0-9.]+m?s - [0-9.]+us/sample" "" text "${text}")
-  string(REGEX REPLACE "device (cpu|cuda:0)[^\n]*" "device" text "${text}")
-  set(${out_var} "${text}" PARENT_SCOPE)
-endfunction()
 
 # Runs APP (after `launch`, the program under mpiexec) with the arguments on both devices and
 # compares.

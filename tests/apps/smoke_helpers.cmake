@@ -1,5 +1,6 @@
-# Helpers of the apps' smoke tests (mnist_smoke.cmake, charlm_smoke.cmake and
-# tests/distributed/mnist_mpi.cmake), included by them. APP is the program under test.
+# Helpers of the apps' smoke tests (mnist_smoke.cmake, charlm_smoke.cmake, simcuda_smoke.cmake,
+# emulated_smoke.cmake and tests/distributed/*.cmake), included by them. APP is the program
+# under test.
 
 # Runs APP with the arguments; fails the test unless the exit status is `expect` ("0", or
 # "nonzero": an exit status other than 0, not a crash). With `run_env` set (NAME=VALUE ...),
@@ -54,3 +55,15 @@ macro(mnist_smoke_data fake_var)
     set(${fake_var} TRUE)
   endif()
 endmacro()
+
+# The output without what may differ between the devices: log timestamps, timings, rates and
+# model FLOP utilisation, the device named in the header lines.
+function(comparable text out_var)
+  string(REGEX REPLACE "\\[[0-9-]+ [0-9:.]+\\] " "" text "${text}")
+  string(REGEX REPLACE "[0-9]+ tokens/s[^\n]*" "" text "${text}")
+  string(REGEX REPLACE "\\([0-9.]+ s of steps\\)" "" text "${text}")
+  string(REGEX REPLACE " in [0-9.]+ s\n" "\n" text "${text}")  # data loading
+  string(REGEX REPLACE " - [0-9.]+m?s - [0-9.]+us/sample" "" text "${text}")
+  string(REGEX REPLACE "device (cpu|cuda:0)[^\n]*" "device" text "${text}")
+  set(${out_var} "${text}" PARENT_SCOPE)
+endfunction()

@@ -86,9 +86,21 @@ Warp::Buffer& next_buffer(Warp*& warp, int& lane) {
   return warp->buffers[g_block->exchanges[static_cast<std::size_t>(t)]++ % 2];
 }
 
+// Every float16 bit pattern's value (the emulated mma and products convert each operand many
+// times).
+const std::vector<float> g_half_values = [] {
+  std::vector<float> t(std::size_t{1} << 16);
+  for (std::size_t i = 0; i < t.size(); ++i)
+    t[i] = detail::half_bits_to_float(static_cast<std::uint16_t>(i));
+  return t;
+}();
+
+float value_of(std::uint16_t bits, bool bf16) {
+  return bf16 ? detail::bfloat16_bits_to_float(bits) : g_half_values[bits];
+}
+
 float value_of(std::uint32_t reg, int half, bool bf16) {
-  const auto b = static_cast<std::uint16_t>(reg >> (16 * half));
-  return bf16 ? detail::bfloat16_bits_to_float(b) : detail::half_bits_to_float(b);
+  return value_of(static_cast<std::uint16_t>(reg >> (16 * half)), bf16);
 }
 
 // A cache of fibers by block size: their stacks are reserved once.
@@ -161,10 +173,14 @@ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_
     return value_of(w.b[col * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k % 2, bf16);
   };
   const int g = lane / 4, c = lane % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * c + e % 2;
+  double rows[2][16], cols[2][16];  // A's rows g and g + 8, B's columns 2c and 2c + 1
+  for (int k = 0; k < 16; ++k) {
+    rows[0][k] = a_at(g, k), rows[1][k] = a_at(g + 8, k);
+    cols[0][k] = b_at(k, 2 * c), cols[1][k] = b_at(k, 2 * c + 1);
+  }
+  for (int e = 0; e < 4; ++e) {  // D's row g + 8 (e / 2), column 2c + e % 2
     double sum = d[e];
-    for (int k = 0; k < 16; ++k) sum += double(a_at(row, k)) * double(b_at(k, col));
+    for (int k = 0; k < 16; ++k) sum += rows[e / 2][k] * cols[e % 2][k];
     d[e] = static_cast<float>(sum);
   }
 }
@@ -259,17 +275,19 @@ bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
   const bool bf16 = a.x.dtype() == kBFloat16;
   const auto* x = static_cast<const std::uint16_t*>(a.x.const_data_ptr());
   const auto* w = static_cast<const std::uint16_t*>(a.w.const_data_ptr());
-  const auto value = [bf16](std::uint16_t b) {
-    return static_cast<double>(bf16 ? detail::bfloat16_bits_to_float(b)
-                                    : detail::half_bits_to_float(b));
-  };
+  // w transposed into doubles once, so that each sum runs over two contiguous rows.
+  std::vector<double> wt(static_cast<std::size_t>(k * n)), xi(static_cast<std::size_t>(k));
+  for (std::int64_t p = 0; p < k; ++p)
+    for (std::int64_t j = 0; j < n; ++j) wt[j * k + p] = cuda_emu::value_of(w[p * n + j], bf16);
   auto* out = static_cast<float*>(d);
-  for (std::int64_t i = 0; i < m; ++i)
+  for (std::int64_t i = 0; i < m; ++i) {
+    for (std::int64_t p = 0; p < k; ++p) xi[p] = cuda_emu::value_of(x[i * k + p], bf16);
     for (std::int64_t j = 0; j < n; ++j) {
       double sum = 0;
-      for (std::int64_t p = 0; p < k; ++p) sum += value(x[i * k + p]) * value(w[p * n + j]);
+      for (std::int64_t p = 0; p < k; ++p) sum += xi[p] * wt[j * k + p];
       out[i * n + j] = static_cast<float>(sum);
     }
+  }
   return true;
 }
 
