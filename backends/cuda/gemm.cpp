@@ -504,18 +504,13 @@ bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
 
 bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,
                           const Tensor& aux) {
-  static const bool enabled = detail::env::kCudaLtEpilogues.read();
+  if (!lt_epilogue_applies(a, aux)) return false;
   const DType dt = a.x.dtype();
-  const int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
-  if (!enabled || dt == kFloat64 || m > kInt32Max || n > kInt32Max || k > kInt32Max) return false;
-  // cuBLASLt reads the bias and writes aux in vectors: 16-byte aligned, and aux's leading
-  // dimension a multiple of 8 elements.
+  const int64_t n = a.w.dim(1);
   const void* bias = a.bias.defined() ? a.bias.const_data_ptr() : nullptr;
   void* aux_ptr = aux.defined() ? aux.data_ptr() : nullptr;
   const std::uint32_t align_bias = bias ? alignment(bias, 0, 0, 1, 1) : 0;
   const std::uint32_t align_aux = aux_ptr ? alignment(aux_ptr, 0, 0, 1, 1) : 0;
-  if (bias && align_bias < 16) return false;
-  if (aux_ptr && (align_aux < 16 || n % 8 != 0)) return false;
   const int device = d.device().index();
   DeviceGuard guard(device);
   const cudaStream_t st = launch_stream(device);

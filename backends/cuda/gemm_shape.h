@@ -1,7 +1,7 @@
 // Private to the CUDA backend's matmul (gemm.cpp): a GemmArgs in the plain numbers of its
-// kernels, and which products skip cuBLASLt for gemm_acc16.cu's sequential kernel. A header of
-// its own so that the host emulation of the backend's kernels (tests/cudaemu) routes the
-// products as gemm.cpp does.
+// kernels, which products skip cuBLASLt for gemm_acc16.cu's sequential kernel, and which linear
+// products may take a cuBLASLt epilogue. A header of its own so that the host emulation of the
+// backend's kernels (tests/cudaemu) routes the products as gemm.cpp does.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "backends/cuda/gemm_conv_kernels.h"
+#include "core/env.h"
 #include "mixtape/core/dtype.h"
 #include "mixtape/core/kernels.h"
 
@@ -55,6 +56,24 @@ inline std::optional<Accumulation> sequential_accumulation(DType dt, const kerne
       s.ldb > kInt32Max || s.ldc > kInt32Max)
     return Accumulation::Wide;
   return std::nullopt;
+}
+
+// Whether the linear op's product may go to cuBLASLt with an epilogue (linear_gemm_epilogue,
+// cuda_backend.h): the epilogues switched on (MIXTAPE_CUDA_LT_EPILOGUES), not float64, the
+// dimensions within int32, and the data as cuBLASLt reads and writes it in vectors: the bias
+// and aux (when defined) 16-byte aligned, aux's leading dimension a multiple of 8 elements.
+inline bool lt_epilogue_applies(const kernels::LinearArgs& a, const Tensor& aux) {
+  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+  static const bool enabled = detail::env::kCudaLtEpilogues.read();
+  const std::int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
+  if (!enabled || a.x.dtype() == kFloat64 || m > kInt32Max || n > kInt32Max || k > kInt32Max)
+    return false;
+  const auto aligned16 = [](const void* p) {
+    return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  };
+  if (a.bias.defined() && !aligned16(a.bias.const_data_ptr())) return false;
+  if (aux.defined() && (!aligned16(aux.const_data_ptr()) || n % 8 != 0)) return false;
+  return true;
 }
 
 }  // namespace mixtape::cuda_backend

@@ -3,7 +3,7 @@
 // and is not emulated): the launch of a grid, its threads' coordinates, barriers, warp
 // exchanges and mma; the few host functions of the backend the kernel files call
 // (backends/cuda/backend.cpp's streams, device guard, workspace, errors; gemm.cpp's products
-// for the fused linear op, without cuBLASLt, and its matmul's routing); and
+// for the fused linear op, cuBLASLt's part written out, and its matmul's routing); and
 // register_emulated_kernels, which registers those kernels for the CUDA device type over a
 // simulated GPU's (tests/simcuda/sim_cuda_backend.cpp).
 #include "tests/cudaemu/cuda_emulation.h"
@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -262,38 +263,82 @@ Workspace::~Workspace() { std::free(ptr_); }
 
 // --- backends/cuda/gemm.cpp's products for the fused linear op (linear.cu) -----------------
 // The plain product through the matmul kernel registered for the device (a simulated GPU's:
-// the CPU's); no cuBLASLt epilogue, so linear.cu's own kernels apply bias and activation.
+// the CPU's). cuBLASLt's float32 product and its epilogues are written out from their
+// documented meaning: each sum of products in float32 (rounded once here from a float64 sum;
+// the library's order and roundings are its own), the bias added to it in float32, GELU (the
+// tanh form) on that, one rounding to the output's dtype; aux the pre-activation in that dtype.
+
+namespace {
+
+// a.x [m, k] times a.w [k, n] (float32, float16 or bfloat16), each sum rounded to float32.
+std::vector<float> float32_product(const kernels::LinearArgs& a) {
+  const std::int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
+  const DType dt = a.x.dtype();
+  const auto value = [dt](const Tensor& t, std::int64_t i) -> double {
+    if (dt == kFloat32) return static_cast<const float*>(t.const_data_ptr())[i];
+    return cuda_emu::value_of(static_cast<const std::uint16_t*>(t.const_data_ptr())[i],
+                              dt == kBFloat16);
+  };
+  // w transposed into doubles once, so that each sum runs over two contiguous rows.
+  std::vector<double> wt(static_cast<std::size_t>(k * n)), xi(static_cast<std::size_t>(k));
+  for (std::int64_t p = 0; p < k; ++p)
+    for (std::int64_t j = 0; j < n; ++j) wt[j * k + p] = value(a.w, p * n + j);
+  std::vector<float> z(static_cast<std::size_t>(m * n));
+  for (std::int64_t i = 0; i < m; ++i) {
+    for (std::int64_t p = 0; p < k; ++p) xi[p] = value(a.x, i * k + p);
+    for (std::int64_t j = 0; j < n; ++j) {
+      double sum = 0;
+      for (std::int64_t p = 0; p < k; ++p) sum += xi[p] * wt[j * k + p];
+      z[i * n + j] = static_cast<float>(sum);
+    }
+  }
+  return z;
+}
+
+// v rounded to t's dtype (float32, float16, bfloat16) into element i.
+void store_rounded(const Tensor& t, std::int64_t i, float v) {
+  void* p = t.data_ptr();
+  if (t.dtype() == kFloat32)
+    static_cast<float*>(p)[i] = v;
+  else
+    static_cast<std::uint16_t*>(p)[i] =
+        t.dtype() == kBFloat16 ? detail::float_to_bfloat16_bits(v) : detail::float_to_half_bits(v);
+}
+
+}  // namespace
 
 void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
   find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_gemm_args(a, d));
 }
 
-// cuBLASLt's 16-bit x 16-bit -> float32 product: each product exact in float32, the sum of
-// k of them rounded once here (cuBLASLt's order and roundings are its own).
 bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
-  const std::int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
-  const bool bf16 = a.x.dtype() == kBFloat16;
-  const auto* x = static_cast<const std::uint16_t*>(a.x.const_data_ptr());
-  const auto* w = static_cast<const std::uint16_t*>(a.w.const_data_ptr());
-  // w transposed into doubles once, so that each sum runs over two contiguous rows.
-  std::vector<double> wt(static_cast<std::size_t>(k * n)), xi(static_cast<std::size_t>(k));
-  for (std::int64_t p = 0; p < k; ++p)
-    for (std::int64_t j = 0; j < n; ++j) wt[j * k + p] = cuda_emu::value_of(w[p * n + j], bf16);
-  auto* out = static_cast<float*>(d);
-  for (std::int64_t i = 0; i < m; ++i) {
-    for (std::int64_t p = 0; p < k; ++p) xi[p] = cuda_emu::value_of(x[i * k + p], bf16);
-    for (std::int64_t j = 0; j < n; ++j) {
-      double sum = 0;
-      for (std::int64_t p = 0; p < k; ++p) sum += xi[p] * wt[j * k + p];
-      out[i * n + j] = static_cast<float>(sum);
-    }
-  }
+  const std::vector<float> z = float32_product(a);
+  std::memcpy(d, z.data(), z.size() * sizeof(float));
   return true;
 }
 
-bool linear_gemm_epilogue(const kernels::LinearArgs&, LinearEpilogue, const Tensor&,
-                          const Tensor&) {
-  return false;
+// As gemm.cpp decides (lt_epilogue_applies), and then always: every problem has an algorithm.
+bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,
+                          const Tensor& aux) {
+  if (!lt_epilogue_applies(a, aux)) return false;
+  const bool bias = e == LinearEpilogue::bias || e == LinearEpilogue::gelu_bias ||
+                    e == LinearEpilogue::gelu_aux_bias;
+  const bool gelu = e != LinearEpilogue::bias;
+  const bool writes_aux = e == LinearEpilogue::gelu_aux || e == LinearEpilogue::gelu_aux_bias;
+  const float* b = bias ? static_cast<const float*>(a.bias.const_data_ptr()) : nullptr;
+  const std::vector<float> z = float32_product(a);
+  const std::int64_t n = a.w.dim(1);
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(z.size()); ++i) {
+    float v = b ? z[static_cast<std::size_t>(i)] + b[i % n] : z[static_cast<std::size_t>(i)];
+    if (writes_aux && aux.defined()) store_rounded(aux, i, v);
+    if (gelu) {
+      const double x = v;
+      v = static_cast<float>(0.5 * x *
+                             (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))));
+    }
+    store_rounded(d, i, v);
+  }
+  return true;
 }
 
 }  // namespace mixtape::cuda_backend
