@@ -101,15 +101,16 @@ function(close_on_both rtol_permille falling)
   require_close("${cpu_text}" "${gpu_text}" ${rtol_permille} ${ARGN})
 endfunction()
 
-# Measured when this was written: the losses of the 16-bit runs below within 0.012% of the CPU's, the
-# FP8 run's within 0.1%; the bounds are 0.1% and 0.5%. A mask of the tiled attention's
-# dropout one row off in the forward pass moves a loss by 0.33%, and fails.
+# Measured when this was written: the losses of the 16-bit runs below within 0.012% of the
+# CPU's, the FP8 run's within 0.1%; the bounds are 0.1% and 0.5%. A mask of the tiled
+# attention's dropout one row off in the forward pass moves a loss by 0.33%, and fails.
 # The character-level GPT: head widths 64 and 32 (the tiled tensor-core attention kernels),
 # attention dropout, float16 with the loss scale and a captured step, FP8 products (whose
 # quantisation turns the kernels' small differences into larger ones: fewer steps).
 set(text "")
 foreach(i RANGE 1 60)
-  string(APPEND text "The quick brown fox ${i} jumps over the lazy dog.\nA stitch in time saves nine; ${i} cats.\n")
+  string(APPEND text "The quick brown fox ${i} jumps over the lazy dog.\n"
+                     "A stitch in time saves nine; ${i} cats.\n")
 endforeach()
 file(WRITE ${WORK_DIR}/small.txt "${text}")
 set(APP ${CHARLM})

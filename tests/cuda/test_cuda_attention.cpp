@@ -1,8 +1,9 @@
-// The CUDA fused attention at the shapes the transformer trains at (the conformance sweep's cases
-// are small): float16 and bfloat16 heads of width 64 over 1024 positions (GPT-2 small's), causal,
-// and width 128, key padding and dropout, through the tiled tensor-core kernels where they apply
-// (backends/cuda/attention_tiles.h) against the CPU backend's kernels, and the backward pass
-// twice for the same bits (no atomics).
+// The CUDA fused attention against the CPU backend's kernels: at the shapes the transformer
+// trains at (the conformance sweep's cases are small): float16 and bfloat16 heads of width 64
+// over 1024 positions (GPT-2 small's), causal, and width 128, key padding and dropout, through
+// the tiled tensor-core kernels where they apply (backends/cuda/attention_tiles.h), and the
+// backward pass twice for the same bits (no atomics); a row that attends nothing; and small
+// shapes of the tiled kernels within a unit in the last place of the CPU's.
 #include <fmt/format.h>
 
 #include <catch2/catch.hpp>
@@ -134,4 +135,142 @@ TEST_CASE("cuda attention: a row whose logits are all -inf attends nothing, as o
     for (std::size_t i = static_cast<std::size_t>(d); i < want[0].size(); ++i)
       REQUIRE(std::abs(got[0][i] - want[0][i]) <= tol * (1.0 + std::abs(want[0][i])));
   }
+}
+
+namespace {
+
+// x [n, rows, d] as attention's kernels see a projection's heads, where they lie (kernels.h): a
+// view [2, n / 2, rows, d] of [2, rows, n / 2, d] holding x's values; or x itself.
+mt::Tensor as_projection(const mt::Tensor& x, bool in_place) {
+  if (!in_place) return x;
+  const int64_t n = x.dim(0), rows = x.dim(1), d = x.dim(2);
+  const mt::Tensor laid =
+      mt::contiguous(mt::permute(mt::reshape(x, {2, n / 2, rows, d}), {0, 2, 1, 3}));
+  return mt::permute(laid, {0, 2, 1, 3});
+}
+
+// The elements of got more than a unit in the last place of the 16-bit type from want, beyond
+// 2e-5: where a result cancels to nearly 0 (a row that attends one key has dS = P (dP - D) = 0
+// but for rounding), both sides hold float32 rounding noise of sums of up to 130 terms of size
+// up to about 4, added in different orders.
+std::size_t off_by_more_than_an_ulp(const mt::Tensor& got, const mt::Tensor& want) {
+  const double ulp = want.dtype() == mt::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+  const auto g = values_of(got), w = values_of(want);
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < w.size(); ++i)
+    if (!(std::abs(w[i] - g[i]) <= ulp * std::abs(w[i]) + 2e-5)) ++off;
+  return off;
+}
+
+struct TileCase {
+  const char* what;
+  int64_t n, t, s, d;
+  bool causal;
+  int mask;  // 0 none; 1 per row [n, 1, t, s] with a row that attends nothing; 2 key padding
+  double dropout;
+  bool backward;  // (widths 96 and 128: the tiles have a forward pass only)
+  // q, k, v, dout, out, dq, dk, dv as views of projections (as_projection), and the dropout
+  // seed read from device memory, as a captured step gives it (kernels.h: seed_at).
+  bool in_place = false;
+};
+
+}  // namespace
+
+// The 16-bit kernels at small shapes against the CPU's, closer than the sweep's bound: both
+// compute in float32 and round once, so at most a unit in the last place apart, where the
+// float32 values lie on two sides of a rounding boundary. Every shape here takes the tiled
+// tensor-core kernels (backends/cuda/attention_tiles.h): their row and key tiles, fragment
+// bookkeeping, masks, dropout and online softmax, and the launch code that picks them.
+TEST_CASE("cuda attention within a unit in the last place of the CPU kernels",
+          "[cuda][attention][cuda_tiles]") {
+  const std::vector<TileCase> cases{
+      {"causal, two row blocks and key tiles", 2, 70, 70, 64, true, 0, 0.0, true},
+      {"masked, an empty row, 3 key tiles", 1, 33, 130, 32, false, 1, 0.0, true},
+      {"key padding, causal, dropout", 4, 65, 65, 64, true, 2, 0.3, true},
+      {"causal with more keys than queries", 1, 5, 9, 64, true, 0, 0.0, true},
+      {"more queries than keys, dropout", 1, 80, 20, 32, false, 0, 0.5, true},
+      {"width 128, causal", 1, 65, 65, 128, true, 0, 0.0, false},
+      {"width 96, one position", 1, 1, 1, 96, false, 0, 0.0, false},
+      {"heads in place, key padding, causal, dropout", 4, 70, 70, 64, true, 2, 0.2, true, true},
+      {"heads in place, width 32, masked", 2, 65, 80, 32, false, 1, 0.0, true, true},
+  };
+  std::uint64_t seed = 40;
+  for (const mt::DType dt : {mt::kBFloat16, mt::kFloat16})
+    for (const TileCase& c : cases) {
+      INFO(c.what << " in " << dt.name());
+      const mt::Tensor q = cu::random({c.n, c.t, c.d}, dt, ++seed, -2.0, 2.0);
+      const mt::Tensor k = cu::random({c.n, c.s, c.d}, dt, ++seed, -2.0, 2.0);
+      const mt::Tensor v = cu::random({c.n, c.s, c.d}, dt, ++seed, -2.0, 2.0);
+      const mt::Tensor dout = cu::random({c.n, c.t, c.d}, dt, ++seed, -2.0, 2.0);
+      mt::Tensor mask;
+      if (c.mask == 1) {
+        // Row 0 of each head attends nothing; the rest half the keys at random.
+        const auto coin = values_of(cu::random({c.n * c.t * c.s}, mt::kFloat32, ++seed));
+        std::vector<std::uint8_t> bytes(coin.size());
+        for (std::size_t i = 0; i < bytes.size(); ++i)
+          bytes[i] = static_cast<int64_t>(i) % (c.t * c.s) >= c.s && coin[i] > 0 ? 1 : 0;
+        mask = mt::from_vector(bytes, {c.n, 1, c.t, c.s}).to(mt::kBool);
+      } else if (c.mask == 2) {
+        // Two groups of two heads; group g keeps its first s - 7 g keys (read through strides
+        // (s, 0, 0, 1)).
+        std::vector<std::uint8_t> rows(static_cast<std::size_t>(2 * c.s));
+        for (int64_t g = 0; g < 2; ++g)
+          for (int64_t j = 0; j < c.s; ++j)
+            rows[static_cast<std::size_t>(g * c.s + j)] = j < c.s - 7 * g ? 1 : 0;
+        mask = mt::expand(mt::from_vector(rows, {2, 1, 1, c.s}).to(mt::kBool), {2, 2, c.t, c.s});
+      }
+      const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+      const mt::kernels::AttentionDropout dropout{c.dropout, 0xabcdefu, {}};
+      mt::kernels::AttentionDropout gpu_dropout = dropout;
+      if (c.in_place) {
+        gpu_dropout.seed = 0;
+        gpu_dropout.seed_at =
+            mt::from_vector(std::vector<std::int64_t>{0xabcdef}, {1}).to(cu::kGpu);
+      }
+      const auto empty = [&](int64_t rows, mt::Device dev) {
+        return mt::Tensor::empty({c.n, rows, c.d}, dt, dev);
+      };
+      const auto on_gpu = [&](const mt::Tensor& x) {
+        return as_projection(x.to(cu::kGpu), c.in_place);
+      };
+      const auto gpu_out = [&](int64_t rows) {
+        return as_projection(empty(rows, cu::kGpu), c.in_place);
+      };
+      const auto kernels_on = [&](mt::DeviceType type) {
+        return std::pair{mt::find_kernel<mt::kernels::AttentionFn>(mt::OpId::attention, type, dt),
+                         mt::find_kernel<mt::kernels::AttentionBackwardFn>(
+                             mt::OpId::attention_backward, type, dt)};
+      };
+      const auto cpu = kernels_on(mt::DeviceType::CPU), gpu = kernels_on(mt::DeviceType::CUDA);
+      const mt::Tensor gq = on_gpu(q), gk = on_gpu(k), gv = on_gpu(v);
+      const mt::Tensor gmask = mask.defined() ? mask.to(cu::kGpu) : mask;
+
+      // Forward.
+      const mt::Tensor want = empty(c.t, mt::Device::cpu());
+      const mt::Tensor lse = mt::Tensor::empty({c.n, c.t}, mt::kFloat32, mt::Device::cpu());
+      cpu.first(q, k, v, mask, c.causal, scale, dropout, want, lse);
+      const mt::Tensor got = gpu_out(c.t);
+      const mt::Tensor got_lse = mt::Tensor::empty({c.n, c.t}, mt::kFloat32, cu::kGpu);
+      gpu.first(gq, gk, gv, gmask, c.causal, scale, gpu_dropout, got, got_lse);
+      CHECK(off_by_more_than_an_ulp(got, want) == 0);
+      const auto wl = values_of(lse), gl = values_of(got_lse);
+      std::size_t lse_off = 0;
+      for (std::size_t i = 0; i < wl.size(); ++i)
+        if (std::isinf(wl[i]) ? gl[i] != wl[i]  // a row that attends nothing
+                              : !(std::abs(wl[i] - gl[i]) <= 1e-5 * (1.0 + std::abs(wl[i]))))
+          ++lse_off;
+      CHECK(lse_off == 0);
+      if (!c.backward) continue;
+
+      // Backward, from the CPU's out and lse (both sides read the same).
+      const mt::Tensor dq = empty(c.t, mt::Device::cpu()), dk = empty(c.s, mt::Device::cpu()),
+                       dv = empty(c.s, mt::Device::cpu());
+      cpu.second(q, k, v, mask, c.causal, scale, dropout, want, lse, dout, dq, dk, dv);
+      const mt::Tensor gdq = gpu_out(c.t), gdk = gpu_out(c.s), gdv = gpu_out(c.s);
+      gpu.second(gq, gk, gv, gmask, c.causal, scale, gpu_dropout, on_gpu(want), lse.to(cu::kGpu),
+                 on_gpu(dout), gdq, gdk, gdv);
+      CHECK(off_by_more_than_an_ulp(gdq, dq) == 0);
+      CHECK(off_by_more_than_an_ulp(gdk, dk) == 0);
+      CHECK(off_by_more_than_an_ulp(gdv, dv) == 0);
+    }
 }

@@ -1,6 +1,6 @@
-// Test support: cooperative fibers on the calling thread, for host emulations of a CUDA thread
-// block (tests/cudaemu/cuda_emulation.cpp, tests/test_attention_tiles.cpp): each thread of the
-// block a fiber that runs until it reaches a barrier, then hands over to the next. Not an OS
+// Test support: cooperative fibers on the calling thread, for the host emulation of a CUDA
+// thread block (tests/cudaemu/cuda_emulation.cpp): each thread of the block a fiber that runs
+// until it reaches a barrier, then hands over to the next. Not an OS
 // thread per emulated thread: a barrier of 128 threads on a machine of two cores would cost a
 // trip through the kernel's scheduler for each of them.
 #pragma once
