@@ -13,7 +13,7 @@
 # Usage: cmake -DCHARLM=... -DMNIST=... -DFAKE=... -DWORK_DIR=... -P emulated_smoke.cmake
 cmake_minimum_required(VERSION 3.25)
 
-include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require, comparable
+include(${CMAKE_CURRENT_LIST_DIR}/smoke_helpers.cmake)  # run_app, require, comparable, fake_mnist
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
@@ -124,11 +124,7 @@ close_on_both(5 "loss " ${gpt} --heads 2 --policy mixed_float8 --steps 10)
 # thread), the custom GradientTape loop, the CNN (convolution and pooling) with a captured
 # step, FP8. Accuracies move in steps of one image (1/128 of the test set).
 set(DATA_DIR ${WORK_DIR}/data)
-file(MAKE_DIRECTORY ${DATA_DIR})
-execute_process(COMMAND ${FAKE} ${DATA_DIR} 512 128 RESULT_VARIABLE rc)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "fake_mnist failed (${rc})")
-endif()
+fake_mnist(${DATA_DIR} 512 128)
 set(APP ${MNIST})
 set(small --data-dir ${DATA_DIR} --epochs 2 --verbose 2)
 close_on_both(1 "loss: " ${small} --model mlp --policy mixed_float16)

@@ -40,18 +40,23 @@ function(require text what)
   endif()
 endfunction()
 
+# A fake MNIST of `train` training and `test` test images that FAKE (fake_mnist) writes in dir.
+function(fake_mnist dir train test)
+  file(MAKE_DIRECTORY ${dir})
+  execute_process(COMMAND ${FAKE} ${dir} ${train} ${test} RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "fake_mnist failed (${rc})")
+  endif()
+endfunction()
+
 # MNIST for a trainer's smoke test: DATA_DIR when it exists, otherwise a small fake dataset
-# (2048 training and 512 test images) that FAKE (fake_mnist) writes under WORK_DIR. Sets
-# DATA_DIR, and `fake_var` to TRUE or FALSE.
+# (2048 training and 512 test images) under WORK_DIR. Sets DATA_DIR, and `fake_var` to TRUE
+# or FALSE.
 macro(mnist_smoke_data fake_var)
   set(${fake_var} FALSE)
   if(NOT DATA_DIR OR NOT EXISTS "${DATA_DIR}")
     set(DATA_DIR ${WORK_DIR}/data)
-    file(MAKE_DIRECTORY ${DATA_DIR})
-    execute_process(COMMAND ${FAKE} ${DATA_DIR} 2048 512 RESULT_VARIABLE _mnist_smoke_rc)
-    if(NOT _mnist_smoke_rc EQUAL 0)
-      message(FATAL_ERROR "fake_mnist failed (${_mnist_smoke_rc})")
-    endif()
+    fake_mnist(${DATA_DIR} 2048 512)
     set(${fake_var} TRUE)
   endif()
 endmacro()

@@ -295,14 +295,13 @@ std::vector<float> float32_product(const kernels::LinearArgs& a) {
   return z;
 }
 
-// v rounded to t's dtype (float32, float16, bfloat16) into element i.
-void store_rounded(const Tensor& t, std::int64_t i, float v) {
-  void* p = t.data_ptr();
-  if (t.dtype() == kFloat32)
+// v rounded to dtype (float32, float16, bfloat16) into element i of p.
+void store_rounded(void* p, DType dtype, std::int64_t i, float v) {
+  if (dtype == kFloat32)
     static_cast<float*>(p)[i] = v;
   else
     static_cast<std::uint16_t*>(p)[i] =
-        t.dtype() == kBFloat16 ? detail::float_to_bfloat16_bits(v) : detail::float_to_half_bits(v);
+        dtype == kBFloat16 ? detail::float_to_bfloat16_bits(v) : detail::float_to_half_bits(v);
 }
 
 }  // namespace
@@ -328,15 +327,17 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   const float* b = bias ? static_cast<const float*>(a.bias.const_data_ptr()) : nullptr;
   const std::vector<float> z = float32_product(a);
   const std::int64_t n = a.w.dim(1);
+  void* out = d.data_ptr();
+  void* pre = writes_aux && aux.defined() ? aux.data_ptr() : nullptr;
   for (std::int64_t i = 0; i < static_cast<std::int64_t>(z.size()); ++i) {
     float v = b ? z[static_cast<std::size_t>(i)] + b[i % n] : z[static_cast<std::size_t>(i)];
-    if (writes_aux && aux.defined()) store_rounded(aux, i, v);
+    if (pre) store_rounded(pre, aux.dtype(), i, v);
     if (gelu) {
       const double x = v;
       v = static_cast<float>(0.5 * x *
                              (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))));
     }
-    store_rounded(d, i, v);
+    store_rounded(out, d.dtype(), i, v);
   }
   return true;
 }
