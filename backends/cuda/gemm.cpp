@@ -82,7 +82,6 @@ inline void check_cublas(cublasStatus_t status, const char* what, const char* fi
 
 constexpr std::size_t kMaxWorkspace = std::size_t{32} << 20;  // cuBLAS's recommendation (Hopper)
 constexpr int64_t kMaxBatchPerCall = 65535;
-constexpr int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 
 // --- Geometry ------------------------------------------------------------------------------
 
@@ -485,7 +484,7 @@ bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
     });
     return false;
   };
-  if (s.m > kInt32Max || s.n > kInt32Max || s.k > kInt32Max)
+  if (s.m > kLtDimMax || s.n > kLtDimMax || s.k > kLtDimMax)
     return refuse("beyond 32-bit dimensions");
   const cublasLtHandle_t handle = lt_handle(device);
   const std::size_t item = dt.itemsize();

@@ -16,12 +16,14 @@
 
 namespace mixtape::cuda_backend {
 
+// cuBLASLt's dimensions and leading dimensions are int32.
+inline constexpr std::int64_t kLtDimMax = std::numeric_limits<std::int32_t>::max();
+
 // GemmArgs after the CPU backend's normalisation: a matrix with one stored row may carry any
 // leading dimension (raised to its row length, as cuBLASLt wants ld >= rows of its
 // column-major view), and a batch that shares B, with A and C evenly strided, is one taller
 // product. A batch of one has no strides.
 inline GemmShape gemm_shape(const kernels::GemmArgs& g) {
-  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   GemmShape s;
   s.batch = g.batch, s.m = g.m, s.n = g.n, s.k = g.k;
   s.ta = g.trans_a, s.tb = g.trans_b;
@@ -36,7 +38,7 @@ inline GemmShape gemm_shape(const kernels::GemmArgs& g) {
   s.ldb = std::max<std::int64_t>(s.ldb, 1);
   s.ldc = std::max<std::int64_t>(s.ldc, 1);
   if (s.batch > 1 && !s.ta && s.sb == 0 && s.sa == s.m * s.lda && s.sc == s.m * s.ldc &&
-      s.batch * s.m <= kInt32Max) {
+      s.batch * s.m <= kLtDimMax) {
     s.m *= s.batch;
     s.batch = 1;
   }
@@ -50,10 +52,9 @@ inline GemmShape gemm_shape(const kernels::GemmArgs& g) {
 // leading dimension past int32 (cuBLASLt's limit). nullopt: cuBLASLt's.
 inline std::optional<Accumulation> sequential_accumulation(DType dt, const kernels::GemmArgs& g,
                                                            const GemmShape& s) {
-  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   if (dt.is_reduced_float() && g.low_precision_accumulation) return Accumulation::Round16;
-  if (s.k <= 0 || s.m > kInt32Max || s.n > kInt32Max || s.k > kInt32Max || s.lda > kInt32Max ||
-      s.ldb > kInt32Max || s.ldc > kInt32Max)
+  if (s.k <= 0 || s.m > kLtDimMax || s.n > kLtDimMax || s.k > kLtDimMax || s.lda > kLtDimMax ||
+      s.ldb > kLtDimMax || s.ldc > kLtDimMax)
     return Accumulation::Wide;
   return std::nullopt;
 }
@@ -63,10 +64,9 @@ inline std::optional<Accumulation> sequential_accumulation(DType dt, const kerne
 // dimensions within int32, and the data as cuBLASLt reads and writes it in vectors: the bias
 // and aux (when defined) 16-byte aligned, aux's leading dimension a multiple of 8 elements.
 inline bool lt_epilogue_applies(const kernels::LinearArgs& a, const Tensor& aux) {
-  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   static const bool enabled = detail::env::kCudaLtEpilogues.read();
   const std::int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
-  if (!enabled || a.x.dtype() == kFloat64 || m > kInt32Max || n > kInt32Max || k > kInt32Max)
+  if (!enabled || a.x.dtype() == kFloat64 || m > kLtDimMax || n > kLtDimMax || k > kLtDimMax)
     return false;
   const auto aligned16 = [](const void* p) {
     return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
