@@ -23,7 +23,7 @@
 # nvidia-cudnn wheel is asked, then /usr and /opt are searched for libcudnn.so.9). Built with CUDA architecture 90 (Hopper) unless
 # CMAKE_CUDA_ARCHITECTURES is passed, and without oneDNN (its library alone is 40 MB); the
 # MNIST files from MIXTAPE_DATA_DIR (when set) go to data/, and so does data/charlm.txt, the
-# fortunes corpus in one file (where the fortunes are installed); bench/charlm_reference.py
+# fortunes corpus in one file (the package is installed when missing); bench/charlm_reference.py
 # goes to bench/, and so does the file MIXTAPE_REFERENCE names (the MNIST workloads' PyTorch
 # reference) as bench/reference_pytorch.py.
 set -euo pipefail
@@ -36,7 +36,8 @@ out="$(cd "$(dirname "$out")" && pwd)/$(basename "$out")"
 build_dir=build-bundle/build
 stage=build-bundle/mixtape-bundle
 
-bash scripts/deps.sh
+# fortunes: the charlm's corpus (below), without which the bundle's gpt steps have no text
+bash scripts/deps.sh fortunes
 command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]] || {
   echo "bundle.sh: nvcc not found: the bundle is for the CUDA backend" >&2
   exit 1
@@ -82,11 +83,10 @@ fi
 # The charlm's corpus for the GPU machine, which has no fortunes package: the fortune files
 # (no .dat indexes, no .u8 links) in name order, as one text (split 90 / 10 by --text).
 fortunes=/usr/share/games/fortunes
-if [[ -d "$fortunes" ]]; then
-  mkdir -p "$stage/data"
-  find "$fortunes" -maxdepth 1 -type f ! -name '*.*' -print0 | sort -z | xargs -0 cat \
-    >"$stage/data/charlm.txt"
-fi
+mkdir -p "$stage/data"
+find "$fortunes" -maxdepth 1 -type f ! -name '*.*' -print0 | sort -z | xargs -0 cat \
+  >"$stage/data/charlm.txt"
+[[ -s "$stage/data/charlm.txt" ]] || { echo "bundle.sh: no fortunes in $fortunes" >&2; exit 1; }
 mkdir -p "$stage/bench"
 cp bench/charlm_reference.py "$stage/bench/"
 # The MNIST workloads' PyTorch reference (shared/bench/reference_pytorch.py), when

@@ -39,20 +39,14 @@
 #   bash scripts/gpu_check.sh BUNDLE_DIR LOG_DIR [reference_pytorch.py] [STEPS]
 #
 # STEPS: a comma-separated subset of the steps above (default: all but gptcompile), always the
-# fourth argument ("" for the third). Logs go to LOG_DIR, a file or two per step (the short
-# lease's list below writes seven); summary.txt has a line per run. DEADLINE (seconds from the start; default none): no run starts after it, and
+# fourth argument ("" for the third). Logs go to LOG_DIR, a file or two per step; summary.txt
+# has a line per run. DEADLINE (seconds from the start; default none): no run starts after it, and
 # each run's time limit is cut to what is left, so that one call ends in time whatever hangs.
 # Programs run line-buffered and are killed 5 s after their limit, so a killed run's log keeps
 # what it printed. Needs nvidia-smi (peak memory), and python3 with PyTorch for torch, gemm,
 # gpt and gptcompile, ncu for profile, compute-sanitizer for sanitize.
 #
-# The first session on a GPU after kernels were written without one (one call, 15 minutes of
-# device time in all):
-#   DEADLINE=480 GPT_ROUNDS=1 bash scripts/gpu_check.sh BUNDLE "$OUT" "" fresh,ops,tests,sanitize,gpt
-# and the next one, for what the first leaves out (FP8's measurements, the MNIST workloads;
-# the bundle made with MIXTAPE_REFERENCE naming shared/bench/reference_pytorch.py):
-#   DEADLINE=480 ROUNDS=1 bash scripts/gpu_check.sh BUNDLE "$OUT" \
-#     BUNDLE/bench/reference_pytorch.py float8,mnist,guide,torch
+# scripts/gpu_lease.sh runs these steps in parts under one budget, for a lease of one call.
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 logs="$2"
