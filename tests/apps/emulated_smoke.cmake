@@ -7,8 +7,9 @@
 # conformance sweep bounds each one; this is their sum over a training run), so a whole
 # training step on the GPU's kernels is checked: the tiled attention with dropout, LayerNorm,
 # the fused linear op, the fused cross-entropy, the multi-tensor AdamW, the loss scale kept on
-# the device, FP8 casts, step capture, the datasets' copies to the device; not the libraries'
-# products (cuBLASLt, cuDNN), which are the CPU's here. The CPU run must train (its loss falls),
+# the device, FP8 casts and products, step capture, the datasets' copies to the device, the
+# matmuls through gemm.cpp on the emulated cuBLASLt; not cuDNN, nor the libraries' own
+# arithmetic. The CPU run must train (its loss falls),
 # so that what is compared is not a model at rest.
 # Usage: cmake -DCHARLM=... -DMNIST=... -DFAKE=... -DWORK_DIR=... -P emulated_smoke.cmake
 cmake_minimum_required(VERSION 3.25)

@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
@@ -199,4 +200,36 @@ TEST_CASE("cuda float8: a Dense model trains under mixed_float8 on the GPU", "[c
   REQUIRE(trace.rows.size() == 3);
   CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2)");
   CHECK(trace.rows[1].note == "float8 matmul (e4m3, gradients e5m2)");
+}
+
+TEST_CASE("cuda float8: scaled_matmul refuses what FP8 GEMMs do not take, naming the shapes",
+          "[cuda][float8]") {
+  if (!fp8_gemms()) return;
+  // cuBLASLt's FP8 kernels need every matrix's rows 16-byte aligned: k a multiple of 16 for
+  // the FP8 operands, and here n * 2 bytes for the bfloat16 output. The CPU's emulation
+  // computes any shape; the GPU raises a DeviceError that says what to change.
+  mt::manual_seed(3);
+  const auto fp8 = [](std::int64_t rows, std::int64_t cols) {
+    return mt::quantize_float8(mt::normal({rows, cols}).to(kGpu), mt::kFloat8E4M3FN);
+  };
+  const std::int64_t m = 8;
+  for (const auto& [n, k] : {std::pair<std::int64_t, std::int64_t>{16, 24}, {20, 32}}) {
+    INFO(fmt::format("n {}, k {}", n, k));
+    const mt::Float8Quantized a = fp8(m, k), b_t = fp8(n, k);
+    try {
+      (void)mt::scaled_matmul(a.data, b_t.data, a.scale, b_t.scale);
+      FAIL("no error");
+    } catch (const mt::DeviceError& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(what.find("scaled_matmul") != std::string::npos);
+      CHECK(what.find(fmt::format("[{}, {}]", m, k)) != std::string::npos);
+      CHECK(what.find(fmt::format("[{}, {}]", n, k)) != std::string::npos);
+      CHECK(what.find("multiples of 16") != std::string::npos);
+    }
+  }
+  // The same operands at k = 32 and n = 16: a product.
+  const mt::Float8Quantized a = fp8(m, 32), b_t = fp8(16, 32);
+  const mt::Tensor out = mt::scaled_matmul(a.data, b_t.data, a.scale, b_t.scale);
+  CHECK(out.shape() == mt::Shape{m, 16});
 }

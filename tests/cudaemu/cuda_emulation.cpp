@@ -2,10 +2,10 @@
 // (backends/cuda/*.cu compiled as host C++ against tests/cudaemu/include/, which says what is
 // and is not emulated): the launch of a grid, its threads' coordinates, barriers, warp
 // exchanges and mma; the few host functions of the backend the kernel files call
-// (backends/cuda/backend.cpp's streams, device guard, workspace, errors; gemm.cpp's products
-// for the fused linear op, cuBLASLt's part written out, and its matmul's routing); and
+// (backends/cuda/backend.cpp's streams, device guard, workspace, errors); and
 // register_emulated_kernels, which registers those kernels for the CUDA device type over a
-// simulated GPU's (tests/simcuda/sim_cuda_backend.cpp).
+// simulated GPU's (tests/simcuda/sim_cuda_backend.cpp). cuBLASLt, which gemm.cpp calls, is
+// emulated in tests/cudaemu/cublaslt_emulation.cpp.
 #include "tests/cudaemu/cuda_emulation.h"
 
 #include <cuda_runtime.h>
@@ -24,8 +24,6 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
-#include "backends/cuda/elem.h"
-#include "backends/cuda/gemm_shape.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/half.h"
@@ -110,31 +108,6 @@ Fibers& fibers_for(int threads) {
   auto& f = cache[threads];
   if (!f) f = std::make_unique<Fibers>(threads);
   return *f;
-}
-
-// backends/cuda/gemm.cpp's matmul with the matmul registered before (a simulated GPU's: the
-// CPU's) in cuBLASLt's place: the products gemm.cpp gives gemm_acc16.cu's sequential kernel
-// (16-bit accumulation, k == 0, dimensions past int32) run that kernel, emulated.
-template <DType::Code C>
-kernels::GemmFn* g_library_gemm = nullptr;
-
-template <DType::Code C>
-void emulated_gemm(const kernels::GemmArgs& g) {
-  using namespace mixtape::cuda_backend;
-  constexpr DType dt{C};
-  if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
-  const GemmShape s = gemm_shape(g);
-  if (const auto acc = sequential_accumulation(dt, g, s))
-    return gemm_sequential(elem_of(dt), *acc, s, g.a.const_data_ptr(), g.b.const_data_ptr(),
-                           g.out.data_ptr(), nullptr);
-  g_library_gemm<C>(g);
-}
-
-void register_emulated_gemm() {
-  register_op<OpId::matmul>(DeviceType::CUDA, []<DType::Code C>() {
-    g_library_gemm<C> = find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, C).raw();
-    return &emulated_gemm<C>;
-  });
 }
 
 }  // namespace
@@ -232,7 +205,7 @@ void register_emulated_kernels() {
   register_cross_entropy_kernels();
   register_linear_kernels();
   register_conv_kernels();
-  register_emulated_gemm();
+  register_gemm_kernels();
 }
 
 }  // namespace mixtape::cuda_emu
@@ -260,86 +233,5 @@ Workspace::Workspace(std::size_t bytes, int index) : bytes_(bytes), index_(index
   std::memset(ptr_, 0xff, bytes);  // garbage, as fresh device memory may hold
 }
 Workspace::~Workspace() { std::free(ptr_); }
-
-// --- backends/cuda/gemm.cpp's products for the fused linear op (linear.cu) -----------------
-// The plain product through the matmul kernel registered for the device (a simulated GPU's:
-// the CPU's). cuBLASLt's float32 product and its epilogues are written out from their
-// documented meaning: each sum of products in float32 (rounded once here from a float64 sum;
-// the library's order and roundings are its own), the bias added to it in float32, GELU (the
-// tanh form) on that, one rounding to the output's dtype; aux the pre-activation in that dtype.
-
-namespace {
-
-// a.x [m, k] times a.w [k, n] (float32, float16 or bfloat16), each sum rounded to float32.
-std::vector<float> float32_product(const kernels::LinearArgs& a) {
-  const std::int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
-  const DType dt = a.x.dtype();
-  const auto value = [dt](const Tensor& t, std::int64_t i) -> double {
-    if (dt == kFloat32) return static_cast<const float*>(t.const_data_ptr())[i];
-    return cuda_emu::value_of(static_cast<const std::uint16_t*>(t.const_data_ptr())[i],
-                              dt == kBFloat16);
-  };
-  // w transposed into doubles once, so that each sum runs over two contiguous rows.
-  std::vector<double> wt(static_cast<std::size_t>(k * n)), xi(static_cast<std::size_t>(k));
-  for (std::int64_t p = 0; p < k; ++p)
-    for (std::int64_t j = 0; j < n; ++j) wt[j * k + p] = value(a.w, p * n + j);
-  std::vector<float> z(static_cast<std::size_t>(m * n));
-  for (std::int64_t i = 0; i < m; ++i) {
-    for (std::int64_t p = 0; p < k; ++p) xi[p] = value(a.x, i * k + p);
-    for (std::int64_t j = 0; j < n; ++j) {
-      double sum = 0;
-      for (std::int64_t p = 0; p < k; ++p) sum += xi[p] * wt[j * k + p];
-      z[i * n + j] = static_cast<float>(sum);
-    }
-  }
-  return z;
-}
-
-// v rounded to dtype (float32, float16, bfloat16) into element i of p.
-void store_rounded(void* p, DType dtype, std::int64_t i, float v) {
-  if (dtype == kFloat32)
-    static_cast<float*>(p)[i] = v;
-  else
-    static_cast<std::uint16_t*>(p)[i] =
-        dtype == kBFloat16 ? detail::float_to_bfloat16_bits(v) : detail::float_to_half_bits(v);
-}
-
-}  // namespace
-
-void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
-  find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_gemm_args(a, d));
-}
-
-bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
-  const std::vector<float> z = float32_product(a);
-  std::memcpy(d, z.data(), z.size() * sizeof(float));
-  return true;
-}
-
-// As gemm.cpp decides (lt_epilogue_applies), and then always: every problem has an algorithm.
-bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,
-                          const Tensor& aux) {
-  if (!lt_epilogue_applies(a, aux)) return false;
-  const bool bias = e == LinearEpilogue::bias || e == LinearEpilogue::gelu_bias ||
-                    e == LinearEpilogue::gelu_aux_bias;
-  const bool gelu = e != LinearEpilogue::bias;
-  const bool writes_aux = e == LinearEpilogue::gelu_aux || e == LinearEpilogue::gelu_aux_bias;
-  const float* b = bias ? static_cast<const float*>(a.bias.const_data_ptr()) : nullptr;
-  const std::vector<float> z = float32_product(a);
-  const std::int64_t n = a.w.dim(1);
-  void* out = d.data_ptr();
-  void* pre = writes_aux && aux.defined() ? aux.data_ptr() : nullptr;
-  for (std::int64_t i = 0; i < static_cast<std::int64_t>(z.size()); ++i) {
-    float v = b ? z[static_cast<std::size_t>(i)] + b[i % n] : z[static_cast<std::size_t>(i)];
-    if (pre) store_rounded(pre, aux.dtype(), i, v);
-    if (gelu) {
-      const double x = v;
-      v = static_cast<float>(0.5 * x *
-                             (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))));
-    }
-    store_rounded(out, d.dtype(), i, v);
-  }
-  return true;
-}
 
 }  // namespace mixtape::cuda_backend

@@ -6,13 +6,11 @@ namespace mixtape::cuda_emu {
 
 // Registers the emulated CUDA kernels for the CUDA device type: memory, elementwise,
 // reduction, index, optimizer, pooling, attention, layer_norm, dropout, softmax_cross_entropy,
-// the fused linear op's own kernels (backends/cuda's *.cu files; its products go to the
-// matmul kernel, or to cuBLASLt's float32 product and epilogues written out from their
-// documented meaning), convolution as backends/cuda/conv.cpp runs it
-// without cuDNN (conv_kernels.cu's direct kernels), and matmul as gemm.cpp routes it, with the
-// matmul registered before (a simulated GPU's) in cuBLASLt's place and gemm_acc16.cu's
-// sequential kernel where gemm.cpp takes it. scaled_matmul (cuBLASLt's FP8 GEMM) has no
-// emulation: what a simulated GPU registered for it stays.
+// the fused linear op (backends/cuda's *.cu files), convolution as backends/cuda/conv.cpp
+// runs it without cuDNN (conv_kernels.cu's direct kernels), and matmul, scaled_matmul and the
+// linear op's products as backends/cuda/gemm.cpp runs them: on the emulated cuBLASLt
+// (tests/cudaemu/cublaslt_emulation.cpp), and gemm_acc16.cu's sequential kernel where gemm.cpp
+// takes it.
 void register_emulated_kernels();
 
 }  // namespace mixtape::cuda_emu

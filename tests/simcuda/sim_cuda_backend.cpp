@@ -7,8 +7,9 @@
 // what the CPU computes: so a CPU tensor mixed into a GPU computation is an error there, and
 // --device cuda must print what --device cpu prints. Linked with the host emulation of the
 // CUDA backend's kernels (tests/cudaemu, MIXTAPE_SIM_EMULATED_KERNELS) its kernels are, where
-// they are emulated, the real backend's own. What it cannot show: the real backend's streams,
-// memory, CUDA graphs and library calls (cuBLASLt, cuDNN), or a host wait.
+// they are emulated, the real backend's own (gemm.cpp's cuBLASLt calls on an emulated
+// cuBLASLt). What it cannot show: the real backend's streams, memory, CUDA graphs, cuDNN, the
+// libraries' own arithmetic, or a host wait.
 #include <cstdlib>
 #include <cstring>
 #include <memory>
