@@ -20,7 +20,7 @@
 // heuristic chose (cublasLtMatmulAlgoGetHeuristic, first result) and its workspace size.
 // The workspace (at most 32 MiB) comes from the caching allocator for each call.
 //
-// Not through cuBLASLt (sequential_accumulation in gemm_shape.h):
+// Not through cuBLASLt (sequential_accumulation below):
 //   - float16 / bfloat16 with low_precision_accumulation (MIXTAPE_FP16_USE_FP32_COMPUTE=0):
 //     the sequential kernel of gemm_acc16.cu, which rounds the accumulator to the 16-bit type
 //     after every multiply-add exactly as the CPU emulation does (no library does that);
@@ -43,6 +43,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,7 +52,6 @@
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/elem.h"
 #include "backends/cuda/gemm_conv_kernels.h"
-#include "backends/cuda/gemm_shape.h"
 #include "backends/cuda/plan_cache.h"
 #include "core/env.h"
 #include "mixtape/core/cuda.h"
@@ -84,6 +84,66 @@ constexpr std::size_t kMaxWorkspace = std::size_t{32} << 20;  // cuBLAS's recomm
 constexpr int64_t kMaxBatchPerCall = 65535;
 
 // --- Geometry ------------------------------------------------------------------------------
+
+// cuBLASLt's dimensions and leading dimensions are int32.
+constexpr int64_t kLtDimMax = std::numeric_limits<std::int32_t>::max();
+
+// GemmArgs after the CPU backend's normalisation: a matrix with one stored row may carry any
+// leading dimension (raised to its row length, as cuBLASLt wants ld >= rows of its
+// column-major view), and a batch that shares B, with A and C evenly strided, is one taller
+// product. A batch of one has no strides.
+GemmShape gemm_shape(const kernels::GemmArgs& g) {
+  GemmShape s;
+  s.batch = g.batch, s.m = g.m, s.n = g.n, s.k = g.k;
+  s.ta = g.trans_a, s.tb = g.trans_b;
+  s.lda = g.lda, s.ldb = g.ldb, s.ldc = g.ldc;
+  s.sa = g.stride_a, s.sb = g.stride_b, s.sc = g.stride_c;
+  const int64_t rows_a = s.ta ? s.k : s.m, cols_a = s.ta ? s.m : s.k;
+  const int64_t rows_b = s.tb ? s.n : s.k, cols_b = s.tb ? s.k : s.n;
+  if (rows_a <= 1) s.lda = std::max(s.lda, cols_a);
+  if (rows_b <= 1) s.ldb = std::max(s.ldb, cols_b);
+  if (s.m <= 1) s.ldc = std::max(s.ldc, s.n);
+  s.lda = std::max<int64_t>(s.lda, 1);
+  s.ldb = std::max<int64_t>(s.ldb, 1);
+  s.ldc = std::max<int64_t>(s.ldc, 1);
+  if (s.batch > 1 && !s.ta && s.sb == 0 && s.sa == s.m * s.lda && s.sc == s.m * s.ldc &&
+      s.batch * s.m <= kLtDimMax) {
+    s.m *= s.batch;
+    s.batch = 1;
+  }
+  if (s.batch == 1) s.sa = s.sb = s.sc = 0;
+  return s;
+}
+
+// The accumulation of the sequential kernel when a product of dtype dt goes to it rather than
+// to cuBLASLt: Round16 for float16 / bfloat16 under low_precision_accumulation (no library
+// rounds the accumulator to 16 bits after every term); Wide for k == 0 and for a dimension or
+// leading dimension past int32 (cuBLASLt's limit). nullopt: cuBLASLt's.
+std::optional<Accumulation> sequential_accumulation(DType dt, const kernels::GemmArgs& g,
+                                                    const GemmShape& s) {
+  if (dt.is_reduced_float() && g.low_precision_accumulation) return Accumulation::Round16;
+  if (s.k <= 0 || s.m > kLtDimMax || s.n > kLtDimMax || s.k > kLtDimMax || s.lda > kLtDimMax ||
+      s.ldb > kLtDimMax || s.ldc > kLtDimMax)
+    return Accumulation::Wide;
+  return std::nullopt;
+}
+
+// Whether the linear op's product may go to cuBLASLt with an epilogue (linear_gemm_epilogue,
+// cuda_backend.h): the epilogues switched on (MIXTAPE_CUDA_LT_EPILOGUES), not float64, the
+// dimensions within int32, and the data as cuBLASLt reads and writes it in vectors: the bias
+// and aux (when defined) 16-byte aligned, aux's leading dimension a multiple of 8 elements.
+bool lt_epilogue_applies(const kernels::LinearArgs& a, const Tensor& aux) {
+  static const bool enabled = detail::env::kCudaLtEpilogues.read();
+  const int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
+  if (!enabled || a.x.dtype() == kFloat64 || m > kLtDimMax || n > kLtDimMax || k > kLtDimMax)
+    return false;
+  const auto aligned16 = [](const void* p) {
+    return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+  };
+  if (a.bias.defined() && !aligned16(a.bias.const_data_ptr())) return false;
+  if (aux.defined() && (!aligned16(aux.const_data_ptr()) || n % 8 != 0)) return false;
+  return true;
+}
 
 // The alignment (a power of two up to 256 bytes) that the pointer, the leading dimension
 // and, in a batch, the batch stride all share: what cuBLASLt may assume of the operand.
