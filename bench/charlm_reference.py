@@ -181,6 +181,10 @@ def main():
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-every", type=int, default=250)
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="mark this step (1-based) for a profiler told to record only such "
+                        "ranges (cudaProfilerStart/Stop, as mixtape-charlm --kernel-census "
+                        "marks its second step); 0: none")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="intra-op threads (mixtape uses every core, as OpenMP does)")
     a = p.parse_args()
@@ -231,7 +235,10 @@ def main():
     rng = SplitMix64(a.seed)
     span = len(train) - a.context
     first_done, window = None, []
+    profiling = a.profile_step > 0 and a.device == "cuda"
     for step in range(a.steps):
+        if profiling and step + 1 == a.profile_step:
+            torch.cuda.profiler.start()
         offsets = [rng.next() % span for _ in range(a.batch)]
         x, y = windows(train, offsets, a.context)
         for g in opt.param_groups:
@@ -247,6 +254,8 @@ def main():
         scaler.step(opt)
         scaler.update()
         window.append(loss.detach())
+        if profiling and step + 1 == a.profile_step:
+            torch.cuda.profiler.stop()
         if step == 0:  # the first step (and a compilation) is not timed
             sync()
             first_done = time.perf_counter()

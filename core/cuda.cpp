@@ -30,6 +30,16 @@ void synchronize(int index) {
   backend_for(DeviceType::CUDA).synchronize(index);
 }
 
+void profiler_start(int index) {
+  check_device(Device::cuda(index));
+  backend_for(DeviceType::CUDA).profiler_range(index, true);
+}
+
+void profiler_stop(int index) {
+  check_device(Device::cuda(index));
+  backend_for(DeviceType::CUDA).profiler_range(index, false);
+}
+
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 bool allow_tf32() { return g_allow_tf32; }
 

@@ -28,6 +28,11 @@
 #            MIXTAPE_CUDA_MMA_ATTENTION=0: the plain attention kernels, for comparison);
 #            gpt.log has each mixtape run's --kernel-census (the kernels of one step); the
 #            captured step (--capture-step, a CUDA graph) at both shapes and at charlm's defaults
+#   gptprofile  per-kernel GPU times of one training step of the GPT-2-small body (batch 8,
+#            mixed_bfloat16), mixtape's and its PyTorch twin's, through Nsight Compute recording
+#            only the step each program marks (cudaProfilerStart/Stop: mixtape-charlm's
+#            --kernel-census step, charlm_reference.py's --profile-step), summed by kernel with
+#            scripts/ncu_summary.py into gpt_profile.txt
 #   float8   mixed_float8 against mixed_bfloat16 (FP8 GEMMs on Hopper): the guide workload and
 #            the GPT-2-small body (FLOAT8_STEPS steps, default 300: tokens/s and the validation
 #            loss) alternated in ROUNDS rounds, the GPT-2-small body once under
@@ -48,6 +53,7 @@
 #
 # scripts/gpu_lease.sh runs these steps in parts under one budget, for a lease of one call.
 set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bundle="$(cd "$1" && pwd)"
 logs="$2"
 ref="${3:-}"
@@ -312,6 +318,29 @@ if want gpt; then
         gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8
     fi
   done
+fi
+# gptprofile: NAME PROGRAM [ARGS...] under ncu, recording the range the program marks; the
+# CSV and ncu's own output in LOG_DIR, the per-kernel table appended to gpt_profile.txt.
+gpt_ncu() {
+  local name=$1
+  shift
+  local csv="$logs/ncu_$name.csv"
+  t0=$SECONDS
+  limited 150 ncu --profile-from-start off --clock-control none --print-units base \
+    --metrics gpu__time_duration.sum --csv --log-file "$csv" "$@" >"$logs/ncu_$name.out" 2>&1
+  local rc=$?
+  python3 "$here/ncu_summary.py" "$csv" --label "$name" >>"$logs/gpt_profile.txt" 2>&1
+  note "gptprofile $name: rc=$rc $((SECONDS - t0)) s: $(grep "^$name:" "$logs/gpt_profile.txt" | tail -1)"
+}
+if want gptprofile && ! command -v ncu >/dev/null; then
+  note "gptprofile: not run: no ncu on PATH"
+elif want gptprofile; then
+  gpt_ncu mixtape_gpt2_bf16 "$bundle/run.sh" mixtape-charlm --device cuda \
+    --text "$bundle/data/charlm.txt" --policy mixed_bfloat16 --preset gpt2-small --batch 8 \
+    --steps 3 --log-every 3 --eval-every 0 --sample 0 --kernel-census
+  PYTHONUNBUFFERED=1 gpt_ncu pytorch_gpt2_bf16 python3 "$bundle/bench/charlm_reference.py" \
+    --device cuda --text "$bundle/data/charlm.txt" --precision mixed_bfloat16 \
+    --preset gpt2-small --batch 8 --steps 3 --log-every 3 --profile-step 2
 fi
 if want float8; then
   # mixed_float8's goals (issue 37): its rate against mixed_bfloat16's on the guide MLP and the

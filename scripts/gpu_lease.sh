@@ -14,8 +14,8 @@
 # minutes of device time, of which starting the machine takes one or two:
 #
 #   GPT_ROUNDS=1 ROUNDS=1 FLOAT8_STEPS=150 bash scripts/gpu_lease.sh \
-#     build-bundle/mixtape-bundle.tar.xz "$OUT" 540 fresh,ops,tests:230 gpt:190 float8:140 \
-#     guide,torch:100
+#     build-bundle/mixtape-bundle.tar.xz "$OUT" 540 fresh,ops,tests:230 gpt:170 gptprofile:80 \
+#     float8:120 guide,torch:60
 set -uo pipefail
 if [[ $# -lt 4 ]]; then
   echo "usage: gpu_lease.sh BUNDLE.tar.xz OUT_DIR BUDGET_SECONDS PART..." >&2

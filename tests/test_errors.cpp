@@ -221,8 +221,13 @@ TEST_CASE("errors: devices", "[errors]") {
     CHECK_THROWS_AS(t.to(mt::Device::cuda(0)), mt::DeviceError);
     CHECK_THROWS_AS(mt::zeros({2}, mt::kFloat32, mt::Device::cuda(0)), mt::DeviceError);
     CHECK_THROWS_AS(mt::check_device(mt::Device::cuda(0)), mt::DeviceError);
+    CHECK_THROWS_AS(mt::cuda::profiler_start(0), mt::DeviceError);
   }
   CHECK_THROWS_AS(t.to(mt::Device::cuda(99)), mt::DeviceError);
+  CHECK_THROWS_AS(mt::cuda::profiler_stop(99), mt::DeviceError);
+  // The CPU has no profiler range to mark: nothing happens.
+  mt::backend_for(mt::DeviceType::CPU).profiler_range(0, true);
+  mt::backend_for(mt::DeviceType::CPU).profiler_range(0, false);
   CHECK_NOTHROW(mt::check_device(mt::Device::cpu()));
   CHECK(t.to(mt::Device::cpu()).id() == t.id());  // same device: *this
 }

@@ -603,9 +603,13 @@ Progress train(mt::Model& model, const Options& o, const Ids& ids, std::uint64_t
       skipped_before_100 = lso->skipped_steps();
     std::optional<mt::KernelCensus> census;
     if (o.kernel_census && step == census_step) census.emplace();
+    // The census step is also the range a profiler told to record only such ranges records
+    // (on a GPU: `ncu --profile-from-start off` times this step's kernels alone).
+    if (census) mt::backend_for(device.type()).profiler_range(device.index(), true);
     const auto [x, y, share] = batches.next();
     if (dopt) dopt->set_gradient_weight(share);
     p.add(run_step(x, y), share);
+    if (census) mt::backend_for(device.type()).profiler_range(device.index(), false);
     if (census && root)
       fmt::print("kernels dispatched by step {} ({} variables):\n{}", step + 1, vars.size(),
                  census->table());
@@ -813,7 +817,8 @@ void add_options(CLI::App& app, Options& o) {
                  "write the trained model to this file as ONNX (opset 17) at the end");
   app.add_flag("--kernel-census", o.kernel_census,
                "print the kernels one steady-state step dispatches, per op (a host-side "
-               "profile: on a GPU each is at least one launch)");
+               "profile: on a GPU each is at least one launch), and mark that step for a "
+               "profiler (cudaProfilerStart/Stop: ncu --profile-from-start off)");
   app.add_flag(
       "--capture-step", o.capture_step,
       "capture the training step once and replay it (a CUDA graph on a GPU): one "

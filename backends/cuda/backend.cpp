@@ -4,6 +4,7 @@
 // the library still loads and every CUDA tensor creation fails with a clear DeviceError.
 #include "mixtape/core/backend.h"
 
+#include <cuda_profiler_api.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -530,6 +531,12 @@ class CudaBackend final : public Backend {
     wait_for_other_capture(device_index);
     DeviceGuard guard(device_index);
     MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device_index)));
+  }
+
+  void profiler_range(int device_index, bool on) override {
+    check_index(device_index);
+    DeviceGuard guard(device_index);
+    MIXTAPE_CUDA_CHECK(on ? cudaProfilerStart() : cudaProfilerStop());
   }
 
   DeviceProperties properties(int device_index) const override {

@@ -23,6 +23,12 @@ TEST_CASE("cuda backend: devices and properties", "[cuda]") {
   CHECK_THROWS_AS(mt::cuda::properties(mt::cuda::device_count()), mt::DeviceError);
   CHECK_THROWS_AS(mt::zeros({2}, mt::kFloat32, mt::Device::cuda(64)), mt::DeviceError);
   mt::cuda::synchronize(0);
+  // A profiler range around some work (no profiler attached: nothing else happens).
+  mt::cuda::profiler_start(0);
+  const mt::Tensor x = mt::ones({4}, mt::kFloat32, mt::Device::cuda(0)) * 2.0;
+  mt::cuda::profiler_stop(0);
+  CHECK(x.to(mt::Device::cpu()).to_vector<float>() == std::vector<float>{2, 2, 2, 2});
+  CHECK_THROWS_AS(mt::cuda::profiler_start(mt::cuda::device_count()), mt::DeviceError);
 }
 
 TEST_CASE("cuda backend: copies host to device and back, every dtype", "[cuda]") {

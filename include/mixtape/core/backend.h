@@ -62,6 +62,9 @@ class Backend {
                                                  std::size_t nbytes);
   // The device's name and capabilities.
   virtual DeviceProperties properties(int device_index) const = 0;
+  // Starts (on) or ends the range that an attached profiler records when told to record only
+  // such ranges (CUDA: cudaProfilerStart / cudaProfilerStop). The default: nothing to mark.
+  virtual void profiler_range(int /*device_index*/, bool /*on*/) {}
 
   // Step capture (mixtape/core/capture.h). A backend whose kernels are plain host calls (the
   // CPU) says so, and core records the kernel calls of a capture itself. Another records what

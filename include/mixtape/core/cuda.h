@@ -17,6 +17,12 @@ int device_count();
 DeviceProperties properties(int index = 0);
 // Waits until everything queued on GPU `index` is done.
 void synchronize(int index = 0);
+// Marks the work queued on GPU `index` between profiler_start and profiler_stop for a
+// profiler told to record only that (cudaProfilerStart / cudaProfilerStop: Nsight Compute's
+// `--profile-from-start off`, Nsight Systems' `--capture-range=cudaProfilerApi`). Without a
+// profiler attached it does nothing; no wait for the device either way.
+void profiler_start(int index = 0);
+void profiler_stop(int index = 0);
 
 // Whether float32 matmuls may run on TF32 tensor cores (10-bit mantissa products, float32
 // accumulation). Off by default: float32 means float32. The CUDA backend reads it per call.
