@@ -5,6 +5,7 @@
 #include <atomic>
 
 #include "mixtape/core/capture.h"
+#include "mixtape/core/dispatch.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::cuda {
@@ -27,6 +28,7 @@ DeviceProperties properties(int index) {
 void synchronize(int index) {
   check_device(Device::cuda(index));
   capture::forbid_read(Device::cuda(index), "cuda::synchronize");
+  detail::count_host_read(Device::cuda(index), "cuda::synchronize");
   backend_for(DeviceType::CUDA).synchronize(index);
 }
 

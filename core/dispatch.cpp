@@ -143,6 +143,17 @@ void detail::count_dispatch(OpId op) {
   if (t_census) ++t_census->counts_[static_cast<std::size_t>(op)];
 }
 
+void detail::count_host_read(Device device, std::string_view what) {
+  if (!t_census || device.is_cpu()) return;
+  auto& reads = t_census->reads_;
+  const auto it =
+      std::find_if(reads.begin(), reads.end(), [&](const auto& r) { return r.first == what; });
+  if (it != reads.end())
+    ++it->second;
+  else
+    reads.emplace_back(std::string(what), 1);
+}
+
 KernelCensus::KernelCensus() : outer_(t_census) { t_census = this; }
 
 KernelCensus::~KernelCensus() { t_census = outer_; }
@@ -151,6 +162,18 @@ std::int64_t KernelCensus::total() const {
   std::int64_t sum = 0;
   for (const std::int64_t c : counts_) sum += c;
   return sum;
+}
+
+std::int64_t KernelCensus::host_reads() const {
+  std::int64_t sum = 0;
+  for (const auto& r : reads_) sum += r.second;
+  return sum;
+}
+
+std::int64_t KernelCensus::host_reads(std::string_view what) const {
+  for (const auto& r : reads_)
+    if (r.first == what) return r.second;
+  return 0;
 }
 
 std::string KernelCensus::table() const {
@@ -163,6 +186,8 @@ std::string KernelCensus::table() const {
   for (const std::size_t i : ops)
     out += fmt::format("{:<32} {:>8}\n", detail::kOpInfos[i].name, counts_[i]);
   out += fmt::format("{:<32} {:>8}\n", "total", total());
+  out += fmt::format("{:<32} {:>8}\n", "host reads of device values", host_reads());
+  for (const auto& [what, n] : reads_) out += fmt::format("  {:<30} {:>8}\n", what, n);
   return out;
 }
 

@@ -153,7 +153,10 @@ Tensor cast_raw(const Tensor& t, DType dtype) {
 
 Tensor to_device_raw(const Tensor& t, Device device) {
   if (t.device() == device) return contiguous_raw(t);
-  if (device.is_cpu()) capture::forbid_read(t.device(), fmt::format("to({})", device.str()));
+  if (device.is_cpu()) {
+    capture::forbid_read(t.device(), fmt::format("to({})", device.str()));
+    detail::count_host_read(t.device(), "copy to the host (to, item, to_vector)");
+  }
   Tensor src = contiguous_raw(t);
   Tensor out = Tensor::empty(t.shape(), t.dtype(), device);
   // The non-CPU side's backend knows how to copy to and from the host.

@@ -59,6 +59,16 @@ same_on_both("loss scale" ${tiny} --policy mixed_float16 --capture-step)
 same_on_both("validation loss" ${tiny} --policy mixed_bfloat16)
 same_on_both("validation loss" ${tiny} --policy float32 --capture-step)
 same_on_both("validation loss" ${tiny} --policy mixed_float8_delayed)
+# A steady-state step on the GPU queues its work and waits for none of it: the census step
+# reads no device value back (the loss, the loss scale's and the finiteness checks' flags and
+# the clipping norm stay on the device or are read a step late), under every policy, captured
+# or not.
+foreach(policy float32 mixed_bfloat16 mixed_float16 mixed_float8)
+  foreach(capture "" --capture-step)
+    run_app(0 out --device cuda ${tiny} --policy ${policy} ${capture} --kernel-census)
+    require("${out}" "host reads of device values             0\n")
+  endforeach()
+endforeach()
 
 # The MNIST trainer: fit (its batches copied to the device by a prefetch thread there), the
 # custom GradientTape loop, a captured step with augmentation, FP8.

@@ -166,3 +166,31 @@ TEST_CASE("cuda backend: a loss scale optimizer decides its steps on the device"
   for (std::size_t i = 0; i < sc.size(); ++i)
     ctest_util::check_close(sg[i].to(mt::Device::cpu()), sc[i], 1e-6, "slot");
 }
+
+TEST_CASE("cuda backend: the kernel census counts the host's blocking reads of GPU values",
+          "[cuda]") {
+  const mt::Device gpu = mt::Device::cuda(0);
+  const mt::Tensor x = mt::ones({4}, mt::kFloat32, gpu) * 3.0;
+  const mt::Tensor on_host = mt::ones({4}, mt::kFloat32);
+  mt::KernelCensus census;
+  CHECK(census.host_reads() == 0);
+  (void)mt::sum(x);                  // queued: no read
+  (void)on_host.to_vector<float>();  // not a device value
+  (void)x.to(gpu);                   // same device: no read
+  (void)on_host.to(gpu);             // a copy to the device: no read
+  auto pending = mt::backend_for(mt::DeviceType::CUDA).read_back(x.const_data_ptr(), 0, 4);
+  float first = 0;
+  pending->wait(&first);  // started earlier: not a blocking read here
+  CHECK(first == 3.0f);
+  CHECK(census.host_reads() == 0);
+  CHECK(mt::sum(x).item<double>() == 12.0);
+  CHECK(x.to(mt::Device::cpu()).to_vector<float>().size() == 4);
+  mt::cuda::synchronize(0);
+  CHECK(census.host_reads() == 3);
+  CHECK(census.host_reads("copy to the host (to, item, to_vector)") == 2);
+  CHECK(census.host_reads("cuda::synchronize") == 1);
+  const std::string table = census.table();
+  CHECK(table.find(fmt::format("{:<32} {:>8}\n", "host reads of device values", 3)) !=
+        std::string::npos);
+  CHECK(table.find("cuda::synchronize") != std::string::npos);
+}

@@ -19,6 +19,7 @@
 #include <tuple>
 #include <type_traits>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include "mixtape/core/capture.h"
@@ -139,12 +140,18 @@ std::string kernel_table();
 
 namespace detail {
 void count_dispatch(OpId op);  // KernelCensus's count of a lookup
+// KernelCensus's count of a blocking read of a value on `device` (not the CPU): a copy to the
+// host, item / to_vector, a synchronisation. `what` names it in the census's table.
+void count_host_read(Device device, std::string_view what);
 }  // namespace detail
 
 // Counts, while it lives, the kernels the calling thread dispatches, per op (each lookup of
 // a kernel in the table; an op looks its kernel up once per call, and on a GPU each is at
 // least one launch): a host-side profile of what a training step runs, independent of the
 // device and of timing. Scopes nest; the innermost counts. Other threads are not counted.
+// It also counts the host's blocking reads of values on a device other than the CPU (each a
+// wait for that device's queue: a copy to the host, item, to_vector, cuda::synchronize), by
+// what read; a read started now and finished later (Backend::read_back) is not one.
 class KernelCensus {
  public:
   KernelCensus();
@@ -154,12 +161,19 @@ class KernelCensus {
 
   std::int64_t count(OpId op) const { return counts_[static_cast<std::size_t>(op)]; }
   std::int64_t total() const;
-  // One line per op dispatched, the most frequent first ("adam_update 3"), and the total.
+  // The blocking reads of device values, and of them those named `what`.
+  std::int64_t host_reads() const;
+  std::int64_t host_reads(std::string_view what) const;
+  // One line per op dispatched, the most frequent first ("adam_update 3"), and the total;
+  // then the host reads of device values ("host reads of device values 0", and a line per
+  // kind when there are any).
   std::string table() const;
 
  private:
   friend void detail::count_dispatch(OpId op);
+  friend void detail::count_host_read(Device device, std::string_view what);
   std::int64_t counts_[kOpCount] = {};
+  std::vector<std::pair<std::string, std::int64_t>> reads_;  // by what, in first-read order
   KernelCensus* outer_;
 };
 
