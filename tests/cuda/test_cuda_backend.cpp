@@ -1,9 +1,12 @@
 // The CUDA backend itself: device properties, the caching allocator, copies in every
 // direction (large ones through the pinned staging buffer in pieces), tensors moved to the
 // GPU and back, layers and optimizers on the GPU, and clear errors for bad devices.
+#include <fmt/format.h>
+
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
