@@ -52,10 +52,10 @@ inline kernels::GemmArgs linear_gemm_args(const kernels::LinearArgs& a, const Te
 }
 // a.x [m, k] times a.w [k, n] into d [m, n] (contiguous, x's dtype), as matmul computes it.
 void linear_gemm(const kernels::LinearArgs& a, const Tensor& d);
-// The same product of 16-bit x and w into float32 memory d of [m, n] (contiguous): the sums not
-// rounded to 16 bits, for a bias added before the one rounding. False, with nothing written,
-// when cuBLASLt has no algorithm for it or a dimension is beyond its 32 bits.
-bool linear_gemm_float32(const kernels::LinearArgs& a, void* d);
+// The same product of 16-bit x and w into float32 d [m, n] (contiguous): the sums not rounded
+// to 16 bits, for a bias added before the one rounding (cuBLASLt's 16-bit product with float32
+// output; where it has none, the operands widened to float32 and the float32 matmul).
+void linear_gemm_float32(const kernels::LinearArgs& a, const Tensor& d);
 // The same product with epilogue e on the way out (a.bias when e has one; the GELU epilogues'
 // pre-activation into aux when aux is defined: gelu_aux, gelu_aux_bias): true; false, with
 // nothing written, when cuBLASLt has no algorithm for it, the data is not aligned as its

@@ -529,36 +529,41 @@ void linear_gemm(const kernels::LinearArgs& a, const Tensor& d) {
   find_kernel<kernels::GemmFn>(OpId::matmul, DeviceType::CUDA, a.x.dtype())(linear_gemm_args(a, d));
 }
 
-bool linear_gemm_float32(const kernels::LinearArgs& a, void* d) {
+void linear_gemm_float32(const kernels::LinearArgs& a, const Tensor& d) {
   const DType dt = a.x.dtype();
   const int device = a.out.device().index();
   DeviceGuard guard(device);
-  const GemmShape s = gemm_shape(linear_gemm_args(a, a.out));  // (d has out's shape)
-  const auto refuse = [&](std::string_view why) {
-    static std::once_flag warned;
-    std::call_once(warned, [&] {
-      spdlog::warn(
-          "mixtape: linear: no cuBLASLt {} x {} -> float32 product for [{}, {}] x [{}, {}] ({}): "
-          "the bias is added to the product rounded to {} (two roundings); logged once",
-          dt.name(), dt.name(), s.m, s.k, s.k, s.n, why, dt.name());
-    });
-    return false;
+  const GemmShape s = gemm_shape(linear_gemm_args(a, d));
+  if (s.m <= kLtDimMax && s.n <= kLtDimMax && s.k <= kLtDimMax) {
+    const cublasLtHandle_t handle = lt_handle(device);
+    const std::size_t item = dt.itemsize();
+    const std::uint32_t align_a = alignment(a.x.const_data_ptr(), s.lda, 0, 1, item);
+    const std::uint32_t align_b = alignment(a.w.const_data_ptr(), s.ldb, 0, 1, item);
+    const std::uint32_t align_c = alignment(d.data_ptr(), s.ldc, 0, 1, sizeof(float));
+    const LtPlan& plan = plan_for(device, handle, dt, false, s, align_a, align_b, align_c, true);
+    if (plan.supported) {
+      const float one = 1.0f, zero = 0.0f;
+      Workspace workspace(plan.workspace, device);
+      void* out = d.data_ptr();
+      MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, a.w.const_data_ptr(), plan.a,
+                                          a.x.const_data_ptr(), plan.b, &zero, out, plan.c, out,
+                                          plan.c, &plan.algo, workspace.data(), plan.workspace,
+                                          launch_stream(device)));
+      return;
+    }
+  }
+  // No cuBLASLt product for it: the operands widened to float32 and the float32 matmul. Each
+  // product of two 16-bit values is exact in float32 (and in TF32), so these are the same sums
+  // of the same products, accumulated in float32.
+  const auto widened = [](const Tensor& t) {
+    Tensor w = Tensor::empty(t.shape(), kFloat32, t.device());
+    find_kernel<kernels::CastFn>(OpId::cast, DeviceType::CUDA, t.dtype())(t, w);
+    return w;
   };
-  if (s.m > kLtDimMax || s.n > kLtDimMax || s.k > kLtDimMax)
-    return refuse("beyond 32-bit dimensions");
-  const cublasLtHandle_t handle = lt_handle(device);
-  const std::size_t item = dt.itemsize();
-  const std::uint32_t align_a = alignment(a.x.const_data_ptr(), s.lda, 0, 1, item);
-  const std::uint32_t align_b = alignment(a.w.const_data_ptr(), s.ldb, 0, 1, item);
-  const std::uint32_t align_c = alignment(d, s.ldc, 0, 1, sizeof(float));
-  const LtPlan& plan = plan_for(device, handle, dt, false, s, align_a, align_b, align_c, true);
-  if (!plan.supported) return refuse(plan.why);
-  const float one = 1.0f, zero = 0.0f;
-  Workspace workspace(plan.workspace, device);
-  MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(
-      handle, plan.op, &one, a.w.const_data_ptr(), plan.a, a.x.const_data_ptr(), plan.b, &zero, d,
-      plan.c, d, plan.c, &plan.algo, workspace.data(), plan.workspace, launch_stream(device)));
-  return true;
+  kernels::LinearArgs wide = a;
+  wide.x = widened(a.x);
+  wide.w = widened(a.w);
+  gemm<DType::Float32>(linear_gemm_args(wide, d));
 }
 
 bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const Tensor& d,

@@ -147,16 +147,14 @@ void linear_host(const kernels::LinearArgs& a) {
   T* pre_out = pre && !biased ? static_cast<T*>(a.pre.data_ptr()) : nullptr;
   if (bias && !std::is_same_v<T, C>) {
     // A 16-bit product and a bias to add: the product in float32, then z rounded once.
-    Workspace wide(static_cast<std::size_t>(m * n) * sizeof(float), on.index);
-    if (linear_gemm_float32(a, wide.data())) {
-      kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
-        launch_1d({"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A, float>,
-                  static_cast<const float*>(wide.data()), bias, pre_out,
-                  static_cast<T*>(a.out.data_ptr()), m, n);
-      });
-      return;
-    }
-    // (gemm.cpp warned once: the bias goes to the 16-bit product below, two roundings)
+    const Tensor wide = Tensor::empty({m, n}, kFloat32, a.out.device());
+    linear_gemm_float32(a, wide);
+    kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
+      launch_1d({"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A, float>,
+                static_cast<const float*>(wide.const_data_ptr()), bias, pre_out,
+                static_cast<T*>(a.out.data_ptr()), m, n);
+    });
+    return;
   }
   if (!biased) linear_gemm(a, buf);
   if (a.activation == LinearActivation::none && !bias && !pre) return;

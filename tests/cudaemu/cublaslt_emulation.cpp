@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -396,6 +397,13 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtM
   if (const cublasStatus_t s = describe(desc, a, b, c, d, p); s != CUBLAS_STATUS_SUCCESS) return s;
   for (std::uint32_t al : pref->alignment)
     if (al == 0 || (al & (al - 1)) != 0) return CUBLAS_STATUS_INVALID_VALUE;
+  // MIXTAPE_EMULATED_CUBLASLT_NO_ALGORITHM=1: no algorithm for any problem, so that the
+  // callers' paths for a refusal run (conformance.emulated_no_cublaslt).
+  static const bool none = [] {
+    const char* v = std::getenv("MIXTAPE_EMULATED_CUBLASLT_NO_ALGORITHM");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  if (none) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (is_fp8(a->type)) {
     const bool tn = p.ta && !p.tb;
     bool aligned = true;
