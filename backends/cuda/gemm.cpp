@@ -555,6 +555,14 @@ void linear_gemm_float32(const kernels::LinearArgs& a, const Tensor& d) {
   // No cuBLASLt product for it: the operands widened to float32 and the float32 matmul. Each
   // product of two 16-bit values is exact in float32 (and in TF32), so these are the same sums
   // of the same products, accumulated in float32.
+  static std::once_flag logged;
+  std::call_once(logged, [&] {
+    spdlog::info(
+        "mixtape: linear: no cuBLASLt {} product with float32 output for [{}, {}] x [{}, {}]: "
+        "its operands are widened to float32 for the product (same sums, more memory "
+        "traffic); logged once",
+        dt.name(), s.m, s.k, s.k, s.n);
+  });
   const auto widened = [](const Tensor& t) {
     Tensor w = Tensor::empty(t.shape(), kFloat32, t.device());
     find_kernel<kernels::CastFn>(OpId::cast, DeviceType::CUDA, t.dtype())(t, w);
