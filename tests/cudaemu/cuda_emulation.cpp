@@ -11,7 +11,9 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -19,7 +21,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/cuda/cuda_backend.h"
@@ -102,12 +106,64 @@ float value_of(std::uint32_t reg, int half, bool bf16) {
   return value_of(static_cast<std::uint16_t>(reg >> (16 * half)), bf16);
 }
 
+// The order in which the emulation runs a grid's blocks and, between barriers, a block's
+// threads: MIXTAPE_EMULATED_SCHEDULE=forward (the default: by index), reverse, or
+// shuffled[:SEED] (a random order, a fresh one at each round of the threads; seed 1 unless
+// given). The hardware promises no order: a kernel that reads shared or global memory another
+// thread writes without a barrier between gives a result that depends on it, and the
+// conformance sweep run in each order (tests/CMakeLists.txt) sees it.
+struct Schedule {
+  Fibers::Order order = Fibers::Order::forward;
+  std::uint64_t seed = 1;
+};
+
+Schedule parse_schedule(const char* text) {
+  const std::string value = text ? text : "";
+  Schedule s;
+  if (value.empty() || value == "forward") return s;
+  if (value == "reverse") {
+    s.order = Fibers::Order::reverse;
+    return s;
+  }
+  s.order = Fibers::Order::shuffled;
+  if (value == "shuffled") return s;
+  constexpr std::string_view kSeeded = "shuffled:";
+  if (value.starts_with(kSeeded)) {
+    const char* end = value.data() + value.size();
+    const auto [at, error] = std::from_chars(value.data() + kSeeded.size(), end, s.seed);
+    if (error == std::errc{} && at == end) return s;
+  }
+  throw Error(
+      fmt::format("MIXTAPE_EMULATED_SCHEDULE={}: expected forward, reverse, shuffled "
+                  "or shuffled:SEED (SEED a decimal number)",
+                  value));
+}
+
+const Schedule& schedule() {
+  static const Schedule s = parse_schedule(std::getenv("MIXTAPE_EMULATED_SCHEDULE"));
+  return s;
+}
+
 // A cache of fibers by block size: their stacks are reserved once.
 Fibers& fibers_for(int threads) {
   static std::map<int, std::unique_ptr<Fibers>> cache;
   auto& f = cache[threads];
-  if (!f) f = std::make_unique<Fibers>(threads);
+  if (!f) {
+    f = std::make_unique<Fibers>(threads);
+    f->set_order(schedule().order, schedule().seed + static_cast<std::uint64_t>(threads));
+  }
   return *f;
+}
+
+// The grid's blocks (as x + grid.x (y + grid.y z)) in the schedule's order.
+std::vector<std::uint64_t> block_order(std::uint64_t blocks) {
+  static std::mt19937_64 shuffle(schedule().seed);
+  std::vector<std::uint64_t> order(blocks);
+  for (std::uint64_t i = 0; i < blocks; ++i)
+    order[i] = schedule().order == Fibers::Order::reverse ? blocks - 1 - i : i;
+  if (schedule().order == Fibers::Order::shuffled)
+    std::shuffle(order.begin(), order.end(), shuffle);
+  return order;
 }
 
 }  // namespace
@@ -169,26 +225,33 @@ void run_grid(dim3 grid, dim3 block, void (*thunk)(const void*), const void* clo
                     grid.x, grid.y, grid.z, block.x, block.y, block.z));
   std::lock_guard lock(g_launch);
   Fibers& fibers = fibers_for(static_cast<int>(threads));
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        Block b(static_cast<int>(threads));
-        b.fibers = &fibers;
-        for (std::uint64_t t = 0; t < threads; ++t) {
-          const auto tx = static_cast<unsigned>(t % block.x);
-          const auto ty = static_cast<unsigned>(t / block.x % block.y);
-          const auto tz = static_cast<unsigned>(t / (std::uint64_t{block.x} * block.y));
-          b.coordinates[t] = {{tx, ty, tz}, {bx, by, bz}, block, grid};
-        }
-        g_block = &b;
-        try {
-          fibers.run([&](int) { thunk(closure); });
-        } catch (...) {
-          g_block = nullptr;
-          throw;
-        }
-        g_block = nullptr;
-      }
+  const std::uint64_t blocks = std::uint64_t{grid.x} * grid.y * grid.z;
+  const auto run_block = [&](std::uint64_t index) {
+    const auto bx = static_cast<unsigned>(index % grid.x);
+    const auto by = static_cast<unsigned>(index / grid.x % grid.y);
+    const auto bz = static_cast<unsigned>(index / (std::uint64_t{grid.x} * grid.y));
+    Block b(static_cast<int>(threads));
+    b.fibers = &fibers;
+    for (std::uint64_t t = 0; t < threads; ++t) {
+      const auto tx = static_cast<unsigned>(t % block.x);
+      const auto ty = static_cast<unsigned>(t / block.x % block.y);
+      const auto tz = static_cast<unsigned>(t / (std::uint64_t{block.x} * block.y));
+      b.coordinates[t] = {{tx, ty, tz}, {bx, by, bz}, block, grid};
+    }
+    g_block = &b;
+    try {
+      fibers.run([&](int) { thunk(closure); });
+    } catch (...) {
+      g_block = nullptr;
+      throw;
+    }
+    g_block = nullptr;
+  };
+  if (schedule().order == Fibers::Order::forward) {
+    for (std::uint64_t i = 0; i < blocks; ++i) run_block(i);
+  } else {
+    for (const std::uint64_t i : block_order(blocks)) run_block(i);
+  }
 }
 
 void register_emulated_kernels() {

@@ -7,6 +7,7 @@
 // barriers run one after the other on one stack, warm in the cache.
 #include "tests/cudaemu/fibers.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -93,6 +94,7 @@ struct Fibers::Fiber {
 
 Fibers::Fibers(int count) {
   for (int i = 0; i < count; ++i) fibers_.push_back(std::make_unique<Fiber>());
+  for (int i = 0; i < count; ++i) round_.push_back(static_cast<std::size_t>(i));
 #if !defined(__x86_64__)
   scheduler_ = new ucontext_t{};
 #endif
@@ -127,13 +129,25 @@ void Fibers::start(Fiber& f) {
 #endif
 }
 
+void Fibers::set_order(Order order, std::uint64_t seed) {
+  order_ = order;
+  shuffle_.seed(seed);
+  for (std::size_t i = 0; i < round_.size(); ++i)
+    round_[i] = order == Order::reverse ? round_.size() - 1 - i : i;
+}
+
+void Fibers::next_round() {
+  if (order_ == Order::shuffled) std::shuffle(round_.begin(), round_.end(), shuffle_);
+}
+
 void Fibers::run(std::function<void(int)> body) {
   body_ = std::move(body);
   for (auto& f : fibers_) *f = Fiber{};
   std::size_t finished = 0;
   while (finished < fibers_.size()) {
     bool progress = false;
-    for (std::size_t i = 0; i < fibers_.size(); ++i) {
+    next_round();
+    for (const std::size_t i : round_) {
       Fiber& f = *fibers_[i];
       if (f.done || (f.waiting_on != nullptr && f.waiting_on->phase == f.phase)) continue;
       f.waiting_on = nullptr;

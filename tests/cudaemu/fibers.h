@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <random>
 #include <vector>
 
 namespace mixtape::cuda_emu {
@@ -23,6 +24,11 @@ class Fibers {
     std::uint64_t phase = 0;
   };
 
+  // The order in which run() resumes the fibers that can go on, each time it goes round them:
+  // by index, by index backwards, or a fresh random permutation each round. A GPU promises
+  // no order between barriers; a kernel whose result depends on it has a race.
+  enum class Order { forward, reverse, shuffled };
+
   explicit Fibers(int count);
   ~Fibers();
   Fibers(const Fibers&) = delete;
@@ -32,6 +38,9 @@ class Fibers {
   // fiber threw. Throws std::logic_error when the fibers wait on barriers that no fiber will
   // complete (a kernel whose threads disagree on their barriers would hang on the GPU).
   void run(std::function<void(int)> body);
+
+  // The order of the next runs (forward until set); seed: the shuffled order's generator's.
+  void set_order(Order order, std::uint64_t seed = 0);
 
   // Called on a fiber: waits until every fiber of b has arrived.
   void arrive_and_wait(Barrier& b);
@@ -48,7 +57,12 @@ class Fibers {
   [[noreturn]] void finish(Fiber& f);
   void suspend(Fiber& f);
 
+  void next_round();
+
   std::vector<std::unique_ptr<Fiber>> fibers_;
+  std::vector<std::size_t> round_;  // the fibers' indices in this round's order
+  Order order_ = Order::forward;
+  std::mt19937_64 shuffle_;
   std::vector<std::unique_ptr<char[]>> stacks_;  // as many as ever ran at once
   std::vector<char*> free_stacks_;
   std::function<void(int)> body_;

@@ -7,10 +7,11 @@
 //
 // The emulation: a launch runs the grid block after block on the calling thread, each block's
 // threads as fibers that run until a barrier (__syncthreads, or a warp's exchange:
-// __shfl_xor_sync, mma) and then hand over; `__shared__` variables are function statics (one
-// block lives at a time); atomics are plain read-modify-writes (one fiber runs at a time).
-// Memory is host memory. It checks a kernel's indexing, its barriers and exchanges and its
-// arithmetic as the host does it; not the hardware's instructions (their rounding, FMA
+// __shfl_xor_sync, mma) and then hand over, blocks and threads in the order
+// MIXTAPE_EMULATED_SCHEDULE asks (by index unless it says otherwise); `__shared__` variables are
+// function statics (one block lives at a time); atomics are plain read-modify-writes (one fiber
+// runs at a time). Memory is host memory. It checks a kernel's indexing, its barriers and exchanges
+// and its arithmetic as the host does it; not the hardware's instructions (their rounding, FMA
 // contraction, approximate functions), its memory model, nor any speed.
 #pragma once
 
