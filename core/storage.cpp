@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
+#include <cstdint>
 #include <new>
 
 #include "core/raw.h"
@@ -10,6 +12,29 @@
 #include "mixtape/core/error.h"
 
 namespace mixtape {
+namespace {
+
+// memory_stats' counts, by device type and index.
+struct Held {
+  std::atomic<std::uint64_t> in_use{0};
+  std::atomic<std::uint64_t> peak{0};
+};
+Held g_held[kDeviceTypeCount][kMemoryStatsDevices];
+
+Held* held_on(Device device) {
+  const auto type = static_cast<std::size_t>(device.type());
+  if (type >= kDeviceTypeCount || device.index() < 0 || device.index() >= kMemoryStatsDevices)
+    return nullptr;
+  return &g_held[type][device.index()];
+}
+
+void raise_peak(Held& h, std::uint64_t now) {
+  std::uint64_t peak = h.peak.load(std::memory_order_relaxed);
+  while (now > peak && !h.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
 
 Storage::Storage(std::size_t nbytes, Device device) : nbytes_(nbytes), device_(device) {
   check_device(device);
@@ -18,10 +43,23 @@ Storage::Storage(std::size_t nbytes, Device device) : nbytes_(nbytes), device_(d
   } catch (const std::bad_alloc&) {
     throw OutOfMemoryError("Storage: " + detail::out_of_memory_message(nbytes, device));
   }
+  if (Held* h = held_on(device))
+    raise_peak(*h, h->in_use.fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
 }
 
 Storage::~Storage() {
   if (data_) backend_for(device_.type()).deallocate(data_, nbytes_, device_.index());
+  if (Held* h = held_on(device_)) h->in_use.fetch_sub(nbytes_, std::memory_order_relaxed);
+}
+
+MemoryStats memory_stats(Device device) {
+  const Held* h = held_on(device);
+  if (h == nullptr) return {};
+  return {h->in_use.load(std::memory_order_relaxed), h->peak.load(std::memory_order_relaxed)};
+}
+
+void reset_peak_memory(Device device) {
+  if (Held* h = held_on(device)) h->peak.store(h->in_use.load(std::memory_order_relaxed));
 }
 
 namespace detail {

@@ -267,7 +267,8 @@ PY
   note "$(cat "$logs/gemm.log")"
 fi
 # The charlm at one shape and policy, mixtape or PyTorch: FRAMEWORK POLICY [shape arguments];
-# one summary line with tokens/s, the validation loss and the device's peak memory.
+# one summary line with tokens/s, the validation loss, the device's peak memory (nvidia-smi) and
+# the peak the tensors held (mixtape's memory_stats, PyTorch's max_memory_allocated).
 gpt() {
   local framework=$1 policy=$2
   shift 2
@@ -287,7 +288,8 @@ gpt() {
   local rc=$?
   { echo "--- $framework $policy $*"; cat "$out"; } >>"$logs/gpt.log"
   note "gpt $framework $policy $*${GPT_NOTE:-}: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB:" \
-    "$(grep -E 'training throughput|validation loss' "$out" | tr '\n' ' ')$(grep -o '"tokens_per_s": [0-9.]*' "$out")"
+    "$(grep -E 'training throughput|validation loss|peak tensor memory' "$out" | tr '\n' ' ')" \
+    "$(grep -oE '"(tokens_per_s|peak_allocated_mib)": [0-9.]*' "$out" | tr '\n' ' ')"
   rm -f "$out"
 }
 small_gpt=(--layers 6 --width 384 --heads 6 --context 256 --batch 64)

@@ -450,3 +450,28 @@ TEST_CASE("tensor: reduced-precision arithmetic through ops", "[tensor]") {
   CHECK(s.item<float>() == 4096.0f);
   CHECK(mt::mean(ones16).item<float>() == 1.0f);
 }
+
+TEST_CASE("tensor: memory_stats counts the bytes tensors' storages hold, and their peak",
+          "[tensor]") {
+  const mt::Device cpu = mt::Device::cpu();
+  const std::uint64_t start = mt::memory_stats(cpu).in_use;
+  mt::reset_peak_memory(cpu);
+  CHECK(mt::memory_stats(cpu).peak == start);
+  {
+    const auto a = mt::Tensor::empty({1000}, mt::kFloat32, cpu);
+    CHECK(mt::memory_stats(cpu).in_use == start + 4000);
+    {
+      const auto b = mt::Tensor::empty({10, 50}, mt::kFloat16, cpu);
+      const auto view = b.reshape({500});  // a view: no storage of its own
+      CHECK(mt::memory_stats(cpu).in_use == start + 5000);
+    }
+    CHECK(mt::memory_stats(cpu).in_use == start + 4000);
+    CHECK(mt::memory_stats(cpu).peak == start + 5000);
+    mt::reset_peak_memory(cpu);  // from what is held now
+    CHECK(mt::memory_stats(cpu).peak == start + 4000);
+  }
+  CHECK(mt::memory_stats(cpu).in_use == start);
+  CHECK(mt::memory_stats(cpu).peak == start + 4000);
+  // Another device's counts are its own; an index past the table reads 0.
+  CHECK(mt::memory_stats(mt::Device::cuda(mt::kMemoryStatsDevices)).in_use == 0);
+}
