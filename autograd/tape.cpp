@@ -8,6 +8,7 @@
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "autograd/op_util.h"
 #include "core/raw.h"
@@ -341,9 +342,18 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
       for (std::size_t n = 0; n < tape.nodes.size(); ++n)
         if (reach.relevant[n]) produced.insert(tape.nodes[n].output_id);
     }
+    // A non-persistent tape is spent from here on, whatever happens: the walk releases each
+    // node's rule, and so the tensors it saved, once past it (as PyTorch frees a graph's
+    // buffers), instead of all of them at the end. The last layers' activations are gone
+    // while the first layers' gradients are made: a training step's peak no longer holds
+    // every saved tensor and every gradient at once.
+    const bool release = !tape.options.persistent;
+    if (release) tape.consumed = true;
     for (std::size_t n = tape.nodes.size(); n-- > 0;) {
-      if (!reach.relevant[n]) continue;
       Node& node = tape.nodes[n];
+      const BackwardFn passed = release ? std::exchange(node.backward, nullptr) : nullptr;
+      const BackwardFn& backward = release ? passed : node.backward;
+      if (!reach.relevant[n]) continue;
       auto it = grads.find(node.output_id);
       if (it == grads.end()) continue;
       const Tensor grad_out = it->second;
@@ -359,7 +369,7 @@ std::vector<Tensor> GradientTape::walk(const Tensor& target, const std::vector<T
         casts->defer(node.input_ids[0], grad_out, node.input_dtypes[0], grads);
         continue;
       }
-      add_input_gradients(node, node.backward(grad_out, needs), needs, casts, grads);
+      add_input_gradients(node, backward(grad_out, needs), needs, casts, grads);
       if (reports) reports->after(n, grads);
     }
     if (casts) casts->finish(grads);

@@ -2,6 +2,9 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "mixtape/mixtape.h"
@@ -459,4 +462,74 @@ TEST_CASE("autograd: record_op with a user-defined op", "[autograd]") {
     const auto y = mt::sum(cube(a * c) + a);  // 3 (ac)^2 c + 1 = 3*100*5 + 1
     check_values(tape.gradient(y, a.value()), {1501.0});
   }
+}
+
+namespace {
+
+// An identity op whose backward rule holds `held` (as a rule holds the tensors it saved) and
+// runs `check` when the walk reaches it.
+mt::Tensor holding(const mt::Tensor& x, std::shared_ptr<int> held, std::function<void()> check) {
+  mt::Tensor out;
+  {
+    mt::NoGradGuard guard;
+    out = x * 1.0;
+  }
+  if (mt::should_record({x}))
+    mt::record_op("holding", {x}, out,
+                  [held = std::move(held), check = std::move(check)](const mt::Tensor& grad_output,
+                                                                     const std::vector<bool>&) {
+                    check();
+                    return std::vector<mt::Tensor>{grad_output};
+                  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("autograd: a non-persistent tape releases each op's rule once its walk is past it",
+          "[autograd]") {
+  mt::Variable x(vec64({1.5, -2.0}), "x");
+  for (const bool persistent : {false, true}) {
+    INFO("persistent " << persistent);
+    auto later = std::make_shared<int>(0);  // held by the op recorded second, walked first
+    const std::weak_ptr<int> watch = later;
+    bool checked = false, released_before = false;
+    mt::GradientTape tape(mt::GradientTapeOptions{.persistent = persistent});
+    const auto a = holding(x, std::make_shared<int>(0), [&] {
+      checked = true;
+      released_before = watch.expired();
+    });
+    const auto b = holding(a, std::move(later), [] {});
+    check_values(tape.gradient(mt::sum(b), x.value()), {1.0, 1.0});
+    CHECK(checked);
+    CHECK(released_before == !persistent);
+    CHECK(watch.expired() == !persistent);  // a persistent tape keeps its rules until it goes
+  }
+}
+
+TEST_CASE("autograd: the saved tensors of a walked op are gone before the rest of the walk",
+          "[autograd]") {
+  // y_{i+1} = y_i w_i over 8 ops of 1 MiB tensors: walking back, each w_i's gradient is
+  // kept while y_i (saved by op i) is no longer needed. A persistent tape holds every y_i
+  // and every gradient at the walk's end; a non-persistent one about as much as at its start.
+  const mt::Device cpu = mt::Device::cpu();
+  constexpr std::int64_t n = 1 << 18;  // 1 MiB of float32
+  const auto peak_of_walk = [&](bool persistent) {
+    std::vector<mt::Variable> w;
+    for (int i = 0; i < 8; ++i)
+      w.emplace_back(mt::uniform({n}, 0.5, 1.5, mt::kFloat32, cpu), "w" + std::to_string(i));
+    mt::GradientTape tape(mt::GradientTapeOptions{.persistent = persistent});
+    mt::Tensor y = mt::uniform({n}, -1.0, 1.0, mt::kFloat32, cpu);
+    for (const auto& v : w) y = y * v;
+    const mt::Tensor loss = mt::sum(y);
+    y = mt::Tensor();
+    mt::reset_peak_memory(cpu);
+    const std::uint64_t before = mt::memory_stats(cpu).in_use;
+    const auto grads = tape.gradient(loss, w);
+    REQUIRE(grads.size() == 8);
+    return static_cast<double>(mt::memory_stats(cpu).peak - before) / (1 << 20);
+  };
+  const double released = peak_of_walk(false), kept = peak_of_walk(true);
+  INFO("walk's peak above its start: " << released << " MiB released, " << kept << " MiB kept");
+  CHECK(released + 5.0 < kept);
 }

@@ -44,7 +44,9 @@ class GradientTape {
 
   // d(target)/d(source) for each source; an undefined Tensor where the source is not
   // connected to the target. A non-scalar target needs `output_gradient` (the seed, of
-  // the target's shape). Throws AutogradError when a non-persistent tape is reused.
+  // the target's shape). Throws AutogradError when a non-persistent tape is reused. A
+  // non-persistent tape releases each op's backward rule (and the tensors it saved) as soon
+  // as the walk is past it, and is spent even when the call throws.
   std::vector<Tensor> gradient(const Tensor& target, const std::vector<Tensor>& sources,
                                const Tensor& output_gradient = Tensor());
   std::vector<Tensor> gradient(const Tensor& target, const std::vector<Variable>& sources,
