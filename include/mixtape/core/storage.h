@@ -43,9 +43,9 @@ class Storage {
 // The bytes the storages of one device hold now, and the most they held at once since the
 // process started or since reset_peak_memory(device) (as PyTorch's memory_allocated and
 // max_memory_allocated). Only tensors' storages count: what a backend allocates for itself
-// (a library's workspace, a CUDA graph's pool) and the blocks a caching allocator keeps for
-// reuse are the device's to report (nvidia-smi). Devices with an index of kMemoryStatsDevices
-// or more read 0.
+// (a library's workspace), the blocks a captured step keeps for its replays and those a
+// caching allocator keeps for reuse are the device's to report (nvidia-smi). Devices with an
+// index of kMemoryStatsDevices or more read 0.
 struct MemoryStats {
   std::uint64_t in_use = 0;
   std::uint64_t peak = 0;
