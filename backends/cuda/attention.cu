@@ -287,6 +287,7 @@ template <TilePass Pass, int D, bool BF16>
 __global__ void __launch_bounds__(attention_tiles::kThreads)
     attention_tile_kernel(attention_tiles::Params p) {
   __shared__ attention_tiles::Shared<D> shared;
+  shared_starts_undefined(shared);
   // (dk and dv: the first key blocks have the most queries; the launch order is right.)
   MmaCtx<BF16> ctx{.reversed = Pass != TilePass::DkDv};
   if (p.seed_at) {  // a seed in device memory (a captured step's): read once, not per weight

@@ -173,6 +173,7 @@ template <typename E>
 __global__ void transpose_kernel(const E* __restrict__ src, E* __restrict__ dst, int64_t rows,
                                  int64_t cols) {
   __shared__ E tile[kTransposeTile][kTransposeTile + 1];
+  shared_starts_undefined(tile);
   const int64_t tiles_r = (rows + kTransposeTile - 1) / kTransposeTile;
   const int64_t tiles_c = (cols + kTransposeTile - 1) / kTransposeTile;
   const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);

@@ -42,7 +42,9 @@ __global__ void __launch_bounds__(kTile* kTile)
   // as[r][q] = op(A)[row0 + r, k0 + q], bs[q][j] = op(B)[k0 + q, col0 + j]; the extra column
   // keeps the transposed stores free of bank conflicts.
   __shared__ Acc as[kTile][kTile + 1];
+  shared_starts_undefined(as);
   __shared__ Acc bs[kTile][kTile + 1];
+  shared_starts_undefined(bs);
   const int tx = static_cast<int>(threadIdx.x), ty = static_cast<int>(threadIdx.y);
   const int64_t row_blocks = (s.m + kTile - 1) / kTile, col_blocks = (s.n + kTile - 1) / kTile;
   // Every thread of the block runs the same loop trips (the bounds depend on blockIdx only),

@@ -24,6 +24,21 @@
 
 namespace mixtape::cuda_backend {
 
+// shared_starts_undefined(var), right after a __shared__ variable's declaration, before any
+// thread uses it: a block's shared memory starts with whatever the SM's previous block left.
+// On a GPU it does nothing. The host emulation (tests/cudaemu) keeps __shared__ variables as
+// function statics, which would hold the previous block's values (often the right ones), so
+// there it fills the variable with all bits set (NaN in every floating dtype, -1 in every
+// integer) when the block's first thread reaches it: a kernel that reads what its block did not
+// write shows in the emulated sweep. Every __shared__ declaration of the backend is followed by
+// one (CTest cudaemu.shared_declarations).
+template <typename T>
+__device__ __forceinline__ void shared_starts_undefined([[maybe_unused]] T& var) {
+#if defined(MIXTAPE_CUDA_EMULATION)
+  ::mixtape::cuda_emu::shared_starts_undefined(&var, sizeof var);
+#endif
+}
+
 // A 1-D launch: the name a launch error is reported under, the work items of the kernel's
 // grid-stride loop and the stream; `where` is the place of the launch in the source (the
 // file and line the error names, as MIXTAPE_CUDA_CHECK_LAUNCH's).

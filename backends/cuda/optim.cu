@@ -181,6 +181,7 @@ struct SquareList {
 // The sum of v over the block's kThreads threads, in a fixed tree order; thread 0 gets it.
 __device__ double block_sum(double v) {
   __shared__ double lanes[kThreads / kWarp];
+  shared_starts_undefined(lanes);
   v = warp_sum(v);
   if (threadIdx.x % kWarp == 0) lanes[threadIdx.x / kWarp] = v;
   __syncthreads();

@@ -151,6 +151,7 @@ __global__ void reduce_rows_kernel(const T* __restrict__ x, int64_t rows, int64_
                                    int64_t per_split, typename R::A* partial, O* __restrict__ out) {
   using A = typename R::A;
   __shared__ A buf[kThreads];
+  shared_starts_undefined(buf);
   const int64_t units = rows * splits;
   for_each_group_unit<G>(units, [&](int64_t u, int lane) {
     A a = R::init();
@@ -189,6 +190,7 @@ __global__ void reduce_cols_kernel(const T* __restrict__ x, int64_t outer, int64
                                    O* __restrict__ out) {
   using A = typename R::A;
   __shared__ A buf[kThreads];
+  shared_starts_undefined(buf);
   const int tx = static_cast<int>(threadIdx.x) % kColTile;
   const int ty = static_cast<int>(threadIdx.x) / kColTile;
   const int64_t tiles = (inner + kColTile - 1) / kColTile;
@@ -333,6 +335,7 @@ __global__ void softmax_kernel(const T* __restrict__ x, T* __restrict__ y, int64
                                int64_t cols) {
   using C = compute_of<T>;
   __shared__ C buf[kThreads];
+  shared_starts_undefined(buf);
   for_each_group_unit<G>(rows, [&](int64_t r, int lane) {
     const bool active = r < rows;
     const T* xr = x + (active ? r : 0) * cols;
@@ -382,6 +385,7 @@ __global__ void masked_softmax_kernel(const T* __restrict__ x,
                                       T* __restrict__ y, int64_t rows, int64_t cols) {
   using C = compute_of<T>;
   __shared__ C buf[kThreads];
+  shared_starts_undefined(buf);
   for_each_group_unit<G>(rows, [&](int64_t r, int lane) {
     const bool active = r < rows;
     const T* xr = x + (active ? r : 0) * cols;

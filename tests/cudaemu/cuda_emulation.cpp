@@ -70,6 +70,7 @@ struct Block {
   std::vector<Coordinates> coordinates;
   std::vector<std::uint64_t> exchanges;  // each thread's warp exchanges so far
   std::vector<Warp> warps;
+  std::vector<const void*> shared_filled;  // the __shared__ variables it has filled with garbage
 };
 
 Block* g_block = nullptr;  // the block running now (one at a time: g_launch)
@@ -171,6 +172,15 @@ std::vector<std::uint64_t> block_order(std::uint64_t blocks) {
 const Coordinates& here() { return g_block->coordinates[static_cast<std::size_t>(thread_index())]; }
 
 void sync_block() { g_block->fibers->arrive_and_wait(g_block->met); }
+
+// A GPU's shared memory holds what the SM's previous block left; the statics that stand for it
+// here would hold this grid's previous block's values, or the last launch's.
+void shared_starts_undefined(void* var, std::size_t bytes) {
+  auto& filled = g_block->shared_filled;
+  if (std::find(filled.begin(), filled.end(), var) != filled.end()) return;
+  std::memset(var, 0xff, bytes);
+  filled.push_back(var);
+}
 
 std::uint64_t exchange(std::uint64_t v, int lane_mask) {
   Warp* warp = nullptr;

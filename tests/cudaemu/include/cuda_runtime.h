@@ -9,10 +9,11 @@
 // threads as fibers that run until a barrier (__syncthreads, or a warp's exchange:
 // __shfl_xor_sync, mma) and then hand over, blocks and threads in the order
 // MIXTAPE_EMULATED_SCHEDULE asks (by index unless it says otherwise); `__shared__` variables are
-// function statics (one block lives at a time); atomics are plain read-modify-writes (one fiber
-// runs at a time). Memory is host memory. It checks a kernel's indexing, its barriers and exchanges
-// and its arithmetic as the host does it; not the hardware's instructions (their rounding, FMA
-// contraction, approximate functions), its memory model, nor any speed.
+// function statics (one block lives at a time), filled with all bits set at each block's start
+// (backends/cuda/launch.cuh's shared_starts_undefined); atomics are plain read-modify-writes (one
+// fiber runs at a time). Memory is host memory. It checks a kernel's indexing, its barriers and
+// exchanges and its arithmetic as the host does it; not the hardware's instructions (their
+// rounding, FMA contraction, approximate functions), its memory model, nor any speed.
 #pragma once
 
 #include <bit>
@@ -91,6 +92,10 @@ std::uint64_t exchange(std::uint64_t v, int lane_mask);  // one warp's values, X
 // d += A B for the warp's m16n8k16 fragments (mma.sync ... row.col.f32.{bf16,f16}.f32).
 void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2],
                   bool bf16);
+
+// Fills the bytes of a __shared__ variable with all bits set, the first time a thread of the
+// running block reaches it (later calls in the block leave it alone).
+void shared_starts_undefined(void* var, std::size_t bytes);
 
 // Runs kernel(args...) on every thread of grid x block; rethrows what a thread threw, or a
 // logic_error when the threads wait at barriers that never complete.
