@@ -279,6 +279,7 @@ def main():
     if a.device == "cuda":
         result["card"] = torch.cuda.get_device_name()
         result["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        result["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
     print(json.dumps(result))
 
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <new>
 
+#include "core/caching_allocator.h"
 #include "core/raw.h"
 #include "mixtape/core/backend.h"
 #include "mixtape/core/error.h"
@@ -18,6 +19,8 @@ namespace {
 struct Held {
   std::atomic<std::uint64_t> in_use{0};
   std::atomic<std::uint64_t> peak{0};
+  std::atomic<std::uint64_t> reserved{0};
+  std::atomic<std::uint64_t> peak_reserved{0};
 };
 Held g_held[kDeviceTypeCount][kMemoryStatsDevices];
 
@@ -28,9 +31,9 @@ Held* held_on(Device device) {
   return &g_held[type][device.index()];
 }
 
-void raise_peak(Held& h, std::uint64_t now) {
-  std::uint64_t peak = h.peak.load(std::memory_order_relaxed);
-  while (now > peak && !h.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+void raise_peak(std::atomic<std::uint64_t>& peak_of, std::uint64_t now) {
+  std::uint64_t peak = peak_of.load(std::memory_order_relaxed);
+  while (now > peak && !peak_of.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
 }
 
@@ -44,7 +47,7 @@ Storage::Storage(std::size_t nbytes, Device device) : nbytes_(nbytes), device_(d
     throw OutOfMemoryError("Storage: " + detail::out_of_memory_message(nbytes, device));
   }
   if (Held* h = held_on(device))
-    raise_peak(*h, h->in_use.fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
+    raise_peak(h->peak, h->in_use.fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
 }
 
 Storage::~Storage() {
@@ -55,14 +58,26 @@ Storage::~Storage() {
 MemoryStats memory_stats(Device device) {
   const Held* h = held_on(device);
   if (h == nullptr) return {};
-  return {h->in_use.load(std::memory_order_relaxed), h->peak.load(std::memory_order_relaxed)};
+  return {h->in_use.load(std::memory_order_relaxed), h->peak.load(std::memory_order_relaxed),
+          h->reserved.load(std::memory_order_relaxed),
+          h->peak_reserved.load(std::memory_order_relaxed)};
 }
 
 void reset_peak_memory(Device device) {
-  if (Held* h = held_on(device)) h->peak.store(h->in_use.load(std::memory_order_relaxed));
+  if (Held* h = held_on(device)) {
+    h->peak.store(h->in_use.load(std::memory_order_relaxed));
+    h->peak_reserved.store(h->reserved.load(std::memory_order_relaxed));
+  }
 }
 
 namespace detail {
+
+void count_reserved(Device device, std::int64_t bytes) {
+  Held* h = held_on(device);
+  if (h == nullptr) return;
+  const auto b = static_cast<std::uint64_t>(bytes);  // (a negative count wraps: a subtraction)
+  raise_peak(h->peak_reserved, h->reserved.fetch_add(b, std::memory_order_relaxed) + b);
+}
 
 std::string out_of_memory_message(std::uint64_t nbytes, Device device) {
   constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};

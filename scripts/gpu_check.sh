@@ -289,7 +289,7 @@ gpt() {
   { echo "--- $framework $policy $*"; cat "$out"; } >>"$logs/gpt.log"
   note "gpt $framework $policy $*${GPT_NOTE:-}: rc=$rc $((SECONDS - t0)) s, peak ${peak_mib} MiB:" \
     "$(grep -E 'training throughput|validation loss|peak tensor memory' "$out" | tr '\n' ' ')" \
-    "$(grep -oE '"(tokens_per_s|peak_allocated_mib)": [0-9.]*' "$out" | tr '\n' ' ')"
+    "$(grep -oE '"(tokens_per_s|peak_allocated_mib|peak_reserved_mib)": [0-9.]*' "$out" | tr '\n' ' ')"
   rm -f "$out"
 }
 small_gpt=(--layers 6 --width 384 --heads 6 --context 256 --batch 64)

@@ -725,8 +725,9 @@ int run(const Options& o) {
              : "");
 
   const Progress p = train(*model, o, ids, seed, first_step, start);
-  // The most the tensors held at once on the device, the model and the corpus included.
-  const std::uint64_t peak_bytes = mt::memory_stats(device).peak;
+  // The most the tensors held at once on the device, the model and the corpus included, and
+  // the most the backend's caching allocator held for them.
+  const mt::MemoryStats memory = mt::memory_stats(device);
 
   const double val = bits_per_char(*model, ids.val, o.context, o.batch, 0);
   if (!root) return 0;
@@ -734,7 +735,9 @@ int run(const Options& o) {
              corpus.val.size());
   if (p.trained_tokens > 0)
     fmt::print("training throughput {} ({:.1f} s of steps)\n", p.rate(), p.train_seconds);
-  fmt::print("peak tensor memory {:.1f} MiB\n", static_cast<double>(peak_bytes) / (1 << 20));
+  fmt::print("peak tensor memory {:.1f} MiB (reserved {:.1f} MiB)\n",
+             static_cast<double>(memory.peak) / (1 << 20),
+             static_cast<double>(memory.peak_reserved) / (1 << 20));
   if (const mt::optim::LossScaleOptimizer* lso = model->optimizer()->loss_scale_optimizer())
     fmt::print("loss scale {:g}; skipped steps {} ({} after step 100)\n", lso->loss_scale(),
                lso->skipped_steps(), p.skipped_after_100);

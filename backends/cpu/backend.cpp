@@ -11,36 +11,33 @@
 #include <vector>
 
 #include "backends/cpu/cpu_backend.h"
-#include "core/block_cache.h"
+#include "core/caching_allocator.h"
 #include "core/env.h"
 #include "mixtape/core/error.h"
 
 namespace mixtape::cpu {
 namespace {
 
-// The caching allocator (core/block_cache.h): size classes of 64-byte multiples up to 64
-// KiB, then eight per power of two; at most MIXTAPE_CPU_CACHE_MB megabytes kept (0 to
-// 1048576, default 1024), read when the backend is registered, at the first tensor (a bad
-// value throws ValueError there, and registration is tried again on the next use). Beyond it
-// freed blocks go back to the system.
-class CpuCache {
- public:
-  CpuCache()
-      : blocks_(64, std::size_t{64} << 10,
-                static_cast<std::size_t>(detail::env::kCpuCacheMb.read()) << 20) {}
-  ~CpuCache() { release_all(); }
-  CpuCache(const CpuCache&) = delete;
-  CpuCache& operator=(const CpuCache&) = delete;
-  std::size_t size_class(std::size_t n) const { return blocks_.size_class(n); }
-  void* take(std::size_t cls) { return blocks_.take(0, cls); }
-  bool give(void* p, std::size_t cls) { return blocks_.give(0, cls, p); }
-  void release_all() {
-    blocks_.release(0, [] {}, [](void* p) { std::free(p); });
-  }
+// The caching allocator (core/caching_allocator.h): size classes of 64-byte multiples up to
+// 64 KiB, larger blocks carved from segments (20 MiB, or a larger request's own rounded to 2
+// MiB); at most MIXTAPE_CPU_CACHE_MB megabytes kept free (0 to 1048576, default 1024: beyond
+// it freed small blocks and wholly free segments go back to the system), read when the
+// backend is registered, at the first tensor (a bad value throws ValueError there, and
+// registration is tried again on the next use). Aligned for 512-bit vector loads.
+constexpr std::size_t kAlignment = 64;
 
- private:
-  detail::BlockCache blocks_;
-};
+detail::CachingAllocator::Config cpu_allocator_config() {
+  detail::CachingAllocator::Config c;
+  c.quantum = kAlignment;
+  c.small_limit = std::size_t{64} << 10;
+  c.keep_limit = static_cast<std::size_t>(detail::env::kCpuCacheMb.read()) << 20;
+  return c;
+}
+
+detail::CachingAllocator::System cpu_system() {
+  return {.obtain = [](int, std::size_t bytes) { return std::aligned_alloc(kAlignment, bytes); },
+          .give_back = [](int, void* p) { std::free(p); }};
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -53,19 +50,12 @@ class CpuBackend final : public Backend {
     // that thread's OpenMP count follows the load (threads.cpp).
     apply_thread_count();
     // Aligned for 512-bit vector loads; a size of 0 still gets a unique pointer.
-    const std::size_t cls = cache_.size_class(nbytes);
-    if (void* p = cache_.take(cls)) return p;
-    void* p = std::aligned_alloc(kAlignment, cls);
-    if (!p) {
-      cache_.release_all();  // memory is short: give the cached blocks back and retry
-      p = std::aligned_alloc(kAlignment, cls);
-    }
+    void* p = cache_.allocate(0, nbytes);
     if (!p) throw std::bad_alloc();
     return p;
   }
   void deallocate(void* ptr, std::size_t nbytes, int /*device_index*/) override {
-    if (!ptr) return;
-    if (!cache_.give(ptr, cache_.size_class(nbytes))) std::free(ptr);
+    cache_.deallocate(0, ptr, nbytes);
   }
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
             std::size_t nbytes) override {
@@ -82,8 +72,11 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  static constexpr std::size_t kAlignment = 64;
-  CpuCache cache_;
+  // Its memory goes back to the system when the backend is destroyed (at exit).
+  struct Cache : detail::CachingAllocator {
+    Cache() : CachingAllocator(DeviceType::CPU, cpu_allocator_config(), cpu_system()) {}
+    ~Cache() { release(0); }
+  } cache_;
 };
 
 }  // namespace

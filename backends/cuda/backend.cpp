@@ -19,7 +19,7 @@
 
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
-#include "core/block_cache.h"
+#include "core/caching_allocator.h"
 #include "mixtape/core/capture.h"
 #include "mixtape/core/error.h"
 
@@ -42,29 +42,35 @@ std::vector<cudaStream_t>& streams() {
   return *s;
 }
 
-// Freed device blocks by (device, size class) (core/block_cache.h): 512-byte multiples up to 1
-// MiB, then eight classes per power of two; no limit. Blocks are only reused on the device's
-// own stream, in stream order, so a block freed while a kernel still reads it is safe to hand
-// out again: the next user's kernels queue behind that kernel.
-class DeviceCache {
- public:
-  std::size_t size_class(std::size_t n) const { return blocks_.size_class(n); }
-  void* take(int device, std::size_t cls) { return blocks_.take(device, cls); }
-  void give(int device, std::size_t cls, void* p) { blocks_.give(device, cls, p); }
-  // Frees every cached block of `device` (after its stream is idle).
-  void release(int device) {
-    DeviceGuard guard(device);
-    blocks_.release(
-        device, [&] { MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device))); },
-        [](void* p) { MIXTAPE_CUDA_CHECK(cudaFree(p)); });
-  }
-
- private:
-  detail::BlockCache blocks_{512, std::size_t{1} << 20};
-};
-
-DeviceCache& cache() {
-  static DeviceCache* c = new DeviceCache();  // never destroyed: frees may come at exit
+// The devices' caching allocator (core/caching_allocator.h), a pool per device: 512-byte size
+// classes up to 1 MiB, larger blocks carved from segments (20 MiB, or a larger request's own
+// rounded to 2 MiB); nothing given back until memory runs short. Blocks are only reused on the
+// device's own stream, in stream order, so a block freed while a kernel still reads it is safe
+// to hand out again: the next user's kernels queue behind that kernel.
+detail::CachingAllocator& cache() {
+  static auto* c = new detail::CachingAllocator(  // never destroyed: frees may come at exit
+      DeviceType::CUDA, detail::CachingAllocator::Config{},
+      {.obtain = [](int device, std::size_t bytes) -> void* {
+         DeviceGuard guard(device);
+         void* p = nullptr;
+         const cudaError_t err = cudaMalloc(&p, bytes);
+         if (err == cudaErrorMemoryAllocation) {
+           cudaGetLastError();  // clear only our own error; the caller reports it
+           return nullptr;
+         }
+         MIXTAPE_CUDA_CHECK(err);
+         return p;
+       },
+       .give_back =
+           [](int device, void* p) {
+             DeviceGuard guard(device);
+             MIXTAPE_CUDA_CHECK(cudaFree(p));
+           },
+       .before_release =
+           [](int device) {
+             DeviceGuard guard(device);
+             MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device)));
+           }});
   return *c;
 }
 
@@ -94,7 +100,7 @@ struct CapturePool {
   std::thread::id owner;  // the capturing thread
   bool graph_alive = true;
   std::unordered_map<std::size_t, std::vector<void*>> free;  // by size class
-  std::vector<std::pair<void*, std::size_t>> retained;       // (block, size class)
+  std::vector<std::pair<void*, std::size_t>> retained;       // (block, its tensor's bytes)
   std::vector<void*> pinned;
 };
 
@@ -150,10 +156,10 @@ void release_pool(CapturePool& pool) {
   for (auto& [cls, blocks] : pool.free)
     for (void* p : blocks) {
       g_pool_of.erase(p);
-      cache().give(pool.device, cls, p);
+      cache().adopt(pool.device, p, cls);
     }
   pool.free.clear();
-  for (auto [p, cls] : pool.retained) cache().give(pool.device, cls, p);
+  for (auto [p, nbytes] : pool.retained) cache().deallocate(pool.device, p, nbytes);
   pool.retained.clear();
   for (void* p : pool.pinned) cudaFreeHost(p);
   pool.pinned.clear();
@@ -338,50 +344,43 @@ class CudaBackend final : public Backend {
 
   void* allocate(std::size_t nbytes, int device_index) override {
     check_index(device_index);
-    const std::size_t cls = cache().size_class(nbytes);
     {
       std::unique_lock<std::mutex> lock(g_capture_mutex);
       if (CapturePool* pool = own_capture_or_wait(device_index, lock))
-        return pool_block(*pool, cls);
+        return pool_block(*pool, cache().size_class(nbytes));
     }
-    if (void* p = cache().take(device_index, cls)) return p;
-    DeviceGuard guard(device_index);
-    void* p = nullptr;
-    cudaError_t err = cudaMalloc(&p, cls);
-    if (err == cudaErrorMemoryAllocation) {
-      cudaGetLastError();
-      cache().release(device_index);  // give the cached blocks back and try again
-      err = cudaMalloc(&p, cls);
-    }
-    if (err != cudaSuccess) {
-      if (err == cudaErrorMemoryAllocation) cudaGetLastError();  // clear only our own error
-      std::size_t free_bytes = 0, total = 0;
+    if (void* p = cache().allocate(device_index, nbytes)) return p;
+    std::size_t free_bytes = 0, total = 0;
+    {
+      DeviceGuard guard(device_index);
       cudaMemGetInfo(&free_bytes, &total);
-      throw DeviceError(
-          fmt::format("out of memory on cuda:{}: could not allocate {} bytes ({} "
-                      "of {} MiB free): {}",
-                      device_index, cls, free_bytes >> 20, total >> 20, cudaGetErrorString(err)));
     }
-    return p;
+    throw DeviceError(fmt::format(
+        "out of memory on cuda:{}: could not allocate {} bytes ({} of {} MiB free, {} MiB "
+        "reserved by mixtape)",
+        device_index, nbytes, free_bytes >> 20, total >> 20,
+        cache().stats(device_index).reserved >> 20));
   }
 
   void deallocate(void* ptr, std::size_t nbytes, int device_index) override {
     if (!ptr) return;
-    const std::size_t cls = cache().size_class(nbytes);
     {
       std::lock_guard<std::mutex> lock(g_capture_mutex);
       if (auto it = g_pool_of.find(ptr); it != g_pool_of.end()) {
         if (it->second->graph_alive) {
-          it->second->free[cls].push_back(ptr);
+          it->second->free[cache().size_class(nbytes)].push_back(ptr);
           return;
         }
         g_pool_of.erase(it);
-      } else if (CapturePool* pool = capturing_pool(device_index)) {
-        pool->retained.emplace_back(ptr, cls);  // the graph may read it
+        cache().adopt(device_index, ptr, nbytes);  // the pool's own block, its graph gone
+        return;
+      }
+      if (CapturePool* pool = capturing_pool(device_index)) {
+        pool->retained.emplace_back(ptr, nbytes);  // the graph may read it
         return;
       }
     }
-    cache().give(device_index, cls, ptr);
+    cache().deallocate(device_index, ptr, nbytes);
   }
 
   void begin_capture(int device_index) override {
@@ -573,6 +572,7 @@ class CudaBackend final : public Backend {
                       pool.device, cls, cudaGetErrorString(err)));
     }
     g_pool_of.emplace(p, g_capturing[static_cast<std::size_t>(pool.device)]);
+    detail::count_reserved(Device(DeviceType::CUDA, pool.device), static_cast<std::int64_t>(cls));
     return p;
   }
 

@@ -71,6 +71,7 @@ function(comparable text out_var)
   string(REGEX REPLACE " - [0-9.]+m?s - [0-9.]+us/sample" "" text "${text}")
   string(REGEX REPLACE "device (cpu|cuda:0)[^\n]*" "device" text "${text}")
   # What the tensors held depends on the backend's kernels (their temporaries), not the model.
-  string(REGEX REPLACE "peak tensor memory [0-9.]+ MiB" "peak tensor memory" text "${text}")
+  string(REGEX REPLACE "peak tensor memory [0-9.]+ MiB \\(reserved [0-9.]+ MiB\\)"
+                       "peak tensor memory" text "${text}")
   set(${out_var} "${text}" PARENT_SCOPE)
 endfunction()

@@ -42,17 +42,21 @@ class Storage {
 
 // The bytes the storages of one device hold now, and the most they held at once since the
 // process started or since reset_peak_memory(device) (as PyTorch's memory_allocated and
-// max_memory_allocated). Only tensors' storages count: what a backend allocates for itself
-// (a library's workspace), the blocks a captured step keeps for its replays and those a
-// caching allocator keeps for reuse are the device's to report (nvidia-smi). Devices with an
-// index of kMemoryStatsDevices or more read 0.
+// max_memory_allocated); and the bytes the backend's caching allocator holds from the
+// system for them, in use or kept for reuse, now and at most (memory_reserved and
+// max_memory_reserved; a CUDA graph's pool included). What a backend allocates for itself (a
+// library's workspace) is the device's to report (nvidia-smi). A backend without a caching
+// allocator (a test's) reserves nothing. Devices with an index of kMemoryStatsDevices or more
+// read 0.
 struct MemoryStats {
   std::uint64_t in_use = 0;
   std::uint64_t peak = 0;
+  std::uint64_t reserved = 0;
+  std::uint64_t peak_reserved = 0;
 };
 inline constexpr int kMemoryStatsDevices = 64;
 MemoryStats memory_stats(Device device);
-// Starts the peak again from what is held now.
+// Starts both peaks again from what is held and reserved now.
 void reset_peak_memory(Device device);
 
 }  // namespace mixtape

@@ -1,0 +1,209 @@
+// The caching allocator (core/caching_allocator.h). Written here rather than taken from a
+// library: it hands out the backends' own memory (cudaMalloc'd device memory included) under
+// their stream and capture rules, which no general-purpose allocator knows.
+#include "core/caching_allocator.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
+
+namespace mixtape::detail {
+namespace {
+
+std::size_t round_up(std::size_t n, std::size_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
+
+}  // namespace
+
+CachingAllocator::CachingAllocator(DeviceType type, Config config, System system)
+    : type_(type), config_(config), system_(std::move(system)) {}
+
+CachingAllocator::~CachingAllocator() {
+  for (auto& [index, pool] : pools_) {
+    for (Block* b : pool.free_large) delete b;
+    for (auto& [ptr, b] : pool.used_large) delete b;
+  }
+}
+
+std::size_t CachingAllocator::size_class(std::size_t n) const {
+  if (n <= config_.small_limit) return round_up(n == 0 ? 1 : n, config_.quantum);
+  return round_up(n, config_.granule);
+}
+
+void* CachingAllocator::obtain(int pool, Pool& p, std::size_t bytes) {
+  void* ptr = system_.obtain(pool, bytes);
+  if (ptr == nullptr) {
+    release_locked(pool, p);  // memory is short: give the kept memory back and retry
+    ptr = system_.obtain(pool, bytes);
+  }
+  if (ptr != nullptr) {
+    p.stats.reserved += bytes;
+    count_reserved(Device(type_, pool), static_cast<std::int64_t>(bytes));
+  }
+  return ptr;
+}
+
+void* CachingAllocator::allocate(int pool, std::size_t n) {
+  const std::size_t cls = size_class(n);
+  std::lock_guard<std::mutex> lock(mutex_);
+  Pool& p = pools_[pool];
+  if (cls > config_.small_limit) return allocate_large(pool, p, cls);
+  auto it = p.small.find(cls);
+  if (it != p.small.end() && !it->second.empty()) {
+    void* ptr = it->second.back();
+    it->second.pop_back();
+    p.stats.kept -= cls;
+    return ptr;
+  }
+  return obtain(pool, p, cls);
+}
+
+// The best-fitting free block (the smallest that holds `size`, the lowest address among
+// equals), split when what is left could serve another large request; a new segment when none
+// fits.
+void* CachingAllocator::allocate_large(int pool, Pool& p, std::size_t size) {
+  Block probe{nullptr, size};
+  Block* b = nullptr;
+  if (auto it = p.free_large.lower_bound(&probe); it != p.free_large.end()) {
+    b = *it;
+    p.free_large.erase(it);
+    p.stats.kept -= b->size;
+  } else {
+    const std::size_t bytes =
+        size <= config_.segment / 2 ? config_.segment : round_up(size, config_.segment_round);
+    void* base = obtain(pool, p, bytes);
+    if (base == nullptr) return nullptr;
+    b = new Block{static_cast<char*>(base), bytes};
+    ++p.stats.segments;
+  }
+  if (b->size - size > config_.small_limit) {
+    auto* rest = new Block{b->ptr + size, b->size - size, true, b, b->next};
+    if (b->next) b->next->prev = rest;
+    b->next = rest;
+    b->size = size;
+    p.free_large.insert(rest);
+    p.stats.kept += rest->size;
+  }
+  b->free = false;
+  p.used_large.emplace(b->ptr, b);
+  return b->ptr;
+}
+
+void CachingAllocator::deallocate(int pool, void* ptr, std::size_t n) {
+  if (ptr == nullptr) return;
+  const std::size_t cls = size_class(n);
+  std::lock_guard<std::mutex> lock(mutex_);
+  Pool& p = pools_[pool];
+  if (cls <= config_.small_limit) {
+    keep_small(pool, p, ptr, cls);
+    return;
+  }
+  const auto it = p.used_large.find(ptr);
+  if (it == p.used_large.end()) {  // a backend's bug, never a user's: memory would be lost
+    std::fprintf(stderr, "mixtape: caching allocator: %p (%zu bytes) was not allocated here\n", ptr,
+                 n);
+    std::abort();
+  }
+  Block* b = it->second;
+  p.used_large.erase(it);
+  free_large(pool, p, b);
+}
+
+void CachingAllocator::adopt(int pool, void* ptr, std::size_t n) {
+  const std::size_t cls = size_class(n);
+  std::lock_guard<std::mutex> lock(mutex_);
+  Pool& p = pools_[pool];
+  p.stats.reserved += cls;
+  if (cls <= config_.small_limit) {
+    keep_small(pool, p, ptr, cls);
+    return;
+  }
+  ++p.stats.segments;
+  free_large(pool, p, new Block{static_cast<char*>(ptr), cls});
+}
+
+// Keeps a free small block, or gives it back beyond the keep limit.
+void CachingAllocator::keep_small(int pool, Pool& p, void* ptr, std::size_t cls) {
+  if (p.stats.kept + cls > config_.keep_limit) {
+    system_.before_release(pool);
+    system_.give_back(pool, ptr);
+    p.stats.reserved -= cls;
+    count_reserved(Device(type_, pool), -static_cast<std::int64_t>(cls));
+    return;
+  }
+  p.small[cls].push_back(ptr);
+  p.stats.kept += cls;
+}
+
+// Marks b free and merges it with its free neighbours; a segment left wholly free beyond the
+// keep limit goes back to the system.
+void CachingAllocator::free_large(int pool, Pool& p, Block* b) {
+  b->free = true;
+  p.stats.kept += b->size;
+  if (Block* prev = b->prev; prev != nullptr && prev->free) {
+    p.free_large.erase(prev);
+    prev->size += b->size;
+    prev->next = b->next;
+    if (b->next) b->next->prev = prev;
+    delete b;
+    b = prev;
+  }
+  if (Block* next = b->next; next != nullptr && next->free) {
+    p.free_large.erase(next);
+    b->size += next->size;
+    b->next = next->next;
+    if (next->next) next->next->prev = b;
+    delete next;
+  }
+  if (p.stats.kept > config_.keep_limit && b->prev == nullptr && b->next == nullptr) {
+    system_.before_release(pool);
+    give_back_segment(pool, p, b);
+    return;
+  }
+  p.free_large.insert(b);
+}
+
+// b: a wholly free segment, not in free_large.
+void CachingAllocator::give_back_segment(int pool, Pool& p, Block* b) {
+  system_.give_back(pool, b->ptr);
+  p.stats.reserved -= b->size;
+  p.stats.kept -= b->size;
+  --p.stats.segments;
+  count_reserved(Device(type_, pool), -static_cast<std::int64_t>(b->size));
+  delete b;
+}
+
+void CachingAllocator::release(int pool) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  release_locked(pool, pools_[pool]);
+}
+
+void CachingAllocator::release_locked(int pool, Pool& p) {
+  system_.before_release(pool);
+  for (auto& [cls, blocks] : p.small) {
+    for (void* ptr : blocks) system_.give_back(pool, ptr);
+    const std::size_t bytes = cls * blocks.size();
+    p.stats.reserved -= bytes;
+    p.stats.kept -= bytes;
+    count_reserved(Device(type_, pool), -static_cast<std::int64_t>(bytes));
+    blocks.clear();
+  }
+  for (auto it = p.free_large.begin(); it != p.free_large.end();) {
+    Block* b = *it;
+    if (b->prev == nullptr && b->next == nullptr) {
+      it = p.free_large.erase(it);
+      give_back_segment(pool, p, b);
+    } else {
+      ++it;
+    }
+  }
+}
+
+CachingAllocator::Stats CachingAllocator::stats(int pool) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = pools_.find(pool);
+  return it == pools_.end() ? Stats{} : it->second.stats;
+}
+
+}  // namespace mixtape::detail
