@@ -95,11 +95,21 @@ detail::CachingAllocator& cache() {
 // prefetch thread copying the next batch up while fit captures its first step), instead of
 // being recorded into the graph (its copy then never made, its memory the graph's) or
 // invalidating the capture.
+// The size of a capture pool's block for a tensor of n bytes: 512-byte multiples up to 1 MiB,
+// then eight classes per power of two. A pool's blocks are not split: coarse classes let a
+// captured step's tensors of near sizes share blocks.
+std::size_t pool_class(std::size_t n) {
+  constexpr std::size_t kQuantum = 512, kLinear = std::size_t{1} << 20;
+  if (n <= kLinear) return std::max((n + kQuantum - 1) / kQuantum * kQuantum, kQuantum);
+  const std::size_t step = (std::size_t{1} << (63 - __builtin_clzll(n))) / 8;
+  return (n + step - 1) / step * step;
+}
+
 struct CapturePool {
   int device = 0;
   std::thread::id owner;  // the capturing thread
   bool graph_alive = true;
-  std::unordered_map<std::size_t, std::vector<void*>> free;  // by size class
+  std::unordered_map<std::size_t, std::vector<void*>> free;  // by pool_class
   std::vector<std::pair<void*, std::size_t>> retained;       // (block, its tensor's bytes)
   std::vector<void*> pinned;
 };
@@ -347,7 +357,7 @@ class CudaBackend final : public Backend {
     {
       std::unique_lock<std::mutex> lock(g_capture_mutex);
       if (CapturePool* pool = own_capture_or_wait(device_index, lock))
-        return pool_block(*pool, cache().size_class(nbytes));
+        return pool_block(*pool, pool_class(nbytes));
     }
     if (void* p = cache().allocate(device_index, nbytes)) return p;
     std::size_t free_bytes = 0, total = 0;
@@ -368,11 +378,11 @@ class CudaBackend final : public Backend {
       std::lock_guard<std::mutex> lock(g_capture_mutex);
       if (auto it = g_pool_of.find(ptr); it != g_pool_of.end()) {
         if (it->second->graph_alive) {
-          it->second->free[cache().size_class(nbytes)].push_back(ptr);
+          it->second->free[pool_class(nbytes)].push_back(ptr);
           return;
         }
         g_pool_of.erase(it);
-        cache().adopt(device_index, ptr, nbytes);  // the pool's own block, its graph gone
+        cache().adopt(device_index, ptr, pool_class(nbytes));  // a dead graph's pool block
         return;
       }
       if (CapturePool* pool = capturing_pool(device_index)) {
