@@ -141,20 +141,22 @@ void CachingAllocator::keep_small(int pool, Pool& p, void* ptr, std::size_t cls)
 void CachingAllocator::free_large(int pool, Pool& p, Block* b) {
   b->free = true;
   p.stats.kept += b->size;
+  // first takes in the block after it.
+  const auto absorb_next = [](Block* first) {
+    Block* second = first->next;
+    first->size += second->size;
+    first->next = second->next;
+    if (second->next) second->next->prev = first;
+    delete second;
+  };
   if (Block* prev = b->prev; prev != nullptr && prev->free) {
     p.free_large.erase(prev);
-    prev->size += b->size;
-    prev->next = b->next;
-    if (b->next) b->next->prev = prev;
-    delete b;
+    absorb_next(prev);
     b = prev;
   }
   if (Block* next = b->next; next != nullptr && next->free) {
     p.free_large.erase(next);
-    b->size += next->size;
-    b->next = next->next;
-    if (next->next) next->next->prev = b;
-    delete next;
+    absorb_next(b);
   }
   if (p.stats.kept > config_.keep_limit && b->prev == nullptr && b->next == nullptr) {
     system_.before_release(pool);
