@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <utility>
 
 namespace mixtape::detail {
@@ -45,6 +46,8 @@ void* CachingAllocator::obtain(int pool, Pool& p, std::size_t bytes) {
 }
 
 void* CachingAllocator::allocate(int pool, std::size_t n) {
+  // (No system has half the address space to give; and no size rounds past the top.)
+  if (n > std::numeric_limits<std::size_t>::max() / 2) return nullptr;
   const std::size_t cls = size_class(n);
   std::lock_guard<std::mutex> lock(mutex_);
   Pool& p = pools_[pool];
@@ -123,17 +126,11 @@ void CachingAllocator::adopt(int pool, void* ptr, std::size_t n) {
   free_large(pool, p, new Block{static_cast<char*>(ptr), cls});
 }
 
-// Keeps a free small block, or gives it back beyond the keep limit.
+// Keeps a free small block (then, beyond the keep limit, gives free memory back).
 void CachingAllocator::keep_small(int pool, Pool& p, void* ptr, std::size_t cls) {
-  if (p.stats.kept + cls > config_.keep_limit) {
-    system_.before_release(pool);
-    system_.give_back(pool, ptr);
-    p.stats.reserved -= cls;
-    count_reserved(Device(type_, pool), -static_cast<std::int64_t>(cls));
-    return;
-  }
   p.small[cls].push_back(ptr);
   p.stats.kept += cls;
+  trim(pool, p);
 }
 
 // Marks b free and merges it with its free neighbours; a segment left wholly free beyond the
@@ -158,22 +155,51 @@ void CachingAllocator::free_large(int pool, Pool& p, Block* b) {
     p.free_large.erase(next);
     absorb_next(b);
   }
-  if (p.stats.kept > config_.keep_limit && b->prev == nullptr && b->next == nullptr) {
-    system_.before_release(pool);
-    give_back_segment(pool, p, b);
-    return;
-  }
   p.free_large.insert(b);
+  trim(pool, p);
 }
 
-// b: a wholly free segment, not in free_large.
+// While more than the keep limit is free: gives back wholly free segments, the largest first,
+// then kept small blocks.
+void CachingAllocator::trim(int pool, Pool& p) {
+  bool ready = false;  // before_release called
+  const auto get_ready = [&] {
+    if (!ready) system_.before_release(pool);
+    ready = true;
+  };
+  for (auto it = p.free_large.end();
+       it != p.free_large.begin() && p.stats.kept > config_.keep_limit;) {
+    Block* b = *--it;
+    if (b->prev == nullptr && b->next == nullptr) {
+      get_ready();
+      it = p.free_large.erase(it);
+      give_back_segment(pool, p, b);
+    }
+  }
+  for (auto& [cls, blocks] : p.small) {
+    while (!blocks.empty() && p.stats.kept > config_.keep_limit) {
+      get_ready();
+      void* ptr = blocks.back();
+      blocks.pop_back();
+      p.stats.reserved -= cls;
+      p.stats.kept -= cls;
+      count_reserved(Device(type_, pool), -static_cast<std::int64_t>(cls));
+      system_.give_back(pool, ptr);
+    }
+  }
+}
+
+// b: a wholly free segment, not in free_large. (The counts first: the system's give_back may
+// throw, and leaves nothing here to give back twice.)
 void CachingAllocator::give_back_segment(int pool, Pool& p, Block* b) {
-  system_.give_back(pool, b->ptr);
-  p.stats.reserved -= b->size;
-  p.stats.kept -= b->size;
-  --p.stats.segments;
-  count_reserved(Device(type_, pool), -static_cast<std::int64_t>(b->size));
+  void* const base = b->ptr;
+  const std::size_t size = b->size;
   delete b;
+  p.stats.reserved -= size;
+  p.stats.kept -= size;
+  --p.stats.segments;
+  count_reserved(Device(type_, pool), -static_cast<std::int64_t>(size));
+  system_.give_back(pool, base);
 }
 
 void CachingAllocator::release(int pool) {
@@ -184,12 +210,14 @@ void CachingAllocator::release(int pool) {
 void CachingAllocator::release_locked(int pool, Pool& p) {
   system_.before_release(pool);
   for (auto& [cls, blocks] : p.small) {
-    for (void* ptr : blocks) system_.give_back(pool, ptr);
-    const std::size_t bytes = cls * blocks.size();
-    p.stats.reserved -= bytes;
-    p.stats.kept -= bytes;
-    count_reserved(Device(type_, pool), -static_cast<std::int64_t>(bytes));
-    blocks.clear();
+    while (!blocks.empty()) {  // (each block's counts before the system's give_back, as above)
+      void* ptr = blocks.back();
+      blocks.pop_back();
+      p.stats.reserved -= cls;
+      p.stats.kept -= cls;
+      count_reserved(Device(type_, pool), -static_cast<std::int64_t>(cls));
+      system_.give_back(pool, ptr);
+    }
   }
   for (auto it = p.free_large.begin(); it != p.free_large.end();) {
     Block* b = *it;

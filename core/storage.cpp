@@ -67,6 +67,9 @@ void reset_peak_memory(Device device) {
   if (Held* h = held_on(device)) {
     h->peak.store(h->in_use.load(std::memory_order_relaxed));
     h->peak_reserved.store(h->reserved.load(std::memory_order_relaxed));
+    // An allocation between a load and its store above raised nothing: raise again.
+    raise_peak(h->peak, h->in_use.load(std::memory_order_relaxed));
+    raise_peak(h->peak_reserved, h->reserved.load(std::memory_order_relaxed));
   }
 }
 

@@ -176,6 +176,31 @@ TEST_CASE("caching allocator: the keep limit gives back what is free beyond it",
   CHECK(a.stats(kPool).reserved == 0);
 }
 
+TEST_CASE("caching allocator: the keep limit holds whichever block was freed last", "[allocator]") {
+  TestSystem sys;
+  Allocator a(mt::DeviceType::CPU, test_config(20 * kMiB), sys.system());
+  void* p = a.allocate(kPool, 8 * kMiB);
+  void* q = a.allocate(kPool, 12 * kMiB);  // the rest of p's 20 MiB segment
+  void* w = a.allocate(kPool, 16 * kMiB);  // a segment of its own
+  std::vector<void*> small;
+  for (int i = 0; i < 8; ++i) small.push_back(a.allocate(kPool, 64 * 1024));
+  CHECK(sys.obtained == 10);
+  a.deallocate(kPool, w, 16 * kMiB);  // 16 MiB free: kept
+  CHECK(sys.given_back == 0);
+  for (void* s : small) a.deallocate(kPool, s, 64 * 1024);  // 16.5 MiB free: kept
+  CHECK(sys.given_back == 0);
+  // 24.5 MiB free: p's block cannot go back (q is in use in its segment), w's segment can.
+  a.deallocate(kPool, p, 8 * kMiB);
+  CHECK(sys.given_back == 1);
+  CHECK(sys.live.count(w) == 0);
+  CHECK(a.stats(kPool).kept == 8 * kMiB + 8 * 64 * 1024);
+  // Then 20.5 MiB free, 20 of them p and q's whole segment: the largest goes back first.
+  a.deallocate(kPool, q, 12 * kMiB);
+  CHECK(sys.live.count(p) == 0);
+  CHECK(a.stats(kPool).kept == 8 * 64 * 1024);
+  CHECK(a.stats(kPool).reserved == a.stats(kPool).kept);
+}
+
 TEST_CASE("caching allocator: adopted blocks are handed out as its own", "[allocator]") {
   TestSystem sys;
   Allocator a(mt::DeviceType::CUDA, test_config(), sys.system());

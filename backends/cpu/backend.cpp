@@ -21,7 +21,8 @@ namespace {
 // The caching allocator (core/caching_allocator.h): size classes of 64-byte multiples up to
 // 64 KiB, larger blocks carved from segments (20 MiB, or a larger request's own rounded to 2
 // MiB); at most MIXTAPE_CPU_CACHE_MB megabytes kept free (0 to 1048576, default 1024: beyond
-// it freed small blocks and wholly free segments go back to the system), read when the
+// it wholly free segments, the largest first, then small blocks go back to the system, whatever
+// was freed last), read when the
 // backend is registered, at the first tensor (a bad value throws ValueError there, and
 // registration is tried again on the next use). Aligned for 512-bit vector loads.
 constexpr std::size_t kAlignment = 64;
