@@ -8,15 +8,13 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <thread>
-#include <unordered_map>
+#include <optional>
 #include <vector>
 
+#include "backends/cuda/capture_table.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_util.h"
 #include "core/caching_allocator.h"
@@ -76,104 +74,47 @@ detail::CachingAllocator& cache() {
 
 // --- Step capture (mixtape/core/capture.h): CUDA graphs ----------------------------------------
 //
-// While a device's stream captures, every block allocated on that device comes from the
-// capture's pool: the graph's kernels read and write those addresses at every replay, so no
-// allocation outside the capture may get them while the graph lives. A block freed during the
-// capture goes back to the pool (a later allocation of the same capture may take it: its
-// kernels come after in the graph's order, as on the stream). A block allocated before the
-// capture and freed during it is retained by the pool (the graph may still read it) and goes
-// back to the cache when the graph is destroyed. A pool block freed after the graph is gone
-// goes to the cache. A tensor that a before_replay hook writes (capture::host_written) gets a
-// new block, never a freed one: the hook's copy runs before the graph, so a block that the
-// graph's earlier kernels use would be overwritten before the graph's later kernels read it. Host
-// -> device copies made during the capture read from pinned buffers of the pool's own (the replays
-// copy them again, the same bytes).
-//
-// Only the capturing thread works on the device while it captures: the device has one stream,
-// which records whatever is queued on it. Another thread's allocation, copy, read_back,
-// synchronisation or kernel launch on that device waits until the capture ends (a Dataset's
-// prefetch thread copying the next batch up while fit captures its first step), instead of
-// being recorded into the graph (its copy then never made, its memory the graph's) or
-// invalidating the capture.
-// The size of a capture pool's block for a tensor of n bytes: 512-byte multiples up to 1 MiB,
-// then eight classes per power of two. A pool's blocks are not split: coarse classes let a
-// captured step's tensors of near sizes share blocks.
-std::size_t pool_class(std::size_t n) {
-  constexpr std::size_t kQuantum = 512, kLinear = std::size_t{1} << 20;
-  if (n <= kLinear) return std::max((n + kQuantum - 1) / kQuantum * kQuantum, kQuantum);
-  const std::size_t step = (std::size_t{1} << (63 - __builtin_clzll(n))) / 8;
-  return (n + step - 1) / step * step;
+// The rules, and the bookkeeping of captures, pools and the threads queueing work on a device:
+// backends/cuda/capture_table.h. Here: the device's calls it makes.
+CaptureTable& captures() {
+  static auto* t = new CaptureTable(
+      {// never destroyed: frees may come at exit
+       .obtain =
+           [](int device, std::size_t bytes) {
+             DeviceGuard guard(device);
+             void* p = nullptr;
+             const cudaError_t err = cudaMalloc(&p, bytes);
+             if (err != cudaSuccess) {
+               cudaGetLastError();
+               throw DeviceError(
+                   fmt::format("out of memory on cuda:{} while capturing a step: could not "
+                               "allocate {} bytes: {}",
+                               device, bytes, cudaGetErrorString(err)));
+             }
+             detail::count_reserved(Device(DeviceType::CUDA, device),
+                                    static_cast<std::int64_t>(bytes));
+             return p;
+           },
+       .allocate = [](int device, std::size_t n) { return cache().allocate(device, n); },
+       .deallocate = [](int device, void* p, std::size_t n) { cache().deallocate(device, p, n); },
+       .adopt = [](int device, void* p, std::size_t bytes) { cache().adopt(device, p, bytes); },
+       .free_host = [](void* p) { cudaFreeHost(p); }});
+  return *t;
 }
 
-struct CapturePool {
-  int device = 0;
-  std::thread::id owner;  // the capturing thread
-  bool graph_alive = true;
-  std::unordered_map<std::size_t, std::vector<void*>> free;  // by pool_class
-  std::vector<std::pair<void*, std::size_t>> retained;       // (block, its tensor's bytes)
-  std::vector<void*> pinned;
+// The calling thread queues work on device d for the scope (CaptureTable::enter).
+class Queueing {
+ public:
+  explicit Queueing(int d) : d_(d), own_capture_(captures().enter(d)) {}
+  ~Queueing() { captures().leave(d_); }
+  Queueing(const Queueing&) = delete;
+  Queueing& operator=(const Queueing&) = delete;
+  bool own_capture() const { return own_capture_; }  // the calling thread captures on d
+
+ private:
+  int d_;
+  bool own_capture_;
 };
-
-std::mutex g_capture_mutex;
-std::unordered_map<void*, std::shared_ptr<CapturePool>> g_pool_of;  // a pool's blocks
-std::vector<std::shared_ptr<CapturePool>> g_capturing;              // by device, or null
-std::condition_variable g_capture_ended;  // notified when a capture ends (g_capture_mutex)
-// The captures in progress (entries of g_capturing): a kernel launch takes g_capture_mutex only
-// while there is one.
-std::atomic<int> g_captures{0};
-
-// The pool device d is capturing into, or null (with g_capture_mutex held).
-CapturePool* capturing_pool(int d) {
-  return static_cast<std::size_t>(d) < g_capturing.size()
-             ? g_capturing[static_cast<std::size_t>(d)].get()
-             : nullptr;
-}
-
-// With `lock` on g_capture_mutex: the pool of the calling thread's capture on device d, or null
-// when the thread does not capture there, after waiting for another thread's capture on d to end.
-CapturePool* own_capture_or_wait(int d, std::unique_lock<std::mutex>& lock) {
-  g_capture_ended.wait(lock, [d] {
-    const CapturePool* pool = capturing_pool(d);
-    return !pool || pool->owner == std::this_thread::get_id();
-  });
-  return capturing_pool(d);
-}
-
-// Waits while a thread other than the calling one captures on device d.
-void wait_for_other_capture(int d) {
-  std::unique_lock<std::mutex> lock(g_capture_mutex);
-  own_capture_or_wait(d, lock);
-}
-
-// Ends device d's capture in the capture table when it goes out of scope (also when a CUDA
-// call before that throws) and wakes the threads waiting for it.
-struct CaptureTableEntry {
-  int d;
-  ~CaptureTableEntry() {
-    {
-      std::lock_guard<std::mutex> lock(g_capture_mutex);
-      if (g_capturing[static_cast<std::size_t>(d)]) g_captures.fetch_sub(1);
-      g_capturing[static_cast<std::size_t>(d)].reset();
-    }
-    g_capture_ended.notify_all();
-  }
-};
-
-// Gives a dead graph's pool back: its free and retained blocks to the cache, its pinned
-// buffers to the system (with g_capture_mutex held, after the device finished its replays).
-void release_pool(CapturePool& pool) {
-  pool.graph_alive = false;
-  for (auto& [cls, blocks] : pool.free)
-    for (void* p : blocks) {
-      g_pool_of.erase(p);
-      cache().adopt(pool.device, p, cls);
-    }
-  pool.free.clear();
-  for (auto [p, nbytes] : pool.retained) cache().deallocate(pool.device, p, nbytes);
-  pool.retained.clear();
-  for (void* p : pool.pinned) cudaFreeHost(p);
-  pool.pinned.clear();
-}
 
 class CudaGraph final : public CapturedWork {
  public:
@@ -194,8 +135,7 @@ class CudaGraph final : public CapturedWork {
     cudaGraphExecDestroy(exec_);
     cudaGraphDestroy(graph_);
     cudaSetDevice(previous);
-    std::lock_guard<std::mutex> lock(g_capture_mutex);
-    release_pool(*pool_);
+    captures().release(*pool_);
   }
   void replay() override {
     DeviceGuard guard(device_);
@@ -354,12 +294,8 @@ class CudaBackend final : public Backend {
 
   void* allocate(std::size_t nbytes, int device_index) override {
     check_index(device_index);
-    {
-      std::unique_lock<std::mutex> lock(g_capture_mutex);
-      if (CapturePool* pool = own_capture_or_wait(device_index, lock))
-        return pool_block(*pool, pool_class(nbytes));
-    }
-    if (void* p = cache().allocate(device_index, nbytes)) return p;
+    if (void* p = captures().allocate(device_index, nbytes, capture::detail::fresh_memory()))
+      return p;
     std::size_t free_bytes = 0, total = 0;
     {
       DeviceGuard guard(device_index);
@@ -373,24 +309,7 @@ class CudaBackend final : public Backend {
   }
 
   void deallocate(void* ptr, std::size_t nbytes, int device_index) override {
-    if (!ptr) return;
-    {
-      std::lock_guard<std::mutex> lock(g_capture_mutex);
-      if (auto it = g_pool_of.find(ptr); it != g_pool_of.end()) {
-        if (it->second->graph_alive) {
-          it->second->free[pool_class(nbytes)].push_back(ptr);
-          return;
-        }
-        g_pool_of.erase(it);
-        cache().adopt(device_index, ptr, pool_class(nbytes));  // a dead graph's pool block
-        return;
-      }
-      if (CapturePool* pool = capturing_pool(device_index)) {
-        pool->retained.emplace_back(ptr, nbytes);  // the graph may read it
-        return;
-      }
-    }
-    cache().deallocate(device_index, ptr, nbytes);
+    captures().deallocate(ptr, nbytes, device_index);
   }
 
   void begin_capture(int device_index) override {
@@ -398,73 +317,50 @@ class CudaBackend final : public Backend {
     // The stream first (what can throw before the capture table changes).
     DeviceGuard guard(device_index);
     const cudaStream_t st = stream(device_index);
-    {
-      std::lock_guard<std::mutex> lock(g_capture_mutex);
-      if (capturing_pool(device_index))
-        throw CaptureError(
-            fmt::format("StepGraph::capture on cuda:{}: another thread is capturing a step there",
-                        device_index));
-      if (g_capturing.size() <= static_cast<std::size_t>(device_index))
-        g_capturing.resize(static_cast<std::size_t>(device_index) + 1);
-      auto pool = std::make_shared<CapturePool>();
-      pool->device = device_index;
-      pool->owner = std::this_thread::get_id();
-      g_capturing[static_cast<std::size_t>(device_index)] = std::move(pool);
-      g_captures.fetch_add(1);
-    }
+    if (!captures().begin(device_index))
+      throw CaptureError(fmt::format(
+          "StepGraph::capture on cuda:{}: another thread is capturing a step there", device_index));
     // Relaxed: the allocator may call cudaMalloc for the pool while the stream captures.
     const cudaError_t err = cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed);
     if (err != cudaSuccess) {
-      CaptureTableEntry ended{device_index};
-      {
-        std::lock_guard<std::mutex> lock(g_capture_mutex);
-        release_pool(*g_capturing[static_cast<std::size_t>(device_index)]);
-      }
+      if (const auto pool = captures().end(device_index)) captures().release(*pool);
       MIXTAPE_CUDA_CHECK(err);
     }
   }
 
   std::unique_ptr<CapturedWork> end_capture(int device_index) override {
-    CaptureTableEntry ended{device_index};  // (also when a call below throws)
     cudaGraph_t graph = nullptr;
     cudaError_t err = cudaStreamEndCapture(stream(device_index), &graph);
-    std::shared_ptr<CapturePool> pool;
-    {
-      std::lock_guard<std::mutex> lock(g_capture_mutex);
-      pool = std::move(g_capturing[static_cast<std::size_t>(device_index)]);
-    }
+    const std::shared_ptr<CapturePool> pool = captures().end(device_index);
     DeviceGuard guard(device_index);
     cudaGraphExec_t exec = nullptr;
     if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
     if (err != cudaSuccess) {
       cudaGetLastError();
       if (graph) cudaGraphDestroy(graph);
-      std::lock_guard<std::mutex> lock(g_capture_mutex);
-      release_pool(*pool);
+      captures().release(*pool);
       throw CaptureError(fmt::format(
           "StepGraph::capture on cuda:{}: the captured step could not be made a CUDA graph: {}",
           device_index, cudaGetErrorString(err)));
     }
-    return std::make_unique<CudaGraph>(device_index, graph, exec, std::move(pool));
+    return std::make_unique<CudaGraph>(device_index, graph, exec, pool);
   }
 
   void abort_capture(int device_index) override {
-    CaptureTableEntry ended{device_index};  // (also when a call below throws)
     cudaGraph_t graph = nullptr;
     cudaStreamEndCapture(stream(device_index), &graph);
     cudaGetLastError();  // a capture invalidated by the failure: not an error of the next call
     if (graph) cudaGraphDestroy(graph);
-    std::lock_guard<std::mutex> lock(g_capture_mutex);
-    if (auto& pool = g_capturing[static_cast<std::size_t>(device_index)]) release_pool(*pool);
+    if (const auto pool = captures().end(device_index)) captures().release(*pool);
   }
 
   void copy(void* dst, Device dst_device, const void* src, Device src_device,
             std::size_t nbytes) override {
     if (nbytes == 0) return;
-    // (Not while another thread captures on a device of the copy: see CapturePool.)
-    if (dst_device.is_cuda()) wait_for_other_capture(dst_device.index());
-    if (src_device.is_cuda() && src_device != dst_device)
-      wait_for_other_capture(src_device.index());
+    // (Not while another thread captures on a device of the copy: capture_table.h.)
+    std::optional<Queueing> on_dst, on_src;
+    if (dst_device.is_cuda()) on_dst.emplace(dst_device.index());
+    if (src_device.is_cuda() && src_device != dst_device) on_src.emplace(src_device.index());
     if (dst_device.is_cuda() && src_device.is_cuda()) {
       DeviceGuard guard(dst_device.index());
       if (dst_device != src_device) {
@@ -486,7 +382,10 @@ class CudaBackend final : public Backend {
       }
       return;
     }
-    if (dst_device.is_cuda() && capture_copy(dst, dst_device.index(), src, nbytes)) return;
+    if (on_dst && on_dst->own_capture()) {
+      capture_copy(dst, dst_device.index(), src, nbytes);
+      return;
+    }
     if (dst_device.is_cuda()) {  // host -> device, through the ring of pinned buffers
       const int d = dst_device.index();
       for_each_piece(d, nbytes, [&](Staging& st, std::size_t off, std::size_t n) {
@@ -529,7 +428,7 @@ class CudaBackend final : public Backend {
                                          std::size_t nbytes) override {
     check_index(device_index);
     capture::forbid_read(Device::cuda(device_index), "read_back");
-    wait_for_other_capture(device_index);
+    const Queueing queueing(device_index);
     if (nbytes > kMaxReadBack) return Backend::read_back(src, device_index, nbytes);  // throws
     return std::make_unique<CudaPendingRead>(src, device_index, nbytes);
   }
@@ -537,7 +436,7 @@ class CudaBackend final : public Backend {
   void synchronize(int device_index) override {
     check_index(device_index);
     capture::forbid_read(Device::cuda(device_index), "a synchronisation");
-    wait_for_other_capture(device_index);
+    const Queueing queueing(device_index);
     DeviceGuard guard(device_index);
     MIXTAPE_CUDA_CHECK(cudaStreamSynchronize(stream(device_index)));
   }
@@ -560,45 +459,15 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // A block of size class cls from the pool of a capture (with g_capture_mutex held): one the
-  // capture freed, or a new one. Always a new one for capture::host_written, whose values a
-  // hook writes before each replay: a freed block was used by kernels recorded earlier in
-  // the step, which would overwrite those values at every replay.
-  static void* pool_block(CapturePool& pool, std::size_t cls) {
-    auto& free = pool.free[cls];
-    if (!free.empty() && !capture::detail::fresh_memory()) {
-      void* p = free.back();
-      free.pop_back();
-      return p;
-    }
-    DeviceGuard guard(pool.device);
-    void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, cls);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      throw DeviceError(
-          fmt::format("out of memory on cuda:{} while capturing a step: could not "
-                      "allocate {} bytes: {}",
-                      pool.device, cls, cudaGetErrorString(err)));
-    }
-    g_pool_of.emplace(p, g_capturing[static_cast<std::size_t>(pool.device)]);
-    detail::count_reserved(Device(DeviceType::CUDA, pool.device), static_cast<std::int64_t>(cls));
-    return p;
-  }
-
-  // A host -> device copy while device d captures: from a pinned buffer of the capture's own,
-  // which every replay copies again. False when d does not capture.
-  static bool capture_copy(void* dst, int d, const void* src, std::size_t nbytes) {
-    std::unique_lock<std::mutex> lock(g_capture_mutex);
-    CapturePool* pool = own_capture_or_wait(d, lock);
-    if (!pool) return false;
+  // A host -> device copy while the calling thread captures on device d: from a pinned buffer
+  // of the capture's own, which every replay copies again.
+  static void capture_copy(void* dst, int d, const void* src, std::size_t nbytes) {
     DeviceGuard guard(d);
     void* pinned = nullptr;
     MIXTAPE_CUDA_CHECK(cudaMallocHost(&pinned, nbytes));
-    pool->pinned.push_back(pinned);
+    captures().keep_pinned(d, pinned);
     std::memcpy(pinned, src, nbytes);
     MIXTAPE_CUDA_CHECK(cudaMemcpyAsync(dst, pinned, nbytes, cudaMemcpyHostToDevice, stream(d)));
-    return true;
   }
 
   static void check_index(int index) {
@@ -623,11 +492,18 @@ cudaStream_t stream(int index) {
   return st;
 }
 
-cudaStream_t launch_stream(int index) {
+LaunchScope::LaunchScope(int index) : index_(index) {
   capture::detail::check_launch(Device::cuda(index));
-  if (g_captures.load() > 0) wait_for_other_capture(index);
-  return stream(index);
+  captures().enter(index);
+  try {
+    stream_ = cuda_backend::stream(index);
+  } catch (...) {
+    captures().leave(index);
+    throw;
+  }
 }
+
+LaunchScope::~LaunchScope() { captures().leave(index_); }
 
 DeviceGuard::DeviceGuard(int index) {
   MIXTAPE_CUDA_CHECK(cudaGetDevice(&previous_));

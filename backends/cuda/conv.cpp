@@ -644,7 +644,8 @@ void conv_pass(Direction dir, const Tensor& a, const Tensor& b, const Tensor& ou
   if (out.numel() == 0) return;
   const int device = out.device().index();
   DeviceGuard guard(device);
-  const cudaStream_t st = launch_stream(device);
+  const LaunchScope launch(device);
+  const cudaStream_t st = launch.stream();
   if (a.numel() == 0 || b.numel() == 0) return zero_fill(out, st);
   const ConvShape s = shape_of(g);
   Accumulation acc;
@@ -684,7 +685,7 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
     Tensor acc = Tensor::empty(out.shape(), kFloat32, out.device());
     conv_pass(Direction::Forward, as_float32(x), as_float32(w), acc, g, /*exact_tf32=*/true);
     add_bias_rows_rounded(elem_of(dt), acc.const_data_ptr(), bias.const_data_ptr(), out.data_ptr(),
-                          out.numel() / g.cout, g.cout, launch_stream(device));
+                          out.numel() / g.cout, g.cout, LaunchScope(device).stream());
     return;
   }
   conv_pass(Direction::Forward, x, w, out, g);
@@ -694,7 +695,7 @@ void conv2d_forward(const Tensor& x, const Tensor& w, const Tensor& bias, const 
   const int device = out.device().index();
   DeviceGuard guard(device);
   add_bias_rows(elem_of(out.dtype()), out.data_ptr(), bias.const_data_ptr(), out.numel() / g.cout,
-                g.cout, launch_stream(device));
+                g.cout, LaunchScope(device).stream());
 }
 void conv2d_backward_input(const Tensor& grad_out, const Tensor& w, const Tensor& grad_x,
                            const Conv2dGeometry& g) {

@@ -34,11 +34,24 @@ inline void check_cuda(cudaError_t err, const char* what, const char* file, int 
 cudaStream_t stream(int index);
 // The stream of the device a tensor's data lives on.
 inline cudaStream_t stream_of(int device_index) { return stream(device_index); }
-// The stream a kernel queues its work on for device `index`: stream(index), after checking that
-// the calling thread does not capture a step on another device, where the work would run now
-// and not be replayed (CaptureError naming the op; capture::detail::check_launch), and after
-// waiting for another thread's capture on device `index` to end (the work would be recorded).
-cudaStream_t launch_stream(int index);
+// The scope in which a kernel's host code queues work on device `index`, and the stream it
+// queues it on (stream(index)). Made after checking that the calling thread does not capture a
+// step on another device, where the work would run now and not be replayed (CaptureError
+// naming the op; capture::detail::check_launch), and after waiting for another thread's
+// capture on device `index` to end; until the scope ends, no other thread's capture starts
+// there (the work would be recorded into its graph: backends/cuda/capture_table.h).
+class LaunchScope {
+ public:
+  explicit LaunchScope(int index);
+  ~LaunchScope();
+  LaunchScope(const LaunchScope&) = delete;
+  LaunchScope& operator=(const LaunchScope&) = delete;
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  int index_;
+  cudaStream_t stream_ = nullptr;
+};
 
 // Makes `index` the current device for the scope, and restores the previous one.
 class DeviceGuard {

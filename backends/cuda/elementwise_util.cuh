@@ -299,12 +299,13 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(
 
 // --- Launch helpers ---------------------------------------------------------------------------
 
-// The device of a tensor made current for the scope, and its stream.
+// The device of a tensor made current for the scope, and its stream, in a LaunchScope.
 struct OnDevice {
   explicit OnDevice(const Tensor& t)
-      : index(t.device().index()), guard(index), s(launch_stream(index)) {}
+      : index(t.device().index()), guard(index), launch(index), s(launch.stream()) {}
   int index;
   DeviceGuard guard;
+  LaunchScope launch;
   cudaStream_t s;
 };
 

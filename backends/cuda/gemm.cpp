@@ -384,7 +384,8 @@ void gemm(const GemmArgs& g) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0) return;
   const int device = g.out.device().index();
   DeviceGuard guard(device);
-  const cudaStream_t st = launch_stream(device);
+  const LaunchScope launch(device);
+  const cudaStream_t st = launch.stream();
   const GemmShape s = gemm_shape(g);
   const void* a = g.a.const_data_ptr();
   const void* b = g.b.const_data_ptr();
@@ -479,7 +480,8 @@ std::mutex g_fp8_mutex;
 void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   const int device = g.out.device().index();
   DeviceGuard guard(device);
-  const cudaStream_t st = launch_stream(device);
+  const LaunchScope launch(device);
+  const cudaStream_t st = launch.stream();
   const cublasLtHandle_t handle = lt_handle(device);
   static auto* plans = new PlanCache<LtPlan>();  // never destroyed
   const std::uint32_t align_a = alignment(g.a.const_data_ptr(), g.k, 0, 1, 1);
@@ -548,7 +550,7 @@ void linear_gemm_float32(const kernels::LinearArgs& a, const Tensor& d) {
       MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, a.w.const_data_ptr(), plan.a,
                                           a.x.const_data_ptr(), plan.b, &zero, out, plan.c, out,
                                           plan.c, &plan.algo, workspace.data(), plan.workspace,
-                                          launch_stream(device)));
+                                          LaunchScope(device).stream()));
       return;
     }
   }
@@ -585,7 +587,8 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
   const std::uint32_t align_aux = aux_ptr ? alignment(aux_ptr, 0, 0, 1, 1) : 0;
   const int device = d.device().index();
   DeviceGuard guard(device);
-  const cudaStream_t st = launch_stream(device);
+  const LaunchScope launch(device);
+  const cudaStream_t st = launch.stream();
   const cublasLtHandle_t handle = lt_handle(device);
   const GemmShape s = gemm_shape(linear_gemm_args(a, d));
   const bool tf32 = dt == kFloat32 && cuda::allow_tf32();

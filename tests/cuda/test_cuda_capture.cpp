@@ -231,3 +231,25 @@ TEST_CASE("cuda capture: host constants, the memory pool, what is refused", "[cu
   // The device works as before.
   CHECK(mt::sum(t).item<float>() == 8.0f);
 }
+
+TEST_CASE("cuda capture: a block of a destroyed graph, freed during another capture, stays its",
+          "[cuda][capture]") {
+  mt::set_global_policy("float32");
+  mt::Variable acc(mt::zeros({4}, mt::kFloat32, kGpu), "acc", false);
+  mt::Tensor y;  // made by the first graph: a block of its pool
+  {
+    mt::StepGraph first = mt::StepGraph::capture(kGpu, [&] {
+      y = mt::from_vector(std::vector<double>{1, 2, 3, 4}, {4}).to(kGpu);
+    });
+  }
+  mt::StepGraph second = mt::StepGraph::capture(kGpu, [&] {
+    acc.assign_add(y);
+    if (mt::capture::active()) y = mt::Tensor();  // freed in the capture: the graph reads it
+  });
+  // Allocations of y's size class after the capture must not get y's block.
+  std::vector<mt::Tensor> others;
+  for (int i = 0; i < 16; ++i) others.push_back(mt::full({4}, 100.0, mt::kFloat32, kGpu));
+  second.replay();
+  second.replay();
+  CHECK(values(acc) == std::vector<double>{3, 6, 9, 12});  // the warm-up and 2 replays
+}

@@ -294,7 +294,8 @@ void throw_cuda_error(cudaError_t err, const char* what, const char* file, int l
 
 // One queue: every operation runs when it is issued.
 cudaStream_t stream(int) { return nullptr; }
-cudaStream_t launch_stream(int) { return nullptr; }
+LaunchScope::LaunchScope(int index) : index_(index) {}
+LaunchScope::~LaunchScope() = default;
 
 DeviceGuard::DeviceGuard(int index) : previous_(index) {}
 DeviceGuard::~DeviceGuard() = default;
