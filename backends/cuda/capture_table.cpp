@@ -9,7 +9,15 @@ namespace {
 // The calling thread's enter()s not yet left, by table and device.
 std::vector<int>& depths(const CaptureTable* table) {
   thread_local std::unordered_map<const CaptureTable*, std::vector<int>> by_table;
-  return by_table[table];
+  // (Every kernel launch asks twice, nearly always of the backend's one table: its entry kept.
+  // An unordered_map's elements stay where they are when it grows.)
+  thread_local const CaptureTable* last = nullptr;
+  thread_local std::vector<int>* last_depths = nullptr;
+  if (table != last) {
+    last_depths = &by_table[table];
+    last = table;
+  }
+  return *last_depths;
 }
 
 int& depth(const CaptureTable* table, int d) {
