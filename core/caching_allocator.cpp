@@ -35,7 +35,7 @@ std::size_t CachingAllocator::size_class(std::size_t n) const {
 void* CachingAllocator::obtain(int pool, Pool& p, std::size_t bytes) {
   void* ptr = system_.obtain(pool, bytes);
   if (ptr == nullptr) {
-    release_locked(pool, p);  // memory is short: give the kept memory back and retry
+    trim(pool, p, 0);  // memory is short: give the kept memory back and retry
     ptr = system_.obtain(pool, bytes);
   }
   if (ptr != nullptr) {
@@ -130,7 +130,7 @@ void CachingAllocator::adopt(int pool, void* ptr, std::size_t n) {
 void CachingAllocator::keep_small(int pool, Pool& p, void* ptr, std::size_t cls) {
   p.small[cls].push_back(ptr);
   p.stats.kept += cls;
-  trim(pool, p);
+  trim(pool, p, config_.keep_limit);
 }
 
 // Marks b free and merges it with its free neighbours; a segment left wholly free beyond the
@@ -156,19 +156,18 @@ void CachingAllocator::free_large(int pool, Pool& p, Block* b) {
     absorb_next(b);
   }
   p.free_large.insert(b);
-  trim(pool, p);
+  trim(pool, p, config_.keep_limit);
 }
 
-// While more than the keep limit is free: gives back wholly free segments, the largest first,
-// then kept small blocks.
-void CachingAllocator::trim(int pool, Pool& p) {
+// While more than `limit` bytes are free: gives back wholly free segments, the largest first,
+// then kept small blocks (each one's counts before the system's give_back, which may throw).
+void CachingAllocator::trim(int pool, Pool& p, std::size_t limit) {
   bool ready = false;  // before_release called
   const auto get_ready = [&] {
     if (!ready) system_.before_release(pool);
     ready = true;
   };
-  for (auto it = p.free_large.end();
-       it != p.free_large.begin() && p.stats.kept > config_.keep_limit;) {
+  for (auto it = p.free_large.end(); it != p.free_large.begin() && p.stats.kept > limit;) {
     Block* b = *--it;
     if (b->prev == nullptr && b->next == nullptr) {
       get_ready();
@@ -177,7 +176,7 @@ void CachingAllocator::trim(int pool, Pool& p) {
     }
   }
   for (auto& [cls, blocks] : p.small) {
-    while (!blocks.empty() && p.stats.kept > config_.keep_limit) {
+    while (!blocks.empty() && p.stats.kept > limit) {
       get_ready();
       void* ptr = blocks.back();
       blocks.pop_back();
@@ -204,30 +203,7 @@ void CachingAllocator::give_back_segment(int pool, Pool& p, Block* b) {
 
 void CachingAllocator::release(int pool) {
   std::lock_guard<std::mutex> lock(mutex_);
-  release_locked(pool, pools_[pool]);
-}
-
-void CachingAllocator::release_locked(int pool, Pool& p) {
-  system_.before_release(pool);
-  for (auto& [cls, blocks] : p.small) {
-    while (!blocks.empty()) {  // (each block's counts before the system's give_back, as above)
-      void* ptr = blocks.back();
-      blocks.pop_back();
-      p.stats.reserved -= cls;
-      p.stats.kept -= cls;
-      count_reserved(Device(type_, pool), -static_cast<std::int64_t>(cls));
-      system_.give_back(pool, ptr);
-    }
-  }
-  for (auto it = p.free_large.begin(); it != p.free_large.end();) {
-    Block* b = *it;
-    if (b->prev == nullptr && b->next == nullptr) {
-      it = p.free_large.erase(it);
-      give_back_segment(pool, p, b);
-    } else {
-      ++it;
-    }
-  }
+  trim(pool, pools_[pool], 0);
 }
 
 CachingAllocator::Stats CachingAllocator::stats(int pool) const {

@@ -105,8 +105,7 @@ class CachingAllocator {
   void free_large(int pool, Pool& p, Block* b);
   void keep_small(int pool, Pool& p, void* ptr, std::size_t cls);
   void give_back_segment(int pool, Pool& p, Block* b);
-  void trim(int pool, Pool& p);  // down to the keep limit
-  void release_locked(int pool, Pool& p);
+  void trim(int pool, Pool& p, std::size_t limit);  // free bytes down to limit, if it can
 
   DeviceType type_;
   Config config_;
