@@ -248,7 +248,8 @@ struct Preference {
 
 // Asks the heuristic for the plan's first algorithm (C and D share the plan's c layout):
 // supported, or not with the reason in plan.why; another failure throws, unless `optional`
-// (an epilogue plan, which the caller can do without: any refusal is then "not supported").
+// (an epilogue plan, which the caller can do without, or an FP8 plan, whose caller explains
+// the refusal: any refusal is then "not supported").
 void choose_algorithm(cublasLtHandle_t handle, LtPlan& plan, const Preference& pref,
                       bool optional = false) {
   cublasLtMatmulHeuristicResult_t result{};
@@ -469,7 +470,9 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
   // (XLA met one that did not). The heuristic also needs the types, the layouts, the options
   // and the operands' alignment (cuBLASLt's A is b_t, its B a).
   set_scale_pointers(*plan, g);
-  choose_algorithm(handle, *plan, Preference(align_a, align_b, align_c));
+  // Any refusal (INVALID_VALUE for dims that are not multiples of 16 as well as NOT_SUPPORTED)
+  // becomes scaled_matmul's DeviceError naming the shapes, with the status as the reason.
+  choose_algorithm(handle, *plan, Preference(align_a, align_b, align_c), /*optional=*/true);
   return plan;
 }
 
