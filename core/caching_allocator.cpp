@@ -52,14 +52,16 @@ void* CachingAllocator::allocate(int pool, std::size_t n) {
   std::lock_guard<std::mutex> lock(mutex_);
   Pool& p = pools_[pool];
   if (cls > config_.small_limit) return allocate_large(pool, p, cls);
-  auto it = p.small.find(cls);
-  if (it != p.small.end() && !it->second.empty()) {
-    void* ptr = it->second.back();
+  void* ptr = nullptr;
+  if (auto it = p.small.find(cls); it != p.small.end() && !it->second.empty()) {
+    ptr = it->second.back();
     it->second.pop_back();
     p.stats.kept -= cls;
-    return ptr;
+  } else {
+    ptr = obtain(pool, p, cls);
   }
-  return obtain(pool, p, cls);
+  if (ptr != nullptr) p.used_small.emplace(ptr, cls);
+  return ptr;
 }
 
 // The best-fitting free block (the smallest that holds `size`, the lowest address among
@@ -93,21 +95,32 @@ void* CachingAllocator::allocate_large(int pool, Pool& p, std::size_t size) {
   return b->ptr;
 }
 
+// A block given back that is not in use here (freed twice, never allocated here, or of
+// another size): a backend's bug, never a user's. Going on would hand memory out twice or lose
+// it, so the process ends.
+[[noreturn]] void CachingAllocator::not_allocated_here(const void* ptr, std::size_t n) {
+  std::fprintf(stderr,
+               "mixtape: caching allocator: %p (%zu bytes) given back, but no block of that "
+               "address and size is in use here (freed twice?)\n",
+               ptr, n);
+  std::abort();
+}
+
 void CachingAllocator::deallocate(int pool, void* ptr, std::size_t n) {
   if (ptr == nullptr) return;
   const std::size_t cls = size_class(n);
   std::lock_guard<std::mutex> lock(mutex_);
   Pool& p = pools_[pool];
   if (cls <= config_.small_limit) {
+    // Checked, as the large blocks are: a small block kept twice would be handed out twice.
+    const auto it = p.used_small.find(ptr);
+    if (it == p.used_small.end() || it->second != cls) not_allocated_here(ptr, n);
+    p.used_small.erase(it);
     keep_small(pool, p, ptr, cls);
     return;
   }
   const auto it = p.used_large.find(ptr);
-  if (it == p.used_large.end()) {  // a backend's bug, never a user's: memory would be lost
-    std::fprintf(stderr, "mixtape: caching allocator: %p (%zu bytes) was not allocated here\n", ptr,
-                 n);
-    std::abort();
-  }
+  if (it == p.used_large.end()) not_allocated_here(ptr, n);
   Block* b = it->second;
   p.used_large.erase(it);
   free_large(pool, p, b);

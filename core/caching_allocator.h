@@ -64,7 +64,8 @@ class CachingAllocator {
   // A block of at least n bytes from `pool`, aligned as the system's memory is (to the granule
   // at most); nullptr when the system has no more, even after release(pool).
   void* allocate(int pool, std::size_t n);
-  // Takes back a block allocate(pool, n) returned (anything else aborts: a backend's bug).
+  // Takes back a block allocate(pool, n) returned, with the n it was asked for (anything else,
+  // a block given back twice included, aborts: a backend's bug).
   void deallocate(int pool, void* p, std::size_t n);
   // Keeps a block of size_class(n) bytes that the backend obtained from its system itself (a
   // CUDA graph's pool): free, and given back or handed out as the allocator's own from now on.
@@ -95,6 +96,7 @@ class CachingAllocator {
   };
   struct Pool {
     std::unordered_map<std::size_t, std::vector<void*>> small;  // kept, by size class
+    std::unordered_map<const void*, std::size_t> used_small;    // in use: its size class
     std::set<Block*, BySize> free_large;                        // free, by size then address
     std::unordered_map<const void*, Block*> used_large;         // in use, by address
     Stats stats;
@@ -106,6 +108,7 @@ class CachingAllocator {
   void keep_small(int pool, Pool& p, void* ptr, std::size_t cls);
   void give_back_segment(int pool, Pool& p, Block* b);
   void trim(int pool, Pool& p, std::size_t limit);  // free bytes down to limit, if it can
+  [[noreturn]] static void not_allocated_here(const void* ptr, std::size_t n);
 
   DeviceType type_;
   Config config_;

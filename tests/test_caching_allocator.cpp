@@ -2,15 +2,22 @@
 // what it hands out and gets back: small blocks kept by size class, large blocks split from
 // segments and merged again when freed, memory given back only where nothing is in use, the
 // keep limit, adopted blocks, running out of memory; a random workload that checks that no two
-// blocks in use overlap and that everything goes back; and memory_stats' reserved bytes.
+// blocks in use overlap and that everything goes back; a block given back twice, or of another
+// size, ends the process; and memory_stats' reserved bytes.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/caching_allocator.h"
@@ -296,6 +303,99 @@ TEST_CASE("caching allocator: a random workload never overlaps blocks and gives 
   // What splitting buys on this workload (not a bound the allocator promises: printed).
   INFO("peak in use " << peak_in_use << ", peak reserved " << peak_reserved);
   CHECK(peak_reserved >= peak_in_use);
+}
+
+namespace {
+
+// Runs `misuse` on a fresh allocator in a child process; what the child wrote to stderr, and
+// whether it ended by SIGABRT. (The child uses no Catch2 assertions and starts no threads.)
+struct Ending {
+  bool aborted = false;
+  std::string message;
+};
+Ending run_in_child(const std::function<void(Allocator&)>& misuse) {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::dup2(fds[1], 2);
+    ::close(fds[0]);
+    Allocator a(mt::DeviceType::CUDA, test_config(),
+                {.obtain = [](int, std::size_t bytes) { return std::aligned_alloc(64, bytes); },
+                 .give_back = [](int, void* p) { std::free(p); }});
+    misuse(a);
+    ::_exit(0);  // not reached when the allocator aborts
+  }
+  ::close(fds[1]);
+  Ending e;
+  char buf[512];
+  for (ssize_t got; (got = ::read(fds[0], buf, sizeof buf)) > 0;)
+    e.message.append(buf, static_cast<std::size_t>(got));
+  ::close(fds[0]);
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  e.aborted = WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
+  return e;
+}
+
+}  // namespace
+
+// A small block kept twice would be handed out to two tensors at once (silently: each writes
+// over the other); a large one would be merged into its neighbours twice. Each misuse is a
+// backend's bug, and ends the process with a message rather than corrupting memory.
+TEST_CASE("caching allocator: a block given back twice, or as another size, ends the process",
+          "[allocator]") {
+  const std::vector<std::pair<const char*, std::function<void(Allocator&)>>> misuses{
+      {"a small block freed twice",
+       [](Allocator& a) {
+         void* p = a.allocate(kPool, 4096);
+         a.deallocate(kPool, p, 4096);
+         a.deallocate(kPool, p, 4096);
+       }},
+      {"a small block freed twice, another in use of its class",
+       [](Allocator& a) {
+         void* p = a.allocate(kPool, 4096);
+         void* q = a.allocate(kPool, 4096);
+         a.deallocate(kPool, p, 4096);
+         a.deallocate(kPool, p, 4096);
+         a.deallocate(kPool, q, 4096);
+       }},
+      {"a small block freed as another size class",
+       [](Allocator& a) {
+         void* p = a.allocate(kPool, 4096);
+         a.deallocate(kPool, p, 8192);
+       }},
+      {"a large block freed twice",
+       [](Allocator& a) {
+         void* p = a.allocate(kPool, 4 * kMiB);
+         a.deallocate(kPool, p, 4 * kMiB);
+         a.deallocate(kPool, p, 4 * kMiB);
+       }},
+      {"memory it never gave",
+       [](Allocator& a) {
+         static char elsewhere[64];
+         a.deallocate(kPool, elsewhere, sizeof elsewhere);
+       }},
+  };
+  for (const auto& [what, misuse] : misuses) {
+    INFO(what);
+    const Ending e = run_in_child(misuse);
+    INFO("the child's stderr: " << e.message);
+    CHECK(e.aborted);
+    CHECK(e.message.find("no block of that address and size is in use here") != std::string::npos);
+  }
+  // The same calls, each block given back once, end normally.
+  const Ending fine = run_in_child([](Allocator& a) {
+    void* p = a.allocate(kPool, 4096);
+    void* q = a.allocate(kPool, 4 * kMiB);
+    a.deallocate(kPool, p, 4000);  // any n of the same size class
+    a.deallocate(kPool, q, 4 * kMiB);
+    void* again = a.allocate(kPool, 4096);
+    a.deallocate(kPool, again, 4096);
+  });
+  CHECK_FALSE(fine.aborted);
+  CHECK(fine.message.empty());
 }
 
 TEST_CASE("memory_stats: the CPU's caching allocator reports what it reserves", "[allocator]") {
