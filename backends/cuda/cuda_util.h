@@ -32,8 +32,6 @@ inline void check_cuda(cudaError_t err, const char* what, const char* file, int 
 // The stream of device `index` (created on first use, non-blocking); all work of the
 // backend on that device is queued on it, in order.
 cudaStream_t stream(int index);
-// The stream of the device a tensor's data lives on.
-inline cudaStream_t stream_of(int device_index) { return stream(device_index); }
 // The scope in which a kernel's host code queues work on device `index`, and the stream it
 // queues it on (stream(index)). Made after checking that the calling thread does not capture a
 // step on another device, where the work would run now and not be replayed (CaptureError

@@ -63,23 +63,29 @@ class NcclCollectives : public distributed::DeviceCollectives {
   }
   const char* name() const override { return "NCCL"; }
 
+  // Each collective is queued inside a LaunchScope, as a kernel is (backends/cuda/cuda_util.h):
+  // refused while the thread captures on another device, and never recorded into another
+  // thread's capture. The communicator is made first, outside it (its first use waits for the
+  // other ranks).
   void all_reduce(void* data, std::size_t count, DType dtype, distributed::ReduceOp op,
                   Device device) override {
     DeviceGuard guard(device.index());
-    check_nccl(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), comm(device),
-                             stream_of(device.index())),
+    const ncclComm_t c = comm(device);
+    const LaunchScope launch(device.index());
+    check_nccl(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), c, launch.stream()),
                "all_reduce");
   }
   void broadcast(void* data, std::size_t nbytes, int root, Device device) override {
     DeviceGuard guard(device.index());
-    check_nccl(
-        ncclBroadcast(data, data, nbytes, ncclUint8, root, comm(device), stream_of(device.index())),
-        "broadcast");
+    const ncclComm_t c = comm(device);
+    const LaunchScope launch(device.index());
+    check_nccl(ncclBroadcast(data, data, nbytes, ncclUint8, root, c, launch.stream()), "broadcast");
   }
   void all_gather(const void* src, void* dst, std::size_t nbytes, Device device) override {
     DeviceGuard guard(device.index());
-    check_nccl(ncclAllGather(src, dst, nbytes, ncclUint8, comm(device), stream_of(device.index())),
-               "all_gather");
+    const ncclComm_t c = comm(device);
+    const LaunchScope launch(device.index());
+    check_nccl(ncclAllGather(src, dst, nbytes, ncclUint8, c, launch.stream()), "all_gather");
   }
 
  private:
