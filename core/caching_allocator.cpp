@@ -52,15 +52,15 @@ void* CachingAllocator::allocate(int pool, std::size_t n) {
   std::lock_guard<std::mutex> lock(mutex_);
   Pool& p = pools_[pool];
   if (cls > config_.small_limit) return allocate_large(pool, p, cls);
-  void* ptr = nullptr;
   if (auto it = p.small.find(cls); it != p.small.end() && !it->second.empty()) {
-    ptr = it->second.back();
+    void* ptr = it->second.back();
     it->second.pop_back();
     p.stats.kept -= cls;
-  } else {
-    ptr = obtain(pool, p, cls);
+    p.small_blocks.at(ptr).in_use = true;
+    return ptr;
   }
-  if (ptr != nullptr) p.used_small.emplace(ptr, cls);
+  void* ptr = obtain(pool, p, cls);
+  if (ptr != nullptr) p.small_blocks.insert_or_assign(ptr, SmallBlock{cls, true});
   return ptr;
 }
 
@@ -113,9 +113,10 @@ void CachingAllocator::deallocate(int pool, void* ptr, std::size_t n) {
   Pool& p = pools_[pool];
   if (cls <= config_.small_limit) {
     // Checked, as the large blocks are: a small block kept twice would be handed out twice.
-    const auto it = p.used_small.find(ptr);
-    if (it == p.used_small.end() || it->second != cls) not_allocated_here(ptr, n);
-    p.used_small.erase(it);
+    const auto it = p.small_blocks.find(ptr);
+    if (it == p.small_blocks.end() || !it->second.in_use || it->second.cls != cls)
+      not_allocated_here(ptr, n);
+    it->second.in_use = false;
     keep_small(pool, p, ptr, cls);
     return;
   }
@@ -132,6 +133,7 @@ void CachingAllocator::adopt(int pool, void* ptr, std::size_t n) {
   Pool& p = pools_[pool];
   p.stats.reserved += cls;
   if (cls <= config_.small_limit) {
+    p.small_blocks.insert_or_assign(ptr, SmallBlock{cls, false});
     keep_small(pool, p, ptr, cls);
     return;
   }
@@ -193,6 +195,7 @@ void CachingAllocator::trim(int pool, Pool& p, std::size_t limit) {
       get_ready();
       void* ptr = blocks.back();
       blocks.pop_back();
+      p.small_blocks.erase(ptr);
       p.stats.reserved -= cls;
       p.stats.kept -= cls;
       count_reserved(Device(type_, pool), -static_cast<std::int64_t>(cls));

@@ -94,11 +94,18 @@ class CachingAllocator {
       return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
     }
   };
+  struct SmallBlock {
+    std::size_t cls;
+    bool in_use;
+  };
   struct Pool {
     std::unordered_map<std::size_t, std::vector<void*>> small;  // kept, by size class
-    std::unordered_map<const void*, std::size_t> used_small;    // in use: its size class
-    std::set<Block*, BySize> free_large;                        // free, by size then address
-    std::unordered_map<const void*, Block*> used_large;         // in use, by address
+    // Every small block obtained and not given back (in use or kept): its size class, and
+    // whether it is in use. Entries live as long as the blocks, so that handing a kept block
+    // out and taking it back allocate nothing.
+    std::unordered_map<const void*, SmallBlock> small_blocks;
+    std::set<Block*, BySize> free_large;                 // free, by size then address
+    std::unordered_map<const void*, Block*> used_large;  // in use, by address
     Stats stats;
   };
 
