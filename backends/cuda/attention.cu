@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "backends/cuda/attention_tiles.h"
@@ -265,6 +267,53 @@ struct MmaCtx {
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
   }
+  // ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16 (attention_tiles.h's Ctx).
+  __device__ void ldsm(std::uint32_t (&r)[4], const std::uint16_t* row) const {
+#if defined(MIXTAPE_CUDA_EMULATION)
+    ::mixtape::cuda_emu::ldmatrix_x4(r, row, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+#endif
+  }
+  __device__ void ldsm_t(std::uint32_t (&r)[4], const std::uint16_t* row) const {
+#if defined(MIXTAPE_CUDA_EMULATION)
+    ::mixtape::cuda_emu::ldmatrix_x4(r, row, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+#endif
+  }
+  // cp.async.cg.shared.global, 16 bytes (zeros stored plainly when src is null), and its
+  // groups (attention_tiles.h's Ctx). The emulation copies at once.
+  __device__ void copy16(std::uint16_t* dst, const std::uint16_t* src) const {
+#if defined(MIXTAPE_CUDA_EMULATION)
+    if (src == nullptr)
+      std::memset(dst, 0, 16);
+    else
+      std::memcpy(dst, src, 16);
+#else
+    if (src == nullptr) {
+      *reinterpret_cast<uint4*>(dst) = uint4{};
+      return;
+    }
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src)
+                 : "memory");
+#endif
+  }
+  __device__ void commit() const {
+#if !defined(MIXTAPE_CUDA_EMULATION)
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+  }
+  template <int N>
+  __device__ void wait() const {
+#if !defined(MIXTAPE_CUDA_EMULATION)
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+  }
   __device__ std::uint16_t bits(float v) const {
     if constexpr (BF16)
       return __bfloat16_as_ushort(__float2bfloat16_rn(v));
@@ -279,12 +328,26 @@ struct MmaCtx {
   }
   __device__ float exp2(float x) const { return exp2f(x); }
   __device__ float log2(float x) const { return log2f(x); }
+
+ private:
+#if !defined(MIXTAPE_CUDA_EMULATION)
+  static __device__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+  }
+#endif
 };
 
 enum class TilePass { Forward, Dq, DkDv };
 
+// Blocks a multiprocessor holds at once: 3 for the forward pass of heads up to 64 wide (at most
+// 168 registers a thread: ptxas then keeps a dozen values in local memory, 2 blocks otherwise),
+// 2 for the others (wider heads' forward pass, the backward passes with their two products'
+// operands and accumulators: about 250 registers).
+template <TilePass Pass, int D>
+constexpr int kTileBlocksPerSm = Pass == TilePass::Forward&& D <= 64 ? 3 : 2;
+
 template <TilePass Pass, int D, bool BF16>
-__global__ void __launch_bounds__(attention_tiles::kThreads)
+__global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<Pass, D>))
     attention_tile_kernel(attention_tiles::Params p) {
   __shared__ attention_tiles::Shared<D> shared;
   shared_starts_undefined(shared);

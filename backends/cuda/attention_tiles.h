@@ -10,7 +10,11 @@
 // on: the row maximum (float32, over the 4 lanes that share a row), the rescaling of the
 // running sum and of the output accumulators, then P V with the weights as A fragments that
 // never leave registers (the accumulator layout of two adjacent 8-column tiles is the A layout
-// of one 16-column step). No T x S matrix is made; lse is saved for the backward pass.
+// of one 16-column step). No T x S matrix is made; lse is saved for the backward pass. The B
+// fragments come from shared memory by ldmatrix (.trans for V, read down its columns), and the
+// tiles arrive by asynchronous copies: the next K tile is queued as soon as the warps are done
+// with the current one, while they go on with the softmax and P V, and the next V tile once P V
+// is done, so that the loads of one tile overlap the arithmetic of the other.
 //
 // Backward, in two kernels so that every sum has one owner and a fixed order (no atomics: the
 // same bits on every run): dq by query blocks (the forward's loop again: S and P from lse, dP =
@@ -44,6 +48,16 @@
 //   float shfl_xor(float v, int lane_mask);       (the value of lane ^ lane_mask, in the warp)
 //   void mma(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]);
 //                                                 (d += A B, m16n8k16, the warp together)
+//   void ldsm(uint32_t (&r)[4], const uint16_t* row);
+//   void ldsm_t(uint32_t (&r)[4], const uint16_t* row);
+//                                                 (ldmatrix .x4, and .trans: four 8 x 8 tiles
+//                                                 of shared memory, lane l naming row l % 8 of
+//                                                 tile l / 8; r[i] the lane's pair of tile i)
+//   void copy16(uint16_t* dst, const uint16_t* src);  (16 bytes global -> shared, queued
+//                                                 (cp.async); zeros when src is null)
+//   void commit();  template <int N> void wait();  (the copies queued since the last commit
+//                                                 as a group; wait until at most N groups of
+//                                                 this thread are in flight)
 //   std::uint16_t bits(float v);                  (v rounded to the 16-bit type)
 //   float round(float v);                         (the same, as a float)
 //   float exp2(float x);  float log2(float x);
@@ -52,6 +66,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "mixtape/core/dropout_hash.h"
 #include "mixtape/core/head_rows.h"
@@ -144,6 +159,8 @@ inline Params params_of(const Tensor& q, const Tensor& k, const Tensor& v, const
 // and dv, the query rows' lse and D.
 template <int D>
 struct Shared {
+  // (product_across reads two 16-wide k steps, product_down two 8-wide column tiles, at once.)
+  static_assert(D % 32 == 0, "head dims of whole pairs of 16-wide steps");
   alignas(16) uint16_t a[kTile][D + kPad];
   alignas(16) uint16_t b[kTile][D + kPad];
   float lse[kTile];
@@ -201,43 +218,18 @@ MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Rows& m, int64_t h, 
   }
 }
 
-// 8 elements (16 bytes) from src to dst, both 16-byte aligned; 0 when src is null.
-MIXTAPE_TILE_FN void copy8(uint16_t* dst, const uint16_t* src) {
-#if defined(__CUDA_ARCH__)
-  *reinterpret_cast<uint4*>(dst) = src ? __ldg(reinterpret_cast<const uint4*>(src)) : uint4{};
-#else
-  if (src)
-    std::memcpy(dst, src, 16);
-  else
-    std::memset(dst, 0, 16);
-#endif
-}
-
-// Rows row0 .. row0 + 63 of head h ([rows, D], 16-byte aligned) into a shared tile (0 past
-// the end), by the whole block, 16 bytes a thread at a time.
+// Queues the copy of rows row0 .. row0 + 63 of head h ([rows, D], 16-byte aligned) into a
+// shared tile (0 past the end), by the whole block, 16 bytes a thread at a time, and commits
+// it as a group: a reader waits for the group (ctx.wait) and then for the block (ctx.sync).
 template <int D, class Ctx>
 MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const Rows& m,
                                int64_t h, int64_t row0, int64_t rows) {
   constexpr int kChunks = D / 8;  // per row
   for (int e = ctx.thread(); e < kTile * kChunks; e += kThreads) {
     const int r = e / kChunks, col = (e % kChunks) * 8;
-    copy8(&tile[r][col], row0 + r < rows ? m.row(h, row0 + r) + col : nullptr);
+    ctx.copy16(&tile[r][col], row0 + r < rows ? m.row(h, row0 + r) + col : nullptr);
   }
-}
-
-// The B fragment of step k0 (16 rows of k) for the product's column n = row `row` of a tile
-// read across (B[k][n] = tile[n][k]): one pair each.
-MIXTAPE_TILE_FN void b_across(uint32_t (&b)[2], const uint16_t* row, int k0, int c) {
-  b[0] = pair_at(row + k0 + 2 * c);
-  b[1] = pair_at(row + k0 + 2 * c + 8);
-}
-// The B fragment of step k0 for column `col` of a tile read down (B[k][n] = tile[k][n]).
-template <int D>
-MIXTAPE_TILE_FN void b_down(uint32_t (&b)[2], const uint16_t (&tile)[kTile][D + kPad], int k0,
-                            int col, int c) {
-  const int k = k0 + 2 * c;
-  b[0] = pair_of(tile[k][col], tile[k + 1][col]);
-  b[1] = pair_of(tile[k + 8][col], tile[k + 9][col]);
+  ctx.commit();
 }
 
 // The A fragments of a 16-wide step made of the float32 accumulators of two adjacent 8-column
@@ -256,39 +248,49 @@ MIXTAPE_TILE_FN void split_a(Ctx& ctx, const float (&lo)[4], const float (&hi)[4
 }
 
 // acc[j] += A B over a 64-wide k (4 steps) for the D / 8 output tiles: A the float32
-// accumulators a[8][4] (split as above), B[k][n] = tile[k][n].
+// accumulators a[8][4] (split as above), B[k][n] = tile[k][n]. The B fragments of two output
+// tiles by one ldmatrix .trans: the 8 x 8 tiles (rows k0, columns 8j), (k0 + 8, 8j), (k0,
+// 8j + 8), (k0 + 8, 8j + 8) give B's registers 0 and 1 for column tiles j and j + 1.
 template <int D, class Ctx>
 MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float (&a)[kTile / 8][4],
                                   const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+  const int lane = 4 * g + c, m = lane / 8;  // the 8 x 8 tile whose row lane % 8 it names
   MIXTAPE_UNROLL
   for (int kk = 0; kk < kTile / 16; ++kk) {
     uint32_t big[4], small[4];
     split_a(ctx, a[2 * kk], a[2 * kk + 1], big, small);
     MIXTAPE_UNROLL
-    for (int j = 0; j < D / 8; ++j) {
-      uint32_t b[2];
-      b_down<D>(b, tile, kk * 16, j * 8 + g, c);
-      ctx.mma(acc[j], big, b);
-      ctx.mma(acc[j], small, b);
+    for (int j = 0; j < D / 8; j += 2) {
+      uint32_t r[4];
+      ctx.ldsm_t(r, &tile[kk * 16 + (m % 2) * 8 + lane % 8][(j + m / 2) * 8]);
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+      ctx.mma(acc[j], big, b0);
+      ctx.mma(acc[j], small, b0);
+      ctx.mma(acc[j + 1], big, b1);
+      ctx.mma(acc[j + 1], small, b1);
     }
   }
 }
 
 // x[nt] = A B^T for the 8 column tiles of a 64-row shared tile: A the registers a (16 rows x D),
-// B[k][n] = tile[n][k].
+// B[k][n] = tile[n][k]. The B fragments of two k steps by one ldmatrix: the 8 x 8 tiles (rows
+// 8 nt, columns 16 kk), (8 nt, 16 kk + 8), (8 nt, 16 kk + 16), (8 nt, 16 kk + 24).
 template <int D, class Ctx>
 MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
                                     const uint32_t (&a)[D / 16][4],
                                     const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+  const int lane = 4 * g + c, m = lane / 8;
   MIXTAPE_UNROLL
   for (int nt = 0; nt < kTile / 8; ++nt) {
     MIXTAPE_UNROLL
     for (int e = 0; e < 4; ++e) x[nt][e] = 0.0f;
     MIXTAPE_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t b[2];
-      b_across(b, tile[nt * 8 + g], kk * 16, c);
-      ctx.mma(x[nt], a[kk], b);
+    for (int kk = 0; kk < D / 16; kk += 2) {
+      uint32_t r[4];
+      ctx.ldsm(r, &tile[nt * 8 + lane % 8][(kk + m / 2) * 16 + (m % 2) * 8]);
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+      ctx.mma(x[nt], a[kk], b0);
+      ctx.mma(x[nt], a[kk + 1], b1);
     }
   }
 }
@@ -314,6 +316,12 @@ MIXTAPE_TILE_FN void store_rows(Ctx& ctx, const OutRows& m, int64_t h, const flo
 // The position of accumulator element e of column tile nt: row offset (0 or 8) and column.
 MIXTAPE_TILE_FN int elem_row(int g, int e) { return g + 8 * (e / 2); }
 MIXTAPE_TILE_FN int elem_col(int nt, int c, int e) { return nt * 8 + 2 * c + e % 2; }
+
+// Whether the 16 query rows from row0 attend every key of the 64 from key0 (no mask, every
+// key there, none after a causal row): their logits need no mask test.
+MIXTAPE_TILE_FN bool whole_tile(const Params& p, int64_t row0, int64_t key0) {
+  return p.mask.base == nullptr && key0 + kTile <= p.s && (!p.causal || key0 + kTile - 1 <= row0);
+}
 
 // The end of the keys a block of query rows row0 .. row0 + 63 attends.
 MIXTAPE_TILE_FN int64_t key_end(const Params& p, int64_t row0) {
@@ -341,25 +349,43 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
   float m[2] = {kNegInf, kNegInf};  // running maxima (base-2 logits), per row
   float l[2] = {0.0f, 0.0f};        // this lane's part of the running sums
   const int64_t end = key_end(p, row0);
+  // The copies in flight at the top of each turn: K's tile, then V's (load_tile's groups).
+  load_tile<D>(ctx, sh.a, p.k, h, 0, p.s);
+  load_tile<D>(ctx, sh.b, p.v, h, 0, p.s);
   for (int64_t key0 = 0; key0 < end; key0 += kTile) {
-    ctx.sync();  // the previous tile's readers are done
-    load_tile<D>(ctx, sh.a, p.k, h, key0, p.s);
-    load_tile<D>(ctx, sh.b, p.v, h, key0, p.s);
+    const bool more = key0 + kTile < end;
+    ctx.template wait<1>();  // K's tile is here (V's may not be)
     ctx.sync();
 
     // The logits of the warp's 16 rows and the tile's 64 keys, scaled (base 2), -inf where the
     // row does not attend the key.
     float x[kCols][4];
     product_across<D>(ctx, x, qa, sh.a, g, c);
+    ctx.template wait<0>();  // V's tile is here
+    ctx.sync();              // and every warp is done with K's: the next one may come
+    if (more)
+      load_tile<D>(ctx, sh.a, p.k, h, key0 + kTile, p.s);
+    else
+      ctx.commit();  // an empty group, so that the waits count as in every turn
     float tile_max[2] = {kNegInf, kNegInf};
-    MIXTAPE_UNROLL
-    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int r = e / 2;
-      const bool in = attends(p, mask_rows[r], rows[r], key0 + elem_col(nt, c, e));
-      x[nt][e] = in ? x[nt][e] * p.scale_log2 : kNegInf;
-      tile_max[r] = nan_max(tile_max[r], x[nt][e]);
-    }
+    // (A tile the warp's rows attend whole skips the mask tests: a loop of its own, for
+    // fewer registers.)
+    const auto mask_scale = [&](auto whole) {
+      MIXTAPE_UNROLL
+      for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        bool in = true;
+        if constexpr (!decltype(whole)::value)
+          in = attends(p, mask_rows[r], rows[r], key0 + elem_col(nt, c, e));
+        x[nt][e] = in ? x[nt][e] * p.scale_log2 : kNegInf;
+        tile_max[r] = nan_max(tile_max[r], x[nt][e]);
+      }
+    };
+    if (whole_tile(p, warp_row0, key0))
+      mask_scale(std::true_type{});
+    else
+      mask_scale(std::false_type{});
     float alpha[2];
     MIXTAPE_UNROLL
     for (int r = 0; r < 2; ++r) {
@@ -384,7 +410,13 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
       x[nt][e] = w * keep_factor(p, h, rows[r], key0 + elem_col(nt, c, e));
     }
     product_down<D>(ctx, o, x, sh.b, g, c);
+    ctx.sync();  // every warp is done with V's tile
+    if (more)
+      load_tile<D>(ctx, sh.b, p.v, h, key0 + kTile, p.s);
+    else
+      ctx.commit();
   }
+  ctx.template wait<0>();  // (nothing is in flight at the end: the last groups are empty)
 
   // The sums over the row's 4 lanes; out = o / l, lse = (m + log2 l) ln 2 (0 and -inf for a
   // row that attends nothing).
@@ -429,25 +461,47 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
 
   float dq[D / 8][4] = {};
   const int64_t end = key_end(p, row0);
+  // The copies in flight at the top of each turn: V's tile, then K's.
+  load_tile<D>(ctx, sh.b, p.v, h, 0, p.s);
+  load_tile<D>(ctx, sh.a, p.k, h, 0, p.s);
   for (int64_t key0 = 0; key0 < end; key0 += kTile) {
-    ctx.sync();
-    load_tile<D>(ctx, sh.a, p.k, h, key0, p.s);
-    load_tile<D>(ctx, sh.b, p.v, h, key0, p.s);
+    const bool more = key0 + kTile < end;
+    ctx.template wait<1>();  // V's tile is here
     ctx.sync();
     float x[kCols][4], dp[kCols][4];
-    product_across<D>(ctx, x, qa, sh.a, g, c);   // S
     product_across<D>(ctx, dp, ga, sh.b, g, c);  // dP = dout V^T
-    MIXTAPE_UNROLL
-    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int r = e / 2;
-      const int64_t j = key0 + elem_col(nt, c, e);
-      const bool in = lse2[r] != kNegInf && rows[r] < p.t && attends(p, mask_rows[r], rows[r], j);
-      const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - lse2[r]) : 0.0f;
-      x[nt][e] = in ? prob * (keep_factor(p, h, rows[r], j) * dp[nt][e] - dot[r]) : 0.0f;  // dS
-    }
+    ctx.template wait<0>();                      // K's tile is here
+    ctx.sync();                                  // and every warp is done with V's
+    if (more)
+      load_tile<D>(ctx, sh.b, p.v, h, key0 + kTile, p.s);
+    else
+      ctx.commit();  // an empty group, so that the waits count as in every turn
+    product_across<D>(ctx, x, qa, sh.a, g, c);  // S
+    // dS; a tile the warp's rows attend whole skips the mask tests (lse2: -inf past t).
+    const auto grads = [&](auto whole) {
+      MIXTAPE_UNROLL
+      for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int64_t j = key0 + elem_col(nt, c, e);
+        bool in = lse2[r] != kNegInf;
+        if constexpr (!decltype(whole)::value) in = in && attends(p, mask_rows[r], rows[r], j);
+        const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - lse2[r]) : 0.0f;
+        x[nt][e] = in ? prob * (keep_factor(p, h, rows[r], j) * dp[nt][e] - dot[r]) : 0.0f;
+      }
+    };
+    if (whole_tile(p, warp_row0, key0))
+      grads(std::true_type{});
+    else
+      grads(std::false_type{});
     product_down<D>(ctx, dq, x, sh.a, g, c);  // dS K
+    ctx.sync();                               // every warp is done with K's tile
+    if (more)
+      load_tile<D>(ctx, sh.a, p.k, h, key0 + kTile, p.s);
+    else
+      ctx.commit();
   }
+  ctx.template wait<0>();  // (nothing is in flight at the end: the last groups are empty)
   store_rows<D>(ctx, p.dq, h, dq, p.scale, warp_row0, p.t, g, c);
 }
 
@@ -465,34 +519,70 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
   load_a<D>(va, p.v, h, warp_key0, p.s, g, c);
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  // Causal: the queries before the block's first key attend none of its keys.
-  const int64_t first = p.causal ? key0 : 0;
-  for (int64_t row0 = first; row0 < p.t; row0 += kTile) {
-    ctx.sync();
-    load_tile<D>(ctx, sh.a, p.q, h, row0, p.t);
-    load_tile<D>(ctx, sh.b, p.dout, h, row0, p.t);
+  const std::uint8_t* mask_head = p.mask.row(h, 0);  // the head's mask rows, or null
+  // The query rows' lse (base 2) and D from row0 into shared memory (plain stores: a barrier
+  // shows them to the block).
+  const auto load_rows = [&](int64_t row0) {
     for (int r = tid; r < kTile; r += kThreads) {
       const bool in = row0 + r < p.t;
       sh.lse[r] = in ? p.lse[h * p.t + row0 + r] * kLog2e : kNegInf;
       sh.dot[r] = in ? p.rowdot[h * p.t + row0 + r] : 0.0f;
     }
+  };
+  // Causal: the queries before the block's first key attend none of its keys.
+  const int64_t first = p.causal ? key0 : 0;
+  // The copies in flight at the top of each turn: dout's tile, then Q's (with the rows' lse
+  // and D, stored plainly).
+  load_tile<D>(ctx, sh.b, p.dout, h, first, p.t);
+  load_tile<D>(ctx, sh.a, p.q, h, first, p.t);
+  load_rows(first);
+  for (int64_t row0 = first; row0 < p.t; row0 += kTile) {
+    const bool more = row0 + kTile < p.t;
+    ctx.template wait<1>();  // dout's tile is here
     ctx.sync();
     float x[kCols][4], dp[kCols][4];
-    product_across<D>(ctx, x, ka, sh.a, g, c);   // S^T
     product_across<D>(ctx, dp, va, sh.b, g, c);  // dP^T = V dout^T
-    MIXTAPE_UNROLL
-    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int64_t j = warp_key0 + elem_row(g, e), q = elem_col(nt, c, e), i = row0 + q;
-      const bool in = sh.lse[q] != kNegInf && i < p.t && attends(p, p.mask.row(h, i), i, j);
-      const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - sh.lse[q]) : 0.0f;  // P^T
-      const float z = in ? keep_factor(p, h, i, j) : 0.0f;
-      dp[nt][e] = in ? prob * (z * dp[nt][e] - sh.dot[q]) : 0.0f;  // dS^T
-      x[nt][e] = prob * z;                                         // (P o Z)^T
-    }
+    ctx.template wait<0>();                      // Q's tile is here
+    ctx.sync();
+    product_across<D>(ctx, x, ka, sh.a, g, c);  // S^T
+    // P^T, dS^T and (P o Z)^T; a tile whose query rows all attend every key of the warp
+    // (sh.lse: -inf past t) skips the mask tests (a loop of its own: fewer registers).
+    const auto weights = [&](auto whole) {
+      MIXTAPE_UNROLL
+      for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = warp_key0 + elem_row(g, e), q = elem_col(nt, c, e), i = row0 + q;
+        bool in = sh.lse[q] != kNegInf;
+        if constexpr (!decltype(whole)::value)
+          in = in && i < p.t &&
+               attends(p, mask_head ? mask_head + i * p.mask.stride : nullptr, i, j);
+        const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - sh.lse[q]) : 0.0f;  // P^T
+        const float z = in ? keep_factor(p, h, i, j) : 0.0f;
+        dp[nt][e] = in ? prob * (z * dp[nt][e] - sh.dot[q]) : 0.0f;  // dS^T
+        x[nt][e] = prob * z;                                         // (P o Z)^T
+      }
+    };
+    if (p.mask.base == nullptr && warp_key0 + kWarpRows <= p.s &&
+        (!p.causal || warp_key0 + kWarpRows - 1 <= row0))
+      weights(std::true_type{});
+    else
+      weights(std::false_type{});
     product_down<D>(ctx, dv, x, sh.b, g, c);
+    ctx.sync();  // every warp is done with dout's tile (and the rows' lse and D)
+    if (more)
+      load_tile<D>(ctx, sh.b, p.dout, h, row0 + kTile, p.t);
+    else
+      ctx.commit();  // an empty group, so that the waits count as in every turn
     product_down<D>(ctx, dk, dp, sh.a, g, c);
+    ctx.sync();  // every warp is done with Q's tile
+    if (more) {
+      load_tile<D>(ctx, sh.a, p.q, h, row0 + kTile, p.t);
+      load_rows(row0 + kTile);
+    } else {
+      ctx.commit();
+    }
   }
+  ctx.template wait<0>();  // (nothing is in flight at the end: the last groups are empty)
   store_rows<D>(ctx, p.dk, h, dk, p.scale, warp_key0, p.s, g, c);
   store_rows<D>(ctx, p.dv, h, dv, 1.0f, warp_key0, p.s, g, c);
 }

@@ -225,6 +225,31 @@ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_
   }
 }
 
+// Lane l gets, of tile i (whose row k lane 8 i + k named), row l / 4 at columns 2 (l % 4) and
+// 2 (l % 4) + 1, the first in the low half; transposed, column l / 4 at rows 2 (l % 4) and
+// 2 (l % 4) + 1 (the PTX manual's "Warp-level matrix load instruction: ldmatrix").
+void ldmatrix_x4(std::uint32_t (&r)[4], const void* row, bool trans) {
+  Warp* warp = nullptr;
+  int lane = 0;
+  Warp::Buffer& x = next_buffer(warp, lane);
+  x.value[lane] = reinterpret_cast<std::uintptr_t>(row);
+  g_block->fibers->arrive_and_wait(warp->met);
+  const auto row_of = [&](int source) {
+    return reinterpret_cast<const std::uint16_t*>(static_cast<std::uintptr_t>(x.value[source]));
+  };
+  for (int i = 0; i < 4; ++i) {
+    std::uint16_t lo = 0, hi = 0;
+    if (trans) {
+      lo = row_of(8 * i + 2 * (lane % 4))[lane / 4];
+      hi = row_of(8 * i + 2 * (lane % 4) + 1)[lane / 4];
+    } else {
+      lo = row_of(8 * i + lane / 4)[2 * (lane % 4)];
+      hi = row_of(8 * i + lane / 4)[2 * (lane % 4) + 1];
+    }
+    r[i] = static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+  }
+}
+
 void run_grid(dim3 grid, dim3 block, void (*thunk)(const void*), const void* closure) {
   const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > kMaxBlockThreads ||

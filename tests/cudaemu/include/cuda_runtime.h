@@ -92,6 +92,10 @@ std::uint64_t exchange(std::uint64_t v, int lane_mask);  // one warp's values, X
 // d += A B for the warp's m16n8k16 fragments (mma.sync ... row.col.f32.{bf16,f16}.f32).
 void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2],
                   bool bf16);
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: the warp's four 8 x 8 tiles of 16-bit
+// elements, lane l naming row l % 8 of tile l / 8 (row: 8 elements); r[i] is the lane's pair of
+// tile i.
+void ldmatrix_x4(std::uint32_t (&r)[4], const void* row, bool trans);
 
 // Fills the bytes of a __shared__ variable with all bits set, the first time a thread of the
 // running block reaches it (later calls in the block leave it alone).
