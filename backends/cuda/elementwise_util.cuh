@@ -232,6 +232,28 @@ __device__ __forceinline__ void strided_offsets(const StridedGeom<K>& g, std::in
   for (int k = 0; k < K; ++k) off[k] += static_cast<std::int64_t>(rem) * g.stride[k][0];
 }
 
+// The sum of part[b n + j] over b = 0 .. blocks - 1, added in that order (the bits of the plain
+// loop): the column sums of per-block partials (the bias and LayerNorm parameter gradients),
+// a thread per column. The loads go out kBatch at a time before their sums: there are few
+// columns (768 threads for a width of 768), and a loop waiting on each load in turn ran at a
+// tenth of the memory's rate.
+template <typename C>
+__device__ __forceinline__ C ordered_column_sum(const C* __restrict__ part, std::int64_t blocks,
+                                                std::int64_t n, std::int64_t j) {
+  constexpr int kBatch = 16;
+  C s = C(0);
+  std::int64_t b = 0;
+  for (; b + kBatch <= blocks; b += kBatch) {
+    C v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = part[(b + k) * n + j];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) s += v[k];
+  }
+  for (; b < blocks; ++b) s += part[b * n + j];
+  return s;
+}
+
 // The host-side merged geometry of K inputs over an output shape (core/strided_layout.h).
 template <int K>
 using Coalesced = detail::StridedLayout<K>;

@@ -65,7 +65,7 @@ __global__ void layer_norm_dx_kernel(const T* __restrict__ x,
     const C mu = mean[r], rs = rstd[r];
     double sg = 0.0, sgx = 0.0;  // in float64, as the CPU's
     for (int64_t j = lane; j < n; j += kWarp) {
-      const C g = gamma ? load(gr[j]) * gamma[j] : load(gr[j]);
+      const C g = gamma ? mul_rn(load(gr[j]), gamma[j]) : load(gr[j]);
       const C xh = (load(xr[j]) - mu) * rs;
       sg += static_cast<double>(g);
       sgx += static_cast<double>(g * xh);
@@ -73,7 +73,9 @@ __global__ void layer_norm_dx_kernel(const T* __restrict__ x,
     const C mg = static_cast<C>(warp_sum(sg) / static_cast<double>(n));
     const C mgx = static_cast<C>(warp_sum(sgx) / static_cast<double>(n));
     for (int64_t j = lane; j < n; j += kWarp) {
-      const C g = gamma ? load(gr[j]) * gamma[j] : load(gr[j]);
+      // dy * gamma rounded on its own, as in the sums: contracted into the subtraction (an
+      // FMA), g - mg would not be 0 where it must be (a row of width 1, whose dx is 0).
+      const C g = gamma ? mul_rn(load(gr[j]), gamma[j]) : load(gr[j]);
       const C xh = (load(xr[j]) - mu) * rs;
       dx[r * n + j] = store<T>(rs * (g - mg - xh * mgx));
     }
@@ -102,11 +104,23 @@ __global__ void layer_norm_params_part_kernel(const T* __restrict__ x,
     const int64_t end =
         b * kRowsPerBlock + kRowsPerBlock < rows ? b * kRowsPerBlock + kRowsPerBlock : rows;
     C sg = C(0), sb = C(0);
-    for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
-      const C g = load(dy[r * n + j]);
-      const C xh = (load(x[r * n + j]) - mean[r]) * rstd[r];
-      sg += g * xh;
-      sb += g;
+    // The rows kBatch at a time, their loads before their arithmetic (as linear.cu's dz
+    // kernel); the sums' order is the rows'.
+    constexpr int kBatch = 8;
+    for (int64_t r0 = b * kRowsPerBlock; r0 < end; r0 += kBatch) {
+      C gs[kBatch], xs[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        gs[k] = r0 + k < end ? load(dy[(r0 + k) * n + j]) : C(0);
+        xs[k] = r0 + k < end ? load(x[(r0 + k) * n + j]) : C(0);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (r0 + k >= end) break;
+        const C xh = (xs[k] - mean[r0 + k]) * rstd[r0 + k];
+        sg += gs[k] * xh;
+        sb += gs[k];
+      }
     }
     part_g[b * n + j] = sg;
     part_b[b * n + j] = sb;
@@ -119,13 +133,8 @@ __global__ void layer_norm_params_sum_kernel(const C* __restrict__ part_g,
                                              const C* __restrict__ part_b, C* __restrict__ dgamma,
                                              C* __restrict__ dbeta, int64_t blocks, int64_t n) {
   MIXTAPE_GRID_LOOP(j, n) {
-    C sg = C(0), sb = C(0);
-    for (int64_t b = 0; b < blocks; ++b) {
-      sg += part_g[b * n + j];
-      sb += part_b[b * n + j];
-    }
-    if (dgamma) dgamma[j] = sg;
-    if (dbeta) dbeta[j] = sb;
+    if (dgamma) dgamma[j] = ordered_column_sum(part_g, blocks, n, j);
+    if (dbeta) dbeta[j] = ordered_column_sum(part_b, blocks, n, j);
   }
 }
 

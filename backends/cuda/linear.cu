@@ -18,6 +18,8 @@
 // Backward: dz = dy act'(z) and the bias gradient's partial sums over fixed blocks of 32 rows
 // in one kernel, then the blocks' sums added in order per column (the same on every run, for
 // any grid).
+#include <algorithm>
+
 #include "backends/cuda/activation_math.cuh"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
@@ -58,17 +60,30 @@ __device__ __forceinline__ C gradient(C s, C g) {
 
 // From the product in buf ([m, n]; it may be pre or out itself, or a float32 buffer B of 16-bit
 // T's product): z = buf + bias, pre = z when pre is given, out = act(z). Each element is read
-// before it is written, by one thread.
+// before it is written, by one thread: column blockIdx.x * blockDim.x + threadIdx.x of rows
+// blockIdx.y, + gridDim.y, ... (a flat index would need its column, a 64-bit remainder per
+// element, which cost more than the memory traffic).
 template <typename T, LinearActivation A, typename B = T>
 __global__ void linear_epilogue_kernel(const B* buf, const compute_of<T>* __restrict__ bias, T* pre,
                                        T* out, int64_t m, int64_t n) {
   using C = compute_of<T>;
-  MIXTAPE_GRID_LOOP(i, m * n) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  const C b = bias ? bias[j] : C(0);
+  for (int64_t r = blockIdx.y; r < m; r += gridDim.y) {
+    const int64_t i = r * n + j;
     C z = load(buf[i]);
-    if (bias) z += bias[i % n];
+    if (bias) z += b;
     if (pre) pre[i] = store<T>(z);
     out[i] = store<T>(activate<A>(z));
   }
+}
+
+// linear_epilogue_kernel's grid: the columns by blocks of kThreads, the rows (at least one
+// block: an empty product launches a block with nothing to do).
+dim3 epilogue_grid(int64_t m, int64_t n) {
+  return {static_cast<unsigned>(std::max<int64_t>(1, (n + kThreads - 1) / kThreads)),
+          static_cast<unsigned>(std::clamp<int64_t>(m, 1, 65535))};
 }
 
 // dz = dy act'(saved) for the rows of block blockIdx.y (and every gridDim.y-th after it),
@@ -85,14 +100,26 @@ __global__ void linear_dz_kernel(const T* __restrict__ dy, const T* __restrict__
     C sum = C(0);
     const int64_t end =
         b * kRowsPerBlock + kRowsPerBlock < m ? b * kRowsPerBlock + kRowsPerBlock : m;
-    for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
-      const int64_t i = r * n + j;
-      C d = load(dy[i]);
-      if constexpr (A != LinearActivation::none) {
-        d = gradient<A>(load(saved[i]), d);
-        dz[i] = store<T>(d);
+    // The rows kBatch at a time, their loads before their arithmetic: a thread waiting on each
+    // row's loads in turn left the memory idle. The sum's order is the rows'.
+    constexpr int kBatch = 8;
+    for (int64_t r0 = b * kRowsPerBlock; r0 < end; r0 += kBatch) {
+      C d[kBatch], s[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int64_t i = (r0 + k) * n + j;
+        d[k] = r0 + k < end ? load(dy[i]) : C(0);
+        if constexpr (A != LinearActivation::none) s[k] = r0 + k < end ? load(saved[i]) : C(0);
       }
-      sum += d;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (r0 + k >= end) break;
+        if constexpr (A != LinearActivation::none) {
+          d[k] = gradient<A>(s[k], d[k]);
+          dz[(r0 + k) * n + j] = store<T>(d[k]);
+        }
+        sum += d[k];
+      }
     }
     if (part) part[b * n + j] = sum;
   }
@@ -102,11 +129,7 @@ __global__ void linear_dz_kernel(const T* __restrict__ dy, const T* __restrict__
 template <typename C>
 __global__ void linear_dbias_kernel(const C* __restrict__ part, C* __restrict__ dbias,
                                     int64_t blocks, int64_t n) {
-  MIXTAPE_GRID_LOOP(j, n) {
-    C s = C(0);
-    for (int64_t b = 0; b < blocks; ++b) s += part[b * n + j];
-    dbias[j] = s;
-  }
+  MIXTAPE_GRID_LOOP(j, n) { dbias[j] = ordered_column_sum(part, blocks, n, j); }
 }
 
 // The product with the epilogue cuBLASLt applies for this activation, if it has one: true
@@ -150,18 +173,20 @@ void linear_host(const kernels::LinearArgs& a) {
     const Tensor wide = Tensor::empty({m, n}, kFloat32, a.out.device());
     linear_gemm_float32(a, wide);
     kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
-      launch_1d({"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A, float>,
-                static_cast<const float*>(wide.const_data_ptr()), bias, pre_out,
-                static_cast<T*>(a.out.data_ptr()), m, n);
+      MIXTAPE_CUDA_LAUNCH(epilogue_grid(m, n), kThreads, on.s, linear_epilogue_kernel<T, A, float>)
+      (static_cast<const float*>(wide.const_data_ptr()), bias, pre_out,
+       static_cast<T*>(a.out.data_ptr()), m, n);
+      check_cuda(cudaGetLastError(), "linear epilogue kernel", __FILE__, __LINE__);
     });
     return;
   }
   if (!biased) linear_gemm(a, buf);
   if (a.activation == LinearActivation::none && !bias && !pre) return;
   kernels::with_linear_activation(a.activation, [&]<LinearActivation A>() {
-    launch_1d({"linear epilogue kernel", m * n, on.s}, linear_epilogue_kernel<T, A>,
-              static_cast<const T*>(buf.const_data_ptr()), bias, pre_out,
-              static_cast<T*>(a.out.data_ptr()), m, n);
+    MIXTAPE_CUDA_LAUNCH(epilogue_grid(m, n), kThreads, on.s, linear_epilogue_kernel<T, A>)
+    (static_cast<const T*>(buf.const_data_ptr()), bias, pre_out, static_cast<T*>(a.out.data_ptr()),
+     m, n);
+    check_cuda(cudaGetLastError(), "linear epilogue kernel", __FILE__, __LINE__);
   });
 }
 

@@ -32,55 +32,52 @@ namespace {
 using kernels::OptimizerUpdate;
 using std::int64_t;
 
-// --- Non-contracting arithmetic in the slot type ------------------------------------------
-
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
-
 // --- unscale_check -------------------------------------------------------------------------
 
 constexpr int kUnscaleChunk = 128;  // tensors per launch (3 KiB of kernel parameters)
 
 struct UnscaleList {
   const void* in[kUnscaleChunk];
-  void* out[kUnscaleChunk];  // null: only check
-  int64_t n[kUnscaleChunk];
+  void* out[kUnscaleChunk];          // null: only check
+  int64_t start[kUnscaleChunk + 1];  // list_walk's offsets: tensor t is [start[t], start[t + 1])
   int count;
 };
 
+// The walk of every list kernel: the tensors of a launch as one sequence (list.start[t], the
+// first index of tensor t; list.start[count], the total), each thread taking its grid-stride
+// share of it and calling f(t, i) for element i of tensor t. Every element is independent work
+// for the whole grid. (A grid sized by the largest tensor, each thread walking every tensor in
+// turn, kept the GPU waiting on one memory access per thread and tensor: measured at about 6
+// times the memory's time for the gradients of a GPT-2-small body.)
+template <class List, class F>
+__device__ __forceinline__ void list_walk(const List& list, F&& f) {
+  int t = 0;
+  MIXTAPE_GRID_LOOP(i, list.start[list.count]) {
+    while (i >= list.start[t + 1]) ++t;
+    f(t, i - list.start[t]);
+  }
+}
+
 // The non-empty xs[i] and their outs[i] (null where outs has none) in chunks of
-// kUnscaleChunk, each handed to launch(chunk, its largest tensor's element count): the list
-// kernels' launches. Every thread walks each tensor of its chunk from its own index (a
-// grid-stride loop per tensor), so the grid is sized by the largest tensor, not by the sum:
-// a grid of the sum would leave all threads past the largest tensor without work.
+// kUnscaleChunk, each handed to launch(chunk, its element count): the list kernels' launches,
+// a grid of the chunk's elements walked by list_walk.
 template <typename Launch>
 void for_each_chunk(const std::vector<Tensor>& xs, const std::vector<Tensor>& outs,
                     Launch&& launch) {
   UnscaleList list{};
-  int64_t widest = 0;
   for (std::size_t i = 0; i < xs.size(); ++i) {
     const int64_t n = xs[i].numel();
     if (n == 0) continue;
     list.in[list.count] = xs[i].const_data_ptr();
     list.out[list.count] = i < outs.size() && outs[i].defined() ? outs[i].data_ptr() : nullptr;
-    list.n[list.count] = n;
+    list.start[list.count + 1] = list.start[list.count] + n;
     ++list.count;
-    widest = std::max(widest, n);
     if (list.count == kUnscaleChunk) {
-      launch(list, widest);
+      launch(list, list.start[list.count]);
       list = UnscaleList{};
-      widest = 0;
     }
   }
-  if (list.count > 0) launch(list, widest);
+  if (list.count > 0) launch(list, list.start[list.count]);
 }
 
 // T: the gradients' device type. kFloatScale: float32 gradients multiply in float32.
@@ -94,24 +91,21 @@ __global__ void unscale_check_kernel(UnscaleList list, double scale, const doubl
       scale_on_device != nullptr ? static_cast<double>(static_cast<float>(scale)) == scale
                                  : kFloatScale;
   bool found = false;
-  for (int t = 0; t < list.count; ++t) {
+  list_walk(list, [&](int t, int64_t i) {
     const T* x = static_cast<const T*>(list.in[t]);
     T* y = static_cast<T*>(list.out[t]);
-    const int64_t n = list.n[t];
-    MIXTAPE_GRID_LOOP(i, n) {
-      const auto v = load(x[i]);  // float (float32 and 16-bit) or double
-      if (!(v - v == decltype(v)(0))) found = true;
-      if (y != nullptr) {
-        if constexpr (std::is_same_v<T, double>)
-          y[i] = __dmul_rn(v, scale);
-        else if constexpr (std::is_same_v<T, float>)
-          y[i] = float_scale ? __fmul_rn(v, static_cast<float>(scale))
-                             : static_cast<float>(__dmul_rn(static_cast<double>(v), scale));
-        else
-          y[i] = store<T>(round_to_odd(__dmul_rn(static_cast<double>(v), scale)));
-      }
+    const auto v = load(x[i]);  // float (float32 and 16-bit) or double
+    if (!(v - v == decltype(v)(0))) found = true;
+    if (y != nullptr) {
+      if constexpr (std::is_same_v<T, double>)
+        y[i] = __dmul_rn(v, scale);
+      else if constexpr (std::is_same_v<T, float>)
+        y[i] = float_scale ? __fmul_rn(v, static_cast<float>(scale))
+                           : static_cast<float>(__dmul_rn(static_cast<double>(v), scale));
+      else
+        y[i] = store<T>(round_to_odd(__dmul_rn(static_cast<double>(v), scale)));
     }
-  }
+  });
   if (found) *flag = 1.0f;
 }
 
@@ -126,8 +120,8 @@ void unscale_check_host(const std::vector<Tensor>& grads, const std::vector<Tens
                               ? static_cast<const double*>(scale_on_device.const_data_ptr())
                               : nullptr;
   const bool float_scale = static_cast<double>(static_cast<float>(scale)) == scale;
-  for_each_chunk(grads, outs, [&](const UnscaleList& list, int64_t widest) {
-    const Launch1d grid("unscale_check kernel", widest, on.s);
+  for_each_chunk(grads, outs, [&](const UnscaleList& list, int64_t total) {
+    const Launch1d grid("unscale_check kernel", total, on.s);
     if (float_scale)
       launch_1d(grid, unscale_check_kernel<T, true>, list, scale, on_device, flag);
     else
@@ -165,16 +159,19 @@ void loss_scale_update_host(const Tensor& found_nonfinite, const Tensor& scale,
 
 // --- sum_squares and scale_list (global-norm clipping) -------------------------------------
 // The tensors of a call go in chunks of kUnscaleChunk, pointers and sizes as a kernel
-// parameter. sum_squares: a fixed grid of kSquareBlocks blocks per chunk, every thread
-// summing its grid-stride elements' squares in float64, each block's sum (a tree over its
-// threads) written to a partial; one block then adds the partials in order to out. The grid
-// and the orders depend on the sizes alone: the same bits on every run.
+// parameter. sum_squares: a grid of up to kSquareBlocks blocks per chunk (fewer for a small
+// chunk), every thread summing its share of list_walk's elements' squares in float64, each
+// block's sum (a tree over its threads) written to a partial; one block then adds the partials
+// in order to out. The grids and the orders depend on the sizes alone: the same bits on every
+// run. (kSquareBlocks: about the blocks an H100 holds at once, 8 of 256 threads per
+// multiprocessor; each thread waits on one load at a time, so fewer threads leave the memory
+// idle.)
 
-constexpr int kSquareBlocks = 256;
+constexpr int kSquareBlocks = 1024;
 
 struct SquareList {
   const void* in[kUnscaleChunk];
-  int64_t n[kUnscaleChunk];
+  int64_t start[kUnscaleChunk + 1];  // as UnscaleList's
   int count;
 };
 
@@ -194,13 +191,10 @@ __device__ double block_sum(double v) {
 template <typename T>
 __global__ void sum_squares_kernel(SquareList list, double* partials) {
   double sum = 0.0;
-  for (int t = 0; t < list.count; ++t) {
-    const T* x = static_cast<const T*>(list.in[t]);
-    MIXTAPE_GRID_LOOP(i, list.n[t]) {
-      const auto v = static_cast<double>(load(x[i]));
-      sum = __dadd_rn(sum, __dmul_rn(v, v));
-    }
-  }
+  list_walk(list, [&](int t, int64_t i) {
+    const auto v = static_cast<double>(load(static_cast<const T*>(list.in[t])[i]));
+    sum = __dadd_rn(sum, __dmul_rn(v, v));
+  });
   const double block = block_sum(sum);
   if (threadIdx.x == 0) partials[blockIdx.x] = block;
 }
@@ -221,17 +215,21 @@ void sum_squares_host(const std::vector<Tensor>& xs, const Tensor& out) {
     if (chunks.back().count == kUnscaleChunk) chunks.emplace_back();
     SquareList& c = chunks.back();
     c.in[c.count] = x.const_data_ptr();
-    c.n[c.count] = x.numel();
+    c.start[c.count + 1] = c.start[c.count] + x.numel();
     ++c.count;
   }
   if (chunks.front().count == 0) return;
   OnDevice on(out);
-  const auto blocks = static_cast<int64_t>(chunks.size()) * kSquareBlocks;
+  std::vector<unsigned> grids;  // each chunk's blocks, each writing a partial
+  int64_t blocks = 0;
+  for (const SquareList& c : chunks) {
+    grids.push_back(std::min<unsigned>(kSquareBlocks, blocks_for(c.start[c.count])));
+    blocks += grids.back();
+  }
   Workspace partials(static_cast<std::size_t>(blocks) * sizeof(double), on.index);
   auto* p = static_cast<double*>(partials.data());
-  for (std::size_t c = 0; c < chunks.size(); ++c) {
-    MIXTAPE_CUDA_LAUNCH(kSquareBlocks, kThreads, on.s, sum_squares_kernel<T>)
-    (chunks[c], p + static_cast<int64_t>(c) * kSquareBlocks);
+  for (std::size_t c = 0, offset = 0; c < chunks.size(); offset += grids[c], ++c) {
+    MIXTAPE_CUDA_LAUNCH(grids[c], kThreads, on.s, sum_squares_kernel<T>)(chunks[c], p + offset);
     MIXTAPE_CUDA_CHECK_LAUNCH("sum_squares kernel");
   }
   MIXTAPE_CUDA_LAUNCH(1, kThreads, on.s, add_partials_kernel)
@@ -244,11 +242,10 @@ template <typename T>
 __global__ void scale_list_kernel(UnscaleList list, const double* factor_p) {
   using C = compute_of<T>;
   const auto factor = static_cast<C>(*factor_p);
-  for (int t = 0; t < list.count; ++t) {
+  list_walk(list, [&](int t, int64_t i) {
     const T* x = static_cast<const T*>(list.in[t]);
-    T* y = static_cast<T*>(list.out[t]);
-    MIXTAPE_GRID_LOOP(i, list.n[t]) { y[i] = store<T>(mul_rn(static_cast<C>(load(x[i])), factor)); }
-  }
+    static_cast<T*>(list.out[t])[i] = store<T>(mul_rn(static_cast<C>(load(x[i])), factor));
+  });
 }
 
 template <typename T>
@@ -257,8 +254,8 @@ void scale_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& o
   if (xs.empty()) return;
   OnDevice on(factor);
   const auto* f = static_cast<const double*>(factor.const_data_ptr());
-  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t widest) {
-    launch_1d({"scale_list kernel", widest, on.s}, scale_list_kernel<T>, list, f);
+  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t total) {
+    launch_1d({"scale_list kernel", total, on.s}, scale_list_kernel<T>, list, f);
   });
 }
 
@@ -267,11 +264,9 @@ void scale_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& o
 // xs[i] widened exactly into outs[i] of type O (float or double), a chunk a launch.
 template <typename T, typename O>
 __global__ void cast_list_kernel(UnscaleList list) {
-  for (int t = 0; t < list.count; ++t) {
-    const T* x = static_cast<const T*>(list.in[t]);
-    O* y = static_cast<O*>(list.out[t]);
-    MIXTAPE_GRID_LOOP(i, list.n[t]) { y[i] = static_cast<O>(load(x[i])); }
-  }
+  list_walk(list, [&](int t, int64_t i) {
+    static_cast<O*>(list.out[t])[i] = static_cast<O>(load(static_cast<const T*>(list.in[t])[i]));
+  });
 }
 
 template <typename T>
@@ -279,8 +274,8 @@ void cast_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& ou
   if (xs.empty()) return;
   OnDevice on(outs.front());
   const bool to_double = outs.front().dtype() == kFloat64;
-  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t widest) {
-    const Launch1d grid("cast_list kernel", widest, on.s);
+  for_each_chunk(xs, outs, [&](const UnscaleList& list, int64_t total) {
+    const Launch1d grid("cast_list kernel", total, on.s);
     if (to_double)
       launch_1d(grid, cast_list_kernel<T, double>, list);
     else if constexpr (!std::is_same_v<T, double>)
@@ -290,13 +285,13 @@ void cast_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& ou
 
 // --- Optimizer updates ----------------------------------------------------------------------
 // A call updates a list of variables (kernels.h): one launch per kUpdateChunk of them, the
-// pointers and sizes travelling as a kernel parameter (as unscale_check's), every thread
-// walking each variable of the chunk with a grid-stride loop.
+// pointers and sizes travelling as a kernel parameter (as unscale_check's), a grid of the
+// chunk's elements walked by list_walk.
 
 template <typename T>
 using slot_of = compute_of<T>;  // float64 for float64, float32 otherwise
 
-constexpr int kUpdateChunk = 48;
+constexpr int kUpdateChunk = 48;  // variables per launch (2.7 KiB of kernel parameters)
 
 // One variable's slots in the slot type (null when unused).
 template <typename S>
@@ -304,7 +299,7 @@ struct Slots {
   S* s1;
   S* s2;
   S* s3;
-};  // variables per launch (2.7 KiB of kernel parameters)
+};
 
 // The variables of one launch: var, grad, the three slots (null when the optimizer does not
 // use them) and the 16-bit copy (null, or float16 / bfloat16: copy_bf16).
@@ -315,7 +310,7 @@ struct UpdateList {
   void* slot2[kUpdateChunk];
   void* slot3[kUpdateChunk];
   void* copy[kUpdateChunk];
-  int64_t n[kUpdateChunk];
+  int64_t start[kUpdateChunk + 1];  // as UnscaleList's
   bool copy_bf16[kUpdateChunk];
   int count;
 };
@@ -369,22 +364,19 @@ __global__ void update_kernel(const float* __restrict__ skip, const double* __re
   using S = slot_of<T>;
   const bool skip_step = skipped(skip);  // a step skipped on the device
   if (rates != nullptr) step.use_rates(rates[0], rates[1]);
-  for (int t = 0; t < list.count; ++t) {
+  list_walk(list, [&](int t, int64_t i) {
     void* copy = list.copy[t];
-    if (skip_step && copy == nullptr) continue;
+    if (skip_step && copy == nullptr) return;
     T* var = static_cast<T*>(list.var[t]);
-    const T* grad = static_cast<const T*>(list.grad[t]);
-    const Slots<S> slots{static_cast<S*>(list.slot1[t]), static_cast<S*>(list.slot2[t]),
-                         static_cast<S*>(list.slot3[t])};
-    MIXTAPE_GRID_LOOP(i, list.n[t]) {
-      S v = load(var[i]);
-      if (!skip_step) {
-        v = step(slots, i, v, load(grad[i]));
-        var[i] = store<T>(v);
-      }
-      write_copy(copy, list.copy_bf16[t], i, v);
+    S v = load(var[i]);
+    if (!skip_step) {
+      const Slots<S> slots{static_cast<S*>(list.slot1[t]), static_cast<S*>(list.slot2[t]),
+                           static_cast<S*>(list.slot3[t])};
+      v = step(slots, i, v, load(static_cast<const T*>(list.grad[t])[i]));
+      var[i] = store<T>(v);
     }
-  }
+    write_copy(copy, list.copy_bf16[t], i, v);
+  });
 }
 
 // Launches update_kernel over the variables of `updates` (one device, one dtype, one set of
@@ -398,12 +390,11 @@ void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, 
   const float* skip = skip_ptr(updates.front());
   const double* rates = rates_ptr(updates.front());
   UpdateList list{};
-  int64_t widest = 0;  // the grid covers the largest variable (as for_each_chunk's)
   auto launch = [&]() {
     if (list.count > 0)
-      launch_1d({name, widest, on.s}, update_kernel<T, Step>, skip, rates, list, step);
+      launch_1d({name, list.start[list.count], on.s}, update_kernel<T, Step>, skip, rates, list,
+                step);
     list = UpdateList{};
-    widest = 0;
   };
   for (const OptimizerUpdate& u : updates) {
     check_copy<T>(u);
@@ -417,9 +408,8 @@ void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, 
     list.slot3[c] = ptr_or_null(u.slot3);
     list.copy[c] = ptr_or_null(u.copy);
     list.copy_bf16[c] = u.copy.defined() && u.copy.dtype() == kBFloat16;
-    list.n[c] = n;
+    list.start[c + 1] = list.start[c] + n;
     ++list.count;
-    widest = std::max(widest, n);
     if (list.count == kUpdateChunk) launch();
   }
   launch();

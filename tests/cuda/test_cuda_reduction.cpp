@@ -388,3 +388,33 @@ TEST_CASE("cuda gradients: reductions and softmax through a GradientTape", "[cud
     cu::check_close(g_gpu[1], g_cpu[1], tol, "d/dw");
   }
 }
+
+// The bias and LayerNorm parameter gradients are column sums of per-32-row partial sums, added
+// in block order (backends/cuda/elementwise_util.cuh's ordered_column_sum loads them 16 blocks
+// at a time): 1100 rows (35 blocks: two batches and a rest) and 300 columns (two blocks of
+// threads), the sums of plain additions bit for bit the CPU's.
+TEST_CASE("cuda column sums: bias and LayerNorm parameter gradients of many rows, as the CPU's",
+          "[cuda]") {
+  const int64_t m = 1100, n = 300;
+  const Tensor x = cu::random({m, n}, mt::kFloat32, 61);
+  const Tensor w = cu::random({n, n}, mt::kFloat32, 62);
+  const Tensor b = cu::random({n}, mt::kFloat32, 63);
+  const Tensor gamma = cu::random({n}, mt::kFloat32, 64, 0.5, 1.5);
+  const Tensor beta = cu::random({n}, mt::kFloat32, 65);
+  const Tensor r = cu::random({m, n}, mt::kFloat32, 66);
+  const auto grads_on = [&](mt::Device d) {
+    Tensor bd = b.to(d), gd = gamma.to(d), ed = beta.to(d);
+    mt::GradientTape tape;
+    tape.watch(std::vector<Tensor>{bd, gd, ed});
+    const Tensor y = mt::linear(x.to(d), w.to(d), bd);
+    const Tensor z = mt::layer_norm(x.to(d), gd, ed, 1e-5);
+    const Tensor loss = mt::sum(y * r.to(d)) + mt::sum(z * r.to(d));
+    return tape.gradient(loss, std::vector<Tensor>{bd, gd, ed});
+  };
+  const auto gpu = grads_on(cu::kGpu), cpu = grads_on(mt::Device::cpu());
+  REQUIRE(gpu.size() == 3);
+  cu::check_bits(gpu[0], cpu[0], "dbias: the column sums of r");
+  cu::check_bits(gpu[2], cpu[2], "dbeta: the column sums of r");
+  // dgamma sums dy xhat: products that nvcc may contract into the sums (FMA).
+  cu::check_close(gpu[1], cpu[1], 1e-5, "dgamma");
+}
