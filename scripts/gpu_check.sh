@@ -33,6 +33,7 @@
 #            only the step each program marks (cudaProfilerStart/Stop: mixtape-charlm's
 #            --kernel-census step, charlm_reference.py's --profile-step), summed by kernel with
 #            scripts/ncu_summary.py into gpt_profile.txt
+#   f8profile   the same for mixtape's step under mixed_float8 (not in the default steps)
 #   float8   mixed_float8 against mixed_bfloat16 (FP8 GEMMs on Hopper): the guide workload and
 #            the GPT-2-small body (FLOAT8_STEPS steps, default 300: tokens/s and the validation
 #            loss) alternated in ROUNDS rounds, the GPT-2-small body once under
@@ -343,6 +344,11 @@ elif want gptprofile; then
   PYTHONUNBUFFERED=1 gpt_ncu pytorch_gpt2_bf16 python3 "$bundle/bench/charlm_reference.py" \
     --device cuda --text "$bundle/data/charlm.txt" --precision mixed_bfloat16 \
     --preset gpt2-small --batch 8 --steps 3 --log-every 3 --profile-step 2
+fi
+if want f8profile && command -v ncu >/dev/null; then
+  gpt_ncu mixtape_gpt2_fp8 "$bundle/run.sh" mixtape-charlm --device cuda \
+    --text "$bundle/data/charlm.txt" --policy mixed_float8 --preset gpt2-small --batch 8 \
+    --steps 3 --log-every 3 --eval-every 0 --sample 0 --kernel-census
 fi
 if want float8; then
   # mixed_float8's goals (issue 37): its rate against mixed_bfloat16's on the guide MLP and the
