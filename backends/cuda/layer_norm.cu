@@ -104,23 +104,11 @@ __global__ void layer_norm_params_part_kernel(const T* __restrict__ x,
     const int64_t end =
         b * kRowsPerBlock + kRowsPerBlock < rows ? b * kRowsPerBlock + kRowsPerBlock : rows;
     C sg = C(0), sb = C(0);
-    // The rows kBatch at a time, their loads before their arithmetic (as linear.cu's dz
-    // kernel); the sums' order is the rows'.
-    constexpr int kBatch = 8;
-    for (int64_t r0 = b * kRowsPerBlock; r0 < end; r0 += kBatch) {
-      C gs[kBatch], xs[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        gs[k] = r0 + k < end ? load(dy[(r0 + k) * n + j]) : C(0);
-        xs[k] = r0 + k < end ? load(x[(r0 + k) * n + j]) : C(0);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        if (r0 + k >= end) break;
-        const C xh = (xs[k] - mean[r0 + k]) * rstd[r0 + k];
-        sg += gs[k] * xh;
-        sb += gs[k];
-      }
+    for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
+      const C g = load(dy[r * n + j]);
+      const C xh = (load(x[r * n + j]) - mean[r]) * rstd[r];
+      sg += g * xh;
+      sb += g;
     }
     part_g[b * n + j] = sg;
     part_b[b * n + j] = sb;

@@ -628,3 +628,42 @@ TEST_CASE("cuda optimizer: the finiteness check decided on the device, reported 
   CHECK(gpu_adam.iterations() == host_adam.iterations());
   CHECK(w.to_vector<double>() == hw.to_vector<double>());
 }
+
+// The list kernels (backends/cuda/optim.cu) walk a launch's tensors as one sequence in pieces
+// of 2048 elements, a block per piece, sum_squares on at most 1024 blocks a launch (so its
+// blocks take several pieces each here): 150 tensors (two launches of up to 128) of sizes from
+// 0 to 70,001, 2.3 M elements in all, pieces starting inside tensors and spanning several.
+TEST_CASE("cuda list kernels: 150 tensors over many pieces against the CPU", "[cuda]") {
+  const std::vector<int64_t> sizes = {0, 1, 2047, 2049, 70001, 5, 4096, 33000, 3};
+  for (DType dt : {mt::kFloat32, mt::kBFloat16}) {
+    INFO(dt.name());
+    std::vector<Tensor> xs_cpu, xs_gpu, scaled_cpu, scaled_gpu, wide_cpu, wide_gpu;
+    std::uint64_t seed = 1700;
+    for (int i = 0; i < 150; ++i) {
+      const int64_t n = sizes[static_cast<std::size_t>(i) % sizes.size()];
+      xs_cpu.push_back(random_of({n}, dt, ++seed));
+      xs_gpu.push_back(gpu(xs_cpu.back()));
+      scaled_cpu.push_back(Tensor::empty({n}, dt));
+      scaled_gpu.push_back(cu::poisoned({n}, dt));
+      wide_cpu.push_back(Tensor::empty({n}, mt::kFloat32));
+      wide_gpu.push_back(cu::poisoned({n}, mt::kFloat32));
+    }
+    // sum_squares adds in an order of its own: float64 sums of 2.3 M squares agree closely.
+    Tensor sum_cpu = mt::zeros({}, mt::kFloat64), sum_gpu = mt::zeros({}, mt::kFloat64, cu::kGpu);
+    cpu_kernel<mt::kernels::SumSquaresFn>(OpId::sum_squares, dt)(xs_cpu, sum_cpu);
+    gpu_kernel<mt::kernels::SumSquaresFn>(OpId::sum_squares, dt)(xs_gpu, sum_gpu);
+    CHECK(sum_gpu.item<double>() == Approx(sum_cpu.item<double>()).epsilon(1e-12));
+    const Tensor factor_cpu = mt::full({}, 0.3, mt::kFloat64);
+    cpu_kernel<mt::kernels::ScaleListFn>(OpId::scale_list, dt)(xs_cpu, scaled_cpu, factor_cpu);
+    gpu_kernel<mt::kernels::ScaleListFn>(OpId::scale_list, dt)(xs_gpu, scaled_gpu, gpu(factor_cpu));
+    if (dt != mt::kFloat32) {
+      cpu_kernel<mt::kernels::CastListFn>(OpId::cast_list, dt)(xs_cpu, wide_cpu);
+      gpu_kernel<mt::kernels::CastListFn>(OpId::cast_list, dt)(xs_gpu, wide_gpu);
+    }
+    for (std::size_t i = 0; i < xs_cpu.size(); ++i) {
+      INFO("tensor " << i << " of " << xs_cpu[i].numel());
+      cu::check_bits(scaled_gpu[i], scaled_cpu[i], "scale_list");
+      if (dt != mt::kFloat32) cu::check_bits(wide_gpu[i], wide_cpu[i], "cast_list");
+    }
+  }
+}
