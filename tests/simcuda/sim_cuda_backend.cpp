@@ -10,16 +10,19 @@
 // they are emulated, the real backend's own (gemm.cpp's cuBLASLt calls on an emulated
 // cuBLASLt). What it cannot show: the real backend's streams, memory, CUDA graphs, cuDNN, the
 // libraries' own arithmetic, or a host wait.
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "mixtape/backends/cpu.h"   // the CPU backend's initializer first: its kernels are copied
 #include "mixtape/backends/cuda.h"  // announces register_backend_and_kernels, defined here
 #include "mixtape/core/backend.h"
+#include "mixtape/core/capture.h"
 #include "mixtape/core/dispatch.h"
 #include "mixtape/core/error.h"
 #include "mixtape/core/kernels.h"
@@ -53,7 +56,22 @@ class SimulatedCudaBackend final : public Backend {
   void deallocate(void* ptr, std::size_t, int) override {
     ::operator delete (ptr, std::align_val_t{64});
   }
-  void copy(void* dst, Device, const void* src, Device, std::size_t nbytes) override {
+  // While the calling thread captures a step, a GPU copies nothing: the copy is a node of the
+  // graph that each replay runs, from a snapshot of host memory taken now (the CUDA backend's
+  // pinned buffer) or from device memory as it is then. So here, recorded and not run: a
+  // tensor the capture copies to the device holds nothing until a replay.
+  void copy(void* dst, Device, const void* src, Device src_device, std::size_t nbytes) override {
+    if (capture::detail::state() != nullptr) {
+      if (src_device.is_cpu()) {
+        const auto* from = static_cast<const std::byte*>(src);
+        auto bytes = std::make_shared<const std::vector<std::byte>>(from, from + nbytes);
+        capture::detail::record_or_run(
+            [dst, bytes] { std::memmove(dst, bytes->data(), bytes->size()); });
+      } else {
+        capture::detail::record_or_run([dst, src, nbytes] { std::memmove(dst, src, nbytes); });
+      }
+      return;
+    }
     std::memmove(dst, src, nbytes);
   }
   void synchronize(int) override {}
