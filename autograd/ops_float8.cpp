@@ -1,5 +1,5 @@
-// scaled_matmul (the op of the same name) and quantize_float8 (made of other ops): the FP8
-// building blocks of mixtape/autograd/ops.h.
+// scaled_matmul and quantize_float8 (the ops of the same names) and float8_linear (made of
+// them): the FP8 building blocks of mixtape/autograd/ops.h.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -83,13 +83,18 @@ Tensor scaled_matmul(const Tensor& a, const Tensor& b_t, const Tensor& scale_a,
 
 namespace {
 
-// quantize_float8's two forms: the factor into the format's range is max_of(dtype) /
-// reference / 2^margin, 1 for a zero reference; the reference is this step's amax, or with
-// a history its largest amax (this step's while it is all zero), the step's amax then rolled
-// in when `update`.
-Float8Quantized quantize(const Tensor& x, DType dtype, const Tensor* history, int margin,
-                         bool update) {
-  const char* name = "quantize_float8";
+// quantize_float8 in either form (history null: current scaling), through the op of that name
+// (three passes on the device: the amax, the factor, the conversion). `layout` says which of
+// x's FP8 layouts to write: x's own (data), its transpose (data_t, x of rank 2), or both;
+// float8_linear's backward pass takes the transposes, written in the same pass.
+struct Quantized {
+  Tensor data, data_t, scale, amax;
+};
+enum class Layout : std::uint8_t { own, transposed, both };
+
+Quantized quantize(const Tensor& x, DType dtype, const Tensor* history, int margin, bool update,
+                   Layout layout = Layout::own) {
+  const char* name = op_name(OpId::quantize_float8);
   detail::check_inputs(name, history ? std::vector<Tensor>{x, *history} : std::vector<Tensor>{x});
   if (!dtype.is_float8())
     throw DTypeError(
@@ -104,46 +109,48 @@ Float8Quantized quantize(const Tensor& x, DType dtype, const Tensor* history, in
         name, detail::describe({x, *history})));
   if (margin < 0 || margin > 64)
     throw ValueError(fmt::format("{}: the margin must be in [0, 64]; got {}", name, margin));
-  NoGradGuard no_grad;
-  const double max = dtype == kFloat8E4M3FN ? float8_e4m3fn::max() : float8_e5m2::max();
-  const Tensor wide = cast(x, kFloat32);
-  const Tensor amax =
-      reshape(x.numel() > 0 ? mixtape::max(abs(wide)) : zeros({}, kFloat32, x.device()), Shape{1});
-  const Tensor zero = zeros_like(amax);
-  Tensor reference = amax;
-  if (history) {
-    const Tensor recorded = reshape(mixtape::max(*history), Shape{1});
-    reference = where(greater(recorded, zero), recorded, amax);
-  }
-  const Tensor factor =
-      where(greater(reference, zero), full_like(amax, std::ldexp(max, -margin)) / reference,
-            ones_like(amax));
-  Float8Quantized q{cast(wide * factor, dtype), 1.0 / factor, amax};
-  if (history && update) {
-    // Newest first: [amax, history[0], ..., history[length - 2]], written over the history.
-    const std::int64_t length = history->numel();
-    const Tensor rolled =
-        detail::contiguous_raw(concat({amax, history->slice(0, 0, length - 1)}, 0));
-    find_kernel<kernels::CopyFn>(OpId::copy, history->device().type(), kFloat32)(rolled, *history);
-  }
+  const bool own = layout != Layout::transposed, transposed = layout != Layout::own;
+  if (transposed && x.rank() != 2)
+    throw ShapeError(
+        fmt::format("{}: a transposed layout needs a matrix; got {}", name, detail::describe({x})));
+  const auto kernel =
+      detail::kernel_for<kernels::QuantizeFloat8Fn>(OpId::quantize_float8, x.dtype(), {x});
+  // Rows of the last axis (the kernel's tiles), all of x.
+  const std::int64_t cols = x.rank() == 0 ? 1 : x.dim(-1);
+  std::int64_t rows = 1;
+  for (std::size_t i = 0; i + 1 < x.rank(); ++i) rows *= x.dim(static_cast<int>(i));
+  Quantized q;
+  if (own) q.data = Tensor::empty(x.shape(), dtype, x.device());
+  if (transposed) q.data_t = Tensor::empty(Shape{cols, rows}, dtype, x.device());
+  q.scale = Tensor::empty(Shape{1}, kFloat32, x.device());
+  q.amax = Tensor::empty(Shape{1}, kFloat32, x.device());
+  kernel({.x = detail::contiguous_raw(x),
+          .data = q.data,
+          .data_t = q.data_t,
+          .scale = q.scale,
+          .amax = q.amax,
+          .history = history ? *history : Tensor(),
+          .rows = rows,
+          .cols = cols,
+          .margin = margin,
+          .update = update});
   return q;
 }
+
+Float8Quantized public_form(Quantized q) { return {q.data, q.scale, q.amax}; }
 
 }  // namespace
 
 Float8Quantized quantize_float8(const Tensor& x, DType dtype) {
-  return quantize(x, dtype, nullptr, 0, false);
+  return public_form(quantize(x, dtype, nullptr, 0, false));
 }
 
 Float8Quantized quantize_float8(const Tensor& x, DType dtype, const Tensor& history, int margin,
                                 bool update) {
-  return quantize(x, dtype, &history, margin, update);
+  return public_form(quantize(x, dtype, &history, margin, update));
 }
 
 namespace {
-
-// An FP8 tensor's transpose, contiguous (a copy of bytes: the scale stays).
-Tensor transposed(const Tensor& t) { return detail::contiguous_raw(transpose(t)); }
 
 bool linear_dtype(DType d) { return d == kFloat32 || d == kBFloat16 || d == kFloat16; }
 
@@ -163,27 +170,29 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
   const std::int64_t k = w.dim(0), n = w.dim(1), m = x.numel() / std::max<std::int64_t>(k, 1);
   std::vector<std::int64_t> out_dims = x.shape().dims();
   out_dims.back() = n;
-  Float8Quantized qx, qwt;
+  // The forward product takes x [m, k] and w transposed [n, k]; a backward pass takes x
+  // transposed [k, m] (for dw) and w [k, n] (for dx): when the tape records this op, the
+  // quantisations write those layouts in the same pass, and the backward pass keeps only them.
+  const bool recorded = should_record({x, w});
+  const Tensor* no_history = nullptr;
+  const int margin = delayed ? delayed->margin : 0;
+  const bool update = delayed && delayed->update;
+  Quantized qx, qw;
   Tensor y;
   {
     NoGradGuard no_grad;
-    if (delayed) {
-      qx = quantize_float8(reshape(x, Shape{m, k}), kFloat8E4M3FN, delayed->input, delayed->margin,
-                           delayed->update);
-      qwt = quantize_float8(transpose(w), kFloat8E4M3FN, delayed->weight, delayed->margin,
-                            delayed->update);
-    } else {
-      qx = quantize_float8(reshape(x, Shape{m, k}), kFloat8E4M3FN);
-      qwt = quantize_float8(transpose(w), kFloat8E4M3FN);  // [n, k]
-    }
-    y = reshape(scaled_matmul_impl(qx.data, qwt.data, qx.scale, qwt.scale,
+    qx = quantize(reshape(x, Shape{m, k}), kFloat8E4M3FN, delayed ? &delayed->input : no_history,
+                  margin, update, recorded ? Layout::both : Layout::own);
+    qw = quantize(w, kFloat8E4M3FN, delayed ? &delayed->weight : no_history, margin, update,
+                  recorded ? Layout::both : Layout::transposed);
+    y = reshape(scaled_matmul_impl(qx.data, qw.data_t, qx.scale, qw.scale,
                                    {.out_dtype = out_dtype, .fast_accumulation = true}, false),
                 Shape(out_dims));
   }
-  if (should_record({x, w}))
+  if (recorded)
     record_op(
         name, {x, w}, y,
-        [x, w, qx, qwt, m, n, k,
+        [x, w, x_t = qx.data_t, x_scale = qx.scale, w8 = qw.data, w_scale = qw.scale, m, n, k,
          history = delayed ? std::optional<Float8History>(*delayed) : std::nullopt](
             const Tensor& g, const std::vector<bool>& needs) {
           if (should_record({x, w, g})) {
@@ -198,18 +207,21 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
                          : Tensor()};
           }
           NoGradGuard no_grad;
-          const Tensor g2 = reshape(g, Shape{m, n});
-          const Float8Quantized qg = history ? quantize_float8(g2, kFloat8E5M2, history->grad,
-                                                               history->margin, history->update)
-                                             : quantize_float8(g2, kFloat8E5M2);
+          // dy [m, n] for dx, its transpose [n, m] for dw.
+          const Layout layout = needs[0] && needs[1] ? Layout::both
+                                : needs[0]           ? Layout::own
+                                                     : Layout::transposed;
+          const Quantized qg =
+              quantize(reshape(g, Shape{m, n}), kFloat8E5M2, history ? &history->grad : nullptr,
+                       history ? history->margin : 0, history && history->update, layout);
           Tensor dx, dw;
           if (needs[0])  // [m, n] x [k, n]^T
-            dx = reshape(scaled_matmul_impl(qg.data, transposed(qwt.data), qg.scale, qwt.scale,
-                                            {.out_dtype = x.dtype()}, false),
-                         x.shape());
+            dx = reshape(
+                scaled_matmul_impl(qg.data, w8, qg.scale, w_scale, {.out_dtype = x.dtype()}, false),
+                x.shape());
           if (needs[1])  // [k, m] x [n, m]^T
-            dw = scaled_matmul_impl(transposed(qx.data), transposed(qg.data), qx.scale, qg.scale,
-                                    {.out_dtype = w.dtype()}, false);
+            dw = scaled_matmul_impl(x_t, qg.data_t, x_scale, qg.scale, {.out_dtype = w.dtype()},
+                                    false);
           return detail::Grads{dx, dw};
         });
   return y;

@@ -112,7 +112,7 @@ if want fresh; then
   for group in "attention attention_backward" "linear linear_backward" \
     "layer_norm layer_norm_backward softmax_cross_entropy softmax_cross_entropy_backward dropout" \
     "adam_update sgd_update rmsprop_update sum_squares scale_list cast_list unscale_check loss_scale_update" \
-    "scaled_matmul cast"; do
+    "scaled_matmul quantize_float8 cast"; do
     ops=()
     for op in $group; do ops+=(--op "$op"); done
     t0=$SECONDS

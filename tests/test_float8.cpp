@@ -604,6 +604,88 @@ TEST_CASE("float8: quantize_float8 with an amax history scales by the history, r
              Contains("the margin must be in [0, 64]; got -1"));
 }
 
+// quantize_float8 is one op with a kernel per backend; here it is checked against the ops it
+// is defined by (docs/dtypes.md): amax = max |float32(x)|, factor = max_of(format) / 2^margin /
+// reference (1 when the reference is not > 0), data = float8(float32(x) * factor), scale =
+// 1 / factor, the history rolled after its largest element was read.
+TEST_CASE("float8: quantize_float8's kernel is the composition that defines it, bit for bit",
+          "[float8]") {
+  std::mt19937_64 rng(77);
+  std::normal_distribution<double> normal;
+  std::uniform_int_distribution<int> binade(-20, 20);
+  struct Composed {
+    mt::Tensor data, scale, amax;
+  };
+  const auto composed = [](const mt::Tensor& x, mt::DType dtype, const mt::Tensor* history,
+                           int margin) {
+    const double top = dtype == mt::kFloat8E4M3FN ? 448.0 : 57344.0;
+    const mt::Tensor wide = mt::cast(x, mt::kFloat32);
+    const mt::Tensor amax = mt::reshape(mt::max(mt::abs(wide)), {1});
+    const mt::Tensor zero = mt::zeros({1});
+    mt::Tensor reference = amax;
+    if (history) {
+      const mt::Tensor recorded = mt::reshape(mt::max(*history), {1});
+      reference = mt::where(mt::greater(recorded, zero), recorded, amax);
+    }
+    const mt::Tensor factor =
+        mt::where(mt::greater(reference, zero), mt::full({1}, std::ldexp(top, -margin)) / reference,
+                  mt::ones({1}));
+    return Composed{mt::cast(wide * factor, dtype), mt::ones({1}) / factor, amax};
+  };
+  const auto bytes = [](const mt::Tensor& t) {
+    std::vector<std::uint8_t> b(static_cast<std::size_t>(t.numel()));
+    std::memcpy(b.data(), t.contiguous().const_data_ptr(), b.size());
+    return b;
+  };
+  const auto same_float = [](const mt::Tensor& a, const mt::Tensor& b) {
+    const float x = a.item<float>(), y = b.item<float>();
+    return x == y || (std::isnan(x) && std::isnan(y));
+  };
+  for (const mt::DType in : {mt::kFloat32, mt::kBFloat16, mt::kFloat16, mt::kFloat64})
+    for (const Spec& f : {kE4M3, kE5M2})
+      for (const int margin : {0, 3}) {
+        CAPTURE(in.name(), f.dtype.name(), margin);
+        // Magnitudes over 2^-20 .. 2^20 (the formats' subnormals to beyond their range), and
+        // a tensor large enough for several blocks of the kernels' passes.
+        std::vector<double> values(300 * 1031);
+        for (double& v : values) v = std::ldexp(normal(rng), binade(rng));
+        const mt::Tensor x = mt::cast(mt::from_vector(values, {300, 1031}), in);
+        // Current scaling (no margin), then delayed.
+        const Composed want = composed(x, f.dtype, nullptr, 0);
+        const mt::Float8Quantized got = mt::quantize_float8(x, f.dtype);
+        CHECK(bytes(got.data) == bytes(want.data));
+        CHECK(same_float(got.amax, want.amax));
+        CHECK(same_float(got.scale, want.scale));
+        // Delayed: a history below this amax (saturation), one with a NaN (this step's amax).
+        for (const float recorded : {0.5f, std::numeric_limits<float>::quiet_NaN()}) {
+          const mt::Tensor history = mt::from_vector<float>({0.25f, recorded, 0.125f}, {3});
+          const Composed delayed = composed(x, f.dtype, &history, margin);
+          const mt::Float8Quantized q = mt::quantize_float8(x, f.dtype, history, margin, true);
+          CHECK(bytes(q.data) == bytes(delayed.data));
+          CHECK(same_float(q.scale, delayed.scale));
+          const std::vector<float> rolled = history.to_vector<float>();
+          CHECK(rolled[0] == q.amax.item<float>());
+          CHECK(rolled[1] == 0.25f);
+          CHECK((rolled[2] == recorded || (std::isnan(rolled[2]) && std::isnan(recorded))));
+        }
+      }
+  // NaN and infinity in x: a NaN amax leaves the factor 1, an infinite one makes it 0.
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf}) {
+    const mt::Tensor x = mt::from_vector<float>({1.0f, bad, -2.0f, 0.5f}, {2, 2});
+    const Composed want = composed(x, mt::kFloat8E4M3FN, nullptr, 0);
+    const mt::Float8Quantized got = mt::quantize_float8(x, mt::kFloat8E4M3FN);
+    CHECK(bytes(got.data) == bytes(want.data));
+    CHECK(same_float(got.scale, want.scale));
+    CHECK(same_float(got.amax, want.amax));
+  }
+  // Empty: amax 0, scale 1.
+  const mt::Float8Quantized empty = mt::quantize_float8(mt::zeros({0, 7}), mt::kFloat8E5M2);
+  CHECK(empty.data.shape() == mt::Shape{0, 7});
+  CHECK(empty.amax.item<float>() == 0.0f);
+  CHECK(empty.scale.item<float>() == 1.0f);
+}
+
 TEST_CASE(
     "float8: float8_linear with delayed scaling: the first step as current scaling, the "
     "histories of x, w and the gradient rolled",

@@ -98,6 +98,7 @@ void register_backend_and_kernels() {
   register_dropout_kernels();
   register_cross_entropy_kernels();
   register_float8_gemm_kernels();
+  register_quantize_kernels();
 }
 
 }  // namespace mixtape::cpu

@@ -36,6 +36,7 @@ void register_layer_norm_kernels();     // layer_norm and its backward pass (fus
 void register_dropout_kernels();        // dropout (a counter-based mask, not stored)
 void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward pass (fused)
 void register_float8_gemm_kernels();    // scaled_matmul (FP8 operands, emulated in float32)
+void register_quantize_kernels();       // quantize_float8 (amax, factor, conversion to FP8)
 
 // Below this many elements a kernel runs on one thread.
 inline constexpr std::int64_t kParallelGrain = 32768;

@@ -30,6 +30,7 @@ void register_layer_norm_kernels();     // layer_norm and its backward pass, fus
 void register_dropout_kernels();        // dropout, a counter-based mask (dropout.cu)
 void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward (cross_entropy.cu)
 void register_linear_kernels();         // linear and its backward pass, fused (linear.cu)
+void register_float8_kernels();         // quantize_float8: amax, factor, conversion (float8.cu)
 
 // --- The linear op's products (gemm.cpp, for linear.cu) -----------------------------------
 

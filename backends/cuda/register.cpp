@@ -17,6 +17,7 @@ void register_all_kernels() {
   register_dropout_kernels();
   register_linear_kernels();
   register_cross_entropy_kernels();
+  register_float8_kernels();
 }
 
 }  // namespace mixtape::cuda_backend

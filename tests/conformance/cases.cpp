@@ -991,6 +991,89 @@ void scaled_matmul(Context& c) {
   }
 }
 
+// quantize_float8: x (the dtype under test) against the CPU's float64 kernel on the same
+// values, which widens x to float32 first: the same arithmetic, so the FP8 bytes (x's layout
+// and its transpose), the scale, the amax and the rolled history must agree exactly. Both
+// formats, current and delayed scaling (a history of zeros, of amaxes below and above x's,
+// with a NaN), margins, an all-zero x, NaN and infinity in x, empty and odd shapes, x not
+// 16-byte aligned, and more elements than the CUDA kernel's amax blocks cover in one pass.
+void quantize_float8_cases(Context& c) {
+  enum class Values { spread, zeros, special, infinite };
+  enum class History { none, zeros, low, high, nan };
+  struct Case {
+    int64_t rows, cols;
+    bool own, transposed;
+    Values values;
+    History history;
+    int margin;
+    bool update;
+    int64_t offset = 0;  // x starts this many elements into its storage (unaligned)
+  };
+  const std::vector<Case> cases{{7, 300, true, false, Values::spread, History::none, 0, false, 1},
+                                {7, 300, true, true, Values::spread, History::low, 0, true, 3},
+                                {1, 1, true, false, Values::spread, History::none, 0, false},
+                                {7, 33, true, true, Values::spread, History::none, 0, false},
+                                {64, 96, false, true, Values::spread, History::none, 0, false},
+                                {37, 70, true, true, Values::spread, History::low, 0, true},
+                                {37, 70, true, false, Values::spread, History::high, 2, true},
+                                {5, 300, true, true, Values::spread, History::zeros, 1, true},
+                                {9, 16, true, true, Values::zeros, History::none, 0, false},
+                                {9, 16, true, true, Values::zeros, History::high, 0, false},
+                                {3, 40, true, true, Values::special, History::none, 0, false},
+                                {3, 40, true, true, Values::infinite, History::none, 0, false},
+                                {6, 20, true, false, Values::spread, History::nan, 0, true},
+                                {0, 8, true, true, Values::spread, History::low, 0, true},
+                                {8, 0, true, true, Values::spread, History::none, 0, false},
+                                {1031, 300, true, true, Values::spread, History::low, 3, true}};
+  int number = 0;
+  for (const DType format : {kFloat8E4M3FN, kFloat8E5M2})
+    for (const Case& cs : cases) {
+      int64_t i = 0;
+      // Magnitudes over many binades: the formats' subnormals, normals and beyond their range.
+      const Pair base = c.make({cs.rows * cs.cols + cs.offset}, [&]() -> double {
+        const int64_t k = i++;
+        if (cs.values == Values::zeros) return k % 3 == 0 ? -0.0 : 0.0;
+        if (cs.values == Values::special && k < 3) return k == 0 ? kInf : k == 1 ? -kInf : kNaN;
+        if (cs.values == Values::infinite && k == 5) return -kInf;
+        return c.uniform(-1.0, 1.0) * std::ldexp(1.0, static_cast<int>(c.integer(-12, 12)));
+      });
+      const Pair x = Context::view(base, {cs.rows, cs.cols}, Strides({cs.cols, 1}), cs.offset);
+      const int64_t length = 5;
+      Tensor history, ref_history;
+      if (cs.history != History::none) {
+        std::vector<double> h(length, 0.0);
+        for (int64_t j = 0; j < length; ++j) {
+          if (cs.history == History::low) h[static_cast<std::size_t>(j)] = c.uniform(0.5, 2.0);
+          if (cs.history == History::high) h[static_cast<std::size_t>(j)] = c.uniform(1e4, 2e4);
+          if (cs.history == History::nan) h[static_cast<std::size_t>(j)] = j == 2 ? kNaN : 1.0;
+        }
+        ref_history = from_vector(h, {length}, kFloat32);
+        history = from_vector(h, {length}, kFloat32, c.device());  // its own copy on the CPU too
+      }
+      const auto outputs = [&](Device d) {
+        kernels::QuantizeFloat8Args a;
+        if (cs.own) a.data = full({cs.rows, cs.cols}, 0.0, format, d);
+        if (cs.transposed) a.data_t = full({cs.cols, cs.rows}, 0.0, format, d);
+        a.scale = full({1}, kNaN, kFloat32, d);
+        a.amax = full({1}, kNaN, kFloat32, d);
+        a.rows = cs.rows, a.cols = cs.cols, a.margin = cs.margin, a.update = cs.update;
+        return a;
+      };
+      kernels::QuantizeFloat8Args got = outputs(c.device()), want = outputs(Device::cpu());
+      got.x = x.tested, got.history = history;
+      want.x = x.ref, want.history = ref_history;
+      tested_kernel<kernels::QuantizeFloat8Fn>(c)(got);
+      reference_kernel<kernels::QuantizeFloat8Fn>(c)(want);
+      const std::string what =
+          fmt::format("case {}: [{}, {}] to {}", number++, cs.rows, cs.cols, format.name());
+      if (cs.own) c.expect_equal(what + " data", got.data, want.data);
+      if (cs.transposed) c.expect_equal(what + " data_t", got.data_t, want.data_t);
+      c.expect_equal(what + " scale", got.scale, want.scale);
+      c.expect_equal(what + " amax", got.amax, want.amax);
+      if (history.defined()) c.expect_equal(what + " history", history, ref_history);
+    }
+}
+
 // --- Convolution and pooling ------------------------------------------------------------------
 
 struct Window {
@@ -1499,6 +1582,7 @@ Driver driver_for(OpId op) {
   if (k == "GatherFn" || k == "ScatterAddFn" || k == "TakeFn" || k == "IndexAddFn") return indexing;
   if (k == "GemmFn") return gemm;
   if (k == "ScaledMatmulFn") return scaled_matmul;
+  if (k == "QuantizeFloat8Fn") return quantize_float8_cases;
   if (k == "Conv2dFn" || k == "Conv2dBackwardInputFn" || k == "Conv2dBackwardWeightFn") return conv;
   if (k == "Pool2dFn" || k == "Pool2dBackwardFn") return pool;
   if (k == "UnscaleCheckFn") return unscale_check;

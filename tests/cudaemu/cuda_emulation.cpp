@@ -302,6 +302,7 @@ void register_emulated_kernels() {
   register_dropout_kernels();
   register_cross_entropy_kernels();
   register_linear_kernels();
+  register_float8_kernels();
   register_conv_kernels();
   register_gemm_kernels();
 }

@@ -187,6 +187,31 @@ struct ScaledMatmulArgs {
 };
 using ScaledMatmulFn = void(const ScaledMatmulArgs& args);
 
+// quantize_float8: x (the kernel's dtype, contiguous, rows * cols elements) quantised to a
+// float8 dtype with one float32 scale for the whole tensor, in three steps that read and
+// write only the device:
+//   amax      = max |float32(x)| (NaN when x holds one; 0 for an empty x);
+//   reference = the largest element of `history` when that is > 0, else amax (current
+//               scaling: no history, reference = amax);
+//   factor    = float32(max_of(format) / 2^margin) / reference, or 1 when reference is not
+//               > 0 (zero or NaN);
+//   data      = float8(float32(x) * factor) (the product rounded to float32, then to the
+//               format: nearest even, saturating), written to `data` (x's layout) and / or
+//               `data_t` (its transpose [cols, rows]), whichever is defined;
+//   scale     = 1 / factor (float32 division), amax as above (float32, one element each);
+//   with `update`, history becomes [amax, history[0], ..., history[length - 2]] after its
+//   largest element was read.
+struct QuantizeFloat8Args {
+  Tensor x;
+  Tensor data, data_t;  // float8_e4m3fn or float8_e5m2 (the same), either may be undefined
+  Tensor scale, amax;   // float32, one element each
+  Tensor history;       // float32 [length], contiguous, or undefined (current scaling)
+  std::int64_t rows = 0, cols = 0;
+  int margin = 0;
+  bool update = false;
+};
+using QuantizeFloat8Fn = void(const QuantizeFloat8Args& args);
+
 // The activation a linear op applies after its product and bias.
 //   none       act(z) = z
 //   relu       max(z, 0) (NaN and -0 stay), relu's functor

@@ -106,6 +106,7 @@
   /* linear algebra */                                                                          \
   X(matmul,                   GemmFn,                  Floating, allow,  true)                  \
   X(scaled_matmul,            ScaledMatmulFn,          Float8,   hidden, false)                 \
+  X(quantize_float8,          QuantizeFloat8Fn,        Floating, hidden, false)                 \
   /* fused linear (a Dense layer: product, bias and activation in one op) */                    \
   X(linear,                   LinearFn,                Floating, allow,  true)                  \
   X(linear_backward,          LinearBackwardFn,        Floating, hidden, false)                 \
