@@ -1,7 +1,9 @@
 // Private helpers shared by the differentiable ops (autograd/ops_*.cpp).
 #pragma once
 
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/raw.h"
@@ -60,5 +62,14 @@ Tensor scalar_like(double value, const Tensor& like);
 std::vector<int> normalize_axes(const std::vector<int>& axes, std::size_t rank, const char* op);
 // The shape with the given axes set to 1 (keepdims form) or removed.
 Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keepdims);
+
+// The linear op's activations (autograd/ops_linear.cpp), shared with float8_linear: the enum
+// of a name is_linear_activation() accepts (nullopt for any other), the activation as the
+// composed ops apply it, and g act'(z) written with differentiable ops (a backward pass that a
+// tape records).
+std::optional<kernels::LinearActivation> linear_activation_of(std::string_view name);
+Tensor apply_linear_activation(kernels::LinearActivation a, const Tensor& z);
+Tensor differentiable_activation_grad(kernels::LinearActivation a, const Tensor& z,
+                                      const Tensor& g);
 
 }  // namespace mixtape::detail

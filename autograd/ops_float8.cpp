@@ -12,11 +12,22 @@ namespace mixtape {
 
 namespace {
 
+// float8_linear's epilogue of a forward product (kernels.h, ScaledMatmulArgs): the bias
+// (float32 [n], or undefined), the activation, and pre, which the call fills when keep_pre.
+struct Epilogue {
+  Tensor bias;
+  kernels::LinearActivation activation = kernels::LinearActivation::none;
+  bool keep_pre = false;
+  Tensor pre{};
+};
+
 // scaled_matmul's checks and call, with or without reading host scales (float8_linear's own
 // scales are not read: a non-finite amax must give NaN, on a CPU as on a GPU, which the loss
-// then shows, not an error inside a layer).
+// then shows, not an error inside a layer), and with float8_linear's epilogue when given one
+// (k > 0 then).
 Tensor scaled_matmul_impl(const Tensor& a_in, const Tensor& b_in, const Tensor& scale_a,
-                          const Tensor& scale_b, ScaledMatmulOptions o, bool check_host_scales) {
+                          const Tensor& scale_b, ScaledMatmulOptions o, bool check_host_scales,
+                          Epilogue* epilogue = nullptr) {
   const char* name = op_name(OpId::scaled_matmul);
   detail::check_inputs(name, {a_in, b_in, scale_a, scale_b});
   const auto all = [&] { return detail::describe({a_in, b_in, scale_a, scale_b}); };
@@ -62,15 +73,22 @@ Tensor scaled_matmul_impl(const Tensor& a_in, const Tensor& b_in, const Tensor& 
     detail::fill_raw(out, 0.0);
     return out;
   }
-  kernel({.a = detail::contiguous_raw(a_in),
-          .b_t = detail::contiguous_raw(b_in),
-          .scale_a = detail::contiguous_raw(scale_a),
-          .scale_b = detail::contiguous_raw(scale_b),
-          .out = out,
-          .m = m,
-          .n = n,
-          .k = k,
-          .fast_accumulation = o.fast_accumulation});
+  kernels::ScaledMatmulArgs args{.a = detail::contiguous_raw(a_in),
+                                 .b_t = detail::contiguous_raw(b_in),
+                                 .scale_a = detail::contiguous_raw(scale_a),
+                                 .scale_b = detail::contiguous_raw(scale_b),
+                                 .out = out,
+                                 .m = m,
+                                 .n = n,
+                                 .k = k,
+                                 .fast_accumulation = o.fast_accumulation};
+  if (epilogue) {
+    args.bias = epilogue->bias.defined() ? detail::contiguous_raw(epilogue->bias) : Tensor();
+    args.activation = epilogue->activation;
+    if (epilogue->keep_pre)
+      epilogue->pre = args.pre = Tensor::empty(Shape{m, n}, o.out_dtype, out.device());
+  }
+  kernel(args);
   return out;
 }
 
@@ -157,7 +175,9 @@ bool linear_dtype(DType d) { return d == kFloat32 || d == kBFloat16 || d == kFlo
 }  // namespace
 
 Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
-                     const Float8History* delayed) {
+                     const Float8History* delayed, const Tensor& bias_in,
+                     std::string_view activation_name) {
+  using kernels::LinearActivation;
   const char* name = "float8_linear";
   detail::check_inputs(name, {x, w});
   if (x.rank() < 1 || w.rank() != 2 || x.dim(-1) != w.dim(0))
@@ -167,63 +187,117 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
     throw DTypeError(
         fmt::format("{}: x, w and the output must be float32, bfloat16 or float16; got {} -> {}",
                     name, detail::describe({x, w}), out_dtype));
+  const auto activation = detail::linear_activation_of(activation_name);
+  if (!activation)
+    throw ValueError(
+        fmt::format("{}: unknown activation '{}'; it applies linear, relu, gelu or gelu_tanh", name,
+                    activation_name));
   const std::int64_t k = w.dim(0), n = w.dim(1), m = x.numel() / std::max<std::int64_t>(k, 1);
+  Tensor bias;
+  if (bias_in.defined()) {
+    detail::check_inputs(name, {x, bias_in});
+    if (bias_in.rank() != 1 || bias_in.dim(0) != n || !bias_in.dtype().is_floating())
+      throw ShapeError(fmt::format("{}: bias must be floating [{}] (w's last extent); got {}", name,
+                                   n, detail::describe({bias_in})));
+    bias = bias_in.dtype() == kFloat32 ? bias_in : cast(bias_in, kFloat32);  // differentiable
+  }
+  // No product to fuse with (an empty one): the product, then the bias and the activation as
+  // ops of their own.
+  if ((bias.defined() || *activation != LinearActivation::none) && (m == 0 || n == 0 || k == 0)) {
+    const Tensor y = float8_linear(x, w, out_dtype, delayed);
+    return detail::apply_linear_activation(*activation,
+                                           bias.defined() ? y + cast(bias, out_dtype) : y);
+  }
   std::vector<std::int64_t> out_dims = x.shape().dims();
   out_dims.back() = n;
   // The forward product takes x [m, k] and w transposed [n, k]; a backward pass takes x
   // transposed [k, m] (for dw) and w [k, n] (for dx): when the tape records this op, the
   // quantisations write those layouts in the same pass, and the backward pass keeps only them.
-  const bool recorded = should_record({x, w});
+  std::vector<Tensor> inputs{x, w};
+  if (bias.defined()) inputs.push_back(bias);
+  const bool recorded = should_record(inputs);
   const Tensor* no_history = nullptr;
   const int margin = delayed ? delayed->margin : 0;
   const bool update = delayed && delayed->update;
+  // The backward pass of gelu and gelu_tanh reads the pre-activation, relu's its output.
+  Epilogue epilogue{.bias = bias,
+                    .activation = *activation,
+                    .keep_pre = recorded && (*activation == LinearActivation::gelu ||
+                                             *activation == LinearActivation::gelu_tanh)};
   Quantized qx, qw;
-  Tensor y;
+  Tensor y2;
   {
     NoGradGuard no_grad;
     qx = quantize(reshape(x, Shape{m, k}), kFloat8E4M3FN, delayed ? &delayed->input : no_history,
                   margin, update, recorded ? Layout::both : Layout::own);
     qw = quantize(w, kFloat8E4M3FN, delayed ? &delayed->weight : no_history, margin, update,
                   recorded ? Layout::both : Layout::transposed);
-    y = reshape(scaled_matmul_impl(qx.data, qw.data_t, qx.scale, qw.scale,
-                                   {.out_dtype = out_dtype, .fast_accumulation = true}, false),
-                Shape(out_dims));
+    y2 = scaled_matmul_impl(qx.data, qw.data_t, qx.scale, qw.scale,
+                            {.out_dtype = out_dtype, .fast_accumulation = true}, false, &epilogue);
   }
-  if (recorded)
-    record_op(
-        name, {x, w}, y,
-        [x, w, x_t = qx.data_t, x_scale = qx.scale, w8 = qw.data, w_scale = qw.scale, m, n, k,
-         history = delayed ? std::optional<Float8History>(*delayed) : std::nullopt](
-            const Tensor& g, const std::vector<bool>& needs) {
-          if (should_record({x, w, g})) {
-            // A tape records this backward pass: differentiable ops (no FP8).
-            const Tensor g2 = reshape(g, Shape{m, n});
-            const Tensor wc = cast(w, g.dtype());
-            return detail::Grads{
-                needs[0] ? cast(reshape(matmul(g2, transpose(wc)), x.shape()), x.dtype())
-                         : Tensor(),
-                needs[1] ? cast(matmul(transpose(reshape(cast(x, g.dtype()), Shape{m, k})), g2),
-                                w.dtype())
-                         : Tensor()};
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = reshape(y2, Shape(out_dims));
+  }
+  if (!recorded) return y;
+  const Tensor kept = *activation == LinearActivation::relu ? y2 : epilogue.pre;
+  record_op(
+      name, inputs, y,
+      [x, w, bias, activation = *activation, kept, x_t = qx.data_t, x_scale = qx.scale,
+       w8 = qw.data, w_scale = qw.scale, m, n, k,
+       history = delayed ? std::optional<Float8History>(*delayed) : std::nullopt](
+          const Tensor& g, const std::vector<bool>& needs) {
+        const Tensor g2 = reshape(g, Shape{m, n});
+        if (should_record({x, w, g})) {
+          // A tape records this backward pass: differentiable ops (no FP8).
+          const Tensor wc = cast(w, g.dtype());
+          const Tensor x2 = reshape(cast(x, g.dtype()), Shape{m, k});
+          Tensor dz = g2, dbias;
+          if (bias.defined() || activation != LinearActivation::none) {
+            const Tensor z =
+                bias.defined() ? matmul(x2, wc) + cast(bias, g.dtype()) : matmul(x2, wc);
+            dz = detail::differentiable_activation_grad(activation, z, g2);
           }
-          NoGradGuard no_grad;
-          // dy [m, n] for dx, its transpose [n, m] for dw.
-          const Layout layout = needs[0] && needs[1] ? Layout::both
-                                : needs[0]           ? Layout::own
-                                                     : Layout::transposed;
-          const Quantized qg =
-              quantize(reshape(g, Shape{m, n}), kFloat8E5M2, history ? &history->grad : nullptr,
-                       history ? history->margin : 0, history && history->update, layout);
-          Tensor dx, dw;
-          if (needs[0])  // [m, n] x [k, n]^T
-            dx = reshape(
-                scaled_matmul_impl(qg.data, w8, qg.scale, w_scale, {.out_dtype = x.dtype()}, false),
-                x.shape());
-          if (needs[1])  // [k, m] x [n, m]^T
-            dw = scaled_matmul_impl(x_t, qg.data_t, x_scale, qg.scale, {.out_dtype = w.dtype()},
-                                    false);
-          return detail::Grads{dx, dw};
-        });
+          if (bias.defined()) dbias = sum(cast(dz, kFloat32), {0});
+          detail::Grads grads{
+              needs[0] ? cast(reshape(matmul(dz, transpose(wc)), x.shape()), x.dtype()) : Tensor(),
+              needs[1] ? cast(matmul(transpose(x2), dz), w.dtype()) : Tensor()};
+          if (bias.defined()) grads.push_back(dbias);
+          return grads;
+        }
+        NoGradGuard no_grad;
+        // dz = dy act'(z) and the bias gradient in linear_backward's one pass (none without a
+        // bias: dz is dy), then dz quantised: dz [m, n] for dx, its transpose [n, m] for dw.
+        Tensor dz = detail::contiguous_raw(g2), dbias;
+        if (bias.defined() || activation != LinearActivation::none) {
+          kernels::LinearBackwardArgs args;
+          args.dy = dz, args.saved = kept, args.activation = activation;
+          if (activation != LinearActivation::none)
+            args.dz = Tensor::empty(Shape{m, n}, g.dtype(), g.device());
+          if (bias.defined()) args.dbias = Tensor::empty(Shape{n}, kFloat32, g.device());
+          detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, g.dtype(),
+                                                        {g})(args);
+          if (args.dz.defined()) dz = args.dz;
+          dbias = args.dbias;
+        }
+        const Layout layout = needs[0] && needs[1] ? Layout::both
+                              : needs[0]           ? Layout::own
+                                                   : Layout::transposed;
+        const Quantized qg =
+            quantize(dz, kFloat8E5M2, history ? &history->grad : nullptr,
+                     history ? history->margin : 0, history && history->update, layout);
+        detail::Grads grads(2);
+        if (needs[0])  // [m, n] x [k, n]^T
+          grads[0] = reshape(
+              scaled_matmul_impl(qg.data, w8, qg.scale, w_scale, {.out_dtype = x.dtype()}, false),
+              x.shape());
+        if (needs[1])  // [k, m] x [n, m]^T
+          grads[1] = scaled_matmul_impl(x_t, qg.data_t, x_scale, qg.scale, {.out_dtype = w.dtype()},
+                                        false);
+        if (bias.defined()) grads.push_back(dbias);
+        return grads;
+      });
   return y;
 }
 

@@ -22,14 +22,60 @@ constexpr NamedActivation kActivations[] = {{"linear", LinearActivation::none},
                                             {"gelu", LinearActivation::gelu},
                                             {"gelu_tanh", LinearActivation::gelu_tanh}};
 
-std::optional<LinearActivation> activation_of(std::string_view name) {
+// What the backward pass needs of the forward one.
+struct Saved {
+  Tensor x, w, bias;  // the recorded inputs: x [..., k], w [k, n], bias in the compute type
+  Tensor x2;          // x as a contiguous [m, k]
+  Tensor kept;        // linear_backward's saved tensor: pre (gelu, gelu_tanh), out (relu)
+  LinearActivation activation;
+};
+
+// The gradients of (x, w[, bias]) from g (the output's, [..., n]).
+detail::Grads linear_grads(const Saved& s, const Tensor& g_in, const std::vector<bool>& needs) {
+  const std::int64_t m = s.x2.dim(0), n = s.w.dim(1);
+  const DType dt = s.x2.dtype();
+  const Tensor g = reshape(cast(g_in, dt), Shape{m, n});
+  Tensor x2 = s.x2, dz, dbias;
+  if (should_record(std::vector<Tensor>{s.x, s.w, g})) {
+    x2 = reshape(s.x, Shape{m, s.w.dim(0)});
+    Tensor z = matmul(x2, s.w);
+    if (s.bias.defined()) z = z + cast(s.bias, dt);
+    dz = detail::differentiable_activation_grad(s.activation, z, g);
+    if (s.bias.defined()) dbias = sum(cast(dz, s.bias.dtype()), {0});
+  } else if (s.activation == LinearActivation::none && !s.bias.defined()) {
+    dz = g;  // nothing for linear_backward to compute: dz is the output's gradient
+  } else {
+    const auto backward =
+        detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, dt, {g});
+    kernels::LinearBackwardArgs args;
+    args.dy = detail::contiguous_raw(g);
+    args.saved = s.kept;
+    args.activation = s.activation;
+    if (s.activation != LinearActivation::none)
+      args.dz = Tensor::empty(Shape{m, n}, dt, g.device());
+    if (s.bias.defined()) args.dbias = Tensor::empty(Shape{n}, s.bias.dtype(), g.device());
+    backward(args);
+    dz = args.dz.defined() ? args.dz : args.dy;
+    dbias = args.dbias;
+  }
+  detail::Grads out{needs[0] ? reshape(matmul(dz, transpose(s.w)), s.x.shape()) : Tensor(),
+                    needs[1] ? matmul(transpose(x2), dz) : Tensor()};
+  if (s.bias.defined()) out.push_back(dbias);
+  return out;
+}
+
+}  // namespace
+
+namespace detail {
+
+std::optional<LinearActivation> linear_activation_of(std::string_view name) {
   for (const auto& a : kActivations)
     if (a.name == name) return a.activation;
   return std::nullopt;
 }
 
 // The activation applied as the composed ops apply it (the empty product's path).
-Tensor activate(LinearActivation a, const Tensor& z) {
+Tensor apply_linear_activation(LinearActivation a, const Tensor& z) {
   switch (a) {
     case LinearActivation::relu:
       return relu(z);
@@ -66,56 +112,16 @@ Tensor differentiable_activation_grad(LinearActivation a, const Tensor& z, const
   return g;
 }
 
-// What the backward pass needs of the forward one.
-struct Saved {
-  Tensor x, w, bias;  // the recorded inputs: x [..., k], w [k, n], bias in the compute type
-  Tensor x2;          // x as a contiguous [m, k]
-  Tensor kept;        // linear_backward's saved tensor: pre (gelu, gelu_tanh), out (relu)
-  LinearActivation activation;
-};
+}  // namespace detail
 
-// The gradients of (x, w[, bias]) from g (the output's, [..., n]).
-detail::Grads linear_grads(const Saved& s, const Tensor& g_in, const std::vector<bool>& needs) {
-  const std::int64_t m = s.x2.dim(0), n = s.w.dim(1);
-  const DType dt = s.x2.dtype();
-  const Tensor g = reshape(cast(g_in, dt), Shape{m, n});
-  Tensor x2 = s.x2, dz, dbias;
-  if (should_record(std::vector<Tensor>{s.x, s.w, g})) {
-    x2 = reshape(s.x, Shape{m, s.w.dim(0)});
-    Tensor z = matmul(x2, s.w);
-    if (s.bias.defined()) z = z + cast(s.bias, dt);
-    dz = differentiable_activation_grad(s.activation, z, g);
-    if (s.bias.defined()) dbias = sum(cast(dz, s.bias.dtype()), {0});
-  } else if (s.activation == LinearActivation::none && !s.bias.defined()) {
-    dz = g;  // nothing for linear_backward to compute: dz is the output's gradient
-  } else {
-    const auto backward =
-        detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, dt, {g});
-    kernels::LinearBackwardArgs args;
-    args.dy = detail::contiguous_raw(g);
-    args.saved = s.kept;
-    args.activation = s.activation;
-    if (s.activation != LinearActivation::none)
-      args.dz = Tensor::empty(Shape{m, n}, dt, g.device());
-    if (s.bias.defined()) args.dbias = Tensor::empty(Shape{n}, s.bias.dtype(), g.device());
-    backward(args);
-    dz = args.dz.defined() ? args.dz : args.dy;
-    dbias = args.dbias;
-  }
-  detail::Grads out{needs[0] ? reshape(matmul(dz, transpose(s.w)), s.x.shape()) : Tensor(),
-                    needs[1] ? matmul(transpose(x2), dz) : Tensor()};
-  if (s.bias.defined()) out.push_back(dbias);
-  return out;
+bool is_linear_activation(std::string_view name) {
+  return detail::linear_activation_of(name).has_value();
 }
-
-}  // namespace
-
-bool is_linear_activation(std::string_view name) { return activation_of(name).has_value(); }
 
 Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
               std::string_view activation_name) {
   const char* name = op_name(OpId::linear);
-  const auto activation = activation_of(activation_name);
+  const auto activation = detail::linear_activation_of(activation_name);
   if (!activation)
     throw ValueError(
         fmt::format("{}: unknown activation '{}'; it applies linear, relu, gelu or gelu_tanh", name,
@@ -143,7 +149,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
   // No product to fuse (an empty sum or an empty result): the composed ops.
   if (m == 0 || n == 0 || k == 0) {
     Tensor z = matmul(x, w);
-    return activate(*activation, bias.defined() ? z + cast(bias, dt) : z);
+    return detail::apply_linear_activation(*activation, bias.defined() ? z + cast(bias, dt) : z);
   }
 
   const auto kernel = detail::kernel_for<kernels::LinearFn>(OpId::linear, dt, {x, w});

@@ -681,6 +681,13 @@ std::optional<Layer::Float8State> Layer::add_float8_state(const std::string& pre
 
 Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w,
                             const std::optional<Float8State>& state, bool training) const {
+  return policy_product(x, w, Tensor(), "linear", state, training, nullptr);
+}
+
+Tensor Layer::policy_product(const Tensor& x, const Tensor& w, const Tensor& bias,
+                             const std::string& activation, const std::optional<Float8State>& state,
+                             bool training, bool* fused) const {
+  if (fused) *fused = false;
   if (!policy_.float8_matmuls()) return matmul(x, w);
   if (!float8_capable(x.device())) {
     matmul_note_ = "bfloat16 matmul (no FP8 on this GPU)";
@@ -696,20 +703,32 @@ Tensor Layer::policy_matmul(const Tensor& x, const Tensor& w,
         fmt::format("bfloat16 matmul ([{}, {}] x [{}, {}]: FP8 needs multiples of 16)", m, k, k, n);
     return matmul(x, w);
   }
+  // The bias and the activation in the FP8 product's epilogue, when given.
+  const bool epilogue = fused && (bias.defined() || activation != "linear");
+  if (fused) *fused = true;
+  const bool act_fused = epilogue && activation != "linear";
+  const std::string with =
+      epilogue ? fmt::format("; {}{}{} fused", bias.defined() ? "bias" : "",
+                             bias.defined() && act_fused ? ", " : "", act_fused ? activation : "")
+               : "";
+  // float8_linear reads the bias in float32 (a float32 variable as it is) and adds it to the
+  // float32 product.
+  const Tensor b = epilogue ? bias : Tensor();
+  const std::string act = epilogue ? activation : "linear";
   if (!state) {
-    matmul_note_ = "float8 matmul (e4m3, gradients e5m2)";
-    return float8_linear(x, w, compute_dtype());
+    matmul_note_ = fmt::format("float8 matmul (e4m3, gradients e5m2{})", with);
+    return float8_linear(x, w, compute_dtype(), nullptr, b, act);
   }
   const Float8Scaling& scaling = policy_.float8_scaling();
   matmul_note_ =
-      fmt::format("float8 matmul (e4m3, gradients e5m2; delayed scaling, {} steps, margin {})",
-                  scaling.history, scaling.margin);
+      fmt::format("float8 matmul (e4m3, gradients e5m2; delayed scaling, {} steps, margin {}{})",
+                  scaling.history, scaling.margin, with);
   const Float8History history{.input = state->input,
                               .weight = state->weight,
                               .grad = state->grad,
                               .margin = scaling.margin,
                               .update = training};
-  return float8_linear(x, w, compute_dtype(), &history);
+  return float8_linear(x, w, compute_dtype(), &history, b, act);
 }
 
 Tensor Layer::policy_linear(const Tensor& x, const Tensor& w, const Tensor& bias,
@@ -730,7 +749,11 @@ Tensor Layer::policy_linear(const Tensor& x, const Tensor& w, const Tensor& bias
     }
     matmul_note_ = "composed (16-bit accumulation: MIXTAPE_FP16_USE_FP32_COMPUTE=0)";
   }
-  Tensor y = policy_matmul(x, w, state, training);
+  // Under mixed_float8 the FP8 product takes the bias and the activation linear() applies.
+  bool fused = false;
+  Tensor y = policy_product(x, w, bias, activation, state, training,
+                            is_linear_activation(activation) ? &fused : nullptr);
+  if (fused) return y;
   // A variable bias is read as the product's dtype by autocast; a bias made from one outside
   // autocast (a reshaped variable) is cast to it here.
   if (bias.defined())

@@ -498,6 +498,91 @@ TEST_CASE("float8: float8_linear is scaled_matmul forward and backward, gradient
              Contains("must be float32, bfloat16 or float16"));
 }
 
+TEST_CASE(
+    "float8: float8_linear with a bias and an activation: linear()'s epilogue on the FP8 "
+    "product, its gradients through linear_backward",
+    "[float8]") {
+  mt::manual_seed(43);
+  const mt::Tensor x = mt::cast(mt::normal({3, 5, 32}), mt::kBFloat16);
+  const mt::Tensor x64 = mt::reshape(mt::cast(x, mt::kFloat64), {15, 32});
+  mt::Variable w(mt::normal({32, 48}) * 0.2, "w"), bias(mt::normal({48}), "bias");
+  const mt::Tensor dy = mt::cast(mt::normal({3, 5, 48}) * 1e-3, mt::kBFloat16);
+  const mt::Tensor dy64 = mt::reshape(mt::cast(dy, mt::kFloat64), {15, 48});
+  const auto values = [](const mt::Tensor& t) {
+    return mt::cast(t, mt::kFloat64).to_vector<double>();
+  };
+  const auto rms_error = [](const std::vector<double>& got, const std::vector<double>& want) {
+    double e = 0, n = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      e += (got[i] - want[i]) * (got[i] - want[i]);
+      n += want[i] * want[i];
+    }
+    return std::sqrt(e / n);
+  };
+  const mt::Float8Quantized qx = mt::quantize_float8(mt::reshape(x, {15, 32}), mt::kFloat8E4M3FN);
+  const mt::Float8Quantized qwt = mt::quantize_float8(mt::transpose(w), mt::kFloat8E4M3FN);
+  const mt::Tensor product =
+      mt::scaled_matmul(qx.data, qwt.data, qx.scale, qwt.scale,
+                        {.out_dtype = mt::kFloat32, .fast_accumulation = true});
+  for (const std::string activation : {"linear", "relu", "gelu", "gelu_tanh"}) {
+    CAPTURE(activation);
+    mt::GradientTape tape;
+    tape.watch(x);
+    const mt::Tensor y = mt::float8_linear(x, w, mt::kBFloat16, nullptr, bias, activation);
+    CHECK(y.shape() == mt::Shape{3, 5, 48});
+    CHECK(y.dtype() == mt::kBFloat16);
+    const std::vector<mt::Tensor> grads = tape.gradient(y, {x, w, bias}, dy);
+    REQUIRE(grads.size() == 3);
+    CHECK(grads[2].dtype() == mt::kFloat32);
+    // Forward: the float32 product, + bias in float32, the activation, one rounding: bit for
+    // bit the same ops composed.
+    const mt::Tensor z = product + bias;
+    const mt::Tensor act = activation == "relu"        ? mt::relu(z)
+                           : activation == "gelu"      ? mt::gelu(z)
+                           : activation == "gelu_tanh" ? mt::gelu_tanh(z)
+                                                       : z;
+    CHECK(values(y) == values(mt::reshape(mt::cast(act, mt::kBFloat16), {3, 5, 48})));
+    // Backward, against float64: dz = dy act'(z) (z from the float64 product), the bias
+    // gradient its column sums (not quantised: near float64's), dx and dw from FP8 products.
+    const mt::Tensor z64 =
+        mt::matmul(x64, mt::cast(w, mt::kFloat64)) + mt::cast(bias, mt::kFloat64);
+    mt::Tensor dz64 = dy64;
+    {
+      mt::GradientTape inner;
+      inner.watch(z64);
+      const mt::Tensor a64 = activation == "relu"        ? mt::relu(z64)
+                             : activation == "gelu"      ? mt::gelu(z64)
+                             : activation == "gelu_tanh" ? mt::gelu_tanh(z64)
+                                                         : z64 * 1.0;
+      dz64 = inner.gradient(a64, std::vector<mt::Tensor>{z64}, dy64)[0];
+    }
+    // The bias gradient is not quantised: dy act'(z) from the forward's own z (rounded to
+    // bfloat16 as linear_backward reads it), summed in float32.
+    const mt::Tensor z_kept = mt::cast(mt::cast(z, mt::kBFloat16), mt::kFloat64);
+    mt::Tensor dz_kept = dy64;
+    {
+      mt::GradientTape inner;
+      inner.watch(z_kept);
+      const mt::Tensor a = activation == "relu"        ? mt::relu(z_kept)
+                           : activation == "gelu"      ? mt::gelu(z_kept)
+                           : activation == "gelu_tanh" ? mt::gelu_tanh(z_kept)
+                                                       : z_kept * 1.0;
+      dz_kept = inner.gradient(a, std::vector<mt::Tensor>{z_kept}, dy64)[0];
+    }
+    CHECK(rms_error(values(grads[2]), values(mt::sum(dz_kept, {0}))) < 1e-5);
+    CHECK(rms_error(values(grads[0]),
+                    values(mt::reshape(mt::matmul(dz64, mt::transpose(mt::cast(w, mt::kFloat64))),
+                                       {3, 5, 32}))) < 0.12);
+    CHECK(rms_error(values(grads[1]), values(mt::matmul(mt::transpose(x64), dz64))) < 0.12);
+  }
+  CHECK_THAT(error_of<mt::ValueError>(
+                 [&] { mt::float8_linear(x, w, mt::kBFloat16, nullptr, bias, "tanh"); }),
+             Contains("float8_linear: unknown activation 'tanh'"));
+  CHECK_THAT(error_of<mt::ShapeError>(
+                 [&] { mt::float8_linear(x, w, mt::kBFloat16, nullptr, mt::ones({47}), "relu"); }),
+             Contains("float8_linear: bias must be floating [48]"));
+}
+
 TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in float32 if asked",
           "[float8]") {
   CHECK(mt::Policy("mixed_float8").float8_matmuls());
@@ -524,7 +609,7 @@ TEST_CASE("float8: mixed_float8 trains Dense layers in FP8, the last layer in fl
   const mt::DTypeTrace trace = mt::trace_dtypes(model, x.slice(0, 0, 16));
   REQUIRE(trace.rows.size() == 3);
   CHECK(trace.rows[0].policy == "mixed_float8");
-  CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2)");
+  CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2; bias, relu fused)");
   CHECK(trace.rows[0].output == mt::kBFloat16);
   CHECK(trace.rows[2].policy == "float32");
   CHECK(trace.rows[2].note == "fused linear (bias)");  // float32: the fused op
@@ -752,7 +837,8 @@ TEST_CASE("float8: mixed_float8_delayed trains, keeps its histories as weights, 
   CHECK(mt::min(kernel_history).item<float>() > 0.0f);
   const mt::DTypeTrace trace = mt::trace_dtypes(model, x.slice(0, 0, 16));
   CHECK(trace.rows[1].note ==
-        "float8 matmul (e4m3, gradients e5m2; delayed scaling, 8 steps, margin 0)");
+        "float8 matmul (e4m3, gradients e5m2; delayed scaling, 8 steps, margin 0; bias, relu "
+        "fused)");
 
   // A whole-model file holds the policy and the histories: the loaded model predicts the same.
   mixtape_test::TempDir dir("mixtape-float8");

@@ -2,7 +2,8 @@
 // operands are widened to float32 (exactly: every float8 value is a float32, and so is every
 // product of two, 4 x 4 significant bits), multiplied by OpenBLAS's sgemm (float32 sums, as
 // a GPU's FP8 tensor cores accumulate), scaled by scale_a * scale_b in float32 and rounded
-// once to the output dtype. It is the reference the GPU kernel is swept against, and lets
+// once to the output dtype, or first given the linear op's bias and activation (its epilogue,
+// linear.cpp). It is the reference the GPU kernel is swept against, and lets
 // every FP8 test run without a GPU.
 #include <cstdint>
 #include <vector>
@@ -44,13 +45,16 @@ void scaled_matmul_kernel(const kernels::ScaledMatmulArgs& g) {
   float* c = direct ? static_cast<float*>(g.out.data_ptr()) : scratch.data();
   blas_gemm(false, true, g.m, g.n, g.k, a.data(), g.k, b.data(), g.k, 0.0f, c, g.n);
   const int64_t total = g.m * g.n;
+  const bool epilogue = g.has_epilogue();
   parallel_blocks(total, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) c[i] *= scale;
+    if (epilogue) return;  // the linear op's, below
     if (g.out.dtype() == kBFloat16)
       from_float(c + lo, static_cast<bfloat16*>(g.out.data_ptr()) + lo, hi - lo);
     else if (g.out.dtype() == kFloat16)
       from_float(c + lo, static_cast<half*>(g.out.data_ptr()) + lo, hi - lo);
   });
+  if (epilogue) linear_epilogue(c, g.m, g.n, g.bias, g.pre, g.out, g.activation);
 }
 
 }  // namespace

@@ -112,16 +112,16 @@ RowLoops<C> row_loops() {
   return loops;
 }
 
+// From the product acc [m, n] in the compute type (out's own storage for float32 / float64, a
+// scratch for the 16-bit floats): + bias, pre, the activation and the rounding, a row at a time.
 template <typename T>
-void linear_kernel(const LinearArgs& args) {
+void epilogue(compute_t<T>* acc, int64_t m, int64_t n, const Tensor& bias_t, const Tensor& pre_t,
+              const Tensor& out_t, LinearActivation activation) {
   using C = compute_t<T>;
-  const int64_t m = args.x.dim(0), n = args.w.dim(1);
-  // The product in the compute type: out itself (float32 / float64) or a float32 scratch.
-  C* acc = linear_product<T>(args.x, args.w, args.out);
-  const C* bias = args.bias.defined() ? static_cast<const C*>(args.bias.const_data_ptr()) : nullptr;
-  T* out = static_cast<T*>(args.out.data_ptr());
-  T* pre = args.pre.defined() ? static_cast<T*>(args.pre.data_ptr()) : nullptr;
-  kernels::with_linear_activation(args.activation, [&]<LinearActivation A>() {
+  const C* bias = bias_t.defined() ? static_cast<const C*>(bias_t.const_data_ptr()) : nullptr;
+  T* out = static_cast<T*>(out_t.data_ptr());
+  T* pre = pre_t.defined() ? static_cast<T*>(pre_t.data_ptr()) : nullptr;
+  kernels::with_linear_activation(activation, [&]<LinearActivation A>() {
     const auto activate_row = row_loops<A, C>().activate;
     parallel_rows(m, m * n, [&](int64_t r) {
       C* z = acc + r * n;  // float32 / float64: out's row itself
@@ -143,6 +143,13 @@ void linear_kernel(const LinearArgs& args) {
       if constexpr (kReduced<T>) from_compute(z, out + r * n, n);
     });
   });
+}
+
+template <typename T>
+void linear_kernel(const LinearArgs& args) {
+  // The product in the compute type: out itself (float32 / float64) or a float32 scratch.
+  compute_t<T>* acc = linear_product<T>(args.x, args.w, args.out);
+  epilogue<T>(acc, args.x.dim(0), args.w.dim(1), args.bias, args.pre, args.out, args.activation);
 }
 
 template <typename T>
@@ -193,6 +200,16 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
 }
 
 }  // namespace
+
+void linear_epilogue(float* acc, int64_t m, int64_t n, const Tensor& bias, const Tensor& pre,
+                     const Tensor& out, LinearActivation activation) {
+  if (out.dtype() == kBFloat16)
+    epilogue<bfloat16>(acc, m, n, bias, pre, out, activation);
+  else if (out.dtype() == kFloat16)
+    epilogue<half>(acc, m, n, bias, pre, out, activation);
+  else
+    epilogue<float>(acc, m, n, bias, pre, out, activation);
+}
 
 void register_linear_kernels() {
   MIXTAPE_CPU_KERNEL(linear, linear_kernel);

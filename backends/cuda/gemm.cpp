@@ -480,7 +480,8 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
 // are set at each call under the same lock (a plan is used by one call at a time).
 std::mutex g_fp8_mutex;
 
-void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
+// The scaled product into g.out (g's epilogue is not this function's).
+void scaled_product(const kernels::ScaledMatmulArgs& g) {
   const int device = g.out.device().index();
   DeviceGuard guard(device);
   const LaunchScope launch(device);
@@ -517,6 +518,21 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, g.b_t.const_data_ptr(), plan.a,
                                       g.a.const_data_ptr(), plan.b, &zero, out, plan.c, out, plan.c,
                                       &plan.algo, workspace.data(), plan.workspace, st));
+}
+
+// With the linear op's epilogue: the product in float32 (out itself when out is float32), then
+// the linear op's epilogue kernel (linear.cu) adds the float32 bias and applies the activation,
+// z rounded once. (cuBLASLt's FP8 BIAS epilogues take a 16-bit bias with a 16-bit output, as
+// its 16-bit ones do: mixtape's bias is float32.)
+void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
+  if (!g.has_epilogue()) return scaled_product(g);
+  kernels::ScaledMatmulArgs product = g;
+  product.bias = product.pre = Tensor();
+  product.activation = kernels::LinearActivation::none;
+  if (g.out.dtype() != kFloat32)
+    product.out = Tensor::empty(Shape{g.m, g.n}, kFloat32, g.out.device());
+  scaled_product(product);
+  linear_epilogue(product.out, g.bias, g.pre, g.out, g.activation);
 }
 
 // cuBLASLt's epilogue of each LinearEpilogue, in the enum's order (cuda_backend.h).

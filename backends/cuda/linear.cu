@@ -203,7 +203,33 @@ void linear_backward_host(const kernels::LinearBackwardArgs& a) {
             static_cast<const C*>(part.data()), static_cast<C*>(a.dbias.data_ptr()), blocks, n);
 }
 
+template <typename T>
+void epilogue_from_float32(const Tensor& product, const Tensor& bias, const Tensor& pre,
+                           const Tensor& out, LinearActivation activation) {
+  const int64_t n = out.shape().back(), m = out.numel() / n;
+  if (m == 0 || n == 0) return;
+  OnDevice on(out);
+  kernels::with_linear_activation(activation, [&]<LinearActivation A>() {
+    MIXTAPE_CUDA_LAUNCH(epilogue_grid(m, n), kThreads, on.s, linear_epilogue_kernel<T, A, float>)
+    (static_cast<const float*>(product.const_data_ptr()),
+     bias.defined() ? static_cast<const float*>(bias.const_data_ptr()) : nullptr,
+     pre.defined() ? static_cast<T*>(pre.data_ptr()) : nullptr, static_cast<T*>(out.data_ptr()), m,
+     n);
+    check_cuda(cudaGetLastError(), "linear epilogue kernel", __FILE__, __LINE__);
+  });
+}
+
 }  // namespace
+
+void linear_epilogue(const Tensor& product, const Tensor& bias, const Tensor& pre,
+                     const Tensor& out, LinearActivation activation) {
+  if (out.dtype() == kBFloat16)
+    epilogue_from_float32<__nv_bfloat16>(product, bias, pre, out, activation);
+  else if (out.dtype() == kFloat16)
+    epilogue_from_float32<__half>(product, bias, pre, out, activation);
+  else
+    epilogue_from_float32<float>(product, bias, pre, out, activation);
+}
 
 void register_linear_kernels() {
   MIXTAPE_CUDA_KERNEL(linear, linear_host);

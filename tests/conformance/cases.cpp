@@ -930,6 +930,71 @@ void gemm(Context& c) {
   }
 }
 
+// scaled_matmul with the linear op's epilogue: out = act(scale_a scale_b a b_t^T + bias) and pre
+// = the sum before the activation, against float64 (e4m3 x e4m3, the forward product of
+// mixed_float8's Dense layers, and e5m2 x e4m3 when a is e5m2).
+void scaled_matmul_epilogues(Context& c) {
+  using kernels::LinearActivation;
+  const DType b_dtype = kFloat8E4M3FN;
+  const auto draw = [&c] { return static_cast<double>(c.integer(-400, 400)) / 100.0; };
+  int number = 0;
+  for (const DType out_dtype : {kFloat32, kBFloat16, kFloat16})
+    for (const auto activation : {LinearActivation::none, LinearActivation::relu,
+                                  LinearActivation::gelu, LinearActivation::gelu_tanh})
+      for (const bool with_bias : {true, false}) {
+        if (activation == LinearActivation::none && !with_bias) continue;  // no epilogue
+        const int64_t m = number % 2 ? 7 : 33, n = 32, k = number % 2 ? 48 : 256;
+        ++number;
+        const Pair a = c.make({m, k}, draw), b = c.make({n, k}, draw, b_dtype);
+        const double sa = 0.125,
+                     sb = std::ldexp(1.0 + static_cast<double>(c.integer(0, 7)) / 8, -4);
+        std::vector<double> bias_v(static_cast<std::size_t>(n));
+        for (double& v : bias_v) v = c.uniform(-2.0, 2.0);
+        const Tensor bias = from_vector(bias_v, {n}, kFloat32);
+        const Tensor out = full({m, n}, kNaN, out_dtype, c.device()),
+                     pre = full({m, n}, kNaN, out_dtype, c.device());
+        kernels::ScaledMatmulArgs g{.a = a.tested,
+                                    .b_t = b.tested,
+                                    .scale_a = full({1}, sa, kFloat32, c.device()),
+                                    .scale_b = full({1}, sb, kFloat32, c.device()),
+                                    .out = out,
+                                    .m = m,
+                                    .n = n,
+                                    .k = k};
+        if (with_bias) g.bias = bias.to(c.device());
+        g.pre = pre;
+        g.activation = activation;
+        tested_kernel<kernels::ScaledMatmulFn>(c)(g);
+        const std::vector<double> av = a.ref.to_vector<double>(),
+                                  bv = b.ref.to(kFloat64).to_vector<double>(),
+                                  bias_f = bias.to(kFloat64).to_vector<double>();
+        std::vector<double> z(static_cast<std::size_t>(m * n)), y(z.size());
+        double terms = 0.0;
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j) {
+            double sum = 0.0, magnitude = 0.0;
+            for (int64_t p = 0; p < k; ++p) {
+              const double t =
+                  av[static_cast<std::size_t>(i * k + p)] * bv[static_cast<std::size_t>(j * k + p)];
+              sum += t;
+              magnitude += std::fabs(t);
+            }
+            const auto at = static_cast<std::size_t>(i * n + j);
+            z[at] = sum * sa * sb + (with_bias ? bias_f[static_cast<std::size_t>(j)] : 0.0);
+            y[at] = linear_act(activation, z[at]);
+            terms = std::max(terms, magnitude * sa * sb + 2.0);
+          }
+        // As scaled_matmul's plain cases: FP8 tensor cores' accumulation, 2^-13 of the terms.
+        const double accumulation =
+            c.device().is_cpu() ? terms : terms * std::max(1.0, 0x1p-13 / tolerance(out_dtype).acc);
+        const std::string what = fmt::format(
+            "{}[{}, {}] x {}[{}, {}]^T -> {}{}, activation {}", c.dtype(), m, k, b_dtype, n, k,
+            out_dtype, with_bias ? " + bias" : "", static_cast<int>(activation));
+        c.expect_close(what + ", out", out, from_vector(y, {m, n}), {1.2 * accumulation, 0.0});
+        c.expect_close(what + ", pre", pre, from_vector(z, {m, n}), {accumulation, 0.0});
+      }
+}
+
 // scaled_matmul: a (the dtype under test) and b_t (each float8 dtype, but not e5m2 x e5m2)
 // against a float64 product of the same float8 values, scaled by the same float32 scales;
 // shapes with k and n multiples of 16 (what FP8 tensor cores take).
@@ -989,6 +1054,7 @@ void scaled_matmul(Context& c) {
       }
     }
   }
+  scaled_matmul_epilogues(c);
 }
 
 // quantize_float8: x (the dtype under test) against the CPU's float64 kernel on the same

@@ -198,8 +198,8 @@ TEST_CASE("cuda float8: a Dense model trains under mixed_float8 on the GPU", "[c
   CHECK(model.evaluate(x, y, {.batch_size = 256}).at("accuracy") > 0.95);
   const mt::DTypeTrace trace = mt::trace_dtypes(model, x.slice(0, 0, 16).to(kGpu));
   REQUIRE(trace.rows.size() == 3);
-  CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2)");
-  CHECK(trace.rows[1].note == "float8 matmul (e4m3, gradients e5m2)");
+  CHECK(trace.rows[0].note == "float8 matmul (e4m3, gradients e5m2; bias, relu fused)");
+  CHECK(trace.rows[1].note == "float8 matmul (e4m3, gradients e5m2; bias, relu fused)");
 }
 
 TEST_CASE("cuda float8: scaled_matmul refuses what FP8 GEMMs do not take, naming the shapes",

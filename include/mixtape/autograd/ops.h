@@ -221,8 +221,14 @@ struct Float8History {
 // operands (no second quantisation). x and w: float32, bfloat16 or float16 (w is usually a
 // float32 variable: it is quantised from its float32 values). A tape that records the
 // backward pass (second derivatives) gets it from ordinary matmuls in out_dtype.
+// With a bias [n] (differentiable, read in float32) and / or an activation that linear()
+// applies (relu, gelu, gelu_tanh), out = act(x w + bias) as linear() computes it: the bias
+// added to the float32 product and the activation applied before the one rounding to
+// out_dtype, and the backward pass's dz = dy act'(z) and bias gradient in linear_backward's
+// one pass before dz is quantised.
 Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype = kBFloat16,
-                     const Float8History* delayed = nullptr);
+                     const Float8History* delayed = nullptr, const Tensor& bias = Tensor(),
+                     std::string_view activation = "linear");
 
 // --- Indexing ------------------------------------------------------------------------------
 // Out-of-range indices throw IndexError: at once for indices on the CPU; for indices on

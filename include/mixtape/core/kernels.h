@@ -171,6 +171,28 @@ struct GemmArgs {
 };
 using GemmFn = void(const GemmArgs& args);
 
+// The activation a linear op applies after its product and bias.
+//   none       act(z) = z
+//   relu       max(z, 0) (NaN and -0 stay), relu's functor
+//   gelu       z Phi(z), the exact form (gelu's functor)
+//   gelu_tanh  its tanh approximation (gelu_tanh's functor)
+enum class LinearActivation : std::uint8_t { none, relu, gelu, gelu_tanh };
+// f.template operator()<A>() with the activation as a template argument, for kernels that
+// specialise on it.
+template <typename F>
+void with_linear_activation(LinearActivation a, F&& f) {
+  switch (a) {
+    case LinearActivation::none:
+      return f.template operator()<LinearActivation::none>();
+    case LinearActivation::relu:
+      return f.template operator()<LinearActivation::relu>();
+    case LinearActivation::gelu:
+      return f.template operator()<LinearActivation::gelu>();
+    case LinearActivation::gelu_tanh:
+      return f.template operator()<LinearActivation::gelu_tanh>();
+  }
+}
+
 // scaled_matmul: FP8 operands a [m, k] and b_t [n, k] (contiguous, k innermost in both: the
 // second operand is given transposed, the layout Hopper's FP8 tensor-core GEMMs take), a of
 // the kernel's float8 dtype, b_t of either (not both float8_e5m2); their dequantisation
@@ -180,10 +202,19 @@ using GemmFn = void(const GemmArgs& args);
 // the kernel's), rounded once to out's dtype. fast_accumulation lets a GPU kernel use the
 // tensor cores' faster, less precise accumulation (Hopper's FP8 "fast accum"; gradients keep
 // it off); the CPU kernel ignores it.
+// Optionally the linear op's epilogue: with a bias (float32 [n], contiguous) and / or an
+// activation, out = act(product + bias), the scaled product and the sum in float32, rounded once
+// to out's dtype; pre (undefined, or [m, n] in out's dtype) receives z = product + bias rounded
+// to out's dtype, what linear_backward reads for gelu and gelu_tanh.
 struct ScaledMatmulArgs {
   Tensor a, b_t, scale_a, scale_b, out;
   std::int64_t m = 0, n = 0, k = 0;
   bool fast_accumulation = false;
+  Tensor bias{}, pre{};
+  LinearActivation activation = LinearActivation::none;
+  bool has_epilogue() const {
+    return bias.defined() || pre.defined() || activation != LinearActivation::none;
+  }
 };
 using ScaledMatmulFn = void(const ScaledMatmulArgs& args);
 
@@ -211,28 +242,6 @@ struct QuantizeFloat8Args {
   bool update = false;
 };
 using QuantizeFloat8Fn = void(const QuantizeFloat8Args& args);
-
-// The activation a linear op applies after its product and bias.
-//   none       act(z) = z
-//   relu       max(z, 0) (NaN and -0 stay), relu's functor
-//   gelu       z Phi(z), the exact form (gelu's functor)
-//   gelu_tanh  its tanh approximation (gelu_tanh's functor)
-enum class LinearActivation : std::uint8_t { none, relu, gelu, gelu_tanh };
-// f.template operator()<A>() with the activation as a template argument, for kernels that
-// specialise on it.
-template <typename F>
-void with_linear_activation(LinearActivation a, F&& f) {
-  switch (a) {
-    case LinearActivation::none:
-      return f.template operator()<LinearActivation::none>();
-    case LinearActivation::relu:
-      return f.template operator()<LinearActivation::relu>();
-    case LinearActivation::gelu:
-      return f.template operator()<LinearActivation::gelu>();
-    case LinearActivation::gelu_tanh:
-      return f.template operator()<LinearActivation::gelu_tanh>();
-  }
-}
 
 // linear, fused: out [m, n] = act(x [m, k] w [k, n] + bias [n]), x and w contiguous, of the
 // dtype the kernel is keyed on, bias (undefined: none) contiguous in the compute type (float32;

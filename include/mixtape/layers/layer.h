@@ -276,15 +276,23 @@ class Layer : public std::enable_shared_from_this<Layer> {
   // activation(x w + bias) as the layer's policy computes it (bias may be undefined;
   // activation is a name of mixtape/layers/activations.h): with an activation mt::linear
   // applies (linear, relu, gelu, gelu_tanh) and a bias or an activation, the fused op
-  // (product, bias and activation, rounded once); under mixed_float8 (FP8 products), where
+  // (product, bias and activation, rounded once); under mixed_float8 the FP8 product with the
+  // bias and that activation in its epilogue (float8_linear), where it runs in FP8; where
   // MIXTAPE_FP16_USE_FP32_COMPUTE=0 makes 16-bit products accumulate in 16 bits (which only
-  // matmul emulates) and for the other activations, policy_matmul, then the bias and the
-  // activation as ops of their own. Dense and MultiHeadAttention's projections compute
-  // through it; the dtype trace's note says when the fused op ran or why it could not.
+  // matmul emulates), for the other activations and for products that stay in bfloat16,
+  // policy_matmul, then the bias and the activation as ops of their own. Dense and
+  // MultiHeadAttention's projections compute through it; the dtype trace's note says when the fused
+  // op ran or why it could not.
   Tensor policy_linear(const Tensor& x, const Tensor& w, const Tensor& bias,
                        const std::string& activation,
                        const std::optional<Float8State>& state = std::nullopt,
                        bool training = false) const;
+  // policy_matmul's body. Given `fused` (bias and activation then linear()'s kinds), an FP8
+  // product takes the bias and the activation in its epilogue and sets *fused; any other
+  // product leaves *fused false and both to the caller.
+  Tensor policy_product(const Tensor& x, const Tensor& w, const Tensor& bias,
+                        const std::string& activation, const std::optional<Float8State>& state,
+                        bool training, bool* fused) const;
   // Under delayed scaling: three non-trainable float32 weights of Float8Scaling::history
   // zeros, "<prefix>input_amax_history", "<prefix>kernel_amax_history" and
   // "<prefix>grad_amax_history" (read in float32, saved with the other weights); under any
