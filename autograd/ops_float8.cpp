@@ -244,7 +244,7 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
   const Tensor kept = *activation == LinearActivation::relu ? y2 : epilogue.pre;
   record_op(
       name, inputs, y,
-      [x, w, bias, activation = *activation, kept, x_t = qx.data_t, x_scale = qx.scale,
+      [x, w, bias, activation = *activation, kept, out_dtype, x_t = qx.data_t, x_scale = qx.scale,
        w8 = qw.data, w_scale = qw.scale, m, n, k,
        history = delayed ? std::optional<Float8History>(*delayed) : std::nullopt](
           const Tensor& g, const std::vector<bool>& needs) {
@@ -271,15 +271,22 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
         // bias: dz is dy), then dz quantised: dz [m, n] for dx, its transpose [n, m] for dw.
         Tensor dz = detail::contiguous_raw(g2), dbias;
         if (bias.defined() || activation != LinearActivation::none) {
+          // linear_backward takes dy in the dtype of the saved pre-activation (the output's).
+          if (dz.dtype() != out_dtype) dz = cast(dz, out_dtype);
           kernels::LinearBackwardArgs args;
           args.dy = dz, args.saved = kept, args.activation = activation;
           if (activation != LinearActivation::none)
-            args.dz = Tensor::empty(Shape{m, n}, g.dtype(), g.device());
+            args.dz = Tensor::empty(Shape{m, n}, out_dtype, g.device());
           if (bias.defined()) args.dbias = Tensor::empty(Shape{n}, kFloat32, g.device());
-          detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, g.dtype(),
+          detail::kernel_for<kernels::LinearBackwardFn>(OpId::linear_backward, out_dtype,
                                                         {g})(args);
           if (args.dz.defined()) dz = args.dz;
           dbias = args.dbias;
+        }
+        detail::Grads grads(2);
+        if (!needs[0] && !needs[1]) {  // the bias's gradient alone
+          if (bias.defined()) grads.push_back(dbias);
+          return grads;
         }
         const Layout layout = needs[0] && needs[1] ? Layout::both
                               : needs[0]           ? Layout::own
@@ -287,7 +294,6 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
         const Quantized qg =
             quantize(dz, kFloat8E5M2, history ? &history->grad : nullptr,
                      history ? history->margin : 0, history && history->update, layout);
-        detail::Grads grads(2);
         if (needs[0])  // [m, n] x [k, n]^T
           grads[0] = reshape(
               scaled_matmul_impl(qg.data, w8, qg.scale, w_scale, {.out_dtype = x.dtype()}, false),

@@ -575,6 +575,44 @@ TEST_CASE(
                                        {3, 5, 32}))) < 0.12);
     CHECK(rms_error(values(grads[1]), values(mt::matmul(mt::transpose(x64), dz64))) < 0.12);
   }
+  // The bias's gradient alone (x and w constants): the same as with the others.
+  {
+    const mt::Tensor w_const = mt::cast(w, mt::kFloat32) * 1.0;
+    mt::GradientTape tape;
+    const mt::Tensor y = mt::float8_linear(x, w_const, mt::kBFloat16, nullptr, bias, "gelu");
+    const mt::Tensor alone = tape.gradient(y, std::vector<mt::Tensor>{bias}, dy)[0];
+    mt::GradientTape tape2;
+    tape2.watch(x);
+    const mt::Tensor y2 = mt::float8_linear(x, w, mt::kBFloat16, nullptr, bias, "gelu");
+    const mt::Tensor all = tape2.gradient(y2, std::vector<mt::Tensor>{x, w, bias}, dy)[2];
+    CHECK(values(alone) == values(all));
+  }
+  // A tape that records the backward pass (second derivatives) gets it from ordinary ops:
+  // near the FP8 pass's gradients (taken first, with no other tape), and differentiable.
+  std::vector<mt::Tensor> want;
+  {
+    mt::GradientTape plain;
+    plain.watch(x);
+    const mt::Tensor y = mt::float8_linear(x, w, mt::kBFloat16, nullptr, bias, "gelu");
+    want = plain.gradient(y, {x, w, bias}, dy);
+  }
+  {
+    mt::GradientTape outer;
+    std::vector<mt::Tensor> g;
+    {
+      mt::GradientTape inner;
+      inner.watch(x);
+      const mt::Tensor y = mt::float8_linear(x, w, mt::kBFloat16, nullptr, bias, "gelu");
+      g = inner.gradient(y, {x, w, bias}, dy);
+    }
+    for (std::size_t i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      CHECK(rms_error(values(g[i]), values(want[i])) < 0.12);
+    }
+    const mt::Tensor second =
+        outer.gradient(mt::sum(g[2] * g[2]), std::vector<mt::Tensor>{bias})[0];
+    CHECK(second.shape() == mt::Shape{48});
+  }
   CHECK_THAT(error_of<mt::ValueError>(
                  [&] { mt::float8_linear(x, w, mt::kBFloat16, nullptr, bias, "tanh"); }),
              Contains("float8_linear: unknown activation 'tanh'"));
