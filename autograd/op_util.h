@@ -68,6 +68,13 @@ Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keepdims)
 // composed ops apply it, and g act'(z) written with differentiable ops (a backward pass that a
 // tape records).
 std::optional<kernels::LinearActivation> linear_activation_of(std::string_view name);
+// The same for an op's argument: a ValueError naming op and the activation for any other name.
+kernels::LinearActivation checked_linear_activation(const char* op, std::string_view name);
+// An op's bias argument for a product of n columns (x: the product's input, for the device
+// check): undefined when bias is, else bias in dtype ct (a differentiable cast when it is not);
+// a ShapeError naming op unless bias is a floating [n] on x's device.
+Tensor checked_linear_bias(const char* op, const Tensor& x, const Tensor& bias, std::int64_t n,
+                           DType ct);
 Tensor apply_linear_activation(kernels::LinearActivation a, const Tensor& z);
 Tensor differentiable_activation_grad(kernels::LinearActivation a, const Tensor& z,
                                       const Tensor& g);

@@ -187,25 +187,14 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
     throw DTypeError(
         fmt::format("{}: x, w and the output must be float32, bfloat16 or float16; got {} -> {}",
                     name, detail::describe({x, w}), out_dtype));
-  const auto activation = detail::linear_activation_of(activation_name);
-  if (!activation)
-    throw ValueError(
-        fmt::format("{}: unknown activation '{}'; it applies linear, relu, gelu or gelu_tanh", name,
-                    activation_name));
+  const LinearActivation activation = detail::checked_linear_activation(name, activation_name);
   const std::int64_t k = w.dim(0), n = w.dim(1), m = x.numel() / std::max<std::int64_t>(k, 1);
-  Tensor bias;
-  if (bias_in.defined()) {
-    detail::check_inputs(name, {x, bias_in});
-    if (bias_in.rank() != 1 || bias_in.dim(0) != n || !bias_in.dtype().is_floating())
-      throw ShapeError(fmt::format("{}: bias must be floating [{}] (w's last extent); got {}", name,
-                                   n, detail::describe({bias_in})));
-    bias = bias_in.dtype() == kFloat32 ? bias_in : cast(bias_in, kFloat32);  // differentiable
-  }
+  const Tensor bias = detail::checked_linear_bias(name, x, bias_in, n, kFloat32);
   // No product to fuse with (an empty one): the product, then the bias and the activation as
   // ops of their own.
-  if ((bias.defined() || *activation != LinearActivation::none) && (m == 0 || n == 0 || k == 0)) {
+  if ((bias.defined() || activation != LinearActivation::none) && (m == 0 || n == 0 || k == 0)) {
     const Tensor y = float8_linear(x, w, out_dtype, delayed);
-    return detail::apply_linear_activation(*activation,
+    return detail::apply_linear_activation(activation,
                                            bias.defined() ? y + cast(bias, out_dtype) : y);
   }
   std::vector<std::int64_t> out_dims = x.shape().dims();
@@ -221,9 +210,9 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
   const bool update = delayed && delayed->update;
   // The backward pass of gelu and gelu_tanh reads the pre-activation, relu's its output.
   Epilogue epilogue{.bias = bias,
-                    .activation = *activation,
-                    .keep_pre = recorded && (*activation == LinearActivation::gelu ||
-                                             *activation == LinearActivation::gelu_tanh)};
+                    .activation = activation,
+                    .keep_pre = recorded && (activation == LinearActivation::gelu ||
+                                             activation == LinearActivation::gelu_tanh)};
   Quantized qx, qw;
   Tensor y2;
   {
@@ -241,11 +230,11 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
     y = reshape(y2, Shape(out_dims));
   }
   if (!recorded) return y;
-  const Tensor kept = *activation == LinearActivation::relu ? y2 : epilogue.pre;
+  const Tensor kept = activation == LinearActivation::relu ? y2 : epilogue.pre;
   record_op(
       name, inputs, y,
-      [x, w, bias, activation = *activation, kept, out_dtype, x_t = qx.data_t, x_scale = qx.scale,
-       w8 = qw.data, w_scale = qw.scale, m, n, k,
+      [x, w, bias, activation, kept, out_dtype, x_t = qx.data_t, x_scale = qx.scale, w8 = qw.data,
+       w_scale = qw.scale, m, n, k,
        history = delayed ? std::optional<Float8History>(*delayed) : std::nullopt](
           const Tensor& g, const std::vector<bool>& needs) {
         const Tensor g2 = reshape(g, Shape{m, n});

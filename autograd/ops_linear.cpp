@@ -112,6 +112,24 @@ Tensor differentiable_activation_grad(LinearActivation a, const Tensor& z, const
   return g;
 }
 
+LinearActivation checked_linear_activation(const char* op, std::string_view name) {
+  const auto activation = linear_activation_of(name);
+  if (!activation)
+    throw ValueError(fmt::format(
+        "{}: unknown activation '{}'; it applies linear, relu, gelu or gelu_tanh", op, name));
+  return *activation;
+}
+
+Tensor checked_linear_bias(const char* op, const Tensor& x, const Tensor& bias, std::int64_t n,
+                           DType ct) {
+  if (!bias.defined()) return bias;
+  check_inputs(op, {x, bias});
+  if (bias.rank() != 1 || bias.dim(0) != n || !bias.dtype().is_floating())
+    throw ShapeError(fmt::format("{}: bias must be floating [{}] (w's last extent); got {}", op, n,
+                                 describe({bias})));
+  return bias.dtype() == ct ? bias : cast(bias, ct);  // differentiable
+}
+
 }  // namespace detail
 
 bool is_linear_activation(std::string_view name) {
@@ -121,11 +139,7 @@ bool is_linear_activation(std::string_view name) {
 Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
               std::string_view activation_name) {
   const char* name = op_name(OpId::linear);
-  const auto activation = detail::linear_activation_of(activation_name);
-  if (!activation)
-    throw ValueError(
-        fmt::format("{}: unknown activation '{}'; it applies linear, relu, gelu or gelu_tanh", name,
-                    activation_name));
+  const LinearActivation activation = detail::checked_linear_activation(name, activation_name);
   detail::check_inputs(name, {x_in, w_in});
   const auto in = detail::op_inputs(OpId::linear, {x_in, w_in});
   if (in[0].rank() < 1 || in[1].rank() != 2 || in[1].dim(0) != in[0].dim(-1))
@@ -138,18 +152,11 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
   const DType ct = dt == kFloat64 ? kFloat64 : kFloat32;
   const Tensor x = cast(in[0], dt), w = cast(in[1], dt);
   const std::int64_t k = w.dim(0), n = w.dim(1), m = k == 0 ? 0 : x.numel() / k;
-  Tensor bias;
-  if (bias_in.defined()) {
-    detail::check_inputs(name, {x, bias_in});
-    if (bias_in.rank() != 1 || bias_in.dim(0) != n || !bias_in.dtype().is_floating())
-      throw ShapeError(fmt::format("{}: bias must be floating [{}] (w's last extent); got {}", name,
-                                   n, detail::describe({bias_in})));
-    bias = bias_in.dtype() == ct ? bias_in : cast(bias_in, ct);  // differentiable
-  }
+  const Tensor bias = detail::checked_linear_bias(name, x, bias_in, n, ct);
   // No product to fuse (an empty sum or an empty result): the composed ops.
   if (m == 0 || n == 0 || k == 0) {
     Tensor z = matmul(x, w);
-    return detail::apply_linear_activation(*activation, bias.defined() ? z + cast(bias, dt) : z);
+    return detail::apply_linear_activation(activation, bias.defined() ? z + cast(bias, dt) : z);
   }
 
   const auto kernel = detail::kernel_for<kernels::LinearFn>(OpId::linear, dt, {x, w});
@@ -167,9 +174,9 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
   args.bias = bias.defined() ? detail::contiguous_raw(bias) : Tensor();
   args.out = Tensor::empty(Shape{m, n}, dt, x.device());
   const bool needs_pre =
-      *activation == LinearActivation::gelu || *activation == LinearActivation::gelu_tanh;
+      activation == LinearActivation::gelu || activation == LinearActivation::gelu_tanh;
   if (record && needs_pre) args.pre = Tensor::empty(Shape{m, n}, dt, x.device());
-  args.activation = *activation;
+  args.activation = activation;
   kernel(args);
   Tensor out;
   {
@@ -177,9 +184,9 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
     out = reshape(args.out, Shape(out_dims));
   }
   if (record) {
-    Saved saved{x, w, bias, args.x, Tensor(), *activation};
+    Saved saved{x, w, bias, args.x, Tensor(), activation};
     if (needs_pre) saved.kept = args.pre;
-    if (*activation == LinearActivation::relu) saved.kept = args.out;
+    if (activation == LinearActivation::relu) saved.kept = args.out;
     record_op(name, inputs, out, [saved](const Tensor& g, const std::vector<bool>& needs) {
       return linear_grads(saved, g, needs);
     });

@@ -536,39 +536,29 @@ TEST_CASE(
     CHECK(grads[2].dtype() == mt::kFloat32);
     // Forward: the float32 product, + bias in float32, the activation, one rounding: bit for
     // bit the same ops composed.
-    const mt::Tensor z = product + bias;
-    const mt::Tensor act = activation == "relu"        ? mt::relu(z)
-                           : activation == "gelu"      ? mt::gelu(z)
-                           : activation == "gelu_tanh" ? mt::gelu_tanh(z)
-                                                       : z;
-    CHECK(values(y) == values(mt::reshape(mt::cast(act, mt::kBFloat16), {3, 5, 48})));
-    // Backward, against float64: dz = dy act'(z) (z from the float64 product), the bias
-    // gradient its column sums (not quantised: near float64's), dx and dw from FP8 products.
-    const mt::Tensor z64 =
-        mt::matmul(x64, mt::cast(w, mt::kFloat64)) + mt::cast(bias, mt::kFloat64);
-    mt::Tensor dz64 = dy64;
-    {
+    const auto apply = [&](const mt::Tensor& v) {
+      return activation == "relu"        ? mt::relu(v)
+             : activation == "gelu"      ? mt::gelu(v)
+             : activation == "gelu_tanh" ? mt::gelu_tanh(v)
+                                         : v * 1.0;
+    };
+    // dy act'(v), v float64, by the tape.
+    const auto gradient_at = [&](const mt::Tensor& v) {
       mt::GradientTape inner;
-      inner.watch(z64);
-      const mt::Tensor a64 = activation == "relu"        ? mt::relu(z64)
-                             : activation == "gelu"      ? mt::gelu(z64)
-                             : activation == "gelu_tanh" ? mt::gelu_tanh(z64)
-                                                         : z64 * 1.0;
-      dz64 = inner.gradient(a64, std::vector<mt::Tensor>{z64}, dy64)[0];
-    }
+      inner.watch(v);
+      return inner.gradient(apply(v), std::vector<mt::Tensor>{v}, dy64)[0];
+    };
+    // Forward: the float32 product, + bias in float32, the activation, one rounding: bit for
+    // bit the same ops composed.
+    const mt::Tensor z = product + bias;
+    CHECK(values(y) == values(mt::reshape(mt::cast(apply(z), mt::kBFloat16), {3, 5, 48})));
+    // Backward, against float64: dz = dy act'(z) (z from the float64 product), dx and dw from
+    // FP8 products.
+    const mt::Tensor dz64 =
+        gradient_at(mt::matmul(x64, mt::cast(w, mt::kFloat64)) + mt::cast(bias, mt::kFloat64));
     // The bias gradient is not quantised: dy act'(z) from the forward's own z (rounded to
     // bfloat16 as linear_backward reads it), summed in float32.
-    const mt::Tensor z_kept = mt::cast(mt::cast(z, mt::kBFloat16), mt::kFloat64);
-    mt::Tensor dz_kept = dy64;
-    {
-      mt::GradientTape inner;
-      inner.watch(z_kept);
-      const mt::Tensor a = activation == "relu"        ? mt::relu(z_kept)
-                           : activation == "gelu"      ? mt::gelu(z_kept)
-                           : activation == "gelu_tanh" ? mt::gelu_tanh(z_kept)
-                                                       : z_kept * 1.0;
-      dz_kept = inner.gradient(a, std::vector<mt::Tensor>{z_kept}, dy64)[0];
-    }
+    const mt::Tensor dz_kept = gradient_at(mt::cast(mt::cast(z, mt::kBFloat16), mt::kFloat64));
     CHECK(rms_error(values(grads[2]), values(mt::sum(dz_kept, {0}))) < 1e-5);
     CHECK(rms_error(values(grads[0]),
                     values(mt::reshape(mt::matmul(dz64, mt::transpose(mt::cast(w, mt::kFloat64))),
