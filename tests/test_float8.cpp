@@ -153,6 +153,21 @@ std::vector<std::uint8_t> cast_bytes(const mt::Tensor& x, const Spec& f) {
 
 bool same_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
 
+// A tensor's values as doubles (exact from every floating dtype).
+std::vector<double> as_doubles(const mt::Tensor& t) {
+  return mt::cast(t, mt::kFloat64).to_vector<double>();
+}
+
+// The RMS of got - want relative to want's.
+double rms_error(const std::vector<double>& got, const std::vector<double>& want) {
+  double e = 0, n = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    e += (got[i] - want[i]) * (got[i] - want[i]);
+    n += want[i] * want[i];
+  }
+  return std::sqrt(e / n);
+}
+
 }  // namespace
 
 TEST_CASE("float8: names, sizes, and what the dtypes are", "[float8]") {
@@ -451,37 +466,26 @@ TEST_CASE("float8: float8_linear is scaled_matmul forward and backward, gradient
   CHECK(grads[1].dtype() == mt::kFloat32);
 
   // The same, composed here from quantize_float8 and scaled_matmul: bit for bit.
-  const auto bits = [](const mt::Tensor& t) {
-    return mt::cast(t, mt::kFloat64).to_vector<double>();
-  };
   const mt::Float8Quantized qx = mt::quantize_float8(mt::reshape(x, {15, 32}), mt::kFloat8E4M3FN);
   const mt::Float8Quantized qwt = mt::quantize_float8(mt::transpose(w), mt::kFloat8E4M3FN);
   const mt::Float8Quantized qg = mt::quantize_float8(mt::reshape(dy, {15, 48}), mt::kFloat8E5M2);
-  CHECK(bits(y) == bits(mt::scaled_matmul(qx.data, qwt.data, qx.scale, qwt.scale,
-                                          {.out_dtype = mt::kBFloat16})));
+  CHECK(as_doubles(y) == as_doubles(mt::scaled_matmul(qx.data, qwt.data, qx.scale, qwt.scale,
+                                                      {.out_dtype = mt::kBFloat16})));
   const mt::Tensor dx = mt::scaled_matmul(qg.data, mt::transpose(qwt.data).contiguous(), qg.scale,
                                           qwt.scale, {.out_dtype = mt::kBFloat16});
-  CHECK(bits(grads[0]) == bits(dx));
+  CHECK(as_doubles(grads[0]) == as_doubles(dx));
   const mt::Tensor dw =
       mt::scaled_matmul(mt::transpose(qx.data).contiguous(), mt::transpose(qg.data).contiguous(),
                         qx.scale, qg.scale, {.out_dtype = mt::kFloat32});
-  CHECK(bits(grads[1]) == bits(dw));
+  CHECK(as_doubles(grads[1]) == as_doubles(dw));
 
   // And near the float64 gradients (FP8 keeps 2 or 3 mantissa bits).
-  const auto rms_error = [](const std::vector<double>& got, const std::vector<double>& want) {
-    double e = 0, n = 0;
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      e += (got[i] - want[i]) * (got[i] - want[i]);
-      n += want[i] * want[i];
-    }
-    return std::sqrt(e / n);
-  };
   const mt::Tensor x64 = mt::reshape(mt::cast(x, mt::kFloat64), {15, 32});
   const mt::Tensor w64 = mt::cast(w, mt::kFloat64);
   const mt::Tensor dy64 = mt::reshape(mt::cast(dy, mt::kFloat64), {15, 48});
-  CHECK(rms_error(bits(y), bits(mt::matmul(x64, w64))) < 0.06);
-  CHECK(rms_error(bits(grads[0]), bits(mt::matmul(dy64, mt::transpose(w64)))) < 0.12);
-  CHECK(rms_error(bits(grads[1]), bits(mt::matmul(mt::transpose(x64), dy64))) < 0.12);
+  CHECK(rms_error(as_doubles(y), as_doubles(mt::matmul(x64, w64))) < 0.06);
+  CHECK(rms_error(as_doubles(grads[0]), as_doubles(mt::matmul(dy64, mt::transpose(w64)))) < 0.12);
+  CHECK(rms_error(as_doubles(grads[1]), as_doubles(mt::matmul(mt::transpose(x64), dy64))) < 0.12);
 
   // An infinite input is no error inside the layer: NaN comes out (as on a GPU), which the
   // loss then shows.
@@ -508,17 +512,6 @@ TEST_CASE(
   mt::Variable w(mt::normal({32, 48}) * 0.2, "w"), bias(mt::normal({48}), "bias");
   const mt::Tensor dy = mt::cast(mt::normal({3, 5, 48}) * 1e-3, mt::kBFloat16);
   const mt::Tensor dy64 = mt::reshape(mt::cast(dy, mt::kFloat64), {15, 48});
-  const auto values = [](const mt::Tensor& t) {
-    return mt::cast(t, mt::kFloat64).to_vector<double>();
-  };
-  const auto rms_error = [](const std::vector<double>& got, const std::vector<double>& want) {
-    double e = 0, n = 0;
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      e += (got[i] - want[i]) * (got[i] - want[i]);
-      n += want[i] * want[i];
-    }
-    return std::sqrt(e / n);
-  };
   const mt::Float8Quantized qx = mt::quantize_float8(mt::reshape(x, {15, 32}), mt::kFloat8E4M3FN);
   const mt::Float8Quantized qwt = mt::quantize_float8(mt::transpose(w), mt::kFloat8E4M3FN);
   const mt::Tensor product =
@@ -551,7 +544,7 @@ TEST_CASE(
     // Forward: the float32 product, + bias in float32, the activation, one rounding: bit for
     // bit the same ops composed.
     const mt::Tensor z = product + bias;
-    CHECK(values(y) == values(mt::reshape(mt::cast(apply(z), mt::kBFloat16), {3, 5, 48})));
+    CHECK(as_doubles(y) == as_doubles(mt::reshape(mt::cast(apply(z), mt::kBFloat16), {3, 5, 48})));
     // Backward, against float64: dz = dy act'(z) (z from the float64 product), dx and dw from
     // FP8 products.
     const mt::Tensor dz64 =
@@ -559,11 +552,12 @@ TEST_CASE(
     // The bias gradient is not quantised: dy act'(z) from the forward's own z (rounded to
     // bfloat16 as linear_backward reads it), summed in float32.
     const mt::Tensor dz_kept = gradient_at(mt::cast(mt::cast(z, mt::kBFloat16), mt::kFloat64));
-    CHECK(rms_error(values(grads[2]), values(mt::sum(dz_kept, {0}))) < 1e-5);
-    CHECK(rms_error(values(grads[0]),
-                    values(mt::reshape(mt::matmul(dz64, mt::transpose(mt::cast(w, mt::kFloat64))),
-                                       {3, 5, 32}))) < 0.12);
-    CHECK(rms_error(values(grads[1]), values(mt::matmul(mt::transpose(x64), dz64))) < 0.12);
+    CHECK(rms_error(as_doubles(grads[2]), as_doubles(mt::sum(dz_kept, {0}))) < 1e-5);
+    CHECK(rms_error(as_doubles(grads[0]),
+                    as_doubles(mt::reshape(
+                        mt::matmul(dz64, mt::transpose(mt::cast(w, mt::kFloat64))), {3, 5, 32}))) <
+          0.12);
+    CHECK(rms_error(as_doubles(grads[1]), as_doubles(mt::matmul(mt::transpose(x64), dz64))) < 0.12);
   }
   // The bias's gradient alone (x and w constants): the same as with the others.
   {
@@ -575,7 +569,7 @@ TEST_CASE(
     tape2.watch(x);
     const mt::Tensor y2 = mt::float8_linear(x, w, mt::kBFloat16, nullptr, bias, "gelu");
     const mt::Tensor all = tape2.gradient(y2, std::vector<mt::Tensor>{x, w, bias}, dy)[2];
-    CHECK(values(alone) == values(all));
+    CHECK(as_doubles(alone) == as_doubles(all));
   }
   // A tape that records the backward pass (second derivatives) gets it from ordinary ops:
   // near the FP8 pass's gradients (taken first, with no other tape), and differentiable.
@@ -597,7 +591,7 @@ TEST_CASE(
     }
     for (std::size_t i = 0; i < 3; ++i) {
       CAPTURE(i);
-      CHECK(rms_error(values(g[i]), values(want[i])) < 0.12);
+      CHECK(rms_error(as_doubles(g[i]), as_doubles(want[i])) < 0.12);
     }
     const mt::Tensor second =
         outer.gradient(mt::sum(g[2] * g[2]), std::vector<mt::Tensor>{bias})[0];
@@ -745,15 +739,6 @@ TEST_CASE("float8: quantize_float8's kernel is the composition that defines it, 
                   mt::ones({1}));
     return Composed{mt::cast(wide * factor, dtype), mt::ones({1}) / factor, amax};
   };
-  const auto bytes = [](const mt::Tensor& t) {
-    std::vector<std::uint8_t> b(static_cast<std::size_t>(t.numel()));
-    std::memcpy(b.data(), t.contiguous().const_data_ptr(), b.size());
-    return b;
-  };
-  const auto same_float = [](const mt::Tensor& a, const mt::Tensor& b) {
-    const float x = a.item<float>(), y = b.item<float>();
-    return x == y || (std::isnan(x) && std::isnan(y));
-  };
   for (const mt::DType in : {mt::kFloat32, mt::kBFloat16, mt::kFloat16, mt::kFloat64})
     for (const Spec& f : {kE4M3, kE5M2})
       for (const int margin : {0, 3}) {
@@ -766,16 +751,16 @@ TEST_CASE("float8: quantize_float8's kernel is the composition that defines it, 
         // Current scaling (no margin), then delayed.
         const Composed want = composed(x, f.dtype, nullptr, 0);
         const mt::Float8Quantized got = mt::quantize_float8(x, f.dtype);
-        CHECK(bytes(got.data) == bytes(want.data));
-        CHECK(same_float(got.amax, want.amax));
-        CHECK(same_float(got.scale, want.scale));
+        CHECK(bytes_of(got.data) == bytes_of(want.data));
+        CHECK(same_value(got.amax.item<float>(), want.amax.item<float>()));
+        CHECK(same_value(got.scale.item<float>(), want.scale.item<float>()));
         // Delayed: a history below this amax (saturation), one with a NaN (this step's amax).
         for (const float recorded : {0.5f, std::numeric_limits<float>::quiet_NaN()}) {
           const mt::Tensor history = mt::from_vector<float>({0.25f, recorded, 0.125f}, {3});
           const Composed delayed = composed(x, f.dtype, &history, margin);
           const mt::Float8Quantized q = mt::quantize_float8(x, f.dtype, history, margin, true);
-          CHECK(bytes(q.data) == bytes(delayed.data));
-          CHECK(same_float(q.scale, delayed.scale));
+          CHECK(bytes_of(q.data) == bytes_of(delayed.data));
+          CHECK(same_value(q.scale.item<float>(), delayed.scale.item<float>()));
           const std::vector<float> rolled = history.to_vector<float>();
           CHECK(rolled[0] == q.amax.item<float>());
           CHECK(rolled[1] == 0.25f);
@@ -788,9 +773,9 @@ TEST_CASE("float8: quantize_float8's kernel is the composition that defines it, 
     const mt::Tensor x = mt::from_vector<float>({1.0f, bad, -2.0f, 0.5f}, {2, 2});
     const Composed want = composed(x, mt::kFloat8E4M3FN, nullptr, 0);
     const mt::Float8Quantized got = mt::quantize_float8(x, mt::kFloat8E4M3FN);
-    CHECK(bytes(got.data) == bytes(want.data));
-    CHECK(same_float(got.scale, want.scale));
-    CHECK(same_float(got.amax, want.amax));
+    CHECK(bytes_of(got.data) == bytes_of(want.data));
+    CHECK(same_value(got.scale.item<float>(), want.scale.item<float>()));
+    CHECK(same_value(got.amax.item<float>(), want.amax.item<float>()));
   }
   // Empty: amax 0, scale 1.
   const mt::Float8Quantized empty = mt::quantize_float8(mt::zeros({0, 7}), mt::kFloat8E5M2);
