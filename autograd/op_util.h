@@ -75,6 +75,13 @@ kernels::LinearActivation checked_linear_activation(const char* op, std::string_
 // a ShapeError naming op unless bias is a floating [n] on x's device.
 Tensor checked_linear_bias(const char* op, const Tensor& x, const Tensor& bias, std::int64_t n,
                            DType ct);
+// The bias as a product kernel with the linear op's epilogue takes it (kernels.h's LinearArgs):
+// contiguous, in the output's dtype `out` (a float16 / bfloat16 output's bias rounded to it, as
+// autocast reads a mixed policy's float32 variable), nothing recorded: the op records the bias
+// it was given, whose gradient is the column sums in the compute type (the rounding's
+// derivative taken as 1, as a cast's is). `given` (the caller's bias, undefined or of any
+// floating dtype) is used as it is when it already has that dtype; undefined when bias is.
+Tensor kernel_bias(const Tensor& given, const Tensor& bias, DType out);
 Tensor apply_linear_activation(kernels::LinearActivation a, const Tensor& z);
 Tensor differentiable_activation_grad(kernels::LinearActivation a, const Tensor& z,
                                       const Tensor& g);

@@ -13,7 +13,8 @@ namespace mixtape {
 namespace {
 
 // float8_linear's epilogue of a forward product (kernels.h, ScaledMatmulArgs): the bias
-// (float32 [n], or undefined), the activation, and pre, which the call fills when keep_pre.
+// ([n] in the output's dtype, detail::kernel_bias, or undefined), the activation, and pre, which
+// the call fills when keep_pre.
 struct Epilogue {
   Tensor bias;
   kernels::LinearActivation activation = kernels::LinearActivation::none;
@@ -83,7 +84,7 @@ Tensor scaled_matmul_impl(const Tensor& a_in, const Tensor& b_in, const Tensor& 
                                  .k = k,
                                  .fast_accumulation = o.fast_accumulation};
   if (epilogue) {
-    args.bias = epilogue->bias.defined() ? detail::contiguous_raw(epilogue->bias) : Tensor();
+    args.bias = epilogue->bias;
     args.activation = epilogue->activation;
     if (epilogue->keep_pre)
       epilogue->pre = args.pre = Tensor::empty(Shape{m, n}, o.out_dtype, out.device());
@@ -209,7 +210,7 @@ Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype,
   const int margin = delayed ? delayed->margin : 0;
   const bool update = delayed && delayed->update;
   // The backward pass of gelu and gelu_tanh reads the pre-activation, relu's its output.
-  Epilogue epilogue{.bias = bias,
+  Epilogue epilogue{.bias = detail::kernel_bias(bias_in, bias, out_dtype),
                     .activation = activation,
                     .keep_pre = recorded && (activation == LinearActivation::gelu ||
                                              activation == LinearActivation::gelu_tanh)};

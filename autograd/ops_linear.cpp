@@ -130,6 +130,13 @@ Tensor checked_linear_bias(const char* op, const Tensor& x, const Tensor& bias, 
   return bias.dtype() == ct ? bias : cast(bias, ct);  // differentiable
 }
 
+Tensor kernel_bias(const Tensor& given, const Tensor& bias, DType out) {
+  if (!bias.defined()) return bias;
+  NoGradGuard no_grad;
+  if (given.defined() && given.dtype() == out) return contiguous_raw(given);
+  return contiguous_raw(bias.dtype() == out ? bias : cast(bias, out));
+}
+
 }  // namespace detail
 
 bool is_linear_activation(std::string_view name) {
@@ -171,7 +178,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
     args.x = detail::contiguous_raw(reshape(x, Shape{m, k}));
     args.w = detail::contiguous_raw(w);
   }
-  args.bias = bias.defined() ? detail::contiguous_raw(bias) : Tensor();
+  args.bias = detail::kernel_bias(bias_in, bias, dt);
   args.out = Tensor::empty(Shape{m, n}, dt, x.device());
   const bool needs_pre =
       activation == LinearActivation::gelu || activation == LinearActivation::gelu_tanh;

@@ -195,9 +195,10 @@ std::optional<std::vector<TensorSpec>> MultiHeadAttentionLayer::compute_output_s
 }
 
 // A bias variable as policy_linear takes it, [n] (undefined: none), in its own dtype: the
-// fused linear op adds a float32 bias before its single rounding and gives the bias a float32
-// gradient, as Dense's (read through its 16-bit copy, the bias would be rounded twice, cast
-// forward and back). The composed path casts it to the product's dtype.
+// fused linear op adds its value in the product's dtype before its single rounding and gives
+// the float32 bias a float32 gradient, as Dense's (read through its 16-bit copy, the gradient
+// would be rounded to 16 bits on the way back). The composed path casts it to the product's
+// dtype.
 namespace {
 Tensor flat_bias(const Variable& bias, const Shape& flat) {
   if (!bias.defined()) return Tensor();

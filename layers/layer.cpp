@@ -711,8 +711,8 @@ Tensor Layer::policy_product(const Tensor& x, const Tensor& w, const Tensor& bia
       epilogue ? fmt::format("; {}{}{} fused", bias.defined() ? "bias" : "",
                              bias.defined() && act_fused ? ", " : "", act_fused ? activation : "")
                : "";
-  // float8_linear reads the bias in float32 (a float32 variable as it is) and adds it to the
-  // float32 product.
+  // float8_linear takes the bias in float32 (a float32 variable as it is: its gradient stays
+  // float32) and adds its value in the output's dtype to the float32 product.
   const Tensor b = epilogue ? bias : Tensor();
   const std::string act = epilogue ? activation : "linear";
   if (!state) {

@@ -527,8 +527,6 @@ TEST_CASE(
     const std::vector<mt::Tensor> grads = tape.gradient(y, {x, w, bias}, dy);
     REQUIRE(grads.size() == 3);
     CHECK(grads[2].dtype() == mt::kFloat32);
-    // Forward: the float32 product, + bias in float32, the activation, one rounding: bit for
-    // bit the same ops composed.
     const auto apply = [&](const mt::Tensor& v) {
       return activation == "relu"        ? mt::relu(v)
              : activation == "gelu"      ? mt::gelu(v)
@@ -541,9 +539,9 @@ TEST_CASE(
       inner.watch(v);
       return inner.gradient(apply(v), std::vector<mt::Tensor>{v}, dy64)[0];
     };
-    // Forward: the float32 product, + bias in float32, the activation, one rounding: bit for
-    // bit the same ops composed.
-    const mt::Tensor z = product + bias;
+    // Forward: the float32 product, + the bias rounded to the output's dtype (kernels.h, as
+    // autocast reads it), the activation, one rounding: bit for bit the same ops composed.
+    const mt::Tensor z = product + mt::cast(mt::cast(bias, mt::kBFloat16), mt::kFloat32);
     CHECK(as_doubles(y) == as_doubles(mt::reshape(mt::cast(apply(z), mt::kBFloat16), {3, 5, 48})));
     // Backward, against float64: dz = dy act'(z) (z from the float64 product), dx and dw from
     // FP8 products.

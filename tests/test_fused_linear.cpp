@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -101,8 +102,9 @@ TEST_CASE("linear in float16 and bfloat16: the float64 result, rounded once", "[
       const mt::Tensor bias = random_normal({24}, 13, mt::kFloat32);
       const mt::Tensor y = mt::linear(x, w, bias, act);
       CHECK(y.dtype() == dt);
+      // (The bias enters as its value in the output's dtype: kernels.h's LinearArgs.)
       const auto ref = composed(mt::cast(x, mt::kFloat64), mt::cast(w, mt::kFloat64),
-                                mt::cast(bias, mt::kFloat64), act)
+                                mt::cast(mt::cast(bias, dt), mt::kFloat64), act)
                            .to_vector<double>();
       const auto got = mt::cast(y, mt::kFloat64).to_vector<double>();
       const auto three =
@@ -117,6 +119,45 @@ TEST_CASE("linear in float16 and bfloat16: the float64 result, rounded once", "[
       }
       CHECK(fused_err < composed_err);
     }
+  }
+}
+
+TEST_CASE(
+    "linear in float16 and bfloat16: the bias rounded to the output's dtype, then added to the "
+    "float32 product, one rounding; its gradient in float32",
+    "[linear][fused]") {
+  // Products and their sums exact in float32 (small integers times powers of two), biases of
+  // 24 significant bits: the result is round(x w + round(bias)) to the bit, and a kernel that
+  // added the float32 bias (round(x w + bias)) or rounded twice would differ.
+  mt::manual_seed(31);
+  std::mt19937 gen(31);
+  const auto integers = [&gen](const mt::Shape& shape, double scale) {
+    std::uniform_int_distribution<int> draw(-8, 8);
+    std::vector<double> v(static_cast<std::size_t>(shape.numel()));
+    for (double& e : v) e = draw(gen) * scale;
+    return mt::from_vector(v, shape);
+  };
+  for (const mt::DType dt : {mt::kFloat16, mt::kBFloat16}) {
+    INFO(dt.name());
+    const mt::Tensor x64 = integers({64, 4}, 1.0), w64 = integers({4, 96}, 0.0625);
+    const mt::Tensor bias = mt::uniform({96}, -4.0, 4.0, mt::kFloat32);
+    mt::Variable bv(bias, "bias");
+    mt::GradientTape tape;
+    const mt::Tensor y = mt::linear(mt::cast(x64, dt), mt::cast(w64, dt), mt::Tensor(bv));
+    const mt::Tensor product = mt::matmul(x64, w64);  // exact
+    const auto want =
+        mt::cast(product + mt::cast(mt::cast(bias, dt), mt::kFloat64), dt).to_vector<double>();
+    const auto wide = mt::cast(product + mt::cast(bias, mt::kFloat64), dt).to_vector<double>();
+    const auto got = mt::cast(y, mt::kFloat64).to_vector<double>();
+    CHECK(got == want);
+    std::size_t differ = 0;  // the elements where the two rules differ: the test tells them apart
+    for (std::size_t i = 0; i < want.size(); ++i) differ += want[i] != wide[i] ? 1 : 0;
+    CHECK(differ > want.size() / 20);
+    // The bias's gradient: the column sums of dy, in float32 (not rounded to dt).
+    const mt::Tensor dy = mt::cast(mt::uniform({64, 96}, -1.0, 1.0, mt::kFloat64), dt);
+    const mt::Tensor g = tape.gradient(y, std::vector<mt::Tensor>{mt::Tensor(bv)}, dy)[0];
+    CHECK(g.dtype() == mt::kFloat32);
+    CHECK(max_abs_diff(g, mt::sum(mt::cast(dy, mt::kFloat64), {0})) < 1e-4);
   }
 }
 
@@ -228,7 +269,7 @@ TEST_CASE("Dense runs on the fused op where it can, and says so in the dtype tra
     CHECK(max_abs_diff(grads[0], ref[0]) < 1e-11);
     CHECK(max_abs_diff(grads[1], ref[1]) < 1e-11);
   }
-  SECTION("mixed_bfloat16: the bias is read in float32, the output is bfloat16") {
+  SECTION("mixed_bfloat16: the bias is read in bfloat16 (autocast), the output is bfloat16") {
     mt::PolicyScope scope("mixed_bfloat16");
     mt::manual_seed(6);
     auto dense = ml::Dense(5, {.activation = "gelu"});
@@ -237,7 +278,7 @@ TEST_CASE("Dense runs on the fused op where it can, and says so in the dtype tra
     const mt::Tensor ref =
         composed(mt::cast(mt::cast(x, mt::kBFloat16), mt::kFloat64),
                  mt::cast(mt::cast(dense->kernel(), mt::kBFloat16), mt::kFloat64),
-                 mt::cast(dense->bias(), mt::kFloat64), "gelu");
+                 mt::cast(mt::cast(dense->bias(), mt::kBFloat16), mt::kFloat64), "gelu");
     const auto got = mt::cast(y, mt::kFloat64).to_vector<double>();
     const auto want = ref.to_vector<double>();
     for (std::size_t i = 0; i < got.size(); ++i)

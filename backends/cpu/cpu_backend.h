@@ -39,7 +39,7 @@ void register_float8_gemm_kernels();    // scaled_matmul (FP8 operands, emulated
 void register_quantize_kernels();       // quantize_float8 (amax, factor, conversion to FP8)
 
 // The fused linear op's epilogue (linear.cpp) on a float32 product acc [m, n], contiguous (out's
-// own storage when out is float32): + bias (float32 [n], or undefined), the pre-activation into
+// own storage when out is float32): + bias ([n] in out's dtype, or undefined), the pre-activation into
 // pre (when defined), the activation and one rounding to out's dtype (float32, bfloat16 or
 // float16), as the linear op computes them. scaled_matmul's epilogue (float8_gemm.cpp).
 void linear_epilogue(float* acc, std::int64_t m, std::int64_t n, const Tensor& bias,

@@ -113,12 +113,16 @@ RowLoops<C> row_loops() {
 }
 
 // From the product acc [m, n] in the compute type (out's own storage for float32 / float64, a
-// scratch for the 16-bit floats): + bias, pre, the activation and the rounding, a row at a time.
+// scratch for the 16-bit floats): + bias (out's dtype, kernels.h; widened once), pre, the
+// activation and the rounding, a row at a time.
 template <typename T>
 void epilogue(compute_t<T>* acc, int64_t m, int64_t n, const Tensor& bias_t, const Tensor& pre_t,
               const Tensor& out_t, LinearActivation activation) {
   using C = compute_t<T>;
-  const C* bias = bias_t.defined() ? static_cast<const C*>(bias_t.const_data_ptr()) : nullptr;
+  std::vector<C> wide_bias;
+  const C* bias = bias_t.defined()
+                      ? as_compute(static_cast<const T*>(bias_t.const_data_ptr()), n, wide_bias)
+                      : nullptr;
   T* out = static_cast<T*>(out_t.data_ptr());
   T* pre = pre_t.defined() ? static_cast<T*>(pre_t.data_ptr()) : nullptr;
   kernels::with_linear_activation(activation, [&]<LinearActivation A>() {

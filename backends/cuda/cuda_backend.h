@@ -65,7 +65,7 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
                           const Tensor& aux);
 // The linear op's epilogue kernel (linear.cu) on a float32 product [m, n] (contiguous; it may be
 // out itself): out = act(product + bias) rounded once to out's dtype (float32, bfloat16 or
-// float16), pre = product + bias rounded when defined, bias float32 [n] or undefined. For
+// float16), pre = product + bias rounded when defined, bias [n] in out's dtype or undefined. For
 // scaled_matmul's epilogue (gemm.cpp).
 void linear_epilogue(const Tensor& product, const Tensor& bias, const Tensor& pre,
                      const Tensor& out, kernels::LinearActivation activation);

@@ -30,7 +30,7 @@
 //
 // Fusion: the linear op's product (linear.cu) may run with a cuBLASLt epilogue
 // (linear_gemm_epilogue below): CUBLASLT_MATMUL_DESC_EPILOGUE BIAS or GELU(_AUX)(_BIAS), the
-// epilogue part of the plan key, the bias (float32) broadcast along
+// epilogue part of the plan key, the bias (D's type) broadcast along
 // cuBLASLt's rows, which are our columns (n) after the swap: exactly a Dense layer's
 // per-output-feature bias; the GELU epilogues' aux output (the pre-activation) has D's layout.
 #include <cublasLt.h>
@@ -270,8 +270,8 @@ void choose_algorithm(cublasLtHandle_t handle, LtPlan& plan, const Preference& p
 }
 
 // A linear op's epilogue (linear_gemm_epilogue): the cuBLASLt epilogue, whether it reads a
-// bias (float32 for every data type but float64, which takes none), and the leading dimension
-// of its aux output (0: none).
+// bias (of D's type: the linear op's kernels take it so, kernels.h; float64 takes none), and the
+// leading dimension of its aux output (0: none).
 struct EpilogueSpec {
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   bool bias = false;
@@ -304,7 +304,7 @@ std::unique_ptr<LtPlan> make_plan(cublasLtHandle_t handle, DType dt, const LtTyp
     MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue->epilogue, sizeof(epilogue->epilogue)));
     if (epilogue->bias) {
-      const cudaDataType_t bias_type = CUDA_R_32F;
+      const cudaDataType_t bias_type = types.out;
       MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
           plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
     }
@@ -521,9 +521,9 @@ void scaled_product(const kernels::ScaledMatmulArgs& g) {
 }
 
 // With the linear op's epilogue: the product in float32 (out itself when out is float32), then
-// the linear op's epilogue kernel (linear.cu) adds the float32 bias and applies the activation,
-// z rounded once. (cuBLASLt's FP8 BIAS epilogues take a 16-bit bias with a 16-bit output, as
-// its 16-bit ones do: mixtape's bias is float32.)
+// the linear op's epilogue kernel (linear.cu) adds the bias (out's dtype) and applies the
+// activation, z rounded once. (cuBLASLt's FP8 BIAS epilogues, which take such a bias, are not
+// used yet: the emulation that checks gemm.cpp on machines without a GPU has no FP8 epilogues.)
 void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
   if (!g.has_epilogue()) return scaled_product(g);
   kernels::ScaledMatmulArgs product = g;

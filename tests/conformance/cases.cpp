@@ -544,9 +544,9 @@ std::vector<double> rounded_to(const std::vector<double>& v, DType dtype) {
 }
 
 // linear and linear_backward against float64 formulas written out here: every activation, with
-// and without a bias and a pre-activation output, over shapes with odd and aligned extents
-// (a GPU's epilogue path and its fallback), and more rows than one block of the bias
-// gradient's partial sums.
+// and without a bias (in the dtype under test, kernels.h: a 16-bit product's bias is 16-bit)
+// and a pre-activation output, over shapes with odd and aligned extents (a GPU's epilogue path
+// and its fallback), and more rows than one block of the bias gradient's partial sums.
 void linear(Context& c) {
   using kernels::LinearActivation;
   const bool backward = is(c, "LinearBackwardFn");
@@ -568,8 +568,7 @@ void linear(Context& c) {
                         with_bias ? " + bias" : "", static_cast<int>(activation));
         if (!backward) {
           const Pair x = c.uniform({cs.m, cs.k}, -1.0, 1.0), w = c.uniform({cs.k, cs.n}, -1.0, 1.0);
-          const Pair bias = c.make(
-              {cs.n}, [&] { return c.uniform(-1.0, 1.0); }, ct);
+          const Pair bias = c.make({cs.n}, [&] { return c.uniform(-1.0, 1.0); });
           const Pair out = c.output({cs.m, cs.n}), pre = c.output({cs.m, cs.n});
           kernels::LinearArgs args;
           args.x = x.tested, args.w = w.tested, args.out = out.tested, args.pre = pre.tested;
@@ -950,7 +949,7 @@ void scaled_matmul_epilogues(Context& c) {
                      sb = std::ldexp(1.0 + static_cast<double>(c.integer(0, 7)) / 8, -4);
         std::vector<double> bias_v(static_cast<std::size_t>(n));
         for (double& v : bias_v) v = c.uniform(-2.0, 2.0);
-        const Tensor bias = from_vector(bias_v, {n}, kFloat32);
+        const Tensor bias = from_vector(bias_v, {n}, out_dtype);  // (kernels.h: out's dtype)
         const Tensor out = full({m, n}, kNaN, out_dtype, c.device()),
                      pre = full({m, n}, kNaN, out_dtype, c.device());
         kernels::ScaledMatmulArgs g{.a = a.tested,

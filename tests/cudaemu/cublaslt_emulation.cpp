@@ -19,12 +19,14 @@
 //     times scale_A scale_B, each scale read from its device pointer, 1 when none is set),
 //     each sum of products from exact products in float64 and rounded once to the compute
 //     type (the library's order of summation and its roundings are its own), the bias (one
-//     value per row of D, D's type unless BIAS_DATA_TYPE says otherwise) added in the compute
-//     type, aux the pre-activation in D's type, GELU in its tanh form, one rounding to D's
-//     type; C is not read when beta is 0. It refuses (CUBLAS_STATUS_INVALID_VALUE) an
-//     algorithm it did not return, a workspace smaller than the algorithm's, and operands
-//     less aligned than the preference promised when the algorithm was chosen: a library
-//     kernel may assume that alignment, and a real one would fault or misread.
+//     value per row of D, of D's type: a BIAS_DATA_TYPE other than D's is refused, as cuBLASLt's
+//     documentation gives it for products that are not FP8, and as an H200 found no algorithm
+//     for a float32 bias with a bfloat16 D) added in the compute type, aux the pre-activation
+//     in D's type, GELU in its tanh form, one rounding to D's type; C is not read when beta is
+//     0. It refuses (CUBLAS_STATUS_INVALID_VALUE) an algorithm it did not return, a workspace
+//     smaller than the algorithm's, and operands less aligned than the preference promised
+//     when the algorithm was chosen: a library kernel may assume that alignment, and a real
+//     one would fault or misread.
 // Epilogues are emulated for single matrices (a batch gets CUBLAS_STATUS_NOT_SUPPORTED), FP8
 // without epilogues; the alpha and beta pointers are host pointers (the default mode).
 #include <cublasLt.h>
@@ -232,8 +234,7 @@ cublasStatus_t describe(const cublasLtMatmulDescOpaque* desc, const cublasLtMatr
   }
   if (p.bias) {
     p.bias_type = desc->bias_type < 0 ? d->type : static_cast<cudaDataType_t>(desc->bias_type);
-    const bool wide = desc->compute != CUBLAS_COMPUTE_64F && p.bias_type == CUDA_R_32F;
-    if (p.bias_type != d->type && !wide) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (p.bias_type != d->type) return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   if (p.aux && (desc->aux_ld < m || desc->aux_ld % 8 != 0)) return CUBLAS_STATUS_INVALID_VALUE;
   return CUBLAS_STATUS_SUCCESS;

@@ -128,10 +128,12 @@ Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& labels);
 Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double epsilon);
 // A Dense layer's computation in one op (op linear; its backward pass's elementwise part one
 // op too, linear_backward): activation(x w + bias), x [..., k], w [k, n] (promoted to one
-// floating dtype, the result's), bias [n] (any floating dtype, read in float32 / float64;
-// undefined: none), activation a name is_linear_activation() accepts. The product accumulates in
-// float32 (float64 for float64), bias and activation are applied to that value and the result
-// is rounded once: under float16 / bfloat16 closer to the exact value than the composed
+// floating dtype, the result's), bias [n] (any floating dtype, its gradient computed in
+// float32 / float64; undefined: none), activation a name is_linear_activation() accepts. The
+// product accumulates in float32 (float64 for float64), the bias's value in the result's dtype
+// (a float16 / bfloat16 result's bias rounded to it first, as autocast reads a mixed policy's
+// variable) and the activation are applied to that value and the result is rounded once: under
+// float16 / bfloat16 closer to the exact value than the composed
 // matmul(x, w) + bias then the activation, which round three times; under float32 the same
 // values (relu and none to the bit; gelu and gelu_tanh to about the last bit: the CPU's vector
 // loops may contract into FMAs differently). It accumulates in float32 even where
@@ -221,11 +223,11 @@ struct Float8History {
 // operands (no second quantisation). x and w: float32, bfloat16 or float16 (w is usually a
 // float32 variable: it is quantised from its float32 values). A tape that records the
 // backward pass (second derivatives) gets it from ordinary matmuls in out_dtype.
-// With a bias [n] (differentiable, read in float32) and / or an activation that linear()
-// applies (relu, gelu, gelu_tanh), out = act(x w + bias) as linear() computes it: the bias
-// added to the float32 product and the activation applied before the one rounding to
-// out_dtype, and the backward pass's dz = dy act'(z) and bias gradient in linear_backward's
-// one pass before dz is quantised.
+// With a bias [n] (differentiable, its gradient float32) and / or an activation that linear()
+// applies (relu, gelu, gelu_tanh), out = act(x w + bias) as linear() computes it: the bias's
+// value in out_dtype added to the float32 product and the activation applied before the one
+// rounding to out_dtype, and the backward pass's dz = dy act'(z) and bias gradient in
+// linear_backward's one pass before dz is quantised.
 Tensor float8_linear(const Tensor& x, const Tensor& w, DType out_dtype = kBFloat16,
                      const Float8History* delayed = nullptr, const Tensor& bias = Tensor(),
                      std::string_view activation = "linear");

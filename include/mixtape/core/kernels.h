@@ -202,10 +202,11 @@ void with_linear_activation(LinearActivation a, F&& f) {
 // the kernel's), rounded once to out's dtype. fast_accumulation lets a GPU kernel use the
 // tensor cores' faster, less precise accumulation (Hopper's FP8 "fast accum"; gradients keep
 // it off); the CPU kernel ignores it.
-// Optionally the linear op's epilogue: with a bias (float32 [n], contiguous) and / or an
-// activation, out = act(product + bias), the scaled product and the sum in float32, rounded once
-// to out's dtype; pre (undefined, or [m, n] in out's dtype) receives z = product + bias rounded
-// to out's dtype, what linear_backward reads for gelu and gelu_tanh.
+// Optionally the linear op's epilogue: with a bias ([n] in out's dtype, contiguous, as
+// LinearArgs's) and / or an activation, out = act(product + bias), the scaled product and the
+// sum in float32, rounded once to out's dtype; pre (undefined, or [m, n] in out's dtype)
+// receives z = product + bias rounded to out's dtype, what linear_backward reads for gelu and
+// gelu_tanh.
 struct ScaledMatmulArgs {
   Tensor a, b_t, scale_a, scale_b, out;
   std::int64_t m = 0, n = 0, k = 0;
@@ -243,13 +244,14 @@ struct QuantizeFloat8Args {
 };
 using QuantizeFloat8Fn = void(const QuantizeFloat8Args& args);
 
-// linear, fused: out [m, n] = act(x [m, k] w [k, n] + bias [n]), x and w contiguous, of the
-// dtype the kernel is keyed on, bias (undefined: none) contiguous in the compute type (float32;
-// float64 for float64). The product accumulates in the compute type; bias and activation are
-// applied to that value and out is rounded once (a GPU kernel may round the pre-activation
-// to out's dtype before the activation: cuBLASLt's epilogues do). pre (undefined, or [m, n]
-// in out's dtype) receives z = x w + bias, what the backward pass of gelu and gelu_tanh
-// reads. m, n, k >= 1.
+// linear, fused: out [m, n] = act(x [m, k] w [k, n] + bias [n]), x, w and bias (undefined:
+// none) contiguous, of the dtype the kernel is keyed on: a float16 / bfloat16 product takes its
+// bias in that dtype, as a mixed policy's layer reads a float32 variable (autocast) and as
+// cuBLASLt's epilogues take it. The product accumulates in the compute type (float32; float64
+// for float64); the bias's value is added to that sum, the activation applied, and out rounded
+// once (a GPU kernel may round the pre-activation to out's dtype before the activation:
+// cuBLASLt's epilogues do). pre (undefined, or [m, n] in out's dtype) receives z = x w + bias,
+// what the backward pass of gelu and gelu_tanh reads. m, n, k >= 1.
 struct LinearArgs {
   Tensor x, w, bias, out, pre;
   LinearActivation activation = LinearActivation::none;
