@@ -126,7 +126,20 @@ std::vector<Tensor> scaled_by(const std::vector<Tensor>& grads, const Tensor& fa
   return out;
 }
 
+Tensor clip_or_factor(std::vector<Tensor>& grads, const Clipping& c) {
+  if (!c.global_clipnorm || c.clipnorm || c.clipvalue) {
+    clip(grads, c);
+    return Tensor();
+  }
+  return global_clip_factor(grads, *c.global_clipnorm);
+}
+
 void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm) {
+  const Tensor factor = global_clip_factor(grads, clipnorm);
+  if (factor.defined()) grads = scaled_by(grads, factor);
+}
+
+Tensor global_clip_factor(std::vector<Tensor>& grads, double clipnorm) {
   NoGradGuard no_grad;
   // The gradients by dtype, in their order (one kernel call per dtype); all on one device.
   std::map<int, std::vector<std::size_t>> by_dtype;
@@ -141,7 +154,7 @@ void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm) {
     device = grads[i].device();
     by_dtype[grads[i].dtype().index()].push_back(i);
   }
-  if (!device) return;
+  if (!device) return Tensor();
   for (auto& g : grads)
     if (g.defined()) g = contiguous(g);
   const auto list = [&](const std::vector<std::size_t>& at) {
@@ -156,7 +169,7 @@ void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm) {
                                        DType(static_cast<DType::Code>(code)))(list(at), total);
   // factor = clipnorm / max(norm, clipnorm): 1 below the threshold.
   const Tensor limit = full({}, clipnorm, kFloat64, *device);
-  grads = scaled_by(grads, limit / maximum(sqrt(total), limit));
+  return limit / maximum(sqrt(total), limit);
 }
 
 }  // namespace mixtape::optim

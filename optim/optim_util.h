@@ -50,10 +50,22 @@ std::vector<Tensor> scaled_by(const std::vector<Tensor>& grads, const Tensor& fa
 // Clips the defined gradients in place as `clipping` says (no-op when nothing is set).
 void clip(std::vector<Tensor>& grads, const Clipping& clipping);
 
-// global_clipnorm: every defined gradient (all on one device) times clipnorm / max(norm,
-// clipnorm), norm the L2 norm of all of them together, summed in float64 (kernels.h's
-// sum_squares) and kept on the device; one sum_squares and one scale_list call per dtype,
-// whatever the number of gradients. The gradients are replaced, not written to.
+// clip() for an optimizer whose update kernels take a gradient factor
+// (kernels::OptimizerUpdate::grad_scale): global_clipnorm's factor is returned (a float64
+// scalar on the gradients' device, global_clip_factor) and the gradients are not scaled (the
+// updates read them times it); any other clipping is applied as clip() applies it, and an
+// undefined tensor returned.
+Tensor clip_or_factor(std::vector<Tensor>& grads, const Clipping& clipping);
+
+// global_clipnorm's factor clipnorm / max(norm, clipnorm) for the defined gradients (all on one
+// device; made contiguous), norm their L2 norm summed in float64 (kernels.h's sum_squares, one
+// call per dtype), kept on the device: a float64 scalar there, undefined when no gradient is
+// defined.
+Tensor global_clip_factor(std::vector<Tensor>& grads, double clipnorm);
+
+// global_clipnorm: every defined gradient (all on one device) times global_clip_factor; one
+// sum_squares and one scale_list call per dtype, whatever the number of gradients. The
+// gradients are replaced, not written to.
 void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm);
 
 }  // namespace mixtape::optim

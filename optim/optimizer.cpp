@@ -311,14 +311,22 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
           name(), variables[*bad].name(), iterations_ + 1));
     }
   }
-  clip(g, clipping_);
+  // Clipping: global_clipnorm's factor goes to the update kernels when they take it (no pass
+  // of its own over the gradients).
+  Tensor grad_scale;
+  if (fuses_gradient_scale())
+    grad_scale = clip_or_factor(g, clipping_);
+  else
+    clip(g, clipping_);
   const double lr = learning_rate_(iterations_);
   const std::int64_t step = iterations_ + 1;
-  struct Flag {  // skip_if_ for the updates of this step only, also when one throws
-    Tensor& slot;
-    ~Flag() { slot = Tensor(); }
-  } flag{skip_if_};
+  struct Flags {  // skip_if_ and grad_scale_ for this step's updates only, also when one throws
+    Tensor& skip;
+    Tensor& scale;
+    ~Flags() { skip = scale = Tensor(); }
+  } step_flags{skip_if_, grad_scale_};
   skip_if_ = skip;
+  grad_scale_ = grad_scale;
   UpdateBatch batch;
   for (std::size_t i = 0; i < g.size(); ++i)
     if (g[i].defined()) update(variables[i], g[i], slots_for(variables[i]), lr, step);
@@ -604,6 +612,7 @@ void SGD::update(const Variable& var, const Tensor& grad, const std::vector<Vari
                  double lr, std::int64_t step) {
   auto u = update_args(var, grad, slots, lr, step);
   u.skip_if = skip_flag();
+  u.grad_scale = gradient_scale();
   u.momentum = options_.momentum;
   u.nesterov = options_.nesterov;
   run(OpId::sgd_update, u);
@@ -631,6 +640,7 @@ void RMSprop::update(const Variable& var, const Tensor& grad, const std::vector<
                      double lr, std::int64_t step) {
   auto u = update_args(var, grad, slots, lr, step);
   u.skip_if = skip_flag();
+  u.grad_scale = gradient_scale();
   u.beta2 = options_.rho;
   u.momentum = options_.momentum;
   u.epsilon = options_.epsilon;
@@ -664,6 +674,7 @@ void Adam::update(const Variable& var, const Tensor& grad, const std::vector<Var
                   double lr, std::int64_t step) {
   auto u = update_args(var, grad, slots, lr, step);
   u.skip_if = skip_flag();
+  u.grad_scale = gradient_scale();
   u.beta1 = options_.beta_1;
   u.beta2 = options_.beta_2;
   u.epsilon = options_.epsilon;

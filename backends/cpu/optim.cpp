@@ -288,12 +288,17 @@ inline void write_copy(const OptimizerUpdate& u, void* copy, const float* x, int
 // variables. v and g are the block's variable and gradient in the slot type: the tensors
 // themselves, or float32 stack copies of 16-bit ones (the variable's copy is converted
 // back after the block, its one rounding per step). A float32 variable's block goes to
-// u.copy right after its update, while it is in cache.
+// u.copy right after its update, while it is in cache. With u.grad_scale, g is the gradient
+// times the factor as scale_list computes it (kernels.h), in a stack copy.
 // Nothing changes when u.skip_if is set (kernels.h); u.copy then receives the variable.
 template <typename T, typename Block>
 void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
+  using S = compute_t<T>;
   const bool skip =
       u.skip_if.defined() && *static_cast<const float*>(u.skip_if.const_data_ptr()) != 0.0f;
+  const bool scaled = u.grad_scale.defined();
+  const S factor =
+      scaled ? static_cast<S>(*static_cast<const double*>(u.grad_scale.const_data_ptr())) : S(1);
   void* copy = u.copy.defined() ? u.copy.data_ptr() : nullptr;
   if constexpr (!std::is_same_v<T, float>)
     if (copy != nullptr)
@@ -310,10 +315,22 @@ void for_each_var_block(const OptimizerUpdate& u, Block&& block) {
       float vbuf[kBlock], gbuf[kBlock];
       to_float(var + b, vbuf, n);
       to_float(grad + b, gbuf, n);
+      if (scaled) {  // scale_list's product, rounded to T
+        T rounded[kBlock];
+        for (int64_t i = 0; i < n; ++i) gbuf[i] *= factor;
+        from_float(gbuf, rounded, n);
+        to_float(rounded, gbuf, n);
+      }
       block(vbuf, gbuf, b, n);
       from_float(vbuf, var + b, n);
     } else {
-      if (!skip) block(var + b, grad + b, b, n);
+      const S* g = grad + b;
+      S gbuf[kBlock];
+      if (scaled && !skip) {
+        for (int64_t i = 0; i < n; ++i) gbuf[i] = g[i] * factor;
+        g = gbuf;
+      }
+      if (!skip) block(var + b, g, b, n);
       if constexpr (std::is_same_v<T, float>) write_copy(u, copy, var + b, b, n);
     }
   });

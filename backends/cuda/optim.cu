@@ -385,13 +385,15 @@ __device__ __forceinline__ bool skipped(const float* skip) {
 // The loop of every update kernel, over each variable of the list: v = step(slots, i, v, g)
 // in the slot type, written back to var[i] and to the copy. A step skipped on the device
 // leaves var as it is and writes only the copy. With rates (a captured step's), the step's
-// lr and alpha are read there.
+// lr and alpha are read there; with grad_scale, g is the gradient times it as scale_list
+// computes it (kernels.h).
 template <typename T, typename Step>
 __global__ void update_kernel(const float* __restrict__ skip, const double* __restrict__ rates,
-                              UpdateList list, Step step) {
+                              const double* __restrict__ grad_scale, UpdateList list, Step step) {
   using S = slot_of<T>;
   const bool skip_step = skipped(skip);  // a step skipped on the device
   if (rates != nullptr) step.use_rates(rates[0], rates[1]);
+  const S factor = grad_scale != nullptr ? static_cast<S>(*grad_scale) : S(1);
   list_walk(list, [&](int t, int64_t i) {
     void* copy = list.copy[t];
     if (skip_step && copy == nullptr) return;
@@ -400,7 +402,9 @@ __global__ void update_kernel(const float* __restrict__ skip, const double* __re
     if (!skip_step) {
       const Slots<S> slots{static_cast<S*>(list.slot1[t]), static_cast<S*>(list.slot2[t]),
                            static_cast<S*>(list.slot3[t])};
-      v = step(slots, i, v, load(static_cast<const T*>(list.grad[t])[i]));
+      S g = load(static_cast<const T*>(list.grad[t])[i]);
+      if (grad_scale != nullptr) g = load(store<T>(mul_rn(g, factor)));
+      v = step(slots, i, v, g);
       var[i] = store<T>(v);
     }
     write_copy(copy, list.copy_bf16[t], i, v);
@@ -417,11 +421,15 @@ void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, 
   OnDevice on(updates.front().var);
   const float* skip = skip_ptr(updates.front());
   const double* rates = rates_ptr(updates.front());
+  const double* grad_scale =
+      updates.front().grad_scale.defined()
+          ? static_cast<const double*>(updates.front().grad_scale.const_data_ptr())
+          : nullptr;
   UpdateList list{};
   auto launch = [&]() {
     if (list.count > 0)
       launch_1d({name, list_threads(list.start[list.count]), on.s}, update_kernel<T, Step>, skip,
-                rates, list, step);
+                rates, grad_scale, list, step);
     list = UpdateList{};
   };
   for (const OptimizerUpdate& u : updates) {

@@ -1464,7 +1464,16 @@ void optimizer(Context& c) {
   std::vector<Shape> shapes{{7}, {3, 5}, {0}, {4099}};
   for (int i = 0; i < 45; ++i) shapes.push_back(Shape{5 + i % 3});
   int copies = 0;
+  // Each variant also with global-norm clipping's factor read by the update (grad_scale).
+  const std::size_t plain = variants.size();
+  for (std::size_t i = 0; i < plain; ++i) {
+    variants.push_back(variants[i]);
+    variants.back().name += ", gradients scaled";
+  }
   for (const auto& v : variants) {
+    const bool scaled = &v - variants.data() >= static_cast<std::ptrdiff_t>(plain);
+    const Tensor factor = full({}, 0.3728, kFloat64, c.device()),
+                 factor_ref = full({}, 0.3728, kFloat64, Device::cpu());
     struct Entry {
       Pair var, s1, s2, s3, ms;
       kernels::OptimizerUpdate u, r;
@@ -1499,6 +1508,16 @@ void optimizer(Context& c) {
       u.nesterov = v.nesterov, u.centered = v.centered, u.amsgrad = v.amsgrad;
       r = u;
       u.var = e.var.tested, u.grad = grad.tested, r.var = e.var.ref, r.grad = grad.ref;
+      // Scaled: the reference reads the product the kernel rounds (kernels.h: computed in the
+      // slot dtype, rounded to grad's dtype), the float64 kernel the factor itself.
+      if (scaled) {
+        u.grad_scale = factor;
+        if (c.dtype() == kFloat64)
+          r.grad_scale = factor_ref;
+        else
+          r.grad = cast(cast(cast(grad.ref, kFloat32) * cast(factor_ref, kFloat32), c.dtype()),
+                        kFloat64);
+      }
       const bool rms = c.op() == OpId::rmsprop_update, adam = c.op() == OpId::adam_update;
       // Which slots the variant uses (kernels.h): sgd's velocity with momentum; rmsprop's
       // mean square, momentum buffer and mean gradient; adam's m, v and max v.

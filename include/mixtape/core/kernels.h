@@ -430,6 +430,11 @@ using CastListFn = void(const std::vector<Tensor>& xs, const std::vector<Tensor>
 // the update (or as they stay, when skip_if skips it) rounded to nearest even as the cast
 // kernel rounds: the copy autocast reads next (mixtape/autograd/autocast.h), written in
 // the same pass instead of a cast of its own.
+// grad_scale, when defined: a float64 scalar on the variable's device (global-norm clipping's
+// factor): the update reads each gradient element g as g * grad_scale computed in the slot
+// dtype (the factor rounded to it) and rounded to grad's dtype, what scale_list would have
+// written (one pass over the gradients fewer). One call's updates share skip_if and grad_scale
+// (a step's).
 // rates, when defined: a float64 tensor of 2 on the variable's device holding
 // step_rates(lr, step, beta1, beta2) below ({lr, alpha}); the kernel reads lr and alpha there,
 // when it runs, instead of computing them from lr and step (lr * weight_decay from that lr):
@@ -441,6 +446,7 @@ struct OptimizerUpdate {
   Tensor skip_if;
   Tensor copy;
   Tensor rates;
+  Tensor grad_scale;
   double lr = 0.0;
   double beta1 = 0.0, beta2 = 0.0, epsilon = 0.0;
   double momentum = 0.0, weight_decay = 0.0;

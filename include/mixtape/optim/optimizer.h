@@ -204,6 +204,14 @@ class Optimizer {
   // During a step decided on the device: the flag (a float32 scalar on the variables'
   // device) whose non-zero value makes the update change nothing; undefined otherwise.
   const Tensor& skip_flag() const { return skip_if_; }
+  // Whether update() hands gradient_scale() to its kernels (kernels::OptimizerUpdate::
+  // grad_scale): global_clipnorm's factor is then applied in the update's own pass instead of a
+  // pass of its own over the gradients (SGD, RMSprop and Adam do; update() is otherwise given
+  // the clipped gradients).
+  virtual bool fuses_gradient_scale() const { return false; }
+  // During a step of such an optimizer with global_clipnorm: the factor (a float64 scalar on
+  // the variables' device) its update reads each gradient times; undefined otherwise.
+  const Tensor& gradient_scale() const { return grad_scale_; }
 
   // For the wrappers (LossScaleOptimizer, DistributedOptimizer,
   // GradientAccumulationOptimizer): wrap() in their constructors registers them around
@@ -277,6 +285,7 @@ class Optimizer {
   StepDecision finite_check_ = StepDecision::Auto;
   std::shared_ptr<PendingChecks> pending_;  // never null
   Tensor skip_if_;
+  Tensor grad_scale_;
   int wrappers_ = 0;            // wrappers alive around this one (wrap, unwrap)
   std::string wrapper_name_;    // the last one's name()
   int calls_from_wrapper_ = 0;  // steps a wrapper is making now (WrapperCall)
@@ -308,6 +317,7 @@ class SGD : public Optimizer {
   void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
               double lr, std::int64_t step) override;
   bool supports_device_skip() const override { return true; }
+  bool fuses_gradient_scale() const override { return true; }
 
  private:
   SGDOptions options_;
@@ -337,6 +347,7 @@ class RMSprop : public Optimizer {
   void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
               double lr, std::int64_t step) override;
   bool supports_device_skip() const override { return true; }
+  bool fuses_gradient_scale() const override { return true; }
 
  private:
   RMSpropOptions options_;
@@ -366,6 +377,7 @@ class Adam : public Optimizer {
   void update(const Variable& var, const Tensor& grad, const std::vector<Variable>& slots,
               double lr, std::int64_t step) override;
   bool supports_device_skip() const override { return true; }
+  bool fuses_gradient_scale() const override { return true; }
   Adam(AdamOptions options, double weight_decay);
 
  private:
