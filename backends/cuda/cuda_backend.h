@@ -69,5 +69,8 @@ bool linear_gemm_epilogue(const kernels::LinearArgs& a, LinearEpilogue e, const 
 // scaled_matmul's epilogue (gemm.cpp).
 void linear_epilogue(const Tensor& product, const Tensor& bias, const Tensor& pre,
                      const Tensor& out, kernels::LinearActivation activation);
+// out = act(z) for z [m, n] of out's dtype (contiguous; it may be out itself): the rest of a
+// product whose bias cuBLASLt's epilogue added (scaled_matmul's, gemm.cpp).
+void linear_activation(const Tensor& z, const Tensor& out, kernels::LinearActivation activation);
 
 }  // namespace mixtape::cuda_backend

@@ -449,6 +449,8 @@ void set_scale_pointers(LtPlan& plan, const kernels::ScaledMatmulArgs& g) {
                                                       &scale_b, sizeof(scale_b)));
 }
 
+// The plan of g's product; with g.bias defined, with cuBLASLt's BIAS epilogue adding it (of
+// D's 16-bit type).
 std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::ScaledMatmulArgs& g,
                                       std::uint32_t align_a, std::uint32_t align_b,
                                       std::uint32_t align_c) {
@@ -465,6 +467,17 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
   set_layout(plan->a.out(), float8_type(g.b_t.dtype()), g.k, g.n, g.k, 1, 0);
   set_layout(plan->b.out(), float8_type(g.a.dtype()), g.k, g.m, g.k, 1, 0);
   set_layout(plan->c.out(), out_type(g.out.dtype()), g.n, g.m, g.n, 1, 0);
+  if (g.bias.defined()) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bias_type = out_type(g.out.dtype());
+    const void* bias = g.bias.const_data_ptr();
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                        &epilogue, sizeof(epilogue)));
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                        &bias, sizeof(bias)));
+  }
   // The scale pointers are set at each call, and the first call's here before the heuristic
   // runs: cuBLASLt does not promise that an algorithm it chose without them honours them
   // (XLA met one that did not). The heuristic also needs the types, the layouts, the options
@@ -480,8 +493,11 @@ std::unique_ptr<LtPlan> make_fp8_plan(cublasLtHandle_t handle, const kernels::Sc
 // are set at each call under the same lock (a plan is used by one call at a time).
 std::mutex g_fp8_mutex;
 
-// The scaled product into g.out (g's epilogue is not this function's).
-void scaled_product(const kernels::ScaledMatmulArgs& g) {
+// The scaled product into g.out, with cuBLASLt's BIAS epilogue adding g.bias when it is defined
+// (g's activation and pre are not this function's): false, nothing written, when cuBLASLt has
+// no algorithm for the biased product (the caller then adds the bias itself); a product
+// without a bias that it cannot make is a DeviceError.
+bool scaled_product(const kernels::ScaledMatmulArgs& g) {
   const int device = g.out.device().index();
   DeviceGuard guard(device);
   const LaunchScope launch(device);
@@ -491,7 +507,9 @@ void scaled_product(const kernels::ScaledMatmulArgs& g) {
   const std::uint32_t align_a = alignment(g.a.const_data_ptr(), g.k, 0, 1, 1);
   const std::uint32_t align_b = alignment(g.b_t.const_data_ptr(), g.k, 0, 1, 1);
   const std::uint32_t align_c = alignment(g.out.data_ptr(), g.n, 0, 1, g.out.dtype().itemsize());
+  const void* bias = g.bias.defined() ? g.bias.const_data_ptr() : nullptr;
   PlanKey key;
+  // (The heuristic reads the bias pointer's alignment: part of the problem.)
   key.v = {device,
            g.a.dtype().index(),
            g.b_t.dtype().index(),
@@ -502,30 +520,55 @@ void scaled_product(const kernels::ScaledMatmulArgs& g) {
            g.fast_accumulation,
            align_a,
            align_b,
-           align_c};
+           align_c,
+           bias != nullptr,
+           bias ? alignment(bias, 0, 0, 1, 1) : 0};
   std::lock_guard<std::mutex> lock(g_fp8_mutex);
   LtPlan& plan = find_or_make(*plans, key,
                               [&] { return make_fp8_plan(handle, g, align_a, align_b, align_c); });
+  if (!plan.supported && bias) return false;
   if (!plan.supported)
     throw DeviceError(fmt::format(
         "scaled_matmul: cuBLASLt has no FP8 GEMM for {}[{}, {}] x {}[{}, {}] -> {} on cuda:{} "
         "({}): FP8 GEMMs need compute capability 8.9 or newer and k and n multiples of 16",
         g.a.dtype(), g.m, g.k, g.b_t.dtype(), g.n, g.k, g.out.dtype(), device, plan.why));
   set_scale_pointers(plan, g);
+  if (bias)
+    MIXTAPE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                        &bias, sizeof(bias)));
   const float one = 1.0f, zero = 0.0f;
   Workspace workspace(plan.workspace, device);
   void* out = g.out.data_ptr();
   MIXTAPE_CUBLAS_CHECK(cublasLtMatmul(handle, plan.op, &one, g.b_t.const_data_ptr(), plan.a,
                                       g.a.const_data_ptr(), plan.b, &zero, out, plan.c, out, plan.c,
                                       &plan.algo, workspace.data(), plan.workspace, st));
+  return true;
 }
 
-// With the linear op's epilogue: the product in float32 (out itself when out is float32), then
-// the linear op's epilogue kernel (linear.cu) adds the bias (out's dtype) and applies the
-// activation, z rounded once. (cuBLASLt's FP8 BIAS epilogues, which take such a bias, are not
-// used yet: the emulation that checks gemm.cpp on machines without a GPU has no FP8 epilogues.)
+// With the linear op's epilogue. A 16-bit output's bias goes into cuBLASLt's BIAS epilogue,
+// which writes z (rounded to out's dtype) into pre, or out, and the activation (linear.cu)
+// reads it there, as the linear op's biased products do (one pass fewer over [m, n] in float32
+// each way). Otherwise, or when cuBLASLt has no such algorithm: the product in float32 (out
+// itself when out is float32), then the linear op's epilogue kernel (linear.cu) adds the bias
+// and applies the activation, z rounded once.
 void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
-  if (!g.has_epilogue()) return scaled_product(g);
+  if (!g.has_epilogue()) {
+    scaled_product(g);
+    return;
+  }
+  static const bool lt_epilogues = detail::env::kCudaLtEpilogues.read();
+  if (g.bias.defined() && g.out.dtype() != kFloat32 && lt_epilogues &&
+      reinterpret_cast<std::uintptr_t>(g.bias.const_data_ptr()) % 16 == 0) {
+    kernels::ScaledMatmulArgs biased = g;
+    biased.out = g.pre.defined() ? g.pre : g.out;
+    biased.pre = Tensor();
+    biased.activation = kernels::LinearActivation::none;
+    if (scaled_product(biased)) {
+      if (g.pre.defined() || g.activation != kernels::LinearActivation::none)
+        linear_activation(biased.out, g.out, g.activation);
+      return;
+    }
+  }
   kernels::ScaledMatmulArgs product = g;
   product.bias = product.pre = Tensor();
   product.activation = kernels::LinearActivation::none;

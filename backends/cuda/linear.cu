@@ -291,7 +291,27 @@ void epilogue_from_float32(const Tensor& product, const Tensor& bias, const Tens
   });
 }
 
+template <typename T>
+void activation_from(const Tensor& z, const Tensor& out, LinearActivation activation) {
+  const int64_t n = out.shape().back(), m = out.numel() / n;
+  if (m == 0 || n == 0) return;
+  OnDevice on(out);
+  kernels::with_linear_activation(activation, [&]<LinearActivation A>() {
+    launch_epilogue<T, A>(static_cast<const T*>(z.const_data_ptr()), nullptr, nullptr,
+                          static_cast<T*>(out.data_ptr()), m, n, on.s);
+  });
+}
+
 }  // namespace
+
+void linear_activation(const Tensor& z, const Tensor& out, LinearActivation activation) {
+  if (out.dtype() == kBFloat16)
+    activation_from<__nv_bfloat16>(z, out, activation);
+  else if (out.dtype() == kFloat16)
+    activation_from<__half>(z, out, activation);
+  else
+    activation_from<float>(z, out, activation);
+}
 
 void linear_epilogue(const Tensor& product, const Tensor& bias, const Tensor& pre,
                      const Tensor& out, LinearActivation activation) {

@@ -28,7 +28,8 @@
 //     when the algorithm was chosen: a library kernel may assume that alignment, and a real
 //     one would fault or misread.
 // Epilogues are emulated for single matrices (a batch gets CUBLAS_STATUS_NOT_SUPPORTED), FP8
-// without epilogues; the alpha and beta pointers are host pointers (the default mode).
+// with BIAS alone and a 16-bit D (its bias of D's type, added to the scaled product); the alpha and
+// beta pointers are host pointers (the default mode).
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -224,7 +225,9 @@ cublasStatus_t describe(const cublasLtMatmulDescOpaque* desc, const cublasLtMatr
     case CUBLASLT_EPILOGUE_GELU_BIAS:
     case CUBLASLT_EPILOGUE_GELU_AUX:
     case CUBLASLT_EPILOGUE_GELU_AUX_BIAS:
-      if (is_fp8(a->type) || p.batch > 1) return CUBLAS_STATUS_NOT_SUPPORTED;
+      if (p.batch > 1) return CUBLAS_STATUS_NOT_SUPPORTED;
+      if (is_fp8(a->type) && (desc->epilogue != CUBLASLT_EPILOGUE_BIAS || d->type == CUDA_R_32F))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
       p.bias = (desc->epilogue & CUBLASLT_EPILOGUE_BIAS) == CUBLASLT_EPILOGUE_BIAS;
       p.gelu = desc->epilogue != CUBLASLT_EPILOGUE_BIAS;
       p.aux = (desc->epilogue & 128u) != 0;

@@ -204,9 +204,10 @@ void with_linear_activation(LinearActivation a, F&& f) {
 // it off); the CPU kernel ignores it.
 // Optionally the linear op's epilogue: with a bias ([n] in out's dtype, contiguous, as
 // LinearArgs's) and / or an activation, out = act(product + bias), the scaled product and the
-// sum in float32, rounded once to out's dtype; pre (undefined, or [m, n] in out's dtype)
-// receives z = product + bias rounded to out's dtype, what linear_backward reads for gelu and
-// gelu_tanh.
+// sum in float32, rounded once to out's dtype (a GPU kernel may round the pre-activation to
+// out's dtype before the activation, as LinearArgs allows); pre (undefined, or [m, n] in out's
+// dtype) receives z = product + bias rounded to out's dtype, what linear_backward reads for
+// gelu and gelu_tanh.
 struct ScaledMatmulArgs {
   Tensor a, b_t, scale_a, scale_b, out;
   std::int64_t m = 0, n = 0, k = 0;
