@@ -80,7 +80,8 @@ Tensor checked_linear_bias(const char* op, const Tensor& x, const Tensor& bias, 
 // autocast reads a mixed policy's float32 variable), nothing recorded: the op records the bias
 // it was given, whose gradient is the column sums in the compute type (the rounding's
 // derivative taken as 1, as a cast's is). `given` (the caller's bias, undefined or of any
-// floating dtype) is used as it is when it already has that dtype; undefined when bias is.
+// floating dtype) is used as it is when it already has that dtype, and an autocast variable
+// read under a scope of that dtype through the copy autocast keeps; undefined when bias is.
 Tensor kernel_bias(const Tensor& given, const Tensor& bias, DType out);
 Tensor apply_linear_activation(kernels::LinearActivation a, const Tensor& z);
 Tensor differentiable_activation_grad(kernels::LinearActivation a, const Tensor& z,

@@ -132,8 +132,15 @@ Tensor checked_linear_bias(const char* op, const Tensor& x, const Tensor& bias, 
 
 Tensor kernel_bias(const Tensor& given, const Tensor& bias, DType out) {
   if (!bias.defined()) return bias;
-  NoGradGuard no_grad;
+  NoGradGuard no_grad;  // (nothing recorded, autocast's read included)
   if (given.defined() && given.dtype() == out) return contiguous_raw(given);
+  // A layer's float32 bias variable under its policy's autocast: the 16-bit copy autocast keeps
+  // of it (mixtape/autograd/autocast.h), which the optimizers write beside their update, so
+  // that a training step casts nothing here.
+  if (given.defined() && autocast_dtype() == out) {
+    const Tensor copy = autocast(given);
+    if (copy.dtype() == out) return contiguous_raw(copy);
+  }
   return contiguous_raw(bias.dtype() == out ? bias : cast(bias, out));
 }
 

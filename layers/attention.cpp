@@ -198,7 +198,8 @@ std::optional<std::vector<TensorSpec>> MultiHeadAttentionLayer::compute_output_s
 // fused linear op adds its value in the product's dtype before its single rounding and gives
 // the float32 bias a float32 gradient, as Dense's (read through its 16-bit copy, the gradient
 // would be rounded to 16 bits on the way back). The composed path casts it to the product's
-// dtype.
+// dtype. (A [heads, dim] bias reshaped is no longer the variable: the fused op casts it each
+// call instead of reading the 16-bit copy autocast keeps of a variable, detail::kernel_bias.)
 namespace {
 Tensor flat_bias(const Variable& bias, const Shape& flat) {
   if (!bias.defined()) return Tensor();

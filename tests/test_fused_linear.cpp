@@ -285,3 +285,44 @@ TEST_CASE("Dense runs on the fused op where it can, and says so in the dtype tra
       CHECK(std::abs(got[i] - want[i]) <= 0.5 * ulp(want[i], mt::kBFloat16) + 1e-6);
   }
 }
+
+TEST_CASE(
+    "Dense under a mixed policy reads its bias's 16-bit value from the copy autocast keeps: no "
+    "cast a training step, the gradient float32",
+    "[linear][fused]") {
+  mt::PolicyScope scope("mixed_bfloat16");
+  mt::manual_seed(8);
+  auto dense = ml::Dense(24, {.activation = "gelu"});
+  const mt::Tensor x = random_normal({16, 12}, 9, mt::kFloat32);
+  mixtape::optim::SGD sgd({.learning_rate = 0.05});
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    mt::GradientTape tape;
+    mt::Tensor y;
+    std::int64_t casts = 0;
+    {
+      mt::KernelCensus census;
+      y = dense(x);
+      casts = census.count(mt::OpId::cast);
+    }
+    // The input's cast to bfloat16 alone once the optimizer has written the kernel's and the
+    // bias's copies (the first call makes them).
+    if (step > 0) CHECK(casts == 1);
+    // The bias enters as its bfloat16 value.
+    const mt::Tensor ref =
+        composed(mt::cast(mt::cast(x, mt::kBFloat16), mt::kFloat64),
+                 mt::cast(mt::cast(dense->kernel(), mt::kBFloat16), mt::kFloat64),
+                 mt::cast(mt::cast(dense->bias(), mt::kBFloat16), mt::kFloat64), "gelu");
+    const auto got = mt::cast(y, mt::kFloat64).to_vector<double>();
+    const auto want = ref.to_vector<double>();
+    for (std::size_t i = 0; i < got.size(); ++i)
+      CHECK(std::abs(got[i] - want[i]) <= 0.5 * ulp(want[i], mt::kBFloat16) + 1e-6);
+    const auto grads =
+        tape.gradient(mt::sum(mt::square(mt::cast(y, mt::kFloat32))), dense->trainable_variables());
+    REQUIRE(grads.size() == 2);
+    // Not rounded to bfloat16 on the way back: some element is not a bfloat16 value.
+    REQUIRE(grads[1].dtype() == mt::kFloat32);
+    CHECK(max_abs_diff(grads[1], mt::cast(mt::cast(grads[1], mt::kBFloat16), mt::kFloat32)) > 0.0);
+    sgd.apply_gradients(grads, dense->trainable_variables());
+  }
+}
