@@ -524,8 +524,16 @@ bool scaled_product(const kernels::ScaledMatmulArgs& g) {
            bias != nullptr,
            bias ? alignment(bias, 0, 0, 1, 1) : 0};
   std::lock_guard<std::mutex> lock(g_fp8_mutex);
-  LtPlan& plan = find_or_make(*plans, key,
-                              [&] { return make_fp8_plan(handle, g, align_a, align_b, align_c); });
+  LtPlan& plan = find_or_make(*plans, key, [&] {
+    auto made = make_fp8_plan(handle, g, align_a, align_b, align_c);
+    if (!made->supported && bias)
+      // Once per problem (plans are cached): why the epilogue kernel adds this bias.
+      spdlog::info(
+          "mixtape: scaled_matmul: no cuBLASLt FP8 algorithm with the BIAS epilogue for {}[{}, "
+          "{}] x {}[{}, {}] -> {} ({}); the bias goes to the epilogue kernel",
+          g.a.dtype(), g.m, g.k, g.b_t.dtype(), g.n, g.k, g.out.dtype(), made->why);
+    return made;
+  });
   if (!plan.supported && bias) return false;
   if (!plan.supported)
     throw DeviceError(fmt::format(
