@@ -127,7 +127,7 @@ std::vector<Tensor> scaled_by(const std::vector<Tensor>& grads, const Tensor& fa
 }
 
 Tensor clip_or_factor(std::vector<Tensor>& grads, const Clipping& c) {
-  if (!c.global_clipnorm || c.clipnorm || c.clipvalue) {
+  if (!c.global_clipnorm) {  // (the optimizers take one of the three at most)
     clip(grads, c);
     return Tensor();
   }

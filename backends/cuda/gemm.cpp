@@ -128,20 +128,25 @@ std::optional<Accumulation> sequential_accumulation(DType dt, const kernels::Gem
   return std::nullopt;
 }
 
-// Whether the linear op's product may go to cuBLASLt with an epilogue (linear_gemm_epilogue,
-// cuda_backend.h): the epilogues switched on (MIXTAPE_CUDA_LT_EPILOGUES), not float64, the
-// dimensions within int32, and the data as cuBLASLt reads and writes it in vectors: the bias
-// and aux (when defined) 16-byte aligned, aux's leading dimension a multiple of 8 elements.
-bool lt_epilogue_applies(const kernels::LinearArgs& a, const Tensor& aux) {
+// Whether cuBLASLt's epilogues are switched on (MIXTAPE_CUDA_LT_EPILOGUES), and whether a
+// vector it reads or writes in an epilogue (a bias, aux) is aligned as it needs: 16 bytes.
+bool lt_epilogues_enabled() {
   static const bool enabled = detail::env::kCudaLtEpilogues.read();
+  return enabled;
+}
+bool epilogue_aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// Whether the linear op's product may go to cuBLASLt with an epilogue (linear_gemm_epilogue,
+// cuda_backend.h): the epilogues switched on, not float64, the dimensions within int32, and the
+// data as cuBLASLt reads and writes it in vectors: the bias and aux (when defined) aligned,
+// aux's leading dimension a multiple of 8 elements.
+bool lt_epilogue_applies(const kernels::LinearArgs& a, const Tensor& aux) {
   const int64_t m = a.x.dim(0), k = a.x.dim(1), n = a.w.dim(1);
-  if (!enabled || a.x.dtype() == kFloat64 || m > kLtDimMax || n > kLtDimMax || k > kLtDimMax)
+  if (!lt_epilogues_enabled() || a.x.dtype() == kFloat64 || m > kLtDimMax || n > kLtDimMax ||
+      k > kLtDimMax)
     return false;
-  const auto aligned16 = [](const void* p) {
-    return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
-  };
-  if (a.bias.defined() && !aligned16(a.bias.const_data_ptr())) return false;
-  if (aux.defined() && (!aligned16(aux.const_data_ptr()) || n % 8 != 0)) return false;
+  if (a.bias.defined() && !epilogue_aligned(a.bias.const_data_ptr())) return false;
+  if (aux.defined() && (!epilogue_aligned(aux.const_data_ptr()) || n % 8 != 0)) return false;
   return true;
 }
 
@@ -564,9 +569,8 @@ void scaled_matmul(const kernels::ScaledMatmulArgs& g) {
     scaled_product(g);
     return;
   }
-  static const bool lt_epilogues = detail::env::kCudaLtEpilogues.read();
-  if (g.bias.defined() && g.out.dtype() != kFloat32 && lt_epilogues &&
-      reinterpret_cast<std::uintptr_t>(g.bias.const_data_ptr()) % 16 == 0) {
+  if (g.bias.defined() && g.out.dtype() != kFloat32 && lt_epilogues_enabled() &&
+      epilogue_aligned(g.bias.const_data_ptr())) {
     kernels::ScaledMatmulArgs biased = g;
     biased.out = g.pre.defined() ? g.pre : g.out;
     biased.pre = Tensor();
