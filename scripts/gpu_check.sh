@@ -34,6 +34,11 @@
 #            --kernel-census step, charlm_reference.py's --profile-step), summed by kernel with
 #            scripts/ncu_summary.py into gpt_profile.txt
 #   f8profile   the same for mixtape's step under mixed_float8 (not in the default steps)
+#   attnprofile  why the attention kernels take their time: Nsight Compute's sections (speed
+#            of light, occupancy, warp states, pipes, memory, instructions) for the last layer's
+#            forward, dq and dk/dv tile kernels of the same GPT-2-small step, and for PyTorch's
+#            fused attention kernels (cuDNN's) of its step, in attn_profile_*.txt (not in the
+#            default steps)
 #   float8   mixed_float8 against mixed_bfloat16 (FP8 GEMMs on Hopper): the guide workload and
 #            the GPT-2-small body (FLOAT8_STEPS steps, default 300: tokens/s and the validation
 #            loss) alternated in ROUNDS rounds, the GPT-2-small body once under
@@ -349,6 +354,31 @@ if want f8profile && command -v ncu >/dev/null; then
   gpt_ncu mixtape_gpt2_fp8 "$bundle/run.sh" mixtape-charlm --device cuda \
     --text "$bundle/data/charlm.txt" --policy mixed_float8 --preset gpt2-small --batch 8 \
     --steps 3 --log-every 3 --eval-every 0 --sample 0 --kernel-census
+fi
+# attnprofile: NAME KERNEL_REGEX SKIP COUNT PROGRAM [ARGS...]: ncu's sections for COUNT launches
+# of the kernels KERNEL_REGEX names, after SKIP of them, in the range the program marks.
+attn_ncu() {
+  local name=$1 kernels=$2 skip=$3 count=$4
+  shift 4
+  t0=$SECONDS
+  limited 150 ncu --profile-from-start off --clock-control none -k "regex:$kernels" \
+    --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section InstructionStats "$@" >"$logs/attn_profile_$name.txt" 2>&1
+  note "attnprofile $name: rc=$? $((SECONDS - t0)) s:" \
+    "$(grep -cE '^  [a-zA-Z_].*\(([0-9]+, ){2}[0-9]+\)x' "$logs/attn_profile_$name.txt") kernels profiled"
+}
+if want attnprofile && command -v ncu >/dev/null; then
+  # The step's tile kernels: 12 forwards, then per layer from the last, dq and dk/dv (the row
+  # dot products have a kernel of their own, not matched).
+  attn_ncu mixtape attention_tile 11 3 "$bundle/run.sh" mixtape-charlm --device cuda \
+    --text "$bundle/data/charlm.txt" --policy mixed_bfloat16 --preset gpt2-small --batch 8 \
+    --steps 3 --log-every 3 --eval-every 0 --sample 0 --kernel-census
+  PYTHONUNBUFFERED=1 attn_ncu pytorch 'sdpa|flash|fmha' 11 4 python3 \
+    "$bundle/bench/charlm_reference.py" --device cuda --text "$bundle/data/charlm.txt" \
+    --precision mixed_bfloat16 --preset gpt2-small --batch 8 --steps 3 --log-every 3 \
+    --profile-step 2
 fi
 if want float8; then
   # mixed_float8's goals (issue 37): its rate against mixed_bfloat16's on the guide MLP and the
