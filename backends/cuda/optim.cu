@@ -45,22 +45,31 @@ struct UnscaleList {
 
 // The walk of every list kernel: the tensors of a launch as one sequence (list.start[t], the
 // first index of tensor t; list.start[count], the total) in pieces of kWalkPiece elements, a
-// block's at a time (the grid's blocks taking the pieces in turn), each thread calling f(t, i)
-// for element i of tensor t at its kWalkPerThread places in the piece. The piece's first tensor
-// is found by a binary search the whole block makes alike; from there a thread's tensor only
-// moves forward. Every element is independent work for the whole grid: the launches' grids are
-// list_blocks(total).
+// block's at a time (the grid's blocks taking the pieces in turn), each thread handling element
+// i of tensor t at its kWalkPerThread places in the piece: first load(t, i) for all of them,
+// then use(t, i, loaded) for each in turn. The piece's first tensor is found by a binary search
+// the whole block makes alike; from there a thread's tensor only moves forward. Every element
+// is independent work for the whole grid: the launches' grids are list_blocks(total).
+//
+// Why the loads come first: a kernel that stores element i before it loads element i + 1 keeps
+// one element's loads in flight a thread (nvcc may not move a load above a store through
+// another pointer: they might alias), about 8 KiB a multiprocessor, where a GPU's memory needs
+// several times that to run at its rate. Loaded first, a thread's kWalkPerThread elements are in
+// flight together. (The elements are distinct places, each handled by one thread: the order of
+// the loads and the stores of different elements changes no result.)
 //
 // Measured on an H200, for the gradients of a GPT-2-small body (148 tensors, 86 M elements):
 // a grid sized by the largest tensor, each thread walking every tensor in turn, waited on one
 // load per thread and tensor (scale_list 1.0 ms, 6 times the memory's time); a grid of every
 // element, each thread searching its tensor from the first, was slower still (unscale_check
-// 0.68 ms against 0.14, cast_list 0.95 ms). The pieces are not yet measured there.
+// 0.68 ms against 0.14, cast_list 0.95 ms). The pieces, and the loads first, are not yet
+// measured there.
 constexpr int kWalkPerThread = 8;
 constexpr int64_t kWalkPiece = int64_t{kThreads} * kWalkPerThread;
 
-template <class List, class F>
-__device__ __forceinline__ void list_walk(const List& list, F&& f) {
+template <class List, class Load, class Use>
+__device__ __forceinline__ void list_walk(const List& list, Load&& load, Use&& use) {
+  using Loaded = decltype(load(0, int64_t{0}));
   const int64_t total = list.start[list.count];
   for (int64_t piece = static_cast<int64_t>(blockIdx.x) * kWalkPiece; piece < total;
        piece += static_cast<int64_t>(gridDim.x) * kWalkPiece) {
@@ -73,12 +82,22 @@ __device__ __forceinline__ void list_walk(const List& list, F&& f) {
         hi = mid - 1;
     }
     int t = lo;
+    int tensor[kWalkPerThread];
+    int64_t index[kWalkPerThread] = {};
+    Loaded loaded[kWalkPerThread];
+#pragma unroll
     for (int k = 0; k < kWalkPerThread; ++k) {
       const int64_t i = piece + static_cast<int64_t>(k) * kThreads + threadIdx.x;
-      if (i >= total) break;
+      tensor[k] = -1;
+      if (i >= total) continue;
       while (i >= list.start[t + 1]) ++t;
-      f(t, i - list.start[t]);
+      tensor[k] = t;
+      index[k] = i - list.start[t];
+      loaded[k] = load(t, index[k]);
     }
+#pragma unroll
+    for (int k = 0; k < kWalkPerThread; ++k)
+      if (tensor[k] >= 0) use(tensor[k], index[k], loaded[k]);
   }
 }
 
@@ -119,10 +138,11 @@ __global__ void unscale_check_kernel(UnscaleList list, double scale, const doubl
       scale_on_device != nullptr ? static_cast<double>(static_cast<float>(scale)) == scale
                                  : kFloatScale;
   bool found = false;
-  list_walk(list, [&](int t, int64_t i) {
-    const T* x = static_cast<const T*>(list.in[t]);
+  const auto element = [&](int t, int64_t i) {  // float (float32 and 16-bit) or double
+    return load(static_cast<const T*>(list.in[t])[i]);
+  };
+  list_walk(list, element, [&](int t, int64_t i, const auto v) {
     T* y = static_cast<T*>(list.out[t]);
-    const auto v = load(x[i]);  // float (float32 and 16-bit) or double
     if (!(v - v == decltype(v)(0))) found = true;
     if (y != nullptr) {
       if constexpr (std::is_same_v<T, double>)
@@ -219,10 +239,12 @@ __device__ double block_sum(double v) {
 template <typename T>
 __global__ void sum_squares_kernel(SquareList list, double* partials) {
   double sum = 0.0;
-  list_walk(list, [&](int t, int64_t i) {
-    const auto v = static_cast<double>(load(static_cast<const T*>(list.in[t])[i]));
-    sum = __dadd_rn(sum, __dmul_rn(v, v));
-  });
+  list_walk(
+      list,
+      [&](int t, int64_t i) {
+        return static_cast<double>(load(static_cast<const T*>(list.in[t])[i]));
+      },
+      [&](int, int64_t, double v) { sum = __dadd_rn(sum, __dmul_rn(v, v)); });
   const double block = block_sum(sum);
   if (threadIdx.x == 0) partials[blockIdx.x] = block;
 }
@@ -270,10 +292,12 @@ template <typename T>
 __global__ void scale_list_kernel(UnscaleList list, const double* factor_p) {
   using C = compute_of<T>;
   const auto factor = static_cast<C>(*factor_p);
-  list_walk(list, [&](int t, int64_t i) {
-    const T* x = static_cast<const T*>(list.in[t]);
-    static_cast<T*>(list.out[t])[i] = store<T>(mul_rn(static_cast<C>(load(x[i])), factor));
-  });
+  list_walk(
+      list,
+      [&](int t, int64_t i) { return static_cast<C>(load(static_cast<const T*>(list.in[t])[i])); },
+      [&](int t, int64_t i, C x) {
+        static_cast<T*>(list.out[t])[i] = store<T>(mul_rn(x, factor));
+      });
 }
 
 template <typename T>
@@ -292,9 +316,10 @@ void scale_list_host(const std::vector<Tensor>& xs, const std::vector<Tensor>& o
 // xs[i] widened exactly into outs[i] of type O (float or double), a chunk a launch.
 template <typename T, typename O>
 __global__ void cast_list_kernel(UnscaleList list) {
-  list_walk(list, [&](int t, int64_t i) {
-    static_cast<O*>(list.out[t])[i] = static_cast<O>(load(static_cast<const T*>(list.in[t])[i]));
-  });
+  list_walk(
+      list,
+      [&](int t, int64_t i) { return static_cast<O>(load(static_cast<const T*>(list.in[t])[i])); },
+      [&](int t, int64_t i, O x) { static_cast<O*>(list.out[t])[i] = x; });
 }
 
 template <typename T>
@@ -321,12 +346,12 @@ using slot_of = compute_of<T>;  // float64 for float64, float32 otherwise
 
 constexpr int kUpdateChunk = 48;  // variables per launch (2.7 KiB of kernel parameters)
 
-// One variable's slots in the slot type (null when unused).
+// One element of a variable in the slot type: its value, its gradient and its slots (those the
+// optimizer uses: the list's null slots are neither loaded nor stored), loaded before the step
+// and stored after it (list_walk).
 template <typename S>
-struct Slots {
-  S* s1;
-  S* s2;
-  S* s3;
+struct Element {
+  S v, g, s1, s2, s3;
 };
 
 // The variables of one launch: var, grad, the three slots (null when the optimizer does not
@@ -382,11 +407,11 @@ __device__ __forceinline__ bool skipped(const float* skip) {
   return skip != nullptr && *skip != 0.0f;
 }
 
-// The loop of every update kernel, over each variable of the list: v = step(slots, i, v, g)
-// in the slot type, written back to var[i] and to the copy. A step skipped on the device
-// leaves var as it is and writes only the copy. With rates (a captured step's), the step's
-// lr and alpha are read there; with grad_scale, g is the gradient times it as scale_list
-// computes it (kernels.h).
+// The loop of every update kernel, over each variable of the list: v = step(element) in the
+// slot type (the step moves the element's slots too), written back to var[i], the slots and
+// the copy. A step skipped on the device leaves var as it is and writes only the copy. With
+// rates (a captured step's), the step's lr and alpha are read there; with grad_scale, g is the
+// gradient times it as scale_list computes it (kernels.h).
 template <typename T, typename Step>
 __global__ void update_kernel(const float* __restrict__ skip, const double* __restrict__ rates,
                               const double* __restrict__ grad_scale, UpdateList list, Step step) {
@@ -394,20 +419,32 @@ __global__ void update_kernel(const float* __restrict__ skip, const double* __re
   const bool skip_step = skipped(skip);  // a step skipped on the device
   if (rates != nullptr) step.use_rates(rates[0], rates[1]);
   const S factor = grad_scale != nullptr ? static_cast<S>(*grad_scale) : S(1);
-  list_walk(list, [&](int t, int64_t i) {
+  const auto slot = [&](void* const(&slots)[kUpdateChunk], int t) {
+    return static_cast<S*>(slots[t]);
+  };
+  const auto element = [&](int t, int64_t i) {
+    Element<S> e{};
+    if (skip_step && list.copy[t] == nullptr) return e;
+    e.v = load(static_cast<const T*>(list.var[t])[i]);
+    if (skip_step) return e;
+    e.g = load(static_cast<const T*>(list.grad[t])[i]);
+    if (const S* s1 = slot(list.slot1, t)) e.s1 = s1[i];
+    if (const S* s2 = slot(list.slot2, t)) e.s2 = s2[i];
+    if (const S* s3 = slot(list.slot3, t)) e.s3 = s3[i];
+    return e;
+  };
+  list_walk(list, element, [&](int t, int64_t i, Element<S> e) {
     void* copy = list.copy[t];
     if (skip_step && copy == nullptr) return;
-    T* var = static_cast<T*>(list.var[t]);
-    S v = load(var[i]);
     if (!skip_step) {
-      const Slots<S> slots{static_cast<S*>(list.slot1[t]), static_cast<S*>(list.slot2[t]),
-                           static_cast<S*>(list.slot3[t])};
-      S g = load(static_cast<const T*>(list.grad[t])[i]);
-      if (grad_scale != nullptr) g = load(store<T>(mul_rn(g, factor)));
-      v = step(slots, i, v, g);
-      var[i] = store<T>(v);
+      if (grad_scale != nullptr) e.g = load(store<T>(mul_rn(e.g, factor)));
+      e.v = step(e);
+      static_cast<T*>(list.var[t])[i] = store<T>(e.v);
+      if (S* s1 = slot(list.slot1, t)) s1[i] = e.s1;
+      if (S* s2 = slot(list.slot2, t)) s2[i] = e.s2;
+      if (S* s3 = slot(list.slot3, t)) s3[i] = e.s3;
     }
-    write_copy(copy, list.copy_bf16[t], i, v);
+    write_copy(copy, list.copy_bf16[t], i, e.v);
   });
 }
 
@@ -439,9 +476,9 @@ void launch_updates(const char* name, std::span<const OptimizerUpdate> updates, 
     const int c = list.count;
     list.var[c] = u.var.data_ptr();
     list.grad[c] = u.grad.const_data_ptr();
-    list.slot1[c] = ptr_or_null(u.slot1);
-    list.slot2[c] = ptr_or_null(u.slot2);
-    list.slot3[c] = ptr_or_null(u.slot3);
+    list.slot1[c] = step.uses(1) ? ptr_or_null(u.slot1) : nullptr;
+    list.slot2[c] = step.uses(2) ? ptr_or_null(u.slot2) : nullptr;
+    list.slot3[c] = step.uses(3) ? ptr_or_null(u.slot3) : nullptr;
     list.copy[c] = ptr_or_null(u.copy);
     list.copy_bf16[c] = u.copy.defined() && u.copy.dtype() == kBFloat16;
     list.start[c + 1] = list.start[c] + n;
@@ -457,13 +494,15 @@ template <typename S>
 struct SgdStep {
   S lr, momentum;
   int mode;
+  // Whether the step reads and writes slot n (1: the velocity).
+  bool uses(int n) const { return n == 1 && mode != 0; }
   __device__ void use_rates(double r_lr, double /*alpha*/) { lr = static_cast<S>(r_lr); }
-  __device__ S operator()(const Slots<S>& s, int64_t i, S v, S g) const {
-    if (mode == 0) return sub_rn(v, mul_rn(lr, g));
-    const S nv = sub_rn(mul_rn(momentum, s.s1[i]), mul_rn(lr, g));
-    s.s1[i] = nv;
-    if (mode == 2) return add_rn(v, sub_rn(mul_rn(momentum, nv), mul_rn(lr, g)));
-    return add_rn(v, nv);
+  __device__ S operator()(Element<S>& e) const {
+    if (mode == 0) return sub_rn(e.v, mul_rn(lr, e.g));
+    const S nv = sub_rn(mul_rn(momentum, e.s1), mul_rn(lr, e.g));
+    e.s1 = nv;
+    if (mode == 2) return add_rn(e.v, sub_rn(mul_rn(momentum, nv), mul_rn(lr, e.g)));
+    return add_rn(e.v, nv);
   }
 };
 
@@ -483,22 +522,24 @@ template <typename S>
 struct RmspropStep {
   S lr, rho, one_minus_rho, eps, momentum;
   bool centered, use_momentum;
+  bool uses(int n) const { return n == 1 || (n == 2 && use_momentum) || (n == 3 && centered); }
   __device__ void use_rates(double r_lr, double /*alpha*/) { lr = static_cast<S>(r_lr); }
-  __device__ S operator()(const Slots<S>& s, int64_t i, S v, S g) const {
-    const S msi = add_rn(mul_rn(rho, s.s1[i]), mul_rn(one_minus_rho, mul_rn(g, g)));
-    s.s1[i] = msi;
+  __device__ S operator()(Element<S>& e) const {
+    const S g = e.g;
+    const S msi = add_rn(mul_rn(rho, e.s1), mul_rn(one_minus_rho, mul_rn(g, g)));
+    e.s1 = msi;
     S d = msi;
     if (centered) {
-      const S mgi = add_rn(mul_rn(rho, s.s3[i]), mul_rn(one_minus_rho, g));
-      s.s3[i] = mgi;
+      const S mgi = add_rn(mul_rn(rho, e.s3), mul_rn(one_minus_rho, g));
+      e.s3 = mgi;
       const S c = sub_rn(msi, mul_rn(mgi, mgi));
       d = c < S(0) ? S(0) : c;
     }
     const S step = div_rn(mul_rn(lr, g), sqrt_rn(add_rn(d, eps)));
-    if (!use_momentum) return sub_rn(v, step);
-    const S mi = add_rn(mul_rn(momentum, s.s2[i]), step);
-    s.s2[i] = mi;
-    return sub_rn(v, mi);
+    if (!use_momentum) return sub_rn(e.v, step);
+    const S mi = add_rn(mul_rn(momentum, e.s2), step);
+    e.s2 = mi;
+    return sub_rn(e.v, mi);
   }
 };
 
@@ -520,21 +561,24 @@ struct AdamStep {
   S alpha, one_minus_beta1, one_minus_beta2, eps, lr_wd;
   bool amsgrad, decay;
   double weight_decay;
+  bool uses(int n) const { return n == 1 || n == 2 || (n == 3 && amsgrad); }
   // lr * weight_decay in float64 as the host computes it, then rounded to S.
   __device__ void use_rates(double r_lr, double r_alpha) {
     alpha = static_cast<S>(r_alpha);
     lr_wd = static_cast<S>(r_lr * weight_decay);
   }
-  __device__ S operator()(const Slots<S>& s, int64_t i, S x, S g) const {
+  __device__ S operator()(Element<S>& e) const {
+    const S g = e.g;
+    S x = e.v;
     if (decay) x = sub_rn(x, mul_rn(lr_wd, x));
-    const S mi = add_rn(s.s1[i], mul_rn(sub_rn(g, s.s1[i]), one_minus_beta1));
-    s.s1[i] = mi;
-    const S vi = add_rn(s.s2[i], mul_rn(sub_rn(mul_rn(g, g), s.s2[i]), one_minus_beta2));
-    s.s2[i] = vi;
+    const S mi = add_rn(e.s1, mul_rn(sub_rn(g, e.s1), one_minus_beta1));
+    e.s1 = mi;
+    const S vi = add_rn(e.s2, mul_rn(sub_rn(mul_rn(g, g), e.s2), one_minus_beta2));
+    e.s2 = vi;
     S d = vi;
     if (amsgrad) {
-      const S mx = s.s3[i] < vi ? vi : s.s3[i];
-      s.s3[i] = mx;
+      const S mx = e.s3 < vi ? vi : e.s3;
+      e.s3 = mx;
       d = mx;
     }
     return sub_rn(x, div_rn(mul_rn(alpha, mi), add_rn(sqrt_rn(d), eps)));
