@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 
@@ -126,20 +127,20 @@ std::vector<Tensor> scaled_by(const std::vector<Tensor>& grads, const Tensor& fa
   return out;
 }
 
-Tensor clip_or_factor(std::vector<Tensor>& grads, const Clipping& c) {
-  if (!c.global_clipnorm) {  // (the optimizers take one of the three at most)
-    clip(grads, c);
-    return Tensor();
-  }
-  return global_clip_factor(grads, *c.global_clipnorm);
-}
-
 void clip_by_global_norm(std::vector<Tensor>& grads, double clipnorm) {
   const Tensor factor = global_clip_factor(grads, clipnorm);
   if (factor.defined()) grads = scaled_by(grads, factor);
 }
 
-Tensor global_clip_factor(std::vector<Tensor>& grads, double clipnorm) {
+std::vector<Tensor> nonfinite_flags(const std::vector<Tensor>& grads, const Tensor& squares) {
+  const bool exact =
+      squares.defined() && std::none_of(grads.begin(), grads.end(), [](const Tensor& g) {
+        return g.defined() && g.dtype() == kFloat64;
+      });
+  return scale_and_flag(exact ? std::vector<Tensor>{squares} : grads, 1.0, false).flags;
+}
+
+Tensor global_clip_factor(std::vector<Tensor>& grads, double clipnorm, Tensor* squares) {
   NoGradGuard no_grad;
   // The gradients by dtype, in their order (one kernel call per dtype); all on one device.
   std::map<int, std::vector<std::size_t>> by_dtype;
@@ -167,6 +168,7 @@ Tensor global_clip_factor(std::vector<Tensor>& grads, double clipnorm) {
   for (const auto& [code, at] : by_dtype)
     find_kernel<kernels::SumSquaresFn>(OpId::sum_squares, device->type(),
                                        DType(static_cast<DType::Code>(code)))(list(at), total);
+  if (squares != nullptr) *squares = total;
   // factor = clipnorm / max(norm, clipnorm): 1 below the threshold.
   const Tensor limit = full({}, clipnorm, kFloat64, *device);
   return limit / maximum(sqrt(total), limit);

@@ -50,18 +50,18 @@ std::vector<Tensor> scaled_by(const std::vector<Tensor>& grads, const Tensor& fa
 // Clips the defined gradients in place as `clipping` says (no-op when nothing is set).
 void clip(std::vector<Tensor>& grads, const Clipping& clipping);
 
-// clip() for an optimizer whose update kernels take a gradient factor
-// (kernels::OptimizerUpdate::grad_scale): global_clipnorm's factor is returned (a float64
-// scalar on the gradients' device, global_clip_factor) and the gradients are not scaled (the
-// updates read them times it); any other clipping is applied as clip() applies it, and an
-// undefined tensor returned.
-Tensor clip_or_factor(std::vector<Tensor>& grads, const Clipping& clipping);
-
 // global_clipnorm's factor clipnorm / max(norm, clipnorm) for the defined gradients (all on one
 // device; made contiguous), norm their L2 norm summed in float64 (kernels.h's sum_squares, one
 // call per dtype), kept on the device: a float64 scalar there, undefined when no gradient is
-// defined.
-Tensor global_clip_factor(std::vector<Tensor>& grads, double clipnorm);
+// defined. `squares`, when given, receives the sum of the squares (the norm's square).
+Tensor global_clip_factor(std::vector<Tensor>& grads, double clipnorm, Tensor* squares = nullptr);
+
+// scale_and_flag(grads, 1, false).flags, read from `squares` when it is defined and no gradient
+// is float64: the float64 sum of the gradients' squares (global_clip_factor's) is finite exactly
+// when every gradient is (the square of a finite float32 value, summed over fewer than 2^63
+// elements, stays below 1e97; a float64 square can overflow), so one element is checked instead
+// of every gradient.
+std::vector<Tensor> nonfinite_flags(const std::vector<Tensor>& grads, const Tensor& squares);
 
 // global_clipnorm: every defined gradient (all on one device) times global_clip_factor; one
 // sum_squares and one scale_list call per dtype, whatever the number of gradients. The

@@ -291,33 +291,32 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
   std::vector<Tensor> g = prepare(grads, variables);
   // An earlier step's check (this call then applies nothing either).
   if (!capture::active()) read_pending(/*wait=*/true);
+  // global_clipnorm's factor goes to the update kernels when they take it (no pass of its own
+  // over the gradients); its sum of squares, made first, also decides a check on the device.
+  Tensor grad_scale, squares;
+  const bool factor_first = fuses_gradient_scale() && clipping_.global_clipnorm.has_value();
+  if (factor_first) grad_scale = global_clip_factor(g, *clipping_.global_clipnorm, &squares);
   Tensor skip = skip_if;
   std::unique_ptr<PendingRead> deferred;  // queued once the step is counted
   if (check_finite_ && capture::active()) {
-    skip = capture_finiteness_check(g, skip_if);
+    skip = capture_finiteness_check(g, skip_if, squares);
   } else if (check_finite_ && !skip_if.defined() && finite_check_on_device(g, variables)) {
     // The updates skip on the flag; the host reads it behind the step (read_pending).
-    const std::vector<Tensor> flags = scale_and_flag(g, 1.0, false).flags;
+    const std::vector<Tensor> flags = nonfinite_flags(g, squares);
     if (!flags.empty()) {
       skip = flags.front();
       deferred = backend_for(skip.device().type())
                      .read_back(skip.const_data_ptr(), skip.device().index(), sizeof(float));
     }
-  } else if (check_finite_) {
-    if (const auto bad = first_nonfinite(g)) {
+  } else if (check_finite_ && any_set(nonfinite_flags(g, squares))) {
+    if (const auto bad = first_nonfinite(g)) {  // (the culprit, for the message)
       throw NumericError(fmt::format(
           "{}: the gradient for '{}' holds NaN or infinite values at step {}; no variable was "
           "changed (under float16 use loss scaling: a LossScaleOptimizer skips such steps)",
           name(), variables[*bad].name(), iterations_ + 1));
     }
   }
-  // Clipping: global_clipnorm's factor goes to the update kernels when they take it (no pass
-  // of its own over the gradients).
-  Tensor grad_scale;
-  if (fuses_gradient_scale())
-    grad_scale = clip_or_factor(g, clipping_);
-  else
-    clip(g, clipping_);
+  if (!factor_first) clip(g, clipping_);
   const double lr = learning_rate_(iterations_);
   const std::int64_t step = iterations_ + 1;
   struct Flags {  // skip_if_ and grad_scale_ for this step's updates only, also when one throws
@@ -340,14 +339,14 @@ void Optimizer::step(const std::vector<Tensor>& grads, const std::vector<Variabl
   if (deferred) pending_->entries.push_back({iterations_, std::move(deferred), /*uncount=*/true});
 }
 
-Tensor Optimizer::capture_finiteness_check(const std::vector<Tensor>& grads,
-                                           const Tensor& skip_if) {
+Tensor Optimizer::capture_finiteness_check(const std::vector<Tensor>& grads, const Tensor& skip_if,
+                                           const Tensor& squares) {
   if (!supports_device_skip() || skip_if.defined())
     throw CaptureError(fmt::format(
         "{}: its check for non-finite gradients reads them on the host, which a captured step "
         "cannot do; set_check_finite(false) to capture it",
         name()));
-  const std::vector<Tensor> flags = scale_and_flag(grads, 1.0, false).flags;
+  const std::vector<Tensor> flags = nonfinite_flags(grads, squares);
   if (flags.empty()) return Tensor();  // no gradient this step
   const Tensor flag = flags.front();
   // The flag of each replay, read back behind it; those back are checked before the next

@@ -496,6 +496,65 @@ TEST_CASE("optim: a finiteness check decided on the device reports the step one 
   CHECK(sgd.iterations() == 0);
 }
 
+TEST_CASE(
+    "optim: with global_clipnorm the finiteness check is read from the gradients' sum of squares, "
+    "and is the same check",
+    "[optim]") {
+  // The float64 sum of squares that global_clipnorm makes is finite exactly when every gradient
+  // of 32 bits or fewer is: a NaN or an infinity anywhere is caught, on the host and on the
+  // device, the largest finite values are not; float64 gradients, whose squares can overflow,
+  // are checked element by element.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const double big32 = 3.0e38;  // near float32's (and bfloat16's) largest
+  for (const mt::DType dt : {mt::kFloat32, mt::kBFloat16, mt::kFloat64}) {
+    for (const mo::StepDecision decision : {mo::StepDecision::Host, mo::StepDecision::Device}) {
+      INFO(dt.name() << (decision == mo::StepDecision::Host ? ", host" : ", device"));
+      const auto make = [&] {
+        mo::AdamW adamw({.learning_rate = 0.01, .clipping = {.global_clipnorm = 0.5}});
+        adamw.set_finite_check(decision);
+        return adamw;
+      };
+      // Reports a step with these gradients: true when it was refused as non-finite (at once
+      // on the host, at the next check on the device).
+      const auto refused = [&](const std::vector<double>& g1, const std::vector<double>& g2) {
+        mo::AdamW adamw = make();
+        mt::Variable w(vec({1, 2, 3}, dt), "w"), u(vec({4, 5}, dt), "u");
+        const auto w_before = values(w);
+        try {
+          adamw.apply_gradients({vec(g1, dt), vec(g2, dt)}, {w, u});
+          adamw.check_pending();
+        } catch (const mt::NumericError& e) {
+          CHECK_THAT(e.what(), Catch::Contains("NaN or infinite"));
+          CHECK(values(w) == w_before);
+          CHECK(adamw.iterations() == 0);
+          return true;
+        }
+        CHECK(adamw.iterations() == 1);
+        return false;
+      };
+      CHECK(refused({0.1, nan, 0.3}, {0.4, 0.5}));
+      CHECK(refused({0.1, 0.2, 0.3}, {-inf, 0.5}));
+      CHECK(refused({inf, -inf, 0.3}, {0.4, 0.5}));  // (squares inf + inf, no inf - inf)
+      CHECK_FALSE(refused({0.1, 0.2, 0.3}, {0.4, 0.5}));
+      CHECK_FALSE(refused({big32, -big32, big32}, {big32, 0.5}));
+      if (dt == mt::kFloat64) CHECK_FALSE(refused({1e200, -1e200, 0.3}, {1e300, 0.5}));
+    }
+  }
+  // One check of one element, whatever the gradients' dtypes (the full check is a call per
+  // dtype): gradients of two dtypes, counted by the kernel census.
+  const auto checks = [&](mt::DType second, const mo::Clipping& clipping) {
+    mo::AdamW adamw({.learning_rate = 0.01, .clipping = clipping});
+    mt::Variable w(vec({1, 2, 3}), "w"), u(vec({4, 5}, second), "u");
+    mt::KernelCensus census;
+    adamw.apply_gradients({vec({0.1, 0.2, 0.3}), vec({0.4, 0.5}, second)}, {w, u});
+    return census.count(mt::OpId::unscale_check);
+  };
+  CHECK(checks(mt::kBFloat16, {.global_clipnorm = 0.5}) == 1);
+  CHECK(checks(mt::kBFloat16, {}) == 2);
+  CHECK(checks(mt::kFloat64, {.global_clipnorm = 0.5}) == 2);
+}
+
 // --- LossScaleOptimizer ------------------------------------------------------------------------
 
 TEST_CASE("loss scale optimizer: a scripted sequence of finite and non-finite steps",

@@ -258,8 +258,10 @@ class Optimizer {
             const Tensor& skip_if, const LateCount* late = nullptr);
   void uncount_step() { --iterations_; }
   // Under a captured step (mixtape/core/capture.h): the finiteness check on the device, its
-  // flag for the updates (returned), a non-finite replay reported by the next one.
-  Tensor capture_finiteness_check(const std::vector<Tensor>& grads, const Tensor& skip_if);
+  // flag for the updates (returned), a non-finite replay reported by the next one. `squares`:
+  // the gradients' sum of squares when global_clipnorm made it (optim_util's nonfinite_flags).
+  Tensor capture_finiteness_check(const std::vector<Tensor>& grads, const Tensor& skip_if,
+                                  const Tensor& squares);
   // Under a captured step: the updates read lr and alpha from a device tensor that the host
   // writes before each replay (with `late`, the row of a table of the counts still possible
   // that the replay picks: late_rates), each replay counts a step, and the 16-bit copies the
