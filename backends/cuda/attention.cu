@@ -85,14 +85,14 @@ __device__ __forceinline__ bool keeps(const std::uint8_t* mask_row, bool causal,
   return (!mask_row || mask_row[j] != 0) && (!causal || j <= i);
 }
 
-// out[c] = sum over the j < jend that keeps() keeps of weight(j) * rows.row(h, j)[c], for c
+// out[c] = sum over the j < jend that keeps() keeps of weight(j) * rows.row(j)[c], for c
 // in [0, width), the lanes of a warp taking the columns c0 + lane + u kWarp, kPass columns a
 // pass (weight may hold warp_dots: every lane calls it, again each pass). With `any` false
 // nothing is added: out is 0.
 template <typename T, typename Weight>
 __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* mask_row,
                                                   bool causal, int64_t i, int64_t jend,
-                                                  Weight weight, const In<T>& rows, int64_t h,
+                                                  Weight weight, const typename In<T>::Head& rows,
                                                   int64_t width, T* out, int lane) {
   using C = compute_of<T>;
   for (int64_t c0 = 0; c0 < width; c0 += kPass) {
@@ -102,7 +102,7 @@ __device__ __forceinline__ void warp_weighted_sum(bool any, const std::uint8_t* 
       for (int64_t j = 0; j < jend; ++j) {
         if (!keeps(mask_row, causal, i, j)) continue;
         const C w = weight(j);
-        const T* row = rows.row(h, j);
+        const T* row = rows.row(j);
         for (int u = 0; u < kCols; ++u) {
           const int64_t c = c0 + lane + int64_t{u} * kWarp;
           if (c < width) acc[u] += w * load(row[c]);
@@ -124,6 +124,7 @@ __global__ void attention_forward_kernel(In<T> q, In<T> k, In<T> v, MaskRows mas
   const C neg_inf = -static_cast<C>(INFINITY);
   for_each_warp_item(n * t, [&](int64_t row, int lane) {
     const int64_t h = row / t, i = row % t;
+    const auto kh = k.head(h);
     const T* qr = q.row(h, i);
     const std::uint8_t* mr = mask.row(h, i);
     const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
@@ -131,7 +132,7 @@ __global__ void attention_forward_kernel(In<T> q, In<T> k, In<T> v, MaskRows mas
     C m = neg_inf, l = C(0);
     for (int64_t j = 0; j < kend; ++j) {
       if (!keeps(mr, causal, i, j)) continue;
-      const C x = warp_dot(qr, k.row(h, j), d, lane) * scale;
+      const C x = warp_dot(qr, kh.row(j), d, lane) * scale;
       if (x > m) {
         l = (m == neg_inf ? C(0) : l * d_exp(m - x)) + C(1);
         m = x;
@@ -142,10 +143,10 @@ __global__ void attention_forward_kernel(In<T> q, In<T> k, In<T> v, MaskRows mas
     if (lane == 0) lse[row] = l == C(0) ? neg_inf : m + d_log(l);
     const C inv = l == C(0) ? C(0) : C(1) / l;
     const auto p = [&](int64_t j) {
-      return d_exp(warp_dot(qr, k.row(h, j), d, lane) * scale - m) * inv *
+      return d_exp(warp_dot(qr, kh.row(j), d, lane) * scale - m) * inv *
              dropout.factor<C>(h, i, j, t, s);
     };
-    warp_weighted_sum(l != C(0), mr, causal, i, kend, p, v, h, dv, out.row(h, i), lane);
+    warp_weighted_sum(l != C(0), mr, causal, i, kend, p, v.head(h), dv, out.row(h, i), lane);
   });
 }
 
@@ -171,17 +172,18 @@ __global__ void attention_dq_kernel(In<T> q, In<T> k, In<T> v, MaskRows mask, bo
   const C neg_inf = -static_cast<C>(INFINITY);
   for_each_warp_item(n * t, [&](int64_t row, int lane) {
     const int64_t h = row / t, i = row % t;
+    const auto kh = k.head(h), vh = v.head(h);
     const T* qr = q.row(h, i);
     const T* gr = dout.row(h, i);
     const std::uint8_t* mr = mask.row(h, i);
     const int64_t kend = causal ? (i + 1 < s ? i + 1 : s) : s;
     const C li = lse[row], di = rowdot[row];
     const auto ds = [&](int64_t j) {
-      const C p = d_exp(warp_dot(qr, k.row(h, j), d, lane) * scale - li);
-      return p * (warp_dot(gr, v.row(h, j), dv, lane) * dropout.factor<C>(h, i, j, t, s) - di) *
+      const C p = d_exp(warp_dot(qr, kh.row(j), d, lane) * scale - li);
+      return p * (warp_dot(gr, vh.row(j), dv, lane) * dropout.factor<C>(h, i, j, t, s) - di) *
              scale;
     };
-    warp_weighted_sum(li != neg_inf, mr, causal, i, kend, ds, k, h, d, dq.row(h, i), lane);
+    warp_weighted_sum(li != neg_inf, mr, causal, i, kend, ds, kh, d, dq.row(h, i), lane);
   });
 }
 
@@ -197,6 +199,8 @@ __global__ void attention_dkdv_kernel(In<T> q, In<T> k, In<T> v, MaskRows mask, 
   const C neg_inf = -static_cast<C>(INFINITY);
   for_each_warp_item(n * s, [&](int64_t key, int lane) {
     const int64_t h = key / s, j = key % s;
+    const auto qh = q.head(h), gh = dout.head(h);
+    const auto mh = mask.head(h);
     const T* kr = k.row(h, j);
     const T* vr = v.row(h, j);
     T* dkr = dk.row(h, j);
@@ -207,11 +211,11 @@ __global__ void attention_dkdv_kernel(In<T> q, In<T> k, In<T> v, MaskRows mask, 
       for (int u = 0; u < kCols; ++u) dk_acc[u] = dv_acc[u] = C(0);
       for (int64_t i = causal ? j : 0; i < t; ++i) {
         const int64_t row = h * t + i;
-        const std::uint8_t* mr = mask.row(h, i);
+        const std::uint8_t* mr = mh.row(i);
         const C li = lse[row];
         if (li == neg_inf || !keeps(mr, causal, i, j)) continue;
-        const T* qr = q.row(h, i);
-        const T* gr = dout.row(h, i);
+        const T* qr = qh.row(i);
+        const T* gr = gh.row(i);
         const C p = d_exp(warp_dot(qr, kr, d, lane) * scale - li);
         const C z = dropout.factor<C>(h, i, j, t, s);
         const C ds = p * (warp_dot(gr, vr, dv, lane) * z - rowdot[row]) * scale;
@@ -320,11 +324,40 @@ struct MmaCtx {
     else
       return __half_as_ushort(__float2half_rn(v));
   }
-  __device__ float round(float v) const {
-    if constexpr (BF16)
-      return __bfloat162float(__float2bfloat16_rn(v));
-    else
-      return __half2float(__float2half_rn(v));
+  // lo and hi rounded as bits() rounds them, in one register (lo in the low half): one
+  // conversion instruction for the pair on a GPU.
+  __device__ std::uint32_t bits2(float lo, float hi) const {
+#if defined(MIXTAPE_CUDA_EMULATION)
+    return static_cast<std::uint32_t>(bits(lo)) | (static_cast<std::uint32_t>(bits(hi)) << 16);
+#else
+    std::uint32_t r;
+    if constexpr (BF16) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+      std::memcpy(&r, &v, sizeof r);
+    } else {
+      const __half2 v = __floats2half2_rn(lo, hi);
+      std::memcpy(&r, &v, sizeof r);
+    }
+    return r;
+#endif
+  }
+  // The two 16-bit values of such a register, exactly, as floats.
+  __device__ void unpack(std::uint32_t r, float& lo, float& hi) const {
+    if constexpr (BF16) {
+      lo = __uint_as_float(r << 16);
+      hi = __uint_as_float(r & 0xffff0000u);
+    } else {
+#if defined(MIXTAPE_CUDA_EMULATION)
+      lo = ::mixtape::detail::half_bits_to_float(static_cast<std::uint16_t>(r & 0xffffu));
+      hi = ::mixtape::detail::half_bits_to_float(static_cast<std::uint16_t>(r >> 16));
+#else
+      __half2 pair;
+      std::memcpy(&pair, &r, sizeof pair);
+      const float2 f = __half22float2(pair);
+      lo = f.x;
+      hi = f.y;
+#endif
+    }
   }
   __device__ float exp2(float x) const { return exp2f(x); }
   __device__ float log2(float x) const { return log2f(x); }

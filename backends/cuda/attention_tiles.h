@@ -59,7 +59,8 @@
 //                                                 as a group; wait until at most N groups of
 //                                                 this thread are in flight)
 //   std::uint16_t bits(float v);                  (v rounded to the 16-bit type)
-//   float round(float v);                         (the same, as a float)
+//   std::uint32_t bits2(float lo, float hi);      (both rounded, as one register: lo low)
+//   void unpack(std::uint32_t r, float& lo, float& hi);  (such a register's two values)
 //   float exp2(float x);  float log2(float x);
 #pragma once
 
@@ -109,6 +110,9 @@ constexpr bool supports_backward(int64_t d, int64_t dv) { return d == dv && (d =
 using Rows = HeadRows<const uint16_t>;
 using OutRows = HeadRows<uint16_t>;
 using MaskRows = HeadRows<const std::uint8_t>;
+// One head's rows (HeadRows::head: the kernels find each head's place once, not per row).
+using Head = Rows::Head;
+using OutHead = OutRows::Head;
 
 // One call's operands: q, dout, out and dq [n, t, d]; k, v, dk and dv [n, s, d]; lse and
 // rowdot [n, t] float32 (contiguous).
@@ -181,29 +185,43 @@ MIXTAPE_TILE_FN uint32_t pair_at(const uint16_t* p) {
 
 // The larger of a and b, ignoring a NaN on one side (NaN when both are): the running maximum
 // starts at -inf and so never becomes NaN; a row of NaN logits gives NaN through its sums.
-MIXTAPE_TILE_FN float nan_max(float a, float b) { return (a != a || b > a) ? b : a; }
+// fmaxf's rule, one instruction on a GPU (max.f32) where the comparisons took four per logit.
+// (Of +0 and -0 it may return either: a maximum of zero gives the same weights, exp2(x - m),
+// and the same lse either way.)
+MIXTAPE_TILE_FN float nan_max(float a, float b) { return fmaxf(a, b); }
 
 // Whether query row i attends key j (i < t; mask_row: the mask's row i of the head, or null).
 MIXTAPE_TILE_FN bool attends(const Params& p, const std::uint8_t* mask_row, int64_t i, int64_t j) {
   return j < p.s && (!p.causal || j <= i) && (!mask_row || mask_row[j] != 0);
 }
 
-// Dropout's factor Z of weight (h, i, j): 1 / (1 - rate) or 0 (1 without dropout).
+// Dropout's factor Z of weight (h, i, j): 1 / (1 - rate) or 0; 1 without dropout (kDropout:
+// p.dropout, known to the forward pass's loop over the weights when it is made, a loop of each
+// kind, so that one without dropout has neither a test nor a product per weight; the backward
+// passes' loops, with more live values, keep one loop, fewer registers).
+template <bool kDropout>
 MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t j) {
-  if (!p.dropout) return 1.0f;
-  const auto index = static_cast<std::uint64_t>((h * p.t + i) * p.s + j);
-  const std::uint64_t seed = p.seed_at ? static_cast<std::uint64_t>(*p.seed_at) : p.seed;
-  return dropout_keeps(seed, index, p.threshold) ? p.inv_keep : 0.0f;
+  if constexpr (kDropout) {
+    const auto index = static_cast<std::uint64_t>((h * p.t + i) * p.s + j);
+    const std::uint64_t seed = p.seed_at ? static_cast<std::uint64_t>(*p.seed_at) : p.seed;
+    return dropout_keeps(seed, index, p.threshold) ? p.inv_keep : 0.0f;
+  } else {
+    return 1.0f;
+  }
+}
+// The same, p.dropout read where the factor is (the backward pass's loops).
+MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t j) {
+  return p.dropout ? keep_factor<true>(p, h, i, j) : 1.0f;
 }
 
-// Rows row0 .. row0 + 15 of head h ([rows, D]) as the A fragments of its kSteps 16-column
+// Rows row0 .. row0 + 15 of a head ([rows, D]) as the A fragments of its kSteps 16-column
 // steps (rows past the end are 0). Lane (g, c) holds rows g and g + 8 at columns 2c, 2c + 1
 // and 2c + 8, 2c + 9 of each step.
 template <int D>
-MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Rows& m, int64_t h, int64_t row0,
-                            int64_t rows, int g, int c) {
-  const uint16_t* lo = row0 + g < rows ? m.row(h, row0 + g) : nullptr;
-  const uint16_t* hi = row0 + g + 8 < rows ? m.row(h, row0 + g + 8) : nullptr;
+MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Head& m, int64_t row0, int64_t rows,
+                            int g, int c) {
+  const uint16_t* lo = row0 + g < rows ? m.row(row0 + g) : nullptr;
+  const uint16_t* hi = row0 + g + 8 < rows ? m.row(row0 + g + 8) : nullptr;
   const auto at = [&](int r, int col) -> uint16_t {
     const uint16_t* row = r == 0 ? lo : hi;
     return row ? row[col] : uint16_t{0};
@@ -218,16 +236,16 @@ MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Rows& m, int64_t h, 
   }
 }
 
-// Queues the copy of rows row0 .. row0 + 63 of head h ([rows, D], 16-byte aligned) into a
+// Queues the copy of rows row0 .. row0 + 63 of a head ([rows, D], 16-byte aligned) into a
 // shared tile (0 past the end), by the whole block, 16 bytes a thread at a time, and commits
 // it as a group: a reader waits for the group (ctx.wait) and then for the block (ctx.sync).
 template <int D, class Ctx>
-MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const Rows& m,
-                               int64_t h, int64_t row0, int64_t rows) {
+MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const Head& m,
+                               int64_t row0, int64_t rows) {
   constexpr int kChunks = D / 8;  // per row
   for (int e = ctx.thread(); e < kTile * kChunks; e += kThreads) {
     const int r = e / kChunks, col = (e % kChunks) * 8;
-    ctx.copy16(&tile[r][col], row0 + r < rows ? m.row(h, row0 + r) + col : nullptr);
+    ctx.copy16(&tile[r][col], row0 + r < rows ? m.row(row0 + r) + col : nullptr);
   }
   ctx.commit();
 }
@@ -241,9 +259,10 @@ MIXTAPE_TILE_FN void split_a(Ctx& ctx, const float (&lo)[4], const float (&hi)[4
   MIXTAPE_UNROLL
   for (int r = 0; r < 4; ++r) {
     const float* w = (r < 2 ? lo : hi) + 2 * (r % 2);
-    const float b0 = ctx.round(w[0]), b1 = ctx.round(w[1]);
-    big[r] = pair_of(ctx.bits(b0), ctx.bits(b1));
-    small[r] = pair_of(ctx.bits(w[0] - b0), ctx.bits(w[1] - b1));
+    big[r] = ctx.bits2(w[0], w[1]);
+    float b0, b1;
+    ctx.unpack(big[r], b0, b1);
+    small[r] = ctx.bits2(w[0] - b0, w[1] - b1);
   }
 }
 
@@ -295,20 +314,20 @@ MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
   }
 }
 
-// Stores 16 accumulated rows (row0 + g, row0 + g + 8) of head h times `factor`, rounded,
-// where < rows.
+// Stores 16 accumulated rows (row0 + g, row0 + g + 8) of a head times `factor`, rounded,
+// where < rows (each lane's two neighbouring elements as one 4-byte store).
 template <int D, class Ctx>
-MIXTAPE_TILE_FN void store_rows(Ctx& ctx, const OutRows& m, int64_t h, const float (&acc)[D / 8][4],
+MIXTAPE_TILE_FN void store_rows(Ctx& ctx, const OutHead& m, const float (&acc)[D / 8][4],
                                 float factor, int64_t row0, int64_t rows, int g, int c) {
   MIXTAPE_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int64_t i = row0 + g + 8 * r;
     if (i >= rows) continue;
-    uint16_t* row = m.row(h, i);
+    uint16_t* row = m.row(i);
     MIXTAPE_UNROLL
     for (int j = 0; j < D / 8; ++j) {
-      row[j * 8 + 2 * c] = ctx.bits(acc[j][2 * r] * factor);
-      row[j * 8 + 2 * c + 1] = ctx.bits(acc[j][2 * r + 1] * factor);
+      const uint32_t pair = ctx.bits2(acc[j][2 * r] * factor, acc[j][2 * r + 1] * factor);
+      std::memcpy(row + j * 8 + 2 * c, &pair, sizeof pair);  // 4-byte aligned (even column)
     }
   }
 }
@@ -339,19 +358,21 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
   const int g = lane / 4, c = lane % 4;  // the fragment's row group and column pair
   const int64_t h = ctx.head(), row0 = ctx.block() * kTile, warp_row0 = row0 + warp * kWarpRows;
+  const Head k_head = p.k.head(h), v_head = p.v.head(h);
   const int64_t rows[2] = {warp_row0 + g, warp_row0 + g + 8};
-  const std::uint8_t* mask_rows[2] = {rows[0] < p.t ? p.mask.row(h, rows[0]) : nullptr,
-                                      rows[1] < p.t ? p.mask.row(h, rows[1]) : nullptr};
+  const MaskRows::Head mask = p.mask.head(h);
+  const std::uint8_t* mask_rows[2] = {rows[0] < p.t ? mask.row(rows[0]) : nullptr,
+                                      rows[1] < p.t ? mask.row(rows[1]) : nullptr};
   uint32_t qa[D / 16][4];
-  load_a<D>(qa, p.q, h, warp_row0, p.t, g, c);
+  load_a<D>(qa, p.q.head(h), warp_row0, p.t, g, c);
 
   float o[D / 8][4] = {};
   float m[2] = {kNegInf, kNegInf};  // running maxima (base-2 logits), per row
   float l[2] = {0.0f, 0.0f};        // this lane's part of the running sums
   const int64_t end = key_end(p, row0);
   // The copies in flight at the top of each turn: K's tile, then V's (load_tile's groups).
-  load_tile<D>(ctx, sh.a, p.k, h, 0, p.s);
-  load_tile<D>(ctx, sh.b, p.v, h, 0, p.s);
+  load_tile<D>(ctx, sh.a, k_head, 0, p.s);
+  load_tile<D>(ctx, sh.b, v_head, 0, p.s);
   for (int64_t key0 = 0; key0 < end; key0 += kTile) {
     const bool more = key0 + kTile < end;
     ctx.template wait<1>();  // K's tile is here (V's may not be)
@@ -364,7 +385,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
     ctx.template wait<0>();  // V's tile is here
     ctx.sync();              // and every warp is done with K's: the next one may come
     if (more)
-      load_tile<D>(ctx, sh.a, p.k, h, key0 + kTile, p.s);
+      load_tile<D>(ctx, sh.a, k_head, key0 + kTile, p.s);
     else
       ctx.commit();  // an empty group, so that the waits count as in every turn
     float tile_max[2] = {kNegInf, kNegInf};
@@ -401,18 +422,25 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
     for (int j = 0; j < D / 8; ++j) MIXTAPE_UNROLL
     for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e / 2];
     // The weights (undropped into l), then o += (P o Z) V.
-    MIXTAPE_UNROLL
-    for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int r = e / 2;
-      const float w = m[r] == kNegInf ? 0.0f : ctx.exp2(x[nt][e] - m[r]);
-      l[r] += w;
-      x[nt][e] = w * keep_factor(p, h, rows[r], key0 + elem_col(nt, c, e));
-    }
+    const auto weigh = [&](auto dropout) {
+      MIXTAPE_UNROLL
+      for (int nt = 0; nt < kCols; ++nt) MIXTAPE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const float w = m[r] == kNegInf ? 0.0f : ctx.exp2(x[nt][e] - m[r]);
+        l[r] += w;
+        x[nt][e] =
+            w * keep_factor<decltype(dropout)::value>(p, h, rows[r], key0 + elem_col(nt, c, e));
+      }
+    };
+    if (p.dropout)
+      weigh(std::true_type{});
+    else
+      weigh(std::false_type{});
     product_down<D>(ctx, o, x, sh.b, g, c);
     ctx.sync();  // every warp is done with V's tile
     if (more)
-      load_tile<D>(ctx, sh.b, p.v, h, key0 + kTile, p.s);
+      load_tile<D>(ctx, sh.b, v_head, key0 + kTile, p.s);
     else
       ctx.commit();
   }
@@ -432,7 +460,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
   MIXTAPE_UNROLL
   for (int j = 0; j < D / 8; ++j) MIXTAPE_UNROLL
   for (int e = 0; e < 4; ++e) o[j][e] *= inv[e / 2];
-  store_rows<D>(ctx, p.out, h, o, 1.0f, warp_row0, p.t, g, c);
+  store_rows<D>(ctx, p.out.head(h), o, 1.0f, warp_row0, p.t, g, c);
 }
 
 // --- Backward ----------------------------------------------------------------------------
@@ -445,25 +473,27 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
   const int g = lane / 4, c = lane % 4;
   const int64_t h = ctx.head(), row0 = ctx.block() * kTile, warp_row0 = row0 + warp * kWarpRows;
+  const Head k_head = p.k.head(h), v_head = p.v.head(h);
   const int64_t rows[2] = {warp_row0 + g, warp_row0 + g + 8};
+  const MaskRows::Head mask = p.mask.head(h);
   const std::uint8_t* mask_rows[2] = {nullptr, nullptr};
   float lse2[2] = {kNegInf, kNegInf}, dot[2] = {0.0f, 0.0f};
   MIXTAPE_UNROLL
   for (int r = 0; r < 2; ++r)
     if (rows[r] < p.t) {
-      mask_rows[r] = p.mask.row(h, rows[r]);
+      mask_rows[r] = mask.row(rows[r]);
       lse2[r] = p.lse[h * p.t + rows[r]] * kLog2e;
       dot[r] = p.rowdot[h * p.t + rows[r]];
     }
   uint32_t qa[D / 16][4], ga[D / 16][4];
-  load_a<D>(qa, p.q, h, warp_row0, p.t, g, c);
-  load_a<D>(ga, p.dout, h, warp_row0, p.t, g, c);
+  load_a<D>(qa, p.q.head(h), warp_row0, p.t, g, c);
+  load_a<D>(ga, p.dout.head(h), warp_row0, p.t, g, c);
 
   float dq[D / 8][4] = {};
   const int64_t end = key_end(p, row0);
   // The copies in flight at the top of each turn: V's tile, then K's.
-  load_tile<D>(ctx, sh.b, p.v, h, 0, p.s);
-  load_tile<D>(ctx, sh.a, p.k, h, 0, p.s);
+  load_tile<D>(ctx, sh.b, v_head, 0, p.s);
+  load_tile<D>(ctx, sh.a, k_head, 0, p.s);
   for (int64_t key0 = 0; key0 < end; key0 += kTile) {
     const bool more = key0 + kTile < end;
     ctx.template wait<1>();  // V's tile is here
@@ -473,7 +503,7 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
     ctx.template wait<0>();                      // K's tile is here
     ctx.sync();                                  // and every warp is done with V's
     if (more)
-      load_tile<D>(ctx, sh.b, p.v, h, key0 + kTile, p.s);
+      load_tile<D>(ctx, sh.b, v_head, key0 + kTile, p.s);
     else
       ctx.commit();  // an empty group, so that the waits count as in every turn
     product_across<D>(ctx, x, qa, sh.a, g, c);  // S
@@ -497,12 +527,12 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
     product_down<D>(ctx, dq, x, sh.a, g, c);  // dS K
     ctx.sync();                               // every warp is done with K's tile
     if (more)
-      load_tile<D>(ctx, sh.a, p.k, h, key0 + kTile, p.s);
+      load_tile<D>(ctx, sh.a, k_head, key0 + kTile, p.s);
     else
       ctx.commit();
   }
   ctx.template wait<0>();  // (nothing is in flight at the end: the last groups are empty)
-  store_rows<D>(ctx, p.dq, h, dq, p.scale, warp_row0, p.t, g, c);
+  store_rows<D>(ctx, p.dq.head(h), dq, p.scale, warp_row0, p.t, g, c);
 }
 
 // dk and dv of the keys of block (head(), block()): each warp's 16 keys stay in registers
@@ -514,12 +544,13 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
   const int g = lane / 4, c = lane % 4;
   const int64_t h = ctx.head(), key0 = ctx.block() * kTile, warp_key0 = key0 + warp * kWarpRows;
+  const Head q_head = p.q.head(h), dout_head = p.dout.head(h);
   uint32_t ka[D / 16][4], va[D / 16][4];
-  load_a<D>(ka, p.k, h, warp_key0, p.s, g, c);
-  load_a<D>(va, p.v, h, warp_key0, p.s, g, c);
+  load_a<D>(ka, p.k.head(h), warp_key0, p.s, g, c);
+  load_a<D>(va, p.v.head(h), warp_key0, p.s, g, c);
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  const std::uint8_t* mask_head = p.mask.row(h, 0);  // the head's mask rows, or null
+  const std::uint8_t* mask_head = p.mask.head(h).row(0);  // the head's mask rows, or null
   // The query rows' lse (base 2) and D from row0 into shared memory (plain stores: a barrier
   // shows them to the block).
   const auto load_rows = [&](int64_t row0) {
@@ -533,8 +564,8 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const int64_t first = p.causal ? key0 : 0;
   // The copies in flight at the top of each turn: dout's tile, then Q's (with the rows' lse
   // and D, stored plainly).
-  load_tile<D>(ctx, sh.b, p.dout, h, first, p.t);
-  load_tile<D>(ctx, sh.a, p.q, h, first, p.t);
+  load_tile<D>(ctx, sh.b, dout_head, first, p.t);
+  load_tile<D>(ctx, sh.a, q_head, first, p.t);
   load_rows(first);
   for (int64_t row0 = first; row0 < p.t; row0 += kTile) {
     const bool more = row0 + kTile < p.t;
@@ -570,21 +601,21 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
     product_down<D>(ctx, dv, x, sh.b, g, c);
     ctx.sync();  // every warp is done with dout's tile (and the rows' lse and D)
     if (more)
-      load_tile<D>(ctx, sh.b, p.dout, h, row0 + kTile, p.t);
+      load_tile<D>(ctx, sh.b, dout_head, row0 + kTile, p.t);
     else
       ctx.commit();  // an empty group, so that the waits count as in every turn
     product_down<D>(ctx, dk, dp, sh.a, g, c);
     ctx.sync();  // every warp is done with Q's tile
     if (more) {
-      load_tile<D>(ctx, sh.a, p.q, h, row0 + kTile, p.t);
+      load_tile<D>(ctx, sh.a, q_head, row0 + kTile, p.t);
       load_rows(row0 + kTile);
     } else {
       ctx.commit();
     }
   }
   ctx.template wait<0>();  // (nothing is in flight at the end: the last groups are empty)
-  store_rows<D>(ctx, p.dk, h, dk, p.scale, warp_key0, p.s, g, c);
-  store_rows<D>(ctx, p.dv, h, dv, 1.0f, warp_key0, p.s, g, c);
+  store_rows<D>(ctx, p.dk.head(h), dk, p.scale, warp_key0, p.s, g, c);
+  store_rows<D>(ctx, p.dv.head(h), dv, 1.0f, warp_key0, p.s, g, c);
 }
 
 }  // namespace mixtape::attention_tiles

@@ -25,6 +25,18 @@ struct HeadRows {
   MIXTAPE_HOST_DEVICE T* row(std::int64_t h, std::int64_t i) const {
     return base ? base + (h / n2) * outer + (h % n2) * inner + i * stride : nullptr;
   }
+
+  // One head's rows: head(h).row(i) == row(h, i), the head's place (a division by n2) found
+  // once. A kernel's loop over rows takes this: a 64-bit division per row costs more than
+  // the row's arithmetic, and a compiler may not move it out of a conditional load.
+  struct Head {
+    T* base = nullptr;
+    std::int64_t stride = 0;
+    MIXTAPE_HOST_DEVICE T* row(std::int64_t i) const { return base ? base + i * stride : nullptr; }
+  };
+  MIXTAPE_HOST_DEVICE Head head(std::int64_t h) const {
+    return {base ? base + (h / n2) * outer + (h % n2) * inner : nullptr, stride};
+  }
 };
 
 // x as HeadRows: a view [n1, n2, rows, width] as above, or [n, rows, width] (n2 = n); undefined
