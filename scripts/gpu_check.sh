@@ -35,10 +35,10 @@
 #            scripts/ncu_summary.py into gpt_profile.txt
 #   f8profile   the same for mixtape's step under mixed_float8 (not in the default steps)
 #   attnprofile  why the attention kernels take their time: Nsight Compute's sections (speed
-#            of light, occupancy, warp states, pipes, memory, instructions) for the last layer's
-#            forward, dq and dk/dv tile kernels of the same GPT-2-small step, and for PyTorch's
-#            fused attention kernels (cuDNN's) of its step, in attn_profile_*.txt (not in the
-#            default steps)
+#            of light, occupancy, warp states, pipes, memory, instructions, the stalls'
+#            sources) for the last layer's forward, dq and dk/dv tile kernels of the same
+#            GPT-2-small step, and for PyTorch's fused attention kernels (cuDNN's) of its step,
+#            in attn_profile_*.txt (not in the default steps)
 #   float8   mixed_float8 against mixed_bfloat16 (FP8 GEMMs on Hopper): the guide workload and
 #            the GPT-2-small body (FLOAT8_STEPS steps, default 300: tokens/s and the validation
 #            loss) alternated in ROUNDS rounds, the GPT-2-small body once under
@@ -365,7 +365,7 @@ attn_ncu() {
     --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section SchedulerStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    --section InstructionStats "$@" >"$logs/attn_profile_$name.txt" 2>&1
+    --section InstructionStats --section SourceCounters "$@" >"$logs/attn_profile_$name.txt" 2>&1
   note "attnprofile $name: rc=$? $((SECONDS - t0)) s:" \
     "$(grep -cE '^  [a-zA-Z_].*\(([0-9]+, ){2}[0-9]+\)x' "$logs/attn_profile_$name.txt") kernels profiled"
 }
