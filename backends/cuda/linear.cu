@@ -144,11 +144,20 @@ void launch_epilogue(const B* buf, const T* bias, T* pre, T* out, int64_t m, int
 // dz = dy act'(saved) for the rows of block blockIdx.y (and every gridDim.y-th after it),
 // columns j .. j + V - 1 as linear_epilogue_kernel's, and the block's column sums into
 // part[b, j + u] (each column's rows added in order).
+//
+// The rows are read kAhead at a time before any is used: a thread that loads a row only when
+// it has added the one before keeps one load in flight, and a grid of m / kRowsPerBlock blocks
+// of n / V threads (at n = 768: 256 blocks of 96) then reads at a tenth of the memory's rate
+// (the bias-only column sums of a GPT-2-small step: 1.2 ms on an H200 where the reads take
+// 0.2). The additions keep their order.
 template <typename T, LinearActivation A, int V>
 __global__ void linear_dz_kernel(const T* __restrict__ dy, const T* __restrict__ saved,
                                  T* __restrict__ dz, compute_of<T>* __restrict__ part, int64_t m,
                                  int64_t n) {
   using C = compute_of<T>;
+  constexpr bool kSaved = A != LinearActivation::none;
+  constexpr int kAhead = kSaved ? 4 : 8;  // (with saved: two loads a row, and fewer registers)
+  static_assert(kRowsPerBlock % kAhead == 0, "whole batches of rows in a block");
   const int64_t j = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (j >= n) return;
   const int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -158,22 +167,30 @@ __global__ void linear_dz_kernel(const T* __restrict__ dy, const T* __restrict__
     for (int u = 0; u < V; ++u) sum[u] = C(0);
     const int64_t end =
         b * kRowsPerBlock + kRowsPerBlock < m ? b * kRowsPerBlock + kRowsPerBlock : m;
-    for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
-      const int64_t i = r * n + j;
-      const Pack<T, V> g = *reinterpret_cast<const Pack<T, V>*>(dy + i);
-      Pack<T, V> s{}, ds{};
-      if constexpr (A != LinearActivation::none)
-        s = *reinterpret_cast<const Pack<T, V>*>(saved + i);
+    for (int64_t r0 = b * kRowsPerBlock; r0 < end; r0 += kAhead) {
+      Pack<T, V> g[kAhead]{}, s[kAhead]{};
 #pragma unroll
-      for (int u = 0; u < V; ++u) {
-        C d = load(g.v[u]);
-        if constexpr (A != LinearActivation::none) {
-          d = gradient<A>(load(s.v[u]), d);
-          ds.v[u] = store<T>(d);
-        }
-        sum[u] += d;
+      for (int q = 0; q < kAhead; ++q) {
+        if (r0 + q >= end) continue;
+        const int64_t i = (r0 + q) * n + j;
+        g[q] = *reinterpret_cast<const Pack<T, V>*>(dy + i);
+        if constexpr (kSaved) s[q] = *reinterpret_cast<const Pack<T, V>*>(saved + i);
       }
-      if constexpr (A != LinearActivation::none) *reinterpret_cast<Pack<T, V>*>(dz + i) = ds;
+#pragma unroll
+      for (int q = 0; q < kAhead; ++q) {
+        if (r0 + q >= end) continue;
+        Pack<T, V> ds{};
+#pragma unroll
+        for (int u = 0; u < V; ++u) {
+          C d = load(g[q].v[u]);
+          if constexpr (kSaved) {
+            d = gradient<A>(load(s[q].v[u]), d);
+            ds.v[u] = store<T>(d);
+          }
+          sum[u] += d;
+        }
+        if constexpr (kSaved) *reinterpret_cast<Pack<T, V>*>(dz + (r0 + q) * n + j) = ds;
+      }
     }
     if (part) {
 #pragma unroll
