@@ -318,17 +318,17 @@ struct MmaCtx {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
   }
-  __device__ std::uint16_t bits(float v) const {
-    if constexpr (BF16)
-      return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-    else
-      return __half_as_ushort(__float2half_rn(v));
-  }
-  // lo and hi rounded as bits() rounds them, in one register (lo in the low half): one
-  // conversion instruction for the pair on a GPU.
+  // lo and hi rounded to the 16-bit type (to nearest even), in one register (lo in the low
+  // half): one conversion instruction for the pair on a GPU.
   __device__ std::uint32_t bits2(float lo, float hi) const {
 #if defined(MIXTAPE_CUDA_EMULATION)
-    return static_cast<std::uint32_t>(bits(lo)) | (static_cast<std::uint32_t>(bits(hi)) << 16);
+    const auto bits = [](float v) -> std::uint32_t {
+      if constexpr (BF16)
+        return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+      else
+        return __half_as_ushort(__float2half_rn(v));
+    };
+    return bits(lo) | (bits(hi) << 16);
 #else
     std::uint32_t r;
     if constexpr (BF16) {

@@ -58,8 +58,8 @@
 //   void commit();  template <int N> void wait();  (the copies queued since the last commit
 //                                                 as a group; wait until at most N groups of
 //                                                 this thread are in flight)
-//   std::uint16_t bits(float v);                  (v rounded to the 16-bit type)
-//   std::uint32_t bits2(float lo, float hi);      (both rounded, as one register: lo low)
+//   std::uint32_t bits2(float lo, float hi);      (both rounded to the 16-bit type, as one
+//                                                 register: lo in the low half)
 //   void unpack(std::uint32_t r, float& lo, float& hi);  (such a register's two values)
 //   float exp2(float x);  float log2(float x);
 #pragma once
