@@ -173,14 +173,9 @@ struct Shared {
 
 // --- Pieces ------------------------------------------------------------------------------
 
+// Two 16-bit values as one fragment register (lo in the low half).
 MIXTAPE_TILE_FN uint32_t pair_of(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
-// Two neighbouring elements as one fragment register (the first in the low half).
-MIXTAPE_TILE_FN uint32_t pair_at(const uint16_t* p) {
-  uint32_t r;
-  std::memcpy(&r, p, sizeof r);  // 4-byte aligned: even columns of even-length rows
-  return r;
 }
 
 // The larger of a and b, ignoring a NaN on one side (NaN when both are): the running maximum
@@ -327,7 +322,12 @@ MIXTAPE_TILE_FN void store_rows(Ctx& ctx, const OutHead& m, const float (&acc)[D
     MIXTAPE_UNROLL
     for (int j = 0; j < D / 8; ++j) {
       const uint32_t pair = ctx.bits2(acc[j][2 * r] * factor, acc[j][2 * r + 1] * factor);
-      std::memcpy(row + j * 8 + 2 * c, &pair, sizeof pair);  // 4-byte aligned (even column)
+      uint16_t* at = row + j * 8 + 2 * c;  // 4-byte aligned: an even column of an aligned row
+#if defined(__CUDACC__)
+      *reinterpret_cast<uint32_t*>(at) = pair;  // (a memcpy here nvcc makes four byte stores)
+#else
+      std::memcpy(at, &pair, sizeof pair);
+#endif
     }
   }
 }
