@@ -46,7 +46,7 @@ struct UnscaleList {
 // The walk of every list kernel: the tensors of a launch as one sequence (list.start[t], the
 // first index of tensor t; list.start[count], the total) in pieces of kWalkPiece elements, a
 // block's at a time (the grid's blocks taking the pieces in turn), each thread handling element
-// i of tensor t at its kWalkPerThread places in the piece: first load(t, i) for all of them,
+// i of tensor t at its kWalkPerThread places in the piece: first fetch(t, i) for all of them,
 // then use(t, i, loaded) for each in turn. The piece's first tensor is found by a binary search
 // the whole block makes alike; from there a thread's tensor only moves forward. Every element
 // is independent work for the whole grid: the launches' grids are list_blocks(total).
@@ -67,9 +67,9 @@ struct UnscaleList {
 constexpr int kWalkPerThread = 8;
 constexpr int64_t kWalkPiece = int64_t{kThreads} * kWalkPerThread;
 
-template <class List, class Load, class Use>
-__device__ __forceinline__ void list_walk(const List& list, Load&& load, Use&& use) {
-  using Loaded = decltype(load(0, int64_t{0}));
+template <class List, class Fetch, class Use>
+__device__ __forceinline__ void list_walk(const List& list, Fetch&& fetch, Use&& use) {
+  using Loaded = decltype(fetch(0, int64_t{0}));
   const int64_t total = list.start[list.count];
   for (int64_t piece = static_cast<int64_t>(blockIdx.x) * kWalkPiece; piece < total;
        piece += static_cast<int64_t>(gridDim.x) * kWalkPiece) {
@@ -93,7 +93,7 @@ __device__ __forceinline__ void list_walk(const List& list, Load&& load, Use&& u
       while (i >= list.start[t + 1]) ++t;
       tensor[k] = t;
       index[k] = i - list.start[t];
-      loaded[k] = load(t, index[k]);
+      loaded[k] = fetch(t, index[k]);
     }
 #pragma unroll
     for (int k = 0; k < kWalkPerThread; ++k)
