@@ -40,7 +40,7 @@ using std::int64_t;
 
 // Rows per block of the bias gradient's partial sums: fixed, so the sums' order does not
 // depend on the number of threads.
-constexpr int64_t kRowsPerBlock = 32;
+constexpr int64_t kBiasRowsPerBlock = 32;
 
 // y[j] = act(z[j]) over a row (y may be z); `omp simd` so that gelu's erfc takes libmvec's
 // vector form, as the elementwise kernels' loops do.
@@ -165,7 +165,7 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
       args.saved.defined() ? static_cast<const T*>(args.saved.const_data_ptr()) : nullptr;
   T* dz = args.dz.defined() ? static_cast<T*>(args.dz.data_ptr()) : nullptr;
   C* dbias = args.dbias.defined() ? static_cast<C*>(args.dbias.data_ptr()) : nullptr;
-  const int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t blocks = (m + kBiasRowsPerBlock - 1) / kBiasRowsPerBlock;
   // Per block of rows: the column sums of its dz rows, added up block by block below.
   std::vector<C> part(dbias ? static_cast<std::size_t>(blocks * n) : 0, C(0));
   kernels::with_linear_activation(args.activation, [&]<LinearActivation A>() {
@@ -176,7 +176,7 @@ void linear_backward_kernel(const LinearBackwardArgs& args) {
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < blocks; ++b) {
         C* p = dbias ? part.data() + b * n : nullptr;
-        for (int64_t r = b * kRowsPerBlock; r < std::min(m, (b + 1) * kRowsPerBlock); ++r) {
+        for (int64_t r = b * kBiasRowsPerBlock; r < std::min(m, (b + 1) * kBiasRowsPerBlock); ++r) {
           const C* g = as_compute(dy + r * n, n, gin);
           const C* d = g;
           if constexpr (A != LinearActivation::none) {

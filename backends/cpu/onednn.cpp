@@ -235,7 +235,7 @@ enum class Kind : std::uint8_t {
 };
 
 // A plan's cache key: what it computes, the data type, every geometry field, whether a
-// convolution adds a bias, and the OpenMP thread count it was made for (PlanCache::get
+// convolution adds a bias, and the OpenMP thread count it was made for (PrimitiveCache::get
 // fills it in): oneDNN divides a primitive's work for the thread count of its creation (its
 // own primitive cache keys on that count too), so a count that changes under load
 // (threads.cpp) needs primitives of its own.
@@ -282,7 +282,7 @@ struct Arg {
 
 // A primitive ready to run, with its arguments in the order of the hook's tensors (inputs,
 // then the output).
-struct Plan {
+struct PrimitivePlan {
   dn::primitive prim;
   std::vector<Arg> args;
   Md scratchpad;
@@ -293,19 +293,19 @@ struct Plan {
 };
 
 // An LRU cache of plans (nullptr: oneDNN declined that case).
-class PlanCache {
+class PrimitiveCache {
  public:
   // The plan for key at the calling thread's OpenMP count, made by make() on a miss (under
   // the lock: concurrent first calls of one geometry make it once).
   template <typename Make>
-  std::shared_ptr<const Plan> get(Key key, Make&& make) {
+  std::shared_ptr<const PrimitivePlan> get(Key key, Make&& make) {
     key.threads = omp_get_max_threads();
     std::lock_guard<std::mutex> lock(mutex_);
     if (auto it = index_.find(key); it != index_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second);
       return it->second->second;
     }
-    std::shared_ptr<const Plan> plan = make();
+    std::shared_ptr<const PrimitivePlan> plan = make();
     lru_.emplace_front(key, plan);
     index_[key] = lru_.begin();
     if (lru_.size() > kCapacity) {
@@ -318,14 +318,14 @@ class PlanCache {
  private:
   static constexpr std::size_t kCapacity = 128;
   std::mutex mutex_;
-  std::list<std::pair<Key, std::shared_ptr<const Plan> > > lru_;
-  std::unordered_map<Key, std::list<std::pair<Key, std::shared_ptr<const Plan> > >::iterator,
-                     KeyHash>
+  std::list<std::pair<Key, std::shared_ptr<const PrimitivePlan> > > lru_;
+  std::unordered_map<
+      Key, std::list<std::pair<Key, std::shared_ptr<const PrimitivePlan> > >::iterator, KeyHash>
       index_;
 };
 
-PlanCache& cache() {
-  static PlanCache c;
+PrimitiveCache& cache() {
+  static PrimitiveCache c;
   return c;
 }
 
@@ -349,7 +349,7 @@ bool is_reference(const char* impl) { return std::string_view(impl).starts_with(
 
 // Runs p.prim on the tensors' buffers (ptrs in the order of p.args), reordering where
 // the layouts differ.
-void execute(const Plan& p, const std::array<void*, 4>& ptrs) {
+void execute(const PrimitivePlan& p, const std::array<void*, 4>& ptrs) {
   dn::engine& eng = engine();
   dn::stream& s = stream();
   std::unordered_map<int, dn::memory> args;
@@ -436,8 +436,8 @@ Key conv_key(Kind kind, DnType type, const Conv2dGeometry& g, bool bias) {
 // well). Arguments: forward (x, w[, bias] -> out; the bias, of `type`, added to the float32
 // accumulator), backward input (grad_out, w -> grad_x), backward weight (x, grad_out ->
 // grad_w).
-std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dGeometry& g,
-                                           bool bias) {
+std::shared_ptr<const PrimitivePlan> make_conv_plan(Kind kind, DnType type, const Conv2dGeometry& g,
+                                                    bool bias) {
   std::int64_t pad_bottom = 0, pad_right = 0;
   if (!implied_pad(g.h, g.kh, g.stride_h, g.pad_top, g.oh, pad_bottom) ||
       !implied_pad(g.w, g.kw, g.stride_w, g.pad_left, g.ow, pad_right))
@@ -461,7 +461,7 @@ std::shared_ptr<const Plan> make_conv_plan(Kind kind, DnType type, const Conv2dG
             : dn::convolution_forward::desc(dn::prop_kind::forward_training, alg, src_user, wei_any,
                                             dst_user, strides, pad_l, pad_r),
         attr, engine());
-    auto plan = std::make_shared<Plan>();
+    auto plan = std::make_shared<PrimitivePlan>();
     if (kind == Kind::conv_forward) {
       if (is_reference(fwd.impl_info_str())) return nullptr;
       plan->prim = dn::convolution_forward(fwd);
@@ -520,7 +520,7 @@ bool run_conv(Kind kind, const Tensor& in0, const Tensor& in1, const Tensor& bia
   if (prefer_existing(kind, type, g)) return false;
   const bool with_bias = bias.defined();
   const Key key = conv_key(kind, type, g, with_bias);
-  const std::shared_ptr<const Plan> plan =
+  const std::shared_ptr<const PrimitivePlan> plan =
       cache().get(key, [&] { return make_conv_plan(kind, type, g, with_bias); });
   if (!plan) return false;
   // The tensors in the order of the plan's arguments: inputs, then the output.
@@ -567,7 +567,8 @@ Key pool_key(Kind kind, DnType type, const Pool2dGeometry& g) {
 // The pooling primitive(s) of `kind` for g (nullptr when oneDNN cannot match mixtape's
 // semantics or has only a reference implementation). Arguments: avg forward (x -> out),
 // max backward (x, grad_out -> grad_x), avg backward (grad_out -> grad_x).
-std::shared_ptr<const Plan> make_pool_plan(Kind kind, DnType type, const Pool2dGeometry& g) {
+std::shared_ptr<const PrimitivePlan> make_pool_plan(Kind kind, DnType type,
+                                                    const Pool2dGeometry& g) {
   std::int64_t pad_bottom = 0, pad_right = 0;
   if (!implied_pad(g.h, g.kh, g.stride_h, g.pad_top, g.oh, pad_bottom) ||
       !implied_pad(g.w, g.kw, g.stride_w, g.pad_left, g.ow, pad_right))
@@ -591,7 +592,7 @@ std::shared_ptr<const Plan> make_pool_plan(Kind kind, DnType type, const Pool2dG
             src_md, dst_md, strides, kernel, pad_l, pad_r),
         attr, engine());
     if (is_reference(fwd.impl_info_str())) return nullptr;
-    auto plan = std::make_shared<Plan>();
+    auto plan = std::make_shared<PrimitivePlan>();
     if (!backward) {
       plan->prim = dn::pooling_forward(fwd);
       plan->scratchpad = fwd.scratchpad_desc();
@@ -657,7 +658,8 @@ bool has_nan_or_minus_inf(const T* p, std::int64_t n) {
 
 // The plan for a pooling call, or nullptr when it stays on conv.cpp.
 // float16 goes through float32 primitives (widened below).
-std::shared_ptr<const Plan> pool_plan(Kind kind, const Tensor& t, const Pool2dGeometry& g) {
+std::shared_ptr<const PrimitivePlan> pool_plan(Kind kind, const Tensor& t,
+                                               const Pool2dGeometry& g) {
   const DType dt = t.dtype();
   if (dt != kFloat32 && dt != kBFloat16 && dt != kFloat16) return nullptr;
   if (g.n <= 0 || g.h <= 0 || g.w <= 0 || g.c <= 0 || g.kh <= 0 || g.kw <= 0 || g.oh <= 0 ||
@@ -745,7 +747,7 @@ Md matrix_md(DnType type, std::int64_t batch, std::int64_t rows, std::int64_t co
 
 // The matmul primitive of `type` operands for g, its result in `dst` (nullptr when oneDNN has
 // only a reference implementation for these layouts, or cannot take them).
-std::shared_ptr<const Plan> make_gemm_plan(const GemmShape& g, DnType type, DnType dst) {
+std::shared_ptr<const PrimitivePlan> make_gemm_plan(const GemmShape& g, DnType type, DnType dst) {
   // Both operands shared by a batch > 1: every item is the same product; gemm.cpp's loop
   // takes that rare case.
   if (g.batch > 1 && g.sa == 0 && g.sb == 0) return nullptr;
@@ -758,7 +760,7 @@ std::shared_ptr<const Plan> make_gemm_plan(const GemmShape& g, DnType type, DnTy
   try {
     const dn::matmul::primitive_desc pd(dn::matmul::desc(a, b, c), attr, engine());
     if (is_reference(pd.impl_info_str())) return nullptr;
-    auto plan = std::make_shared<Plan>();
+    auto plan = std::make_shared<PrimitivePlan>();
     plan->prim = dn::matmul(pd);
     plan->scratchpad = pd.scratchpad_desc();
     plan->args = {make_arg(DNNL_ARG_SRC, a, a, false), make_arg(DNNL_ARG_WEIGHTS, b, b, false),
@@ -778,7 +780,7 @@ bool onednn_native_bf16() { return native_bf16(); }
 bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* c) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
   if (!onednn_enabled() || !native_bf16()) return false;
-  const std::shared_ptr<const Plan> plan = cache().get(
+  const std::shared_ptr<const PrimitivePlan> plan = cache().get(
       gemm_key(g, DnType::bf16), [&] { return make_gemm_plan(g, DnType::bf16, DnType::bf16); });
   if (!plan) return false;
   execute(*plan, {const_cast<void*>(a), const_cast<void*>(b), c});
@@ -788,9 +790,9 @@ bool onednn_matmul_bf16(const GemmShape& g, const void* a, const void* b, void* 
 bool onednn_matmul_bf16_to_f32(const GemmShape& g, const void* a, const void* b, float* c) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
   if (!onednn_enabled() || !native_bf16()) return false;
-  const std::shared_ptr<const Plan> plan = cache().get(gemm_key(g, DnType::bf16, true), [&] {
-    return make_gemm_plan(g, DnType::bf16, DnType::f32);
-  });
+  const std::shared_ptr<const PrimitivePlan> plan =
+      cache().get(gemm_key(g, DnType::bf16, true),
+                  [&] { return make_gemm_plan(g, DnType::bf16, DnType::f32); });
   if (!plan) return false;
   execute(*plan, {const_cast<void*>(a), const_cast<void*>(b), c});
   return true;
@@ -799,7 +801,7 @@ bool onednn_matmul_bf16_to_f32(const GemmShape& g, const void* a, const void* b,
 bool onednn_matmul_f32(const GemmShape& g, const float* a, const float* b, float* c) {
   if (g.batch <= 0 || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
   if (!onednn_enabled() || (g.batch == 1 && !avx512())) return false;
-  const std::shared_ptr<const Plan> plan = cache().get(
+  const std::shared_ptr<const PrimitivePlan> plan = cache().get(
       gemm_key(g, DnType::f32), [&] { return make_gemm_plan(g, DnType::f32, DnType::f32); });
   if (!plan) return false;
   execute(*plan, {const_cast<float*>(a), const_cast<float*>(b), c});

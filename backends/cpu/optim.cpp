@@ -55,7 +55,7 @@ ubits_t<C> nonfinite_bits(C x) {
 // when r and d differ in sign (an overflow to inf truncates to FLT_MAX, which still rounds
 // to inf in 16 bits). Integer arithmetic only (no 64-bit compares, which SSE2 lacks), so
 // that loops over it vectorise.
-inline float round_to_odd(double d) {
+inline float round_to_odd_simd(double d) {
   const float f = static_cast<float>(d);
   const auto rb = std::bit_cast<std::uint64_t>(d - static_cast<double>(f));
   const std::uint64_t a = rb & 0x7FFFFFFFFFFFFFFFull;                           // |r|
@@ -102,7 +102,7 @@ bool scale_block_to_odd(float* __restrict buf, int64_t n, double s) {
   std::uint32_t acc = 0;
   for (int64_t i = 0; i < n; ++i) {
     acc |= nonfinite_bits(buf[i]);
-    buf[i] = round_to_odd(static_cast<double>(buf[i]) * s);
+    buf[i] = round_to_odd_simd(static_cast<double>(buf[i]) * s);
   }
   return acc != 0;
 }
@@ -181,7 +181,7 @@ void loss_scale_update_kernel(const Tensor& found_nonfinite, const Tensor& scale
 
 // x[i] widened: float32 values as they are (float64 for float64).
 template <typename T>
-inline compute_t<T> widen(T x) {
+inline compute_t<T> widened(T x) {
   return static_cast<compute_t<T>>(x);
 }
 
@@ -204,11 +204,11 @@ void sum_squares_kernel(const std::vector<Tensor>& xs, const Tensor& out) {
       int64_t i = b;
       for (; i + kLanes <= e; i += kLanes)
         for (int k = 0; k < kLanes; ++k) {
-          const auto v = static_cast<double>(widen(x[i + k]));
+          const auto v = static_cast<double>(widened(x[i + k]));
           lanes[k] += v * v;
         }
       for (int k = 0; i < e; ++i, ++k) {
-        const auto v = static_cast<double>(widen(x[i]));
+        const auto v = static_cast<double>(widened(x[i]));
         lanes[k] += v * v;
       }
       double sum = 0.0;
@@ -231,7 +231,7 @@ void scale_list_kernel(const std::vector<Tensor>& xs, const std::vector<Tensor>&
     T* y = static_cast<T*>(outs[t].data_ptr());
     parallel_blocks(xs[t].numel(), [&](int64_t b, int64_t e) {
       C buf[kBlock];
-      for (int64_t i = b; i < e; ++i) buf[i - b] = widen(x[i]) * factor;
+      for (int64_t i = b; i < e; ++i) buf[i - b] = widened(x[i]) * factor;
       from_compute(buf, y + b, e - b);
     });
   }
@@ -250,7 +250,7 @@ void cast_list_kernel(const std::vector<Tensor>& xs, const std::vector<Tensor>& 
     parallel_blocks(xs[t].numel(), [&](int64_t b, int64_t e) {
       if (to_double) {
         double* d = static_cast<double*>(y);
-        for (int64_t i = b; i < e; ++i) d[i] = static_cast<double>(widen(x[i]));
+        for (int64_t i = b; i < e; ++i) d[i] = static_cast<double>(widened(x[i]));
       } else if constexpr (!std::is_same_v<T, double>) {
         float* f = static_cast<float*>(y);
         if constexpr (kReduced<T>)
