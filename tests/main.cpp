@@ -1,3 +1,5 @@
-// Catch2's main for the mixtape test executable.
-#define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+// The mixtape test executable's main: Catch2's runner (compiled once, tests/catch/) over the
+// test cases of tests/*.cpp.
+#include "tests/catch/run_session.h"
+
+int main(int argc, char** argv) { return mixtape_tests::run_session(argc, argv); }

@@ -3,11 +3,10 @@
 // cuda.emulated links the same cases with the backend's kernels run by a host emulation
 // (tests/cudaemu) and leaves out the ones tagged [hardware] (the real memory and streams) and
 // [large] (grids, or work, too large to emulate in the suite's time).
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
 #include <cstdio>
 
 #include "mixtape/mixtape.h"
+#include "tests/catch/run_session.h"
 
 int main(int argc, char** argv) {
   if (!mixtape::has_backend(mixtape::DeviceType::CUDA)) {
@@ -21,5 +20,5 @@ int main(int argc, char** argv) {
   const auto p = mixtape::cuda::properties(0);
   std::printf("CUDA tests on %s (compute capability %d.%d, %zu MiB)\n", p.name.c_str(),
               p.compute_major, p.compute_minor, p.total_memory >> 20);
-  return Catch::Session().run(argc, argv);
+  return mixtape_tests::run_session(argc, argv);
 }

@@ -2,13 +2,13 @@
 // and alone (world size 1). Every rank runs every test case, in the same order: each
 // collective is called by all of them. The references need no communication: every rank
 // computes one process's result on the whole batch itself, from the same seeded data.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 #include <csignal>
 #include <filesystem>
 #include <thread>
 
 #include "mixtape/mixtape.h"
+#include "tests/catch/run_session.h"
 
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
@@ -470,9 +470,7 @@ int main(int argc, char** argv) {
   mixtape::distributed::init();
   // Every rank runs (and reports) the same cases; the exit status is 1 on every rank when
   // a case failed on any of them.
-  Catch::Session session;
-  if (const int rc = session.applyCommandLine(argc, argv); rc != 0) return rc;
-  const int failed = session.run();
+  const int failed = mixtape_tests::run_session(argc, argv);
   const double worst = md::all_reduce_value(failed, md::ReduceOp::Max);
   return worst > 0 ? 1 : 0;
 }
