@@ -56,14 +56,32 @@ struct Warp {
   } buffers[2];
 };
 
-// The block being run: its threads' coordinates, its barrier, its warps.
+// The block being run: its threads' coordinates, its barrier, its warps. A launch makes one
+// and moves it from block to block (begin): a block that completes leaves its barriers with no
+// thread arrived, and the warps' buffers need no clearing (an exchange reads what its lanes
+// wrote in it).
 struct Block {
-  explicit Block(int threads)
-      : met{threads},
-        coordinates(static_cast<std::size_t>(threads)),
-        exchanges(static_cast<std::size_t>(threads), 0) {
+  Block(dim3 block, dim3 grid)
+      : met{static_cast<int>(block.x * block.y * block.z)},
+        coordinates(static_cast<std::size_t>(met.expected)),
+        exchanges(static_cast<std::size_t>(met.expected), 0) {
+    const int threads = met.expected;
     for (int w = 0; w * kWarpLanes < threads; ++w)
       warps.emplace_back(std::min(kWarpLanes, threads - w * kWarpLanes));
+    unsigned tx = 0, ty = 0, tz = 0;  // thread t's index, counted up (x fastest)
+    for (Coordinates& c : coordinates) {
+      c = {{tx, ty, tz}, {0, 0, 0}, block, grid};
+      if (++tx == block.x) {
+        tx = 0;
+        if (++ty == block.y) ty = 0, ++tz;
+      }
+    }
+  }
+  // Block (x, y, z) of the grid next.
+  void begin(unsigned x, unsigned y, unsigned z) {
+    for (Coordinates& c : coordinates) c.block = {x, y, z};
+    std::fill(exchanges.begin(), exchanges.end(), 0);
+    shared_filled.clear();
   }
   Fibers* fibers = nullptr;
   Fibers::Barrier met;
@@ -261,18 +279,11 @@ void run_grid(dim3 grid, dim3 block, void (*thunk)(const void*), const void* clo
   std::lock_guard lock(g_launch);
   Fibers& fibers = fibers_for(static_cast<int>(threads));
   const std::uint64_t blocks = std::uint64_t{grid.x} * grid.y * grid.z;
+  Block b(block, grid);
+  b.fibers = &fibers;
   const auto run_block = [&](std::uint64_t index) {
-    const auto bx = static_cast<unsigned>(index % grid.x);
-    const auto by = static_cast<unsigned>(index / grid.x % grid.y);
-    const auto bz = static_cast<unsigned>(index / (std::uint64_t{grid.x} * grid.y));
-    Block b(static_cast<int>(threads));
-    b.fibers = &fibers;
-    for (std::uint64_t t = 0; t < threads; ++t) {
-      const auto tx = static_cast<unsigned>(t % block.x);
-      const auto ty = static_cast<unsigned>(t / block.x % block.y);
-      const auto tz = static_cast<unsigned>(t / (std::uint64_t{block.x} * block.y));
-      b.coordinates[t] = {{tx, ty, tz}, {bx, by, bz}, block, grid};
-    }
+    b.begin(static_cast<unsigned>(index % grid.x), static_cast<unsigned>(index / grid.x % grid.y),
+            static_cast<unsigned>(index / (std::uint64_t{grid.x} * grid.y)));
     g_block = &b;
     try {
       fibers.run([&](int) { thunk(closure); });
