@@ -463,30 +463,23 @@ void check_binary_kernel(OpId op, DType dt, const Tensor& a, const Tensor& b, co
 
 }  // namespace
 
-TEST_CASE("cuda binary arithmetic: broadcast patterns, every registered dtype", "[cuda]") {
-  struct Pattern {
-    Shape a, b;
-  };
-  const std::vector<Pattern> patterns = {
-      {{3, 4, 5}, {3, 4, 5}},
-      {{3, 4, 5}, {5}},
-      {{3, 1, 5}, {1, 4, 1}},
-      {{}, {7}},
-      {{2, 3}, {}},
-      {{}, {}},
-      {{1000003}, {1000003}},
-      {{1 << 20, 3}, {1, 3}},
-      {{0, 5}, {5}},
-      {{2, 3, 1, 4, 1, 2, 3, 1, 2, 3}, {3, 1, 4, 1, 3, 2, 1, 3}},  // 10-D broadcast
-  };
-  std::uint64_t seed = 2000;
+namespace {
+
+struct BroadcastPattern {
+  Shape a, b;
+};
+
+// Every binary case and dtype over the operand shapes of `patterns`, through the op and the
+// kernel; with `views`, also transposed, sliced and unaligned operands.
+void check_binary_patterns(const std::vector<BroadcastPattern>& patterns, bool views,
+                           std::uint64_t seed) {
   for (const BinaryCase& c : binary_cases()) {
     std::vector<DType> types = cu::kFloatTypes;
     if (c.integers) types.insert(types.end(), {mt::kInt32, mt::kInt64});
     for (DType dt : types) {
       CHECK(mt::supports(c.op, mt::DeviceType::CUDA, dt));
       const double alo = c.op == OpId::pow ? 0.1 : -3.0;
-      for (const Pattern& p : patterns) {
+      for (const BroadcastPattern& p : patterns) {
         INFO(fmt::format("{} {} {} x {}", c.name, dt.name(), p.a.str(), p.b.str()));
         const Shape out = mt::broadcast_shapes(p.a, p.b, "test");
         Tensor a = out.numel() == 0 ? mt::zeros(p.a, dt) : random_of(p.a, dt, ++seed, alo, 3.0);
@@ -494,6 +487,7 @@ TEST_CASE("cuda binary arithmetic: broadcast patterns, every registered dtype", 
         if (c.fn) check_result(c.fn(gpu(a), gpu(b)), c.fn(a, b), c.exact, "op");
         check_binary_kernel(c.op, dt, a, b, out, false, c.exact, "kernel");
       }
+      if (!views) continue;
       // Non-contiguous operands through the op: transposed and sliced views.
       INFO(fmt::format("{} {} strided views", c.name, dt.name()));
       Tensor a = random_of({40, 30}, dt, ++seed, alo, 3.0);
@@ -515,6 +509,31 @@ TEST_CASE("cuda binary arithmetic: broadcast patterns, every registered dtype", 
       check_result(ov, want, c.exact, "kernel, unaligned views");
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("cuda binary arithmetic: broadcast patterns, every registered dtype", "[cuda]") {
+  // (Hundreds of blocks in the two of about 10^5 elements, an odd vector tail in the first;
+  // the case below takes them to millions.)
+  check_binary_patterns({{{3, 4, 5}, {3, 4, 5}},
+                         {{3, 4, 5}, {5}},
+                         {{3, 1, 5}, {1, 4, 1}},
+                         {{}, {7}},
+                         {{2, 3}, {}},
+                         {{}, {}},
+                         {{100003}, {100003}},
+                         {{1 << 15, 3}, {1, 3}},
+                         {{0, 5}, {5}},
+                         {{2, 3, 1, 4, 1, 2, 3, 1, 2, 3}, {3, 1, 4, 1, 3, 2, 1, 3}}},  // 10-D
+                        true, 2000);
+}
+
+// [large]: about 10^8 emulated threads in all, a minute of the emulated suite's time for what
+// the shapes above reach too (the kernels have no path of their own at these sizes).
+TEST_CASE("cuda binary arithmetic: operands of millions of elements, every registered dtype",
+          "[cuda][large]") {
+  check_binary_patterns({{{1000003}, {1000003}}, {{1 << 20, 3}, {1, 3}}}, false, 3000);
 }
 
 TEST_CASE("cuda binary arithmetic: integer and special-value edge cases", "[cuda]") {
