@@ -121,7 +121,7 @@ Tensor kernel_mask(const Tensor& mask_in, const Shape& scores, std::int64_t n) {
 
 // What the backward pass needs of the forward one: the inputs (recorded), their views as the
 // kernels took them, the mask and options likewise, out (as the kernels wrote it) and lse.
-struct Saved {
+struct AttentionSaved {
   std::int64_t n;
   Tensor q, k, v, qh, kh, vh, mask;
   bool causal;
@@ -132,7 +132,7 @@ struct Saved {
 
 // The gradients of q, k and v from g (the output's): the backward kernel, or differentiable
 // ops when a tape records this backward pass (second derivatives).
-detail::Grads attention_grads(const Saved& s, const Tensor& g) {
+detail::Grads attention_grads(const AttentionSaved& s, const Tensor& g) {
   const std::int64_t n = s.n, t = s.q.dim(-2), keys = s.k.dim(-2);
   if (should_record({s.q, s.k, s.v, g})) {
     const auto flat = [n](const Tensor& x) { return reshape(x, Shape{n, x.dim(-2), x.dim(-1)}); };
@@ -229,7 +229,8 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
   }
   const Tensor y = out.y;
   if (should_record({q, k, v})) {
-    const Saved saved{n, q, k, v, qh, kh, vh, mask, causal, scale, dropout, out.heads, lse};
+    const AttentionSaved saved{n,    q,      k,     v,       qh,        kh, vh,
+                               mask, causal, scale, dropout, out.heads, lse};
     record_op(name, {q, k, v}, y, [saved](const Tensor& g, const std::vector<bool>&) {
       return attention_grads(saved, g);
     });

@@ -23,7 +23,7 @@ constexpr NamedActivation kActivations[] = {{"linear", LinearActivation::none},
                                             {"gelu_tanh", LinearActivation::gelu_tanh}};
 
 // What the backward pass needs of the forward one.
-struct Saved {
+struct LinearSaved {
   Tensor x, w, bias;  // the recorded inputs: x [..., k], w [k, n], bias in the compute type
   Tensor x2;          // x as a contiguous [m, k]
   Tensor kept;        // linear_backward's saved tensor: pre (gelu, gelu_tanh), out (relu)
@@ -31,7 +31,8 @@ struct Saved {
 };
 
 // The gradients of (x, w[, bias]) from g (the output's, [..., n]).
-detail::Grads linear_grads(const Saved& s, const Tensor& g_in, const std::vector<bool>& needs) {
+detail::Grads linear_grads(const LinearSaved& s, const Tensor& g_in,
+                           const std::vector<bool>& needs) {
   const std::int64_t m = s.x2.dim(0), n = s.w.dim(1);
   const DType dt = s.x2.dtype();
   const Tensor g = reshape(cast(g_in, dt), Shape{m, n});
@@ -198,7 +199,7 @@ Tensor linear(const Tensor& x_in, const Tensor& w_in, const Tensor& bias_in,
     out = reshape(args.out, Shape(out_dims));
   }
   if (record) {
-    Saved saved{x, w, bias, args.x, Tensor(), activation};
+    LinearSaved saved{x, w, bias, args.x, Tensor(), activation};
     if (needs_pre) saved.kept = args.pre;
     if (activation == LinearActivation::relu) saved.kept = args.out;
     record_op(name, inputs, out, [saved](const Tensor& g, const std::vector<bool>& needs) {

@@ -23,8 +23,8 @@ namespace {
 
 using std::int64_t;
 
-constexpr int64_t kCols = 64;        // columns of inner per scatter_add task
-constexpr int64_t kCopyCols = 8192;  // elements of a row per take task
+constexpr int64_t kScatterCols = 64;  // columns of inner per scatter_add task
+constexpr int64_t kCopyCols = 8192;   // elements of a row per take task
 
 // T: an unsigned integer of the item size (gather only moves elements).
 template <typename T>
@@ -67,7 +67,7 @@ void scatter_add_kernel(const Tensor& src, const Tensor& index, int64_t outer, i
   const T* sp = static_cast<const T*>(src.const_data_ptr());
   const auto* ip = static_cast<const int64_t*>(index.const_data_ptr());
   T* yp = static_cast<T*>(out.data_ptr());
-  const int64_t cols = std::min(kCols, inner);
+  const int64_t cols = std::min(kScatterCols, inner);
   const int64_t col_blocks = inner == 0 ? 0 : (inner + cols - 1) / cols;
   const int64_t tasks = outer * col_blocks;
   parallel_for(tasks, outer * k * inner > kParallelGrain, [&](int64_t t) {
