@@ -314,10 +314,11 @@ namespace {
 double softmax_tolerance(DType dt) { return dt == mt::kFloat32 ? 4e-6 : cu::tolerance(dt); }
 }  // namespace
 
-TEST_CASE("cuda softmax and log_softmax: every floating dtype", "[cuda]") {
-  const std::vector<Shape> shapes = {{1, 1}, {3, 7},     {5, 256},    {5, 257}, {4, 300},
-                                     {9},    {2, 3, 40}, {2, 100000}, {6, 1},   {0, 4}};
-  std::uint64_t seed = 400;
+namespace {
+
+// softmax and log_softmax of every floating dtype over each shape, along the last axis and the
+// first, through the ops and the kernels (into poisoned outputs).
+void check_softmax_shapes(const std::vector<Shape>& shapes, std::uint64_t seed) {
   for (DType dt : cu::kFloatTypes) {
     CHECK(mt::supports(OpId::softmax, mt::DeviceType::CUDA, dt));
     CHECK(mt::supports(OpId::log_softmax, mt::DeviceType::CUDA, dt));
@@ -343,6 +344,19 @@ TEST_CASE("cuda softmax and log_softmax: every floating dtype", "[cuda]") {
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda softmax and log_softmax: every floating dtype", "[cuda]") {
+  // ({2, 10000}: rows longer than a block's threads, and along axis 0 ten thousand rows of two,
+  // a warp each; the case below takes 100,000.)
+  check_softmax_shapes(
+      {{1, 1}, {3, 7}, {5, 256}, {5, 257}, {4, 300}, {9}, {2, 3, 40}, {2, 10000}, {6, 1}, {0, 4}},
+      400);
+  for (DType dt : cu::kFloatTypes) {
+    const double tol = softmax_tolerance(dt);
     // Large values (stability), -inf entries, a NaN row, an all -inf row, a +inf row.
     INFO(fmt::format("{} special rows", dt.name()));
     std::vector<double> v = {1e4,   1e4 - 1.0, 1e4 - 2.0, -1e4,   // large: no overflow
@@ -354,6 +368,12 @@ TEST_CASE("cuda softmax and log_softmax: every floating dtype", "[cuda]") {
     cu::check_close(mt::softmax(gpu(x)), mt::softmax(x), tol, "softmax special rows");
     cu::check_close(mt::log_softmax(gpu(x)), mt::log_softmax(x), tol, "log_softmax special rows");
   }
+}
+
+// [large]: 3.2 million emulated threads a launch along axis 0, most of the emulated suite's
+// time for this op, for the paths the case above takes.
+TEST_CASE("cuda softmax and log_softmax: rows of 100,000 and 100,000 rows", "[cuda][large]") {
+  check_softmax_shapes({{2, 100000}}, 500);
 }
 
 TEST_CASE("cuda softmax: more rows than one grid has warps", "[cuda][large]") {
