@@ -529,8 +529,8 @@ TEST_CASE("cuda binary arithmetic: broadcast patterns, every registered dtype", 
                         true, 2000);
 }
 
-// [large]: about 10^8 emulated threads in all, a minute of the emulated suite's time for what
-// the shapes above reach too (the kernels have no path of their own at these sizes).
+// [large]: about 10^8 emulated threads in all, half a minute of the emulated suite's time for
+// what the shapes above reach too (the kernels have no path of their own at these sizes).
 TEST_CASE("cuda binary arithmetic: operands of millions of elements, every registered dtype",
           "[cuda][large]") {
   check_binary_patterns({{{1000003}, {1000003}}, {{1 << 20, 3}, {1, 3}}}, false, 3000);

@@ -533,7 +533,7 @@ TEST_CASE("cuda optimizer updates: three steps of every variant against the CPU"
   check_three_steps({1000, (1 << 14) + 7, 1, 0}, 600);
 }
 
-// [large]: the emulated suite's longest case at this size, for the paths the one above takes.
+// [large]: 16 s of the emulated suite's time at this size, for the paths the case above takes.
 TEST_CASE("cuda optimizer updates: three steps on a variable of a million elements",
           "[cuda][large]") {
   check_three_steps({(1 << 20) + 7}, 700);
