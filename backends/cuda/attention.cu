@@ -5,7 +5,10 @@
 // widths 32, 64, 96 and 128, the backward pass for 32 and 64. MIXTAPE_CUDA_MMA_ATTENTION=0
 // turns them off.
 //
-// Everything else (float32, float64, other widths) runs the plain form: one warp per row, a
+// float32 heads of width 32 or 64 run the tiled kernels of backends/cuda/attention_float32.cuh
+// (the same loops on the float32 units).
+//
+// Everything else (float64, other widths) runs the plain form: one warp per row, a
 // query row for the forward pass and for dq, a key row for dk and dv. The warp walks the keys
 // (queries) the row attends one at a time, each dot product split over the lanes and summed
 // with shuffles, so no [t, s] matrix is made and every row's softmax is exact (float32 for the
@@ -19,8 +22,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
+#include <type_traits>
 
+#include "backends/cuda/attention_float32.cuh"
 #include "backends/cuda/attention_tiles.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/elementwise_util.cuh"
@@ -455,6 +461,68 @@ void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cud
                                 static_cast<int>(Pass)));
 }
 
+// --- The tiled float32 kernels (attention_float32.cuh) ---------------------------------------
+
+// Their operands (the outputs, lse and D set by the caller) for the forward pass, or for the
+// backward pass when dout is defined; nullopt when they do not apply: not float32, head dims
+// they do not take, a grid too large, or rows not 16-byte aligned.
+template <typename T>
+std::optional<attention_float32::Params> float32_params(const Tensor& q, const Tensor& k,
+                                                        const Tensor& v, const Tensor& mask,
+                                                        bool causal, double scale,
+                                                        const kernels::AttentionDropout& dropout,
+                                                        std::initializer_list<Tensor> written) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return std::nullopt;
+  } else {
+    namespace f32 = attention_float32;
+    // The tiles are read and written 16 bytes at a time: every row's start 16-byte aligned.
+    const auto aligned = [](const Tensor& x) {
+      if (!x.defined()) return true;
+      for (std::size_t a = 0; a + 1 < x.rank(); ++a)
+        if (x.strides()[a] % 4 != 0) return false;
+      return reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 == 0;
+    };
+    const int64_t longest = std::max(q.dim(-2), k.dim(-2));
+    bool ok = f32::supports(q.dim(-1), v.dim(-1)) && head_count(q) <= 0x7fffffff &&
+              (longest + f32::kTileCols - 1) / f32::kTileCols <= 65535 && aligned(q) &&
+              aligned(k) && aligned(v);
+    for (const Tensor& w : written) ok = ok && aligned(w);
+    if (!ok) return std::nullopt;
+    f32::Params p;
+    p.q = head_rows<const float>(q);
+    p.k = head_rows<const float>(k);
+    p.v = head_rows<const float>(v);
+    p.mask = head_rows<const std::uint8_t>(mask);
+    p.causal = causal;
+    p.scale = static_cast<float>(scale);
+    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
+    p.dropout = dropout.rate > 0.0;
+    p.seed = dropout.seed;
+    if (dropout.seed_at.defined())
+      p.seed_at = static_cast<const std::int64_t*>(dropout.seed_at.const_data_ptr());
+    p.threshold = dropout_threshold(dropout.rate);
+    p.inv_keep = static_cast<float>(1.0 / (1.0 - dropout.rate));
+    p.n = head_count(q);
+    p.t = q.dim(-2);
+    p.s = k.dim(-2);
+    return p;
+  }
+}
+
+// One of them (for head dims 32 and 64) over `rows` rows of every head, a block of Threads
+// threads taking rows_of(Threads) of them.
+template <int Threads>
+void launch_float32(void (*kernel32)(attention_float32::Params),
+                    void (*kernel64)(attention_float32::Params), const attention_float32::Params& p,
+                    int64_t d, int64_t rows, cudaStream_t stream) {
+  constexpr int kRows = attention_float32::rows_of(Threads);
+  const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>((rows + kRows - 1) / kRows));
+  void (*kernel)(attention_float32::Params) = d == 32 ? kernel32 : kernel64;
+  MIXTAPE_CUDA_LAUNCH(grid, Threads, stream, kernel)(p);
+  MIXTAPE_CUDA_CHECK_LAUNCH("attention float32 tile kernel");
+}
+
 template <typename T>
 void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                     bool causal, double scale, const kernels::AttentionDropout& dropout,
@@ -467,6 +535,13 @@ void attention_host(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     p->out = head_rows<std::uint16_t>(out);
     p->lse = static_cast<float*>(lse.data_ptr());
     return launch_tiles<TilePass::Forward, T>(*p, d, t, on.s);
+  }
+  if (auto p = float32_params<T>(q, k, v, mask, causal, scale, dropout, {out})) {
+    namespace f32 = attention_float32;
+    p->out = head_rows<float>(out);
+    p->lse = static_cast<float*>(lse.data_ptr());
+    return launch_float32<f32::kForwardThreads>(f32::forward_kernel<32>, f32::forward_kernel<64>,
+                                                *p, d, t, on.s);
   }
   launch_1d({"attention kernel", n * t * kWarp, on.s}, attention_forward_kernel<T>,
             head_rows<const T>(q), head_rows<const T>(k), head_rows<const T>(v),
@@ -502,6 +577,21 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
     p->dv = head_rows<std::uint16_t>(dv_out);
     if (n * t > 0) launch_tiles<TilePass::Dq, T>(*p, d, t, on.s);
     if (n * s > 0) launch_tiles<TilePass::DkDv, T>(*p, d, s, on.s);
+    return;
+  }
+  if (auto p = float32_params<T>(q, k, v, mask, causal, scale, dropout, {dout, dq, dk, dv_out})) {
+    namespace f32 = attention_float32;
+    p->lse = const_cast<float*>(static_cast<const float*>(lse.const_data_ptr()));  // read only
+    p->dout = head_rows<const float>(dout);
+    p->rowdot = static_cast<const float*>(rowdot.data());
+    p->dq = head_rows<float>(dq);
+    p->dk = head_rows<float>(dk);
+    p->dv = head_rows<float>(dv_out);
+    if (n * t > 0)
+      launch_float32<f32::kBackwardThreads>(f32::dq_kernel<32>, f32::dq_kernel<64>, *p, d, t, on.s);
+    if (n * s > 0)
+      launch_float32<f32::kBackwardThreads>(f32::dkdv_kernel<32>, f32::dkdv_kernel<64>, *p, d, s,
+                                            on.s);
     return;
   }
   if (n * t > 0) {
