@@ -79,13 +79,13 @@ inline constexpr BoolVar kCudaLtEpilogues{
     "the fused linear op applies its bias and activation in a kernel of its own on CUDA",
     "in cuBLASLt's epilogues (bias, gelu_tanh) where cuBLASLt has an algorithm for them"};
 
-// backends/cuda/attention.cu: the fused attention on tensor cores (float16 and bfloat16; the
-// forward pass for head dims 32 to 128, the backward pass for 32 and 64).
+// backends/cuda/attention.cu: the fused attention on tensor cores (float16 and bfloat16, head
+// dims 32, 64, 96 and 128).
 inline constexpr BoolVar kCudaMmaAttention{
     "MIXTAPE_CUDA_MMA_ATTENTION", true,
     "the fused attention runs its plain kernels (a warp per row, no tensor cores) on CUDA",
-    "it runs the tiled tensor-core kernels where they apply (float16 and bfloat16; the forward "
-    "pass for head dims 32, 64, 96 and 128, the backward pass for 32 and 64)"};
+    "it runs the tiled tensor-core kernels where they apply (float16 and bfloat16 heads of "
+    "width 32, 64, 96 and 128)"};
 
 // backends/cpu/backend.cpp: the megabytes of freed blocks the CPU allocator keeps.
 inline constexpr UIntVar kCpuCacheMb{"MIXTAPE_CPU_CACHE_MB", 1024, std::uint64_t{1} << 20,

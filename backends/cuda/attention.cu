@@ -2,8 +2,7 @@
 //
 // float16 and bfloat16 heads whose q, k and v share a width run the tiled tensor-core kernels of
 // backends/cuda/attention_tiles.h (FlashAttention-2's loops on mma.sync): the forward pass for
-// widths 32, 64, 96 and 128, the backward pass for 32 and 64. MIXTAPE_CUDA_MMA_ATTENTION=0
-// turns them off.
+// widths 32, 64, 96 and 128, both passes. MIXTAPE_CUDA_MMA_ATTENTION=0 turns them off.
 //
 // float32 heads of width 32 or 64 run the tiled kernels of backends/cuda/attention_float32.cuh
 // (the same loops on the float32 units).
@@ -376,7 +375,8 @@ struct MmaCtx {
 #endif
 };
 
-enum class TilePass { Forward, Dq, DkDv };
+// (Dk and Dv: the key gradients one at a time, for heads wider than 64.)
+enum class TilePass { Forward, Dq, DkDv, Dk, Dv };
 
 // Blocks a multiprocessor holds at once: 3 for the forward pass of heads up to 64 wide (at most
 // 168 registers a thread: ptxas then keeps a dozen values in local memory, 2 blocks otherwise),
@@ -391,7 +391,8 @@ __global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<P
   __shared__ attention_tiles::Shared<D> shared;
   shared_starts_undefined(shared);
   // (dk and dv: the first key blocks have the most queries; the launch order is right.)
-  MmaCtx<BF16> ctx{.reversed = Pass != TilePass::DkDv};
+  constexpr bool kByKeys = Pass == TilePass::DkDv || Pass == TilePass::Dk || Pass == TilePass::Dv;
+  MmaCtx<BF16> ctx{.reversed = !kByKeys};
   if (p.seed_at) {  // a seed in device memory (a captured step's): read once, not per weight
     p.seed = static_cast<std::uint64_t>(*p.seed_at);
     p.seed_at = nullptr;
@@ -400,8 +401,12 @@ __global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<P
     attention_tiles::forward<D>(ctx, shared, p);
   else if constexpr (Pass == TilePass::Dq)
     attention_tiles::backward_dq<D>(ctx, shared, p);
-  else
+  else if constexpr (Pass == TilePass::DkDv)
     attention_tiles::backward_dkdv<D>(ctx, shared, p);
+  else if constexpr (Pass == TilePass::Dk)
+    attention_tiles::backward_dkdv<D, attention_tiles::KeyGrads::dk>(ctx, shared, p);
+  else
+    attention_tiles::backward_dkdv<D, attention_tiles::KeyGrads::dv>(ctx, shared, p);
 }
 
 // The tiled kernels' operands (the outputs and D set by the caller) for the forward pass, or
@@ -417,11 +422,9 @@ std::optional<attention_tiles::Params> tile_params(const Tensor& q, const Tensor
   if constexpr (!kHalfLike<T>) {
     return std::nullopt;
   } else {
-    const bool backward = dout.defined();
     static const bool enabled = detail::env::kCudaMmaAttention.read();
     const int64_t d = q.dim(-1), dv = v.dim(-1), longest = std::max(q.dim(-2), k.dim(-2));
-    const bool dims = backward ? attention_tiles::supports_backward(d, dv)
-                               : attention_tiles::supports_forward(d, dv);
+    const bool dims = attention_tiles::supports(d, dv);
     // The tiles are read 16 bytes at a time: every row's start 16-byte aligned (rows of 32 to
     // 128 16-bit elements are, when the first is and the strides are multiples of 8).
     const auto aligned = [](const Tensor& x) {
@@ -439,7 +442,7 @@ std::optional<attention_tiles::Params> tile_params(const Tensor& q, const Tensor
 }
 
 // One tiled kernel over `rows` rows of every head (queries for Forward and Dq, keys for DkDv),
-// heads of width d (a width supports_forward / supports_backward takes).
+// heads of width d (a width attention_tiles::supports takes).
 template <TilePass Pass, typename T>
 void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cudaStream_t stream) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -450,9 +453,12 @@ void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cud
     MIXTAPE_CUDA_LAUNCH(grid, attention_tiles::kThreads, stream, kernel)(p);
     MIXTAPE_CUDA_CHECK_LAUNCH("attention tile kernel");
   };
-  if (d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16>);
-  if (d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16>);
-  if constexpr (Pass == TilePass::Forward) {  // the backward pass takes 32 and 64 only
+  // (dk and dv together up to width 64, one at a time beyond: attention_backward_host.)
+  if constexpr (Pass != TilePass::Dk && Pass != TilePass::Dv) {
+    if (d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16>);
+    if (d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16>);
+  }
+  if constexpr (Pass != TilePass::DkDv) {
     if (d == 96) return launch(attention_tile_kernel<Pass, 96, kBf16>);
     if (d == 128) return launch(attention_tile_kernel<Pass, 128, kBf16>);
   }
@@ -576,7 +582,11 @@ void attention_backward_host(const Tensor& q, const Tensor& k, const Tensor& v, 
     p->dk = head_rows<std::uint16_t>(dk);
     p->dv = head_rows<std::uint16_t>(dv_out);
     if (n * t > 0) launch_tiles<TilePass::Dq, T>(*p, d, t, on.s);
-    if (n * s > 0) launch_tiles<TilePass::DkDv, T>(*p, d, s, on.s);
+    if (n * s > 0 && d <= 64) launch_tiles<TilePass::DkDv, T>(*p, d, s, on.s);
+    if (n * s > 0 && d > 64) {  // (each walks the queries: dk's operands and dv's overflow one)
+      launch_tiles<TilePass::Dk, T>(*p, d, s, on.s);
+      launch_tiles<TilePass::Dv, T>(*p, d, s, on.s);
+    }
     return;
   }
   if (auto p = float32_params<T>(q, k, v, mask, causal, scale, dropout, {dout, dq, dk, dv_out})) {

@@ -1,7 +1,7 @@
 // Private to the CUDA backend (and to the test that runs it on the host): the tiled
 // tensor-core kernels of the fused attention (kernels.h's AttentionFn and
-// AttentionBackwardFn), FlashAttention-2's loops for float16 and bfloat16: the forward pass
-// for head dims 32, 64, 96 and 128, the backward pass for 32 and 64.
+// AttentionBackwardFn), FlashAttention-2's loops for float16 and bfloat16, both passes for
+// head dims 32, 64, 96 and 128.
 //
 // Forward: a block of 4 warps takes 64 query rows of one head, each warp 16 of them; the block
 // walks the keys 64 at a time. The warp's Q rows stay in registers as mma A fragments; each key
@@ -21,7 +21,10 @@
 // dO V^T, dS = P o (Z o dP - D), dq += dS K), and dk, dv by key blocks, each warp 16 keys whose
 // K and V rows stay in registers while the block walks the queries 64 at a time (S^T = K Q^T,
 // dv += (P o Z)^T dO, dP^T = V dO^T, dk += dS^T Q). D, the rows' dot products of dout and out,
-// comes from attention.cu's row kernel.
+// comes from attention.cu's row kernel. Heads wider than 64 take dk and dv in two kernels, each
+// walking the queries (KeyGrads): the operands and accumulators of both would not fit a
+// thread's registers (at width 128 ptxas kept 832 bytes a thread in local memory; dk alone 140,
+// dv alone none).
 //
 // Precision: a float32 value that enters a product as an A operand (the weights, dS) goes in
 // as two 16-bit parts, its rounding and the rounding of the rest, in two mma: it keeps about
@@ -100,10 +103,9 @@ inline constexpr float kNegInf = -INFINITY;
 inline constexpr float kLog2e = 1.4426950408889634f;
 
 // Whether the tiled kernels take heads of these dims (q, k: d; v: dv).
-constexpr bool supports_forward(int64_t d, int64_t dv) {
+constexpr bool supports(int64_t d, int64_t dv) {
   return d == dv && (d == 32 || d == 64 || d == 96 || d == 128);
 }
-constexpr bool supports_backward(int64_t d, int64_t dv) { return d == dv && (d == 32 || d == 64); }
 
 // Heads as kernels.h gives them (mixtape/core/head_rows.h): the 16-bit operands as the bits of
 // their elements, and the mask.
@@ -535,11 +537,18 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
   store_rows<D>(ctx, p.dq.head(h), dq, p.scale, warp_row0, p.t, g, c);
 }
 
+// Which key gradients a backward_dkdv kernel computes: both (heads up to 64 wide), or one of
+// them (wider heads: the operands and accumulators of both overflow a thread's registers, so
+// two kernels walk the queries, each recomputing S^T and P^T).
+enum class KeyGrads { both, dk, dv };
+
 // dk and dv of the keys of block (head(), block()): each warp's 16 keys stay in registers
 // while the block walks the query rows 64 at a time: S^T = K Q^T, P^T from lse, dv += (P o
-// Z)^T dout, dP^T = V dout^T, dS^T = P^T o (Z o dP^T - D), dk += scale dS^T Q.
-template <int D, class Ctx>
+// Z)^T dout, dP^T = V dout^T, dS^T = P^T o (Z o dP^T - D), dk += scale dS^T Q (G: both, or
+// dk alone, or dv alone).
+template <int D, KeyGrads G = KeyGrads::both, class Ctx>
 MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
+  constexpr bool kDk = G != KeyGrads::dv, kDv = G != KeyGrads::dk;
   constexpr int kCols = kTile / 8;  // 8-query column tiles
   const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
   const int g = lane / 4, c = lane % 4;
@@ -547,7 +556,7 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
   const Head q_head = p.q.head(h), dout_head = p.dout.head(h);
   uint32_t ka[D / 16][4], va[D / 16][4];
   load_a<D>(ka, p.k.head(h), warp_key0, p.s, g, c);
-  load_a<D>(va, p.v.head(h), warp_key0, p.s, g, c);
+  if constexpr (kDk) load_a<D>(va, p.v.head(h), warp_key0, p.s, g, c);
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   const std::uint8_t* mask_head = p.mask.head(h).row(0);  // the head's mask rows, or null
@@ -572,8 +581,8 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
     ctx.template wait<1>();  // dout's tile is here
     ctx.sync();
     float x[kCols][4], dp[kCols][4];
-    product_across<D>(ctx, dp, va, sh.b, g, c);  // dP^T = V dout^T
-    ctx.template wait<0>();                      // Q's tile is here
+    if constexpr (kDk) product_across<D>(ctx, dp, va, sh.b, g, c);  // dP^T = V dout^T
+    ctx.template wait<0>();                                         // Q's tile is here
     ctx.sync();
     product_across<D>(ctx, x, ka, sh.a, g, c);  // S^T
     // P^T, dS^T and (P o Z)^T; a tile whose query rows all attend every key of the warp
@@ -589,8 +598,8 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
                attends(p, mask_head ? mask_head + i * p.mask.stride : nullptr, i, j);
         const float prob = in ? ctx.exp2(x[nt][e] * p.scale_log2 - sh.lse[q]) : 0.0f;  // P^T
         const float z = in ? keep_factor(p, h, i, j) : 0.0f;
-        dp[nt][e] = in ? prob * (z * dp[nt][e] - sh.dot[q]) : 0.0f;  // dS^T
-        x[nt][e] = prob * z;                                         // (P o Z)^T
+        if constexpr (kDk) dp[nt][e] = in ? prob * (z * dp[nt][e] - sh.dot[q]) : 0.0f;  // dS^T
+        x[nt][e] = prob * z;                                                            // (P o Z)^T
       }
     };
     if (p.mask.base == nullptr && warp_key0 + kWarpRows <= p.s &&
@@ -598,13 +607,13 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
       weights(std::true_type{});
     else
       weights(std::false_type{});
-    product_down<D>(ctx, dv, x, sh.b, g, c);
+    if constexpr (kDv) product_down<D>(ctx, dv, x, sh.b, g, c);
     ctx.sync();  // every warp is done with dout's tile (and the rows' lse and D)
     if (more)
       load_tile<D>(ctx, sh.b, dout_head, row0 + kTile, p.t);
     else
       ctx.commit();  // an empty group, so that the waits count as in every turn
-    product_down<D>(ctx, dk, dp, sh.a, g, c);
+    if constexpr (kDk) product_down<D>(ctx, dk, dp, sh.a, g, c);
     ctx.sync();  // every warp is done with Q's tile
     if (more) {
       load_tile<D>(ctx, sh.a, q_head, row0 + kTile, p.t);
@@ -614,8 +623,8 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
     }
   }
   ctx.template wait<0>();  // (nothing is in flight at the end: the last groups are empty)
-  store_rows<D>(ctx, p.dk.head(h), dk, p.scale, warp_key0, p.s, g, c);
-  store_rows<D>(ctx, p.dv.head(h), dv, 1.0f, warp_key0, p.s, g, c);
+  if constexpr (kDk) store_rows<D>(ctx, p.dk.head(h), dk, p.scale, warp_key0, p.s, g, c);
+  if constexpr (kDv) store_rows<D>(ctx, p.dv.head(h), dv, 1.0f, warp_key0, p.s, g, c);
 }
 
 }  // namespace mixtape::attention_tiles

@@ -340,8 +340,8 @@ void attention(Context& c) {
       {4, 66, 66, 8, 8, true, true, 2},
       {3, 70, 70, 16, 8, false, true, 0, 0.3},
       {2, 5, 9, 6, 3, true, false, 0, 0.5},
-      // Head dims the CUDA backend's tensor-core kernels take (16-bit; forward 32 to 128,
-      // backward 32 and 64): rows and keys that cross their 64-row blocks and tiles.
+      // Head dims the CUDA backend's tiled kernels take (16-bit: 32 to 128, dk and dv in two
+      // kernels beyond 64; float32: 32 and 64): rows and keys that cross their blocks and tiles.
       {2, 100, 100, 64, 64, false, true},
       {1, 70, 130, 32, 32, true, false},
       {4, 66, 66, 128, 128, true, true, 2},
