@@ -107,7 +107,8 @@ endfunction()
 # attention's dropout one row off in the forward pass moves a loss by 0.33%, and fails.
 # The character-level GPT: head widths 64 and 32 (the tiled tensor-core attention kernels),
 # attention dropout, float16 with the loss scale and a captured step, FP8 products (whose
-# quantisation turns the kernels' small differences into larger ones: fewer steps).
+# quantisation turns the kernels' small differences into larger ones: fewer steps), float32
+# (the tiled float32 attention kernels, with dropout).
 set(text "")
 foreach(i RANGE 1 60)
   string(APPEND text "The quick brown fox ${i} jumps over the lazy dog.\n"
@@ -120,6 +121,7 @@ set(gpt --text ${WORK_DIR}/small.txt --layers 2 --width 64 --context 64 --batch 
 close_on_both(1 "loss " ${gpt} --heads 1 --dropout 0.1 --policy mixed_bfloat16 --steps 30)
 close_on_both(1 "loss " ${gpt} --heads 2 --policy mixed_float16 --capture-step --steps 30)
 close_on_both(5 "loss " ${gpt} --heads 2 --policy mixed_float8 --steps 10)
+close_on_both(1 "loss " ${gpt} --heads 2 --dropout 0.1 --policy float32 --steps 20)
 
 # The MNIST trainer on a small fake dataset: fit (batches copied to the device by a prefetch
 # thread), the custom GradientTape loop, the CNN (convolution and pooling) with a captured
