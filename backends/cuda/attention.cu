@@ -4,8 +4,8 @@
 // backends/cuda/attention_tiles.h (FlashAttention-2's loops on mma.sync): the forward pass for
 // widths 32, 64, 96 and 128, both passes. MIXTAPE_CUDA_MMA_ATTENTION=0 turns them off.
 //
-// float32 heads of width 32 or 64 run the tiled kernels of backends/cuda/attention_float32.cuh
-// (the same loops on the float32 units).
+// float32 heads of widths up to 64, multiples of 4, run the tiled kernels of
+// backends/cuda/attention_float32.cuh (the same loops on the float32 units).
 //
 // Everything else (float64, other widths) runs the plain form: one warp per row, a
 // query row for the forward pass and for dq, a key row for dk and dv. The warp walks the keys
@@ -512,11 +512,12 @@ std::optional<attention_float32::Params> float32_params(const Tensor& q, const T
     p.n = head_count(q);
     p.t = q.dim(-2);
     p.s = k.dim(-2);
+    p.d = static_cast<int>(q.dim(-1));
     return p;
   }
 }
 
-// One of them (for head dims 32 and 64) over `rows` rows of every head, a block of Threads
+// One of them (made for widths 32 and 64) over `rows` rows of every head, a block of Threads
 // threads taking rows_of(Threads) of them.
 template <int Threads>
 void launch_float32(void (*kernel32)(attention_float32::Params),
@@ -524,7 +525,8 @@ void launch_float32(void (*kernel32)(attention_float32::Params),
                     int64_t d, int64_t rows, cudaStream_t stream) {
   constexpr int kRows = attention_float32::rows_of(Threads);
   const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>((rows + kRows - 1) / kRows));
-  void (*kernel)(attention_float32::Params) = d == 32 ? kernel32 : kernel64;
+  void (*kernel)(attention_float32::Params) =
+      attention_float32::kernel_width(d) == 32 ? kernel32 : kernel64;
   MIXTAPE_CUDA_LAUNCH(grid, Threads, stream, kernel)(p);
   MIXTAPE_CUDA_CHECK_LAUNCH("attention float32 tile kernel");
 }

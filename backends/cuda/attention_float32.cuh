@@ -1,6 +1,8 @@
 // Private to the CUDA backend (included by attention.cu): the fused attention's tiled kernels
-// for float32 heads of width 32 or 64 (q, k and v alike), FlashAttention-2's loops on the
-// float32 units (float32 has no tensor-core product that keeps its precision).
+// for float32 heads of any width up to 64 that is a multiple of 4 (q, k and v alike; the
+// kernels are made for widths D of 32 and 64, and a narrower head's columns past its width read
+// as zeros and are not written), FlashAttention-2's loops on the float32 units (float32 has no
+// tensor-core product that keeps its precision).
 //
 // Why: the plain kernels (a warp per row, each logit a dot product summed over the warp by
 // shuffles, computed twice) made a float32 charlm step on an H200 five times PyTorch's
@@ -45,8 +47,10 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // Rows of a tile of a head's rows or weights for a block of `threads` threads.
 constexpr int rows_of(int threads) { return threads / kColThreads * kMicro; }
 
-// Whether these kernels take heads of these widths (q, k: d; v: dv).
-constexpr bool supports(int64_t d, int64_t dv) { return d == dv && (d == 32 || d == 64); }
+// Whether these kernels take heads of these widths (q, k: d; v: dv), and the kernels' width D
+// for a head of width d.
+constexpr bool supports(int64_t d, int64_t dv) { return d == dv && d % 4 == 0 && d > 0 && d <= 64; }
+constexpr int kernel_width(int64_t d) { return d <= 32 ? 32 : 64; }
 
 using Vec = Pack<float, 4>;
 
@@ -67,6 +71,7 @@ struct Params {
   std::uint32_t threshold = 0;
   float inv_keep = 1;
   int64_t n = 0, t = 0, s = 0;
+  int d = 0;  // the heads' width (<= the kernel's D)
 };
 
 // Whether query row i (< t) attends key j (mask_row: the mask's row i of the head, or null).
@@ -89,17 +94,17 @@ __device__ __forceinline__ int64_t key_end(const Params& p, int64_t row0, int ro
   return last + 1 < p.s ? last + 1 : p.s;
 }
 
-// Rows row0 .. row0 + R - 1 of a head ([rows, D]) into a shared tile (zeros past the end), by
-// the block's `Threads` threads, 16 bytes a thread at a time.
+// Rows row0 .. row0 + R - 1 of a head ([rows, width]) into a shared tile (zeros past the last
+// row and past the width), by the block's `Threads` threads, 16 bytes a thread at a time.
 template <int D, int R, int Threads>
 __device__ __forceinline__ void load_tile(float (&tile)[R][D + 4],
                                           const HeadRows<const float>::Head& m, int64_t row0,
-                                          int64_t rows) {
+                                          int64_t rows, int width) {
   constexpr int kChunks = D / 4;
   for (int e = static_cast<int>(threadIdx.x); e < R * kChunks; e += Threads) {
     const int r = e / kChunks, c = (e % kChunks) * 4;
     Vec v{};
-    if (row0 + r < rows) v = *reinterpret_cast<const Vec*>(m.row(row0 + r) + c);
+    if (row0 + r < rows && c < width) v = *reinterpret_cast<const Vec*>(m.row(row0 + r) + c);
     *reinterpret_cast<Vec*>(&tile[r][c]) = v;
   }
 }
@@ -154,13 +159,16 @@ __device__ __forceinline__ void weigh_tile(float (&acc)[kMicro][D / 8],
   }
 }
 
-// Row `row` of a head's output, a thread's columns 4 tx + 32 u (16 bytes each), times factor.
+// Row `row` of a head's output, a thread's columns 4 tx + 32 u (16 bytes each) below the
+// width, times factor.
 template <int D>
 __device__ __forceinline__ void store_row(const HeadRows<float>::Head& m, int64_t row,
-                                          const float (&acc)[D / 8], float factor, int tx) {
+                                          const float (&acc)[D / 8], float factor, int tx,
+                                          int width) {
   float* out = m.row(row);
 #pragma unroll
   for (int u = 0; u < D / 32; ++u) {
+    if (4 * tx + 32 * u >= width) continue;
     Vec v;
 #pragma unroll
     for (int e = 0; e < 4; ++e) v.v[e] = acc[4 * u + e] * factor;
@@ -218,7 +226,7 @@ __global__ void __launch_bounds__(kForwardThreads) forward_kernel(Params p) {
     rows[a] = row0 + ty + kGroups * a;
     mask_rows[a] = rows[a] < p.t ? mask.row(rows[a]) : nullptr;
   }
-  load_tile<D, kRows, kForwardThreads>(sh.q, p.q.head(h), row0, p.t);
+  load_tile<D, kRows, kForwardThreads>(sh.q, p.q.head(h), row0, p.t, p.d);
 
   float o[kMicro][D / 8] = {};
   float m[kMicro], l[kMicro];  // running maxima (base-2 logits) and this thread's part of sums
@@ -227,8 +235,8 @@ __global__ void __launch_bounds__(kForwardThreads) forward_kernel(Params p) {
   const int64_t end = key_end(p, row0, kRows);
   for (int64_t key0 = 0; key0 < end; key0 += kTileCols) {
     __syncthreads();  // every thread is done with the last tiles
-    load_tile<D, kTileCols, kForwardThreads>(sh.k, k_head, key0, p.s);
-    load_tile<D, kTileCols, kForwardThreads>(sh.v, v_head, key0, p.s);
+    load_tile<D, kTileCols, kForwardThreads>(sh.k, k_head, key0, p.s, p.d);
+    load_tile<D, kTileCols, kForwardThreads>(sh.v, v_head, key0, p.s, p.d);
     __syncthreads();
     float x[kMicro][kMicro];
     dot_tile<D>(x, sh.q, ty, kGroups, sh.k, tx, kColThreads);
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(kForwardThreads) forward_kernel(Params p) {
     const float sum = row_sum(l[a]);
     if (rows[a] >= p.t) continue;
     if (tx == 0) p.lse[h * p.t + rows[a]] = sum == 0.0f ? kNegInf : (m[a] + log2f(sum)) / kLog2e;
-    store_row<D>(out, rows[a], o[a], sum == 0.0f ? 0.0f : 1.0f / sum, tx);
+    store_row<D>(out, rows[a], o[a], sum == 0.0f ? 0.0f : 1.0f / sum, tx, p.d);
   }
 }
 
@@ -305,15 +313,15 @@ __global__ void __launch_bounds__(kBackwardThreads) dq_kernel(Params p) {
     lse2[a] = in ? p.lse[h * p.t + rows[a]] * kLog2e : kNegInf;
     dot[a] = in ? p.rowdot[h * p.t + rows[a]] : 0.0f;
   }
-  load_tile<D, kRows, kBackwardThreads>(sh.q, p.q.head(h), row0, p.t);
-  load_tile<D, kRows, kBackwardThreads>(sh.g, p.dout.head(h), row0, p.t);
+  load_tile<D, kRows, kBackwardThreads>(sh.q, p.q.head(h), row0, p.t, p.d);
+  load_tile<D, kRows, kBackwardThreads>(sh.g, p.dout.head(h), row0, p.t, p.d);
 
   float dq[kMicro][D / 8] = {};
   const int64_t end = key_end(p, row0, kRows);
   for (int64_t key0 = 0; key0 < end; key0 += kTileCols) {
     __syncthreads();
-    load_tile<D, kTileCols, kBackwardThreads>(sh.k, k_head, key0, p.s);
-    load_tile<D, kTileCols, kBackwardThreads>(sh.v, v_head, key0, p.s);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.k, k_head, key0, p.s, p.d);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.v, v_head, key0, p.s, p.d);
     __syncthreads();
     float x[kMicro][kMicro], dp[kMicro][kMicro];
     dot_tile<D>(x, sh.q, ty, kGroups, sh.k, tx, kColThreads);   // S
@@ -334,7 +342,7 @@ __global__ void __launch_bounds__(kBackwardThreads) dq_kernel(Params p) {
   const auto out = p.dq.head(h);
 #pragma unroll
   for (int a = 0; a < kMicro; ++a)
-    if (rows[a] < p.t) store_row<D>(out, rows[a], dq[a], p.scale, tx);
+    if (rows[a] < p.t) store_row<D>(out, rows[a], dq[a], p.scale, tx, p.d);
 }
 
 // dk and dv of 32 keys of head blockIdx.x, the block walking the query rows 32 at a time:
@@ -366,15 +374,15 @@ __global__ void __launch_bounds__(kBackwardThreads) dkdv_kernel(Params p) {
   int64_t keys[kMicro];
 #pragma unroll
   for (int a = 0; a < kMicro; ++a) keys[a] = key0 + ty + kGroups * a;
-  load_tile<D, kKeys, kBackwardThreads>(sh.k, p.k.head(h), key0, p.s);
-  load_tile<D, kKeys, kBackwardThreads>(sh.v, p.v.head(h), key0, p.s);
+  load_tile<D, kKeys, kBackwardThreads>(sh.k, p.k.head(h), key0, p.s, p.d);
+  load_tile<D, kKeys, kBackwardThreads>(sh.v, p.v.head(h), key0, p.s, p.d);
 
   float dk[kMicro][D / 8] = {}, dv[kMicro][D / 8] = {};
   // Causal: the queries before the block's first key attend none of its keys.
   for (int64_t row0 = p.causal ? key0 : 0; row0 < p.t; row0 += kTileCols) {
     __syncthreads();
-    load_tile<D, kTileCols, kBackwardThreads>(sh.q, q_head, row0, p.t);
-    load_tile<D, kTileCols, kBackwardThreads>(sh.g, g_head, row0, p.t);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.q, q_head, row0, p.t, p.d);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.g, g_head, row0, p.t, p.d);
     for (int r = tid; r < kTileCols; r += kBackwardThreads) {
       const bool in = row0 + r < p.t;
       sh.lse[r] = in ? p.lse[h * p.t + row0 + r] * kLog2e : kNegInf;
@@ -406,8 +414,8 @@ __global__ void __launch_bounds__(kBackwardThreads) dkdv_kernel(Params p) {
 #pragma unroll
   for (int a = 0; a < kMicro; ++a)
     if (keys[a] < p.s) {
-      store_row<D>(dk_head, keys[a], dk[a], p.scale, tx);
-      store_row<D>(dv_head, keys[a], dv[a], 1.0f, tx);
+      store_row<D>(dk_head, keys[a], dk[a], p.scale, tx, p.d);
+      store_row<D>(dv_head, keys[a], dv[a], 1.0f, tx, p.d);
     }
 }
 

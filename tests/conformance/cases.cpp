@@ -341,7 +341,8 @@ void attention(Context& c) {
       {3, 70, 70, 16, 8, false, true, 0, 0.3},
       {2, 5, 9, 6, 3, true, false, 0, 0.5},
       // Head dims the CUDA backend's tiled kernels take (16-bit: 32 to 128, dk and dv in two
-      // kernels beyond 64; float32: 32 and 64): rows and keys that cross their blocks and tiles.
+      // kernels beyond 64; float32: multiples of 4 up to 64, the cases of widths 4 and 8 above
+      // too): rows and keys that cross their blocks and tiles.
       {2, 100, 100, 64, 64, false, true},
       {1, 70, 130, 32, 32, true, false},
       {4, 66, 66, 128, 128, true, true, 2},

@@ -175,7 +175,7 @@ struct TileCase {
 };
 
 // The small shapes of the tiled kernels: row blocks and key tiles crossed, masks, a row that
-// attends nothing, dropout, widths 32 to 128, heads read and written where they lie.
+// attends nothing, dropout, widths 16 to 128, heads read and written where they lie.
 const std::vector<TileCase> kTileCases{
     {"causal, two row blocks and key tiles", 2, 70, 70, 64, true, 0, 0.0},
     {"masked, an empty row, 3 key tiles", 1, 33, 130, 32, false, 1, 0.0},
@@ -187,6 +187,8 @@ const std::vector<TileCase> kTileCases{
     {"width 96, masked, an empty row, more keys than queries", 1, 40, 100, 96, false, 1, 0.0},
     {"heads in place, key padding, causal, dropout", 4, 70, 70, 64, true, 2, 0.2, true},
     {"heads in place, width 32, masked", 2, 65, 80, 32, false, 1, 0.0, true},
+    {"width 16, causal, dropout", 2, 40, 40, 16, true, 0, 0.2},
+    {"width 48, key padding, more keys than queries", 4, 50, 70, 48, false, 2, 0.0},
     {"heads in place, width 128, key padding, causal, dropout", 4, 70, 70, 128, true, 2, 0.2, true},
 };
 
@@ -283,10 +285,10 @@ TEST_CASE("cuda attention within a unit in the last place of the CPU kernels",
     for (const TileCase& c : kTileCases) check_tile_case(dt, c, seed, off_by_more_than_an_ulp);
 }
 
-// float32 heads of widths 32 and 64 take the tiled float32 kernels
-// (backends/cuda/attention_float32.cuh; 96 and 128 the plain ones): float32 sums of up to 130
-// terms in another order than the CPU's GEMMs. Each element within 2^-17 of the largest of its
-// tensor, or of 1 where that is smaller (the operands' scale: a gradient that cancels to 0, as
+// float32 heads up to 64 wide take the tiled float32 kernels (backends/cuda/attention_float32.cuh,
+// made for widths 32 and 64, narrower heads padded; 96 and 128 the plain ones): float32 sums of up
+// to 130 terms in another order than the CPU's GEMMs. Each element within 2^-17 of the largest of
+// its tensor, or of 1 where that is smaller (the operands' scale: a gradient that cancels to 0, as
 // dq and dk of a row that attends one key, is rounding noise on both sides): 64 units in the
 // last place of the largest; on the host emulation the largest difference was 2^-20.5 of it.
 // Far tighter than the sweep's bound, which grows with the terms of a sum: a kernel off by
