@@ -189,6 +189,7 @@ const std::vector<TileCase> kTileCases{
     {"heads in place, width 32, masked", 2, 65, 80, 32, false, 1, 0.0, true},
     {"width 16, causal, dropout", 2, 40, 40, 16, true, 0, 0.2},
     {"width 48, key padding, more keys than queries", 4, 50, 70, 48, false, 2, 0.0},
+    {"width 80, masked, an empty row, causal", 1, 70, 70, 80, true, 1, 0.0},
     {"heads in place, width 128, key padding, causal, dropout", 4, 70, 70, 128, true, 2, 0.2, true},
 };
 
@@ -275,9 +276,10 @@ void check_tile_case(mt::DType dt, const TileCase& c, std::uint64_t& seed, OffCo
 
 // The 16-bit kernels at small shapes against the CPU's, closer than the sweep's bound: both
 // compute in float32 and round once, so at most a unit in the last place apart, where the
-// float32 values lie on two sides of a rounding boundary. Every shape here takes the tiled
-// tensor-core kernels (backends/cuda/attention_tiles.h): their row and key tiles, fragment
-// bookkeeping, masks, dropout and online softmax, and the launch code that picks them.
+// float32 values lie on two sides of a rounding boundary. Widths 32, 64, 96 and 128 take the
+// tiled tensor-core kernels (backends/cuda/attention_tiles.h): their row and key tiles, fragment
+// bookkeeping, masks, dropout and online softmax, and the launch code that picks them; widths
+// 16, 48 and 80 the plain kernels, held to the same bound.
 TEST_CASE("cuda attention within a unit in the last place of the CPU kernels",
           "[cuda][attention][cuda_tiles]") {
   std::uint64_t seed = 40;
