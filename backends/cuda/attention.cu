@@ -393,10 +393,7 @@ __global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<P
   // (dk and dv: the first key blocks have the most queries; the launch order is right.)
   constexpr bool kByKeys = Pass == TilePass::DkDv || Pass == TilePass::Dk || Pass == TilePass::Dv;
   MmaCtx<BF16> ctx{.reversed = !kByKeys};
-  if (p.seed_at) {  // a seed in device memory (a captured step's): read once, not per weight
-    p.seed = static_cast<std::uint64_t>(*p.seed_at);
-    p.seed_at = nullptr;
-  }
+  attention_tiles::read_seed(p);
   if constexpr (Pass == TilePass::Forward)
     attention_tiles::forward<D>(ctx, shared, p);
   else if constexpr (Pass == TilePass::Dq)
@@ -407,6 +404,15 @@ __global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<P
     attention_tiles::backward_dkdv<D, attention_tiles::KeyGrads::dk>(ctx, shared, p);
   else
     attention_tiles::backward_dkdv<D, attention_tiles::KeyGrads::dv>(ctx, shared, p);
+}
+
+// Whether every row of x (undefined: true) starts 16-byte aligned, `per16` elements to 16 bytes:
+// the first, and the strides of the axes before the last multiples of per16.
+bool rows_aligned16(const Tensor& x, int64_t per16) {
+  if (!x.defined()) return true;
+  for (std::size_t a = 0; a + 1 < x.rank(); ++a)
+    if (x.strides()[a] % per16 != 0) return false;
+  return reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 == 0;
 }
 
 // The tiled kernels' operands (the outputs and D set by the caller) for the forward pass, or
@@ -425,19 +431,13 @@ std::optional<attention_tiles::Params> tile_params(const Tensor& q, const Tensor
     static const bool enabled = detail::env::kCudaMmaAttention.read();
     const int64_t d = q.dim(-1), dv = v.dim(-1), longest = std::max(q.dim(-2), k.dim(-2));
     const bool dims = attention_tiles::supports(d, dv);
-    // The tiles are read 16 bytes at a time: every row's start 16-byte aligned (rows of 32 to
-    // 128 16-bit elements are, when the first is and the strides are multiples of 8).
-    const auto aligned = [](const Tensor& x) {
-      if (!x.defined()) return true;
-      for (std::size_t a = 0; a + 1 < x.rank(); ++a)
-        if (x.strides()[a] % 8 != 0) return false;
-      return reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 == 0;
-    };
+    // The tiles are read 16 bytes at a time: every row's start 16-byte aligned.
+    const auto aligned = [](const Tensor& x) { return rows_aligned16(x, 8); };
     if (!enabled || !dims || head_count(q) > 0x7fffffff ||
         (longest + attention_tiles::kTile - 1) / attention_tiles::kTile > 65535 || !aligned(q) ||
         !aligned(k) || !aligned(v) || !aligned(dout))
       return std::nullopt;
-    return attention_tiles::params_of(q, k, v, mask, causal, scale, dropout);
+    return attention_tiles::params_of<std::uint16_t>(q, k, v, mask, causal, scale, dropout);
   }
 }
 
@@ -483,37 +483,14 @@ std::optional<attention_float32::Params> float32_params(const Tensor& q, const T
   } else {
     namespace f32 = attention_float32;
     // The tiles are read and written 16 bytes at a time: every row's start 16-byte aligned.
-    const auto aligned = [](const Tensor& x) {
-      if (!x.defined()) return true;
-      for (std::size_t a = 0; a + 1 < x.rank(); ++a)
-        if (x.strides()[a] % 4 != 0) return false;
-      return reinterpret_cast<std::uintptr_t>(x.const_data_ptr()) % 16 == 0;
-    };
+    const auto aligned = [](const Tensor& x) { return rows_aligned16(x, 4); };
     const int64_t longest = std::max(q.dim(-2), k.dim(-2));
     bool ok = f32::supports(q.dim(-1), v.dim(-1)) && head_count(q) <= 0x7fffffff &&
               (longest + f32::kTileCols - 1) / f32::kTileCols <= 65535 && aligned(q) &&
               aligned(k) && aligned(v);
     for (const Tensor& w : written) ok = ok && aligned(w);
     if (!ok) return std::nullopt;
-    f32::Params p;
-    p.q = head_rows<const float>(q);
-    p.k = head_rows<const float>(k);
-    p.v = head_rows<const float>(v);
-    p.mask = head_rows<const std::uint8_t>(mask);
-    p.causal = causal;
-    p.scale = static_cast<float>(scale);
-    p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e)
-    p.dropout = dropout.rate > 0.0;
-    p.seed = dropout.seed;
-    if (dropout.seed_at.defined())
-      p.seed_at = static_cast<const std::int64_t*>(dropout.seed_at.const_data_ptr());
-    p.threshold = dropout_threshold(dropout.rate);
-    p.inv_keep = static_cast<float>(1.0 / (1.0 - dropout.rate));
-    p.n = head_count(q);
-    p.t = q.dim(-2);
-    p.s = k.dim(-2);
-    p.d = static_cast<int>(q.dim(-1));
-    return p;
+    return attention_tiles::params_of<float>(q, k, v, mask, causal, scale, dropout);
   }
 }
 

@@ -26,9 +26,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backends/cuda/attention_tiles.h"
 #include "backends/cuda/elementwise_util.cuh"
 #include "backends/cuda/launch.cuh"
-#include "mixtape/core/dropout_hash.h"
 #include "mixtape/core/head_rows.h"
 
 namespace mixtape::cuda_backend::attention_float32 {
@@ -41,8 +41,8 @@ inline constexpr int kTileCols = kColThreads * kMicro;  // 32 keys (queries for 
 inline constexpr int kForwardThreads = 128;             // forward: 64 query rows a block
 inline constexpr int kBackwardThreads = 64;             // dq: 32 query rows; dk, dv: 32 keys
 inline constexpr int kWeightStride = kTileCols + 8;     // a weight tile's row, in floats
-inline constexpr float kNegInf = -INFINITY;
-inline constexpr float kLog2e = 1.4426950408889634f;
+using attention_tiles::kLog2e;
+using attention_tiles::kNegInf;
 
 // Rows of a tile of a head's rows or weights for a block of `threads` threads.
 constexpr int rows_of(int threads) { return threads / kColThreads * kMicro; }
@@ -54,38 +54,12 @@ constexpr int kernel_width(int64_t d) { return d <= 32 ? 32 : 64; }
 
 using Vec = Pack<float, 4>;
 
-// One call's operands (kernels.h's AttentionFn and AttentionBackwardFn): q, dout, out and dq
-// [n, t, d]; k, v, dk and dv [n, s, d]; lse and rowdot [n, t].
-struct Params {
-  HeadRows<const float> q, k, v, dout;
-  HeadRows<float> out, dq, dk, dv;
-  HeadRows<const std::uint8_t> mask;
-  float* lse = nullptr;  // written by the forward pass, read by the backward
-  const float* rowdot = nullptr;
-  bool causal = false;
-  float scale = 0;       // the logits' scale
-  float scale_log2 = 0;  // the same times log2(e)
-  bool dropout = false;
-  std::uint64_t seed = 0;
-  const std::int64_t* seed_at = nullptr;  // when set, the seed's place (kernels.h)
-  std::uint32_t threshold = 0;
-  float inv_keep = 1;
-  int64_t n = 0, t = 0, s = 0;
-  int d = 0;  // the heads' width (<= the kernel's D)
-};
-
-// Whether query row i (< t) attends key j (mask_row: the mask's row i of the head, or null).
-__device__ __forceinline__ bool attends(const Params& p, const std::uint8_t* mask_row, int64_t i,
-                                        int64_t j) {
-  return j < p.s && (!p.causal || j <= i) && (!mask_row || mask_row[j] != 0);
-}
-
-// Dropout's factor Z of weight (h, i, j): 1 / (1 - rate) or 0; 1 without dropout.
-__device__ __forceinline__ float keep_factor(const Params& p, int64_t h, int64_t i, int64_t j) {
-  if (!p.dropout) return 1.0f;
-  const auto index = static_cast<std::uint64_t>((h * p.t + i) * p.s + j);
-  return dropout_keeps(p.seed, index, p.threshold) ? p.inv_keep : 0.0f;
-}
+// One call's operands (attention_tiles.h's, read as float), and the pieces the tiled
+// kernels share: whether a row attends a key, dropout's factor, the seed's place.
+using Params = attention_tiles::ParamsOf<float>;
+using attention_tiles::attends;
+using attention_tiles::keep_factor;
+using attention_tiles::read_seed;
 
 // The last key a block of query rows row0 .. row0 + rows - 1 attends, plus one.
 __device__ __forceinline__ int64_t key_end(const Params& p, int64_t row0, int rows) {
@@ -190,14 +164,6 @@ __device__ __forceinline__ float row_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
 }
 
-// The seed in device memory (a captured step's) read once per thread, not per weight.
-__device__ __forceinline__ void read_seed(Params& p) {
-  if (p.seed_at) {
-    p.seed = static_cast<std::uint64_t>(*p.seed_at);
-    p.seed_at = nullptr;
-  }
-}
-
 // --- Forward: out and lse of 64 query rows of head blockIdx.x -----------------------------
 
 template <int D>
@@ -226,7 +192,7 @@ __global__ void __launch_bounds__(kForwardThreads) forward_kernel(Params p) {
     rows[a] = row0 + ty + kGroups * a;
     mask_rows[a] = rows[a] < p.t ? mask.row(rows[a]) : nullptr;
   }
-  load_tile<D, kRows, kForwardThreads>(sh.q, p.q.head(h), row0, p.t, p.d);
+  load_tile<D, kRows, kForwardThreads>(sh.q, p.q.head(h), row0, p.t, p.width);
 
   float o[kMicro][D / 8] = {};
   float m[kMicro], l[kMicro];  // running maxima (base-2 logits) and this thread's part of sums
@@ -235,8 +201,8 @@ __global__ void __launch_bounds__(kForwardThreads) forward_kernel(Params p) {
   const int64_t end = key_end(p, row0, kRows);
   for (int64_t key0 = 0; key0 < end; key0 += kTileCols) {
     __syncthreads();  // every thread is done with the last tiles
-    load_tile<D, kTileCols, kForwardThreads>(sh.k, k_head, key0, p.s, p.d);
-    load_tile<D, kTileCols, kForwardThreads>(sh.v, v_head, key0, p.s, p.d);
+    load_tile<D, kTileCols, kForwardThreads>(sh.k, k_head, key0, p.s, p.width);
+    load_tile<D, kTileCols, kForwardThreads>(sh.v, v_head, key0, p.s, p.width);
     __syncthreads();
     float x[kMicro][kMicro];
     dot_tile<D>(x, sh.q, ty, kGroups, sh.k, tx, kColThreads);
@@ -275,7 +241,7 @@ __global__ void __launch_bounds__(kForwardThreads) forward_kernel(Params p) {
     const float sum = row_sum(l[a]);
     if (rows[a] >= p.t) continue;
     if (tx == 0) p.lse[h * p.t + rows[a]] = sum == 0.0f ? kNegInf : (m[a] + log2f(sum)) / kLog2e;
-    store_row<D>(out, rows[a], o[a], sum == 0.0f ? 0.0f : 1.0f / sum, tx, p.d);
+    store_row<D>(out, rows[a], o[a], sum == 0.0f ? 0.0f : 1.0f / sum, tx, p.width);
   }
 }
 
@@ -313,15 +279,15 @@ __global__ void __launch_bounds__(kBackwardThreads) dq_kernel(Params p) {
     lse2[a] = in ? p.lse[h * p.t + rows[a]] * kLog2e : kNegInf;
     dot[a] = in ? p.rowdot[h * p.t + rows[a]] : 0.0f;
   }
-  load_tile<D, kRows, kBackwardThreads>(sh.q, p.q.head(h), row0, p.t, p.d);
-  load_tile<D, kRows, kBackwardThreads>(sh.g, p.dout.head(h), row0, p.t, p.d);
+  load_tile<D, kRows, kBackwardThreads>(sh.q, p.q.head(h), row0, p.t, p.width);
+  load_tile<D, kRows, kBackwardThreads>(sh.g, p.dout.head(h), row0, p.t, p.width);
 
   float dq[kMicro][D / 8] = {};
   const int64_t end = key_end(p, row0, kRows);
   for (int64_t key0 = 0; key0 < end; key0 += kTileCols) {
     __syncthreads();
-    load_tile<D, kTileCols, kBackwardThreads>(sh.k, k_head, key0, p.s, p.d);
-    load_tile<D, kTileCols, kBackwardThreads>(sh.v, v_head, key0, p.s, p.d);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.k, k_head, key0, p.s, p.width);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.v, v_head, key0, p.s, p.width);
     __syncthreads();
     float x[kMicro][kMicro], dp[kMicro][kMicro];
     dot_tile<D>(x, sh.q, ty, kGroups, sh.k, tx, kColThreads);   // S
@@ -342,7 +308,7 @@ __global__ void __launch_bounds__(kBackwardThreads) dq_kernel(Params p) {
   const auto out = p.dq.head(h);
 #pragma unroll
   for (int a = 0; a < kMicro; ++a)
-    if (rows[a] < p.t) store_row<D>(out, rows[a], dq[a], p.scale, tx, p.d);
+    if (rows[a] < p.t) store_row<D>(out, rows[a], dq[a], p.scale, tx, p.width);
 }
 
 // dk and dv of 32 keys of head blockIdx.x, the block walking the query rows 32 at a time:
@@ -374,15 +340,15 @@ __global__ void __launch_bounds__(kBackwardThreads) dkdv_kernel(Params p) {
   int64_t keys[kMicro];
 #pragma unroll
   for (int a = 0; a < kMicro; ++a) keys[a] = key0 + ty + kGroups * a;
-  load_tile<D, kKeys, kBackwardThreads>(sh.k, p.k.head(h), key0, p.s, p.d);
-  load_tile<D, kKeys, kBackwardThreads>(sh.v, p.v.head(h), key0, p.s, p.d);
+  load_tile<D, kKeys, kBackwardThreads>(sh.k, p.k.head(h), key0, p.s, p.width);
+  load_tile<D, kKeys, kBackwardThreads>(sh.v, p.v.head(h), key0, p.s, p.width);
 
   float dk[kMicro][D / 8] = {}, dv[kMicro][D / 8] = {};
   // Causal: the queries before the block's first key attend none of its keys.
   for (int64_t row0 = p.causal ? key0 : 0; row0 < p.t; row0 += kTileCols) {
     __syncthreads();
-    load_tile<D, kTileCols, kBackwardThreads>(sh.q, q_head, row0, p.t, p.d);
-    load_tile<D, kTileCols, kBackwardThreads>(sh.g, g_head, row0, p.t, p.d);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.q, q_head, row0, p.t, p.width);
+    load_tile<D, kTileCols, kBackwardThreads>(sh.g, g_head, row0, p.t, p.width);
     for (int r = tid; r < kTileCols; r += kBackwardThreads) {
       const bool in = row0 + r < p.t;
       sh.lse[r] = in ? p.lse[h * p.t + row0 + r] * kLog2e : kNegInf;
@@ -414,8 +380,8 @@ __global__ void __launch_bounds__(kBackwardThreads) dkdv_kernel(Params p) {
 #pragma unroll
   for (int a = 0; a < kMicro; ++a)
     if (keys[a] < p.s) {
-      store_row<D>(dk_head, keys[a], dk[a], p.scale, tx, p.d);
-      store_row<D>(dv_head, keys[a], dv[a], 1.0f, tx, p.d);
+      store_row<D>(dk_head, keys[a], dk[a], p.scale, tx, p.width);
+      store_row<D>(dv_head, keys[a], dv[a], 1.0f, tx, p.width);
     }
 }
 

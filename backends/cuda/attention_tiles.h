@@ -117,14 +117,16 @@ using Head = Rows::Head;
 using OutHead = OutRows::Head;
 
 // One call's operands: q, dout, out and dq [n, t, d]; k, v, dk and dv [n, s, d]; lse and
-// rowdot [n, t] float32 (contiguous).
-struct Params {
-  Rows q, k, v;
-  OutRows out;
+// rowdot [n, t] float32 (contiguous). E: how the kernels read the elements (these kernels: the
+// 16-bit values' bits; attention_float32.cuh's: float).
+template <typename E>
+struct ParamsOf {
+  HeadRows<const E> q, k, v;
+  HeadRows<E> out;
   float* lse = nullptr;
-  Rows dout;
+  HeadRows<const E> dout;
   const float* rowdot = nullptr;
-  OutRows dq, dk, dv;
+  HeadRows<E> dq, dk, dv;
   MaskRows mask;
   bool causal = false;
   float scale = 0;       // the logits' scale
@@ -135,16 +137,19 @@ struct Params {
   std::uint32_t threshold = 0;
   float inv_keep = 1;
   int64_t n = 0, t = 0, s = 0;
+  int width = 0;  // d (the float32 kernels take heads narrower than the width they are made for)
 };
+using Params = ParamsOf<uint16_t>;
 
 // The host's side: a call's operands and options (the outputs, lse, dout and D set by the
 // caller).
-inline Params params_of(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                        bool causal, double scale, const kernels::AttentionDropout& dropout) {
-  Params p;
-  p.q = head_rows<const uint16_t>(q);
-  p.k = head_rows<const uint16_t>(k);
-  p.v = head_rows<const uint16_t>(v);
+template <typename E>
+ParamsOf<E> params_of(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                      bool causal, double scale, const kernels::AttentionDropout& dropout) {
+  ParamsOf<E> p;
+  p.q = head_rows<const E>(q);
+  p.k = head_rows<const E>(k);
+  p.v = head_rows<const E>(v);
   p.mask = head_rows<const std::uint8_t>(mask);
   p.causal = causal;
   p.scale = static_cast<float>(scale);
@@ -158,6 +163,7 @@ inline Params params_of(const Tensor& q, const Tensor& k, const Tensor& v, const
   p.n = head_count(q);
   p.t = q.dim(-2);
   p.s = k.dim(-2);
+  p.width = static_cast<int>(q.dim(-1));
   return p;
 }
 
@@ -188,7 +194,9 @@ MIXTAPE_TILE_FN uint32_t pair_of(uint16_t lo, uint16_t hi) {
 MIXTAPE_TILE_FN float nan_max(float a, float b) { return fmaxf(a, b); }
 
 // Whether query row i attends key j (i < t; mask_row: the mask's row i of the head, or null).
-MIXTAPE_TILE_FN bool attends(const Params& p, const std::uint8_t* mask_row, int64_t i, int64_t j) {
+template <typename E>
+MIXTAPE_TILE_FN bool attends(const ParamsOf<E>& p, const std::uint8_t* mask_row, int64_t i,
+                             int64_t j) {
   return j < p.s && (!p.causal || j <= i) && (!mask_row || mask_row[j] != 0);
 }
 
@@ -196,8 +204,8 @@ MIXTAPE_TILE_FN bool attends(const Params& p, const std::uint8_t* mask_row, int6
 // p.dropout, known to the forward pass's loop over the weights when it is made, a loop of each
 // kind, so that one without dropout has neither a test nor a product per weight; the backward
 // passes' loops, with more live values, keep one loop, fewer registers).
-template <bool kDropout>
-MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t j) {
+template <bool kDropout, typename E>
+MIXTAPE_TILE_FN float keep_factor(const ParamsOf<E>& p, int64_t h, int64_t i, int64_t j) {
   if constexpr (kDropout) {
     const auto index = static_cast<std::uint64_t>((h * p.t + i) * p.s + j);
     const std::uint64_t seed = p.seed_at ? static_cast<std::uint64_t>(*p.seed_at) : p.seed;
@@ -207,8 +215,18 @@ MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t
   }
 }
 // The same, p.dropout read where the factor is (the backward pass's loops).
-MIXTAPE_TILE_FN float keep_factor(const Params& p, int64_t h, int64_t i, int64_t j) {
+template <typename E>
+MIXTAPE_TILE_FN float keep_factor(const ParamsOf<E>& p, int64_t h, int64_t i, int64_t j) {
   return p.dropout ? keep_factor<true>(p, h, i, j) : 1.0f;
+}
+
+// A seed in device memory (a captured step's) read once by a kernel's thread, not per weight.
+template <typename E>
+MIXTAPE_TILE_FN void read_seed(ParamsOf<E>& p) {
+  if (p.seed_at) {
+    p.seed = static_cast<std::uint64_t>(*p.seed_at);
+    p.seed_at = nullptr;
+  }
 }
 
 // Rows row0 .. row0 + 15 of a head ([rows, D]) as the A fragments of its kSteps 16-column
