@@ -1,8 +1,8 @@
 // Fused attention on CUDA (ops attention and attention_backward).
 //
 // float16 and bfloat16 heads whose q, k and v share a width run the tiled tensor-core kernels of
-// backends/cuda/attention_tiles.h (FlashAttention-2's loops on mma.sync): the forward pass for
-// widths 32, 64, 96 and 128, both passes. MIXTAPE_CUDA_MMA_ATTENTION=0 turns them off.
+// backends/cuda/attention_tiles.h (FlashAttention-2's loops on mma.sync), both passes, for widths
+// 32, 64, 96 and 128. MIXTAPE_CUDA_MMA_ATTENTION=0 turns them off.
 //
 // float32 heads of widths up to 64, multiples of 4, run the tiled kernels of
 // backends/cuda/attention_float32.cuh (the same loops on the float32 units).

@@ -10,13 +10,13 @@
 // the keys 32 at a time in shared memory; each thread computes a 4 x 4 part of the tile's
 // logits with 16 multiply-adds per two 16-byte shared loads, the rows' online softmax takes
 // three shuffles over the 8 threads of a row, and the weights go through shared memory into
-// the thread's 4 rows x d / 8 columns of the output. No [t, s] matrix is made; lse is saved
+// the thread's 4 rows x D / 8 columns of the output. No [t, s] matrix is made; lse is saved
 // for the backward pass, which runs as the tensor-core kernels' does: dq by query blocks, dk
 // and dv by key blocks, each sum with one owner in a fixed order (no atomics).
 //
 // The thread at (ty, tx) of a block (tx = thread % 8) owns tile rows ty + g a and tile columns
 // tx + 8 b (a, b < 4; g: the block's row groups), which makes every 16-byte shared read of a
-// warp touch distinct banks (rows of d + 4 floats: 8 consecutive rows start 4 banks apart), and
+// warp touch distinct banks (rows of D + 4 floats: 8 consecutive rows start 4 banks apart), and
 // output columns 4 tx + 32 u, read from the value tiles 16 bytes at a time. The arithmetic is
 // float32 throughout (the softmax in base 2, exp2 of the scaled logit less the row's maximum,
 // as the tensor-core kernels), so the results are the float32 computation in another order of
@@ -150,7 +150,7 @@ __device__ __forceinline__ void store_row(const HeadRows<float>::Head& m, int64_
   }
 }
 
-// The sum (or maximum) of v over the 8 threads of a tile row (consecutive lanes).
+// The sum of v over the 8 threads of a tile row (consecutive lanes), and below the maximum.
 __device__ __forceinline__ float row_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   v += __shfl_xor_sync(0xffffffffu, v, 2);
