@@ -296,13 +296,14 @@ struct MmaCtx {
 #endif
   }
   // cp.async.cg.shared.global, 16 bytes (zeros stored plainly when src is null), and its
-  // groups (attention_tiles.h's Ctx). The emulation copies at once.
+  // groups (attention_tiles.h's Ctx). The emulation lands a copy when its thread waits for its
+  // group (tests/cudaemu), so that a tile read before its wait reads stale bytes there.
   __device__ void copy16(std::uint16_t* dst, const std::uint16_t* src) const {
 #if defined(MIXTAPE_CUDA_EMULATION)
     if (src == nullptr)
       std::memset(dst, 0, 16);
     else
-      std::memcpy(dst, src, 16);
+      ::mixtape::cuda_emu::async_copy16(dst, src);
 #else
     if (src == nullptr) {
       *reinterpret_cast<uint4*>(dst) = uint4{};
@@ -313,13 +314,17 @@ struct MmaCtx {
 #endif
   }
   __device__ void commit() const {
-#if !defined(MIXTAPE_CUDA_EMULATION)
+#if defined(MIXTAPE_CUDA_EMULATION)
+    ::mixtape::cuda_emu::async_commit();
+#else
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
   }
   template <int N>
   __device__ void wait() const {
-#if !defined(MIXTAPE_CUDA_EMULATION)
+#if defined(MIXTAPE_CUDA_EMULATION)
+    ::mixtape::cuda_emu::async_wait(N);
+#else
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
   }

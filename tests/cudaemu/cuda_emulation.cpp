@@ -56,6 +56,21 @@ struct Warp {
   } buffers[2];
 };
 
+// One thread's cp.async copies not yet landed: their bytes, in the order queued, and where each
+// committed group ends in that list (the rest are not committed yet).
+struct AsyncCopies {
+  struct Copy {
+    void* dst;
+    unsigned char bytes[16];
+  };
+  std::vector<Copy> queued;
+  std::vector<std::size_t> group_ends;
+  void clear() {
+    queued.clear();
+    group_ends.clear();
+  }
+};
+
 // The block being run: its threads' coordinates, its barrier, its warps. A launch makes one
 // and moves it from block to block (begin): a block that completes leaves its barriers with no
 // thread arrived, and the warps' buffers need no clearing (an exchange reads what its lanes
@@ -64,7 +79,8 @@ struct Block {
   Block(dim3 block, dim3 grid)
       : met{static_cast<int>(block.x * block.y * block.z)},
         coordinates(static_cast<std::size_t>(met.expected)),
-        exchanges(static_cast<std::size_t>(met.expected), 0) {
+        exchanges(static_cast<std::size_t>(met.expected), 0),
+        copies(static_cast<std::size_t>(met.expected)) {
     const int threads = met.expected;
     for (int w = 0; w * kWarpLanes < threads; ++w)
       warps.emplace_back(std::min(kWarpLanes, threads - w * kWarpLanes));
@@ -81,6 +97,7 @@ struct Block {
   void begin(unsigned x, unsigned y, unsigned z) {
     for (Coordinates& c : coordinates) c.block = {x, y, z};
     std::fill(exchanges.begin(), exchanges.end(), 0);
+    for (AsyncCopies& c : copies) c.clear();  // (the last block's unwaited copies never land)
     shared_filled.clear();
   }
   Fibers* fibers = nullptr;
@@ -88,6 +105,7 @@ struct Block {
   std::vector<Coordinates> coordinates;
   std::vector<std::uint64_t> exchanges;  // each thread's warp exchanges so far
   std::vector<Warp> warps;
+  std::vector<AsyncCopies> copies;         // each thread's
   std::vector<const void*> shared_filled;  // the __shared__ variables it has filled with garbage
 };
 
@@ -198,6 +216,31 @@ void shared_starts_undefined(void* var, std::size_t bytes) {
   if (std::find(filled.begin(), filled.end(), var) != filled.end()) return;
   std::memset(var, 0xff, bytes);
   filled.push_back(var);
+}
+
+void async_copy16(void* dst, const void* src) {
+  AsyncCopies::Copy c{dst, {}};
+  std::memcpy(c.bytes, src, sizeof c.bytes);
+  g_block->copies[static_cast<std::size_t>(thread_index())].queued.push_back(c);
+}
+
+void async_commit() {
+  AsyncCopies& mine = g_block->copies[static_cast<std::size_t>(thread_index())];
+  mine.group_ends.push_back(mine.queued.size());
+}
+
+void async_wait(int groups_in_flight) {
+  AsyncCopies& mine = g_block->copies[static_cast<std::size_t>(thread_index())];
+  const auto keep = static_cast<std::size_t>(std::max(groups_in_flight, 0));
+  if (mine.group_ends.size() <= keep) return;
+  const std::size_t landed_groups = mine.group_ends.size() - keep;
+  const std::size_t landed = mine.group_ends[landed_groups - 1];
+  for (std::size_t i = 0; i < landed; ++i)
+    std::memcpy(mine.queued[i].dst, mine.queued[i].bytes, sizeof mine.queued[i].bytes);
+  mine.queued.erase(mine.queued.begin(), mine.queued.begin() + static_cast<std::ptrdiff_t>(landed));
+  mine.group_ends.erase(mine.group_ends.begin(),
+                        mine.group_ends.begin() + static_cast<std::ptrdiff_t>(landed_groups));
+  for (std::size_t& end : mine.group_ends) end -= landed;
 }
 
 std::uint64_t exchange(std::uint64_t v, int lane_mask) {

@@ -11,7 +11,8 @@
 // MIXTAPE_EMULATED_SCHEDULE asks (by index unless it says otherwise); `__shared__` variables are
 // function statics (one block lives at a time), filled with all bits set at each block's start
 // (backends/cuda/launch.cuh's shared_starts_undefined); atomics are plain read-modify-writes (one
-// fiber runs at a time). Memory is host memory. It checks a kernel's indexing, its barriers and
+// fiber runs at a time); cp.async's copies land when their thread waits for them (as late as a
+// GPU may land them). Memory is host memory. It checks a kernel's indexing, its barriers and
 // exchanges and its arithmetic as the host does it; not the hardware's instructions (their
 // rounding, FMA contraction, approximate functions), its memory model, nor any speed.
 #pragma once
@@ -96,6 +97,16 @@ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_
 // elements, lane l naming row l % 8 of tile l / 8 (row: 8 elements); r[i] is the lane's pair of
 // tile i.
 void ldmatrix_x4(std::uint32_t (&r)[4], const void* row, bool trans);
+
+// cp.async.cg.shared.global of 16 bytes and its groups (commit_group, wait_group), per thread:
+// the source is read when the copy is queued, and the copy lands in shared memory only when its
+// thread waits for its group, so that a kernel reading a tile before waiting for it reads what
+// was there before (at the block's start, all bits set). Copies queued since the last commit
+// are in no group: wait_group does not wait for them, and those a thread leaves unwaited never
+// land.
+void async_copy16(void* dst, const void* src);
+void async_commit();
+void async_wait(int groups_in_flight);  // every committed group but the newest N lands
 
 // Fills the bytes of a __shared__ variable with all bits set, the first time a thread of the
 // running block reaches it (later calls in the block leave it alone).
