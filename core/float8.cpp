@@ -8,6 +8,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdint>
 
 namespace mixtape::detail {
 namespace {
@@ -45,35 +46,70 @@ float decode(const Format& f, std::uint8_t b) {
   return negative ? -v : v;
 }
 
-std::uint8_t encode(const Format& f, float x, Saturation s) {
+// Written without branches (every case computed, the result selected by masks), so that the
+// bulk conversion's loop below vectorises; the scalar conversion is the same function.
+inline std::uint8_t encode(const Format& f, float x, bool saturate) {
   const auto u = std::bit_cast<std::uint32_t>(x);
   const std::uint32_t a = u & 0x7FFFFFFFu;  // |x|
-  // Every NaN becomes the one positive NaN pattern 0x7F, as CUDA's conversions write it.
-  if (a > 0x7F800000u) return f.nan_bits;
-  const auto sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
-  const auto overflow = [&]() -> std::uint8_t {
-    if (s == Saturation::finite) return sign | f.max_bits;
-    return sign | (f.ieee ? f.inf_bits : f.nan_bits);
-  };
-  if (a == 0x7F800000u) return overflow();
-  const int emin = 1 - f.bias;                    // the smallest normal exponent
-  const int e = static_cast<int>(a >> 23) - 127;  // float32 subnormals: -127
-  if (e < emin) {
-    // An FP8 subnormal (or zero, or the smallest normal): the number of smallest steps,
-    // exact in float32 (a power-of-two scaling up), rounded to the nearest integer, ties to
-    // even, by the float32 addition of 2^23 (steps < 2^M <= 8). The count is the pattern.
-    const float steps = std::bit_cast<float>(a) * std::ldexp(1.0f, f.mantissa_bits - emin);
-    const float r = (steps + 8388608.0f) - 8388608.0f;
-    return sign | static_cast<std::uint8_t>(r);
-  }
+  const auto sign = static_cast<std::uint32_t>((u >> 24) & 0x80u);
+  const int emin = 1 - f.bias;  // the smallest normal exponent
+  // |x| below the smallest normal FP8 number, as float32 bits.
+  const std::uint32_t below_normal = static_cast<std::uint32_t>(127 + emin) << 23;
+  // An FP8 subnormal (or zero, or the smallest normal): the number of smallest steps, exact in
+  // float32 (a power-of-two scaling up), rounded to the nearest integer, ties to even, by the
+  // float32 addition of 2^23 (steps < 2^M <= 8). The count is the pattern. (Other inputs
+  // count 0 steps here, so that the conversion to an integer stays in range.)
+  const std::uint32_t is_small = 0u - static_cast<std::uint32_t>(a < below_normal);  // all ones
+  const float small = std::bit_cast<float>(a & is_small);
+  const float steps =
+      small * std::bit_cast<float>(static_cast<std::uint32_t>(127 + f.mantissa_bits - emin)
+                                   << 23);  // 2^(M - emin)
+  // (Through int32: SSE has no conversion to an unsigned integer, which a branch would stand in
+  // for.)
+  const auto subnormal =
+      static_cast<std::uint32_t>(static_cast<std::int32_t>((steps + 8388608.0f) - 8388608.0f));
   // A normal FP8 number: the float32's exponent and mantissa, the mantissa rounded to M bits
-  // (to nearest, ties to even; a carry moves into the exponent), the exponent rebiased.
+  // (to nearest, ties to even; a carry moves into the exponent), the exponent rebiased. An
+  // infinity lands past the largest finite number, as a finite overflow does.
   const int shift = 23 - f.mantissa_bits;
   const std::uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
-  const std::uint32_t bits =
+  const std::uint32_t normal =
       rounded - (static_cast<std::uint32_t>(127 - f.bias) << f.mantissa_bits);
-  if (bits > f.max_bits) return overflow();  // e4m3fn's 0x7F is NaN, e5m2's 0x7C infinity
-  return sign | static_cast<std::uint8_t>(bits);
+  // Beyond the largest finite number: saturated, or infinity (e5m2) / NaN (e4m3fn, whose 0x7F
+  // is NaN and e5m2's 0x7C infinity).
+  const std::uint32_t overflow = saturate ? f.max_bits : (f.ieee ? f.inf_bits : f.nan_bits);
+  const std::uint32_t is_over = 0u - static_cast<std::uint32_t>(normal > f.max_bits);
+  const std::uint32_t large = (overflow & is_over) | (normal & ~is_over);
+  const std::uint32_t magnitude = (subnormal & is_small) | (large & ~is_small);
+  // Every NaN becomes the one positive NaN pattern 0x7F, as CUDA's conversions write it.
+  const std::uint32_t is_nan = 0u - static_cast<std::uint32_t>(a > 0x7F800000u);
+  return static_cast<std::uint8_t>((f.nan_bits & is_nan) | ((sign | magnitude) & ~is_nan));
+}
+
+// The bulk conversion's loop, for the baseline instruction set and for AVX2 (twice the lanes;
+// the same arithmetic, chosen at run time as half.cpp's conversions are).
+template <const Format& F, bool kSaturate>
+void encode_all(const float* x, std::uint8_t* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = encode(F, x[i], kSaturate);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+template <const Format& F, bool kSaturate>
+__attribute__((target("avx2"))) void encode_all_avx2(const float* x, std::uint8_t* out,
+                                                     std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = encode(F, x[i], kSaturate);
+}
+bool use_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2");
+  return ok;
+}
+#endif
+
+template <const Format& F, bool kSaturate>
+void encode_any(const float* x, std::uint8_t* out, std::int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (use_avx2()) return encode_all_avx2<F, kSaturate>(x, out, n);
+#endif
+  encode_all<F, kSaturate>(x, out, n);
 }
 
 // The 256 values of each format, decoded once.
@@ -96,7 +132,15 @@ const Table& e5m2_table() {
 }  // namespace
 
 std::uint8_t float_to_float8_bits(Float8Format format, float f, Saturation s) {
-  return encode(format == Float8Format::e4m3fn ? kE4M3FN : kE5M2, f, s);
+  return encode(format == Float8Format::e4m3fn ? kE4M3FN : kE5M2, f, s == Saturation::finite);
+}
+void floats_to_float8_bits(Float8Format format, const float* x, std::uint8_t* out, std::int64_t n,
+                           Saturation s) {
+  const bool saturate = s == Saturation::finite;
+  if (format == Float8Format::e4m3fn)
+    saturate ? encode_any<kE4M3FN, true>(x, out, n) : encode_any<kE4M3FN, false>(x, out, n);
+  else
+    saturate ? encode_any<kE5M2, true>(x, out, n) : encode_any<kE5M2, false>(x, out, n);
 }
 float float8_bits_to_float(Float8Format format, std::uint8_t b) {
   return (format == Float8Format::e4m3fn ? e4m3fn_table() : e5m2_table()).value[b];

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/cpu/cpu_backend.h"
 #include "error_of.h"
 #include "mixtape/mixtape.h"
 #include "temp_dir.h"
@@ -230,6 +231,14 @@ TEST_CASE("float8: float32 -> float8 rounds to nearest even and saturates, at ev
     inputs.insert(inputs.end(), random.begin(), random.end());
     const mt::Tensor x = mt::from_vector(inputs, {static_cast<std::int64_t>(inputs.size())});
     const std::vector<std::uint8_t> kernel = cast_bytes(x, f);
+    // The bulk conversion (quantize_float8's CPU kernel), both saturations.
+    const mt::Float8Format format = f.ieee ? mt::Float8Format::e5m2 : mt::Float8Format::e4m3fn;
+    std::vector<std::uint8_t> bulk(inputs.size()), bulk_nosat(inputs.size());
+    const auto count = static_cast<std::int64_t>(inputs.size());
+    mt::detail::floats_to_float8_bits(format, inputs.data(), bulk.data(), count,
+                                      mt::Saturation::finite);
+    mt::detail::floats_to_float8_bits(format, inputs.data(), bulk_nosat.data(), count,
+                                      mt::Saturation::none);
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < inputs.size(); ++i) {
       const float v = inputs[i];
@@ -237,12 +246,13 @@ TEST_CASE("float8: float32 -> float8 rounds to nearest even and saturates, at ev
       const int got_sat = f.ieee ? mt::float8_e5m2(v).bits : mt::float8_e4m3fn(v).bits;
       const int got_nosat = f.ieee ? mt::float8_e5m2(v, mt::Saturation::none).bits
                                    : mt::float8_e4m3fn(v, mt::Saturation::none).bits;
-      if (got_sat != sat || got_nosat != nosat || kernel[i] != sat) {
+      if (got_sat != sat || got_nosat != nosat || kernel[i] != sat || bulk[i] != sat ||
+          bulk_nosat[i] != nosat) {
         if (++wrong <= 5)
           FAIL_CHECK(
               fmt::format("{:a}: reference {:#04x} / {:#04x} (no saturation), scalar "
-                          "{:#04x} / {:#04x}, cast kernel {:#04x}",
-                          v, sat, nosat, got_sat, got_nosat, kernel[i]));
+                          "{:#04x} / {:#04x}, cast kernel {:#04x}, bulk {:#04x} / {:#04x}",
+                          v, sat, nosat, got_sat, got_nosat, kernel[i], bulk[i], bulk_nosat[i]));
       }
     }
     CHECK(wrong == 0);
@@ -385,16 +395,21 @@ TEST_CASE("float8: quantize_float8 scales into the format, scaled_matmul multipl
     const mt::Tensor a64 = mt::cast(qa.data, mt::kFloat64) * mt::cast(qa.scale, mt::kFloat64);
     const mt::Tensor b64 = mt::cast(qb.data, mt::kFloat64) * mt::cast(qb.scale, mt::kFloat64);
     const std::vector<double> want = mt::matmul(a64, mt::transpose(b64)).to_vector<double>();
-    for (const mt::DType out : {mt::kFloat32, mt::kBFloat16, mt::kFloat16}) {
-      CAPTURE(b_dtype.name(), out.name());
-      const mt::Tensor y =
-          mt::scaled_matmul(qa.data, qb.data, qa.scale, qb.scale, {.out_dtype = out});
-      REQUIRE(y.shape() == mt::Shape{24, 40});
-      CHECK(y.dtype() == out);
-      const std::vector<double> got = mt::cast(y, mt::kFloat64).to_vector<double>();
-      const double rel = out == mt::kFloat32 ? 1e-5 : out == mt::kFloat16 ? 1e-3 : 8e-3;
-      for (std::size_t i = 0; i < got.size(); ++i)
-        CHECK(std::fabs(got[i] - want[i]) <= rel * std::fabs(want[i]) + 1e-4);
+    // Both of the CPU's products: oneDNN's bfloat16 matmul (where the CPU has bfloat16
+    // instructions) and sgemm on float32 copies.
+    for (const bool onednn : {true, false}) {
+      const mt::cpu::OneDnnScope path(onednn);
+      for (const mt::DType out : {mt::kFloat32, mt::kBFloat16, mt::kFloat16}) {
+        CAPTURE(b_dtype.name(), out.name(), onednn);
+        const mt::Tensor y =
+            mt::scaled_matmul(qa.data, qb.data, qa.scale, qb.scale, {.out_dtype = out});
+        REQUIRE(y.shape() == mt::Shape{24, 40});
+        CHECK(y.dtype() == out);
+        const std::vector<double> got = mt::cast(y, mt::kFloat64).to_vector<double>();
+        const double rel = out == mt::kFloat32 ? 1e-5 : out == mt::kFloat16 ? 1e-3 : 8e-3;
+        for (std::size_t i = 0; i < got.size(); ++i)
+          CHECK(std::fabs(got[i] - want[i]) <= rel * std::fabs(want[i]) + 1e-4);
+      }
     }
     // and close to the unquantised product (the FP8 rounding of both operands)
     const std::vector<double> exact =

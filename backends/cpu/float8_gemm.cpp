@@ -1,12 +1,18 @@
 // The scaled FP8 matmul on the CPU (op scaled_matmul, mixtape/core/kernels.h), emulated: the
-// operands are widened to float32 (exactly: every float8 value is a float32, and so is every
-// product of two, 4 x 4 significant bits), multiplied by OpenBLAS's sgemm (float32 sums, as
-// a GPU's FP8 tensor cores accumulate), scaled by scale_a * scale_b in float32 and rounded
-// once to the output dtype, or first given the linear op's bias and activation (its epilogue,
-// linear.cpp). It is the reference the GPU kernel is swept against, and lets
-// every FP8 test run without a GPU.
+// operands are widened exactly (every float8 value is a bfloat16 and a float32: at most 3
+// significant bits after the leading one, exponents within both ranges), multiplied with
+// float32 sums (as a GPU's FP8 tensor cores accumulate; every product of two FP8 values is
+// exact in float32, 4 x 4 significant bits), scaled by scale_a * scale_b in float32 and
+// rounded once to the output dtype, or first given the linear op's bias and activation (its
+// epilogue, linear.cpp). The product: oneDNN's bfloat16 matmul with float32 results where the
+// CPU multiplies bfloat16 natively (AVX512-BF16, AMX: twice float32's rate, half its bytes),
+// OpenBLAS's sgemm on float32 copies elsewhere; the same exact products, summed in float32 in
+// each library's order. It is the reference the GPU kernel is swept against, and lets every
+// FP8 test run without a GPU.
+#include <cmath>
 #include <cstdint>
-#include <vector>
+#include <cstring>
+#include <type_traits>
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_util.h"
@@ -18,32 +24,84 @@ namespace {
 
 using std::int64_t;
 
-// The float8 tensor t (either format, contiguous) widened into dst, exactly.
-void widen(const Tensor& t, float* dst) {
-  const int64_t n = t.numel();
-  if (t.dtype() == kFloat8E4M3FN) {
-    const auto* s = static_cast<const float8_e4m3fn*>(t.const_data_ptr());
-    parallel_blocks(n, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) dst[i] = static_cast<float>(s[i]);
-    });
-  } else {
-    const auto* s = static_cast<const float8_e5m2*>(t.const_data_ptr());
-    parallel_blocks(n, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) dst[i] = static_cast<float>(s[i]);
-    });
+// The 256 values of each format (index 0: e4m3fn, 1: e5m2) as float32 and as bfloat16 bits,
+// so that widening is a table lookup (the scalar conversion is a call per element).
+struct Float8Values {
+  float f32[2][256];
+  std::uint16_t bf16[2][256];
+};
+
+const Float8Values& float8_values() {
+  static const Float8Values v = [] {
+    Float8Values t{};
+    for (int b = 0; b < 256; ++b) {
+      const auto bits = static_cast<std::uint8_t>(b);
+      t.f32[0][b] = static_cast<float>(float8_e4m3fn::from_bits(bits));
+      t.f32[1][b] = static_cast<float>(float8_e5m2::from_bits(bits));
+      for (int f = 0; f < 2; ++f) {
+        std::uint32_t u = 0;
+        std::memcpy(&u, &t.f32[f][b], sizeof u);
+        // Exact: the low 16 bits of a float8 value's float32 are zero (a NaN keeps a
+        // mantissa bit: NaN in bfloat16 too).
+        t.bf16[f][b] =
+            static_cast<std::uint16_t>((u >> 16) | (std::isnan(t.f32[f][b]) ? 0x40u : 0u));
+      }
+    }
+    return t;
+  }();
+  return v;
+}
+
+// The float8 tensor t (either format, contiguous) widened into dst (float or the bits of
+// bfloat16), exactly, through the table.
+template <typename W>
+void widen(const Tensor& t, W* dst) {
+  const int format = t.dtype() == kFloat8E4M3FN ? 0 : 1;
+  const W* table;
+  if constexpr (std::is_same_v<W, float>)
+    table = float8_values().f32[format];
+  else
+    table = float8_values().bf16[format];
+  const auto* s = static_cast<const std::uint8_t*>(t.const_data_ptr());
+  parallel_blocks(t.numel(), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = table[s[i]];
+  });
+}
+
+// c [m, n] = a [m, k] b_t [n, k]^T in float32 (oneDNN's bfloat16 matmul where it runs
+// natively, sgemm otherwise).
+void product(const kernels::ScaledMatmulArgs& g, float* c) {
+  if (onednn_native_bf16()) {
+    thread_local Scratch<std::uint16_t> a16, b16;
+    std::uint16_t* a = a16.get(g.m * g.k);
+    std::uint16_t* b = b16.get(g.n * g.k);
+    widen(g.a, a);
+    widen(g.b_t, b);
+    GemmShape shape;
+    shape.m = g.m;
+    shape.n = g.n;
+    shape.k = g.k;
+    shape.tb = true;  // b_t is [n, k]
+    shape.lda = g.k;
+    shape.ldb = g.k;
+    shape.ldc = g.n;
+    if (onednn_matmul_bf16_to_f32(shape, a, b, c)) return;
   }
+  thread_local Scratch<> a32, b32;
+  float* a = a32.get(g.m * g.k);
+  float* b = b32.get(g.n * g.k);
+  widen(g.a, a);
+  widen(g.b_t, b);
+  blas_gemm(false, true, g.m, g.n, g.k, a, g.k, b, g.k, 0.0f, c, g.n);
 }
 
 void scaled_matmul_kernel(const kernels::ScaledMatmulArgs& g) {
-  std::vector<float> a(static_cast<std::size_t>(g.m * g.k)), b(static_cast<std::size_t>(g.n * g.k));
-  widen(g.a, a.data());
-  widen(g.b_t, b.data());
   const float scale = *static_cast<const float*>(g.scale_a.const_data_ptr()) *
                       *static_cast<const float*>(g.scale_b.const_data_ptr());
   const bool direct = g.out.dtype() == kFloat32;
-  std::vector<float> scratch(direct ? 0 : static_cast<std::size_t>(g.m * g.n));
-  float* c = direct ? static_cast<float*>(g.out.data_ptr()) : scratch.data();
-  blas_gemm(false, true, g.m, g.n, g.k, a.data(), g.k, b.data(), g.k, 0.0f, c, g.n);
+  thread_local Scratch<> scratch;
+  float* c = direct ? static_cast<float*>(g.out.data_ptr()) : scratch.get(g.m * g.n);
+  product(g, c);
   const int64_t total = g.m * g.n;
   const bool epilogue = g.has_epilogue();
   parallel_blocks(total, [&](int64_t lo, int64_t hi) {

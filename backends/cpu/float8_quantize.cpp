@@ -7,6 +7,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "backends/cpu/cpu_backend.h"
@@ -83,13 +84,22 @@ void quantize_float8_kernel(const kernels::QuantizeFloat8Args& a) {
     const int64_t r0 = rb * kTile, r1 = std::min(a.rows, r0 + kTile);
     for (int64_t c0 = 0; c0 < a.cols; c0 += kTile) {
       const int64_t c1 = std::min(a.cols, c0 + kTile);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) {
-          const float scaled = widen(x[r * a.cols + c]) * factor;
-          const std::uint8_t q = detail::float_to_float8_bits(format, scaled, Saturation::finite);
-          if (data) data[r * a.cols + c] = q;
-          if (data_t) data_t[c * a.rows + r] = q;
-        }
+      const int64_t width = c1 - c0, height = r1 - r0;
+      // The tile scaled, then converted in one call (a vectorised loop), then written.
+      float scaled[kTile * kTile];
+      std::uint8_t q[kTile * kTile];
+      for (int64_t r = 0; r < height; ++r)
+        for (int64_t c = 0; c < width; ++c)
+          scaled[r * width + c] = widen(x[(r0 + r) * a.cols + c0 + c]) * factor;
+      detail::floats_to_float8_bits(format, scaled, q, height * width, Saturation::finite);
+      if (data)
+        for (int64_t r = 0; r < height; ++r)
+          std::memcpy(data + (r0 + r) * a.cols + c0, q + r * width,
+                      static_cast<std::size_t>(width));
+      if (data_t)
+        for (int64_t c = 0; c < width; ++c)
+          for (int64_t r = 0; r < height; ++r)
+            data_t[(c0 + c) * a.rows + r0 + r] = q[r * width + c];
     }
   });
 

@@ -28,6 +28,10 @@ enum class Float8Format : std::uint8_t { e4m3fn, e5m2 };
 
 namespace detail {
 std::uint8_t float_to_float8_bits(Float8Format format, float f, Saturation s);
+// The same conversion of x[0, n) into out (the CPU kernels' bulk path: one call, a vectorised
+// loop).
+void floats_to_float8_bits(Float8Format format, const float* x, std::uint8_t* out, std::int64_t n,
+                           Saturation s);
 float float8_bits_to_float(Float8Format format, std::uint8_t b);
 }  // namespace detail
 
