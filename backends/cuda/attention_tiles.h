@@ -24,7 +24,7 @@
 // comes from attention.cu's row kernel. Heads wider than 64 take dk and dv in two kernels, each
 // walking the queries (KeyGrads): the operands and accumulators of both would not fit a
 // thread's registers (at width 128 ptxas kept 832 bytes a thread in local memory; dk alone 140,
-// dv alone none).
+// since its products' k steps are taken outermost (product_across) 4; dv alone none).
 //
 // Precision: a float32 value that enters a product as an A operand (the weights, dS) goes in
 // as two 16-bit parts, its rounding and the rounding of the rest, in two mma: it keeps about
@@ -171,7 +171,8 @@ ParamsOf<E> params_of(const Tensor& q, const Tensor& k, const Tensor& v, const T
 // and dv, the query rows' lse and D.
 template <int D>
 struct Shared {
-  // (product_across reads two 16-wide k steps, product_down two 8-wide column tiles, at once.)
+  // (product_across reads two 16-wide k steps or two 8-wide column tiles, product_down two
+  // 8-wide column tiles, at once.)
   static_assert(D % 32 == 0, "head dims of whole pairs of 16-wide steps");
   alignas(16) uint16_t a[kTile][D + kPad];
   alignas(16) uint16_t b[kTile][D + kPad];
@@ -307,24 +308,49 @@ MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float 
 }
 
 // x[nt] = A B^T for the 8 column tiles of a 64-row shared tile: A the registers a (16 rows x D),
-// B[k][n] = tile[n][k]. The B fragments of two k steps by one ldmatrix: the 8 x 8 tiles (rows
-// 8 nt, columns 16 kk), (8 nt, 16 kk + 8), (8 nt, 16 kk + 16), (8 nt, 16 kk + 24).
-template <int D, class Ctx>
+// B[k][n] = tile[n][k]; each x[nt] sums its k steps in order, either way:
+//  - kStepsOuter false: tile by tile, the B fragments of two k steps by one ldmatrix (the 8 x 8
+//    tiles (rows 8 nt, columns 16 kk), (8 nt, 16 kk + 8), (8 nt, 16 kk + 16), (8 nt, 16 kk + 24));
+//  - kStepsOuter true: step by step, the B fragments of two column tiles by one ldmatrix ((8 nt,
+//    16 kk), (8 nt, 16 kk + 8), (8 nt + 8, 16 kk), (8 nt + 8, 16 kk + 8)).
+// The same products in the same order for each tile, so the same bits; what differs is ptxas's
+// register allocation (sm_90): the backward kernels take the second (width 128: dk's local
+// memory 140 -> 4 bytes a thread, dq's 28 -> 0), the forward kernel the first (at width 64 the
+// second raised its local memory from 20 to 32 bytes at its 168 registers).
+template <int D, bool kStepsOuter, class Ctx>
 MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
                                     const uint32_t (&a)[D / 16][4],
                                     const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
   const int lane = 4 * g + c, m = lane / 8;
-  MIXTAPE_UNROLL
-  for (int nt = 0; nt < kTile / 8; ++nt) {
+  if constexpr (kStepsOuter) {
     MIXTAPE_UNROLL
+    for (int nt = 0; nt < kTile / 8; ++nt) MIXTAPE_UNROLL
     for (int e = 0; e < 4; ++e) x[nt][e] = 0.0f;
     MIXTAPE_UNROLL
-    for (int kk = 0; kk < D / 16; kk += 2) {
-      uint32_t r[4];
-      ctx.ldsm(r, &tile[nt * 8 + lane % 8][(kk + m / 2) * 16 + (m % 2) * 8]);
-      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-      ctx.mma(x[nt], a[kk], b0);
-      ctx.mma(x[nt], a[kk + 1], b1);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      MIXTAPE_UNROLL
+      for (int nt = 0; nt < kTile / 8; nt += 2) {
+        uint32_t r[4];
+        ctx.ldsm(r, &tile[(nt + m / 2) * 8 + lane % 8][kk * 16 + (m % 2) * 8]);
+        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        ctx.mma(x[nt], a[kk], b0);
+        ctx.mma(x[nt + 1], a[kk], b1);
+      }
+    }
+  } else {
+    static_assert(D % 32 == 0, "pairs of 16-wide k steps");
+    MIXTAPE_UNROLL
+    for (int nt = 0; nt < kTile / 8; ++nt) {
+      MIXTAPE_UNROLL
+      for (int e = 0; e < 4; ++e) x[nt][e] = 0.0f;
+      MIXTAPE_UNROLL
+      for (int kk = 0; kk < D / 16; kk += 2) {
+        uint32_t r[4];
+        ctx.ldsm(r, &tile[nt * 8 + lane % 8][(kk + m / 2) * 16 + (m % 2) * 8]);
+        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+        ctx.mma(x[nt], a[kk], b0);
+        ctx.mma(x[nt], a[kk + 1], b1);
+      }
     }
   }
 }
@@ -401,7 +427,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
     // The logits of the warp's 16 rows and the tile's 64 keys, scaled (base 2), -inf where the
     // row does not attend the key.
     float x[kCols][4];
-    product_across<D>(ctx, x, qa, sh.a, g, c);
+    product_across<D, false>(ctx, x, qa, sh.a, g, c);
     ctx.template wait<0>();  // V's tile is here
     ctx.sync();              // and every warp is done with K's: the next one may come
     if (more)
@@ -519,14 +545,14 @@ MIXTAPE_TILE_FN void backward_dq(Ctx& ctx, Shared<D>& sh, const Params& p) {
     ctx.template wait<1>();  // V's tile is here
     ctx.sync();
     float x[kCols][4], dp[kCols][4];
-    product_across<D>(ctx, dp, ga, sh.b, g, c);  // dP = dout V^T
-    ctx.template wait<0>();                      // K's tile is here
-    ctx.sync();                                  // and every warp is done with V's
+    product_across<D, true>(ctx, dp, ga, sh.b, g, c);  // dP = dout V^T
+    ctx.template wait<0>();                            // K's tile is here
+    ctx.sync();                                        // and every warp is done with V's
     if (more)
       load_tile<D>(ctx, sh.b, v_head, key0 + kTile, p.s);
     else
       ctx.commit();  // an empty group, so that the waits count as in every turn
-    product_across<D>(ctx, x, qa, sh.a, g, c);  // S
+    product_across<D, true>(ctx, x, qa, sh.a, g, c);  // S
     // dS; a tile the warp's rows attend whole skips the mask tests (lse2: -inf past t).
     const auto grads = [&](auto whole) {
       MIXTAPE_UNROLL
@@ -599,10 +625,10 @@ MIXTAPE_TILE_FN void backward_dkdv(Ctx& ctx, Shared<D>& sh, const Params& p) {
     ctx.template wait<1>();  // dout's tile is here
     ctx.sync();
     float x[kCols][4], dp[kCols][4];
-    if constexpr (kDk) product_across<D>(ctx, dp, va, sh.b, g, c);  // dP^T = V dout^T
-    ctx.template wait<0>();                                         // Q's tile is here
+    if constexpr (kDk) product_across<D, true>(ctx, dp, va, sh.b, g, c);  // dP^T = V dout^T
+    ctx.template wait<0>();                                               // Q's tile is here
     ctx.sync();
-    product_across<D>(ctx, x, ka, sh.a, g, c);  // S^T
+    product_across<D, true>(ctx, x, ka, sh.a, g, c);  // S^T
     // P^T, dS^T and (P o Z)^T; a tile whose query rows all attend every key of the warp
     // (sh.lse: -inf past t) skips the mask tests (a loop of its own: fewer registers).
     const auto weights = [&](auto whole) {
