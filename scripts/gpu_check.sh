@@ -42,7 +42,8 @@
 #   float8   mixed_float8 against mixed_bfloat16 (FP8 GEMMs on Hopper): the guide workload and
 #            the GPT-2-small body (FLOAT8_STEPS steps, default 300: tokens/s and the validation
 #            loss) alternated in ROUNDS rounds, the GPT-2-small body once under
-#            mixed_float8_delayed, and MNIST mlp and cnn accuracy under both policies
+#            mixed_float8_delayed, mixed_float8 with --capture-step, and MNIST mlp and cnn
+#            accuracy under both policies
 #   gptcompile  PyTorch's torch.compile at both shapes under mixed_bfloat16 (one round; its
 #            compilation takes a minute or more a run, so it is not in the default steps)
 #            (GPT_DEVICE=cpu runs these two on the CPU: a dry run of the step itself)
@@ -390,6 +391,10 @@ if want float8; then
     done
   done
   GPT_STEPS=${FLOAT8_STEPS:-300} gpt mixtape mixed_float8_delayed --preset gpt2-small --batch 8
+  # The FP8 step captured (one launch of host work a step): whether the host sets its pace
+  # (each FP8 product adds three quantisations, three launches each, to the step).
+  GPT_STEPS=${FLOAT8_STEPS:-300} gpt mixtape mixed_float8 --preset gpt2-small --batch 8 \
+    --capture-step
   for policy in mixed_bfloat16 mixed_float8; do
     mnist mlp "$policy" 3
     mnist cnn "$policy" 2
