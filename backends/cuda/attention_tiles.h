@@ -238,17 +238,26 @@ MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Head& m, int64_t row
                             int g, int c) {
   const uint16_t* lo = row0 + g < rows ? m.row(row0 + g) : nullptr;
   const uint16_t* hi = row0 + g + 8 < rows ? m.row(row0 + g + 8) : nullptr;
-  const auto at = [&](int r, int col) -> uint16_t {
+  // Columns col, col + 1 of a row as one register, one 4-byte load (col even, the row 16-byte
+  // aligned: tile_params; two 2-byte loads each before).
+  const auto pair_at = [&](int r, int col) -> uint32_t {
     const uint16_t* row = r == 0 ? lo : hi;
-    return row ? row[col] : uint16_t{0};
+    if (!row) return 0;
+#if defined(__CUDACC__)
+    return *reinterpret_cast<const uint32_t*>(row + col);
+#else
+    uint32_t pair;  // (the same 4 bytes as the GPU's load: the host checks their order)
+    std::memcpy(&pair, row + col, sizeof pair);
+    return pair;
+#endif
   };
   MIXTAPE_UNROLL
   for (int kk = 0; kk < D / 16; ++kk) {
     const int col = kk * 16 + 2 * c;
-    a[kk][0] = pair_of(at(0, col), at(0, col + 1));
-    a[kk][1] = pair_of(at(1, col), at(1, col + 1));
-    a[kk][2] = pair_of(at(0, col + 8), at(0, col + 9));
-    a[kk][3] = pair_of(at(1, col + 8), at(1, col + 9));
+    a[kk][0] = pair_at(0, col);
+    a[kk][1] = pair_at(1, col);
+    a[kk][2] = pair_at(0, col + 8);
+    a[kk][3] = pair_at(1, col + 8);
   }
 }
 
