@@ -493,7 +493,11 @@ void attention(Context& c) {
           }
         }
       }
-    const double grad_terms = terms * static_cast<double>(std::max(a.t, a.s));
+    // A gradient element sums over the keys (dq) or the queries (dk, dv) products whose factors
+    // are themselves sums over the head dims (the logits, dP): the lengths add, as the forward
+    // pass's do. (Before 2026-12-01 they multiplied, a bound 70 to 130 times looser that let a
+    // float32 dv 1.001 times too large pass.)
+    const double grad_terms = static_cast<double>(std::max(a.t, a.s) + a.d + a.dv);
     c.expect_close(what + ", dq", dq.read(), from_vector(rq, {a.n, a.t, a.d}, kFloat64),
                    Scale{grad_terms, 0.0});
     c.expect_close(what + ", dk", dk.read(), from_vector(rk, {a.n, a.s, a.d}, kFloat64),
