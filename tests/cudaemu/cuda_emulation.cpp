@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -289,12 +290,42 @@ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_
 // Lane l gets, of tile i (whose row k lane 8 i + k named), row l / 4 at columns 2 (l % 4) and
 // 2 (l % 4) + 1, the first in the low half; transposed, column l / 4 at rows 2 (l % 4) and
 // 2 (l % 4) + 1 (the PTX manual's "Warp-level matrix load instruction: ldmatrix").
+namespace {
+
+std::atomic<std::uint64_t> g_ldmatrix_conflicts{0}, g_ldmatrix_calls{0};
+
+// The bank conflicts of one 8 x 8 tile's rows (addresses of 16 bytes each): the distinct words
+// each bank serves, beyond one.
+std::uint64_t tile_conflicts(const std::uint64_t (&rows)[8]) {
+  std::uint64_t words[32][8];
+  int count[32] = {};
+  for (const std::uint64_t address : rows)
+    for (std::uint64_t w = 0; w < 4; ++w) {
+      const std::uint64_t word = address / 4 + w;
+      const auto bank = static_cast<std::size_t>(word % 32);
+      if (std::find(words[bank], words[bank] + count[bank], word) == words[bank] + count[bank])
+        words[bank][count[bank]++] = word;
+    }
+  std::uint64_t extra = 0;
+  for (const int c : count) extra += c > 1 ? static_cast<std::uint64_t>(c - 1) : 0;
+  return extra;
+}
+
+}  // namespace
+
 void ldmatrix_x4(std::uint32_t (&r)[4], const void* row, bool trans) {
   Warp* warp = nullptr;
   int lane = 0;
   Warp::Buffer& x = next_buffer(warp, lane);
   x.value[lane] = reinterpret_cast<std::uintptr_t>(row);
   g_block->fibers->arrive_and_wait(warp->met);
+  if (lane == 0) ++g_ldmatrix_calls;
+  if (lane == 0)
+    for (int i = 0; i < 4; ++i) {
+      std::uint64_t rows[8];
+      for (int k = 0; k < 8; ++k) rows[k] = x.value[8 * i + k];
+      g_ldmatrix_conflicts += tile_conflicts(rows);
+    }
   const auto row_of = [&](int source) {
     return reinterpret_cast<const std::uint16_t*>(static_cast<std::uintptr_t>(x.value[source]));
   };
@@ -310,6 +341,9 @@ void ldmatrix_x4(std::uint32_t (&r)[4], const void* row, bool trans) {
     r[i] = static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
   }
 }
+
+std::uint64_t ldmatrix_bank_conflicts() { return g_ldmatrix_conflicts.load(); }
+std::uint64_t ldmatrix_calls() { return g_ldmatrix_calls.load(); }
 
 void run_grid(dim3 grid, dim3 block, void (*thunk)(const void*), const void* closure) {
   const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;

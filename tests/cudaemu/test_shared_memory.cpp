@@ -2,8 +2,9 @@
 // block with whatever the SM's previous block left, and the emulation, which keeps them as
 // function statics, fills each with all bits set where backends/cuda/launch.cuh's
 // shared_starts_undefined marks it, so that a kernel reading what its block did not write
-// gets NaN instead of the previous block's (often right) values. Part of cuda.emulated only:
-// these kernels are host C++ against the emulation's cuda_runtime.h.
+// gets NaN instead of the previous block's (often right) values. And its count of ldmatrix's
+// bank conflicts (a model of the hardware's rule): none in the attention tiles. Part of
+// cuda.emulated only: these kernels are host C++ against the emulation's cuda_runtime.h.
 #include <cuda_runtime.h>
 
 #include <catch2/catch.hpp>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "backends/cuda/launch.cuh"
+#include "mixtape/mixtape.h"
 
 namespace {
 
@@ -54,6 +56,26 @@ __global__ void calls_twice(int* out) {
   if (threadIdx.x == 0) out[blockIdx.x] = second;
 }
 
+// One warp's ldmatrix .x4 over 32 rows of 16-bit elements `stride` apart, lane l naming row
+// l: 72 (the attention tiles' 64 + 8 of padding: 144 bytes) puts a tile's 8 rows on distinct
+// banks, 64 (128 bytes) all on the same four.
+template <int stride>
+__global__ void read_tiles(std::uint32_t* out) {
+  __shared__ std::uint16_t rows[32 * stride];
+  shared_starts_undefined(rows);
+  std::uint32_t r[4];
+  mixtape::cuda_emu::ldmatrix_x4(r, &rows[threadIdx.x * stride], false);
+  out[threadIdx.x] = r[0];
+}
+
+template <int stride>
+std::uint64_t conflicts_of_read_tiles() {
+  std::vector<std::uint32_t> out(32);
+  const std::uint64_t before = mixtape::cuda_emu::ldmatrix_bank_conflicts();
+  MIXTAPE_CUDA_LAUNCH(dim3(1), dim3(32), nullptr, read_tiles<stride>)(out.data());
+  return mixtape::cuda_emu::ldmatrix_bank_conflicts() - before;
+}
+
 template <bool marked>
 std::vector<std::uint32_t> launch_first_reads() {
   std::vector<std::uint32_t> seen(kBlocks, 0);
@@ -88,4 +110,34 @@ TEST_CASE("emulated shared memory lasts the block: a second call sees the first'
   std::vector<int> out(kBlocks, 0);
   MIXTAPE_CUDA_LAUNCH(dim3(kBlocks), dim3(kThreads), nullptr, calls_twice)(out.data());
   for (const int calls : out) CHECK(calls == 2);
+}
+
+TEST_CASE("emulated ldmatrix counts bank conflicts: none in the attention tiles", "[cudaemu]") {
+  namespace mt = mixtape;
+  // The count: a tile's 8 rows 128 bytes apart share 4 banks, each serving 8 words (7 too many):
+  // 28 a tile, 4 tiles; 144 bytes apart, none.
+  CHECK(conflicts_of_read_tiles<64>() == 4 * 4 * 7);
+  CHECK(conflicts_of_read_tiles<72>() == 0);
+  // The tiled kernels (forward, dq, dk and dv; widths 64 and 128, the second with dk and dv in
+  // kernels of their own), causal, in bfloat16.
+  for (const std::int64_t d : {64, 128}) {
+    CAPTURE(d);
+    mt::manual_seed(7);
+    const auto operand = [&] {
+      return mt::cast(mt::normal({2, 70, d}), mt::kBFloat16).to(mt::Device::cuda(0));
+    };
+    const mt::Tensor q = operand(), k = operand(), v = operand();
+    const std::uint64_t calls = mt::cuda_emu::ldmatrix_calls();
+    const std::uint64_t conflicts = mt::cuda_emu::ldmatrix_bank_conflicts();
+    mt::GradientTape tape;
+    tape.watch(q);
+    tape.watch(k);
+    tape.watch(v);
+    const mt::Tensor out = mt::fused_attention(q, k, v, mt::Tensor(), true, 0.125);
+    const std::vector<mt::Tensor> grads =
+        tape.gradient(mt::sum(mt::cast(out, mt::kFloat32)), {q, k, v});
+    REQUIRE(grads.size() == 3);
+    CHECK(mt::cuda_emu::ldmatrix_calls() > calls);  // the tiles ran
+    CHECK(mt::cuda_emu::ldmatrix_bank_conflicts() == conflicts);
+  }
 }

@@ -97,6 +97,12 @@ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_
 // elements, lane l naming row l % 8 of tile l / 8 (row: 8 elements); r[i] is the lane's pair of
 // tile i.
 void ldmatrix_x4(std::uint32_t (&r)[4], const void* row, bool trans);
+// The shared-memory bank conflicts of the ldmatrix calls so far: each 8 x 8 tile's eight
+// 16-byte rows are one access to the 32 four-byte banks, and every four-byte word beyond the
+// first that a bank serves in it counts one (0: every tile read in one pass, as the attention
+// tiles' padded rows are laid out for). A model of the hardware's rule, not a measurement.
+std::uint64_t ldmatrix_bank_conflicts();
+std::uint64_t ldmatrix_calls();  // the warp-wide ldmatrix calls so far
 
 // cp.async.cg.shared.global of 16 bytes and its groups (commit_group, wait_group), per thread:
 // the source is read when the copy is queued, and the copy lands in shared memory only when its
