@@ -142,8 +142,9 @@ void floats_to_float8_bits(Float8Format format, const float* x, std::uint8_t* ou
   else
     saturate ? encode_any<kE5M2, true>(x, out, n) : encode_any<kE5M2, false>(x, out, n);
 }
-float float8_bits_to_float(Float8Format format, std::uint8_t b) {
-  return (format == Float8Format::e4m3fn ? e4m3fn_table() : e5m2_table()).value[b];
+float float8_bits_to_float(Float8Format format, std::uint8_t b) { return float8_values(format)[b]; }
+const float* float8_values(Float8Format format) {
+  return (format == Float8Format::e4m3fn ? e4m3fn_table() : e5m2_table()).value;
 }
 
 }  // namespace mixtape::detail

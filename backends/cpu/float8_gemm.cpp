@@ -17,6 +17,7 @@
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_util.h"
 #include "backends/cpu/gemm_util.h"
+#include "mixtape/core/float8.h"
 #include "mixtape/core/register_kernels.h"
 
 namespace mixtape::cpu {
@@ -24,27 +25,23 @@ namespace {
 
 using std::int64_t;
 
-// The 256 values of each format (index 0: e4m3fn, 1: e5m2) as float32 and as bfloat16 bits,
-// so that widening is a table lookup (the scalar conversion is a call per element).
-struct Float8Values {
-  float f32[2][256];
-  std::uint16_t bf16[2][256];
+// The 256 values of each format (index 0: e4m3fn, 1: e5m2) as bfloat16 bits, from core's
+// float32 tables (mixtape/core/float8.h): exact, the low 16 bits of a float8 value's float32
+// being zero (a NaN keeps a mantissa bit: NaN in bfloat16 too).
+struct Bfloat16Values {
+  std::uint16_t bits[2][256];
 };
 
-const Float8Values& float8_values() {
-  static const Float8Values v = [] {
-    Float8Values t{};
-    for (int b = 0; b < 256; ++b) {
-      const auto bits = static_cast<std::uint8_t>(b);
-      t.f32[0][b] = static_cast<float>(float8_e4m3fn::from_bits(bits));
-      t.f32[1][b] = static_cast<float>(float8_e5m2::from_bits(bits));
-      for (int f = 0; f < 2; ++f) {
+const Bfloat16Values& bfloat16_values() {
+  static const Bfloat16Values v = [] {
+    Bfloat16Values t{};
+    for (int f = 0; f < 2; ++f) {
+      const float* values =
+          detail::float8_values(f == 0 ? Float8Format::e4m3fn : Float8Format::e5m2);
+      for (int b = 0; b < 256; ++b) {
         std::uint32_t u = 0;
-        std::memcpy(&u, &t.f32[f][b], sizeof u);
-        // Exact: the low 16 bits of a float8 value's float32 are zero (a NaN keeps a
-        // mantissa bit: NaN in bfloat16 too).
-        t.bf16[f][b] =
-            static_cast<std::uint16_t>((u >> 16) | (std::isnan(t.f32[f][b]) ? 0x40u : 0u));
+        std::memcpy(&u, &values[b], sizeof u);
+        t.bits[f][b] = static_cast<std::uint16_t>((u >> 16) | (std::isnan(values[b]) ? 0x40u : 0u));
       }
     }
     return t;
@@ -53,15 +50,15 @@ const Float8Values& float8_values() {
 }
 
 // The float8 tensor t (either format, contiguous) widened into dst (float or the bits of
-// bfloat16), exactly, through the table.
+// bfloat16), exactly, by table lookups (the scalar conversion is a call per element).
 template <typename W>
 void widen(const Tensor& t, W* dst) {
-  const int format = t.dtype() == kFloat8E4M3FN ? 0 : 1;
+  const bool e4m3 = t.dtype() == kFloat8E4M3FN;
   const W* table;
   if constexpr (std::is_same_v<W, float>)
-    table = float8_values().f32[format];
+    table = detail::float8_values(e4m3 ? Float8Format::e4m3fn : Float8Format::e5m2);
   else
-    table = float8_values().bf16[format];
+    table = bfloat16_values().bits[e4m3 ? 0 : 1];
   const auto* s = static_cast<const std::uint8_t*>(t.const_data_ptr());
   parallel_blocks(t.numel(), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) dst[i] = table[s[i]];

@@ -33,6 +33,8 @@ std::uint8_t float_to_float8_bits(Float8Format format, float f, Saturation s);
 void floats_to_float8_bits(Float8Format format, const float* x, std::uint8_t* out, std::int64_t n,
                            Saturation s);
 float float8_bits_to_float(Float8Format format, std::uint8_t b);
+// The 256 values of a format as float32, indexed by the bits (the table the conversion reads).
+const float* float8_values(Float8Format format);
 }  // namespace detail
 
 // One byte of a float8 format: float8_e4m3fn and float8_e5m2 below.
