@@ -287,9 +287,6 @@ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_
   }
 }
 
-// Lane l gets, of tile i (whose row k lane 8 i + k named), row l / 4 at columns 2 (l % 4) and
-// 2 (l % 4) + 1, the first in the low half; transposed, column l / 4 at rows 2 (l % 4) and
-// 2 (l % 4) + 1 (the PTX manual's "Warp-level matrix load instruction: ldmatrix").
 namespace {
 
 std::atomic<std::uint64_t> g_ldmatrix_conflicts{0}, g_ldmatrix_calls{0};
@@ -313,6 +310,9 @@ std::uint64_t tile_conflicts(const std::uint64_t (&rows)[8]) {
 
 }  // namespace
 
+// Lane l gets, of tile i (whose row k lane 8 i + k named), row l / 4 at columns 2 (l % 4) and
+// 2 (l % 4) + 1, the first in the low half; transposed, column l / 4 at rows 2 (l % 4) and
+// 2 (l % 4) + 1 (the PTX manual's "Warp-level matrix load instruction: ldmatrix").
 void ldmatrix_x4(std::uint32_t (&r)[4], const void* row, bool trans) {
   Warp* warp = nullptr;
   int lane = 0;
