@@ -24,7 +24,7 @@
 // comes from attention.cu's row kernel. Heads wider than 64 take dk and dv in two kernels, each
 // walking the queries (KeyGrads): the operands and accumulators of both would not fit a
 // thread's registers (at width 128 ptxas kept 832 bytes a thread in local memory; dk alone 140,
-// since its products' k steps are taken outermost (product_across) 4; dv alone none).
+// 4 since product_across takes its k steps outermost there; dv alone none).
 //
 // Precision: a float32 value that enters a product as an A operand (the weights, dS) goes in
 // as two 16-bit parts, its rounding and the rounding of the rest, in two mma: it keeps about
@@ -181,11 +181,6 @@ struct Shared {
 };
 
 // --- Pieces ------------------------------------------------------------------------------
-
-// Two 16-bit values as one fragment register (lo in the low half).
-MIXTAPE_TILE_FN uint32_t pair_of(uint16_t lo, uint16_t hi) {
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
 
 // The larger of a and b, ignoring a NaN on one side (NaN when both are): the running maximum
 // starts at -inf and so never becomes NaN; a row of NaN logits gives NaN through its sums.
