@@ -4,8 +4,9 @@
 //   2. the factor: one block takes the partials' largest (the amax), the history's largest,
 //      the factor and the scale, then rolls the history when asked;
 //   3. the conversion: float32(x) * factor rounded to float32, then to the format (cvt with
-//      saturation), into x's layout, its transpose, or both from one read of x (32 x 32 tiles
-//      through shared memory for the transpose).
+//      saturation), into x's layout, its transpose, or both from one read of x (tiles through
+//      shared memory for the transpose: 64 x 64 with 16-byte accesses for the operands of FP8
+//      products, 32 x 32 element by element for other shapes).
 // Written by hand: cuBLASLt takes FP8 operands and scales but makes neither the amax nor the
 // FP8 copies, and no CUDA library writes a scaled, saturated FP8 transpose.
 // The maxima compare the bits of non-negative floats as unsigned integers: their order is the
@@ -195,6 +196,65 @@ __global__ void convert_transpose_kernel(const T* __restrict__ x, int64_t rows, 
   }
 }
 
+// The same for the operands of FP8 products: rows and cols multiples of 16 (cuBLASLt's FP8
+// GEMM takes dims in 16s), x, data and data_t 16-byte aligned; 64 x 64 tiles, every global
+// access 16 bytes. A thread reads 16 elements of a row (one 16-byte pack of x, or two, or
+// four), writes their 16 FP8 bytes to data and to the tile in shared memory; after the barrier
+// it gathers one column's bytes of 16 rows from the tile and writes them as 16 bytes of data_t's
+// row. convert_transpose_kernel reads 2 bytes and writes 1 a lane (2 KB a block in flight): too
+// few reads in flight to keep the memory busy; here a block has 8 KB of 16-bit x in flight.
+// The bytes are the same (the same conversion of the same values).
+constexpr int kWideTile = 64;
+constexpr int kWideChunk = 16;  // elements of a row a thread converts, rows of a column it writes
+
+template <typename T, __nv_fp8_interpretation_t kKind>
+__global__ void convert_transpose_wide_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                              const float* __restrict__ factor,
+                                              std::uint8_t* __restrict__ data,
+                                              std::uint8_t* __restrict__ data_t) {
+  using Bytes = Pack<std::uint8_t, kWideChunk>;
+  constexpr int kChunks = kWideTile / kWideChunk;  // per tile row
+  static_assert(kThreads == kWideTile * kChunks, "a thread per 16 elements of a tile");
+  // Row r's 64 bytes as 4 chunks (a warp's reads in the second half: one row, 8 words).
+  __shared__ Bytes tile[kWideTile][kChunks];
+  shared_starts_undefined(tile);
+  const float f = *factor;
+  const int t = static_cast<int>(threadIdx.x);
+  const int r = t / kChunks, q = t % kChunks;        // reading: row r, chunk q
+  const int cl = t % kWideTile, wq = t / kWideTile;  // writing: column cl, rows 16 wq ..
+  const int64_t row_tiles = (rows + kWideTile - 1) / kWideTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kWideTile;
+  for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+    const int64_t r0 = rt * kWideTile;
+    const int64_t row = r0 + r, col = c0 + kWideChunk * q;
+    if (row < rows && col < cols) {  // (cols a multiple of 16: the chunk is whole)
+      constexpr int N = kVec<T>;
+      const auto* src = reinterpret_cast<const Pack<T, N>*>(x + row * cols + col);
+      Pack<T, N> in[kWideChunk / N];
+#pragma unroll
+      for (int k = 0; k < kWideChunk / N; ++k) in[k] = src[k];  // (all loads before any use)
+      Bytes out;
+#pragma unroll
+      for (int k = 0; k < kWideChunk / N; ++k)
+#pragma unroll
+        for (int e = 0; e < N; ++e)
+          out.v[k * N + e] = to_float8<kKind>(__fmul_rn(as_float(in[k].v[e]), f));
+      if (data) *reinterpret_cast<Bytes*>(data + row * cols + col) = out;
+      tile[r][q] = out;
+    }
+    __syncthreads();
+    const int64_t tcol = c0 + cl, trow = r0 + kWideChunk * wq;
+    if (tcol < cols && trow < rows) {  // (rows a multiple of 16: the 16 rows are all there)
+      Bytes out;
+#pragma unroll
+      for (int k = 0; k < kWideChunk; ++k)
+        out.v[k] = tile[kWideChunk * wq + k][cl / kWideChunk].v[cl % kWideChunk];
+      *reinterpret_cast<Bytes*>(data_t + tcol * rows + trow) = out;
+    }
+    __syncthreads();  // the tile is read before the next turn writes it
+  }
+}
+
 template <typename T, __nv_fp8_interpretation_t kKind>
 void convert(const kernels::QuantizeFloat8Args& a, const float* factor, cudaStream_t s) {
   const auto* x = static_cast<const T*>(a.x.const_data_ptr());
@@ -206,11 +266,20 @@ void convert(const kernels::QuantizeFloat8Args& a, const float* factor, cudaStre
               convert_kernel<T, kKind>, x, n, vec, factor, data);
     return;
   }
-  const int64_t row_tiles = (a.rows + kTile - 1) / kTile;
-  const dim3 grid(static_cast<unsigned>((a.cols + kTile - 1) / kTile),
+  auto* data_t = static_cast<std::uint8_t*>(a.data_t.data_ptr());
+  const bool wide = a.rows % kWideChunk == 0 && a.cols % kWideChunk == 0 && aligned16(x) &&
+                    aligned16(data) && aligned16(data_t);
+  const int tile = wide ? kWideTile : kTile;
+  const int64_t row_tiles = (a.rows + tile - 1) / tile;
+  const dim3 grid(static_cast<unsigned>((a.cols + tile - 1) / tile),
                   static_cast<unsigned>(row_tiles < 65535 ? row_tiles : 65535));
-  MIXTAPE_CUDA_LAUNCH(grid, kThreads, s, convert_transpose_kernel<T, kKind>)
-  (x, a.rows, a.cols, factor, data, static_cast<std::uint8_t*>(a.data_t.data_ptr()));
+  if (wide) {
+    MIXTAPE_CUDA_LAUNCH(grid, kThreads, s, convert_transpose_wide_kernel<T, kKind>)
+    (x, a.rows, a.cols, factor, data, data_t);
+  } else {
+    MIXTAPE_CUDA_LAUNCH(grid, kThreads, s, convert_transpose_kernel<T, kKind>)
+    (x, a.rows, a.cols, factor, data, data_t);
+  }
   check_cuda(cudaGetLastError(), "quantize_float8 transposing conversion kernel", __FILE__,
              __LINE__);
 }

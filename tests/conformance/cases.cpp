@@ -1083,8 +1083,9 @@ void scaled_matmul(Context& c) {
 // values, which widens x to float32 first: the same arithmetic, so the FP8 bytes (x's layout
 // and its transpose), the scale, the amax and the rolled history must agree exactly. Both
 // formats, current and delayed scaling (a history of zeros, of amaxes below and above x's,
-// with a NaN), margins, an all-zero x, NaN and infinity in x, empty and odd shapes, x not
-// 16-byte aligned, and more elements than the CUDA kernel's amax blocks cover in one pass.
+// with a NaN), margins, an all-zero x, NaN and infinity in x, empty and odd shapes, shapes in
+// 16s (the CUDA kernel's tiles of 64, with edges), x not 16-byte aligned, and more elements than
+// the CUDA kernel's amax blocks cover in one pass.
 void quantize_float8_cases(Context& c) {
   enum class Values { spread, zeros, special, infinite };
   enum class History { none, zeros, low, high, nan };
@@ -1112,7 +1113,14 @@ void quantize_float8_cases(Context& c) {
                                 {6, 20, true, false, Values::spread, History::nan, 0, true},
                                 {0, 8, true, true, Values::spread, History::low, 0, true},
                                 {8, 0, true, true, Values::spread, History::none, 0, false},
-                                {1031, 300, true, true, Values::spread, History::low, 3, true}};
+                                {1031, 300, true, true, Values::spread, History::low, 3, true},
+                                // Dims in 16s, aligned: the CUDA kernel's 64 x 64 tiles, whole
+                                // and cut at both edges; with NaN and infinities; unaligned.
+                                {80, 208, true, true, Values::spread, History::low, 0, true},
+                                {1040, 48, true, true, Values::spread, History::none, 1, false},
+                                {16, 48, true, true, Values::special, History::none, 0, false},
+                                {128, 64, false, true, Values::spread, History::high, 0, false},
+                                {32, 48, true, true, Values::spread, History::none, 0, false, 1}};
   int number = 0;
   for (const DType format : {kFloat8E4M3FN, kFloat8E5M2})
     for (const Case& cs : cases) {
