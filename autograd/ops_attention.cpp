@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <numeric>
 #include <optional>
@@ -130,52 +131,125 @@ struct AttentionSaved {
   Tensor out, lse;
 };
 
-// The gradients of q, k and v from g (the output's): the backward kernel, or differentiable
-// ops when a tape records this backward pass (second derivatives).
-detail::Grads attention_grads(const AttentionSaved& s, const Tensor& g) {
-  const std::int64_t n = s.n, t = s.q.dim(-2), keys = s.k.dim(-2);
-  if (should_record({s.q, s.k, s.v, g})) {
-    const auto flat = [n](const Tensor& x) { return reshape(x, Shape{n, x.dim(-2), x.dim(-1)}); };
-    const Tensor whole_mask =
-        s.mask.defined() ? reshape(detail::contiguous_raw(s.mask), Shape{n, t, keys}) : Tensor();
-    const detail::Grads d = differentiable_grads(flat(s.q), flat(s.k), flat(s.v), whole_mask,
-                                                 s.causal, s.scale, s.dropout, flat(g));
-    return detail::Grads{reshape(d[0], s.q.shape()), reshape(d[1], s.k.shape()),
-                         reshape(d[2], s.v.shape())};
+// The gradients of q, k and v [..., rows, width] (s's shapes) from g by differentiable ops:
+// the backward pass when a tape records it (second derivatives).
+detail::Grads recorded_grads(const AttentionSaved& s, const Tensor& q, const Tensor& k,
+                             const Tensor& v, const Tensor& g) {
+  const std::int64_t n = s.n, t = q.dim(-2), keys = k.dim(-2);
+  const auto flat = [n](const Tensor& x) { return reshape(x, Shape{n, x.dim(-2), x.dim(-1)}); };
+  const Tensor whole_mask =
+      s.mask.defined() ? reshape(detail::contiguous_raw(s.mask), Shape{n, t, keys}) : Tensor();
+  const detail::Grads d = differentiable_grads(flat(q), flat(k), flat(v), whole_mask, s.causal,
+                                               s.scale, s.dropout, flat(g));
+  return detail::Grads{reshape(d[0], q.shape()), reshape(d[1], k.shape()),
+                       reshape(d[2], v.shape())};
+}
+
+// The backward kernel: the gradients of the heads s.qh, s.kh, s.vh from g into dq, dk and dv
+// (the kernels' views of tensors shaped as s.q, s.k and s.v; whole: their elements, zero when
+// a side has no positions).
+void backward_kernel(const AttentionSaved& s, const Tensor& g, const std::array<Tensor, 3>& heads,
+                     const std::vector<Tensor>& whole) {
+  std::int64_t size = 0;
+  for (const Tensor& w : whole) size += w.numel();
+  if (size == 0) return;
+  if (s.q.dim(-2) == 0 || s.k.dim(-2) == 0) {
+    for (const Tensor& w : whole) detail::fill_raw(w, 0.0);
+    return;
   }
   const auto backward = detail::kernel_for<kernels::AttentionBackwardFn>(
       OpId::attention_backward, s.qh.dtype(), {s.qh, s.kh, s.vh});
-  const DType dtype = s.qh.dtype();
+  const Tensor gh = head_view(cast(g, s.qh.dtype()), s.n);
+  backward(s.qh, s.kh, s.vh, s.mask, s.causal, s.scale, s.dropout, s.out, s.lse, gh, heads[0],
+           heads[1], heads[2]);
+}
+
+// The gradients of q, k and v from g (the output's): the backward kernel, or differentiable
+// ops when a tape records this backward pass (second derivatives).
+detail::Grads attention_grads(const AttentionSaved& s, const Tensor& g) {
+  if (should_record({s.q, s.k, s.v, g})) return recorded_grads(s, s.q, s.k, s.v, g);
   // The gradients laid out as their inputs are: a projection's heads go back where they came
   // from with no copy.
+  const DType dtype = s.qh.dtype();
   const HeadsOut dq = heads_like(s.q, s.q.dim(-1), dtype), dk = heads_like(s.k, s.k.dim(-1), dtype),
                  dv = heads_like(s.v, s.v.dim(-1), dtype);
-  const Tensor gh = head_view(cast(g, dtype), n);
-  if (dq.whole.numel() + dk.whole.numel() + dv.whole.numel() > 0) {
-    if (t == 0 || keys == 0)
-      for (const HeadsOut* x : {&dq, &dk, &dv}) detail::fill_raw(x->whole, 0.0);
-    else
-      backward(s.qh, s.kh, s.vh, s.mask, s.causal, s.scale, s.dropout, s.out, s.lse, gh, dq.heads,
-               dk.heads, dv.heads);
-  }
+  backward_kernel(s, g, {dq.heads, dk.heads, dv.heads}, {dq.whole, dk.whole, dv.whole});
   return detail::Grads{dq.y, dk.y, dv.y};
 }
 
-}  // namespace
+// --- The packed form ---------------------------------------------------------------------------
 
-Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                       const Tensor& mask_in, bool causal, double scale, double dropout_rate,
-                       const RandomSeed& seed) {
-  const char* name = op_name(OpId::attention);
-  if (!(dropout_rate >= 0.0 && dropout_rate < 1.0))
-    throw ValueError(
-        fmt::format("{}: the dropout rate must be in [0, 1); got {}", name, dropout_rate));
-  detail::check_inputs(name, {q_in, k_in, v_in});
-  detail::check_seed(name, q_in, seed);
-  const kernels::AttentionDropout dropout{dropout_rate, seed.value,
-                                          dropout_rate > 0.0 ? seed.on_device : Tensor()};
-  const auto in = detail::op_inputs(OpId::attention, {q_in, k_in, v_in});
-  const Tensor &q = in[0], &k = in[1], &v = in[2];
+// The parts of a packed qkv [..., t, heads * (2 key_dim + value_dim)] (stride 1 along its
+// last axis) as views [..., heads, t, dim]: q's, k's, v's.
+std::array<Tensor, 3> unpack_heads(const Tensor& qkv, const PackedHeads& p) {
+  const std::size_t r = qkv.rank();
+  std::vector<std::int64_t> dims(qkv.shape().begin(), qkv.shape().end() - 2);
+  std::vector<std::int64_t> strides(qkv.strides().begin(), qkv.strides().end() - 2);
+  dims.push_back(p.heads);
+  dims.push_back(qkv.dim(-2));
+  const std::int64_t widths[3] = {p.key_dim, p.key_dim, p.value_dim};
+  std::array<Tensor, 3> parts;
+  std::int64_t start = 0;
+  for (std::size_t i = 0; i < 3; ++i) {
+    std::vector<std::int64_t> d = dims, st = strides;
+    d.push_back(widths[i]);
+    st.insert(st.end(), {widths[i], qkv.strides()[r - 2], 1});
+    parts[i] = Tensor::view_of(qkv, Shape(d), Strides(st), qkv.offset() + start);
+    start += p.heads * widths[i];
+  }
+  return parts;
+}
+
+// The parts of a packed qkv as unpack_heads's, made by differentiable ops (slice, reshape,
+// transpose), and the inverse: a part's gradient [..., heads, t, dim] as [..., t, heads * dim].
+std::array<Tensor, 3> recorded_parts(const Tensor& qkv, const PackedHeads& p) {
+  std::vector<std::int64_t> dims(qkv.shape().begin(), qkv.shape().end() - 1);
+  const std::int64_t widths[3] = {p.key_dim, p.key_dim, p.value_dim};
+  std::array<Tensor, 3> parts;
+  std::int64_t start = 0;
+  for (std::size_t i = 0; i < 3; ++i) {
+    std::vector<std::int64_t> d = dims;
+    d.insert(d.end(), {p.heads, widths[i]});
+    const Tensor part = slice(qkv, -1, start, start + p.heads * widths[i]);
+    parts[i] = transpose(reshape(part, Shape(d)), -3, -2);
+    start += p.heads * widths[i];
+  }
+  return parts;
+}
+Tensor joined_part(const Tensor& grad) {
+  const Tensor rows = transpose(grad, -3, -2);  // [..., t, heads, dim]
+  std::vector<std::int64_t> d(rows.shape().begin(), rows.shape().end() - 2);
+  d.push_back(rows.dim(-2) * rows.dim(-1));
+  return reshape(rows, Shape(d));
+}
+
+// The gradient of a packed qkv from g: one tensor of qkv's shape, the backward kernel writing
+// the three parts where unpack_heads finds them; or, when a tape records this backward pass,
+// the differentiable gradients joined along the last axis.
+Tensor packed_grads(const AttentionSaved& s, const Tensor& qkv, const PackedHeads& p,
+                    const Tensor& g) {
+  if (should_record({qkv, g})) {
+    const std::array<Tensor, 3> parts = recorded_parts(qkv, p);
+    const detail::Grads d = recorded_grads(s, parts[0], parts[1], parts[2], g);
+    return concat({joined_part(d[0]), joined_part(d[1]), joined_part(d[2])}, -1);
+  }
+  const Tensor whole = Tensor::empty(qkv.shape(), s.qh.dtype(), qkv.device());
+  const std::array<Tensor, 3> parts = unpack_heads(whole, p);
+  // (Views of a contiguous tensor: the leading axes fold, always.)
+  backward_kernel(s, g, {*fold_heads(parts[0]), *fold_heads(parts[1]), *fold_heads(parts[2])},
+                  {whole});
+  return whole;
+}
+
+// The forward pass on the op's inputs q, k and v (after op_inputs): the checks, the kernel,
+// the result and what the backward pass needs.
+struct AttentionRun {
+  Tensor y;
+  AttentionSaved saved;
+};
+AttentionRun run_attention(const char* name, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const Tensor& mask_in, bool causal, double scale,
+                           const kernels::AttentionDropout& dropout) {
   const auto fail = [&](const std::string& why) {
     throw ShapeError(fmt::format("{}: {}; got q {}, k {}, v {}", name, why, detail::describe({q}),
                                  detail::describe({k}), detail::describe({v})));
@@ -227,15 +301,65 @@ Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_i
     else
       kernel(qh, kh, vh, mask, causal, scale, dropout, out.heads, lse);
   }
-  const Tensor y = out.y;
-  if (should_record({q, k, v})) {
-    const AttentionSaved saved{n,    q,      k,     v,       qh,        kh, vh,
-                               mask, causal, scale, dropout, out.heads, lse};
-    record_op(name, {q, k, v}, y, [saved](const Tensor& g, const std::vector<bool>&) {
-      return attention_grads(saved, g);
-    });
-  }
-  return y;
+  return AttentionRun{
+      out.y, AttentionSaved{n, q, k, v, qh, kh, vh, mask, causal, scale, dropout, out.heads, lse}};
+}
+
+// The checks both forms make of the dropout rate and the seed, and the kernels' dropout.
+kernels::AttentionDropout attention_dropout(const char* name, const Tensor& x, double rate,
+                                            const RandomSeed& seed) {
+  if (!(rate >= 0.0 && rate < 1.0))
+    throw ValueError(fmt::format("{}: the dropout rate must be in [0, 1); got {}", name, rate));
+  detail::check_seed(name, x, seed);
+  return kernels::AttentionDropout{rate, seed.value, rate > 0.0 ? seed.on_device : Tensor()};
+}
+
+}  // namespace
+
+Tensor fused_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                       const Tensor& mask_in, bool causal, double scale, double dropout_rate,
+                       const RandomSeed& seed) {
+  const char* name = op_name(OpId::attention);
+  detail::check_inputs(name, {q_in, k_in, v_in});
+  const kernels::AttentionDropout dropout = attention_dropout(name, q_in, dropout_rate, seed);
+  const auto in = detail::op_inputs(OpId::attention, {q_in, k_in, v_in});
+  const Tensor &q = in[0], &k = in[1], &v = in[2];
+  AttentionRun run = run_attention(name, q, k, v, mask_in, causal, scale, dropout);
+  if (should_record({q, k, v}))
+    record_op(name, {q, k, v}, run.y,
+              [saved = std::move(run.saved)](const Tensor& g, const std::vector<bool>&) {
+                return attention_grads(saved, g);
+              });
+  return run.y;
+}
+
+Tensor fused_attention_packed(const Tensor& qkv_in, const PackedHeads& packed,
+                              const Tensor& mask_in, bool causal, double scale, double dropout_rate,
+                              const RandomSeed& seed) {
+  const char* name = op_name(OpId::attention);
+  detail::check_inputs(name, {qkv_in});
+  const kernels::AttentionDropout dropout = attention_dropout(name, qkv_in, dropout_rate, seed);
+  const PackedHeads& p = packed;
+  if (p.heads <= 0 || p.key_dim <= 0 || p.value_dim <= 0 || qkv_in.rank() < 2 ||
+      qkv_in.dim(-1) != p.heads * (2 * p.key_dim + p.value_dim))
+    throw ShapeError(fmt::format(
+        "{}: packed q, k and v need a positive count of heads and dims and qkv [..., positions, "
+        "heads * (2 key_dim + value_dim)] = [..., positions, {}]; got {} heads, key_dim {}, "
+        "value_dim {} and qkv {}",
+        name, p.heads * (2 * p.key_dim + p.value_dim), p.heads, p.key_dim, p.value_dim,
+        detail::describe({qkv_in})));
+  const Tensor qkv = detail::op_inputs(OpId::attention, {qkv_in})[0];
+  // (The parts are views along the last axis: it needs stride 1.)
+  const Tensor lined = qkv.strides().back() == 1 ? qkv : detail::contiguous_raw(qkv);
+  const std::array<Tensor, 3> parts = unpack_heads(lined, p);
+  AttentionRun run =
+      run_attention(name, parts[0], parts[1], parts[2], mask_in, causal, scale, dropout);
+  if (should_record({qkv}))
+    record_op(name, {qkv}, run.y,
+              [saved = std::move(run.saved), qkv, p](const Tensor& g, const std::vector<bool>&) {
+                return detail::Grads{packed_grads(saved, qkv, p, g)};
+              });
+  return run.y;
 }
 
 }  // namespace mixtape

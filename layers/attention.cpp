@@ -220,6 +220,26 @@ Tensor MultiHeadAttentionLayer::project(const Tensor& x, const Variable& kernel,
   return permute(reshape(y, Shape{b, l, num_heads_, dim}), {0, 2, 1, 3});
 }
 
+// x [B, L, D] through the query, key and value kernels side by side: [B, L, heads * (2 key_dim +
+// value_dim)], q's columns, then k's, then v's (fused_attention_packed's qkv). One product (and
+// one FP8 quantisation of x, under mixed_float8) in place of three; the kernels and the biases
+// are joined at each call (copies of the weights, small next to the product), and the joined
+// kernel's gradient goes back to the three as views.
+Tensor MultiHeadAttentionLayer::project_packed(const Tensor& x, bool training) const {
+  const std::int64_t d = x.dim(2), qk = num_heads_ * key_dim_, vw = num_heads_ * value_dim_;
+  const Tensor w = concat({reshape(query_kernel_, Shape{d, qk}), reshape(key_kernel_, Shape{d, qk}),
+                           reshape(value_kernel_, Shape{d, vw})},
+                          1);
+  Tensor b;
+  if (query_bias_.defined()) {
+    AutocastScope whole(std::nullopt);  // (in the variables' dtype, as flat_bias)
+    b = concat(
+        {flat_bias(query_bias_, {qk}), flat_bias(key_bias_, {qk}), flat_bias(value_bias_, {vw})},
+        0);
+  }
+  return policy_linear(x, w, b, "linear", std::nullopt, training);
+}
+
 std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor>& inputs,
                                                         const CallContext& ctx) {
   std::vector<Shape> shapes;
@@ -240,10 +260,6 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   const Tensor& key = inputs[static_cast<std::size_t>(in.key)];
   const Device device = query.device();
 
-  // [B, H, T, kd], [B, H, S, kd], [B, H, S, vd]
-  const Tensor q = project(query, query_kernel_, query_bias_, key_dim_, query_float8_, training);
-  const Tensor k = project(key, key_kernel_, key_bias_, key_dim_, key_float8_, training);
-  const Tensor v = project(value, value_kernel_, value_bias_, value_dim_, value_float8_, training);
   const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
 
   Tensor mask;
@@ -256,25 +272,41 @@ std::vector<Tensor> MultiHeadAttentionLayer::call_multi(const std::vector<Tensor
   // of a seed drawn from the layer's generator (mixtape/core/dropout_hash.h; draw_seed's, which
   // a captured step redraws at each replay). The composed path's dropout op drops the same
   // weights for the same seed.
+  // (The projections come out in the compute dtype.)
   const DType sd = scores_dtype();
   const char* composed_because = call.return_attention_scores ? "the scores are returned"
-                                 : sd != (q.dtype() == kFloat64 ? kFloat64 : kFloat32)
+                                 : sd != (compute_dtype() == kFloat64 ? kFloat64 : kFloat32)
                                      ? "scores_dtype is not the fused kernel's"
                                      : nullptr;
   Tensor heads;  // [B, H, T, vd]
   Tensor scores;
-  if (!composed_because) {
-    const bool drop = training && options_.dropout > 0.0;
-    heads = fused_attention(q, k, v, mask, causal, scale, drop ? options_.dropout : 0.0,
-                            drop ? draw_seed(generator_, device) : RandomSeed());
-    path_ = drop ? "attention: fused (dropout on the weights)" : "attention: fused";
+  const bool drop = training && options_.dropout > 0.0;
+  const double rate = drop ? options_.dropout : 0.0;
+  if (!composed_because && !query_float8_ && query.id() == key.id() && key.id() == value.id()) {
+    // Self-attention: q, k and v from one product.
+    const Tensor qkv = project_packed(query, training);
+    heads = fused_attention_packed(qkv, {num_heads_, key_dim_, value_dim_}, mask, causal, scale,
+                                   rate, drop ? draw_seed(generator_, device) : RandomSeed());
+    path_ = drop ? "attention: fused (q, k and v in one product; dropout on the weights)"
+                 : "attention: fused (q, k and v in one product)";
   } else {
-    path_ = fmt::format("attention: composed ({})", composed_because);
-    scores = composed_scores(q, k, mask, causal, in.t, in.s, device);
-    Tensor weights = scores.dtype() == v.dtype() ? scores : cast(scores, v.dtype());
-    if (training && options_.dropout > 0.0)
-      weights = mixtape::dropout(weights, options_.dropout, draw_seed(generator_, device));
-    heads = matmul(weights, v);
+    // [B, H, T, kd], [B, H, S, kd], [B, H, S, vd]
+    const Tensor q = project(query, query_kernel_, query_bias_, key_dim_, query_float8_, training);
+    const Tensor k = project(key, key_kernel_, key_bias_, key_dim_, key_float8_, training);
+    const Tensor v =
+        project(value, value_kernel_, value_bias_, value_dim_, value_float8_, training);
+    if (!composed_because) {
+      heads = fused_attention(q, k, v, mask, causal, scale, rate,
+                              drop ? draw_seed(generator_, device) : RandomSeed());
+      path_ = drop ? "attention: fused (dropout on the weights)" : "attention: fused";
+    } else {
+      path_ = fmt::format("attention: composed ({})", composed_because);
+      scores = composed_scores(q, k, mask, causal, in.t, in.s, device);
+      Tensor weights = scores.dtype() == v.dtype() ? scores : cast(scores, v.dtype());
+      if (drop)
+        weights = mixtape::dropout(weights, options_.dropout, draw_seed(generator_, device));
+      heads = matmul(weights, v);
+    }
   }
   const Tensor merged =
       reshape(permute(heads, {0, 2, 1, 3}), Shape{query.dim(0), in.t, num_heads_ * value_dim_});

@@ -442,10 +442,15 @@ std::vector<Tensor> Layer::apply(const std::vector<Tensor>& inputs, const CallCo
     std::vector<Tensor> xs = inputs;
     std::vector<Shape> shapes;
     std::vector<DType> dtypes;
-    for (Tensor& x : xs) {
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      Tensor& x = xs[i];
       if (autocast_inputs() && x.dtype().is_floating() && compute_dtype().is_floating() &&
-          x.dtype() != compute_dtype())
-        x = cast(x, compute_dtype());
+          x.dtype() != compute_dtype()) {
+        // One tensor given twice ({x, x}: self-attention) is cast once, and stays one tensor.
+        std::size_t same = 0;
+        while (same < i && inputs[same].id() != inputs[i].id()) ++same;
+        x = same < i ? xs[same] : cast(x, compute_dtype());
+      }
       shapes.push_back(x.shape());
       dtypes.push_back(x.dtype());
     }

@@ -218,7 +218,9 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
     const ml::AttentionResult composed = mha->attend(x, x, {.return_attention_scores = true});
     REQUIRE(trace.trace().rows.size() == 2);
     // The projections (with their biases) run on the fused linear op.
-    CHECK(trace.trace().rows[0].note == "attention: fused; projections: fused linear (bias)");
+    // Self-attention: q, k and v from one product (fused_attention_packed).
+    CHECK(trace.trace().rows[0].note ==
+          "attention: fused (q, k and v in one product); projections: fused linear (bias)");
     CHECK(trace.trace().rows[1].note ==
           "attention: composed (the scores are returned); projections: fused linear (bias)");
     CHECK_THAT(trace.trace().table(),
@@ -236,8 +238,139 @@ TEST_CASE("MultiHeadAttention takes the fused path when it can, with the same re
     (void)mha->attend(x, x, {});
     REQUIRE(trace.trace().rows.size() == 2);
     CHECK_THAT(trace.trace().rows[0].note,
-               Catch::StartsWith("attention: fused (dropout on the weights);"));
-    CHECK_THAT(trace.trace().rows[1].note, Catch::StartsWith("attention: fused;"));
+               Catch::StartsWith("attention: fused (q, k and v in one product; dropout on the "
+                                 "weights);"));
+    CHECK_THAT(trace.trace().rows[1].note,
+               Catch::StartsWith("attention: fused (q, k and v in one product);"));
+  }
+  SECTION("cross-attention: three products") {
+    auto mha = ml::MultiHeadAttention(2, 4);
+    const mt::Tensor x = random_normal({2, 5, 8}, 33, mt::kFloat32),
+                     y = random_normal({2, 6, 8}, 34, mt::kFloat32);
+    mt::DTypeTraceScope trace;
+    (void)mha->attend(x, y, {});
+    (void)mha->attend(x, x, {}, x * 1.0);  // (the same values, another tensor)
+    REQUIRE(trace.trace().rows.size() == 2);
+    for (const auto& row : trace.trace().rows)
+      CHECK_THAT(row.note, Catch::StartsWith("attention: fused;"));
+  }
+  SECTION("one product or three: the same results and gradients") {
+    // The output and the weights' gradients are the same sums either way (on this machine's
+    // CPU, to the bit; a GEMM may order a wider product's sums otherwise, hence a tolerance of
+    // a rounding). The input's gradient is one product's sum rounded once, where three products
+    // were each rounded to the compute dtype and added: closer to the exact sum.
+    for (const char* policy : {"float32", "mixed_bfloat16"}) {
+      INFO(policy);
+      mt::PolicyScope scope(policy);
+      mt::manual_seed(7);
+      auto mha = ml::MultiHeadAttention(4, 8, {.use_causal_mask = true});
+      const mt::Tensor x0 = random_normal({3, 9, 32}, 35, mt::kFloat32),
+                       g = random_normal({3, 9, 32}, 36, mt::kFloat32);
+      const auto run = [&](bool one) {
+        mt::Variable x(x0, "x");
+        mt::GradientTape tape;
+        const mt::Tensor y =
+            mt::cast(mha->attend(x, x, {}, one ? mt::Tensor() : x * 1.0).output, mt::kFloat32);
+        std::vector<mt::Variable> wrt = mha->trainable_variables();
+        wrt.push_back(x);
+        auto grads = tape.gradient(mt::sum(y * g), wrt);
+        grads.insert(grads.begin(), y);
+        return grads;
+      };
+      const auto one = run(true), three = run(false);
+      REQUIRE(one.size() == 10);
+      const double tol = std::string(policy) == "float32" ? 1e-5 : 2e-2;
+      for (std::size_t i = 0; i < one.size(); ++i) {
+        INFO("output, then the gradients of the weights and of x: " << i);
+        CHECK(max_abs_diff(one[i], three[i]) <=
+              tol * (1.0 + max_abs_diff(three[i], three[i] * 0.0)));
+      }
+    }
+  }
+}
+
+TEST_CASE("fused_attention_packed: fused_attention of q, k and v viewed out of one tensor",
+          "[attention][fused][packed]") {
+  // qkv [batch, positions, heads * (2 key_dim + value_dim)]: the result and the gradient are
+  // those of fused_attention on q, k and v sliced out of it (the same kernels on the same
+  // heads: to the bit), the gradient one tensor where the slices' come back as three summed.
+  const std::int64_t heads = 3, kd = 4, vd = 5, width = heads * (2 * kd + vd);
+  const auto part = [&](const mt::Tensor& qkv, std::int64_t start, std::int64_t dim) {
+    const mt::Tensor s = mt::slice(qkv, -1, start, start + heads * dim);
+    return mt::permute(mt::reshape(s, {qkv.dim(0), qkv.dim(1), heads, dim}), {0, 2, 1, 3});
+  };
+  const mt::Tensor padding =
+      mask_of({2, 1, 1, 70}, [](std::int64_t i) { return i < 70 || i % 70 < 60; });
+  for (const mt::DType dt : {mt::kFloat32, mt::kBFloat16, mt::kFloat64})
+    for (const double rate : {0.0, 0.25}) {
+      INFO(dt.name() << ", dropout " << rate);
+      const mt::Tensor x = mt::cast(random_normal({2, 70, width}, 71), dt),
+                       g = mt::cast(random_normal({2, heads, 70, vd}, 72), dt);
+      const auto run = [&](bool packed) {
+        mt::Variable qkv(x, "qkv");
+        mt::GradientTape tape;
+        const mt::Tensor y =
+            packed
+                ? mt::fused_attention_packed(qkv, {heads, kd, vd}, padding, true, 0.6, rate, 9)
+                : mt::fused_attention(part(qkv, 0, kd), part(qkv, heads * kd, kd),
+                                      part(qkv, 2 * heads * kd, vd), padding, true, 0.6, rate, 9);
+        const auto grads = tape.gradient(mt::sum(y * g), std::vector<mt::Variable>{qkv});
+        return std::vector<mt::Tensor>{y, grads[0]};
+      };
+      const auto packed = run(true), sliced = run(false);
+      CHECK(packed[0].shape() == mt::Shape{2, heads, 70, vd});
+      CHECK(packed[1].shape() == x.shape());
+      CHECK(packed[1].dtype() == dt);
+      CHECK(max_abs_diff(packed[0], sliced[0]) == 0.0);
+      CHECK(max_abs_diff(packed[1], sliced[1]) == 0.0);
+    }
+  SECTION("float64 gradient checks; second derivatives") {
+    const mt::Tensor x = random_normal({2, 5, 2 * (2 * 3 + 2)}, 73);
+    for (const bool causal : {false, true})
+      CHECK_GRADCHECK(
+          "fused_attention_packed",
+          [&](const mtest::Inputs& in) {
+            return mt::fused_attention_packed(in[0], {2, 3, 2}, mt::Tensor(), causal, 0.8);
+          },
+          {x}, mtest::GradCheckOptions{.atol = 1e-7, .rtol = 1e-6});
+    const mt::Tensor g = random_normal({2, 2, 5, 2}, 74);
+    const auto second = [&](bool packed) {
+      mt::Variable qkv(x, "qkv");
+      mt::GradientTape outer;
+      std::vector<mt::Tensor> first;
+      {
+        mt::GradientTape inner;
+        const auto sliced = [&](std::int64_t start, std::int64_t dim) {
+          const mt::Tensor s = mt::slice(qkv, -1, start, start + 2 * dim);
+          return mt::permute(mt::reshape(s, {2, 5, 2, dim}), {0, 2, 1, 3});
+        };
+        const mt::Tensor y =
+            packed ? mt::fused_attention_packed(qkv, {2, 3, 2}, mt::Tensor(), true, 0.7)
+                   : mt::fused_attention(sliced(0, 3), sliced(6, 3), sliced(12, 2), mt::Tensor(),
+                                         true, 0.7);
+        first = inner.gradient(mt::sum(y * g), std::vector<mt::Variable>{qkv});
+      }
+      return outer.gradient(mt::sum(first[0] * first[0]), std::vector<mt::Variable>{qkv});
+    };
+    const auto f = second(true), r = second(false);
+    REQUIRE(f[0].defined());
+    CHECK(max_abs_diff(f[0], r[0]) < 1e-11);
+  }
+  SECTION("bad input") {
+    const mt::Tensor x = random_normal({2, 5, 13}, 75);
+    CHECK_THAT(mixtape_test::error_of<mt::ShapeError>([&] {
+                 mt::fused_attention_packed(x, {2, 3, 2});
+               }),
+               Catch::Contains("attention: packed q, k and v") &&
+                   Catch::Contains("[..., positions, 16]") && Catch::Contains("2 heads"));
+    CHECK_THAT(mixtape_test::error_of<mt::ShapeError>([&] {
+                 mt::fused_attention_packed(x, {0, 3, 2});
+               }),
+               Catch::Contains("0 heads"));
+    CHECK_THAT(mixtape_test::error_of<mt::ValueError>([&] {
+                 mt::fused_attention_packed(x, {1, 4, 5}, mt::Tensor(), false, 1.0, 1.5);
+               }),
+               Catch::Contains("the dropout rate must be in [0, 1)"));
   }
 }
 
@@ -380,7 +513,8 @@ TEST_CASE(
   // and gives it a float32 gradient; MultiHeadAttention hands its four biases over as float32:
   // gradients not rounded to bfloat16 on the way back. In the forward pass the output's bias
   // ([features], a variable as it is) is read through the copy autocast keeps, the query's,
-  // key's and value's ([heads, dim], reshaped: no longer the variable) are cast, one cast each.
+  // key's and value's ([heads, dim], reshaped: no longer the variable), joined for the one
+  // product of self-attention, are cast once.
   mt::PolicyScope scope("mixed_bfloat16");
   const mt::Tensor x = random_normal({2, 5, 16}, 61, mt::kFloat32);
   const mt::Tensor seed = random_normal({2, 5, 16}, 62, mt::kFloat32);
@@ -413,5 +547,5 @@ TEST_CASE(
     }
     return casts;
   };
-  CHECK(forward_casts(true) == forward_casts(false) + 3);
+  CHECK(forward_casts(true) == forward_casts(false) + 1);
 }

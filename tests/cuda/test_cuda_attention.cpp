@@ -308,3 +308,36 @@ TEST_CASE("cuda attention float32 close to the CPU kernels", "[cuda][attention][
   std::uint64_t seed = 140;
   for (const TileCase& c : kTileCases) check_tile_case(mt::kFloat32, c, seed, off);
 }
+
+TEST_CASE(
+    "cuda fused_attention_packed: q, k and v read from one tensor, dq, dk, dv written into "
+    "one, as on the CPU",
+    "[cuda][attention][packed]") {
+  // Self-attention's packed projection [batch, positions, heads * 3 width]: the kernels read
+  // the heads in place (rows of 3 heads * width elements) and write the gradient's three parts
+  // in place; the tiled kernels for 16-bit heads of width 64, the float32 ones for width 32.
+  struct Case {
+    mt::DType dt;
+    int64_t heads, width;
+    double dropout;
+  };
+  for (const Case& c : {Case{mt::kBFloat16, 2, 64, 0.0}, Case{mt::kFloat16, 2, 64, 0.2},
+                        Case{mt::kFloat32, 3, 32, 0.1}}) {
+    INFO(c.dt.name() << ", " << c.heads << " heads of " << c.width << ", dropout " << c.dropout);
+    const int64_t t = 70, w = 3 * c.heads * c.width;
+    const mt::Tensor x = cu::random({2, t, w}, c.dt, 11, -2.0, 2.0);
+    const mt::Tensor g = cu::random({2, c.heads, t, c.width}, c.dt, 12);
+    const auto run = [&](mt::Device dev) {
+      mt::Variable qkv(x.to(dev), "qkv");
+      mt::GradientTape tape;
+      const mt::Tensor y = mt::fused_attention_packed(qkv, {c.heads, c.width, c.width},
+                                                      mt::Tensor(), true, 0.125, c.dropout, 5);
+      const auto grads = tape.gradient(mt::sum(mt::cast(y * g.to(dev), mt::kFloat32)),
+                                       std::vector<mt::Variable>{qkv});
+      return std::vector<mt::Tensor>{y.to(mt::Device::cpu()), grads[0].to(mt::Device::cpu())};
+    };
+    const auto want = run(mt::Device::cpu()), got = run(cu::kGpu);
+    cu::check_close(got[0], want[0], cu::tolerance(c.dt, /*gemm_like=*/true), "out");
+    cu::check_close(got[1], want[1], cu::tolerance(c.dt, /*gemm_like=*/true), "dqkv");
+  }
+}

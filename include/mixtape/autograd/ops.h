@@ -103,6 +103,24 @@ Tensor masked_softmax(const Tensor& x, const Tensor& mask = Tensor(), double sca
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& mask = Tensor(), bool causal = false, double scale = 1.0,
                        double dropout = 0.0, const RandomSeed& seed = {});
+// The heads of a packed projection (fused_attention_packed): how many, and the widths of a
+// query's (and a key's) head and of a value's.
+struct PackedHeads {
+  std::int64_t heads = 0, key_dim = 0, value_dim = 0;
+};
+// fused_attention of the q, k and v that one projection makes for self-attention (the three
+// projections' kernels side by side: one product instead of three), packed in one tensor:
+// qkv [..., t, heads * (2 key_dim + value_dim)], along its last axis q's heads, then k's, then
+// v's, each part [heads, dim] with the heads outer. The same op, kernels and result as
+// fused_attention(q, k, v, ...) with q [..., heads, t, key_dim], k and v viewed out of qkv
+// that way; the result [..., heads, t, value_dim]. Its gradient is one tensor shaped as qkv,
+// the backward kernel writing the three parts in place (three views of qkv would each bring
+// back a zero tensor of qkv's shape, summed). ShapeError when qkv's last axis is not that
+// wide or a count is not positive; otherwise as fused_attention.
+Tensor fused_attention_packed(const Tensor& qkv, const PackedHeads& packed,
+                              const Tensor& mask = Tensor(), bool causal = false,
+                              double scale = 1.0, double dropout = 0.0,
+                              const RandomSeed& seed = {});
 // Dropout in one op (op dropout): each element of x dropped (0) with probability `rate` and
 // the others scaled by 1 / (1 - rate), whether element i (its row-major position) survives a
 // function of the seed and i alone (mixtape/core/dropout_hash.h): the same on every backend,

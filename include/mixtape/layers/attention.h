@@ -18,11 +18,14 @@
 //
 // The fused path: a call computes softmax(q k^T / sqrt(key_dim)) v with one op,
 // mixtape::fused_attention (no [T, S] matrix: memory O(T) per head; logits, softmax and the
-// weighted sum in float32, float64 under float64), whenever it can: the scores are not
-// returned, no dropout applies (inference, or a rate of 0) and scores_dtype is the kernel's
-// (float32; float64 for float64). Otherwise it composes matmul, masked_softmax, dropout and
-// matmul as above. The dtype trace's note says which ("attention: fused", or "attention:
-// composed (why)").
+// weighted sum in float32, float64 under float64; dropout on the weights inside it), whenever
+// it can: the scores are not returned and scores_dtype is the kernel's (float32; float64 for
+// float64). Otherwise it composes matmul, masked_softmax, dropout and matmul as above. In
+// self-attention (query, value and key one tensor) on the fused path, q, k and v come from one
+// product with the three kernels side by side (fused_attention_packed), unless the policy keeps
+// FP8 amax histories per projection (mixed_float8_delayed). The dtype trace's note says which
+// ("attention: fused", "attention: fused (q, k and v in one product)", or "attention: composed
+// (why)").
 #pragma once
 
 #include <cstdint>
@@ -121,6 +124,7 @@ class MultiHeadAttentionLayer : public Layer {
   Inputs split(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes) const;
   Tensor project(const Tensor& x, const Variable& kernel, const Variable& bias, std::int64_t dim,
                  const std::optional<Float8State>& float8, bool training) const;
+  Tensor project_packed(const Tensor& x, bool training) const;
   Tensor composed_scores(const Tensor& q, const Tensor& k, Tensor mask, bool causal, std::int64_t t,
                          std::int64_t s, Device device);
 
