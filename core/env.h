@@ -87,6 +87,15 @@ inline constexpr BoolVar kCudaMmaAttention{
     "it runs the tiled tensor-core kernels where they apply (float16 and bfloat16 heads of "
     "width 32, 64, 96 and 128)"};
 
+// backends/cuda/attention.cu: the tiled forward kernel of 16-bit heads up to 64 wide walking
+// the keys 128 at a time instead of 64 (twice the products between two barriers, twice the
+// logits' registers: 2 blocks a multiprocessor instead of 3); which is faster is measured on a
+// GPU (scripts/gpu_check.sh's gpt step runs both).
+inline constexpr BoolVar kCudaAttentionWideKeys{
+    "MIXTAPE_CUDA_ATTENTION_WIDE_KEYS", false,
+    "the tiled forward attention kernel walks the keys 64 at a time",
+    "it walks them 128 at a time (float16 and bfloat16 heads up to 64 wide)"};
+
 // backends/cpu/backend.cpp: the megabytes of freed blocks the CPU allocator keeps.
 inline constexpr UIntVar kCpuCacheMb{"MIXTAPE_CPU_CACHE_MB", 1024, std::uint64_t{1} << 20,
                                      "megabytes of freed CPU memory kept for reuse"};

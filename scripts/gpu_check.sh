@@ -25,7 +25,9 @@
 #            6-layer shape (width 384, 6 heads, context 256, batch 64) under mixed_bfloat16,
 #            mixed_float16 and float32, the GPT-2-small body (--preset gpt2-small, batch 8)
 #            under mixed_bfloat16 and mixed_float16 (and once more under mixed_bfloat16 with
-#            MIXTAPE_CUDA_MMA_ATTENTION=0: the plain attention kernels, for comparison);
+#            MIXTAPE_CUDA_ATTENTION_WIDE_KEYS=1 at both shapes: the forward kernel walking the
+#            keys 128 at a time; the plain kernels' run, MIXTAPE_CUDA_MMA_ATTENTION=0, which
+#            took the step past its limit at GPT-2 small's shape, is no longer made);
 #            gpt.log has each mixtape run's --kernel-census (the kernels of one step); the
 #            captured step (--capture-step, a CUDA graph) at both shapes and at charlm's defaults
 #   gptprofile  per-kernel GPU times of one training step of the GPT-2-small body (batch 8,
@@ -143,6 +145,10 @@ if want ops; then
   MIXTAPE_CUDA_MMA_ATTENTION=0 limited 30 "$bundle/run.sh" mixtape-ops --backend cuda \
     --op attention --op attention_backward >>"$logs/ops_variants.log" 2>&1
   note "ops attention, MIXTAPE_CUDA_MMA_ATTENTION=0: rc=$?: $(tail -1 "$logs/ops_variants.log")"
+  # The forward kernel that walks the keys 128 at a time (docs/environment.md).
+  MIXTAPE_CUDA_ATTENTION_WIDE_KEYS=1 limited 30 "$bundle/run.sh" mixtape-ops --backend cuda \
+    --op attention >>"$logs/ops_variants.log" 2>&1
+  note "ops attention, MIXTAPE_CUDA_ATTENTION_WIDE_KEYS=1: rc=$?: $(tail -1 "$logs/ops_variants.log")"
 fi
 
 if want tests; then
@@ -321,10 +327,13 @@ if want gpt; then
       gpt pytorch "$policy" "${small_gpt[@]}"
     done
     gpt mixtape float32 "${small_gpt[@]}" --capture-step
-    # The tiled tensor-core attention's share: the same run on the plain kernels, once.
+    # The forward kernel walking the keys 128 at a time against the default 64, both shapes
+    # (an experiment's switch: docs/environment.md).
     if [[ $round == 1 ]]; then
-      GPT_NOTE=", MIXTAPE_CUDA_MMA_ATTENTION=0" MIXTAPE_CUDA_MMA_ATTENTION=0 \
+      GPT_NOTE=", MIXTAPE_CUDA_ATTENTION_WIDE_KEYS=1" MIXTAPE_CUDA_ATTENTION_WIDE_KEYS=1 \
         gpt mixtape mixed_bfloat16 --preset gpt2-small --batch 8
+      GPT_NOTE=", MIXTAPE_CUDA_ATTENTION_WIDE_KEYS=1" MIXTAPE_CUDA_ATTENTION_WIDE_KEYS=1 \
+        gpt mixtape mixed_bfloat16 "${small_gpt[@]}"
     fi
   done
 fi

@@ -152,6 +152,9 @@ TEST_CASE("environment parsers: the accepted values", "[env]") {
   CHECK(env::kCudaLtEpilogues.parse(nullptr) == true);
   CHECK(env::kCudaLtEpilogues.parse("0") == false);
   CHECK_THROWS_AS(env::kCudaLtEpilogues.parse("off"), mt::ValueError);
+  CHECK(env::kCudaAttentionWideKeys.parse(nullptr) == false);
+  CHECK(env::kCudaAttentionWideKeys.parse("1") == true);
+  CHECK_THROWS_AS(env::kCudaAttentionWideKeys.parse("128"), mt::ValueError);
   CHECK(env::kCpuCacheMb.parse(nullptr) == 1024);
   CHECK(env::kCpuCacheMb.parse("0") == 0);
   CHECK(env::kCpuCacheMb.parse("64") == 64);

@@ -383,24 +383,27 @@ struct MmaCtx {
 // (Dk and Dv: the key gradients one at a time, for heads wider than 64.)
 enum class TilePass { Forward, Dq, DkDv, Dk, Dv };
 
-// Blocks a multiprocessor holds at once: 3 for the forward pass of heads up to 64 wide (at most
-// 168 registers a thread: ptxas then keeps a dozen values in local memory, 2 blocks otherwise),
-// 2 for the others (wider heads' forward pass, the backward passes with their two products'
-// operands and accumulators: about 250 registers).
-template <TilePass Pass, int D>
-constexpr int kTileBlocksPerSm = Pass == TilePass::Forward&& D <= 64 ? 3 : 2;
+// Blocks a multiprocessor holds at once: 3 for the forward pass of heads up to 64 wide walking
+// the keys 64 at a time (at most 168 registers a thread: ptxas then keeps a dozen values in
+// local memory, 2 blocks otherwise), 2 for the others (128 keys at a time, wider heads' forward
+// pass, the backward passes with their two products' operands and accumulators: about 250
+// registers).
+template <TilePass Pass, int D, int KT>
+constexpr int kTileBlocksPerSm =
+    Pass == TilePass::Forward&& D <= 64 && KT == attention_tiles::kTile ? 3 : 2;
 
-template <TilePass Pass, int D, bool BF16>
-__global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<Pass, D>))
+// KT: the keys the forward pass walks at a time (attention_tiles::forward).
+template <TilePass Pass, int D, bool BF16, int KT = attention_tiles::kTile>
+__global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<Pass, D, KT>))
     attention_tile_kernel(attention_tiles::Params p) {
-  __shared__ attention_tiles::Shared<D> shared;
+  __shared__ attention_tiles::Shared<D, KT> shared;
   shared_starts_undefined(shared);
   // (dk and dv: the first key blocks have the most queries; the launch order is right.)
   constexpr bool kByKeys = Pass == TilePass::DkDv || Pass == TilePass::Dk || Pass == TilePass::Dv;
   MmaCtx<BF16> ctx{.reversed = !kByKeys};
   attention_tiles::read_seed(p);
   if constexpr (Pass == TilePass::Forward)
-    attention_tiles::forward<D>(ctx, shared, p);
+    attention_tiles::forward<D, KT>(ctx, shared, p);
   else if constexpr (Pass == TilePass::Dq)
     attention_tiles::backward_dq<D>(ctx, shared, p);
   else if constexpr (Pass == TilePass::DkDv)
@@ -460,6 +463,13 @@ void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cud
   };
   // (dk and dv together up to width 64, one at a time beyond: attention_backward_host.)
   if constexpr (Pass != TilePass::Dk && Pass != TilePass::Dv) {
+    if constexpr (Pass == TilePass::Forward) {
+      // (An experiment's switch: which key tile is faster is for a GPU to say.)
+      static const bool wide = detail::env::kCudaAttentionWideKeys.read();
+      constexpr int kWide = 2 * attention_tiles::kTile;
+      if (wide && d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16, kWide>);
+      if (wide && d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16, kWide>);
+    }
     if (d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16>);
     if (d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16>);
   }

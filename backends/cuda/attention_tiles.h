@@ -167,15 +167,16 @@ ParamsOf<E> params_of(const Tensor& q, const Tensor& k, const Tensor& v, const T
   return p;
 }
 
-// A block's shared memory: two tiles of 64 rows (K and V; Q and dout for dk, dv) and, for dk
-// and dv, the query rows' lse and D.
-template <int D>
+// A block's shared memory: two tiles of KT rows (K and V, KT keys; Q and dout for dk, dv, 64
+// queries) and, for dk and dv, the query rows' lse and D.
+template <int D, int KT = kTile>
 struct Shared {
   // (product_across reads two 16-wide k steps or two 8-wide column tiles, product_down two
   // 8-wide column tiles, at once.)
   static_assert(D % 32 == 0, "head dims of whole pairs of 16-wide steps");
-  alignas(16) uint16_t a[kTile][D + kPad];
-  alignas(16) uint16_t b[kTile][D + kPad];
+  static_assert(KT % kTile == 0, "tiles of whole blocks of rows");
+  alignas(16) uint16_t a[KT][D + kPad];
+  alignas(16) uint16_t b[KT][D + kPad];
   float lse[kTile];
   float dot[kTile];
 };
@@ -256,14 +257,14 @@ MIXTAPE_TILE_FN void load_a(uint32_t (&a)[D / 16][4], const Head& m, int64_t row
   }
 }
 
-// Queues the copy of rows row0 .. row0 + 63 of a head ([rows, D], 16-byte aligned) into a
+// Queues the copy of rows row0 .. row0 + R - 1 of a head ([rows, D], 16-byte aligned) into a
 // shared tile (0 past the end), by the whole block, 16 bytes a thread at a time, and commits
 // it as a group: a reader waits for the group (ctx.wait) and then for the block (ctx.sync).
-template <int D, class Ctx>
-MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[kTile][D + kPad], const Head& m,
-                               int64_t row0, int64_t rows) {
+template <int D, int R, class Ctx>
+MIXTAPE_TILE_FN void load_tile(Ctx& ctx, uint16_t (&tile)[R][D + kPad], const Head& m, int64_t row0,
+                               int64_t rows) {
   constexpr int kChunks = D / 8;  // per row
-  for (int e = ctx.thread(); e < kTile * kChunks; e += kThreads) {
+  for (int e = ctx.thread(); e < R * kChunks; e += kThreads) {
     const int r = e / kChunks, col = (e % kChunks) * 8;
     ctx.copy16(&tile[r][col], row0 + r < rows ? m.row(row0 + r) + col : nullptr);
   }
@@ -286,16 +287,16 @@ MIXTAPE_TILE_FN void split_a(Ctx& ctx, const float (&lo)[4], const float (&hi)[4
   }
 }
 
-// acc[j] += A B over a 64-wide k (4 steps) for the D / 8 output tiles: A the float32
-// accumulators a[8][4] (split as above), B[k][n] = tile[k][n]. The B fragments of two output
+// acc[j] += A B over an R-wide k (R / 16 steps) for the D / 8 output tiles: A the float32
+// accumulators a[R / 8][4] (split as above), B[k][n] = tile[k][n]. The B fragments of two output
 // tiles by one ldmatrix .trans: the 8 x 8 tiles (rows k0, columns 8j), (k0 + 8, 8j), (k0,
 // 8j + 8), (k0 + 8, 8j + 8) give B's registers 0 and 1 for column tiles j and j + 1.
-template <int D, class Ctx>
-MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float (&a)[kTile / 8][4],
-                                  const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+template <int D, int R, class Ctx>
+MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float (&a)[R / 8][4],
+                                  const uint16_t (&tile)[R][D + kPad], int g, int c) {
   const int lane = 4 * g + c, m = lane / 8;  // the 8 x 8 tile whose row lane % 8 it names
   MIXTAPE_UNROLL
-  for (int kk = 0; kk < kTile / 16; ++kk) {
+  for (int kk = 0; kk < R / 16; ++kk) {
     uint32_t big[4], small[4];
     split_a(ctx, a[2 * kk], a[2 * kk + 1], big, small);
     MIXTAPE_UNROLL
@@ -311,8 +312,8 @@ MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float 
   }
 }
 
-// x[nt] = A B^T for the 8 column tiles of a 64-row shared tile: A the registers a (16 rows x D),
-// B[k][n] = tile[n][k]; each x[nt] sums its k steps in order, either way:
+// x[nt] = A B^T for the R / 8 column tiles of an R-row shared tile: A the registers a (16 rows x
+// D), B[k][n] = tile[n][k]; each x[nt] sums its k steps in order, either way:
 //  - kStepsOuter false: tile by tile, the B fragments of two k steps by one ldmatrix (the 8 x 8
 //    tiles (rows 8 nt, columns 16 kk), (8 nt, 16 kk + 8), (8 nt, 16 kk + 16), (8 nt, 16 kk + 24));
 //  - kStepsOuter true: step by step, the B fragments of two column tiles by one ldmatrix ((8 nt,
@@ -321,19 +322,18 @@ MIXTAPE_TILE_FN void product_down(Ctx& ctx, float (&acc)[D / 8][4], const float 
 // register allocation (sm_90): the backward kernels take the second (width 128: dk's local
 // memory 140 -> 4 bytes a thread, dq's 28 -> 0), the forward kernel the first (at width 64 the
 // second raised its local memory from 20 to 32 bytes at its 168 registers).
-template <int D, bool kStepsOuter, class Ctx>
-MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
-                                    const uint32_t (&a)[D / 16][4],
-                                    const uint16_t (&tile)[kTile][D + kPad], int g, int c) {
+template <int D, bool kStepsOuter, int R, class Ctx>
+MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[R / 8][4], const uint32_t (&a)[D / 16][4],
+                                    const uint16_t (&tile)[R][D + kPad], int g, int c) {
   const int lane = 4 * g + c, m = lane / 8;
   if constexpr (kStepsOuter) {
     MIXTAPE_UNROLL
-    for (int nt = 0; nt < kTile / 8; ++nt) MIXTAPE_UNROLL
+    for (int nt = 0; nt < R / 8; ++nt) MIXTAPE_UNROLL
     for (int e = 0; e < 4; ++e) x[nt][e] = 0.0f;
     MIXTAPE_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) {
       MIXTAPE_UNROLL
-      for (int nt = 0; nt < kTile / 8; nt += 2) {
+      for (int nt = 0; nt < R / 8; nt += 2) {
         uint32_t r[4];
         ctx.ldsm(r, &tile[(nt + m / 2) * 8 + lane % 8][kk * 16 + (m % 2) * 8]);
         const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
@@ -344,7 +344,7 @@ MIXTAPE_TILE_FN void product_across(Ctx& ctx, float (&x)[kTile / 8][4],
   } else {
     static_assert(D % 32 == 0, "pairs of 16-wide k steps");
     MIXTAPE_UNROLL
-    for (int nt = 0; nt < kTile / 8; ++nt) {
+    for (int nt = 0; nt < R / 8; ++nt) {
       MIXTAPE_UNROLL
       for (int e = 0; e < 4; ++e) x[nt][e] = 0.0f;
       MIXTAPE_UNROLL
@@ -386,10 +386,10 @@ MIXTAPE_TILE_FN void store_rows(Ctx& ctx, const OutHead& m, const float (&acc)[D
 MIXTAPE_TILE_FN int elem_row(int g, int e) { return g + 8 * (e / 2); }
 MIXTAPE_TILE_FN int elem_col(int nt, int c, int e) { return nt * 8 + 2 * c + e % 2; }
 
-// Whether the 16 query rows from row0 attend every key of the 64 from key0 (no mask, every
+// Whether the 16 query rows from row0 attend every key of the `keys` from key0 (no mask, every
 // key there, none after a causal row): their logits need no mask test.
-MIXTAPE_TILE_FN bool whole_tile(const Params& p, int64_t row0, int64_t key0) {
-  return p.mask.base == nullptr && key0 + kTile <= p.s && (!p.causal || key0 + kTile - 1 <= row0);
+MIXTAPE_TILE_FN bool whole_tile(const Params& p, int64_t row0, int64_t key0, int keys = kTile) {
+  return p.mask.base == nullptr && key0 + keys <= p.s && (!p.causal || key0 + keys - 1 <= row0);
 }
 
 // The end of the keys a block of query rows row0 .. row0 + 63 attends.
@@ -401,10 +401,12 @@ MIXTAPE_TILE_FN int64_t key_end(const Params& p, int64_t row0) {
 
 // --- Forward ---------------------------------------------------------------------------
 
-// out and lse of the query rows of block (head(), block()) (kernels.h's AttentionFn).
-template <int D, class Ctx>
-MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
-  constexpr int kCols = kTile / 8;  // 8-key column tiles of the logits
+// out and lse of the query rows of block (head(), block()) (kernels.h's AttentionFn), walking
+// the keys KT at a time (64, or 128: twice the products between two barriers and twice the
+// independent logit tiles a warp has in flight, for twice the logits' registers).
+template <int D, int KT = kTile, class Ctx>
+MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D, KT>& sh, const Params& p) {
+  constexpr int kCols = KT / 8;  // 8-key column tiles of the logits
   const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
   const int g = lane / 4, c = lane % 4;  // the fragment's row group and column pair
   const int64_t h = ctx.head(), row0 = ctx.block() * kTile, warp_row0 = row0 + warp * kWarpRows;
@@ -423,8 +425,8 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
   // The copies in flight at the top of each turn: K's tile, then V's (load_tile's groups).
   load_tile<D>(ctx, sh.a, k_head, 0, p.s);
   load_tile<D>(ctx, sh.b, v_head, 0, p.s);
-  for (int64_t key0 = 0; key0 < end; key0 += kTile) {
-    const bool more = key0 + kTile < end;
+  for (int64_t key0 = 0; key0 < end; key0 += KT) {
+    const bool more = key0 + KT < end;
     ctx.template wait<1>();  // K's tile is here (V's may not be)
     ctx.sync();
 
@@ -435,7 +437,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
     ctx.template wait<0>();  // V's tile is here
     ctx.sync();              // and every warp is done with K's: the next one may come
     if (more)
-      load_tile<D>(ctx, sh.a, k_head, key0 + kTile, p.s);
+      load_tile<D>(ctx, sh.a, k_head, key0 + KT, p.s);
     else
       ctx.commit();  // an empty group, so that the waits count as in every turn
     float tile_max[2] = {kNegInf, kNegInf};
@@ -453,7 +455,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
         tile_max[r] = nan_max(tile_max[r], x[nt][e]);
       }
     };
-    if (whole_tile(p, warp_row0, key0))
+    if (whole_tile(p, warp_row0, key0, KT))
       mask_scale(std::true_type{});
     else
       mask_scale(std::false_type{});
@@ -490,7 +492,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D>& sh, const Params& p) {
     product_down<D>(ctx, o, x, sh.b, g, c);
     ctx.sync();  // every warp is done with V's tile
     if (more)
-      load_tile<D>(ctx, sh.b, v_head, key0 + kTile, p.s);
+      load_tile<D>(ctx, sh.b, v_head, key0 + KT, p.s);
     else
       ctx.commit();
   }
