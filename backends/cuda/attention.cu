@@ -384,16 +384,16 @@ struct MmaCtx {
 enum class TilePass { Forward, Dq, DkDv, Dk, Dv };
 
 // Blocks a multiprocessor holds at once: 3 for the forward pass of heads up to 64 wide walking
-// the keys 64 at a time (at most 168 registers a thread: ptxas then keeps a dozen values in
-// local memory, 2 blocks otherwise), 2 for the others (128 keys at a time, wider heads' forward
-// pass, the backward passes with their two products' operands and accumulators: about 250
-// registers).
+// the keys 64 at a time (at most 168 registers a thread; 2 blocks otherwise), 2 for the others (128
+// keys at a time, wider heads' forward pass, the backward passes with their two products' operands
+// and accumulators: about 250 registers).
 template <TilePass Pass, int D, int KT>
 constexpr int kTileBlocksPerSm =
     Pass == TilePass::Forward&& D <= 64 && KT == attention_tiles::kTile ? 3 : 2;
 
-// KT: the keys the forward pass walks at a time (attention_tiles::forward).
-template <TilePass Pass, int D, bool BF16, int KT = attention_tiles::kTile>
+// KT and kDropout: the keys the forward pass walks at a time, and whether it drops weights
+// (attention_tiles::forward).
+template <TilePass Pass, int D, bool BF16, int KT = attention_tiles::kTile, bool kDropout = false>
 __global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<Pass, D, KT>))
     attention_tile_kernel(attention_tiles::Params p) {
   __shared__ attention_tiles::Shared<D, KT> shared;
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(attention_tiles::kThreads, (kTileBlocksPerSm<P
   MmaCtx<BF16> ctx{.reversed = !kByKeys};
   attention_tiles::read_seed(p);
   if constexpr (Pass == TilePass::Forward)
-    attention_tiles::forward<D, KT>(ctx, shared, p);
+    attention_tiles::forward<D, KT, kDropout>(ctx, shared, p);
   else if constexpr (Pass == TilePass::Dq)
     attention_tiles::backward_dq<D>(ctx, shared, p);
   else if constexpr (Pass == TilePass::DkDv)
@@ -461,15 +461,24 @@ void launch_tiles(const attention_tiles::Params& p, int64_t d, int64_t rows, cud
     MIXTAPE_CUDA_LAUNCH(grid, attention_tiles::kThreads, stream, kernel)(p);
     MIXTAPE_CUDA_CHECK_LAUNCH("attention tile kernel");
   };
+  if constexpr (Pass == TilePass::Forward) {
+    // (An experiment's switch: which key tile is faster is for a GPU to say.)
+    static const bool wide = detail::env::kCudaAttentionWideKeys.read();
+    constexpr int kKeys = attention_tiles::kTile, kWide = 2 * kKeys;
+    const auto forward = [&]<bool kDropout>() {
+      if (wide && d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16, kWide, kDropout>);
+      if (wide && d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16, kWide, kDropout>);
+      if (d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16, kKeys, kDropout>);
+      if (d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16, kKeys, kDropout>);
+      if (d == 96) return launch(attention_tile_kernel<Pass, 96, kBf16, kKeys, kDropout>);
+      if (d == 128) return launch(attention_tile_kernel<Pass, 128, kBf16, kKeys, kDropout>);
+      throw DeviceError(fmt::format("attention: no tensor-core kernel for head dim {}", d));
+    };
+    if (p.dropout) return forward.template operator()<true>();
+    return forward.template operator()<false>();
+  }
   // (dk and dv together up to width 64, one at a time beyond: attention_backward_host.)
   if constexpr (Pass != TilePass::Dk && Pass != TilePass::Dv) {
-    if constexpr (Pass == TilePass::Forward) {
-      // (An experiment's switch: which key tile is faster is for a GPU to say.)
-      static const bool wide = detail::env::kCudaAttentionWideKeys.read();
-      constexpr int kWide = 2 * attention_tiles::kTile;
-      if (wide && d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16, kWide>);
-      if (wide && d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16, kWide>);
-    }
     if (d == 32) return launch(attention_tile_kernel<Pass, 32, kBf16>);
     if (d == 64) return launch(attention_tile_kernel<Pass, 64, kBf16>);
   }

@@ -403,8 +403,11 @@ MIXTAPE_TILE_FN int64_t key_end(const Params& p, int64_t row0) {
 
 // out and lse of the query rows of block (head(), block()) (kernels.h's AttentionFn), walking
 // the keys KT at a time (64, or 128: twice the products between two barriers and twice the
-// independent logit tiles a warp has in flight, for twice the logits' registers).
-template <int D, int KT = kTile, class Ctx>
+// independent logit tiles a warp has in flight, for twice the logits' registers). kDropout:
+// p.dropout, known when the kernel is made (the loop over the weights of the other kind is not
+// in it: with both, ptxas for sm_90 kept 20 bytes a thread in local memory at width 64, 76 at
+// 128 keys; with one, none).
+template <int D, int KT = kTile, bool kDropout = false, class Ctx>
 MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D, KT>& sh, const Params& p) {
   constexpr int kCols = KT / 8;  // 8-key column tiles of the logits
   const int tid = ctx.thread(), warp = tid / kWarpLanes, lane = tid % kWarpLanes;
@@ -485,10 +488,7 @@ MIXTAPE_TILE_FN void forward(Ctx& ctx, Shared<D, KT>& sh, const Params& p) {
             w * keep_factor<decltype(dropout)::value>(p, h, rows[r], key0 + elem_col(nt, c, e));
       }
     };
-    if (p.dropout)
-      weigh(std::true_type{});
-    else
-      weigh(std::false_type{});
+    weigh(std::bool_constant<kDropout>{});
     product_down<D>(ctx, o, x, sh.b, g, c);
     ctx.sync();  // every warp is done with V's tile
     if (more)
