@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 
 #include "layers/layer_table.h"
 #include "mixtape/core/error.h"
@@ -75,8 +76,10 @@ std::shared_ptr<Layer> layer_from_config(const std::string& class_name, const Co
       throw ValueError(fmt::format("from_config made a layer of class '{}'", layer->class_name()));
     return layer;
   } catch (const Error& e) {
-    throw ValueError(fmt::format("layer '{}' ({}): cannot be made from its config: {}", name,
-                                 class_name, e.what()));
+    // The error keeps its type, and a message that names the layer already is left as it is.
+    const std::string layer = fmt::format("layer '{}' ({}): ", name, class_name);
+    if (std::string_view(e.what()).starts_with(layer)) throw;
+    e.rethrow_with_prefix(layer + "cannot be made from its config: ");
   }
 }
 

@@ -15,6 +15,8 @@
 namespace mt = mixtape;
 namespace ml = mixtape::layers;
 using Catch::Matchers::Contains;
+using Catch::Matchers::Equals;
+using Catch::Matchers::StartsWith;
 using mixtape_test::error_of;
 using mixtape_test::TempDir;
 
@@ -40,6 +42,27 @@ class ScaleBy : public ml::Layer {
   double factor_;
 };
 
+// A layer of a user's own whose from_config refuses a config with an error of its own type.
+class Picky : public ml::Layer {
+ public:
+  explicit Picky(std::int64_t width, ml::LayerOptions options = {})
+      : Layer(std::move(options)), width_(width) {}
+  mt::Tensor call(const mt::Tensor& x, const mt::CallContext&) override { return x; }
+  std::optional<mt::Shape> compute_output_shape(const mt::Shape& s) const override { return s; }
+  ml::Config get_config() const override {
+    ml::Config c = Layer::get_config();
+    c.set("width", width_);
+    return c;
+  }
+  static std::shared_ptr<Picky> from_config(const ml::Config& c) {
+    if (c.get_int("width") < 1) throw mt::ShapeError("width must be >= 1");
+    return ml::make_layer<Picky>(c.get_int("width"), c.layer_options());
+  }
+
+ private:
+  std::int64_t width_;
+};
+
 // A layer nobody registered.
 class Unregistered : public ml::Layer {
  public:
@@ -50,6 +73,7 @@ class Unregistered : public ml::Layer {
 }  // namespace
 
 MIXTAPE_REGISTER_LAYER(ScaleBy);
+MIXTAPE_REGISTER_LAYER(Picky);
 
 namespace {
 
@@ -189,6 +213,19 @@ TEST_CASE("model files: files that do not fit are refused, naming what differs",
   CHECK_THAT(error_of<mt::ValueError>([&] { mt::load_model(dir / "odd.safetensors"); }),
              Contains("Unregistered") && Contains("MIXTAPE_REGISTER_LAYER") &&
                  Contains("ScaleBy") && Contains("Dense"));
+  // A layer that cannot be made from its config: the error keeps its type, and the layer is
+  // named once.
+  auto in4 = ml::Input({4});
+  mt::Model picky(in4, ml::BatchNormalization({.name = "bn"})(ml::make_layer<Picky>(
+                           std::int64_t{2}, ml::LayerOptions{.name = "picky"})(in4)));
+  std::string bad = picky.to_json();
+  bad.replace(bad.find("\"width\":2"), 9, "\"width\":0");
+  CHECK_THAT(error_of<mt::ShapeError>([&] { mt::model_from_json(bad); }),
+             Equals("layer 'picky' (Picky): cannot be made from its config: width must be >= 1"));
+  bad = picky.to_json();
+  bad.replace(bad.find("\"momentum\":0.99"), 15, "\"momentum\":2.0");
+  CHECK_THAT(error_of<mt::ValueError>([&] { mt::model_from_json(bad); }),
+             StartsWith("layer 'bn' (BatchNormalization): momentum"));
   // A weights-only file, malformed JSON, a graph that reads what it never made.
   small.save_weights(dir / "weights.safetensors");
   CHECK_THAT(error_of<mt::ValueError>([&] { mt::load_model(dir / "weights.safetensors"); }),

@@ -82,7 +82,9 @@ using LayerFactory = std::function<std::shared_ptr<Layer>(const Config&)>;
 // are registered already; registering a name twice throws ValueError.
 void register_layer(const std::string& class_name, LayerFactory factory);
 // The layer of class `class_name` made from `config`; ValueError naming the class and
-// listing the registered ones when there is no such class.
+// listing the registered ones when there is no such class. An error of the class's
+// from_config keeps its type, its message prefixed with the layer's name and class (unless it
+// names them already).
 std::shared_ptr<Layer> layer_from_config(const std::string& class_name, const Config& config);
 // The registered class names, sorted.
 std::vector<std::string> registered_layers();
