@@ -45,8 +45,103 @@ std::int64_t config_int(const json& v, const std::string& where, const std::stri
   return v.get<std::int64_t>();
 }
 
-Config config_from(const json& j, const std::string& where) {
-  if (!j.is_object()) throw ValueError(fmt::format("{}: the config is not a JSON object", where));
+// A value of a document read from a file (the architecture, the compile state) with its place
+// in it, a JSON pointer such as /layers/3/config: what is missing or of the wrong kind is
+// named by its place and by what belongs there, in the terms of the layer configs' errors
+// ("a text", "an integer"), not the JSON library's ("cannot use at() with number").
+class Doc {
+ public:
+  // `document`: what the value is ("the architecture"); `prefix`: what starts each message.
+  Doc(const json& j, std::string document, std::string prefix = "")
+      : j_(&j), document_(std::move(document)), prefix_(std::move(prefix)) {}
+
+  const json& value() const { return *j_; }
+
+  // The member `key` of this object: an error when this is not an object or has no such key.
+  Doc operator[](const std::string& key) const {
+    if (!j_->is_object()) fail("an object with \"" + key + "\"");
+    const auto it = j_->find(key);
+    if (it == j_->end()) throw ValueError(fmt::format("{}{} has no \"{}\"", prefix_, where(), key));
+    return Doc(*it, *this, "/" + key);
+  }
+  bool has(const std::string& key) const { return j_->is_object() && j_->contains(key); }
+
+  // The elements of this array.
+  std::vector<Doc> elements() const {
+    if (!j_->is_array()) fail("a list");
+    std::vector<Doc> out;
+    out.reserve(j_->size());
+    for (std::size_t i = 0; i < j_->size(); ++i)
+      out.push_back(Doc((*j_)[i], *this, fmt::format("/{}", i)));
+    return out;
+  }
+
+  std::string text() const {
+    if (!j_->is_string()) fail("a text");
+    return j_->get<std::string>();
+  }
+  bool flag() const {
+    if (!j_->is_boolean()) fail("true or false");
+    return j_->get<bool>();
+  }
+  double number() const {
+    if (!j_->is_number()) fail("a number");
+    return j_->get<double>();
+  }
+  std::int64_t integer() const {
+    if (!j_->is_number_integer() ||
+        (j_->is_number_unsigned() &&
+         j_->get<std::uint64_t>() >
+             static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())))
+      fail("an integer");
+    return j_->get<std::int64_t>();
+  }
+  // An integer >= 0: a count or a position.
+  std::size_t index() const {
+    if (!j_->is_number_integer() || (!j_->is_number_unsigned() && j_->get<std::int64_t>() < 0))
+      fail("an integer >= 0");
+    return j_->get<std::size_t>();
+  }
+  std::vector<std::int64_t> integers() const {
+    std::vector<std::int64_t> out;
+    for (const Doc& e : elements()) out.push_back(e.integer());
+    return out;
+  }
+  std::vector<double> numbers() const {
+    std::vector<double> out;
+    for (const Doc& e : elements()) out.push_back(e.number());
+    return out;
+  }
+
+  // The place, for messages: "the architecture's /layers/3" ("the architecture" at the top).
+  std::string where() const {
+    return place_.empty() ? document_ : fmt::format("{}'s {}", document_, place_);
+  }
+
+  [[noreturn]] void fail(const std::string& expected) const {
+    std::string got = j_->dump();
+    if (got.size() > 60) got = got.substr(0, 57) + "...";
+    throw ValueError(fmt::format("{}{} is {}; expected {}", prefix_, where(), got, expected));
+  }
+
+ private:
+  // A value inside `parent`, at `step` ("/key" or "/index") from it.
+  Doc(const json& j, const Doc& parent, const std::string& step)
+      : j_(&j),
+        document_(parent.document_),
+        prefix_(parent.prefix_),
+        place_(parent.place_ + step) {}
+
+  const json* j_;
+  std::string document_;
+  std::string prefix_;
+  std::string place_;  // a JSON pointer; empty at the top
+};
+
+Config config_from(const Doc& d, const std::string& where) {
+  const json& j = d.value();
+  if (!j.is_object())
+    throw ValueError(fmt::format("{}: the config ({}) is not a JSON object", where, d.where()));
   Config c;
   for (const auto& [k, v] : j.items()) {
     if (v.is_boolean()) {
@@ -123,44 +218,39 @@ void check_depth(const std::string& text) {
   }
 }
 
-std::string text_of(const json& j) { return j.is_string() ? j.get<std::string>() : j.dump(); }
+std::shared_ptr<layers::Layer> layer_from_json(const Doc& j);
 
-std::shared_ptr<layers::Layer> layer_from_json(const json& j);
-
-std::shared_ptr<Model> functional_from_json(const json& j) {
-  const Config config = config_from(j.at("config"), "model");
+std::shared_ptr<Model> functional_from_json(const Doc& j) {
+  const Config config = config_from(j["config"], "model");
   const std::string model_name = config.has("name") ? config.get_string("name") : "model";
   const std::string where = fmt::format("model '{}'", model_name);
-  std::map<std::string, json> entries;
-  for (const auto& e : j.at("layers")) {
-    const std::string name = text_of(e.at("config").at("name"));
+  std::map<std::string, Doc> entries;
+  for (const Doc& e : j["layers"].elements()) {
+    const std::string name = e["config"]["name"].text();
     if (!entries.emplace(name, e).second)
       throw ValueError(fmt::format("{}: two layers are named '{}'", where, name));
   }
   std::map<std::string, std::shared_ptr<layers::Layer>> made;
   std::map<std::string, std::vector<std::vector<SymbolicTensor>>> calls;
-  auto resolve = [&](const json& ref) {
-    if (!ref.is_array() || ref.size() != 3)
-      throw ValueError(fmt::format("{}: a tensor reference must be [layer, call, output]; got {}",
-                                   where, ref.dump()));
-    const std::string name = text_of(ref[0]);
-    const auto call = ref[1].get<std::size_t>();
-    const auto out = ref[2].get<std::size_t>();
+  auto resolve = [&](const Doc& ref) {
+    const std::vector<Doc> parts = ref.elements();
+    if (parts.size() != 3) ref.fail("a tensor reference [layer, call, output]");
+    const std::string name = parts[0].text();
+    const std::size_t call = parts[1].index(), out = parts[2].index();
     auto it = calls.find(name);
     if (it == calls.end() || call >= it->second.size() || out >= it->second[call].size())
       throw ValueError(fmt::format("{}: the graph reads {}[{}][{}], which is not made before it",
                                    where, name, call, out));
     return it->second[call][out];
   };
-  for (const auto& node : j.at("nodes")) {
-    const std::string name = text_of(node.at("layer"));
+  for (const Doc& node : j["nodes"].elements()) {
+    const std::string name = node["layer"].text();
     auto e = entries.find(name);
     if (e == entries.end())
       throw ValueError(
           fmt::format("{}: the graph calls layer '{}', which it does not list", where, name));
-    const std::string cls = text_of(e->second.at("class_name"));
-    if (cls == "InputLayer") {
-      const Config c = config_from(e->second.at("config"), fmt::format("Input '{}'", name));
+    if (e->second["class_name"].text() == "InputLayer") {
+      const Config c = config_from(e->second["config"], fmt::format("Input '{}'", name));
       calls[name].push_back({layers::Input(
           Shape(c.get_ints("shape")),
           layers::InputOptions{.dtype = DType(c.get_string("input_dtype")), .name = name})});
@@ -169,36 +259,36 @@ std::shared_ptr<Model> functional_from_json(const json& j) {
     auto& layer = made[name];
     if (!layer) layer = layer_from_json(e->second);
     std::vector<SymbolicTensor> inputs;
-    for (const auto& ref : node.at("inputs")) inputs.push_back(resolve(ref));
+    for (const Doc& ref : node["inputs"].elements()) inputs.push_back(resolve(ref));
     calls[name].push_back(layer->apply(inputs));
   }
   std::vector<SymbolicTensor> inputs, outputs;
-  for (const auto& ref : j.at("inputs")) inputs.push_back(resolve(ref));
-  for (const auto& ref : j.at("outputs")) outputs.push_back(resolve(ref));
+  for (const Doc& ref : j["inputs"].elements()) inputs.push_back(resolve(ref));
+  for (const Doc& ref : j["outputs"].elements()) outputs.push_back(resolve(ref));
   const layers::LayerOptions o = config.layer_options();
   return std::make_shared<Model>(
       inputs, outputs, ModelOptions{.dtype = o.dtype, .name = o.name, .trainable = o.trainable});
 }
 
-std::shared_ptr<Model> sequential_from_json(const json& j) {
-  const Config config = config_from(j.at("config"), "model");
+std::shared_ptr<Model> sequential_from_json(const Doc& j) {
+  const Config config = config_from(j["config"], "model");
   std::vector<layers::LayerPtr<layers::Layer>> ls;
-  for (const auto& e : j.at("layers")) ls.emplace_back(layer_from_json(e));
+  for (const Doc& e : j["layers"].elements()) ls.emplace_back(layer_from_json(e));
   const layers::LayerOptions o = config.layer_options();
   auto model = std::make_shared<Sequential>(
       std::move(ls), ModelOptions{.dtype = o.dtype, .name = o.name, .trainable = o.trainable});
-  if (j.contains("build_input_shape"))
-    model->build_for(Shape(j.at("build_input_shape").get<std::vector<std::int64_t>>()));
+  if (j.has("build_input_shape")) model->build_for(Shape(j["build_input_shape"].integers()));
   return model;
 }
 
-std::shared_ptr<layers::Layer> layer_from_json(const json& j) {
-  const std::string cls = text_of(j.at("class_name"));
+std::shared_ptr<layers::Layer> layer_from_json(const Doc& j) {
+  const std::string cls = j["class_name"].text();
   if (cls == "Functional") return functional_from_json(j);
   if (cls == "Sequential") return sequential_from_json(j);
-  const json& cj = j.at("config");
-  const std::string name = cj.contains("name") ? text_of(cj.at("name")) : std::string("?");
-  return layers::layer_from_config(cls, config_from(cj, fmt::format("layer '{}' ({})", name, cls)));
+  const Doc config = j["config"];
+  const std::string name = config.has("name") ? config["name"].text() : std::string("?");
+  return layers::layer_from_config(cls,
+                                   config_from(config, fmt::format("layer '{}' ({})", name, cls)));
 }
 
 constexpr const char* kReductions[] = {"sum_over_batch_size", "sum", "none"};
@@ -210,45 +300,54 @@ json loss_to_json(const losses::Loss& loss) {
               {"reduction", kReductions[static_cast<int>(o.reduction)]}};
 }
 
-losses::Loss loss_from_json(const json& j) {
+losses::Loss loss_from_json(const Doc& j) {
   losses::LossOptions o;
-  o.from_logits = j.at("from_logits").get<bool>();
-  const std::string reduction = j.at("reduction").get<std::string>();
+  o.from_logits = j["from_logits"].flag();
+  const Doc reduction = j["reduction"];
+  const std::string r = reduction.text();
   bool known = false;
   for (int i = 0; i < 3; ++i)
-    if (reduction == kReductions[i]) {
+    if (r == kReductions[i]) {
       o.reduction = static_cast<losses::Reduction>(i);
       known = true;
     }
-  if (!known) throw ValueError(fmt::format("unknown loss reduction '{}'", reduction));
-  return losses::from_config(j.at("name").get<std::string>(), o);
+  if (!known) reduction.fail("a loss reduction: sum_over_batch_size, sum or none");
+  return losses::from_config(j["name"].text(), o);
+}
+
+// The optimizer's config: numbers by name.
+std::map<std::string, double> numbers_by_name(const Doc& d) {
+  if (!d.value().is_object()) d.fail("an object of numbers");
+  std::map<std::string, double> out;
+  for (const auto& [key, v] : d.value().items()) out[key] = d[key].number();
+  return out;
 }
 
 // compile()'s options from Model::compile_config()'s JSON.
-CompileOptions compile_options_from(const json& j) {
+CompileOptions compile_options_from(const Doc& j) {
   std::vector<losses::Loss> ls;
-  for (const auto& l : j.at("losses")) ls.push_back(loss_from_json(l));
+  for (const Doc& l : j["losses"].elements()) ls.push_back(loss_from_json(l));
   std::vector<MetricRef> metrics;
-  for (const auto& m : j.at("metrics")) metrics.emplace_back(m.get<std::string>());
-  const json& o = j.at("optimizer");
-  std::shared_ptr<optim::Optimizer> opt = optim::from_config(
-      o.at("class_name").get<std::string>(), o.at("config").get<std::map<std::string, double>>());
-  if (const json& s = j.at("loss_scale"); !s.is_null()) {
+  for (const Doc& m : j["metrics"].elements()) metrics.emplace_back(m.text());
+  const Doc o = j["optimizer"];
+  std::shared_ptr<optim::Optimizer> opt =
+      optim::from_config(o["class_name"].text(), numbers_by_name(o["config"]));
+  if (const Doc s = j["loss_scale"]; !s.value().is_null()) {
     const LossScale scale =
-        s.at("dynamic").get<bool>()
-            ? LossScale::dynamic({.initial_scale = s.at("initial_scale").get<double>(),
-                                  .growth_interval = s.at("growth_interval").get<std::int64_t>(),
-                                  .multiplier = s.at("multiplier").get<double>(),
-                                  .min_scale = s.at("min_scale").get<double>()})
-            : LossScale::fixed(s.at("initial_scale").get<double>());
+        s["dynamic"].flag() ? LossScale::dynamic({.initial_scale = s["initial_scale"].number(),
+                                                  .growth_interval = s["growth_interval"].integer(),
+                                                  .multiplier = s["multiplier"].number(),
+                                                  .min_scale = s["min_scale"].number()})
+                            : LossScale::fixed(s["initial_scale"].number());
     opt = std::make_shared<optim::LossScaleOptimizer>(opt, scale);
   }
   return CompileOptions{
       .loss = LossSpec(std::move(ls)),
       .optimizer = opt,
       .metrics = std::move(metrics),
-      .loss_weights = j.at("loss_weights").get<std::vector<double>>(),
-      .gradient_accumulation_steps = j.value("gradient_accumulation_steps", std::int64_t{1})};
+      .loss_weights = j["loss_weights"].numbers(),
+      .gradient_accumulation_steps =
+          j.has("gradient_accumulation_steps") ? j["gradient_accumulation_steps"].integer() : 1};
 }
 
 }  // namespace
@@ -337,19 +436,16 @@ std::shared_ptr<Model> model_from_json(const std::string& text) {
   } catch (const json::exception& e) {
     throw ValueError(fmt::format("model_from_json: malformed JSON: {}", e.what()));
   }
-  try {
-    std::shared_ptr<layers::Layer> layer = layer_from_json(j);
-    auto model = std::dynamic_pointer_cast<Model>(layer);
-    if (!model)
-      throw ValueError(fmt::format("the architecture is a layer of class '{}', not a model",
-                                   layer->class_name()));
-    return model;
-  } catch (const json::exception& e) {
+  // (Every value is read through Doc, which checks its kind first: no JSON library error
+  // comes out of here.)
+  std::shared_ptr<layers::Layer> layer =
+      layer_from_json(Doc(j, "the architecture", "model_from_json: "));
+  auto model = std::dynamic_pointer_cast<Model>(layer);
+  if (!model)
     throw ValueError(
-        fmt::format("model_from_json: the architecture is not of the expected "
-                    "shape: {}",
-                    e.what()));
-  }
+        fmt::format("model_from_json: the architecture is a layer of class '{}', not a model",
+                    layer->class_name()));
+  return model;
 }
 
 void Model::save(const std::string& path, const TrainingCheckpoint& info) const {
@@ -401,12 +497,13 @@ std::shared_ptr<Model> load_model(const std::string& path, const WeightLoadOptio
     // Saved compiled: compiled again as it was, and its optimizer's state restored with the
     // weights (load_checkpoint checks both before it changes either).
     if (auto c = file.metadata.find("compile"); c != file.metadata.end()) {
+      json state;
       try {
-        model->compile(compile_options_from(json::parse(c->second)));
+        state = json::parse(c->second);
       } catch (const json::exception& e) {
-        throw ValueError(
-            fmt::format("the compile state is not of the expected shape: {}", e.what()));
+        throw ValueError(fmt::format("the compile state is malformed JSON: {}", e.what()));
       }
+      model->compile(compile_options_from(Doc(state, "the compile state")));
     }
   } catch (const Error& e) {
     e.rethrow_with_prefix(fmt::format("load_model '{}': ", path));  // keeps the error's type

@@ -5,6 +5,8 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -238,6 +240,106 @@ TEST_CASE("model files: files that do not fit are refused, naming what differs",
   // Registering a class name twice.
   CHECK_THROWS_AS(ml::register_layer("Dense", [](const ml::Config&) { return nullptr; }),
                   mt::ValueError);
+}
+
+// What a file's architecture or compile state holds in the wrong place is named by its place
+// (a JSON pointer) and by what belongs there; and any change to them gives the model or a
+// mixtape::Error, never another exception (the JSON library's among them).
+TEST_CASE("model files: an architecture or compile state that cannot be read names the place",
+          "[model-file]") {
+  using nlohmann::json;
+  TempDir dir;
+  mt::manual_seed(35);
+  auto in = ml::Input({6}, {.name = "in"});
+  mt::Model model(in, ml::Dense(3, {.name = "out"})(ml::Dense(8, {.name = "hidden"})(in)),
+                  {.name = "m"});
+  model.compile({.loss = mt::losses::SparseCategoricalCrossentropy({.from_logits = true}),
+                 .optimizer = "adam",
+                 .metrics = {"accuracy"}});
+  model.save(dir / "m.safetensors");
+  const mt::SafetensorsFile file = mt::load_safetensors(dir / "m.safetensors");
+  const json architecture = json::parse(file.metadata.at("architecture"));
+  const json compile_state = json::parse(file.metadata.at("compile"));
+  // `file` with its architecture and compile state replaced, loaded.
+  const auto load = [&](const json& a, const json& c) {
+    auto metadata = file.metadata;
+    metadata["architecture"] = a.dump();
+    metadata["compile"] = c.dump();
+    mt::save_safetensors(dir / "changed.safetensors", file.tensors, metadata);
+    return mt::load_model(dir / "changed.safetensors");
+  };
+  REQUIRE(load(architecture, compile_state)->compiled());
+
+  json a = architecture;
+  a["nodes"][1]["inputs"][0][1] = -1;  // a call number
+  CHECK_THAT(error_of<mt::ValueError>([&] { load(a, compile_state); }),
+             Contains("model_from_json: the architecture's /nodes/1/inputs/0/1 is -1; expected an "
+                      "integer >= 0"));
+  a = architecture;
+  a["layers"][1].erase("class_name");
+  CHECK_THAT(error_of<mt::ValueError>([&] { mt::model_from_json(a.dump()); }),
+             Equals("model_from_json: the architecture's /layers/1 has no \"class_name\""));
+  a = architecture;
+  a["layers"][2]["config"]["name"] = 7;
+  CHECK_THAT(error_of<mt::ValueError>([&] { mt::model_from_json(a.dump()); }),
+             Equals("model_from_json: the architecture's /layers/2/config/name is 7; expected a "
+                    "text"));
+  json c = compile_state;
+  c["losses"][0]["from_logits"] = "yes";
+  CHECK_THAT(error_of<mt::ValueError>([&] { load(architecture, c); }),
+             Contains("the compile state's /losses/0/from_logits is \"yes\"; expected true or "
+                      "false"));
+  c = compile_state;
+  c["optimizer"]["config"] = json::array({1});
+  CHECK_THAT(error_of<mt::ValueError>([&] { load(architecture, c); }),
+             Contains("the compile state's /optimizer/config is [1]; expected an object of "
+                      "numbers"));
+
+  // Every value of either, replaced by one of other kinds and sizes, or removed (seeded).
+  const std::vector<json> others = {-1,
+                                    0,
+                                    1,
+                                    7,
+                                    4294967296LL,
+                                    9223372036854775807LL,
+                                    -0.5,
+                                    1e300,
+                                    "",
+                                    "x",
+                                    "float16",
+                                    true,
+                                    nullptr,
+                                    json::array(),
+                                    json::object(),
+                                    json::array({-1}),
+                                    json::array({"a"})};
+  std::mt19937_64 gen(2026);
+  int loaded = 0, refused = 0;
+  for (int i = 0; i < 300; ++i) {
+    json changed[2] = {architecture, compile_state};
+    json& doc = changed[i % 2];
+    std::vector<json*> values{&doc};
+    for (std::size_t k = 0; k < values.size(); ++k)
+      if (values[k]->is_structured())
+        for (auto& v : *values[k]) values.push_back(&v);
+    json& target = *values[gen() % values.size()];
+    const json before = target;
+    if (target.is_object() && !target.empty() && gen() % 3 == 0)
+      target.erase(target.begin());
+    else
+      target = others[gen() % others.size()];
+    INFO("document " << i % 2 << ": " << before.dump().substr(0, 80) << " -> "
+                     << target.dump().substr(0, 80));
+    try {
+      load(changed[0], changed[1]);
+      ++loaded;
+    } catch (const mt::Error& e) {
+      CHECK_THAT(e.what(), !Contains("json.exception"));
+      ++refused;
+    }  // (anything else fails the case)
+  }
+  CHECK(loaded > 0);
+  CHECK(refused > 100);
 }
 
 // The same round trip across two processes: the first writes the model, its inputs and its
