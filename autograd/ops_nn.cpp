@@ -1,5 +1,6 @@
 // Convolution and pooling, NHWC like Keras; filters HWIO.
 #include <cmath>
+#include <limits>
 
 #include "autograd/op_util.h"
 #include "mixtape/core/compute_mode.h"
@@ -12,11 +13,27 @@ std::int64_t window_output_extent(std::int64_t in, std::int64_t window, std::int
                                   Padding padding) {
   if (stride <= 0 || window <= 0)
     throw ValueError(fmt::format("window {} and stride {} must be positive", window, stride));
-  if (padding == Padding::Same) return (in + stride - 1) / stride;
+  // (ceil(in / stride) without in + stride - 1, which overflows for a stride near 2^63)
+  if (padding == Padding::Same) return in / stride + (in % stride != 0 ? 1 : 0);
   if (in < window)
     throw ShapeError(fmt::format(
         "window {} is larger than the input extent {} with 'valid' padding", window, in));
   return (in - window) / stride + 1;
+}
+
+AxisPadding window_padding(std::int64_t in, std::int64_t window, std::int64_t stride,
+                           Padding padding) {
+  const std::int64_t out = window_output_extent(in, window, stride, padding);
+  if (padding == Padding::Valid) return {};
+  // The windows span (out - 1) stride + window elements; in - (out - 1) stride is in [1,
+  // stride] (stride when in is 0), so neither term overflows.
+  const std::int64_t total = std::max<std::int64_t>(window - (in - (out - 1) * stride), 0);
+  if (total > std::numeric_limits<std::int64_t>::max() - in)
+    throw ShapeError(fmt::format(
+        "a window of {} with 'same' padding over an extent of {} pads it to more elements than "
+        "an index holds",
+        window, in));
+  return {total / 2, total - total / 2};
 }
 
 Padding parse_padding(const std::string& name) {
@@ -47,8 +64,11 @@ Window window(const char* op, std::int64_t in, std::int64_t k, std::int64_t stri
     w.out = window_output_extent(in, k, stride, p);
   } else {
     w.out = window_output_extent(in, k, stride, p);
-    const std::int64_t total = std::max<std::int64_t>((w.out - 1) * stride + k - in, 0);
-    w.pad_before = total / 2;
+    try {
+      w.pad_before = window_padding(in, k, stride, p).before;
+    } catch (const Error& e) {
+      e.rethrow_with_prefix(fmt::format("{}: ", op));
+    }
   }
   return w;
 }

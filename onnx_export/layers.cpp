@@ -94,11 +94,9 @@ std::vector<std::int64_t> pads(const Shape& shape, const std::vector<std::int64_
   std::vector<std::int64_t> p(4, 0);
   if (padding != "same") return p;
   for (std::size_t a = 0; a < 2; ++a) {
-    const std::int64_t in = shape[a + 1];
-    const std::int64_t out = (in + strides[a] - 1) / strides[a];
-    const std::int64_t total = std::max<std::int64_t>((out - 1) * strides[a] + window[a] - in, 0);
-    p[a] = total / 2;
-    p[a + 2] = total - total / 2;
+    const AxisPadding ap = window_padding(shape[a + 1], window[a], strides[a], Padding::Same);
+    p[a] = ap.before;
+    p[a + 2] = ap.after;
   }
   return p;
 }

@@ -131,6 +131,37 @@ TEST_CASE("hardening: views and broadcasts refuse shapes whose size overflows",
   CHECK(s.item<std::int64_t>() == 3);
 }
 
+TEST_CASE("hardening: windows and strides of any size give TensorFlow's extents, no overflow",
+          "[hardening][shape]") {
+  const std::int64_t big = std::numeric_limits<std::int64_t>::max();
+  const mt::Tensor x = mt::arange(std::int64_t{25}).reshape({1, 5, 5, 1}).to(mt::kFloat32);
+  // 'same': ceil(5 / stride) = 1 window (5 + stride - 1 overflowed: 0 windows), at the start.
+  CHECK(mt::window_output_extent(5, 2, big, mt::Padding::Same) == 1);
+  CHECK(mt::window_output_extent(0, 2, big, mt::Padding::Same) == 0);
+  CHECK(mt::window_output_extent(5, 2, big, mt::Padding::Valid) == 1);
+  const mt::Tensor y = mt::max_pool2d(x, {2, 2}, {big, big}, mt::Padding::Same);
+  CHECK(y.shape() == mt::Shape{1, 1, 1, 1});
+  CHECK(y.item<float>() == 6.0f);  // the window over rows 0-1, columns 0-1
+  const mt::Tensor w = mt::ones({3, 3, 1, 1});
+  // (rows and columns 0-2: 'same' pads nothing where one window fits inside)
+  CHECK(mt::conv2d(x, w, {big, big}, mt::Padding::Same).item<float>() ==
+        0 + 1 + 2 + 5 + 6 + 7 + 10 + 11 + 12);
+  // The padding 'same' adds: none past what the windows need; a window of about 2^63 cannot
+  // be padded for (the padded extent would not fit an index).
+  CHECK(mt::window_padding(5, 3, 2, mt::Padding::Same).before == 1);
+  CHECK(mt::window_padding(5, 3, 2, mt::Padding::Same).after == 1);
+  CHECK(mt::window_padding(4, 3, 2, mt::Padding::Same).before == 0);
+  CHECK(mt::window_padding(4, 3, 2, mt::Padding::Same).after == 1);
+  CHECK(mt::window_padding(5, 2, big, mt::Padding::Same).after == 0);
+  CHECK(mt::window_padding(5, p2(40), 1, mt::Padding::Same).after == p2(39));
+  CHECK_THAT(error_of([&] {
+               mt::max_pool2d(x, {big, big}, {1, 1}, mt::Padding::Same);
+             }),
+             Contains("max_pool2d") && Contains("9223372036854775807") && Contains("'same'"));
+  CHECK(mt::avg_pool2d(x, {p2(40), p2(40)}, {1, 1}, mt::Padding::Same).shape() ==
+        mt::Shape{1, 5, 5, 1});
+}
+
 TEST_CASE("hardening: safetensors refuses shapes whose size overflows", "[hardening][shape]") {
   const fs::path dir = fs::temp_directory_path() /
                        fmt::format("mixtape-hardening-st-{}", static_cast<long>(::getpid()));

@@ -275,6 +275,15 @@ Padding parse_padding(const std::string& name);  // "valid" / "same"
 // 'valid' window is larger than the input.
 std::int64_t window_output_extent(std::int64_t in, std::int64_t window, std::int64_t stride,
                                   Padding padding);
+// The elements that `padding` adds before and after the `in` elements of an axis for this
+// window and stride: none for 'valid'; for 'same' what the window_output_extent windows need,
+// the odd one at the end (TensorFlow's rule). ShapeError when the padded extent would not fit
+// an int64 (a window of about 2^63).
+struct AxisPadding {
+  std::int64_t before = 0, after = 0;
+};
+AxisPadding window_padding(std::int64_t in, std::int64_t window, std::int64_t stride,
+                           Padding padding);
 
 Tensor conv2d(const Tensor& x, const Tensor& filters, std::array<std::int64_t, 2> strides = {1, 1},
               Padding padding = Padding::Valid);
