@@ -34,11 +34,18 @@ json to_json(const Config& c) {
   return j;
 }
 
-// A JSON integer as the int64 a Config holds: nlohmann keeps 2^63 and above as unsigned,
-// which would wrap to a negative number.
+// Whether a JSON integer fits an int64: nlohmann keeps 2^63 and above as unsigned, which
+// would wrap to a negative number.
+bool fits_int64(const json& v) {
+  return v.is_number_integer() &&
+         !(v.is_number_unsigned() &&
+           v.get<std::uint64_t>() >
+               static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()));
+}
+
+// A JSON integer as the int64 a Config holds.
 std::int64_t config_int(const json& v, const std::string& where, const std::string& key) {
-  if (v.is_number_unsigned() &&
-      v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+  if (!fits_int64(v))
     throw ValueError(fmt::format("{}: '{}' is {}, beyond the largest integer a config holds ({})",
                                  where, key, v.get<std::uint64_t>(),
                                  std::numeric_limits<std::int64_t>::max()));
@@ -89,11 +96,7 @@ class Doc {
     return j_->get<double>();
   }
   std::int64_t integer() const {
-    if (!j_->is_number_integer() ||
-        (j_->is_number_unsigned() &&
-         j_->get<std::uint64_t>() >
-             static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())))
-      fail("an integer");
+    if (!fits_int64(*j_)) fail("an integer");
     return j_->get<std::int64_t>();
   }
   // An integer >= 0: a count or a position.
