@@ -15,6 +15,23 @@ std::string describe(const std::vector<Tensor>& ts) {
   return out;
 }
 
+Tensor per_column_input(const char* op, const char* what, const Tensor& p, const Tensor& x,
+                        std::int64_t n, DType ct) {
+  if (!p.defined()) return Tensor();
+  check_inputs(op, {x, p});
+  if (p.rank() != 1 || p.dim(0) != n || !p.dtype().is_floating())
+    throw ShapeError(fmt::format("{}: {} must be floating [{}] (x's last extent); got {} for x {}",
+                                 op, what, n, describe({p}), describe({x})));
+  return p.dtype() == ct ? p : cast(p, ct);
+}
+
+Grads normalization_grads(const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
+  Grads out{dx};
+  if (dgamma.defined()) out.push_back(dgamma);
+  if (dbeta.defined()) out.push_back(dbeta);
+  return out;
+}
+
 void check_inputs(const char* op, const std::vector<Tensor>& ts) {
   for (std::size_t i = 0; i < ts.size(); ++i)
     if (!ts[i].defined())

@@ -50,6 +50,16 @@ KernelRef<Fn> kernel_for(OpId op, DType dtype, const std::vector<Tensor>& inputs
   }
 }
 
+// The normalisation ops' (layer_norm, batch_norm) shared parts. A per-column input p (gamma,
+// beta, given statistics): undefined stays undefined; otherwise floating [n] (x's last extent;
+// ShapeError naming the op, `what` and the shapes), returned in the compute type ct (a
+// differentiable cast: a gradient goes back to p).
+Tensor per_column_input(const char* op, const char* what, const Tensor& p, const Tensor& x,
+                        std::int64_t n, DType ct);
+// The gradients of (x, gamma, beta) for the inputs a normalisation op recorded: x, then gamma
+// and beta when defined.
+Grads normalization_grads(const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
+
 // Records y = cast(x, y.dtype()) on the active tapes (when both are floating) with `y`
 // already computed, and returns it: cast() and the autocast read of a variable's kept copy.
 Tensor record_cast(const Tensor& x, Tensor y);

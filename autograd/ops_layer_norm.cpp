@@ -7,19 +7,6 @@
 
 namespace mixtape {
 
-namespace {
-// The gradients of (x, gamma, beta) for the inputs recorded: x, then gamma and beta when
-// defined.
-detail::Grads grads_of(const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
-  detail::Grads out(1 + (dgamma.defined() ? 1 : 0) + (dbeta.defined() ? 1 : 0));
-  std::size_t i = 0;
-  out[i++] = dx;
-  if (dgamma.defined()) out[i++] = dgamma;
-  if (dbeta.defined()) out[i++] = dbeta;
-  return out;
-}
-}  // namespace
-
 Tensor layer_norm(const Tensor& x_in, const Tensor& gamma_in, const Tensor& beta_in,
                   double epsilon) {
   const char* name = op_name(OpId::layer_norm);
@@ -36,16 +23,8 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& gamma_in, const Tensor& beta
   const std::int64_t n = x.dim(-1), rows = n == 0 ? 0 : x.numel() / n;
   const DType ct = x.dtype() == kFloat64 ? kFloat64 : kFloat32;
   // gamma and beta in the compute type (a differentiable cast: their gradients go back).
-  const auto param = [&](const Tensor& p, const char* what) {
-    if (!p.defined()) return Tensor();
-    detail::check_inputs(name, {x, p});
-    if (p.rank() != 1 || p.dim(0) != n || !p.dtype().is_floating())
-      throw ShapeError(
-          fmt::format("{}: {} must be floating [{}] (x's last extent); got {} for x {}", name, what,
-                      n, detail::describe({p}), detail::describe({x})));
-    return p.dtype() == ct ? p : cast(p, ct);
-  };
-  const Tensor gamma = param(gamma_in, "gamma"), beta = param(beta_in, "beta");
+  const Tensor gamma = detail::per_column_input(name, "gamma", gamma_in, x, n, ct);
+  const Tensor beta = detail::per_column_input(name, "beta", beta_in, x, n, ct);
   const auto kernel = detail::kernel_for<kernels::LayerNormFn>(OpId::layer_norm, x.dtype(), {x});
   const Tensor xc = detail::contiguous_raw(x);
   Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
@@ -72,7 +51,7 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& gamma_in, const Tensor& beta
                   const Tensor gg = gamma.defined() ? gs * gamma : gs;
                   const Tensor dx = r * (gg - mixtape::mean(gg, {-1}, true) -
                                          xhat * mixtape::mean(gg * xhat, {-1}, true));
-                  return grads_of(
+                  return detail::normalization_grads(
                       cast(dx, x.dtype()),
                       gamma.defined() ? sum(reshape(gs * xhat, Shape{-1, n}), {0}) : Tensor(),
                       beta.defined() ? sum(reshape(gs, Shape{-1, n}), {0}) : Tensor());
@@ -91,7 +70,7 @@ Tensor layer_norm(const Tensor& x_in, const Tensor& gamma_in, const Tensor& beta
                   for (Tensor* t : {&dgamma, &dbeta})
                     if (t->defined() && t->numel() > 0) detail::fill_raw(*t, 0.0);
                 }
-                return grads_of(dx, dgamma, dbeta);
+                return detail::normalization_grads(dx, dgamma, dbeta);
               });
   return out;
 }

@@ -58,11 +58,30 @@ void BatchNormalizationLayer::build(const Shape& input_shape) {
 Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
   const DType dt = param_dtype();
   const std::size_t rank = x.rank();
-  Tensor xs = cast(x, dt);
-  Tensor mu, var;
+  const double m = options_.momentum;
   // An empty batch has no statistics (its mean would be 0/0): the moving ones are used and
   // left as they are.
-  if (ctx.training && trainable() && x.numel() > 0) {
+  const bool batch_statistics = ctx.training && trainable() && x.numel() > 0;
+  if (axis_ == static_cast<int>(rank) - 1) {
+    // Channels last (Keras' default): one fused op (mixtape::batch_norm), the statistics and
+    // the affine map in param_dtype() (float32; float64 for float64 variables), 16-bit inputs
+    // read in float32 inside the op and the result rounded once to the compute dtype.
+    const Tensor xs =
+        x.dtype() == dt || (x.dtype().is_reduced_float() && dt == kFloat32) ? x : cast(x, dt);
+    const Tensor gamma = options_.scale ? Tensor(gamma_) : Tensor();
+    const Tensor beta = options_.center ? Tensor(beta_) : Tensor();
+    if (!batch_statistics)
+      return cast(batch_norm(xs, gamma, beta, moving_mean_, moving_variance_, options_.epsilon),
+                  compute_dtype());
+    const BatchNormResult r = batch_norm(xs, gamma, beta, options_.epsilon);
+    NoGradGuard no_grad;
+    moving_mean_.assign(moving_mean_ * m + r.mean * (1.0 - m));
+    moving_variance_.assign(moving_variance_ * m + r.variance * (1.0 - m));
+    return cast(r.out, compute_dtype());
+  }
+  Tensor xs = cast(x, dt);
+  Tensor mu, var;
+  if (batch_statistics) {
     std::vector<int> axes;
     for (int i = 0; i < static_cast<int>(rank); ++i)
       if (i != axis_) axes.push_back(i);
@@ -72,7 +91,6 @@ Tensor BatchNormalizationLayer::call(const Tensor& x, const CallContext& ctx) {
     // reduction of the backward pass and changes the gradient only by rounding.
     var = mean(square(xs - detach(mu)), axes, true);
     NoGradGuard no_grad;
-    const double m = options_.momentum;
     const Shape c{moving_mean_.numel()};
     moving_mean_.assign(moving_mean_ * m + reshape(mu, c) * (1.0 - m));
     moving_variance_.assign(moving_variance_ * m + reshape(var, c) * (1.0 - m));

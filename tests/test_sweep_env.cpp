@@ -206,6 +206,7 @@ TEST_CASE("the op names of the AMP lists are the ops that pass through the rewri
     (void)mt::dropout(a, 0.5, 3);
     (void)mt::fused_attention(a, b, b, mt::Tensor(), true, 0.5);
     (void)mt::layer_norm(a, mt::Tensor(), mt::Tensor(), 1e-5);
+    (void)mt::batch_norm(a, mt::Tensor(), mt::Tensor(), 1e-5);
     (void)mt::linear(a, m, mt::Tensor(), "relu");
     (void)mt::softmax_cross_entropy(a, mt::from_vector(std::vector<std::int64_t>{0, 2}, {2}));
     (void)mt::gather(a, gidx, 1), (void)mt::take(a, idx, 1);

@@ -95,6 +95,7 @@ void register_backend_and_kernels() {
   register_optim_kernels();
   register_attention_kernels();
   register_layer_norm_kernels();
+  register_batch_norm_kernels();
   register_dropout_kernels();
   register_cross_entropy_kernels();
   register_float8_gemm_kernels();

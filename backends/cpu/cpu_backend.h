@@ -33,6 +33,7 @@ void register_pool_kernels();           // max / average pooling and their backw
 void register_optim_kernels();          // unscale_check, sgd/rmsprop/adam updates
 void register_attention_kernels();      // attention and its backward pass (fused)
 void register_layer_norm_kernels();     // layer_norm and its backward pass (fused)
+void register_batch_norm_kernels();     // batch_norm and its backward pass (fused)
 void register_dropout_kernels();        // dropout (a counter-based mask, not stored)
 void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward pass (fused)
 void register_float8_gemm_kernels();    // scaled_matmul (FP8 operands, emulated in float32)

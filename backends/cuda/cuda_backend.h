@@ -27,6 +27,7 @@ void register_conv_kernels();           // conv2d and its backward through cuDNN
 void register_pool_kernels();           // max / average pooling (pool.cu)
 void register_attention_kernels();      // attention and its backward pass, fused (attention.cu)
 void register_layer_norm_kernels();     // layer_norm and its backward pass, fused (layer_norm.cu)
+void register_batch_norm_kernels();     // batch_norm and its backward pass, fused (batch_norm.cu)
 void register_dropout_kernels();        // dropout, a counter-based mask (dropout.cu)
 void register_cross_entropy_kernels();  // softmax_cross_entropy and its backward (cross_entropy.cu)
 void register_linear_kernels();         // linear and its backward pass, fused (linear.cu)

@@ -744,6 +744,121 @@ void layer_norm(Context& c) {
     }
 }
 
+// --- Fused batch normalisation ----------------------------------------------------------------
+
+// batch_norm and batch_norm_backward against the float64 formulas written out here: columns
+// over 1 to 2000 rows (offset from 0, so that the mean matters), 1 to 130 of them, with and
+// without gamma and beta, and a column of equal values (variance 0: the epsilon alone); with
+// the batch's statistics and with given ones (inference).
+void batch_norm(Context& c) {
+  const bool backward = is(c, "BatchNormBackwardFn");
+  const auto forward =
+      find_kernel<kernels::BatchNormFn>(OpId::batch_norm, c.device().type(), c.dtype());
+  const DType ct = c.dtype() == kFloat64 ? kFloat64 : kFloat32;
+  const double eps = 1e-3;
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 5},   {7, 3},    {64, 16},
+                                                           {300, 1}, {33, 130}, {2000, 7}};
+  for (const bool given : {false, true})
+    for (const auto& [rows, n] : shapes)
+      for (const bool affine : {false, true}) {
+        const std::string what =
+            fmt::format("{} rows of {}{}{}", rows, n, affine ? ", gamma and beta" : "",
+                        given ? ", given statistics" : "");
+        int64_t at = 0;
+        const Pair x = c.make({rows, n}, [&] {
+          return at++ % n == 0 && n > 1 ? 0.75 : 3.0 + c.uniform(-2.0, 2.0);  // column 0: equal
+        });
+        const Pair gamma = c.make(
+            {n}, [&] { return c.uniform(0.5, 1.5); }, ct);
+        const Pair beta = c.make(
+            {n}, [&] { return c.uniform(-1.0, 1.0); }, ct);
+        const Pair out = c.output({rows, n});
+        const Pair mean = given ? c.make(
+                                      {n}, [&] { return c.uniform(2.0, 4.0); }, ct)
+                                : c.output({n}, ct);
+        const Pair var = given ? c.make(
+                                     {n}, [&] { return c.uniform(0.2, 2.0); }, ct)
+                               : c.output({n}, ct);
+        const Tensor g = affine ? gamma.tested : Tensor(), b = affine ? beta.tested : Tensor();
+        forward(x.tested, g, b, eps, given, out.tested, mean.tested, var.tested);
+        const auto xv = x.ref.to_vector<double>(), gv = gamma.ref.to_vector<double>(),
+                   bv = beta.ref.to_vector<double>();
+        const auto at_x = [&](int64_t r, int64_t j) {
+          return xv[static_cast<std::size_t>(r * n + j)];
+        };
+        std::vector<double> ref_out(static_cast<std::size_t>(rows * n)),
+            ref_mean(static_cast<std::size_t>(n)), ref_var(static_cast<std::size_t>(n));
+        const auto given_mean = mean.ref.to_vector<double>(),
+                   given_var = var.ref.to_vector<double>();
+        for (int64_t j = 0; j < n; ++j) {
+          double s = 0, v = 0;
+          for (int64_t r = 0; r < rows; ++r) s += at_x(r, j);
+          const double mu =
+              given ? given_mean[static_cast<std::size_t>(j)] : s / static_cast<double>(rows);
+          for (int64_t r = 0; r < rows; ++r) v += (at_x(r, j) - mu) * (at_x(r, j) - mu);
+          const double var_j =
+              given ? given_var[static_cast<std::size_t>(j)] : v / static_cast<double>(rows);
+          const double rs = 1.0 / std::sqrt(var_j + eps);
+          ref_mean[static_cast<std::size_t>(j)] = mu;
+          ref_var[static_cast<std::size_t>(j)] = var_j;
+          for (int64_t r = 0; r < rows; ++r) {
+            double o = (at_x(r, j) - mu) * rs;
+            if (affine) o = o * gv[static_cast<std::size_t>(j)] + bv[static_cast<std::size_t>(j)];
+            ref_out[static_cast<std::size_t>(r * n + j)] = o;
+          }
+        }
+        const Scale scale{8.0, 8.0};
+        if (!backward) {
+          c.expect_close(what + ", out", out.tested, from_vector(ref_out, {rows, n}, kFloat64),
+                         scale);
+          if (given) continue;  // read, not written
+          c.expect_close(what + ", mean", mean.tested, from_vector(ref_mean, {n}, kFloat64), scale);
+          c.expect_close(what + ", var", var.tested, from_vector(ref_var, {n}, kFloat64), scale);
+          continue;
+        }
+        // The backward pass from the mean and var the kernel is given.
+        const Pair dy = c.uniform({rows, n}, -1.0, 1.0);
+        const Pair dx = c.output({rows, n}), dgamma = c.output({n}, ct), dbeta = c.output({n}, ct);
+        tested_kernel<kernels::BatchNormBackwardFn>(c)(
+            x.tested, g, mean.tested, var.tested, eps, given, dy.tested, dx.tested,
+            affine ? dgamma.tested : Tensor(), affine ? dbeta.tested : Tensor());
+        const auto mv = mean.tested.to(kFloat64).to_vector<double>(),
+                   vv = var.tested.to(kFloat64).to_vector<double>(),
+                   dyv = dy.ref.to_vector<double>();
+        std::vector<double> rdx(static_cast<std::size_t>(rows * n)),
+            rdg(static_cast<std::size_t>(n), 0.0), rdb(static_cast<std::size_t>(n), 0.0);
+        for (int64_t j = 0; j < n; ++j) {
+          const double mu = mv[static_cast<std::size_t>(j)];
+          const double rs = 1.0 / std::sqrt(vv[static_cast<std::size_t>(j)] + eps);
+          const double gm = affine ? gv[static_cast<std::size_t>(j)] : 1.0;
+          const auto xh = [&](int64_t r) { return (at_x(r, j) - mu) * rs; };
+          const auto d = [&](int64_t r) { return dyv[static_cast<std::size_t>(r * n + j)]; };
+          double sb = 0, sg = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            sb += d(r);
+            sg += d(r) * xh(r);
+          }
+          rdb[static_cast<std::size_t>(j)] = sb;
+          rdg[static_cast<std::size_t>(j)] = sg;
+          for (int64_t r = 0; r < rows; ++r)
+            rdx[static_cast<std::size_t>(r * n + j)] =
+                given ? gm * rs * d(r)
+                      : gm * rs *
+                            (d(r) - sb / static_cast<double>(rows) -
+                             xh(r) * sg / static_cast<double>(rows));
+        }
+        // dx: the column's sums over the rows (absolute), times rstd (31.6 on the equal column).
+        c.expect_close(what + ", dx", dx.tested, from_vector(rdx, {rows, n}, kFloat64),
+                       Scale{64.0, 64.0});
+        if (affine) {
+          c.expect_close(what + ", dgamma", dgamma.tested, from_vector(rdg, {n}, kFloat64),
+                         Scale{4.0 * static_cast<double>(rows), 0.0});
+          c.expect_close(what + ", dbeta", dbeta.tested, from_vector(rdb, {n}, kFloat64),
+                         Scale{static_cast<double>(rows), 0.0});
+        }
+      }
+}
+
 // --- Dropout -------------------------------------------------------------------------------------
 
 // dropout against its formula written out here (kernels.h): x times 1 / (1 - rate) where
@@ -1691,6 +1806,7 @@ Driver driver_for(OpId op) {
   if (k == "MaskedSoftmaxFn") return masked_rows;
   if (k == "AttentionFn" || k == "AttentionBackwardFn") return attention;
   if (k == "LayerNormFn" || k == "LayerNormBackwardFn") return layer_norm;
+  if (k == "BatchNormFn" || k == "BatchNormBackwardFn") return batch_norm;
   if (k == "DropoutFn") return dropout_cases;
   if (k == "LinearFn" || k == "LinearBackwardFn") return linear;
   if (k == "SoftmaxCrossEntropyFn" || k == "SoftmaxCrossEntropyBackwardFn") return cross_entropy;

@@ -438,3 +438,37 @@ TEST_CASE("cuda column sums: bias and LayerNorm parameter gradients of many rows
   // dgamma sums dy xhat: products that nvcc may contract into the sums (FMA).
   cu::check_close(gpu[1], cpu[1], 1e-5, "dgamma");
 }
+
+// batch_norm's statistics and gradients on a GPU against the CPU backend's (the same float64
+// partial sums over 32-row blocks, added in block order): 1100 rows (35 blocks: two batches of
+// ordered_column_sum and a rest) of 300 columns (two blocks of threads), a 16-bit x read in
+// float32, with a column mean far from 0 next to its spread.
+TEST_CASE("cuda batch_norm: statistics and gradients over many rows, as the CPU's", "[cuda]") {
+  const int64_t m = 1100, n = 300;
+  for (const mt::DType dt : {mt::kFloat32, mt::kBFloat16}) {
+    INFO(dt.name());
+    const Tensor x = mt::cast(cu::random({m, n}, mt::kFloat32, 71, 4.0, 6.0), dt);
+    const Tensor gamma = cu::random({n}, mt::kFloat32, 72, 0.5, 1.5);
+    const Tensor beta = cu::random({n}, mt::kFloat32, 73);
+    const Tensor r = cu::random({m, n}, mt::kFloat32, 74);
+    const auto run_on = [&](mt::Device d) {
+      Tensor xd = x.to(d), gd = gamma.to(d), ed = beta.to(d);
+      mt::GradientTape tape;
+      tape.watch(std::vector<Tensor>{xd, gd, ed});
+      const mt::BatchNormResult y = mt::batch_norm(xd, gd, ed, 1e-3);
+      auto out = tape.gradient(mt::sum(mt::cast(y.out, mt::kFloat32) * r.to(d)),
+                               std::vector<Tensor>{xd, gd, ed});
+      out.insert(out.begin(), {y.out, y.mean, y.variance});
+      return out;
+    };
+    const auto gpu = run_on(cu::kGpu), cpu = run_on(mt::Device::cpu());
+    REQUIRE(gpu.size() == 6);
+    // The mean's sums of plain additions: bit for bit; the rest may contract into FMAs.
+    cu::check_bits(gpu[1], cpu[1], "mean");
+    cu::check_close(gpu[2], cpu[2], 1e-6, "variance");
+    cu::check_close(gpu[0], cpu[0], dt == mt::kFloat32 ? 1e-5 : 2e-2, "out");
+    cu::check_close(gpu[3], cpu[3], dt == mt::kFloat32 ? 1e-5 : 2e-2, "dx");
+    cu::check_close(gpu[4], cpu[4], 1e-4, "dgamma");
+    cu::check_bits(gpu[5], cpu[5], "dbeta: the column sums of r");
+  }
+}

@@ -387,6 +387,7 @@ void register_emulated_kernels() {
   register_pool_kernels();
   register_attention_kernels();
   register_layer_norm_kernels();
+  register_batch_norm_kernels();
   register_dropout_kernels();
   register_cross_entropy_kernels();
   register_linear_kernels();

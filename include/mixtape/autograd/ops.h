@@ -144,6 +144,25 @@ Tensor softmax_cross_entropy(const Tensor& logits, const Tensor& labels);
 // and beta: [last extent], any floating dtype (read in float32 / float64), either undefined
 // (1 and 0). Differentiable in x, gamma and beta.
 Tensor layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double epsilon);
+// Batch normalisation with the batch's statistics in one op (op batch_norm; its backward pass
+// one op too, batch_norm_backward): each column of x [..., n] (every axis but the last is the
+// batch) normalised by its mean and biased variance over the batch, (x - mean) / sqrt(var +
+// epsilon) * gamma + beta, the statistics in float32 (float64 for float64; sums in float64),
+// the result rounded once to x's dtype. gamma and beta: [n], any floating dtype (read in the
+// compute type), either undefined (1 and 0). Returns the result and the statistics ([n], the
+// compute type, not differentiable: what BatchNormalization folds into its moving averages).
+// Differentiable in x, gamma and beta, the gradient through the statistics included. x must
+// hold at least one row (ValueError otherwise: an empty batch has no statistics).
+struct BatchNormResult {
+  Tensor out, mean, variance;
+};
+BatchNormResult batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                           double epsilon);
+// The same op with given statistics (inference: a layer's moving mean and variance): mean and
+// variance [n], any floating dtype, read in the compute type as values (no gradient flows to
+// them); x may be empty. Differentiable in x, gamma and beta.
+Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
+                  const Tensor& variance, double epsilon);
 // A Dense layer's computation in one op (op linear; its backward pass's elementwise part one
 // op too, linear_backward): activation(x w + bias), x [..., k], w [k, n] (promoted to one
 // floating dtype, the result's), bias [n] (any floating dtype, its gradient computed in

@@ -136,6 +136,23 @@ using LayerNormFn = void(const Tensor& x, const Tensor& gamma, const Tensor& bet
 using LayerNormBackwardFn = void(const Tensor& x, const Tensor& gamma, const Tensor& mean,
                                  const Tensor& rstd, const Tensor& dy, const Tensor& dx,
                                  const Tensor& dgamma, const Tensor& dbeta);
+// batch_norm over the rows: x [rows, n] contiguous (the op's dtype), gamma and beta [n] in the
+// compute type (float32; float64 for float64), either undefined (1 and 0); mean and var [n]
+// (the compute type): written with each column's mean and biased variance over the rows
+// (given false; rows >= 1), or read (given: the moving statistics of inference). out [rows, n]
+// (x's dtype) = (x - mean) * rstd * gamma + beta, rounded once, with rstd = 1 / sqrt(var +
+// epsilon) computed in float64 from var and rounded once. The sums in float64, in an order that
+// does not depend on the number of threads.
+using BatchNormFn = void(const Tensor& x, const Tensor& gamma, const Tensor& beta, double epsilon,
+                         bool given, const Tensor& out, const Tensor& mean, const Tensor& var);
+// batch_norm_backward: from dy [rows, n] (x's dtype) and the forward's mean and var (rstd
+// found again as the forward finds it), dx (x's dtype) = gamma rstd (dy - mean(dy) - xhat
+// mean(dy xhat)) with xhat = (x - mean) rstd and the means over the rows (given: the statistics
+// were given, not the batch's, and dx = gamma rstd dy), and, when defined, dgamma = sum over the
+// rows of dy xhat and dbeta = sum of dy ([n], the compute type).
+using BatchNormBackwardFn = void(const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                 const Tensor& var, double epsilon, bool given, const Tensor& dy,
+                                 const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta);
 using AttentionBackwardFn = void(const Tensor& q, const Tensor& k, const Tensor& v,
                                  const Tensor& mask, bool causal, double scale,
                                  const AttentionDropout& dropout, const Tensor& out,

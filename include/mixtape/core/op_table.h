@@ -100,6 +100,9 @@
   /* fused layer normalisation over the last axis */                                           \
   X(layer_norm,               LayerNormFn,             Floating, deny,   true)                  \
   X(layer_norm_backward,      LayerNormBackwardFn,     Floating, hidden, false)                 \
+  /* fused batch normalisation over every axis but the last, with the batch's statistics */    \
+  X(batch_norm,               BatchNormFn,             Floating, deny,   true)                  \
+  X(batch_norm_backward,      BatchNormBackwardFn,     Floating, hidden, false)                 \
   /* fused softmax cross-entropy from logits and class indices */                               \
   X(softmax_cross_entropy,    SoftmaxCrossEntropyFn,   Floating, deny,   true)                  \
   X(softmax_cross_entropy_backward, SoftmaxCrossEntropyBackwardFn, Floating, hidden, false)     \
