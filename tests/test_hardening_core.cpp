@@ -160,6 +160,15 @@ TEST_CASE("hardening: windows and strides of any size give TensorFlow's extents,
              Contains("max_pool2d") && Contains("9223372036854775807") && Contains("'same'"));
   CHECK(mt::avg_pool2d(x, {p2(40), p2(40)}, {1, 1}, mt::Padding::Same).shape() ==
         mt::Shape{1, 5, 5, 1});
+  // Windows that do not overlap (stride >= window) of 2^40 x 2^40 taps: the backward pass's
+  // choice of kernel must not form kh * kw (2^80; UndefinedBehaviorSanitizer stops on it).
+  mt::Variable xv(x, "x");
+  mt::GradientTape tape;
+  const mt::Tensor m = mt::max_pool2d(xv, {p2(40), p2(40)}, {p2(40), p2(40)}, mt::Padding::Same);
+  CHECK(m.item<float>() == 24.0f);
+  const std::vector<float> gx = tape.gradient(mt::sum(m), xv).to_vector<float>();
+  CHECK(gx[24] == 1.0f);
+  CHECK(std::count(gx.begin(), gx.end(), 0.0f) == 24);
 }
 
 TEST_CASE("hardening: safetensors refuses shapes whose size overflows", "[hardening][shape]") {

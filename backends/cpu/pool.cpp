@@ -6,6 +6,7 @@
 // when it takes them (onednn.cpp).
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "backends/cpu/gemm_util.h"
 
@@ -18,6 +19,15 @@ template <typename C>
 inline bool beats(C v, C best) {
   // Non-short-circuit operators: no branch, so loops over it vectorise.
   return (v > best) | ((v != v) & (best == best));
+}
+
+// The taps a pass's windows hold over `rows` rows of `cols` windows of c channels: the work by
+// which it decides to run on threads, saturating at the int64 maximum (a 2^40 x 2^40 window is
+// a valid one, and its taps times the windows would overflow).
+std::int64_t window_work(std::int64_t rows, std::int64_t cols, std::int64_t c,
+                         const Pool2dGeometry& g) {
+  return try_numel(Shape{rows, cols, c, g.kh, g.kw})
+      .value_or(std::numeric_limits<std::int64_t>::max());
 }
 
 // Recomputes each window's argmax (first maximum, row-major over ky, kx) and adds the
@@ -33,7 +43,7 @@ void max_pool_backward(const C* x, const C* grad_out, C* grad_x, const Pool2dGeo
   std::int64_t cblock = c;
   if (g.n < 2 * threads) cblock = std::max<std::int64_t>(16, (c + 2 * threads - 1) / (2 * threads));
   const std::int64_t blocks = (c + cblock - 1) / cblock, tasks = g.n * blocks;
-  const bool par = g.n * g.oh * g.ow * c * g.kh * g.kw > kParallelGrain && tasks > 1;
+  const bool par = window_work(g.n * g.oh, g.ow, c, g) > kParallelGrain && tasks > 1;
   parallel_region(par, [&] {
     thread_local Scratch<C> best_val;
     thread_local Scratch<std::int64_t> best_pos;
@@ -307,13 +317,13 @@ void max_pool_forward_stored(const Tensor& x, const Tensor& out, const Pool2dGeo
   const auto* px = static_cast<const S*>(x.const_data_ptr());
   auto* po = static_cast<S*>(out.data_ptr());
   const std::int64_t rows = g.n * g.oh;
-  parallel_rows(rows, rows * g.ow * g.c * g.kh * g.kw, [&](std::int64_t r) { row(px, po, g, r); });
+  parallel_rows(rows, window_work(rows, g.ow, g.c, g), [&](std::int64_t r) { row(px, po, g, r); });
 }
 
 // Whether max_pool_backward_stored takes g: windows that do not overlap, few enough taps
-// for a 16-bit tap index.
+// for a 16-bit tap index (kh * kw <= 32767, without forming a product that may overflow).
 bool separate_windows(const Pool2dGeometry& g) {
-  return g.stride_h >= g.kh && g.stride_w >= g.kw && g.kh * g.kw <= 32767;
+  return g.stride_h >= g.kh && g.stride_w >= g.kw && g.kh <= 32767 && g.kw <= 32767 / g.kh;
 }
 
 template <typename T>
@@ -346,7 +356,7 @@ void max_pool_backward_stored(const Tensor& x, const Tensor& grad_out, const Ten
 template <typename C>
 void avg_pool_forward(const C* x, C* out, const Pool2dGeometry& g) {
   const std::int64_t c = g.c, rows = g.n * g.oh;
-  parallel_rows(rows, rows * g.ow * c * g.kh * g.kw, [&](std::int64_t r) {
+  parallel_rows(rows, window_work(rows, g.ow, c, g), [&](std::int64_t r) {
     const std::int64_t i = r / g.oh, oy = r % g.oh;
     const C* img = x + i * g.h * g.w * c;
     const TapRange ty = tap_range(oy, g.stride_h, g.pad_top, g.kh, g.h);
@@ -372,7 +382,7 @@ void avg_pool_forward(const C* x, C* out, const Pool2dGeometry& g) {
 template <typename C>
 void avg_pool_backward(const C* grad_out, C* grad_x, const Pool2dGeometry& g) {
   const std::int64_t c = g.c, rows = g.n * g.h;
-  parallel_rows(rows, rows * g.w * c * g.kh * g.kw, [&](std::int64_t r) {
+  parallel_rows(rows, window_work(rows, g.w, c, g), [&](std::int64_t r) {
     const std::int64_t i = r / g.h, iy = r % g.h;
     C* dst_row = grad_x + r * g.w * c;
     std::fill(dst_row, dst_row + g.w * c, C(0));
