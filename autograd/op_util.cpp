@@ -2,6 +2,7 @@
 #include "autograd/op_util.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace mixtape::detail {
 
@@ -13,6 +14,19 @@ std::string describe(const std::vector<Tensor>& ts) {
     if (t.defined() && !t.device().is_cpu()) out += fmt::format("@{}", t.device().str());
   }
   return out;
+}
+
+Tensor normalization_input(OpId op, const Tensor& x_in, double epsilon) {
+  const char* name = op_name(op);
+  check_inputs(name, {x_in});
+  const Tensor x = op_inputs(op, {x_in})[0];
+  if (x.rank() == 0)
+    throw ShapeError(fmt::format("{}: needs a tensor of rank >= 1; got {}", name, describe({x})));
+  if (!x.dtype().is_floating())
+    throw DTypeError(fmt::format("{}: needs a floating tensor; got {}", name, describe({x})));
+  if (!(epsilon >= 0.0) || !std::isfinite(epsilon))
+    throw ValueError(fmt::format("{}: epsilon must be finite and >= 0; got {}", name, epsilon));
+  return x;
 }
 
 Tensor per_column_input(const char* op, const char* what, const Tensor& p, const Tensor& x,

@@ -50,10 +50,13 @@ KernelRef<Fn> kernel_for(OpId op, DType dtype, const std::vector<Tensor>& inputs
   }
 }
 
-// The normalisation ops' (layer_norm, batch_norm) shared parts. A per-column input p (gamma,
+// The normalisation ops' (layer_norm, batch_norm) shared parts. x as the op computes with it
+// (op_inputs), after the checks: defined, rank >= 1, floating, epsilon finite and >= 0. A
+// per-column input p (gamma,
 // beta, given statistics): undefined stays undefined; otherwise floating [n] (x's last extent;
 // ShapeError naming the op, `what` and the shapes), returned in the compute type ct (a
 // differentiable cast: a gradient goes back to p).
+Tensor normalization_input(OpId op, const Tensor& x, double epsilon);
 Tensor per_column_input(const char* op, const char* what, const Tensor& p, const Tensor& x,
                         std::int64_t n, DType ct);
 // The gradients of (x, gamma, beta) for the inputs a normalisation op recorded: x, then gamma

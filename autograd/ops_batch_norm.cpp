@@ -34,16 +34,7 @@ BatchNormResult batch_norm_impl(const Tensor& x_in, const Tensor& gamma_in, cons
                                 const Tensor& mean_in, const Tensor& var_in, double epsilon) {
   const char* name = op_name(OpId::batch_norm);
   const bool given = mean_in.defined();
-  detail::check_inputs(name, {x_in});
-  const Tensor x = detail::op_inputs(OpId::batch_norm, {x_in})[0];
-  if (x.rank() == 0)
-    throw ShapeError(
-        fmt::format("{}: needs a tensor of rank >= 1; got {}", name, detail::describe({x})));
-  if (!x.dtype().is_floating())
-    throw DTypeError(
-        fmt::format("{}: needs a floating tensor; got {}", name, detail::describe({x})));
-  if (!(epsilon >= 0.0) || !std::isfinite(epsilon))
-    throw ValueError(fmt::format("{}: epsilon must be finite and >= 0; got {}", name, epsilon));
+  const Tensor x = detail::normalization_input(OpId::batch_norm, x_in, epsilon);
   const std::int64_t n = x.dim(-1);
   if (x.numel() == 0 && !given)
     throw ValueError(fmt::format(

@@ -10,16 +10,7 @@ namespace mixtape {
 Tensor layer_norm(const Tensor& x_in, const Tensor& gamma_in, const Tensor& beta_in,
                   double epsilon) {
   const char* name = op_name(OpId::layer_norm);
-  detail::check_inputs(name, {x_in});
-  const Tensor x = detail::op_inputs(OpId::layer_norm, {x_in})[0];
-  if (x.rank() == 0)
-    throw ShapeError(
-        fmt::format("{}: needs a tensor of rank >= 1; got {}", name, detail::describe({x})));
-  if (!x.dtype().is_floating())
-    throw DTypeError(
-        fmt::format("{}: needs a floating tensor; got {}", name, detail::describe({x})));
-  if (!(epsilon >= 0.0) || !std::isfinite(epsilon))
-    throw ValueError(fmt::format("{}: epsilon must be finite and >= 0; got {}", name, epsilon));
+  const Tensor x = detail::normalization_input(OpId::layer_norm, x_in, epsilon);
   const std::int64_t n = x.dim(-1), rows = n == 0 ? 0 : x.numel() / n;
   const DType ct = x.dtype() == kFloat64 ? kFloat64 : kFloat32;
   // gamma and beta in the compute type (a differentiable cast: their gradients go back).
