@@ -74,43 +74,43 @@ C batch_rstd(C var, double epsilon) {
   return static_cast<C>(1.0 / std::sqrt(static_cast<double>(var) + epsilon));
 }
 
+// out[j] = the mean over the rows of term(x[r, j] in the compute type, j), the sums in float64
+// per block of rows, the blocks' sums added in block order.
+template <typename T, typename Term>
+void column_means(const T* x, int64_t rows, int64_t n, Term term, compute_t<T>* out) {
+  using C = compute_t<T>;
+  const int64_t blocks = batch_blocks(rows);
+  std::vector<double> part(static_cast<std::size_t>(blocks * n)), sums(static_cast<std::size_t>(n));
+  for_each_batch_block<C>(rows, n,
+                          [&](int64_t b, int64_t r0, int64_t count, BatchBlockBuffers<C>& buf) {
+                            const C* xb = as_compute(x + r0 * n, count * n, buf.x);
+                            double* p = part.data() + b * n;
+                            std::fill(p, p + n, 0.0);
+                            for (int64_t r = 0; r < count; ++r) {
+#pragma omp simd
+                              for (int64_t j = 0; j < n; ++j) p[j] += term(xb[r * n + j], j);
+                            }
+                          });
+  add_batch_blocks(part, blocks, n, sums.data());
+  for (int64_t j = 0; j < n; ++j)
+    out[j] = static_cast<C>(sums[static_cast<std::size_t>(j)] / static_cast<double>(rows));
+}
+
 // Each column's mean and biased variance over the rows (rows >= 1): the mean, then the
 // variance as the mean of (x - mean)^2 (two passes: one pass's sum of squares loses the spread
 // of a column whose mean is large next to it).
 template <typename T>
 void batch_statistics(const T* x, int64_t rows, int64_t n, compute_t<T>* mean, compute_t<T>* var) {
   using C = compute_t<T>;
-  const int64_t blocks = batch_blocks(rows);
-  std::vector<double> part(static_cast<std::size_t>(blocks * n)), sums(static_cast<std::size_t>(n));
-  const auto sum_x = [&](int64_t b, int64_t r0, int64_t count, BatchBlockBuffers<C>& buf) {
-    const C* xb = as_compute(x + r0 * n, count * n, buf.x);
-    double* p = part.data() + b * n;
-    std::fill(p, p + n, 0.0);
-    for (int64_t r = 0; r < count; ++r) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) p[j] += static_cast<double>(xb[r * n + j]);
-    }
-  };
-  for_each_batch_block<C>(rows, n, sum_x);
-  add_batch_blocks(part, blocks, n, sums.data());
-  for (int64_t j = 0; j < n; ++j)
-    mean[j] = static_cast<C>(sums[static_cast<std::size_t>(j)] / static_cast<double>(rows));
-  const auto sum_squares = [&](int64_t b, int64_t r0, int64_t count, BatchBlockBuffers<C>& buf) {
-    const C* xb = as_compute(x + r0 * n, count * n, buf.x);
-    double* p = part.data() + b * n;
-    std::fill(p, p + n, 0.0);
-    for (int64_t r = 0; r < count; ++r) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const double c = static_cast<double>(xb[r * n + j] - mean[j]);
-        p[j] += c * c;
-      }
-    }
-  };
-  for_each_batch_block<C>(rows, n, sum_squares);
-  add_batch_blocks(part, blocks, n, sums.data());
-  for (int64_t j = 0; j < n; ++j)
-    var[j] = static_cast<C>(sums[static_cast<std::size_t>(j)] / static_cast<double>(rows));
+  column_means(
+      x, rows, n, [](C v, int64_t) { return static_cast<double>(v); }, mean);
+  column_means(
+      x, rows, n,
+      [mean](C v, int64_t j) {
+        const double c = static_cast<double>(v - mean[j]);
+        return c * c;
+      },
+      var);
 }
 
 template <typename T>
