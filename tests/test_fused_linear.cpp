@@ -4,12 +4,14 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "error_of.h"
 #include "gradcheck.h"
+#include "mixtape/core/kernels.h"
 #include "mixtape/mixtape.h"
 #include "tensor_check.h"
 
@@ -158,6 +160,84 @@ TEST_CASE(
     const mt::Tensor g = tape.gradient(y, std::vector<mt::Tensor>{mt::Tensor(bv)}, dy)[0];
     CHECK(g.dtype() == mt::kFloat32);
     CHECK(max_abs_diff(g, mt::sum(mt::cast(dy, mt::kFloat64), {0})) < 1e-4);
+  }
+}
+
+TEST_CASE(
+    "linear_backward in float16 and bfloat16 through gelu and gelu_tanh: every 16-bit "
+    "pre-activation, against float64 and against gelu's own backward kernel",
+    "[linear][fused]") {
+  // The 16-bit kernel reads act'(saved) from a table of every 16-bit value (linear.cpp): a
+  // [256, 256] saved tensor holding each bit pattern once checks every entry.
+  constexpr double kSqrt2 = 1.41421356237309504880, kInvSqrt2Pi = 0.39894228040143267794;
+  const auto derivative = [](const std::string& act, double x) {
+    if (std::isinf(x)) return x > 0 ? 1.0 : 0.0;
+    if (act == "gelu")
+      return 0.5 * std::erfc(-x / kSqrt2) + x * std::exp(-0.5 * x * x) * kInvSqrt2Pi;
+    constexpr double kC = 0.79788456080286535588, kA = 0.044715;
+    const double t = std::tanh(kC * (x + kA * x * x * x));
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * kC * (1 + 3 * kA * x * x);
+  };
+  for (const mt::DType dt : {mt::kFloat16, mt::kBFloat16}) {
+    std::vector<std::uint16_t> bits(1 << 16);
+    for (std::size_t i = 0; i < bits.size(); ++i) bits[i] = static_cast<std::uint16_t>(i);
+    mt::Tensor saved = mt::Tensor::empty({256, 256}, dt);
+    std::memcpy(saved.data_ptr(), bits.data(), bits.size() * sizeof(std::uint16_t));
+    const mt::Tensor dy = mt::cast(random_normal({256, 256}, 41, mt::kFloat64, 0.0, 2.0), dt);
+    const auto x = mt::cast(saved, mt::kFloat64).to_vector<double>();
+    const auto g = mt::cast(dy, mt::kFloat64).to_vector<double>();
+    for (const std::string& act : {std::string("gelu"), std::string("gelu_tanh")}) {
+      INFO(dt.name() << ", " << act);
+      mt::kernels::LinearBackwardArgs args;
+      args.dy = dy, args.saved = saved;
+      args.dz = mt::Tensor::empty({256, 256}, dt);
+      args.dbias = mt::Tensor::empty({256}, mt::kFloat32);
+      args.activation = act == "gelu" ? mt::kernels::LinearActivation::gelu
+                                      : mt::kernels::LinearActivation::gelu_tanh;
+      mt::find_kernel<mt::kernels::LinearBackwardFn>(mt::OpId::linear_backward, mt::DeviceType::CPU,
+                                                     dt)(args);
+      const auto got = mt::cast(args.dz, mt::kFloat64).to_vector<double>();
+      std::vector<double> sums(256, 0.0), magnitudes(256, 0.0);
+      std::vector<bool> nan_column(256, false);
+      std::size_t bad = 0, nans = 0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        if (std::isnan(x[i])) {
+          nans += std::isnan(got[i]) ? 1 : 0;
+          nan_column[i % 256] = true;
+          continue;
+        }
+        const double want = g[i] * derivative(act, x[i]);
+        sums[i % 256] += want;
+        magnitudes[i % 256] += std::abs(want);
+        // Half a unit in the last place of the 16-bit result, plus float32's error in the
+        // factor (terms of magnitude up to about 1.1 in the sum).
+        // (float16's subnormal spacing is 2^-24.)
+        const double unit = std::max(ulp(want, dt), dt == mt::kFloat16 ? 0x1p-24 : 0.0);
+        if (!(std::abs(got[i] - want) <= 0.5 * unit + 1e-6 * std::abs(g[i]))) ++bad;
+      }
+      CHECK(bad == 0);
+      CHECK(nans == (dt == mt::kFloat16 ? 2046u : 254u));  // every NaN pattern gives NaN
+      // The bias gradient: the column sums of dz before its rounding (float32 products and
+      // sums); NaN in the columns that hold a NaN.
+      const auto dbias = args.dbias.to_vector<float>();
+      std::size_t off = 0;
+      for (std::size_t j = 0; j < 256; ++j)
+        off += nan_column[j] ? !std::isnan(dbias[j])
+                             : !(std::abs(dbias[j] - sums[j]) <= 1e-5 * magnitudes[j] + 1e-30);
+      CHECK(off == 0);
+      if (act != "gelu") continue;
+      // gelu's own backward kernel (the composed path: the gradient of mt::gelu) computes the
+      // same function per element: the same bits.
+      mt::Variable xv(saved, "x");
+      mt::GradientTape tape;
+      const mt::Tensor y = mt::gelu(mt::Tensor(xv));
+      const mt::Tensor own = tape.gradient(y, std::vector<mt::Tensor>{mt::Tensor(xv)}, dy)[0];
+      const auto a = mt::cast(own, mt::kFloat64).to_vector<double>();
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < a.size(); ++i)
+        differ += (a[i] == got[i] || (std::isnan(a[i]) && std::isnan(got[i]))) ? 0 : 1;
+      CHECK(differ == 0);
+    }
   }
 }
 
