@@ -99,10 +99,15 @@ void BatchedArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_CpuBatchedMatmul)->Apply(BatchedArgs)->Unit(benchmark::kMicrosecond);
 
-// The dtypes of one size run back to back, so their ratio sees the same machine state.
+// The dtypes of one size run back to back, so their ratio sees the same machine state. The
+// last four are mixtape-charlm's products at its defaults (2048 tokens of width 128: query /
+// key / value, the attention's output projection, the MLP's up and down projections), whose
+// bfloat16 times give its step's GEMM floor (docs/charlm.md).
 void MatmulArgs(benchmark::internal::Benchmark* b) {
-  for (std::int64_t size : {0, 1, 2}) {
-    const std::int64_t mkn[3][3] = {{128, 784, 512}, {128, 512, 512}, {2048, 2048, 2048}};
+  for (std::int64_t size : {0, 1, 2, 3, 4, 5, 6}) {
+    const std::int64_t mkn[7][3] = {{128, 784, 512},  {128, 512, 512},  {2048, 2048, 2048},
+                                    {2048, 128, 384}, {2048, 128, 128}, {2048, 128, 512},
+                                    {2048, 512, 128}};
     for (std::int64_t dt = 0; dt < 3; ++dt) b->Args({mkn[size][0], mkn[size][1], mkn[size][2], dt});
   }
 }

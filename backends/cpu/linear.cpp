@@ -115,7 +115,7 @@ RowLoops<C> row_loops() {
 
 // The 16-bit backward pass of gelu and gelu_tanh: act'(x) of every float16 / bfloat16 value x,
 // indexed by x's bits, so that a row's gradient is a table read and a product instead of an
-// erfc / exp per element (the row loop of a 2048 x 512 MLP was a sixth of the charlm's
+// erfc / exp per element (the row loop of a 2048 x 512 MLP was a tenth of the charlm's
 // mixed_bfloat16 step). Each entry is gradient_row's own value for that x with g = 1, and
 // the row loop computes g * (its factor) last, so g * entry is the value it computes (where
 // it takes its vector form: its scalar tail, n % 8 elements, may call the scalar erfcf).
